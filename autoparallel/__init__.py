@@ -1,0 +1,1 @@
+"""autoparallel: strict dynamo capture with AC tags and mixed precision, DTensor parallel module."""

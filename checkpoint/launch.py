@@ -1,0 +1,113 @@
+"""Spawn N ranks on a free 127.0.0.1 port: the one launcher used by tests, examples and ``fqnckpt demo``.
+
+Each rank runs ``fn(rank, world_size, *args)`` inside an initialized default process group and
+sends its return value (must be picklable) back to the parent. Written by hand because
+``torch.multiprocessing.spawn`` neither returns values nor bounds the wait.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank raised, died, or did not finish within the timeout (seconds)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``"nccl"`` where CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report every failure, including SystemExit
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return per-rank results.
+
+    ``fn`` must be importable (module level). ``backend`` defaults to :func:`default_backend`;
+    collectives time out after ``timeout`` seconds and the whole run is bounded by the same.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message), exited, or timed out.
+    """
+    backend = backend or default_backend()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"ranks did not finish within {timeout:.0f} s (world size {world_size})")
+            if queue.empty():
+                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                    time.sleep(0.2)
+                    if queue.empty():
+                        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        raise RankFailedError(f"rank(s) died without a result: {dead}")
+                time.sleep(0.02)
+                continue
+            rank, ok, payload = queue.get()
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+        if errors:
+            raise RankFailedError("\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]

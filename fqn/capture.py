@@ -1,0 +1,183 @@
+"""Build an :class:`FQNMap` during capture, by tensor identity.
+
+Why identity: dynamo and export flatten names lossily (``a_b.c`` and ``a.b_c`` both become
+``a_b_c``), and ``gm.meta["dynamo_flat_name_to_original_fqn"]`` maps colliding names to the wrong
+module. The graph attributes of a dgc / ``_export_to_torch_ir`` GraphModule and the
+``example_inputs`` a ``torch.compile`` backend receives are the model's own tensor objects, so
+``id()`` decides every name. See ``shared/reference/capture-names.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from .eager import TensorKind, eager_tensors
+from .errors import CaptureMismatchError, UnknownNameError
+from .registry import FQNMap, Provenance, TensorRecord, dtype_name
+from .rules import canonical_fqn, flatten_name
+
+_DYNAMO_META = "dynamo_flat_name_to_original_fqn"
+
+
+def _attr(root: nn.Module, target: str):
+    obj = root
+    for seg in target.split("."):
+        obj = getattr(obj, seg, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _graph_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence | None):
+    """Yield ``(captured name, tensor)`` for every tensor the graph holds or receives."""
+    for name, t in gm.named_parameters(remove_duplicate=False):
+        yield name, t
+    for name, t in gm.named_buffers(remove_duplicate=False):
+        yield name, t
+    for mod_name, mod in gm.named_modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        for node in mod.graph.nodes:
+            if node.op == "get_attr":
+                t = _attr(mod, node.target)
+                if isinstance(t, torch.Tensor):
+                    yield prefix + node.target, t
+                    yield prefix + node.name, t
+    if example_inputs is not None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, t in zip(placeholders, example_inputs):
+            if isinstance(t, torch.Tensor):
+                yield node.target, t
+                yield node.name, t
+
+
+def map_from_capture(
+    model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Sequence | None = None
+) -> FQNMap:
+    """FQN map of ``gm`` captured from ``model``, keyed by tensor identity.
+
+    Works for GraphModules from a ``torch.compile`` backend (pass the backend's
+    ``example_inputs``: they are the model's own tensors), from
+    ``torch._dynamo.functional_export._dynamo_graph_capture_for_export`` (before and after
+    ``torch.export._trace._restore_state_dict``) and from ``torch.export._trace._export_to_torch_ir``.
+    Graph tensors that are not model state (user inputs, lifted constants) are ignored.
+
+    ``gm.meta["dynamo_flat_name_to_original_fqn"]`` is used only as a cross-check: where it names a
+    different tensor than identity does, and the two FQNs do not flatten to the same string (the
+    one case where the meta is known to be lossy), :class:`CaptureMismatchError` is raised.
+
+    Raises:
+        CaptureMismatchError: one captured name reaches two tensors, or the meta contradicts identity.
+    """
+    records = eager_tensors(model)
+    by_id = {id(t.tensor): t.fqn for t in records}
+    fmap = FQNMap(
+        TensorRecord(
+            fqn=t.fqn,
+            aliases=list(t.aliases),
+            kind=t.kind,
+            shape=list(t.tensor.shape),
+            dtype=dtype_name(t.tensor.dtype),
+            provenance=Provenance.identity,
+        )
+        for t in records
+    )
+    for name, t in _graph_tensors(gm, example_inputs):
+        fqn = by_id.get(id(t))
+        if fqn is not None:
+            fmap.add_captured(fqn, name)
+    _cross_check_meta(fmap, gm)
+    return fmap
+
+
+def _cross_check_meta(fmap: FQNMap, gm: torch.fx.GraphModule) -> None:
+    meta = getattr(gm, "meta", {}).get(_DYNAMO_META) or {}
+    for flat, claimed in meta.items():
+        if flat not in fmap:
+            continue  # unused or never materialized in this graph: nothing to cross-check
+        rec = fmap.record(flat)
+        claimed = canonical_fqn(claimed)
+        if claimed in rec.eager_names:
+            continue
+        if flatten_name(claimed) == flatten_name(rec.fqn):
+            continue  # the meta's key is lossy here (a_b.c vs a.b_c); identity is the evidence
+        raise CaptureMismatchError(
+            f"captured name {flat!r}: tensor identity says {rec.fqn!r}, "
+            f"gm.meta[{_DYNAMO_META!r}] says {claimed!r}"
+        )
+
+
+_SPEC_KIND = {"PARAMETER": TensorKind.parameter, "CONSTANT_TENSOR": TensorKind.constant}
+
+
+def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
+    """FQN map of a ``torch.export.ExportedProgram`` from ``ep.graph_signature.input_specs``.
+
+    Each PARAMETER / BUFFER / CONSTANT_TENSOR spec gives ``spec.target`` (the eager FQN) and
+    ``spec.arg.name`` (the placeholder, e.g. ``p_enc_block_0_weight_0``). Values come from
+    ``ep.state_dict`` or, for lifted constants, ``ep.constants``. Strict export drops tied aliases;
+    pass the eager ``model`` to restore them: aliases are then added by tensor identity, and a
+    target the model does not have raises.
+
+    Raises:
+        CaptureMismatchError: the signature names a target the model does not have.
+    """
+    from torch.export.graph_signature import InputKind
+
+    eager = {t.fqn: t for t in eager_tensors(model)} if model is not None else {}
+    alias_of = {a: t.fqn for t in eager.values() for a in t.aliases}
+    fmap = FQNMap()
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            continue
+        target = spec.target
+        value = ep.state_dict.get(target)
+        if value is None:
+            value = ep.constants.get(target)
+        if spec.kind == InputKind.BUFFER:
+            kind = TensorKind.persistent_buffer if spec.persistent else TensorKind.non_persistent_buffer
+        else:
+            kind = _SPEC_KIND[spec.kind.name]
+        fqn, aliases = target, []
+        if model is not None and kind != TensorKind.constant:
+            fqn = alias_of.get(target, target)
+            if fqn not in eager:
+                raise CaptureMismatchError(
+                    f"export placeholder {spec.arg.name!r} targets {target!r}, which the model lacks"
+                )
+            aliases = list(eager[fqn].aliases)
+        if fqn in fmap:
+            fmap.add_captured(fqn, spec.arg.name)
+            continue
+        fmap.add(
+            TensorRecord(
+                fqn=fqn,
+                aliases=aliases,
+                captured=[spec.arg.name] + ([target] if target != fqn else []),
+                kind=kind,
+                shape=list(value.shape) if value is not None else [],
+                dtype=dtype_name(value.dtype) if value is not None else "unknown",
+                provenance=Provenance.export_signature,
+            )
+        )
+    # Tensors the graph never used (or strict export dropped) still belong to the model.
+    for fqn, t in eager.items():
+        if fqn not in fmap:
+            fmap.add(
+                TensorRecord(
+                    fqn=fqn,
+                    aliases=list(t.aliases),
+                    kind=t.kind,
+                    shape=list(t.tensor.shape),
+                    dtype=dtype_name(t.tensor.dtype),
+                    provenance=Provenance.rule,
+                )
+            )
+    return fmap
+
+
+__all__ = ["map_from_capture", "map_from_exported_program", "UnknownNameError"]

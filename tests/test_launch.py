@@ -1,0 +1,26 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoint.launch import RankFailedError, run_ranks
+
+
+def _allreduce(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _boom(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one fails")
+    return rank
+
+
+def test_run_ranks_returns_per_rank_results():
+    assert run_ranks(_allreduce, 2, backend="gloo", timeout=60) == [3.0, 3.0]
+
+
+def test_run_ranks_reports_failing_rank():
+    with pytest.raises(RankFailedError, match="(?s)rank 1:.*rank one fails"):
+        run_ranks(_boom, 2, backend="gloo", timeout=60)
