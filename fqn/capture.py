@@ -9,6 +9,7 @@ module. The graph attributes of a dgc / ``_export_to_torch_ir`` GraphModule and 
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,31 @@ def _attr(root: nn.Module, target: str):
     return obj
 
 
+def _code_attr_spellings(mod: torch.fx.GraphModule) -> dict[str, str]:
+    """``{node name: attribute spelled in mod.code}`` for lines ``<node> = self.<attr>``.
+
+    The raw dgc GraphModule's generated code still reads ``self.L__self____export_root_x_y``
+    while the node's target is ``L__self___x_y`` (calling it raises ``AttributeError`` until
+    ``recompile()``). Reading the code (not splitting names) keeps that spelling findable.
+    """
+    try:
+        tree = ast.parse(mod.code)
+    except (SyntaxError, AttributeError):
+        return {}
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
+            out[node.targets[0].id] = node.value.attr
+    return out
+
+
 def _graph_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence | None):
     """Yield ``(captured name, tensor)`` for every tensor the graph holds or receives."""
     for name, t in gm.named_parameters(remove_duplicate=False):
@@ -41,12 +67,15 @@ def _graph_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence | None):
         if not isinstance(mod, torch.fx.GraphModule):
             continue
         prefix = f"{mod_name}." if mod_name else ""
+        in_code = _code_attr_spellings(mod)
         for node in mod.graph.nodes:
             if node.op == "get_attr":
                 t = _attr(mod, node.target)
                 if isinstance(t, torch.Tensor):
                     yield prefix + node.target, t
                     yield prefix + node.name, t
+                    if node.name in in_code:
+                        yield prefix + in_code[node.name], t
     if example_inputs is not None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node, t in zip(placeholders, example_inputs):
@@ -90,18 +119,19 @@ def map_from_capture(
         fqn = by_id.get(id(t))
         if fqn is not None:
             fmap.add_captured(fqn, name)
-    _cross_check_meta(fmap, gm)
+    spellings = {t.fqn: {*t.names, *t.module_names} for t in records}
+    _cross_check_meta(fmap, gm, spellings)
     return fmap
 
 
-def _cross_check_meta(fmap: FQNMap, gm: torch.fx.GraphModule) -> None:
+def _cross_check_meta(fmap: FQNMap, gm: torch.fx.GraphModule, spellings: dict[str, set[str]]) -> None:
     meta = getattr(gm, "meta", {}).get(_DYNAMO_META) or {}
     for flat, claimed in meta.items():
         if flat not in fmap:
             continue  # unused or never materialized in this graph: nothing to cross-check
         rec = fmap.record(flat)
-        claimed = canonical_fqn(claimed)
-        if claimed in rec.eager_names:
+        names = spellings.get(rec.fqn, set(rec.eager_names))
+        if claimed in names or canonical_fqn(claimed) in names:
             continue
         if flatten_name(claimed) == flatten_name(rec.fqn):
             continue  # the meta's key is lossy here (a_b.c vs a.b_c); identity is the evidence
@@ -129,7 +159,13 @@ def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
     from torch.export.graph_signature import InputKind
 
     eager = {t.fqn: t for t in eager_tensors(model)} if model is not None else {}
-    alias_of = {a: t.fqn for t in eager.values() for a in t.aliases}
+    # Every spelling the model has for a tensor (aliases, wrapper segments, parametrization paths)
+    # -> its canonical eager FQN: export targets are the module's own names.
+    alias_of = {n: t.fqn for t in eager.values() for n in [*t.aliases, *t.module_names]}
+    by_id = {id(t.tensor): t.fqn for t in eager.values()}
+    # Without a model, ep.state_dict holds the model's tensor objects: two targets naming one
+    # object are aliases (non-strict export lifts a tied alias as its own placeholder).
+    seen_ids: dict[int, str] = {}
     fmap = FQNMap()
     for spec in ep.graph_signature.input_specs:
         if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
@@ -149,21 +185,42 @@ def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
                 raise CaptureMismatchError(
                     f"export placeholder {spec.arg.name!r} targets {target!r}, which the model lacks"
                 )
+            # In-process export keeps the model's own tensor objects: identity must agree.
+            if value is not None and id(value) in by_id and by_id[id(value)] != fqn:
+                raise CaptureMismatchError(
+                    f"export placeholder {spec.arg.name!r}: signature target {target!r} is "
+                    f"{fqn!r} but the tensor object is the model's {by_id[id(value)]!r}"
+                )
             aliases = list(eager[fqn].aliases)
+        elif model is None and value is not None and seen_ids.get(id(value), fqn) != fqn:
+            fqn = seen_ids[id(value)]
+            fmap.add_alias(fqn, target)
+        if model is None and value is not None:
+            seen_ids.setdefault(id(value), fqn)
+        # The target is a captured name too when it is not an eager name (wrapper / parametrization path).
+        captured = [spec.arg.name] + (
+            [target] if target not in (fqn, *aliases, *fmap_aliases(fmap, fqn)) else []
+        )
         if fqn in fmap:
-            fmap.add_captured(fqn, spec.arg.name)
+            for name in captured:
+                fmap.add_captured(fqn, name)
             continue
         fmap.add(
             TensorRecord(
                 fqn=fqn,
                 aliases=aliases,
-                captured=[spec.arg.name] + ([target] if target != fqn else []),
+                captured=captured,
                 kind=kind,
                 shape=list(value.shape) if value is not None else [],
                 dtype=dtype_name(value.dtype) if value is not None else "unknown",
                 provenance=Provenance.export_signature,
             )
         )
+    # Strict export drops a tied alias from the signature but keeps it in ep.state_dict.
+    if model is None:
+        for key, value in ep.state_dict.items():
+            if key not in fmap and id(value) in seen_ids:
+                fmap.add_alias(seen_ids[id(value)], key)
     # Tensors the graph never used (or strict export dropped) still belong to the model.
     for fqn, t in eager.items():
         if fqn not in fmap:
@@ -178,6 +235,10 @@ def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
                 )
             )
     return fmap
+
+
+def fmap_aliases(fmap: FQNMap, fqn: str) -> list[str]:
+    return list(fmap.record(fqn).aliases) if fqn in fmap else []
 
 
 __all__ = ["map_from_capture", "map_from_exported_program", "UnknownNameError"]

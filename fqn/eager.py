@@ -27,12 +27,17 @@ class TensorKind(str, Enum):
 
 @dataclass
 class EagerTensor:
-    """One tensor of a module: ``fqn`` (canonical), ``aliases`` (other FQNs), its ``kind``."""
+    """One tensor of a module: ``fqn`` (canonical), ``aliases`` (other FQNs), its ``kind``.
+
+    ``module_names`` are the names the module itself uses for the tensor (``named_parameters`` /
+    buffer names, wrapper segments and parametrization paths included), first one first.
+    """
 
     fqn: str
     tensor: torch.Tensor
     kind: TensorKind
     aliases: list[str] = field(default_factory=list)
+    module_names: list[str] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -71,6 +76,8 @@ def eager_tensors(model: nn.Module) -> list[EagerTensor]:
             order.append(rec)
         elif fqn != rec.fqn and fqn not in rec.aliases:
             rec.aliases.append(fqn)
+        if name not in rec.module_names:
+            rec.module_names.append(name)
 
     for name, p in model.named_parameters(remove_duplicate=False):
         add(name, p, TensorKind.parameter)

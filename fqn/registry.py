@@ -98,12 +98,24 @@ class FQNMap:
         rec = self.record(fqn)
         owner = self._to_eager.get(name)
         if owner is not None and owner != rec.fqn:
-            raise CaptureMismatchError(
-                f"captured name {name!r} is claimed by both {owner!r} and {rec.fqn!r}"
-            )
+            raise CaptureMismatchError(f"captured name {name!r} is claimed by both {owner!r} and {rec.fqn!r}")
         if name not in rec.eager_names and name not in rec.captured:
             rec.captured.append(name)
         self._to_eager[name] = rec.fqn
+
+    def add_alias(self, fqn: str, alias: str) -> None:
+        """Record ``alias`` as another eager FQN of the tensor named ``fqn`` (tied weights).
+
+        Raises:
+            FQNCollisionError: ``alias`` already names a different tensor.
+        """
+        rec = self.record(fqn)
+        owner = self._to_eager.get(alias)
+        if owner is not None and owner != rec.fqn:
+            raise FQNCollisionError(alias, [owner, rec.fqn])
+        if alias not in rec.eager_names:
+            rec.aliases.append(alias)
+        self._to_eager[alias] = rec.fqn
 
     @classmethod
     def from_module(cls, model: nn.Module, provenance: Provenance = Provenance.rule) -> FQNMap:

@@ -68,7 +68,9 @@ def canonical_fqn(name: str, model: nn.Module | None = None) -> str:
     for seg in segs:
         # The wrapper we are inside, if any, is transparent: step into what it wraps.
         while cur is not None and is_wrapper_module(cur):
-            inner = next((c for s, c in cur._modules.items() if s in WRAPPER_SEGMENTS and c is not None), None)
+            inner = next(
+                (c for s, c in cur._modules.items() if s in WRAPPER_SEGMENTS and c is not None), None
+            )
             if inner is None:
                 break
             cur = inner
