@@ -1,6 +1,6 @@
 """fqn: the naming layer of fqnckpt. Maps captured / wrapped tensor names to eager FQNs and back.
 
-Pure naming: no module here imports ``torch.distributed``.
+Pure naming: no module here imports torch's distributed package.
 """
 
 from .eager import EagerTensor, TensorKind, eager_tensors, is_transparent_parametrization
@@ -13,6 +13,7 @@ from .errors import (
     UnknownNameError,
 )
 from .registry import FQN_MAP_SCHEMA_VERSION, FQNMap, FQNMapFile, Provenance, TensorRecord, dtype_name
+from .resolve import NameMatch, match_names, resolve
 from .rules import WRAPPER_SEGMENTS, canonical_fqn, flatten_name, is_wrapper_module
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "eager_tensors",
     "is_transparent_parametrization",
     "canonical_fqn",
+    "resolve",
+    "match_names",
+    "NameMatch",
     "flatten_name",
     "is_wrapper_module",
     "dtype_name",

@@ -5,6 +5,11 @@ Why identity: dynamo and export flatten names lossily (``a_b.c`` and ``a.b_c`` b
 module. The graph attributes of a dgc / ``_export_to_torch_ir`` GraphModule and the
 ``example_inputs`` a ``torch.compile`` backend receives are the model's own tensor objects, so
 ``id()`` decides every name. See ``shared/reference/capture-names.md``.
+
+The raw dgc GraphModule's generated code still reads ``self.L__self____export_root_a_b_c_weight``
+while its get_attr targets are ``L__self___a_b_c_weight`` (calling it raises AttributeError until
+``gm.recompile()``, which rewrites the code to the targets). No tensor lives under that stale
+spelling, so it is not recorded as a captured name; :func:`fqn.resolve` maps it against a model.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class FlatParamError(FQNError):
         super().__init__(
             f"key {name!r} is an FSDP1 _flat_param (many parameters flattened into one tensor); "
             "it has no eager FQN. Save it again with a full or sharded state_dict "
-            "(torch.distributed.checkpoint.state_dict.get_model_state_dict)."
+            "(get_model_state_dict of torch's distributed checkpoint state_dict API)."
         )
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 from .errors import FlatParamError
 
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-# Class names of torch's pure wrappers, matched by name so this layer imports no torch.distributed.
+# Class names of torch's pure wrappers, matched by name so this layer imports nothing distributed.
 WRAPPER_CLASSES = frozenset(
     {
         "OptimizedModule",

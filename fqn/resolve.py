@@ -1,0 +1,356 @@
+"""Resolve tensor names seen without a graph (old checkpoints, logs) against a model's eager FQNs.
+
+Never guesses: every spelling a name could have is generated *forward* from the model's own names
+(eager FQNs, aliases, the module's names with wrapper / parametrization segments) for each known
+naming scheme, and a source name is compared against those spellings. A source matching tensors
+of more than one eager FQN raises :class:`AmbiguousFQNError`; one matching none is unknown.
+
+Schemes (torch 2.13 and older, see ``shared/reference/capture-names.md``), after dynamo's own
+lossy flattening (runs of non-alphanumerics -> ``_``), compared case-insensitively:
+
+* plain flattened FQN ``inner_lin_weight``, graph attribute ``L__self___inner_lin_weight``,
+  older ``getattr_getattr_L__self___layers___0___w``, dgc node ``l__self____export_root_inner_lin_weight``;
+* compile placeholder ``L_self_modules_inner_modules_lin_parameters_weight_`` and the older
+  ``self____modules__inner____parameters__weight``; wrapper children reached through
+  ``__dict__['_modules']`` (``checkpoint_wrapper`` inside dynamo);
+* export placeholders ``p_`` (parameters), ``b_`` (buffers);
+* a collision suffix ``_0`` / ``_1`` / ... on any of those.
+
+Dotted names go through the string rules of :mod:`fqn.rules` (wrapper segments removed where the
+model says so), fqnckpt's transparent parametrizations, the weight_norm spelling of the target
+model (``parametrizations.W.original0/1`` <-> ``W_g`` / ``W_v``), and a container prefix that
+every unresolved key agrees on (``model.`` added or removed, HF ``backbone.``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from .eager import TensorKind, _transparent_name, eager_tensors
+from .errors import AmbiguousFQNError, FlatParamError, FQNCollisionError, UnknownNameError
+from .registry import dtype_name
+from .rules import FLAT_PARAM_SEGMENTS, WRAPPER_SEGMENTS, canonical_fqn, strip_transparent_parametrization
+
+Spelling = Literal["eager", "state_dict"]
+ShapeSpec = tuple[tuple[int, ...], "torch.dtype | str"]
+
+_RUNS = re.compile(r"[^a-zA-Z0-9]+")
+_SUFFIX = re.compile(r"^(.*)_(\d+)$")
+_WN_NEW = re.compile(r"^(.*\.)?parametrizations\.([^.]+)\.original([01])$")
+_WN_OLD = re.compile(r"^(.*\.)?([^.]+)_([gv])$")
+
+
+def _norm(name: str) -> str:
+    """Dynamo's flattening (``torch/_dynamo/variables/builder.py``), runs collapsed, lower-cased."""
+    return _RUNS.sub("_", name).strip("_").lower()
+
+
+@dataclass
+class Resolution:
+    """Outcome of :func:`resolve_report`.
+
+    ``mapping``: source name -> target name (eager FQN, or ``state_dict`` key if asked).
+    ``unexpected``: source names with no candidate, sorted. ``missing``: target names of
+    parameters / persistent buffers no source name reached, sorted. ``non_persistent``: source
+    names that reached a non-persistent buffer (resolved; the caller decides whether to load).
+    ``prefix``: the container prefix applied, ``("add", "model")`` / ``("strip", "backbone")``.
+    """
+
+    mapping: dict[str, str] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    non_persistent: list[str] = field(default_factory=list)
+    prefix: tuple[str, str] | None = None
+
+
+Hit = tuple[int, str]  # (tensor index in eager_tensors order, eager name of that tensor)
+
+
+class _ModelNames:
+    """Every spelling of every tensor of ``model``, indexed for lookup."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.tensors = eager_tensors(model)
+        self.dotted: dict[str, set[Hit]] = {}
+        self.flat: dict[str, set[Hit]] = {}
+        receivers = {"self", _receiver(model)}
+        for i, t in enumerate(self.tensors):
+            prefixes = ("p",) if t.kind == TensorKind.parameter else ("b",)
+            leaf = "parameters" if t.kind == TensorKind.parameter else "buffers"
+            pairs = [(n, n) for n in t.names] + [(m, _eager_of(model, m, t.names)) for m in t.module_names]
+            for spelled, eager in pairs:
+                self.dotted.setdefault(spelled, set()).add((i, eager))
+                for key in _encodings(spelled, leaf, prefixes, receivers):
+                    self.flat.setdefault(key, set()).add((i, eager))
+        self.known = sorted({n for t in self.tensors for n in t.names})
+
+    def dotted_hits(self, name: str) -> set[Hit]:
+        """Exact name, then the string rules (wrappers, parametrizations, weight_norm)."""
+        if name in self.dotted:
+            return set(self.dotted[name])
+        forms = {canonical_fqn(name, self.model), canonical_fqn(name)}
+        forms |= {strip_transparent_parametrization(f) for f in forms}
+        forms |= {w for f in forms for w in self._weight_norm_forms(f)}
+        return {h for f in forms for h in self.dotted.get(f, ())}
+
+    def flat_hits(self, name: str) -> set[Hit]:
+        key = _norm(name)
+        hits = set(self.flat.get(key, ()))
+        m = _SUFFIX.match(key)
+        if m:  # collision suffix (_0 strict export / dynamo, _1 non-strict export)
+            hits |= self.flat.get(m.group(1), set())
+        return hits
+
+    def _weight_norm_forms(self, name: str) -> list[str]:
+        # Only where the target model has the *other* spelling with both halves present.
+        m = _WN_NEW.match(name)
+        if m:
+            owner, w = m.group(1) or "", m.group(2)
+            g, v = f"{owner}{w}_g", f"{owner}{w}_v"
+            if g in self.dotted and v in self.dotted:
+                return [g if m.group(3) == "0" else v]
+        m = _WN_OLD.match(name)
+        if m:
+            owner, w = m.group(1) or "", m.group(2)
+            new = [f"{owner}parametrizations.{w}.original{k}" for k in "01"]
+            if all(n in self.dotted for n in new):
+                return [new[0] if m.group(3) == "g" else new[1]]
+        return []
+
+
+def _receiver(model: nn.Module) -> str:
+    """Name of ``forward``'s receiver: dynamo spells it into names (``def forward(s, x)`` -> ``L_s_``)."""
+    try:
+        params = list(inspect.signature(type(model).forward).parameters)
+    except (TypeError, ValueError):
+        return "self"
+    return params[0] if params else "self"
+
+
+def _eager_of(model: nn.Module, module_name: str, names: list[str]) -> str:
+    fqn = canonical_fqn(_transparent_name(model, module_name), model)
+    return fqn if fqn in names else names[0]
+
+
+def _encodings(name: str, leaf_tag: str, kind_prefixes: tuple[str, ...], receivers: set[str]) -> set[str]:
+    """Every flattened spelling of dotted ``name`` under the known schemes (normalized keys)."""
+    segs = name.split(".")
+    mods, leaf = segs[:-1], segs[-1]
+    plain_bodies = [[]]
+    struct_bodies = [[]]
+    for seg in mods:
+        # A wrapper child inside dynamo is reached through ``__dict__['_modules']``.
+        plain_opts = [[seg], ["dict_modules", seg]] if seg in WRAPPER_SEGMENTS else [[seg]]
+        struct_opts = (
+            [["modules", seg], ["dict_modules", seg]] if seg in WRAPPER_SEGMENTS else [["modules", seg]]
+        )
+        plain_bodies = [b + o for b in plain_bodies for o in plain_opts]
+        struct_bodies = [b + o for b in struct_bodies for o in struct_opts]
+    plain = ["_".join([*b, leaf]) for b in plain_bodies]
+    struct = ["_".join([*b, leaf_tag, leaf]) for b in struct_bodies]
+    prefixes_plain = ["", *kind_prefixes]
+    for r in receivers:
+        prefixes_plain += [f"l_{r}", f"l_{r}_export_root"]
+        prefixes_plain += ["getattr_" * k + f"l_{r}" for k in range(1, len(mods) + 1)]
+    prefixes_struct = [p for r in receivers for p in (f"l_{r}", r)]
+    keys = {_norm(f"{p}_{b}") for p in prefixes_plain for b in plain}
+    keys |= {_norm(f"{p}_{b}") for p in prefixes_struct for b in struct}
+    return keys
+
+
+def _check_flat_param(name: str) -> None:
+    if "." in name:
+        if any(seg in FLAT_PARAM_SEGMENTS for seg in name.split(".")):
+            raise FlatParamError(name)
+    elif re.search(r"(^|_)flat_param(_\d+)?$", _norm(name)):
+        raise FlatParamError(name)
+
+
+def _same_spec(t: torch.Tensor, spec: ShapeSpec) -> bool:
+    shape, dtype = spec
+    want = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return tuple(t.shape) == tuple(shape) and dtype_name(t.dtype) == want.removeprefix("torch.")
+
+
+def _pick(name: str, hits: set[Hit], idx: _ModelNames, shapes: Mapping | None) -> Hit | None:
+    """The single tensor ``hits`` name, or raise :class:`AmbiguousFQNError`."""
+    by_tensor: dict[int, list[str]] = {}
+    for i, eager in sorted(hits):
+        by_tensor.setdefault(i, []).append(eager)
+    if not by_tensor:
+        return None
+    if len(by_tensor) > 1 and shapes is not None and name in shapes:
+        fits = {i: n for i, n in by_tensor.items() if _same_spec(idx.tensors[i].tensor, shapes[name])}
+        if not fits:
+            raise AmbiguousFQNError(
+                name, [n for ns in by_tensor.values() for n in ns], "and no candidate has its shape/dtype"
+            )
+        by_tensor = fits
+    if len(by_tensor) > 1:
+        raise AmbiguousFQNError(name, [n for ns in by_tensor.values() for n in ns])
+    ((i, eager_names),) = by_tensor.items()
+    # Several spellings of one tensor: prefer its canonical FQN.
+    fqn = idx.tensors[i].fqn
+    return i, fqn if fqn in eager_names else eager_names[0]
+
+
+def _resolve_one(name: str, idx: _ModelNames, shapes: Mapping | None) -> Hit | None:
+    _check_flat_param(name)
+    if name in idx.dotted or "." in name:
+        return _pick(name, idx.dotted_hits(name), idx, shapes)
+    return _pick(name, idx.flat_hits(name), idx, shapes)
+
+
+def _prefix_ops(name: str, idx: _ModelNames, module_paths: list[str]) -> dict[tuple[str, str], str]:
+    """Container-prefix edits that make dotted ``name`` resolve: ``{(op, prefix): edited name}``."""
+    ops: dict[tuple[str, str], str] = {}
+    if "." not in name:
+        return ops
+    segs = name.split(".")
+    for k in range(1, len(segs)):
+        prefix, rest = ".".join(segs[:k]), ".".join(segs[k:])
+        if idx.dotted_hits(rest):
+            ops[("strip", prefix)] = rest
+    for path in module_paths:
+        added = f"{path}.{name}"
+        if idx.dotted_hits(added):
+            ops[("add", path)] = added
+    return ops
+
+
+def resolve_report(
+    names: Iterable[str],
+    model: nn.Module,
+    shapes: Mapping[str, ShapeSpec] | None = None,
+    *,
+    spelling: Spelling = "eager",
+) -> Resolution:
+    """Map source tensor ``names`` to ``model``'s eager FQNs; report what is left on both sides.
+
+    Args:
+        names: source names in any spelling listed in this module's docstring.
+        model: the target ``nn.Module`` (wrappers allowed); its names, shapes and dtypes decide.
+        shapes: optional ``{source name: (shape tuple in elements, dtype)}`` of the source tensors;
+            used only to choose among several candidates.
+        spelling: ``"eager"`` returns canonical eager FQNs (an eager alias stays itself);
+            ``"state_dict"`` returns the key ``model.state_dict()`` uses for that tensor (e.g.
+            ``module.x`` for a ``DataParallel`` target), or the eager FQN of a non-persistent buffer.
+
+    Raises:
+        FlatParamError: a name is an FSDP1 ``_flat_param`` (no eager FQN exists).
+        AmbiguousFQNError: a name matches tensors of more than one eager FQN (after ``shapes``),
+            or several container prefixes fit equally.
+        FQNCollisionError: two source names resolve to the same target name.
+    """
+    names = list(names)
+    idx = _ModelNames(model)
+    hits: dict[str, Hit] = {}
+    unresolved: list[str] = []
+    for name in names:
+        hit = _resolve_one(name, idx, shapes)
+        if hit is None:
+            unresolved.append(name)
+        else:
+            hits[name] = hit
+    prefix = _apply_prefix(unresolved, idx, shapes, hits)
+    unexpected = sorted(n for n in unresolved if n not in hits)
+
+    out = Resolution(unexpected=unexpected, prefix=prefix)
+    sd_names = _state_dict_names(model, idx) if spelling == "state_dict" else {}
+    owners: dict[str, str] = {}
+    for name in names:
+        if name not in hits:
+            continue
+        i, eager = hits[name]
+        target = sd_names.get((i, eager), sd_names.get((i, None), eager)) if sd_names else eager
+        if target in owners:
+            raise FQNCollisionError(target, [owners[target], name])
+        owners[target] = name
+        out.mapping[name] = target
+        if idx.tensors[i].kind == TensorKind.non_persistent_buffer:
+            out.non_persistent.append(name)
+    reached = {i for i, _ in hits.values()}
+    for i, t in enumerate(idx.tensors):
+        if i not in reached and t.kind != TensorKind.non_persistent_buffer:
+            out.missing.append(sd_names.get((i, t.fqn), t.fqn) if sd_names else t.fqn)
+    out.missing.sort()
+    return out
+
+
+def _apply_prefix(
+    unresolved: list[str], idx: _ModelNames, shapes: Mapping | None, hits: dict[str, Hit]
+) -> tuple[str, str] | None:
+    """Apply the one container prefix every resolvable leftover name agrees on (B23, B28)."""
+    dotted = [n for n in unresolved if "." in n]
+    if not dotted:
+        return None
+    module_paths = sorted({canonical_fqn(p, idx.model) for p, _ in idx.model.named_modules() if p} - {""})
+    per_name = {n: _prefix_ops(n, idx, module_paths) for n in dotted}
+    per_name = {n: ops for n, ops in per_name.items() if ops}
+    if not per_name:
+        return None
+    # Ops that every resolvable leftover name accepts.
+    common = set.intersection(*(set(ops) for ops in per_name.values()))
+    if not common:
+        return None  # the keys disagree: no prefix is applied, they stay unexpected
+    if len(common) > 1:
+        first = next(iter(per_name))
+        raise AmbiguousFQNError(
+            first, [per_name[first][op] for op in common], "several container prefixes fit every key"
+        )
+    (op,) = common
+    for n, ops in per_name.items():
+        hit = _pick(n, idx.dotted_hits(ops[op]), idx, shapes)
+        if hit is not None:
+            hits[n] = hit
+    return op
+
+
+def _state_dict_names(model: nn.Module, idx: _ModelNames) -> dict[tuple[int, str | None], str]:
+    """``{(tensor index, eager name): state_dict key}`` by tensor identity (``keep_vars=True``)."""
+    by_id = {id(t.tensor): i for i, t in enumerate(idx.tensors)}
+    out: dict[tuple[int, str | None], str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        i = by_id.get(id(value))
+        if i is None:
+            continue
+        out.setdefault((i, None), key)
+        names = idx.tensors[i].names
+        for eager in names:
+            if key == eager or canonical_fqn(key, model) == eager:
+                out.setdefault((i, eager), key)
+    return out
+
+
+def resolve(
+    names: Iterable[str],
+    model: nn.Module,
+    shapes: Mapping[str, ShapeSpec] | None = None,
+    *,
+    spelling: Spelling = "eager",
+) -> dict[str, str]:
+    """``{source name: eager FQN of model}`` for every name; see :func:`resolve_report`.
+
+    An eager name maps to itself; a name reaching a non-persistent buffer is resolved too (the
+    caller decides). Target tensors no name reaches are not an error here.
+
+    Raises:
+        UnknownNameError: a name matches no tensor of ``model`` (lists the closest eager FQNs).
+        FlatParamError, AmbiguousFQNError, FQNCollisionError: as in :func:`resolve_report`.
+    """
+    rep = resolve_report(names, model, shapes, spelling=spelling)
+    if rep.unexpected:
+        known = sorted({n for t in eager_tensors(model) for n in t.names})
+        raise UnknownNameError(rep.unexpected[0], known, "tensor name for this model")
+    return rep.mapping
+
+
+__all__ = ["Resolution", "resolve", "resolve_report"]
