@@ -8,8 +8,9 @@ module. The graph attributes of a dgc / ``_export_to_torch_ir`` GraphModule and 
 
 The raw dgc GraphModule's generated code still reads ``self.L__self____export_root_a_b_c_weight``
 while its get_attr targets are ``L__self___a_b_c_weight`` (calling it raises AttributeError until
-``gm.recompile()``, which rewrites the code to the targets). No tensor lives under that stale
-spelling, so it is not recorded as a captured name; :func:`fqn.resolve` maps it against a model.
+``gm.recompile()``, which rewrites the code to the targets). That spelling is recorded as a
+captured name too: it is read from the code with ``ast`` next to the node whose target holds the
+tensor (identity again, no string splitting), so a name copied from that code still resolves.
 """
 
 from __future__ import annotations
