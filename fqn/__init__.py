@@ -13,7 +13,7 @@ from .errors import (
     UnknownNameError,
 )
 from .registry import FQN_MAP_SCHEMA_VERSION, FQNMap, FQNMapFile, Provenance, TensorRecord, dtype_name
-from .resolve import NameMatch, match_names, resolve
+from .resolve import NameMatch, Resolution, match_names, resolve, resolve_report
 from .rules import WRAPPER_SEGMENTS, canonical_fqn, flatten_name, is_wrapper_module
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "canonical_fqn",
     "resolve",
     "match_names",
+    "resolve_report",
+    "Resolution",
     "NameMatch",
     "flatten_name",
     "is_wrapper_module",

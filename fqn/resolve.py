@@ -53,8 +53,8 @@ def _norm(name: str) -> str:
 
 
 @dataclass
-class Resolution:
-    """Outcome of :func:`resolve_report`.
+class NameMatch:
+    """Outcome of :func:`resolve_report` (alias :func:`match_names`).
 
     ``mapping``: source name -> target name (eager FQN, or ``state_dict`` key if asked).
     ``unexpected``: source names with no candidate, sorted. ``missing``: target names of
@@ -232,7 +232,7 @@ def resolve_report(
     shapes: Mapping[str, ShapeSpec] | None = None,
     *,
     spelling: Spelling = "eager",
-) -> Resolution:
+) -> NameMatch:
     """Map source tensor ``names`` to ``model``'s eager FQNs; report what is left on both sides.
 
     Args:
@@ -263,7 +263,7 @@ def resolve_report(
     prefix = _apply_prefix(unresolved, idx, shapes, hits)
     unexpected = sorted(n for n in unresolved if n not in hits)
 
-    out = Resolution(unexpected=unexpected, prefix=prefix)
+    out = NameMatch(unexpected=unexpected, prefix=prefix)
     sd_names = _state_dict_names(model, idx) if spelling == "state_dict" else {}
     owners: dict[str, str] = {}
     for name in names:
@@ -353,4 +353,7 @@ def resolve(
     return rep.mapping
 
 
-__all__ = ["Resolution", "resolve", "resolve_report"]
+Resolution = NameMatch
+match_names = resolve_report
+
+__all__ = ["NameMatch", "Resolution", "match_names", "resolve", "resolve_report"]
