@@ -1,1 +1,37 @@
-"""autoparallel: strict dynamo capture with AC tags and mixed precision, DTensor parallel module."""
+"""autoparallel: strict dynamo capture with AC tags and mixed precision, DTensor parallel module.
+
+The FQN map recorded during capture is exposed on the result (``pmod.fqn_map``), so checkpoints
+keep eager FQNs.
+"""
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .api import AutoParallel
+from .capture import Captured, capture
+from .errors import AutoParallelError, CaptureError, DataAssignmentError, PlacementError, StateError
+from .init_weights import dtensor_init_context, wrap_init_weights
+from .mixed_precision import CastToDtype, apply_mixed_precision, count_param_casts
+from .parallel_module import build_parallel_module
+from .placement import Plan, apply_overrides, default_plan, fsdp_placements
+
+__all__ = [
+    "AutoParallel",
+    "MixedPrecisionPolicy",
+    "Captured",
+    "capture",
+    "build_parallel_module",
+    "Plan",
+    "default_plan",
+    "fsdp_placements",
+    "apply_overrides",
+    "CastToDtype",
+    "apply_mixed_precision",
+    "count_param_casts",
+    "dtensor_init_context",
+    "wrap_init_weights",
+    "AutoParallelError",
+    "CaptureError",
+    "PlacementError",
+    "DataAssignmentError",
+    "StateError",
+]

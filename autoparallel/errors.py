@@ -1,0 +1,23 @@
+"""Errors raised by the autoparallel package (all subclass :class:`AutoParallelError`)."""
+
+from __future__ import annotations
+
+
+class AutoParallelError(RuntimeError):
+    """Base class of autoparallel errors."""
+
+
+class CaptureError(AutoParallelError):
+    """Strict dynamo capture failed or its graph does not match the model (message names the FQN)."""
+
+
+class PlacementError(AutoParallelError, ValueError):
+    """A placement plan or constraint is invalid: unknown FQN, wrong number of mesh dims, bad dim."""
+
+
+class DataAssignmentError(AutoParallelError):
+    """``dtensor.data = t`` on a parallel module's DTensor: the write would be silently lost."""
+
+
+class StateError(AutoParallelError):
+    """An :class:`AutoParallel` method was called out of order (e.g. outside its ``with`` block)."""

@@ -1,0 +1,118 @@
+"""Run the user's single-device ``init_weights`` unchanged on a module whose tensors are DTensors.
+
+Three things make single-device code work (written by hand: no library does this):
+
+* in-place ops mixing a DTensor with a plain tensor (``w.copy_(t)``, ``w.data[:] = t``) treat the
+  plain tensor as the full (replicated) value: ``implicit_replication``; a copy into a
+  ``Shard`` DTensor only keeps the local chunk. In-place inits (``nn.init.normal_``, ``fill_``,
+  ``zero_``) run on the local shard only, so the full tensor is never built on a rank;
+* reassignment (``self.w = nn.Parameter(t)``, ``self.buf = t``) of a DTensor attribute copies
+  ``t`` into the existing DTensor, keeping its placement, tied aliases and registration;
+* ``dtensor.data = t`` would swap the wrapper's metadata and silently drop the write, so it raises
+  :class:`~autoparallel.errors.DataAssignmentError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.overrides import TorchFunctionMode
+
+from .errors import DataAssignmentError
+
+_active = threading.local()
+_DATA_SETTER = torch._C.TensorBase.data
+
+
+class _RefuseDataSet(TorchFunctionMode):
+    """Refuse ``dtensor.data = t`` (routed here as ``Tensor.data.__set__``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "__set__" and getattr(func, "__self__", None) is _DATA_SETTER:
+            if args and isinstance(args[0], DTensor):
+                raise DataAssignmentError(
+                    f"`.data = ...` on a DTensor of shape {tuple(args[0].shape)} would silently lose the "
+                    "write; use an in-place op (`with torch.no_grad(): w.copy_(t)`) or `w.data[:] = t`"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+def _copy_into(dst: DTensor, value: torch.Tensor, where: str) -> None:
+    if isinstance(value, nn.Parameter):
+        value = value.detach()
+    if tuple(value.shape) != tuple(dst.shape):
+        raise ValueError(
+            f"init_weights assigned {where} a tensor of shape {tuple(value.shape)}, expected {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(value.to(dtype=dst.dtype, device=dst.device_mesh.device_type))
+
+
+@contextlib.contextmanager
+def dtensor_init_context(module: nn.Module):
+    """Context in which single-device init code writes into ``module``'s DTensors (see module doc).
+
+    Re-entrant: nested calls (a parent's ``init_weights`` calling its children's) share one context.
+    Patches ``nn.Module.__setattr__`` for its duration (process-wide; not thread-safe for other
+    threads building modules at the same time).
+    """
+    if getattr(_active, "depth", 0):
+        _active.depth += 1
+        try:
+            yield
+        finally:
+            _active.depth -= 1
+        return
+    slots: dict[tuple[int, str], tuple[str, DTensor]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if isinstance(t, DTensor):
+                    slots[(id(mod), name)] = (f"{mod_name}.{name}" if mod_name else name, t)
+    original_setattr = nn.Module.__setattr__
+
+    def setattr_into_dtensor(self, name, value):
+        hit = slots.get((id(self), name))
+        if hit is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            _copy_into(hit[1], value, hit[0])
+            return
+        original_setattr(self, name, value)
+
+    _active.depth = 1
+    nn.Module.__setattr__ = setattr_into_dtensor
+    try:
+        with implicit_replication(), _RefuseDataSet():
+            yield
+    finally:
+        nn.Module.__setattr__ = original_setattr
+        _active.depth = 0
+
+
+def wrap_init_weights(root: nn.Module, method: str = "init_weights") -> int:
+    """Make ``root.<method>`` and every submodule's ``<method>`` run in :func:`dtensor_init_context`.
+
+    The bound method is wrapped per instance, so calling a submodule's ``init_weights`` directly
+    works too. Returns the number of modules wrapped.
+    """
+    wrapped = 0
+    for mod in root.modules():
+        fn = getattr(type(mod), method, None)
+        if callable(fn):
+            object.__setattr__(mod, method, _in_context(root, fn.__get__(mod)))
+            wrapped += 1
+    return wrapped
+
+
+def _in_context(root: nn.Module, bound):
+    @functools.wraps(bound)
+    def run(*args, **kwargs):
+        with dtensor_init_context(root):
+            return bound(*args, **kwargs)
+
+    return run
