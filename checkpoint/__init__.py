@@ -1,1 +1,54 @@
-"""checkpoint: sharded safetensors checkpoints in eager FQNs, from one process or many ranks."""
+"""checkpoint: sharded safetensors checkpoints in eager FQNs, from one process or many ranks.
+
+Public API: :func:`save`, :func:`save_streaming`, :func:`load`, :func:`verify`,
+:func:`open_checkpoint`, the reports and the errors.
+"""
+
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DuplicateTensorError,
+    MissingShardError,
+    RankAgreementError,
+    TensorNotInShardError,
+    UnsafePathError,
+)
+from .format import IndexFile, parse_size
+from .layout import TensorSpec
+from .load import load
+from .reader import CheckpointReader, StrayFileWarning, open_checkpoint
+from .reports import LoadReport, VerifyReport
+from .save import save, save_streaming
+from .verify import verify
+
+__all__ = [
+    "save",
+    "save_streaming",
+    "load",
+    "verify",
+    "open_checkpoint",
+    "CheckpointReader",
+    "TensorSpec",
+    "IndexFile",
+    "parse_size",
+    "LoadReport",
+    "VerifyReport",
+    "StrayFileWarning",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "MissingShardError",
+    "TensorNotInShardError",
+    "DuplicateTensorError",
+    "UnsafePathError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+    "RankAgreementError",
+]

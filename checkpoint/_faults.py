@@ -1,0 +1,53 @@
+"""Fault injection for crash tests: ``fault_point(name)`` SIGKILLs this process when the env var
+``FQNCKPT_FAULT_POINT`` equals ``name`` (and, if ``FQNCKPT_FAULT_RANK`` is set, only on that rank,
+read from env ``RANK``). A no-op otherwise (one dict lookup).
+
+Point names, in the order a save reaches them:
+
+- ``after_lock``: lock taken, leftovers of earlier saves cleaned, staging dir not yet made.
+- ``after_staging_created``: empty staging directory exists beside the target.
+- ``after_file_create``: a shard file was created and preallocated (header written, no data).
+- ``after_tensor_write``: one tensor (or a rank's shard of it) was written.
+- ``before_file_fsync`` / ``after_file_fsync``: around the fsync of one shard file.
+- ``after_data_written``: every shard file of the checkpoint is written and fsynced.
+- ``before_index_write`` / ``after_index_write``: around writing the index file(s) (written last).
+- ``after_staging_fsync``: staging directory fsynced, ready to move into place.
+- ``before_commit_rename``: just before the atomic exchange / rename into place.
+- ``after_aside_rename``: fallback path only: the old checkpoint was renamed aside, the new one
+  not yet renamed in (recovered by the next load/save).
+- ``after_commit_rename``: the new checkpoint is in place; the old one not yet deleted.
+- ``before_cleanup``: just before the old checkpoint's directory is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "after_lock",
+    "after_staging_created",
+    "after_file_create",
+    "after_tensor_write",
+    "before_file_fsync",
+    "after_file_fsync",
+    "after_data_written",
+    "before_index_write",
+    "after_index_write",
+    "after_staging_fsync",
+    "before_commit_rename",
+    "after_aside_rename",
+    "after_commit_rename",
+    "before_cleanup",
+)
+
+
+def fault_point(name: str) -> None:
+    """SIGKILL this process if ``FQNCKPT_FAULT_POINT == name`` (and the rank matches, if set)."""
+    want = os.environ.get("FQNCKPT_FAULT_POINT")
+    if want is None or want != name:
+        return
+    rank = os.environ.get("FQNCKPT_FAULT_RANK")
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,73 @@
+"""Where ranks talk: every collective of a distributed save / load is here.
+
+All calls use the default process group (every rank of the job takes part). Failures are agreed:
+:func:`check_all` gathers each rank's error so one rank's failure fails every rank instead of
+leaving the others hanging in the next collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CheckpointError, RankAgreementError
+
+
+def active() -> bool:
+    """True inside an initialized process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank (picklable objects only)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_all(what: str, error: BaseException | None) -> None:
+    """Collective: raise on every rank if any rank passes an ``error``.
+
+    The failing rank re-raises its own exception; the others raise :class:`RankAgreementError`
+    naming the failed rank(s) and their messages.
+    """
+    msg = None if error is None else f"{type(error).__name__}: {error}"
+    msgs = all_gather_object(msg)
+    failures = {r: m for r, m in enumerate(msgs) if m is not None}
+    if not failures:
+        return
+    if error is not None:
+        raise error
+    raise RankAgreementError(what, failures)
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+__all__ = [
+    "active",
+    "rank",
+    "world_size",
+    "broadcast_object",
+    "all_gather_object",
+    "check_all",
+    "barrier",
+    "CheckpointError",
+]

@@ -1,0 +1,124 @@
+"""On-disk schemas (pydantic) of the checkpoint index, and ``parse_size``.
+
+The index follows Hugging Face's ``model.safetensors.index.json``
+(``{"metadata": {"total_size": int, ...}, "weight_map": {fqn: file}}``, as written by
+``transformers.PreTrainedModel.save_pretrained``); fqnckpt adds its own block under
+``metadata["fqnckpt"]`` (format version, per-file byte size and sha256, alias groups, FQN map,
+optimizer param groups). Readers that do not know the block ignore it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fqn import FQNMapFile
+
+FORMAT_VERSION = 1
+MODEL_PREFIX = "model"
+OPTIMIZER_PREFIX = "optimizer"
+
+
+def index_name(prefix: str = MODEL_PREFIX) -> str:
+    """``model`` -> ``model.safetensors.index.json`` (HF's name)."""
+    return f"{prefix}.safetensors.index.json"
+
+
+class FileRecord(BaseModel):
+    """One shard file: ``size`` in bytes, ``sha256`` hex digest of the whole file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(ge=8)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ParamGroup(BaseModel):
+    """An optimizer param group: hyper-parameters plus ``params`` as eager FQNs (never positions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    params: list[str]
+
+
+class OptimizerMeta(BaseModel):
+    """Optimizer part of the index: param groups and which state entries were Python scalars."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    optimizer_class: str
+    param_groups: list[ParamGroup]
+    # "state.<fqn>.<name>" keys that were Python numbers (not tensors) in the optimizer state.
+    python_scalars: list[str] = Field(default_factory=list)
+
+
+class FqnckptMeta(BaseModel):
+    """fqnckpt's own index metadata."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: Literal[1] = FORMAT_VERSION
+    files: dict[str, FileRecord]
+    alias_groups: list[list[str]] = Field(default_factory=list)
+    fqn_map: FQNMapFile | None = None
+    optimizer: OptimizerMeta | None = None
+
+
+class IndexMetadata(BaseModel):
+    """HF's ``metadata`` block: ``total_size`` = sum of tensor data bytes (headers excluded)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    total_size: int | None = Field(default=None, ge=0)
+    fqnckpt: FqnckptMeta | None = None
+
+
+class IndexFile(BaseModel):
+    """``<prefix>.safetensors.index.json``: HF layout plus ``metadata.fqnckpt``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    metadata: IndexMetadata = Field(default_factory=IndexMetadata)
+    weight_map: dict[str, str]
+
+    def files(self) -> list[str]:
+        """Shard file names named by ``weight_map``, sorted, each once."""
+        return sorted(set(self.weight_map.values()))
+
+    def to_json_bytes(self) -> bytes:
+        data: dict[str, Any] = self.model_dump(mode="json", exclude_none=True)
+        data["weight_map"] = dict(sorted(self.weight_map.items()))
+        import json
+
+        return (json.dumps(data, indent=2) + "\n").encode()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5 * 10**9 bytes; ``"5GiB"`` -> 5 * 2**30; an int is returned as is.
+
+    Semantics of ``transformers.utils.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30).
+
+    Raises:
+        ValueError: the string is not ``<number><unit>`` or the size is not positive.
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"max_shard_size must be bytes or a string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        n = size
+    else:
+        m = _SIZE.match(str(size))
+        if not m:
+            raise ValueError(f"max_shard_size {size!r} is not like '5GB', '500MB', '2GiB' or an int")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    if n <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return n

@@ -1,0 +1,183 @@
+"""Pure planning of a sharded safetensors checkpoint: which tensor goes to which file, at which bytes.
+
+Given ``TensorSpec``s and ``max_shard_size`` the plan is deterministic, so every rank computes the
+same files, headers and byte offsets without talking to the others.
+
+The safetensors header is built here by hand because safetensors has no API to preallocate a file
+and let several processes fill byte ranges of it. It follows the safetensors spec
+(https://github.com/huggingface/safetensors#format): 8-byte little-endian header length, a JSON
+header ``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets": [begin, end]}}`` padded
+with spaces to a multiple of 8, then the data bytes, with offsets relative to the data start and
+no holes. Within a file tensors are ordered by element size (largest first), then name, as
+safetensors' own writer does, so every tensor starts aligned to its element size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .format import MODEL_PREFIX, parse_size
+
+# safetensors dtype strings (safetensors/src/tensor.rs ``Dtype``).
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}  # fmt: skip
+ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+HEADER_METADATA = {"format": "pt"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to save: eager ``fqn``, global ``shape`` (elements), ``dtype``. No data."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.dtype not in DTYPE_TO_ST:
+            raise TypeError(f"tensor {self.fqn!r}: dtype {self.dtype} cannot be stored in safetensors")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.fqn!r}: negative dimension in shape {self.shape}")
+
+    @classmethod
+    def of(cls, fqn: str, tensor: torch.Tensor) -> TensorSpec:
+        """Spec of ``tensor`` (a DTensor gives its global shape)."""
+        return cls(fqn, tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes go: ``file`` and absolute byte range ``[begin, end)`` in it."""
+
+    spec: TensorSpec
+    file: str
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One shard file: ``header`` (length prefix + padded JSON), ``slots`` in byte order, ``size`` in bytes."""
+
+    name: str
+    header: bytes
+    slots: tuple[TensorSlot, ...]
+    size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every file of a checkpoint part (``model`` or ``optimizer``) and where each tensor lives."""
+
+    prefix: str
+    files: tuple[FilePlan, ...]
+
+    @property
+    def slots(self) -> dict[str, TensorSlot]:
+        return {s.spec.fqn: s for f in self.files for s in f.slots}
+
+    @property
+    def total_size(self) -> int:
+        """Sum of tensor data bytes (HF's ``metadata.total_size``; headers excluded)."""
+        return sum(s.end - s.begin for f in self.files for s in f.slots)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return dict(sorted((s.spec.fqn, f.name) for f in self.files for s in f.slots))
+
+
+def shard_file_name(prefix: str, k: int, n: int) -> str:
+    """``model-00001-of-00003.safetensors`` (HF's name; ``k`` counts from 1)."""
+    return f"{prefix}-{k:05d}-of-{n:05d}.safetensors"
+
+
+def build_header(
+    entries: Iterable[tuple[TensorSpec, int, int]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """Header bytes for ``(spec, begin, end)`` entries (offsets relative to the data start)."""
+    head: dict[str, object] = {"__metadata__": dict(metadata or HEADER_METADATA)}
+    for spec, b, e in entries:
+        head[spec.fqn] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": list(spec.shape), "data_offsets": [b, e]}
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _split(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    # Greedy in the given order, a tensor larger than the limit alone in its file
+    # (huggingface_hub.split_state_dict_into_shards_factory does the same).
+    groups: list[list[TensorSpec]] = []
+    cur: list[TensorSpec] = []
+    size = 0
+    for s in specs:
+        if cur and size + s.nbytes > max_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += s.nbytes
+    if cur or not groups:
+        groups.append(cur)
+    return groups
+
+
+def plan_layout(
+    specs: Sequence[TensorSpec], max_shard_size: int | str = "5GB", prefix: str = MODEL_PREFIX
+) -> Layout:
+    """Plan files ``<prefix>-0000k-of-0000n.safetensors`` holding ``specs``, each at most
+    ``max_shard_size`` bytes of tensor data (a bigger tensor gets a file of its own).
+
+    Raises:
+        ValueError: duplicate FQN, the reserved name ``__metadata__``, or a bad ``max_shard_size``.
+        TypeError: a dtype safetensors cannot store.
+    """
+    max_bytes = parse_size(max_shard_size)
+    seen: set[str] = set()
+    for s in specs:
+        if s.fqn in seen or s.fqn == "__metadata__":
+            raise ValueError(f"tensor name {s.fqn!r} is duplicated or reserved")
+        seen.add(s.fqn)
+    groups = _split(list(specs), max_bytes)
+    files = []
+    for k, group in enumerate(groups, 1):
+        name = shard_file_name(prefix, k, len(groups))
+        ordered = sorted(group, key=lambda s: (-s.itemsize, s.fqn))
+        rel, pos = [], 0
+        for s in ordered:
+            rel.append((s, pos, pos + s.nbytes))
+            pos += s.nbytes
+        header = build_header(rel)
+        base = len(header)
+        slots = tuple(TensorSlot(s, name, base + b, base + e) for s, b, e in rel)
+        files.append(FilePlan(name, header, slots, base + pos))
+    return Layout(prefix, tuple(files))

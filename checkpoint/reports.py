@@ -1,0 +1,84 @@
+"""Reports returned by :func:`checkpoint.load` and :func:`checkpoint.verify` (pydantic, eager names)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ShapeMismatch(BaseModel):
+    """``key`` has ``checkpoint_shape`` in the file and ``target_shape`` in the model (elements)."""
+
+    key: str
+    checkpoint_shape: list[int]
+    target_shape: list[int]
+
+
+class DtypeConversion(BaseModel):
+    """``key`` was stored as ``checkpoint_dtype`` and converted to the target's ``target_dtype``."""
+
+    key: str
+    checkpoint_dtype: str
+    target_dtype: str
+
+
+class LoadReport(BaseModel):
+    """What :func:`checkpoint.load` found, computed before any copy. All names are eager FQNs.
+
+    - ``missing_keys``: target tensors the checkpoint lacks (no name of their alias group stored).
+    - ``unexpected_keys``: checkpoint tensors the target lacks.
+    - ``ignorable_keys``: checkpoint tensors that are non-persistent buffers of the target (not loaded).
+    - ``shape_mismatched``: present in both with different shapes (not loaded).
+    - ``dtype_converted``: loaded with a dtype conversion.
+    - ``loaded_keys``: target tensors filled (canonical FQNs); ``filled_from`` maps a target FQN
+      to the checkpoint key it was read from when they differ (tied aliases).
+    """
+
+    path: str
+    missing_keys: list[str] = Field(default_factory=list)
+    unexpected_keys: list[str] = Field(default_factory=list)
+    ignorable_keys: list[str] = Field(default_factory=list)
+    shape_mismatched: list[ShapeMismatch] = Field(default_factory=list)
+    dtype_converted: list[DtypeConversion] = Field(default_factory=list)
+    loaded_keys: list[str] = Field(default_factory=list)
+    filled_from: dict[str, str] = Field(default_factory=dict)
+    optimizer_loaded: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is missing, unexpected or shape-mismatched."""
+        return not (self.missing_keys or self.unexpected_keys or self.shape_mismatched)
+
+
+class FileCheck(BaseModel):
+    """One file checked by verify: sizes in bytes, sha256 hex digests (``expected`` from the index)."""
+
+    file: str
+    size: int
+    expected_size: int | None = None
+    sha256: str
+    expected_sha256: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return (self.expected_sha256 is None or self.sha256 == self.expected_sha256) and (
+            self.expected_size is None or self.size == self.expected_size
+        )
+
+
+class VerifyReport(BaseModel):
+    """Result of :func:`checkpoint.verify`: per-file checks and every problem found, as text
+    naming its file (``problems`` empty means the checkpoint is intact)."""
+
+    path: str
+    files: list[FileCheck] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list)
+    tensors: int = 0
+    total_size: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bad_files(self) -> list[str]:
+        return sorted({f.file for f in self.files if not f.ok})

@@ -1,0 +1,205 @@
+"""Where checkpoint bytes are written: shard files are created with their header, then tensor
+bytes are ``os.pwrite``-n at planned offsets straight from tensor memory (no serialization copy).
+
+Written with ``os`` calls rather than safetensors because several ranks fill byte ranges of the
+same preallocated file (see :mod:`checkpoint.layout`). ``stats`` counts bytes written in this
+process (tests and the benchmark use it to prove each byte is written once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _faults
+from .layout import FilePlan, TensorSlot
+
+_HASH_CHUNK = 16 << 20  # bytes per read when hashing a finished file
+
+
+@dataclass
+class IOStats:
+    """Bytes written / read by this process since the last ``reset()`` (data and headers)."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+    def reset(self) -> None:
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+
+stats = IOStats()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` in row-major order, without copying when ``t`` is contiguous in host
+    memory (a tensor on an accelerator is moved to host first)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is at ``offset`` (pwrite may write less)."""
+    done, n = 0, len(data)
+    while done < n:
+        w = os.pwrite(fd, data[done:], offset + done)
+        if w <= 0:
+            raise OSError(f"pwrite wrote {w} bytes at offset {offset + done}")
+        done += w
+    stats.bytes_written += n
+
+
+def create_shard_file(path: str, plan: FilePlan) -> int:
+    """Create ``path`` with ``plan.size`` bytes reserved (``posix_fallocate``, so a full disk fails
+    here rather than midway) and the header written. Returns an open fd (read/write)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, plan.size)
+        except (AttributeError, OSError) as e:  # filesystems without fallocate
+            if isinstance(e, OSError) and e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL
+                raise
+            os.ftruncate(fd, plan.size)
+        pwrite_all(fd, memoryview(plan.header), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_shard_file(path: str) -> int:
+    """Open an existing (preallocated) shard file for writing byte ranges."""
+    return os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+
+
+def write_tensor(fd: int, slot: TensorSlot, tensor: torch.Tensor) -> None:
+    """Write the whole ``tensor`` into its ``slot``.
+
+    Raises:
+        ValueError: shape / dtype differ from the slot's spec (would corrupt the file).
+    """
+    check_matches(slot, tensor)
+    pwrite_all(fd, tensor_bytes(tensor), slot.begin)
+
+
+def check_matches(slot: TensorSlot, tensor: torch.Tensor) -> None:
+    spec = slot.spec
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        raise ValueError(
+            f"tensor {spec.fqn!r} is {tuple(tensor.shape)} {tensor.dtype}, the plan says {spec.shape} {spec.dtype}"
+        )
+
+
+def block_runs(
+    global_shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int]
+) -> Iterator[tuple[int, int, int]]:
+    """Contiguous runs of a row-major block: ``(global element offset, local element offset, length)``.
+
+    The block of shape ``local_shape`` sits at ``offset`` inside a tensor of ``global_shape``; the
+    trailing dims where the block spans the whole tensor form one run per index of the leading dims.
+    """
+    nd = len(global_shape)
+    if nd == 0:
+        yield 0, 0, 1
+        return
+    if any(d == 0 for d in local_shape):
+        return
+    k = nd - 1
+    while k > 0 and local_shape[k] == global_shape[k]:
+        k -= 1
+    gstride = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        gstride[d] = gstride[d + 1] * global_shape[d + 1]
+    run = local_shape[k] * gstride[k]
+    lead = list(local_shape[:k])
+    base = sum(offset[d] * gstride[d] for d in range(k + 1))
+    if not lead:
+        yield base, 0, run
+        return
+    idx = np.indices(lead).reshape(k, -1).T  # every index tuple of the leading dims, row-major
+    starts = base + idx @ np.asarray(gstride[:k], dtype=np.int64)
+    for i, g in enumerate(starts.tolist()):
+        yield g, i * run, run
+
+
+def write_block(fd: int, slot: TensorSlot, local: torch.Tensor, offset: Sequence[int]) -> None:
+    """Write ``local`` (a shard of the slot's tensor at element ``offset``) into its byte ranges."""
+    spec = slot.spec
+    if local.dtype != spec.dtype or len(local.shape) != len(spec.shape):
+        raise ValueError(f"shard of {spec.fqn!r} is {local.dtype} {tuple(local.shape)}, plan says {spec}")
+    data = tensor_bytes(local)
+    item = spec.itemsize
+    for g, lo, n in block_runs(spec.shape, tuple(local.shape), tuple(offset)):
+        pwrite_all(fd, data[lo * item : (lo + n) * item], slot.begin + g * item)
+
+
+def fsync_fd(fd: int) -> None:
+    os.fsync(fd)
+
+
+def sha256_file(path: str) -> str:
+    """sha256 hex digest of a whole file, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_HASH_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+class SequentialFileWriter:
+    """Writes one shard file front to back from a single process, hashing on the fly.
+
+    Hashing runs in a helper thread overlapped with ``pwrite`` (both release the GIL), so the file
+    is never read back. Call :meth:`write` for each slot in byte order, then :meth:`finish`.
+    """
+
+    def __init__(self, path: str, plan: FilePlan, pool: ThreadPoolExecutor):
+        self.path, self.plan, self._pool = path, plan, pool
+        self._hash = hashlib.sha256(plan.header)
+        self._next = 0
+        self.fd = create_shard_file(path, plan)
+
+    def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
+        if slot is not self.plan.slots[self._next]:
+            raise RuntimeError(f"{slot.spec.fqn!r} written out of order in {self.plan.name}")
+        check_matches(slot, tensor)
+        data = tensor_bytes(tensor)
+        fut = self._pool.submit(self._hash.update, data)
+        try:
+            pwrite_all(self.fd, data, slot.begin)
+        finally:
+            fut.result()  # ``data`` must stay alive until hashed
+        self._next += 1
+
+    def finish(self) -> str:
+        """fsync and close; returns the file's sha256."""
+        if self._next != len(self.plan.slots):
+            raise RuntimeError(f"{self.plan.name}: {len(self.plan.slots) - self._next} tensors not written")
+        _faults.fault_point("before_file_fsync")
+        os.fsync(self.fd)
+        self.close()
+        _faults.fault_point("after_file_fsync")
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
