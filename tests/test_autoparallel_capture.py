@@ -1,0 +1,254 @@
+"""Single-process checks of autoparallel: capture (AC tags, casts, inputs), FQN map, placement rules."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autoparallel import (
+    CaptureError,
+    MixedPrecisionPolicy,
+    PlacementError,
+    apply_overrides,
+    capture,
+    count_param_casts,
+    default_plan,
+    fsdp_placements,
+)
+from tests.models import TinyConfig, TinyTransformer
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+TAG = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _hop_count(gm: torch.fx.GraphModule, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _eager_names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
+        n for n, _ in model.named_buffers(remove_duplicate=False)
+    ]
+
+
+def _snapshot(model: nn.Module):
+    return (
+        type(model),
+        [
+            (n, id(t), t.dtype, t.device, t.clone() if not t.is_meta else None)
+            for n, t in model.state_dict(keep_vars=True).items()
+        ],
+        _eager_names(model),
+        [type(m) for m in model.modules()],
+    )
+
+
+def _assert_unchanged(before, model):
+    cls, items, names, classes = before
+    assert type(model) is cls
+    assert _eager_names(model) == names
+    assert [type(m) for m in model.modules()] == classes
+    now = list(model.state_dict(keep_vars=True).items())
+    assert [n for n, _ in now] == [i[0] for i in items]
+    for (n, t), (_, tid, dtype, device, val) in zip(now, items):
+        assert id(t) == tid and t.dtype == dtype and t.device == device, n
+        if val is not None:
+            assert torch.equal(t, val), n
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    m = TinyTransformer(TinyConfig())
+    m.init_weights()
+    return m
+
+
+def test_capture_keeps_ac_and_casts_every_parameter_use(tiny):
+    before = _snapshot(tiny)
+    tokens = torch.randint(0, 32, (2, 8))
+    cap = capture(tiny, (tokens,), mp_policy=BF16)
+    _assert_unchanged(before, tiny)
+    assert _hop_count(cap.gm, TAG) == 2  # one AC region per layer
+    # 20 parameter tensors, the tied embedding used twice (embedding + output head): 21 uses.
+    assert count_param_casts(cap.gm, torch.bfloat16) == (21, 21)
+    assert cap.n_casts == 21  # one per owning module: the tied weight has two owners
+    # Eager side of the map: exact eager names, tied alias recorded, no parametrization names.
+    fmap = cap.fqn_map
+    assert sorted(fmap.eager_fqns(include_aliases=True)) == sorted(_eager_names(tiny))
+    assert fmap.alias_groups() == [["tok_embeddings.weight", "output.weight"]]
+    assert not any("parametrizations" in n for n in fmap.eager_fqns(include_aliases=True))
+    assert "layers.0.attention.wq.parametrizations.weight.original" in fmap.to_captured(
+        "layers.0.attention.wq.weight"
+    )
+    assert (
+        fmap.to_eager("layers.1.feed_forward.w2.parametrizations.weight.original")
+        == "layers.1.feed_forward.w2.weight"
+    )
+    assert fmap.record("norm.weight").dtype == "float32"
+    # The graph computes the eager model's numbers in bf16.
+    ref = copy.deepcopy(tiny)
+    ref_out = ref(tokens)
+    out = cap.gm(tokens)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_capture_without_policy_is_exact_and_casts_nothing(tiny):
+    tokens = torch.randint(0, 32, (3, 8))
+    cap = capture(tiny, (tokens,))
+    assert count_param_casts(cap.gm, torch.bfloat16) == (0, 21)
+    assert torch.equal(cap.gm(tokens), tiny(tokens))
+    assert cap.attr_of["tok_embeddings.weight"] == "tok_embeddings.weight"  # one graph attr for the tied pair
+    assert set(cap.attr_of) == {r.fqn for r in cap.fqn_map}
+
+
+def test_capture_on_meta_uses_no_memory_and_keeps_model():
+    with torch.device("meta"):
+        model = TinyTransformer(TinyConfig())
+    before = _snapshot(model)
+    cap = capture(model, (torch.randint(0, 32, (4, 8)),), mp_policy=BF16)
+    _assert_unchanged(before, model)
+    assert cap.device == torch.device("meta")
+    assert all(t.is_meta for t in cap.gm.state_dict().values())
+    assert _hop_count(cap.gm, TAG) == 2
+
+
+def _save_mm(ctx, op, *args, **kwargs):
+    return (
+        CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+class _Selective(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+    def forward(self, x):
+        # Selective AC as torchtitan writes it: a partial of create_selective_checkpoint_contexts.
+        ctx = functools.partial(create_selective_checkpoint_contexts, _save_mm)
+        h = checkpoint(self.a, x, use_reentrant=False, context_fn=ctx)
+        return self.b(h)
+
+
+def test_ac_tags_with_selective_context_fn_and_checkpoint_wrapper():
+    torch.manual_seed(0)
+    m = _Selective()
+    x = torch.randn(3, 4)
+    cap = capture(m, (x,), mp_policy=BF16)
+    assert _hop_count(cap.gm, TAG) == 2
+    assert count_param_casts(cap.gm, torch.bfloat16) == (4, 4)
+    # checkpoint_wrapper's segment is stripped from the eager side, kept on the captured side.
+    assert sorted(cap.fqn_map.eager_fqns()) == ["a.bias", "a.weight", "b.0.bias", "b.0.weight"]
+    assert sorted(_eager_names(m)) == sorted(
+        ["a.weight", "a.bias", "b._checkpoint_wrapped_module.0.weight", "b._checkpoint_wrapped_module.0.bias"]
+    )
+    # Floating inputs are cast by the parallel module (cast_forward_inputs); here by hand.
+    torch.testing.assert_close(cap.gm(x.bfloat16()).float(), m(x), atol=2e-2, rtol=2e-2)
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, pair, cfg=None, *, scale):
+        y = self.lin(x) + pair[0] * cfg["k"][1] * scale
+        return {"y": y, "rest": [pair[1] * 2]}
+
+
+def test_nested_positional_keyword_inputs():
+    torch.manual_seed(0)
+    m = _Nested()
+    args = (torch.randn(2, 4), (torch.randn(2, 4), torch.randn(2, 4)))
+    kwargs = {"cfg": {"k": [1.0, torch.randn(2, 4)]}, "scale": torch.tensor(3.0)}
+    cap = capture(m, args, kwargs)
+    out, ref = cap.gm(*args, **kwargs), m(*args, **kwargs)
+    assert torch.equal(out["y"], ref["y"]) and torch.equal(out["rest"][0], ref["rest"][0])
+
+
+class _Scale(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+
+def test_user_parametrized_model_deepcopies_and_keeps_its_names():
+    m = nn.Sequential(nn.Linear(4, 4))
+    torch.nn.utils.parametrize.register_parametrization(m[0], "weight", _Scale())
+    dup = copy.deepcopy(m)  # deep copies of parametrized modules work
+    assert torch.equal(dup[0].weight, m[0].weight)
+    x = torch.randn(2, 4)
+    cap = capture(m, (x,), mp_policy=BF16)
+    # A user parametrization is not fqnckpt's: its real name stays, and it is not cast-wrapped.
+    assert "0.parametrizations.weight.original" in cap.fqn_map.eager_fqns()
+    torch.testing.assert_close(cap.gm(x), m(x))
+    assert list(m[0].parametrizations.weight) and isinstance(m[0].parametrizations.weight[0], _Scale)
+    assert len(m[0].parametrizations.weight) == 1
+
+
+class _Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # data-dependent Python control flow: no single graph
+            return self.lin(x)
+        return x
+
+
+def test_capture_failure_is_a_capture_error():
+    with pytest.raises(CaptureError, match="_Breaks"):
+        capture(_Breaks(), (torch.randn(2, 2),))
+
+
+class _FakeMesh:
+    """Only what the placement rules read: ``shape`` and ``ndim``."""
+
+    def __init__(self, *shape):
+        self.shape = shape
+        self.ndim = len(shape)
+
+
+def test_fsdp_rule_shards_dim0_when_it_covers_the_mesh():
+    assert fsdp_placements([32, 16], (2,)) == (Shard(0),)
+    assert fsdp_placements([3, 16], (2,)) == (Shard(0),)  # uneven shards allowed
+    assert fsdp_placements([1, 16], (2,)) == (Replicate(),)
+    assert fsdp_placements([4], (2, 2)) == (Shard(0), Shard(0))
+    assert fsdp_placements([3], (2, 2)) == (Shard(0), Replicate())
+    assert fsdp_placements([], (2,)) == (Replicate(),)
+
+
+def test_default_plan_and_glob_overrides(tiny):
+    fmap = capture(tiny, (torch.randint(0, 32, (2, 8)),)).fqn_map
+    mesh = _FakeMesh(2, 2)
+    plan = default_plan(fmap, mesh)
+    assert set(plan) == {r.fqn for r in fmap}
+    assert plan["layers.0.attention.wq.weight"] == (Shard(0), Shard(0))
+    assert plan["freqs_cis"] == (Replicate(), Replicate())  # buffers replicated, FSDP-style
+    new = apply_overrides(
+        plan,
+        {"layers.*.wq.weight": (Shard(1), Replicate()), "output.weight": (Replicate(), Shard(1))},
+        fmap,
+        mesh,
+    )
+    assert (
+        new["layers.0.attention.wq.weight"] == new["layers.1.attention.wq.weight"] == (Shard(1), Replicate())
+    )
+    assert new["tok_embeddings.weight"] == (Replicate(), Shard(1))  # reached through its tied alias
+    assert new["layers.0.attention.wk.weight"] == (Shard(0), Shard(0))
+    with pytest.raises(PlacementError, match="nothing.*matches no FQN"):
+        apply_overrides(plan, {"nothing.*": (Shard(0), Shard(0))}, fmap, mesh)
+    with pytest.raises(PlacementError, match="'norm.weight': 1 placements for a 2-D mesh"):
+        apply_overrides(plan, {"norm.weight": (Shard(0),)}, fmap, mesh)
+    with pytest.raises(PlacementError, match="'norm.weight': S\\(1\\) on a 1-D tensor"):
+        apply_overrides(plan, {"norm.weight": (Shard(1), Replicate())}, fmap, mesh)
