@@ -46,6 +46,13 @@ def _child(module: nn.Module, seg: str) -> nn.Module | None:
     return sub if isinstance(sub, nn.Module) else None
 
 
+def _wrapper_slot(module: nn.Module | None) -> tuple[str, nn.Module] | None:
+    """``(segment, inner module)`` when ``module`` is a torch wrapper, else None."""
+    if module is None or not is_wrapper_module(module):
+        return None
+    return next(((s, c) for s, c in module._modules.items() if s in WRAPPER_SEGMENTS and c is not None), None)
+
+
 def canonical_fqn(name: str, model: nn.Module | None = None) -> str:
     """Remove wrapper segments from ``name`` wherever they sit and however they stack.
 
@@ -66,14 +73,16 @@ def canonical_fqn(name: str, model: nn.Module | None = None) -> str:
     out: list[str] = []
     cur: nn.Module | None = model
     for seg in segs:
-        # The wrapper we are inside, if any, is transparent: step into what it wraps.
-        while cur is not None and is_wrapper_module(cur):
-            inner = next(
-                (c for s, c in cur._modules.items() if s in WRAPPER_SEGMENTS and c is not None), None
-            )
-            if inner is None:
-                break
-            cur = inner
+        # Inside a wrapper: its own slot segment (``module`` of DataParallel) is the wrapper's,
+        # even when the wrapped model also has a real child of that name; any other segment
+        # was written without the wrapper, so step through it transparently.
+        slot = _wrapper_slot(cur)
+        if slot is not None and seg == slot[0]:
+            cur = slot[1]
+            continue
+        while slot is not None:
+            cur = slot[1]
+            slot = _wrapper_slot(cur)
         if cur is None:
             if seg not in WRAPPER_SEGMENTS:
                 out.append(seg)
