@@ -45,6 +45,11 @@ _RUNS = re.compile(r"[^a-zA-Z0-9]+")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
 _WN_NEW = re.compile(r"^(.*\.)?parametrizations\.([^.]+)\.original([01])$")
 _WN_OLD = re.compile(r"^(.*\.)?([^.]+)_([gv])$")
+# Wrapper segments inside a normalized flat name (dynamo reaches checkpoint_wrapper's child via
+# `__dict__['_modules']`). `module` is not listed: a real child may be called so.
+_FLAT_WRAPPERS = re.compile(
+    r"(?:(?<=_)|^)(?:dict_modules_|modules_)?(?:checkpoint_wrapped_module|fsdp_wrapped_module|orig_mod)_"
+)
 
 
 def _norm(name: str) -> str:
@@ -102,11 +107,17 @@ class _ModelNames:
         return {h for f in forms for h in self.dotted.get(f, ())}
 
     def flat_hits(self, name: str) -> set[Hit]:
-        key = _norm(name)
-        hits = set(self.flat.get(key, ()))
-        m = _SUFFIX.match(key)
-        if m:  # collision suffix (_0 strict export / dynamo, _1 non-strict export)
-            hits |= self.flat.get(m.group(1), set())
+        hits: set[Hit] = set()
+        # The name as given, and with wrapper tokens removed (captured through checkpoint_wrapper /
+        # FSDP1 / compile, loaded into a model without that wrapper).
+        for key in {_norm(name), _FLAT_WRAPPERS.sub("", _norm(name))}:
+            hits |= self.flat.get(key, set())
+            m = _SUFFIX.match(key)
+            # A collision suffix (_0 strict export / dynamo, _1 non-strict export) exists only where
+            # several tensors share the base spelling; elsewhere `x_1` is just the name `x_1`.
+            base = self.flat.get(m.group(1), set()) if m else set()
+            if len({i for i, _ in base}) > 1:
+                hits |= base
         return hits
 
     def _weight_norm_forms(self, name: str) -> list[str]:
