@@ -221,10 +221,10 @@ def _resolve_one(name: str, idx: _ModelNames, shapes: Mapping | None) -> Hit | N
 
 
 def _prefix_ops(name: str, idx: _ModelNames, module_paths: list[str]) -> dict[tuple[str, str], str]:
-    """Container-prefix edits that make dotted ``name`` resolve: ``{(op, prefix): edited name}``."""
+    """Container-prefix edits that make ``name`` resolve: ``{(op, prefix): edited name}``.
+
+    Only dotted rules apply to the edited name (a flattened name never gains a prefix)."""
     ops: dict[tuple[str, str], str] = {}
-    if "." not in name:
-        return ops
     segs = name.split(".")
     for k in range(1, len(segs)):
         prefix, rest = ".".join(segs[:k]), ".".join(segs[k:])
@@ -300,7 +300,8 @@ def _apply_prefix(
     unresolved: list[str], idx: _ModelNames, shapes: Mapping | None, hits: dict[str, Hit]
 ) -> tuple[str, str] | None:
     """Apply the one container prefix every resolvable leftover name agrees on (B23, B28)."""
-    dotted = [n for n in unresolved if "." in n]
+    # A single-segment key (``weight`` of a bare Linear) may need a prefix too.
+    dotted = list(unresolved)
     if not dotted:
         return None
     module_paths = sorted({canonical_fqn(p, idx.model) for p, _ in idx.model.named_modules() if p} - {""})
