@@ -41,8 +41,10 @@ class _Runtime:
 
 def _shard_tensor(t: torch.Tensor, mesh: DeviceMesh, placements: Placements) -> DTensor:
     # Meta tensors hold no values to broadcast; real ones are taken from rank 0 so all ranks agree.
-    src = None if t.is_meta else 0
-    return distribute_tensor(t.detach(), mesh, placements, src_data_rank=src)
+    # Clone: the local shard / replica would otherwise share storage with the user's tensor.
+    if t.is_meta:
+        return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
+    return distribute_tensor(t.detach().clone(), mesh, placements, src_data_rank=0)
 
 
 def _parallel_class(cls: type) -> type:

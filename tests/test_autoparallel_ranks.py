@@ -1,0 +1,273 @@
+"""Multi-rank checks of autoparallel (gloo, 127.0.0.1, via checkpoint.launch.run_ranks).
+
+One spawn per world size (1, 2, 4); the 4-rank spawn also runs a 2x2 mesh. Each rank compares the
+parallel module with the eager model: outputs and every gradient within 1e-5 in float32, within
+bf16 tolerance under the mixed-precision policy, over three optimizer steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+from autoparallel import (
+    AutoParallel,
+    DataAssignmentError,
+    MixedPrecisionPolicy,
+    apply_mixed_precision,
+    dtensor_init_context,
+)
+from checkpoint.launch import run_ranks
+from tests.models import TinyConfig, TinyTransformer, rope_tables
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+OVERRIDES_2D = {
+    "layers.*.attention.wq.weight": (Shard(0), Shard(0)),
+    "layers.*.feed_forward.w2.weight": (Shard(1), Replicate()),
+    "output.weight": (Replicate(), Shard(1)),  # the tied embedding, reached by its alias
+}
+OVERRIDES_1D = {"layers.0.*": (Replicate(),), "norm.weight": (Shard(0),)}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
+        n for n, _ in model.named_buffers(remove_duplicate=False)
+    ]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    # Sum over the local batch / global token count: the per-rank losses add up to the eager loss.
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / n_tokens
+
+
+def _parallelize(model, mesh, batch, seq, mp_policy=None, overrides=None):
+    shard_all = tuple(Shard(0) for _ in range(mesh.ndim))
+    with AutoParallel(model, lambda: torch.randint(0, 32, (batch, seq)), mesh, mp_policy=mp_policy) as autop:
+        autop.add_input_constraints([shard_all])
+        autop.add_output_constraints([shard_all])
+        if overrides:
+            autop.set_placements(overrides)
+        plan = autop.optimize_placement()
+        return autop.apply_placement(plan), plan
+
+
+def _train_and_compare(rank, mesh, mp_policy, overrides, tol):
+    """Three optimizer steps on the parallel module and on the eager reference; returns max diffs."""
+    cfg = TinyConfig()
+    world = mesh.size()
+    torch.manual_seed(0)
+    user = TinyTransformer(cfg)
+    user.init_weights()
+    before = {k: v.clone() for k, v in user.state_dict().items()}
+    before_names = _names(user)
+    ref = copy.deepcopy(user)
+    apply_mixed_precision(ref, mp_policy)  # same casts in eager (a no-op without a policy)
+    batch = 2 * world
+    pmod, plan = _parallelize(user, mesh, batch, cfg.seq, mp_policy, overrides)
+
+    # Structure: the user's class, eager state_dict keys, tied weight, non-persistent buffer.
+    assert isinstance(pmod, TinyTransformer) and type(pmod) is not TinyTransformer
+    assert list(pmod.state_dict()) == list(user.state_dict())
+    assert _names(pmod) == before_names
+    assert pmod.output.weight is pmod.tok_embeddings.weight
+    assert "freqs_cis" in pmod._non_persistent_buffers_set and isinstance(pmod.freqs_cis, DTensor)
+    for name, p in pmod.named_parameters():
+        assert isinstance(p, DTensor) and p.placements == plan[pmod.fqn_map.to_eager(name)], name
+        assert p.dtype == torch.float32
+    assert sorted(pmod.fqn_map.eager_fqns(include_aliases=True)) == sorted(before_names)
+    assert pmod.fqn_map.alias_groups() == [["tok_embeddings.weight", "output.weight"]]
+
+    # AdamW normalizes updates, so bf16 rounding noise in near-zero gradients flips steps: SGD for bf16.
+    make_opt = (
+        (lambda ps: torch.optim.SGD(ps, lr=0.5)) if mp_policy else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    )
+    opt, ref_opt = make_opt(pmod.parameters()), make_opt(ref.parameters())
+    ref_named = dict(ref.named_parameters())
+    out_d = grad_d = param_d = 0.0
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+        targets = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+        n = tokens.numel()
+        out = pmod(tokens.chunk(world)[rank])
+        ref_out = ref(tokens)
+        torch.testing.assert_close(out.float(), ref_out.chunk(world)[rank].float(), **tol)
+        out_d = max(out_d, (out.float() - ref_out.chunk(world)[rank].float()).abs().max().item())
+        _loss(out, targets.chunk(world)[rank], n).backward()
+        _loss(ref_out, targets, n).backward()
+        for name, p in pmod.named_parameters():
+            ref_name = (
+                name if name in ref_named else name.replace(".weight", ".parametrizations.weight.original")
+            )
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+            g_full, g_ref = _full(p.grad), ref_named[ref_name].grad
+            torch.testing.assert_close(g_full, g_ref, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
+            grad_d = max(grad_d, (g_full - g_ref).abs().max().item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in pmod.named_parameters():
+        ref_name = name if name in ref_named else name.replace(".weight", ".parametrizations.weight.original")
+        torch.testing.assert_close(_full(p.detach()), ref_named[ref_name].detach(), **tol)
+        param_d = max(param_d, (_full(p.detach()) - ref_named[ref_name].detach()).abs().max().item())
+    # The user's model was never touched.
+    assert _names(user) == before_names and type(user) is TinyTransformer
+    for k, v in user.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    return {"out": out_d, "grad": grad_d, "param": param_d}
+
+
+class _Child(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(6, 4))
+        self.register_buffer("scale", torch.empty(6), persistent=False)
+
+    def forward(self, x):
+        return (x @ self.w.t()) * self.scale
+
+    def init_weights(self):
+        with torch.no_grad():
+            self.w.copy_(torch.arange(24.0).view(6, 4) / 10)
+        self.scale = torch.linspace(0, 1, 6)  # buffer recomputed and reassigned
+
+
+class _DetModel(nn.Module):
+    """Deterministic single-device init in every style the parallel module must support."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = _Child()
+        self.b = nn.Parameter(torch.empty(6))
+        self.g = nn.Parameter(torch.empty(5, 6))
+        self.z = nn.Parameter(torch.empty(3))
+
+    def forward(self, x):
+        return (self.child(x) + self.b) @ self.g.t() + self.z.sum()
+
+    def init_weights(self, lose_write: bool = False):
+        self.child.init_weights()
+        self.b = nn.Parameter(torch.arange(6.0))  # reassignment
+        self.g.data[:] = torch.arange(30.0).view(5, 6).cos()
+        nn.init.constant_(self.z, 0.5)
+        if lose_write:
+            self.z.data = torch.zeros(3)
+
+
+def _init_checks(rank, mesh):
+    """Meta model -> to_empty -> user's init_weights: exact values, no comms, right distributions."""
+    world = mesh.size()
+    with torch.device("meta"):
+        det = _DetModel()
+    pdet, _ = _parallelize_det(det, mesh)
+    pdet.to_empty(device="cpu")
+    with CommDebugMode() as comm:
+        pdet.init_weights()
+    assert comm.get_total_counts() == 0
+    eager = _DetModel()
+    eager.init_weights()
+    for name, t in [*eager.named_parameters(), *eager.named_buffers()]:
+        got = pdet.get_parameter(name) if "scale" not in name else pdet.child.scale
+        assert isinstance(got, DTensor), name
+        assert torch.equal(got.full_tensor(), t.detach()), name
+    assert "scale" in pdet.child._non_persistent_buffers_set
+    # A submodule's init_weights called directly.
+    with torch.no_grad():
+        pdet.child.w.zero_()
+    pdet.child.init_weights()
+    assert torch.equal(pdet.child.w.full_tensor(), eager.child.w.detach())
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(pdet(x.chunk(world)[rank]), eager(x).chunk(world)[rank], atol=1e-5, rtol=1e-5)
+    with pytest.raises(DataAssignmentError, match=r"shape \(3,\)"):
+        pdet.init_weights(lose_write=True)
+    with pytest.raises(DataAssignmentError):
+        with dtensor_init_context(pdet):
+            pdet.g.data = torch.zeros(5, 6)
+    assert nn.Module.__setattr__.__name__ == "__setattr__"  # the init patch was undone
+
+    # The transformer: built on meta, materialized, user init (random + RoPE table recomputed).
+    cfg = TinyConfig()
+    with torch.device("meta"):
+        model = TinyTransformer(cfg)
+    pmod, plan = _parallelize(model, mesh, 2 * world, cfg.seq, BF16)
+    assert all(t.is_meta for t in model.state_dict().values())  # user's model untouched
+    pmod.to_empty(device="cpu")
+    torch.manual_seed(1234)
+    with CommDebugMode() as comm:
+        pmod.init_weights()
+    assert comm.get_total_counts() == 0  # in-place inits stayed local: no full tensor gathered
+    local = pmod.layers[0].attention.wq.weight.to_local()
+    assert local.shape[0] < cfg.dim  # still a shard
+    assert torch.equal(pmod.freqs_cis.full_tensor(), rope_tables(cfg.dim // cfg.n_heads, cfg.seq))
+    assert torch.equal(pmod.norm.weight.full_tensor(), torch.ones(cfg.dim))
+    emb = pmod.tok_embeddings.weight.full_tensor()
+    assert 0.014 < emb.std().item() < 0.026 and abs(emb.mean().item()) < 0.005
+    tokens = torch.randint(0, cfg.vocab, (2 * world, cfg.seq), generator=torch.Generator().manual_seed(5))
+    eager_tt = TinyTransformer(cfg)
+    eager_tt.load_state_dict({k: v.full_tensor() for k, v in pmod.state_dict().items()})
+    apply_mixed_precision(eager_tt, BF16)
+    out = pmod(tokens.chunk(world)[rank])
+    torch.testing.assert_close(
+        out.float(), eager_tt(tokens).chunk(world)[rank].float(), atol=1e-2, rtol=1.6e-2
+    )
+    return True
+
+
+def _parallelize_det(model, mesh):
+    shard_all = tuple(Shard(0) for _ in range(mesh.ndim))
+    with AutoParallel(model, lambda: torch.randn(2 * mesh.size(), 4), mesh) as autop:
+        autop.add_input_constraints([shard_all])
+        autop.add_output_constraints([shard_all])
+        plan = autop.optimize_placement()
+        return autop.apply_placement(plan), plan
+
+
+F32 = {"atol": 1e-5, "rtol": 1e-5}
+BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
+
+
+def _ranks_main(rank, world, mesh_shapes, with_init):
+    results = {}
+    for shape in mesh_shapes:
+        names = ("dp",) if len(shape) == 1 else ("dp", "tp")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        overrides = OVERRIDES_2D if len(shape) == 2 else (OVERRIDES_1D if world > 1 else None)
+        key = "x".join(map(str, shape))
+        results[f"{key} fp32"] = _train_and_compare(rank, mesh, None, overrides, F32)
+        results[f"{key} bf16"] = _train_and_compare(rank, mesh, BF16, overrides, BF16_TOL)
+        if with_init:
+            results[f"{key} init"] = _init_checks(rank, mesh)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,mesh_shapes,with_init",
+    [(1, [(1,)], False), (2, [(2,)], True), (4, [(4,), (2, 2)], True)],
+    ids=["1rank", "2ranks", "4ranks+2x2"],
+)
+def test_parallel_module_matches_eager(world, mesh_shapes, with_init):
+    results = run_ranks(_ranks_main, world, mesh_shapes, with_init, backend="gloo", timeout=240)
+    assert len(results) == world
+    for per_rank in results:
+        assert set(per_rank) == {
+            f"{'x'.join(map(str, s))} {k}"
+            for s in mesh_shapes
+            for k in ("fp32", "bf16", *(("init",) if with_init else ()))
+        }
+        for key, diffs in per_rank.items():
+            if key.endswith("fp32"):
+                assert max(diffs.values()) <= 1e-5, (key, diffs)
+    print({r: res for r, res in enumerate(results)})
