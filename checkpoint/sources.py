@@ -49,7 +49,7 @@ LFS_MAGIC = b"version https://git-lfs"
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 # Bytes read through one pickle mmap before it is dropped and re-opened: touched pages of a mapped
 # file stay resident (they count in RSS) until the mapping goes, so this bounds peak memory.
-DEFAULT_MMAP_WINDOW = 64 << 20
+DEFAULT_MMAP_WINDOW = 16 << 20
 
 
 class SourceSpec(NamedTuple):
