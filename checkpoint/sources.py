@@ -112,7 +112,8 @@ class Source:
         return self._file_of[key]
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, as a new contiguous tensor owned by the caller (one read)."""
+        """The tensor ``key``, contiguous (one read). For a zip pickle it may view the memory-mapped
+        file: use it and drop it, do not keep it (holding it keeps the mapping resident)."""
         self.spec(key)
         return self._reader.get(key)
 
@@ -399,11 +400,11 @@ class _PickleReader:
         if self.tensors is None or (self.fmt == "torch-zip" and self.touched > self.window):
             self.tensors = None  # drop the old mapping before mapping again
             self._load()
-        t = self.tensors[key]
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        out.copy_(t)
-        self.touched += out.nbytes
-        return out
+        # No copy: a view of the mapping (the writer reads it once and drops it); a copy would put
+        # every tensor through the heap, where freed blocks are not always returned to the OS.
+        t = self.tensors[key].contiguous()
+        self.touched += t.nbytes
+        return t
 
     def close(self) -> None:
         self.tensors = None
