@@ -21,6 +21,7 @@ from .errors import (
 from .format import IndexFile, parse_size
 from .layout import TensorSpec
 from .load import load
+from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
 from .reader import CheckpointReader, StrayFileWarning, open_checkpoint
 from .reports import LoadReport, VerifyReport
 from .save import save, save_streaming
@@ -31,6 +32,8 @@ __all__ = [
     "save_streaming",
     "load",
     "verify",
+    "migrate",
+    "MigrationReport",
     "open_checkpoint",
     "CheckpointReader",
     "TensorSpec",
