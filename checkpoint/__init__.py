@@ -16,6 +16,7 @@ from .errors import (
     MissingShardError,
     RankAgreementError,
     TensorNotInShardError,
+    TiedValuesMismatchError,
     UnsafePathError,
 )
 from .format import IndexFile, parse_size
@@ -54,4 +55,5 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointWriteError",
     "RankAgreementError",
+    "TiedValuesMismatchError",
 ]

@@ -110,6 +110,18 @@ class CheckpointMismatchError(CheckpointError):
         super().__init__(f"checkpoint does not match the target{where}: " + "; ".join(parts))
 
 
+class TiedValuesMismatchError(CheckpointError, ValueError):
+    """Names the target ties to one tensor are stored as separate tensors with different values;
+    loading would let one silently overwrite the other, so nothing is loaded."""
+
+    def __init__(self, keys: Iterable[str], files: Iterable[str], path: str):
+        self.keys, self.files, self.path = list(keys), sorted(set(files)), str(path)
+        super().__init__(
+            f"{self.path}: tied names {self.keys} (one tensor in the target) are stored separately in "
+            f"{self.files} with different values; refusing to pick one"
+        )
+
+
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing the checkpoint failed (e.g. disk full) on some rank; the previous checkpoint is intact."""
 

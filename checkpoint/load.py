@@ -17,7 +17,7 @@ from fqn import canonical_fqn
 from fqn.registry import dtype_name
 
 from . import dist
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, TiedValuesMismatchError
 from .format import OPTIMIZER_PREFIX, index_name
 from .reader import CheckpointReader, open_checkpoint
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
@@ -54,7 +54,9 @@ def _plan(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module |
         unknown.append(key)
     copies = []
     for e in state.entries:
-        key = next((sources[n] for n in e.names if n in sources and sources[n] == n), None)
+        stored = [n for n in e.names if n in sources and sources[n] == n]
+        _check_tied_values(reader, stored, path)
+        key = stored[0] if stored else None
         key = key or next((sources[n] for n in e.names if n in sources), None)
         if key is None:
             report.missing_keys.append(e.fqn)
@@ -90,6 +92,20 @@ def _plan(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module |
     return report, copies
 
 
+def _check_tied_values(reader: CheckpointReader, stored: list[str], path: str) -> None:
+    """Several names of one tied target tensor stored separately must hold equal values (read
+    here, before anything is copied); otherwise one would silently overwrite the other."""
+    if len(stored) < 2:
+        return
+    first = reader.get(stored[0])
+    for other in stored[1:]:
+        t = reader.get(other)
+        same = t.shape == first.shape and t.dtype == first.dtype
+        # Bitwise, so NaNs stored twice compare equal.
+        if not same or not torch.equal(t.reshape(-1).view(torch.uint8), first.reshape(-1).view(torch.uint8)):
+            raise TiedValuesMismatchError(stored, [reader.file_of(k) for k in stored], path)
+
+
 @torch.no_grad()
 def _copy(reader: CheckpointReader, copies) -> None:
     for e, key in copies:
@@ -111,6 +127,7 @@ def load(
     strict: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
+    verify: bool = False,
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -124,10 +141,15 @@ def load(
     ``dtype_converted``. ``dtype``: first cast the module's floating-point parameters and buffers
     to this dtype (``module.to(dtype)``), like ``from_pretrained(torch_dtype=...)``.
     ``optimizer``: also restore it from ``optimizer.safetensors.index.json``, by FQN.
+    ``verify``: first re-hash every file read and compare its byte size and sha256 with the
+    index's ``metadata.fqnckpt.files`` record (safetensors itself has no checksum, so a flipped
+    data byte otherwise loads silently); costs one extra read of the files.
 
     Raises (all before anything is copied):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
         DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.reader.open_checkpoint`.
+        TiedValuesMismatchError: names the target ties are stored separately with different values.
+        ChecksumMismatchError: ``verify`` and a file's size or sha256 differs from the index.
         CheckpointMismatchError: ``strict`` and missing / unexpected / shape-mismatched keys
             (``.report`` carries the LoadReport). With ``strict=False`` the matching keys load.
         RankAgreementError: another rank failed (when loading DTensors).
@@ -145,6 +167,9 @@ def load(
     reader = None
     try:
         reader = open_checkpoint(path)
+        if verify:
+            for name in reader.files:
+                reader.verify_file(name)
         report, copies = _plan(reader, state, model, path)
         if strict and not report.ok:
             raise CheckpointMismatchError(report, path)
@@ -158,6 +183,8 @@ def load(
                     root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
                 )
             opt_reader = open_checkpoint(root, prefix=OPTIMIZER_PREFIX)
+            for name in opt_reader.files if verify else ():
+                opt_reader.verify_file(name)
     except BaseException as e:  # noqa: BLE001 - agreed across ranks below
         err = e
     if collective:
