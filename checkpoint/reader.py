@@ -243,7 +243,8 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         UnsafePathError: an index entry is absolute, contains ``..``, or is / passes a symlink.
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: a tensor is stored in two files.
-        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named).
+        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
+            an fqnckpt index's ``metadata.total_size`` differs from the indexed tensors' bytes.
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.lexists(path):
@@ -281,7 +282,24 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
     else:
         raise CheckpointNotFoundError(path, f"no {index_name(prefix)} and no {prefix}.safetensors")
     reader._load_headers()
+    _check_total_size(reader)
     return reader
+
+
+def _check_total_size(reader: CheckpointReader) -> None:
+    """An fqnckpt index's ``metadata.total_size`` must equal the indexed tensors' data bytes (a
+    mismatch means index and files do not belong together). Foreign (e.g. HF) indexes may count
+    whole storages, so they are not held to it."""
+    if reader.meta is None or reader.index.metadata.total_size is None:
+        return
+    declared = reader.index.metadata.total_size
+    actual = sum(reader.spec(k).nbytes for k in reader.keys())
+    if actual != declared:
+        raise CorruptCheckpointError(
+            reader.index_path,
+            f"metadata.total_size is {declared} bytes but the indexed tensors hold {actual} bytes "
+            "(index and shard files do not belong together)",
+        )
 
 
 def _warn_strays(root: str, prefix: str, named: set[str]) -> None:
