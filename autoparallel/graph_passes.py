@@ -93,3 +93,39 @@ def replicate_free_tensors(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> int:
         if touched:
             mod.recompile()
     return inserted
+
+
+def as_gathered(t: torch.Tensor, mesh_key: int) -> torch.Tensor:
+    """``t`` redistributed to ``Replicate()`` on every mesh dim (differentiable: the backward
+    reduce-scatters the gradient back to ``t``'s placements, in ``t``'s dtype)."""
+    if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+
+
+def gather_state_before_use(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> int:
+    """Insert :func:`as_gathered` after every state tensor ``get_attr`` of ``gm`` (FSDP semantics).
+
+    Why: left to itself, DTensor picks per-op strategies by redistribution cost and can shard
+    activations along dims smaller than the mesh (a ``view`` of 2 heads over 4 ranks fails). With
+    state gathered where it is read (before the mixed-precision cast, so gradients are reduced in
+    the parameter's dtype), the placement plan only decides storage, and every plan gives the
+    same numbers. Returns the number of gathers inserted.
+    """
+    key = id(mesh)
+    _MESHES[key] = mesh
+    graph = gm.graph
+    inserted = 0
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or not _is_tensor_node(gm, node):
+            continue
+        users = list(node.users)
+        with graph.inserting_after(node):
+            g = graph.call_function(as_gathered, (node, key))
+        g.meta = dict(node.meta)
+        for u in users:
+            u.replace_input_with(node, g)
+        inserted += 1
+    if inserted:
+        gm.recompile()
+    return inserted

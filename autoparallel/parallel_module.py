@@ -19,7 +19,7 @@ from fqn import eager_tensors
 
 from .capture import Captured
 from .errors import PlacementError
-from .graph_passes import replicate_free_tensors, retarget_devices
+from .graph_passes import gather_state_before_use, replicate_free_tensors, retarget_devices
 from .init_weights import wrap_init_weights
 from .placement import Plan
 
@@ -115,6 +115,7 @@ def build_parallel_module(
 
     retarget_devices(captured.gm, captured.device, torch.device(mesh.device_type))
     replicate_free_tensors(captured.gm, mesh)
+    gather_state_before_use(captured.gm, mesh)
     # The graph's own tensors are never used (forward passes the DTensors): drop their memory.
     for mod in captured.gm.modules():
         for store in (mod._parameters, mod._buffers):
