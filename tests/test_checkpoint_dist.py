@@ -1,15 +1,64 @@
 """Distributed save / load of DTensors (gloo, 127.0.0.1): each byte written once, by its owner;
-a single process reads the result; loading reshards to other meshes and placements."""
+a single process reads the result; loading reshards to other meshes and placements.
+
+Two spawns in all (2 ranks, 4 ranks) to keep the suite fast; each also runs a phase of the
+resume test: an autoparallel parallel module trains 3 AdamW steps on 2 ranks and saves model and
+optimizer; an eager model (this process) and a parallel module on 4 ranks with another plan load
+it and train 3 more steps; the losses equal the uninterrupted 6-step eager run within 1e-6.
+"""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 from checkpoint import open_checkpoint
 from checkpoint.launch import run_ranks
+
+CFG_BATCH, LR = 8, 1e-2  # resume test: global batch, AdamW learning rate
+
+
+def batch(step: int, vocab: int, seq: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, vocab, (CFG_BATCH, seq), generator=g)
+    targets = torch.randint(0, vocab, (CFG_BATCH, seq), generator=g)
+    return tokens, targets
+
+
+def loss_fn(logits, targets, n_tokens):
+    # Sum over the local batch / global token count: per-rank losses add up to the eager loss.
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / n_tokens
+
+
+def train(model, opt, steps, rank=0, world=1):
+    """Run ``steps`` AdamW steps on the global batch (this rank's chunk); returns local losses."""
+    losses = []
+    for step in steps:
+        tokens, targets = batch(step, model.cfg.vocab, model.cfg.seq)
+        out = model(tokens.chunk(world)[rank])
+        loss = loss_fn(out, targets.chunk(world)[rank], tokens.numel())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def parallelize(model, mesh, overrides=None):
+    from torch.distributed.tensor import Shard
+
+    from autoparallel import AutoParallel
+
+    shard_all = tuple(Shard(0) for _ in range(mesh.ndim))
+    with AutoParallel(model, lambda: torch.randint(0, 32, (CFG_BATCH, model.cfg.seq)), mesh) as autop:
+        autop.add_input_constraints([shard_all])
+        autop.add_output_constraints([shard_all])
+        if overrides:
+            autop.set_placements(overrides)
+        return autop.apply_placement(autop.optimize_placement())
 
 
 def reference_tensors() -> dict[str, torch.Tensor]:
@@ -57,10 +106,68 @@ def _dtensors(mesh, placements, zero=False):
     return out
 
 
-def _worker(rank, world, path, save_pl, load_pl, mesh_shape):
+def _resume_phase(rank, world, path, mesh_shape, first):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tests.models import TinyTransformer
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(0)
+    user = TinyTransformer()
+    user.init_weights()
+    if first:
+        pmod = parallelize(user, mesh)
+        opt = torch.optim.AdamW(pmod.parameters(), lr=LR)
+        losses = train(pmod, opt, range(3), rank, world)
+        checkpoint.save(pmod, path, optimizer=opt, max_shard_size=4000)
+        return losses
+    other_plan = {
+        "layers.*.attention.wq.weight": (Shard(1), Shard(0)),
+        "layers.*.feed_forward.w2.weight": (Replicate(), Shard(1)),
+        "output.weight": (Shard(1), Replicate()),
+    }
+    torch.manual_seed(1)
+    fresh = TinyTransformer()
+    fresh.init_weights()  # other values: everything must come from the checkpoint
+    pmod = parallelize(fresh, mesh, other_plan)
+    opt = torch.optim.AdamW(pmod.parameters(), lr=0.5)  # hyper-parameters come back too
+    rep = checkpoint.load(pmod, path, optimizer=opt)
+    assert rep.ok and rep.optimizer_loaded and opt.param_groups[0]["lr"] == LR
+    return train(pmod, opt, range(3, 6), rank, world)
+
+
+def _interop(mesh, path, hf_path):
+    """DCP's HuggingFaceStorageReader reads our output into DTensors; a transformers
+    ``save_pretrained`` checkpoint loads into a ``fully_shard``-ed (DTensor) Llama."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    sd = _dtensors(mesh, LOAD_1D, zero=True)
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path))
+    ref = reference_tensors()
+    out = {
+        f"dcp:{k}": bool(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, ref[k]))
+        for k, v in sd.items()
+    }
+    model = tiny_llama(1)
+    fully_shard(model, mesh=mesh)
+    rep = checkpoint.load(model, hf_path)
+    assert rep.ok and model.model.embed_tokens.weight.placements[0].is_shard()
+    with torch.no_grad():
+        out["logits"] = model(TOKENS).logits.tolist()  # tensors do not survive the rank's exit
+    return out
+
+
+def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume_first, hf_path=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from checkpoint.writer import stats
+
+    losses = _resume_phase(rank, world, resume_path, mesh_shape, resume_first)
 
     mesh = init_device_mesh("cpu", mesh_shape)
     sd = _dtensors(mesh, save_pl)
@@ -82,15 +189,29 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape):
         k: bool(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, ref[k]))
         for k, v in target.items()
     }
-    return {"written": written, "read": read, "again": again, "ok": ok, "loaded": rep.loaded_keys}
+    if resume_first:  # the 2-rank spawn also runs the interop checks
+        extra = _interop(mesh, path, hf_path)
+        ok.update({k: v for k, v in extra.items() if k.startswith("dcp:")})
+        losses = (losses, extra["logits"])
+    return {
+        "written": written,
+        "read": read,
+        "again": again,
+        "ok": ok,
+        "loaded": rep.loaded_keys,
+        "losses": losses,
+    }
 
 
-def _check(tmp_path, world, save_pl, load_pl, mesh_shape):
-    path = str(tmp_path / "ck")
-    res = run_ranks(_worker, world, path, save_pl, load_pl, mesh_shape, backend="gloo", timeout=120)
+def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first, hf_path=None):
+    res = run_ranks(
+        _worker, world, path, save_pl, load_pl, mesh_shape, resume_path, resume_first, hf_path,
+        backend="gloo", timeout=180,
+    )  # fmt: skip
     ref = reference_tensors()
     for r in res:
-        assert r["ok"] == {k: True for k in ref}, r["ok"]
+        want = {k: True for k in ref} | ({f"dcp:{k}": True for k in ref} if resume_first else {})
+        assert r["ok"] == want, r["ok"]
         assert r["loaded"] == sorted(ref)
     assert res[0]["again"] == "CheckpointExistsError"
     assert all(r["again"] == "RankAgreementError" for r in res[1:])
@@ -106,11 +227,52 @@ def _check(tmp_path, world, save_pl, load_pl, mesh_shape):
     return res
 
 
-def test_dtensor_save_load_2_ranks_1d_mesh(tmp_path):
-    res = _check(tmp_path, 2, PLACEMENTS_1D, LOAD_1D, (2,))
-    assert all(r["written"] > 0 for r in res)
+def _eager_reference():
+    from tests.models import TinyTransformer
+
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    ref.init_weights()
+    return train(ref, torch.optim.AdamW(ref.parameters(), lr=LR), range(6))
 
 
-def test_dtensor_save_load_4_ranks_2x2_mesh(tmp_path):
-    res = _check(tmp_path, 4, PLACEMENTS_2D, LOAD_2D, (2, 2))
-    assert all(r["written"] > 0 for r in res)
+def test_dtensor_2_and_4_ranks_and_resume(tmp_path):
+    from tests.models import TinyTransformer
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    resume = str(tmp_path / "resume")
+    hf = tiny_llama(0)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="8KB")
+    with torch.no_grad():
+        hf_logits = hf(TOKENS).logits
+    # 2 ranks, 1-D mesh: DTensor checks, interop, resume phase 1 (train 3 steps, save model + optimizer).
+    res2 = _check(str(tmp_path / "ck2"), 2, PLACEMENTS_1D, LOAD_1D, (2,), resume, True, str(tmp_path / "hf"))
+    assert all(r["written"] > 0 for r in res2)
+    for r in res2:
+        r["losses"], logits = r["losses"]
+        assert torch.equal(
+            torch.tensor(logits), hf_logits
+        )  # HF checkpoint -> 2-rank parallel module: identical output
+    first = [sum(x) for x in zip(*(r["losses"] for r in res2))]
+    ref = _eager_reference()
+    assert max(abs(a - b) for a, b in zip(first, ref[:3])) < 1e-6
+    names = sorted(open_checkpoint(resume, prefix="optimizer").keys())
+    assert (
+        "state.tok_embeddings.weight.exp_avg" in names
+        and "state.layers.1.feed_forward.w2.weight.step" in names
+    )
+    assert checkpoint.verify(resume).ok
+    # (a) eager model in this process resumes.
+    torch.manual_seed(2)
+    eager = TinyTransformer()
+    eager.init_weights()
+    opt = torch.optim.AdamW(eager.parameters(), lr=0.5)
+    rep = checkpoint.load(eager, resume, optimizer=opt)
+    assert rep.ok and rep.optimizer_loaded and eager.output.weight is eager.tok_embeddings.weight
+    resumed = train(eager, opt, range(3, 6))
+    assert max(abs(a - b) for a, b in zip(resumed, ref[3:])) < 1e-6, (resumed, ref[3:])
+    # (b) 4 ranks, 2x2 mesh: DTensor checks + a parallel module with another plan resumes.
+    res4 = _check(str(tmp_path / "ck4"), 4, PLACEMENTS_2D, LOAD_2D, (2, 2), resume, False)
+    assert all(r["written"] > 0 for r in res4)
+    second = [sum(x) for x in zip(*(r["losses"] for r in res4))]
+    assert max(abs(a - b) for a, b in zip(second, ref[3:])) < 1e-6, (second, ref[3:])
