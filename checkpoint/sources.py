@@ -246,16 +246,22 @@ def _legacy_globals(path: Path) -> set[str]:
     ``pickletools`` without executing anything. ``torch.serialization.get_unsafe_globals_in_checkpoint``
     only reads zip files; a legacy file is 4 pickles (magic, protocol, sys info, object) + raw data."""
     found: set[str] = set()
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         for _ in range(4):
+            if f.tell() >= size:  # a plain ``pickle.dump`` file holds one pickle, not 4
+                break
             strings: list[str] = []
-            for op, arg, _pos in pickletools.genops(f):
-                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                    strings.append(arg)
-                elif op.name == "GLOBAL":
-                    found.add(arg.replace(" ", "."))
-                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                    found.add(f"{strings[-2]}.{strings[-1]}")
+            try:
+                for op, arg, _pos in pickletools.genops(f):
+                    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                        strings.append(arg)
+                    elif op.name == "GLOBAL":
+                        found.add(arg.replace(" ", "."))
+                    elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                        found.add(f"{strings[-2]}.{strings[-1]}")
+            except ValueError as e:  # truncated or not a pickle
+                raise CorruptCheckpointError(str(path), f"damaged pickle: {e}") from None
     return found
 
 
@@ -266,7 +272,12 @@ def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list
     p = Path(path)
     with torch.serialization.safe_globals(objs):
         if sniff_file(p) == "torch-zip":
-            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+            try:
+                return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+            except RuntimeError as e:  # torch's zip reader: truncated / not a torch.save archive
+                raise CorruptCheckpointError(
+                    str(p), f"not a valid torch.save zip archive: {str(e).splitlines()[0]}"
+                ) from None
         from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
 
         safe = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
@@ -383,6 +394,8 @@ class _PickleReader:
                 obj = torch.load(self.path, mmap=self.fmt == "torch-zip", weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafePickleError(str(self.path), [], why=str(e).splitlines()[0]) from None
+        except RuntimeError as e:  # torch's zip reader on a damaged archive
+            raise CorruptCheckpointError(str(self.path), f"damaged torch.save file: {e}") from None
         cont, self.container = _pick_container(obj, self.key, self.path)
         skipped: dict[str, str] = {}
         if _is_optimizer_sd(cont):
