@@ -11,7 +11,9 @@ tensors or only the slices a rank needs.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 import warnings
 from collections.abc import Sequence
 
@@ -70,12 +72,52 @@ def _safe_member(root: str, entry: str) -> str:
     return full
 
 
+def _header_problem(path: str) -> str:
+    """The tensor at fault in a header safetensors rejected, for the message (safetensors' own
+    errors often do not name it): the spec's rules checked in order; '' if none is found."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            head = json.loads(f.read(n)) if n <= size - 8 else None
+    except (OSError, struct.error, ValueError):
+        return ""
+    if not isinstance(head, dict):
+        return ""
+    spans, data_len = [], size - 8 - n
+    for key, v in head.items():
+        if key == "__metadata__":
+            continue
+        try:
+            st, shape, (b, e) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            return f"; tensor {key!r} has a malformed entry"
+        if st not in ST_TO_DTYPE:
+            return f"; tensor {key!r} has dtype {st!r} unknown to fqnckpt"
+        nbytes = math.prod(shape) * torch.empty((), dtype=ST_TO_DTYPE[st]).element_size()
+        if any(d < 0 for d in shape) or nbytes >= 2**64:
+            return f"; tensor {key!r}: shape {shape} overflows"
+        if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data_len):
+            return f"; tensor {key!r}: data_offsets {[b, e]} out of range (data is {data_len} bytes)"
+        if e - b != nbytes:
+            return f"; tensor {key!r}: data_offsets span {e - b} bytes, shape {shape} {st} needs {nbytes}"
+        spans.append((b, e, key))
+    pos = 0
+    for b, e, key in sorted(spans):
+        if b != pos:
+            return f"; tensor {key!r}: data_offsets {[b, e]} {'overlap' if b < pos else 'leave a hole before'} byte {pos}"
+        pos = e
+    return ""
+
+
 def _open_safetensors(path: str):
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptCheckpointError(
-            path, f"not a valid safetensors file (bad or truncated header or offsets): {e}{_lfs_hint(path)}"
+            path,
+            f"not a valid safetensors file (bad or truncated header or offsets): {e}"
+            f"{_header_problem(path)}{_lfs_hint(path)}",
         ) from e
 
 
