@@ -32,6 +32,15 @@ def make_state(total_bytes: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)}
 
 
+def peak_rss_mb() -> float:
+    # VmHWM is reset on exec (ru_maxrss is not, so spawned ranks would report the parent's peak).
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
@@ -164,7 +173,7 @@ def _dist_rank(rank, world, root, gb, which):
             touch({k: v.to_local() for k, v in dst.items()}),
         )
     )
-    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_mb"] = peak_rss_mb()
     return out
 
 
@@ -200,7 +209,7 @@ def main() -> None:
     os.makedirs(args.dir)
     try:
         single(args.dir, args.gb)
-        print(f"single-process peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+        print(f"single-process peak RSS: {peak_rss_mb():.0f} MB")
         if not args.no_dist:
             distributed(args.dir, args.gb)
     finally:
