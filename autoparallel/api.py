@@ -117,8 +117,13 @@ class AutoParallel:
         return apply_overrides(default_plan(fmap, self.mesh), self._overrides, fmap, self.mesh)
 
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:
-        """Build the parallel module (see :func:`autoparallel.parallel_module.build_parallel_module`)."""
+        """Build the parallel module (see :func:`autoparallel.parallel_module.build_parallel_module`).
+
+        ``plan`` defaults to :meth:`optimize_placement`. Each call returns a new, independent module.
+        """
         plan = plan if plan is not None else self.optimize_placement()
+        if getattr(self.captured.gm, "_autoparallel_consumed", False):
+            self.__enter__()  # the graph was rewritten for the previous module: capture afresh
         return build_parallel_module(
             self.model,
             self.captured,

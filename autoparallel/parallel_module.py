@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from fqn import eager_tensors
 
 from .capture import Captured
-from .errors import PlacementError
+from .errors import PlacementError, StateError
 from .graph_passes import gather_state_before_use, replicate_free_tensors, retarget_devices
 from .init_weights import wrap_init_weights
 from .placement import Plan
@@ -85,8 +85,12 @@ def build_parallel_module(
     mesh dim); the j-th tensor leaf of the result is redistributed to ``output_placements[j]``
     (default: same) and returned as its local tensor (differentiable).
 
+    ``captured`` is consumed: its graph is rewritten in place (a second call raises
+    :class:`StateError`; :meth:`AutoParallel.apply_placement` captures again by itself).
+
     Raises:
         PlacementError: ``plan`` misses a tensor of the model.
+        StateError: ``captured`` already built a parallel module.
     """
     eager = eager_tensors(model)
     by_id: dict[int, torch.Tensor] = {}
@@ -113,18 +117,9 @@ def build_parallel_module(
                     d[key] = by_id[id(t)]
     pmod.__class__ = _parallel_class(type(model))
 
-    retarget_devices(captured.gm, captured.device, torch.device(mesh.device_type))
-    replicate_free_tensors(captured.gm, mesh)
-    gather_state_before_use(captured.gm, mesh)
-    # The graph's own tensors are never used (forward passes the DTensors): drop their memory.
-    for mod in captured.gm.modules():
-        for store in (mod._parameters, mod._buffers):
-            for key, t in store.items():
-                if t is not None and not t.is_meta:
-                    meta = torch.empty_like(t, device="meta")
-                    store[key] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    gm = _runtime_graph(captured, mesh)
     rt = _Runtime(
-        gm=captured.gm,
+        gm=gm,
         attr_of=dict(captured.attr_of),
         slot_of=slot_of,
         mesh=mesh,
@@ -136,6 +131,26 @@ def build_parallel_module(
     object.__setattr__(pmod, "fqn_map", captured.fqn_map)
     wrap_init_weights(pmod)
     return pmod
+
+
+def _runtime_graph(captured: Captured, mesh: DeviceMesh) -> torch.fx.GraphModule:
+    """Rewrite the captured graph IN PLACE to run under DTensor on ``mesh``; its own tensors become
+    meta placeholders (forward always passes the parallel module's DTensors), freeing their memory.
+    Why in place: copying a dgc graph trips over the fake tensors in its node metadata."""
+    gm = captured.gm
+    if getattr(gm, "_autoparallel_consumed", False):
+        raise StateError("this capture already built a parallel module; capture again")
+    retarget_devices(gm, captured.device, torch.device(mesh.device_type))
+    replicate_free_tensors(gm, mesh)
+    gather_state_before_use(gm, mesh)
+    for mod in gm.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    store[key] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    object.__setattr__(gm, "_autoparallel_consumed", True)
+    return gm
 
 
 def _placements(table: list[Placements] | None, i: int, mesh: DeviceMesh, what: str) -> Placements:

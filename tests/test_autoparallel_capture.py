@@ -13,9 +13,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoparallel import (
+    AutoParallel,
     CaptureError,
     MixedPrecisionPolicy,
     PlacementError,
+    StateError,
     apply_overrides,
     capture,
     count_param_casts,
@@ -252,3 +254,24 @@ def test_default_plan_and_glob_overrides(tiny):
         apply_overrides(plan, {"norm.weight": (Shard(0),)}, fmap, mesh)
     with pytest.raises(PlacementError, match="'norm.weight': S\\(1\\) on a 1-D tensor"):
         apply_overrides(plan, {"norm.weight": (Shard(1), Replicate())}, fmap, mesh)
+
+
+def test_autoparallel_api_plan_overrides_and_state_errors(tiny):
+    mesh = _FakeMesh(2)
+    autop = AutoParallel(tiny, lambda: torch.randint(0, 32, (4, 8)), mesh)
+    with pytest.raises(StateError, match="outside its `with` block"):
+        autop.optimize_placement()
+    with autop:
+        autop.set_placements({"layers.1.*": (Replicate(),)})
+        plan = autop.optimize_placement()
+        with pytest.raises(PlacementError, match="'input #0': 2 placements for a 1-D mesh"):
+            autop.add_input_constraints([(Shard(0), Shard(0))])
+    assert plan["layers.1.attention.wq.weight"] == (Replicate(),)
+    assert plan["layers.0.attention.wq.weight"] == (Shard(0),)
+    assert list(plan) == [r.fqn for r in autop_fqn_map(tiny)]
+    with pytest.raises(StateError):
+        autop.fqn_map  # noqa: B018 - the capture is dropped on exit
+
+
+def autop_fqn_map(model):
+    return capture(model, (torch.randint(0, 32, (2, 8)),)).fqn_map

@@ -21,6 +21,7 @@ from autoparallel import (
     AutoParallel,
     DataAssignmentError,
     MixedPrecisionPolicy,
+    PlacementError,
     apply_mixed_precision,
     dtensor_init_context,
 )
@@ -238,6 +239,26 @@ F32 = {"atol": 1e-5, "rtol": 1e-5}
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 
 
+def _api_checks(rank, mesh):
+    """apply_placement twice gives independent modules; a missing input constraint is named."""
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(n_layers=1))
+    model.init_weights()
+    tokens = torch.randint(0, 32, (2, 8))
+    with AutoParallel(model, lambda: tokens, mesh) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        first = autop.apply_placement()
+        second = autop.apply_placement()
+    assert first.tok_embeddings.weight is not second.tok_embeddings.weight
+    with torch.no_grad():
+        first.norm.weight.zero_()
+    assert torch.equal(second.norm.weight.full_tensor(), torch.ones(16))
+    torch.testing.assert_close(second(tokens), model(tokens), atol=1e-6, rtol=1e-6)
+    with pytest.raises(PlacementError, match="input tensor #1 has no constraint"):
+        first(tokens, tokens)
+    return True
+
+
 def _ranks_main(rank, world, runs):
     results = {}
     for shape, kinds in runs:
@@ -251,6 +272,8 @@ def _ranks_main(rank, world, runs):
             results[f"{key} bf16"] = _train_and_compare(rank, mesh, BF16, overrides, BF16_TOL)
         if "init" in kinds:
             results[f"{key} init"] = _init_checks(rank, mesh)
+        if "api" in kinds:
+            results[f"{key} api"] = _api_checks(rank, mesh)
     return results
 
 
@@ -262,7 +285,7 @@ ALL = ("fp32", "bf16", "init")
 @pytest.mark.parametrize(
     "world,runs",
     [
-        (1, [((1,), ("fp32", "bf16"))]),
+        (1, [((1,), ("fp32", "bf16", "api"))]),
         (2, [((2,), ALL)]),
         (4, [((4,), ("fp32",)), ((2, 2), ALL)]),
     ],
