@@ -8,6 +8,11 @@ Three things make single-device code work (written by hand: no library does this
   ``zero_``) run on the local shard only, so the full tensor is never built on a rank;
 * reassignment (``self.w = nn.Parameter(t)``, ``self.buf = t``) of a DTensor attribute copies
   ``t`` into the existing DTensor, keeping its placement, tied aliases and registration;
+* random in-place inits (``normal_``, ``uniform_``, ... any op tagged ``nondeterministic_seeded``)
+  on a DTensor draw each shard from its own stream, seeded from the default generator and the
+  shard's coordinates, so shards differ and replicas agree (DTensor's own RNG tracker does not
+  cover CPU meshes). Ranks must share the default generator's seed, as single-device init code
+  run on every rank does after ``torch.manual_seed``;
 * ``dtensor.data = t`` would swap the wrapper's metadata and silently drop the write, so it raises
   :class:`~autoparallel.errors.DataAssignmentError`.
 """
@@ -23,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import DataAssignmentError
 
@@ -41,6 +47,33 @@ class _RefuseDataSet(TorchFunctionMode):
                     "write; use an in-place op (`with torch.no_grad(): w.copy_(t)`) or `w.data[:] = t`"
                 )
         return func(*args, **(kwargs or {}))
+
+
+class _ShardedRandom(TorchDispatchMode):
+    """Run seeded random in-place ops on a DTensor's local shard with a per-shard generator."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dst = args[0] if args else None
+        if (
+            isinstance(dst, DTensor)
+            and torch.Tag.nondeterministic_seeded in func.tags
+            and func._schema.is_mutable
+            and kwargs.get("generator") is None
+        ):
+            # One draw from the default generator per op: successive inits differ, ranks agree.
+            base = int(torch.randint(0, 2**62, (1,)).item())
+            shard_id = 0
+            for dim, p in enumerate(dst.placements):
+                if p.is_shard():
+                    shard_id = shard_id * dst.device_mesh.size(dim) + dst.device_mesh.get_local_rank(dim)
+            local = dst.to_local()
+            gen = torch.Generator(device=local.device)
+            gen.manual_seed((base + 1_000_003 * shard_id) % 2**63)
+            with torch.no_grad():
+                func(local, *args[1:], **{**kwargs, "generator": gen})
+            return dst
+        return func(*args, **kwargs)
 
 
 def _copy_into(dst: DTensor, value: torch.Tensor, where: str) -> None:
@@ -87,7 +120,7 @@ def dtensor_init_context(module: nn.Module):
     _active.depth = 1
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
-        with implicit_replication(), _RefuseDataSet():
+        with implicit_replication(), _RefuseDataSet(), _ShardedRandom():
             yield
     finally:
         nn.Module.__setattr__ = original_setattr

@@ -11,10 +11,11 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from autoparallel import (
@@ -215,6 +216,17 @@ def _init_checks(rank, mesh):
     assert torch.equal(pmod.norm.weight.full_tensor(), torch.ones(cfg.dim))
     emb = pmod.tok_embeddings.weight.full_tensor()
     assert 0.014 < emb.std().item() < 0.026 and abs(emb.mean().item()) < 0.005
+    chunks = emb.chunk(world)
+    assert all(not torch.equal(chunks[0], c) for c in chunks[1:])  # each shard has its own stream
+    # A replicated tensor initialized randomly holds the same values on every rank.
+    rep = nn.Module()
+    rep.register_buffer("r", distribute_tensor(torch.empty(64), mesh, [Replicate()] * mesh.ndim))
+    torch.manual_seed(7)
+    with dtensor_init_context(rep):
+        nn.init.normal_(rep.r)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rep.r.to_local().tolist())
+    assert all(g == gathered[0] for g in gathered) and 0.6 < torch.tensor(gathered[0]).std().item() < 1.4
     tokens = torch.randint(0, cfg.vocab, (2 * world, cfg.seq), generator=torch.Generator().manual_seed(5))
     eager_tt = TinyTransformer(cfg)
     eager_tt.load_state_dict({k: v.full_tensor() for k, v in pmod.state_dict().items()})
