@@ -206,10 +206,14 @@ def _init_checks(rank, mesh):
     pmod, plan = _parallelize(model, mesh, 2 * world, cfg.seq, BF16)
     assert all(t.is_meta for t in model.state_dict().values())  # user's model untouched
     pmod.to_empty(device="cpu")
+    assert pmod.output.weight is pmod.tok_embeddings.weight  # still tied after materialization
     torch.manual_seed(1234)
     with CommDebugMode() as comm:
         pmod.init_weights()
     assert comm.get_total_counts() == 0  # in-place inits stayed local: no full tensor gathered
+    assert pmod.output.weight is pmod.tok_embeddings.weight and list(pmod.state_dict()) == list(
+        model.state_dict()
+    )
     local = pmod.layers[0].attention.wq.weight.to_local()
     assert local.shape[0] < cfg.dim  # still a shard
     assert torch.equal(pmod.freqs_cis.full_tensor(), rope_tables(cfg.dim // cfg.n_heads, cfg.seq))
