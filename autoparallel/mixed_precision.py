@@ -34,8 +34,9 @@ def resolve_policy(policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy 
     """Normalize ``policy``: ``None`` or no ``param_dtype`` means no casts; ``reduce_dtype`` defaults to float32.
 
     Raises:
-        NotImplementedError: ``reduce_dtype`` other than float32 (gradients reach the float32
-            parameters through the cast's backward, which keeps the parameter's dtype).
+        NotImplementedError: ``reduce_dtype`` other than float32. The parallel module gathers
+            parameters before the cast, so gradients are reduce-scattered in the stored dtype
+            (float32) and reach the parameters in float32; casting them lower is not offered.
     """
     if policy is None or policy.param_dtype is None:
         return None
