@@ -547,6 +547,7 @@ def concurrent_trial(z: Zygote, root: Path, seed: int, t: Tally, kill_one: bool 
         z.wait(p)
     what = f"seed={seed} concurrent kill_one={kill_one}"
     t.tried += 1
+    t.killed += victim is not None and not Path(jobs[victim]["done"]).exists()
     outcome = judge(path, seed, "single", True, t, what)
     if outcome not in ("old", "new"):
         t.failures.append(f"{what}: result is {outcome}")
