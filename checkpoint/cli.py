@@ -315,6 +315,15 @@ register_command(Command("verify", "re-hash a checkpoint's files against its ind
 register_command(
     Command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints", _diff_args, _diff)
 )
+# demo: imported lazily (it pulls in transformers); see checkpoint/demo.py
+register_command(
+    Command(
+        "demo",
+        "the main job on a real model (all-MiniLM-L6-v2 or a built-in one), with a table of checks",
+        lambda p: importlib.import_module("checkpoint.demo").add_arguments(p),
+        lambda a: importlib.import_module("checkpoint.demo").run_demo(a),
+    )
+)
 
 
 # -- entry point -----------------------------------------------------------------------------------------
