@@ -97,7 +97,10 @@ def _rank_save(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
 
     import checkpoint
+    from checkpoint import atomic
 
+    if job.get("no_exchange"):  # spawned ranks do not inherit the leader's patch
+        atomic._renameat2_exchange = lambda a, b: False
     sd = _dtensors(values("new", job["seed"], "ranks"), world)
     took = 0.0
     if job.get("warm"):  # a warm-up save measures how long one takes under the current load
@@ -439,7 +442,7 @@ def _seed_old(path: Path, seed: int, mode: str) -> None:
 RANK1_POINTS = ("after_tensor_write", "before_file_fsync", "after_file_fsync")
 
 
-def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2) -> dict:
+def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2, point: str | None = None) -> dict:
     """The random choices of one trial, all drawn from ``seed``: a previous checkpoint for even
     seeds, the rename-aside fallback commit for a quarter, and a fault point the save reaches (any
     rank for points every rank passes, else rank 0) or a kill delay as a fraction of a save's
@@ -455,7 +458,10 @@ def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2) -> dict:
             if (p != "after_aside_rename" or (plan["no_exchange"] and plan["had_old"]))
             and (p != "before_cleanup" or plan["had_old"])
         ]
-        point = rng.choice(points)
+        if point is not None:  # forced: make the point reachable
+            plan["had_old"] |= point in ("after_aside_rename", "before_cleanup")
+            plan["no_exchange"] |= point == "after_aside_rename"
+        point = point or rng.choice(points)
         plan["fault"] = point
         plan["fault_rank"] = (rng.randrange(2) if point in RANK1_POINTS else 0) if mode == "ranks" else None
     else:
@@ -464,10 +470,18 @@ def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2) -> dict:
 
 
 def crash_trial(
-    z: Zygote, root: Path, seed: int, mode: str, kill: str, t: Tally, max_frac: float = 1.2
+    z: Zygote,
+    root: Path,
+    seed: int,
+    mode: str,
+    kill: str,
+    t: Tally,
+    max_frac: float = 1.2,
+    point: str | None = None,
 ) -> str:
-    """One crash trial (see module docstring); updates ``t``; returns the judged outcome."""
-    plan = plan_trial(seed, mode, kill, max_frac)
+    """One crash trial (see module docstring; ``point`` forces the fault point); updates ``t``;
+    returns the judged outcome."""
+    plan = plan_trial(seed, mode, kill, max_frac, point)
     d = root / f"{mode}-{kill}-{seed}"
     path = d / "in" / "ck"  # markers stay in d, outside the checkpoint's parent
     path.parent.mkdir(parents=True)

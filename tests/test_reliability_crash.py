@@ -17,6 +17,7 @@ import torch
 
 import checkpoint
 from checkpoint import CheckpointWriteError
+from checkpoint._faults import POINTS
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +33,13 @@ def _report(t: cw.Tally) -> str:
 
 
 def _run(z, root, mode, kinds, max_frac=1.2):
-    """Run ``kinds`` = [(kill, seed), ...]; returns (tally, {kill: outcomes Counter}, kills by kind)."""
+    """Run ``kinds`` = [(kill, seed, point or None), ...]; returns (tally, {kill: outcomes}, kills by kind)."""
     t = cw.Tally()
     outcomes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     kills = collections.Counter()
-    for kill, seed in kinds:
+    for kill, seed, point in kinds:
         before = t.killed
-        outcomes[kill][cw.crash_trial(z, root, seed, mode, kill, t, max_frac)] += 1
+        outcomes[kill][cw.crash_trial(z, root, seed, mode, kill, t, max_frac, point)] += 1
         kills[kill] += t.killed - before
     return t, outcomes, kills
 
@@ -50,20 +51,27 @@ def _assert_clean(t: cw.Tally) -> None:
 
 
 def test_single_process_kills(zygote, tmp_path):
-    kinds = [("delay", s) for s in range(100, 116)] + [("fault", s) for s in range(200, 216)]
-    t, outcomes, kills = _run(zygote, tmp_path, "single", kinds, max_frac=1.0)
+    # Every fault point, over a previous checkpoint and (where reachable) over a new path.
+    kinds = [("delay", s, None) for s in range(100, 116)]
+    kinds += [("fault", 200 + 2 * i + o, p) for i, p in enumerate(POINTS) for o in (0, 1)]
+    t, outcomes, kills = _run(zygote, tmp_path, "single", kinds, max_frac=0.7)
     _assert_clean(t)
-    assert kills["fault"] == 16 and kills["delay"] >= 10, (kills, outcomes)
+    # Fault points always kill; a random delay may come after a fast save finished.
+    assert kills["fault"] == 2 * len(POINTS) and kills["delay"] >= 4, (kills, outcomes)
     # Kills landed on both sides of the commit, over old checkpoints and new paths.
     assert outcomes["fault"]["old"] > 0 and outcomes["fault"]["new"] > 0 and outcomes["fault"]["absent"] > 0
     assert t.loaded_old > 0 and t.loaded_new > 0 and t.rejected_right > 0
 
 
 def test_two_rank_kills(zygote, tmp_path):
-    kinds = [("fault", s) for s in range(300, 306)] + [("delay", s) for s in range(400, 405)]
-    t, outcomes, kills = _run(zygote, tmp_path, "ranks", kinds, max_frac=0.9)
+    points = ["after_lock", "after_file_create", "after_tensor_write", "before_file_fsync", "after_file_fsync",
+              "before_index_write", "after_staging_fsync", "after_aside_rename", "after_commit_rename",
+              "before_cleanup"]  # fmt: skip
+    kinds = [("fault", 300 + i, p) for i, p in enumerate(points)] + [("delay", 400, None)]
+    t, outcomes, kills = _run(zygote, tmp_path, "ranks", kinds, max_frac=0.6)
     _assert_clean(t)
-    assert kills["fault"] + kills["delay"] >= 10 and kills["fault"] == 6, (kills, outcomes)
+    assert kills["fault"] == 10, (kills, outcomes)
+    assert outcomes["fault"]["old"] + outcomes["fault"]["absent"] > 0 and t.tried == 11
 
 
 def test_two_rank_disk_full_and_concurrent_saves(zygote, tmp_path):
