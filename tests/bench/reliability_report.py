@@ -4,7 +4,8 @@ pytest crash suite) at full size and print one table.
     python tests/bench/reliability_report.py --trials 50
 
 Rows: SIGKILL after a random delay / at a random fault point, in 1 process and on 2 gloo ranks
-(half of the trials over a previous checkpoint), ENOSPC after a random number of bytes, two
+(half of the trials over a previous checkpoint), ENOSPC after a random number of bytes (2 ranks:
+``trials // 5`` of them, each costs a spawn), two
 concurrent saves to one path (one of them killed in half), and pickles carrying a ``__reduce__``
 payload. Columns: trials, saves that never completed (killed / failed), loads of exactly the old
 or new values, rejections with the right error ("no checkpoint" for a new path, the write error
@@ -108,9 +109,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fqnckpt-reliability-") as tmp, cw.Zygote() as z:
         root = Path(tmp)
 
-        def row(name, fn):
+        def row(name, fn, count=n):
             t, t0 = cw.Tally(), time.perf_counter()
-            for i in range(n):
+            for i in range(count):
                 fn(s0 + i, t)
             rows.append((name, t, time.perf_counter() - t0))
             print(f"  {name}: {t.tried} trials in {rows[-1][2]:.0f} s", file=sys.stderr, flush=True)
@@ -127,6 +128,7 @@ def main() -> int:
             row(
                 "2 ranks, disk full",
                 lambda seed, t: cw.disk_full_trial(z, root, seed, "ranks", _budget("ranks", seed), t),
+                max(1, n // 5),  # ~5 s of rank imports per trial; the kill rows are the full-size ones
             )
         row(
             "2 concurrent saves",
