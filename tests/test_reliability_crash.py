@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import sys
 
 import crash_worker as cw
 import pytest
@@ -19,7 +20,8 @@ import checkpoint
 from checkpoint import CheckpointWriteError
 from checkpoint._faults import POINTS
 
-pytestmark = pytest.mark.slow
+# The trial driver reads /proc and makes the worker a child subreaper (prctl): Linux only.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux /proc and prctl")]
 
 
 @pytest.fixture(scope="module")
