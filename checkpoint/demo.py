@@ -202,6 +202,18 @@ def eager_embeddings(model, inputs: dict):
         return sentence_embeddings(model(**inputs).last_hidden_state, inputs["attention_mask"])
 
 
+def _quiet() -> None:
+    """No transformers progress bars; no DTensor warning about CPU-mesh RNG (init_weights seeds
+    every shard itself, see autoparallel.init_weights)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+
+
 # -- step 1: on the ranks --------------------------------------------------------------------------------
 def _device_type() -> str:
     """Device of this rank's mesh: from the process group's backend, never hard-coded."""
@@ -227,6 +239,7 @@ def parallel_job(rank: int, world_size: int, source: Source, inputs: dict, save_
     import checkpoint
     from autoparallel import AutoParallel, MixedPrecisionPolicy, count_param_casts
 
+    _quiet()
     device_type = _device_type()
     mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     config = _config(source)
@@ -529,6 +542,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """``fqnckpt demo``: prints which model, then the table; returns 0 if every check passed, 1 if
     not, 2 when ``transformers`` is missing or the options are bad."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
+    _quiet()
     if importlib.util.find_spec("transformers") is None:
         print("fqnckpt demo: error: needs transformers (pip install 'fqnckpt[examples]')", file=sys.stderr)
         return 2
@@ -545,6 +559,9 @@ def run_demo(args: argparse.Namespace) -> int:
             print(which, flush=True)
         checks = run_main_job(source, workdir, batch=args.batch, world_size=args.world_size)
         total = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - a step that raises is a failed check, not bad input (2)
+        print(f"fqnckpt demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
