@@ -129,10 +129,15 @@ def _arm_fault(job: dict) -> None:
             os.environ["FQNCKPT_FAULT_RANK"] = str(job["fault_rank"])
 
 
+def _write_marker(p: str, data: dict) -> None:
+    """Write a marker file for the driver whole or not at all (a kill may come at any time)."""
+    Path(p + ".tmp").write_text(json.dumps(data))
+    os.rename(p + ".tmp", p)
+
+
 def _signal_ready(p: str, seconds: float) -> None:
     """Tell the driver the real save starts now; ``seconds`` is the warm-up save's duration."""
-    Path(p + ".tmp").write_text(json.dumps({"seconds": seconds}))
-    os.rename(p + ".tmp", p)
+    _write_marker(p, {"seconds": seconds})
 
 
 def _child(job: dict) -> int:
@@ -164,7 +169,7 @@ def _child(job: dict) -> int:
             result = {"seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported to the driver
             result = {"error": type(e).__name__, "message": str(e), "oserror": isinstance(e, OSError)}
-    Path(job["done"]).write_text(json.dumps(result))
+    _write_marker(job["done"], result)
     return 0
 
 
