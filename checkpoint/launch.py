@@ -8,6 +8,7 @@ sends its return value (must be picklable) back to the parent. Written by hand b
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -50,7 +51,9 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue):
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, out))
+        # Plain pickle bytes: torch's queue reducers would send tensors as shared-memory handles
+        # that die with the rank.
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report every failure, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
 
@@ -99,7 +102,7 @@ def run_ranks(
                 continue
             rank, ok, payload = queue.get()
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)  # our own child's result, not a file
             else:
                 errors.append(f"rank {rank}:\n{payload}")
         if errors:

@@ -24,3 +24,13 @@ def test_run_ranks_returns_per_rank_results():
 def test_run_ranks_reports_failing_rank():
     with pytest.raises(RankFailedError, match="(?s)rank 1:.*rank one fails"):
         run_ranks(_boom, 2, backend="gloo", timeout=60)
+
+
+def _tensor_result(rank, world_size):
+    return {"rank": rank, "t": torch.full((3,), float(rank))}
+
+
+def test_run_ranks_returns_tensors_after_ranks_exit():
+    out = run_ranks(_tensor_result, 2, backend="gloo", timeout=60)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert torch.equal(out[1]["t"], torch.ones(3))
