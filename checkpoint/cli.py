@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+_SHORT_TABLE_ROWS = 10  # renamed keys shown by `migrate` without --keys
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ def _migrate_args(p: argparse.ArgumentParser) -> None:
         "--trust", action="append", default=[], metavar="MODULE.NAME", help="trusted pickle global"
     )
     p.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
+    p.add_argument("--keys", action="store_true", help="list every renamed key, not the first few")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file, e.g. 5GB, 500MB")
     p.add_argument(
         "--allow-unresolved", action="store_true", help="drop (and report) keys that do not resolve"
@@ -195,9 +197,12 @@ def _migrate(args: argparse.Namespace) -> int:
     ]
     renamed = [e for e in report.entries if e.source != e.target]
     if renamed:
-        width = max(len(e.source) for e in renamed)
         lines.append("  renamed:")
-        lines += [f"    {e.source:<{width}} -> {e.target}   [{'; '.join(e.decided_by)}]" for e in renamed]
+        shown = renamed if args.keys else renamed[:_SHORT_TABLE_ROWS]
+        width = max(len(e.source) for e in shown)
+        lines += [f"    {e.source:<{width}} -> {e.target}   [{'; '.join(e.decided_by)}]" for e in shown]
+        if len(shown) < len(renamed):
+            lines.append(f"    ... {len(renamed) - len(shown)} more (--keys lists all; --json for machines)")
     for u in report.unresolved:
         lines.append(f"  unresolved: {u.source}: {u.reason}")
     for col in report.collisions:

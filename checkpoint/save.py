@@ -75,6 +75,8 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
         raise TypeError(
             f"{spec.fqn!r} is a DTensor: use checkpoint.save on every rank for distributed tensors"
         )
+    if t.is_meta:
+        raise TypeError(f"{spec.fqn!r} is on the meta device: it has no data to save")
     return t
 
 

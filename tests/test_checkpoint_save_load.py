@@ -129,6 +129,12 @@ def test_non_tensor_value_raises_typeerror_naming_key_and_writes_nothing(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+def test_meta_tensor_raises_typeerror_naming_key_and_writes_nothing(tmp_path):
+    with pytest.raises(TypeError, match="'w'.*meta device"):
+        checkpoint.save({"w": torch.empty(2, device="meta")}, tmp_path / "ck")
+    assert [p for p in os.listdir(tmp_path) if not p.startswith(".")] == []
+
+
 def _wrappers():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -123,3 +123,15 @@ def test_diff_and_bad_input(tmp_path, capsys):
 
 def test_command_registry_has_the_four_commands():
     assert {"inspect", "migrate", "verify", "diff"} <= set(_COMMANDS)  # "demo" is added elsewhere
+
+
+def test_migrate_table_is_short_unless_keys_asked(tmp_path, capsys):
+    sd = {f"_orig_mod.layers.{i}.weight": torch.full((2,), float(i)) for i in range(15)}
+    save_file(sd, tmp_path / "many.safetensors")
+    assert main(["migrate", str(tmp_path / "many.safetensors"), str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "renamed 15," in out and "... 5 more" in out
+    assert out.count(" -> layers.") == 10
+    assert main(["migrate", "--keys", str(tmp_path / "many.safetensors"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" -> layers.") == 15 and "more (--keys" not in out
