@@ -71,10 +71,18 @@ def _dtensors(sd, world: int):
     return out
 
 
+_REAL_WRITES = (os.pwrite, os.write)
+
+
+def _disk_ok() -> None:
+    """Undo :func:`_enospc_after` (the result must still reach the driver through pipes)."""
+    os.pwrite, os.write = _REAL_WRITES
+
+
 def _enospc_after(budget: int):
     """Make ``os.pwrite`` / ``os.write`` fail with ENOSPC once ``budget`` bytes were written."""
     state = {"left": budget}
-    real_pwrite, real_write = os.pwrite, os.write
+    real_pwrite, real_write = _REAL_WRITES
 
     def take(n):
         if state["left"] < n:
@@ -118,6 +126,8 @@ def _rank_save(rank: int, world: int, job: dict) -> dict:
         checkpoint.save(sd, job["path"], overwrite=True, max_shard_size=RANKS_SHARD_BYTES)
     except Exception as e:  # noqa: BLE001 - reported to the driver
         return {"error": type(e).__name__, "message": str(e), "oserror": isinstance(e, OSError)}
+    finally:
+        _disk_ok()
     return {"seconds": time.perf_counter() - t0}
 
 
@@ -169,6 +179,8 @@ def _child(job: dict) -> int:
             result = {"seconds": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported to the driver
             result = {"error": type(e).__name__, "message": str(e), "oserror": isinstance(e, OSError)}
+        finally:
+            _disk_ok()
     _write_marker(job["done"], result)
     return 0
 
