@@ -1,11 +1,13 @@
-"""Second capture matrix (7 models x 6 paths), ground truth by tensor identity computed here.
+"""The capture matrix (7 models x 6 paths), ground truth by tensor identity computed here.
 
-Complements test_fqn_capture_matrix.py: also covers tied weights on every path, asserts the exact
-set of captured names the registry keeps (nothing invented), and the compile-path collisions.
+Each cell checks every captured name against the tensor the model really holds, the exact eager
+name set, shapes and dtypes, and that the registry invents no captured name. Collision cells show
+where dynamo's own meta is wrong and the registry is not.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -322,3 +324,26 @@ def test_tied_alias_and_buffer_kinds():
     assert fmap.record("scale").kind == fqn.TensorKind.persistent_buffer
     assert fmap.to_captured("unused.weight") == []  # never used: no captured name
     assert fmap.to_eager("l__self____export_root_shift") == "shift"
+
+
+def test_raw_dgc_code_spelling_maps_by_identity():
+    """The raw dgc code reads ``self.L__self____export_root_...``: that spelling maps by identity."""
+    model, fmap, _, gm = capture("colliding", "dgc_raw")
+    pairs = dict(re.findall(r"(\w+) = self\.(L__self____export_root_\w+)", gm.code))
+    assert pairs, "raw dgc code no longer uses the _export_root spelling"
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "get_attr"}
+    eager_of = {id(t): n for n, t in _owned(model)}
+    for node_name, spelled in pairs.items():
+        t = getattr(gm, nodes[node_name].target)
+        assert fmap.to_eager(spelled) == eager_of[id(t)], spelled
+    assert fmap.to_eager("L__self____export_root_a_b_c_weight_0") == "a.b_c.weight"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_without_model_keeps_tied_alias(strict):
+    """B11 on the export side: strict export drops the alias, non-strict lifts it; both recorded."""
+    model = Tied()
+    ep = torch.export.export(model, (_x(),), strict=strict)
+    fmap = FQNMap.from_exported_program(ep)
+    assert fmap.alias_groups() == [["embed.weight", "head.weight"]]
+    assert fmap.to_eager("head.weight") == "embed.weight"
