@@ -80,7 +80,7 @@ def _header_problem(path: str) -> str:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             head = json.loads(f.read(n)) if n <= size - 8 else None
-    except (OSError, struct.error, ValueError):
+    except (OSError, struct.error, ValueError, RecursionError):  # deeply nested JSON
         return ""
     if not isinstance(head, dict):
         return ""
@@ -133,7 +133,7 @@ def read_index(path: str) -> IndexFile:
         raise CorruptCheckpointError(path, "is a git-lfs pointer file, not the index: run `git lfs pull`")
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting
         raise CorruptCheckpointError(path, f"index is not JSON: {e}") from e
     try:
         return IndexFile.model_validate(data)
