@@ -10,7 +10,7 @@ optimizer param groups). Readers that do not know the block ignore it.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,7 +61,7 @@ class FqnckptMeta(BaseModel):
 
     format_version: Literal[1] = FORMAT_VERSION
     files: dict[str, FileRecord]
-    alias_groups: list[list[str]] = Field(default_factory=list)
+    alias_groups: list[Annotated[list[str], Field(min_length=2)]] = Field(default_factory=list)
     fqn_map: FQNMapFile | None = None
     optimizer: OptimizerMeta | None = None
 

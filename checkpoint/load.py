@@ -37,7 +37,8 @@ def _plan(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module |
     by_name = state.by_name()
     report = LoadReport(path=path)
     # A stored key also stands for the other names of its saved alias group (tied weights).
-    sources: dict[str, str] = {}
+    # A stored key always stands for itself: an alias group never overrides stored values.
+    sources: dict[str, str] = {k: k for k in reader.keys()}
     groups = {g[0]: g for g in reader.alias_groups}
     matched_keys: set[str] = set()
     for key in reader.keys():

@@ -5,6 +5,7 @@ must exit 2 with one line). Inputs are crafted in tmp_path per the safetensors /
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
@@ -54,3 +55,36 @@ def test_deeply_nested_json_is_corrupt_not_recursion_error(tmp_path, capsys, whe
     assert not rep.ok and str(bad) in rep.problems[0]
     rc, _ = run_cli(capsys, "verify", str(path))
     assert rc == 1
+
+
+# -- alias groups of the index -----------------------------------------------------------------------
+
+
+def _rewrite_index(path, fn) -> None:
+    p = path / INDEX
+    data = json.loads(p.read_text())
+    fn(data["metadata"]["fqnckpt"])
+    p.write_text(json.dumps(data))
+
+
+def test_alias_group_never_overrides_a_stored_tensor(tmp_path):
+    """An index claiming ``w`` is an alias of ``v`` while ``w`` is stored with its own values must
+    not fill ``w`` from ``v`` (it did: a silent wrong load)."""
+    path = tmp_path / "ck"
+    checkpoint.save({"v": torch.full((3,), 1.0), "w": torch.full((3,), 2.0)}, path)
+    _rewrite_index(path, lambda m: m.__setitem__("alias_groups", [["v", "w"]]))
+    target = {"v": torch.zeros(3), "w": torch.zeros(3)}
+    rep = checkpoint.load(target, path)
+    assert torch.equal(target["v"], torch.full((3,), 1.0))
+    assert torch.equal(target["w"], torch.full((3,), 2.0))
+    assert rep.filled_from == {} and rep.loaded_keys == ["v", "w"]
+
+
+@pytest.mark.parametrize("groups", [[[]], [["w"]]], ids=["empty", "single"])
+def test_alias_group_shorter_than_two_is_corrupt(tmp_path, groups):
+    path = tmp_path / "ck"
+    checkpoint.save({"w": torch.arange(3.0)}, path)
+    _rewrite_index(path, lambda m: m.__setitem__("alias_groups", groups))
+    with pytest.raises(CorruptCheckpointError, match="alias_groups") as ei:
+        checkpoint.load({"w": torch.zeros(3)}, path)
+    assert str(path / INDEX) in str(ei.value)
