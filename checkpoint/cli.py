@@ -168,14 +168,17 @@ def load_model(spec: str):
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise BadInput(f"--model {spec!r}: {e}") from None
-    model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+    try:
+        model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
+    except Exception as e:  # noqa: BLE001 - e.g. a class that needs a config: say so, no traceback
+        raise BadInput(f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module")
     return model
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from .errors import MigrationError
+    from .errors import CheckpointExistsError, MigrationError
     from .migrate import migrate
 
     model = load_model(args.model) if args.model else None
@@ -186,6 +189,8 @@ def _migrate(args: argparse.Namespace) -> int:
             trusted_globals=args.trust, overwrite=args.overwrite, progress=True,
         )  # fmt: skip
         code = EXIT_OK
+    except CheckpointExistsError as e:  # the message names the API's overwrite=True; say the flag
+        raise BadInput(str(e).replace("overwrite=True", "--overwrite")) from None
     except MigrationError as e:
         report, code = e.report, EXIT_MISMATCH
         print(f"fqnckpt: {e}", file=sys.stderr)

@@ -135,3 +135,20 @@ def test_migrate_table_is_short_unless_keys_asked(tmp_path, capsys):
     assert main(["migrate", "--keys", str(tmp_path / "many.safetensors"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert out.count(" -> layers.") == 15 and "more (--keys" not in out
+
+
+def test_migrate_new_user_mistakes_are_exit_2_with_the_cli_spelling(tmp_path, capsys):
+    save_file({"_orig_mod.w": torch.ones(2)}, tmp_path / "c.safetensors")
+    src, dst = str(tmp_path / "c.safetensors"), str(tmp_path / "out")
+    # a class that needs arguments (transformers' BertModel needs a config): message, not a traceback
+    assert main(["migrate", src, dst, "--model", "torch.nn:Linear"]) == 2
+    err = capsys.readouterr().err
+    assert "--model 'torch.nn:Linear': calling Linear() failed: TypeError" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert main(["migrate", src, dst]) == 0
+    capsys.readouterr()
+    # a second run names the flag, not the Python keyword
+    assert main(["migrate", src, dst]) == 2
+    err = capsys.readouterr().err
+    assert f"{dst} already exists; pass --overwrite to replace it" in err and "overwrite=True" not in err
+    assert main(["migrate", src, dst, "--overwrite"]) == 0
