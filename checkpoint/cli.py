@@ -133,7 +133,12 @@ def _inspect(args: argparse.Namespace) -> int:
 def _migrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (pickle, safetensors, index, DCP directory)")
     p.add_argument("dst", help="output checkpoint directory")
-    p.add_argument("--model", metavar="MODULE:CALLABLE", help="builds the target eager nn.Module")
+    p.add_argument(
+        "--model",
+        metavar="MODULE:CALLABLE",
+        help="called with no arguments, returns the target eager nn.Module (meta device is enough), "
+        "e.g. checkpoint.demo:minilm_model; the current directory is importable",
+    )
     p.add_argument("--fqn-map", metavar="FILE", help="FQN map JSON saved at capture time")
     p.add_argument(
         "--rule", action="append", default=[], metavar="REGEX=REPL", help="renaming rule (repeatable)"
@@ -339,7 +344,11 @@ register_command(
 # -- entry point -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one subparser per registered :class:`Command`."""
-    parser = argparse.ArgumentParser(prog="fqnckpt", description="PyTorch checkpoints in eager FQNs")
+    parser = argparse.ArgumentParser(
+        prog="fqnckpt",
+        description="PyTorch checkpoints in eager FQNs",
+        epilog="exit codes: 0 ok, 1 a check found a mismatch, 2 bad input. 'fqnckpt COMMAND --help' for options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for cmd in _COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
