@@ -157,3 +157,23 @@ class TinyTransformer(nn.Module):
         for layer in self.layers:
             layer.init_weights()
         self.norm.init_weights()
+
+
+class Base(nn.Module):
+    """A base model (B28): its checkpoint goes into ``WithHead`` under the ``backbone.`` prefix."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layer = nn.Linear(4, 4)
+
+
+class WithHead(nn.Module):
+    """``Base`` under ``backbone`` plus a classifier head (Hugging Face's ``base_model_prefix``)."""
+
+    base_model_prefix = "backbone"
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = Base()
+        self.classifier = nn.Linear(4, 3)

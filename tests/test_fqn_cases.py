@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import fqn
+from tests.models import Base, WithHead
 
 warnings.filterwarnings("ignore")
 
@@ -458,22 +459,6 @@ def test_b23_container_prefix_added_and_removed():
     # Keys that disagree on the prefix are not rewritten.
     with pytest.raises(fqn.UnknownNameError):
         fqn.resolve(["model.layers.0.weight", "other.out.weight"], Net23())
-
-
-class Base(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.layer = nn.Linear(4, 4)
-
-
-class WithHead(nn.Module):
-    base_model_prefix = "backbone"
-
-    def __init__(self):
-        super().__init__()
-        self.backbone = Base()
-        self.classifier = nn.Linear(4, 3)
 
 
 def test_b28_base_prefix_with_head_keys_reported():

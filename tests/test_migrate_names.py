@@ -16,6 +16,7 @@ from checkpoint.errors import MigrationError
 from checkpoint.migrate import REPORT_NAME, migrate, read_report
 from checkpoint.reader import open_checkpoint
 from fqn import FQNMap
+from tests.models import Base, WithHead
 
 
 def _load_strict(model: nn.Module, dst) -> None:
@@ -221,22 +222,6 @@ def test_b13_weight_norm_spellings(tmp_path, direction):
     _load_strict(dst, tmp_path / "out")
     x = torch.randn(1, 4, 5)
     assert torch.allclose(dst.conv(x), src.conv(x), atol=1e-6)
-
-
-class Base(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.layer = nn.Linear(4, 4)
-
-
-class WithHead(nn.Module):
-    base_model_prefix = "backbone"
-
-    def __init__(self):
-        super().__init__()
-        self.backbone = Base()
-        self.classifier = nn.Linear(4, 3)
 
 
 def test_b28_base_checkpoint_into_model_with_head(tmp_path):
