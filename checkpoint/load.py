@@ -56,7 +56,7 @@ def _plan(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module |
     copies = []
     for e in state.entries:
         stored = [n for n in e.names if n in sources and sources[n] == n]
-        _check_tied_values(reader, stored, path)
+        check_tied_values(reader, stored, path)
         key = stored[0] if stored else None
         key = key or next((sources[n] for n in e.names if n in sources), None)
         if key is None:
@@ -93,9 +93,13 @@ def _plan(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module |
     return report, copies
 
 
-def _check_tied_values(reader: CheckpointReader, stored: list[str], path: str) -> None:
+def check_tied_values(reader, stored: list[str], path: str) -> None:
     """Several names of one tied target tensor stored separately must hold equal values (read
-    here, before anything is copied); otherwise one would silently overwrite the other."""
+    here, before anything is copied); otherwise one would silently overwrite the other.
+
+    ``reader`` is anything with ``get(key)`` and ``file_of(key)`` (a checkpoint or a migration
+    source). Raises :class:`TiedValuesMismatchError` when shape, dtype or bytes differ.
+    """
     if len(stored) < 2:
         return
     first = reader.get(stored[0])

@@ -27,6 +27,7 @@ from fqn import FQNMap, TensorKind, canonical_fqn, dtype_name, eager_tensors
 from fqn.rules import WRAPPER_SEGMENTS
 
 from .errors import MigrationError
+from .load import check_tied_values
 from .sources import OptimizerInfo, Source, open_source
 
 REPORT_NAME = "migration_report.json"
@@ -99,6 +100,8 @@ class MigrationReport(BaseModel):
     missing: list[str] = Field(default_factory=list)
     ignorable: list[str] = Field(default_factory=list)
     alias_groups: list[list[str]] = Field(default_factory=list)
+    # Source keys that hold one tied tensor: stored once, after their values were checked equal.
+    tied_sources: list[list[str]] = Field(default_factory=list)
     skipped: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
     optimizer_param_groups: list[dict[str, Any]] | None = None
@@ -404,6 +407,8 @@ def migrate(
         if not report.ok and not allow_unresolved:
             raise MigrationError(report, report.problems())
         report.total_bytes = sum(source.nbytes(s) for s in plan.values())
+        for srcs in report.tied_sources:  # never let one alias silently stand for a different one
+            check_tied_values(source, srcs, str(src))
         if dry_run:
             return report
         _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress)
@@ -456,6 +461,8 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
                 )
                 continue
         plan[canon] = chosen
+        if len(srcs) > 1:
+            report.tied_sources.append(srcs)
         for s in srcs:
             steps = list(planned[s][1])
             if s != chosen:

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch.nn.utils import weight_norm as legacy_weight_norm
 from torch.nn.utils.parametrizations import weight_norm as param_weight_norm
 
-from checkpoint.errors import MigrationError
+from checkpoint.errors import MigrationError, TiedValuesMismatchError
 from checkpoint.migrate import REPORT_NAME, migrate, read_report
 from checkpoint.reader import open_checkpoint
 from fqn import FQNMap
@@ -258,9 +258,17 @@ def test_non_persistent_buffer_ignorable_and_tied_alias(tmp_path):
     assert report.ignorable == ["rope"] and report.alias_groups == [["emb.weight", "head.weight"]]
     with open_checkpoint(tmp_path / "out") as r:
         assert r.keys() == ["emb.weight"]
+    assert report.tied_sources == [["emb.weight", "head.weight"]]
     dst = _seeded(Tied, seed=3)
     _load_strict(dst, tmp_path / "out")
     assert torch.equal(dst.head.weight, src.emb.weight)
+
+    # The two names of one tied tensor with different values: refused, nothing written.
+    sd["head.weight"] = sd["head.weight"] + 1
+    save_file(sd, tmp_path / "bad.safetensors")
+    with pytest.raises(TiedValuesMismatchError, match=r"emb\.weight.*head\.weight.*bad\.safetensors"):
+        migrate(tmp_path / "bad.safetensors", tmp_path / "out2", model=Tied())
+    assert not (tmp_path / "out2").exists()
 
 
 def test_optimizer_state_by_names_order_or_refused(tmp_path):
