@@ -185,13 +185,15 @@ def sniff(path: str | os.PathLike) -> str:
     if p.is_file():
         kind = sniff_file(p)
         return "safetensors-sharded" if kind == "index" else kind
+    if not p.is_dir():  # a FIFO / socket / device: opening it could block or never end
+        raise CheckpointNotFoundError(str(p), "not a regular file or a directory")
     if (p / ".metadata").is_file():
         return "dcp"
     if (p / "sharded").is_dir() and _dcp_hf_files(p / "sharded"):
         return "dcp-hf-sharded"
     if _dcp_hf_files(p):
         return "dcp-hf-sharded"
-    if _index_files(p) or list(p.glob("*.safetensors")):
+    if _index_files(p) or _st_files(p):
         return "safetensors-sharded"
     pickles = [f for f in sorted(p.iterdir()) if f.is_file() and f.suffix in (".pt", ".pth", ".bin", ".ckpt")]
     if len(pickles) == 1:
@@ -200,11 +202,16 @@ def sniff(path: str | os.PathLike) -> str:
 
 
 def _index_files(d: Path) -> list[Path]:
-    return sorted(d.glob("*.index.json"))
+    return sorted(f for f in d.glob("*.index.json") if f.is_file())
+
+
+def _st_files(d: Path) -> list[Path]:
+    """Regular ``*.safetensors`` files of ``d``: a FIFO so named would block the reader forever."""
+    return sorted(f for f in d.glob("*.safetensors") if f.is_file())
 
 
 def _dcp_hf_files(d: Path) -> list[Path]:
-    files = sorted(d.glob("*.safetensors"))
+    files = _st_files(d)
     out = []
     for f in files:
         try:
@@ -544,7 +551,7 @@ def _open_safetensors(path: Path) -> Source:
                 raise TensorNotInShardError(key, f, found)
             specs[key], file_of[key] = headers[f][key], f
     else:  # shards without an index: every *.safetensors file, each key in exactly one
-        files = [f.name for f in sorted(root.glob("*.safetensors"))]
+        files = [f.name for f in _st_files(root)]
         for f in files:
             for key, s in _st_header(root / f).items():
                 if key in file_of:

@@ -14,6 +14,7 @@ import torch
 
 import checkpoint
 from checkpoint import CorruptCheckpointError
+from checkpoint.cli import EXIT_BAD_INPUT
 from checkpoint.cli import main as cli_main
 
 INDEX = "model.safetensors.index.json"
@@ -88,3 +89,57 @@ def test_alias_group_shorter_than_two_is_corrupt(tmp_path, groups):
     with pytest.raises(CorruptCheckpointError, match="alias_groups") as ei:
         checkpoint.load({"w": torch.zeros(3)}, path)
     assert str(path / INDEX) in str(ei.value)
+
+
+# -- FIFOs and other non-regular files ---------------------------------------------------------------
+
+
+def _cli_with_fifo_writers(capsys, argv, fifos):
+    """Run the CLI while a shell waits to write each FIFO: opening a FIFO for reading blocks until
+    a writer comes, so the writers keep a buggy reader from hanging the test. A writer still
+    waiting afterwards proves nothing opened its FIFO. Returns (rc, stderr, FIFOs opened)."""
+    import subprocess
+
+    logs = [f"{f}.opened" for f in fifos]
+    writers = [
+        subprocess.Popen(["sh", "-c", 'while :; do : > "$0"; echo >> "$1"; done', str(f), log])
+        for f, log in zip(fifos, logs)
+    ]
+    try:
+        rc, err = run_cli(capsys, *argv)
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait()
+    opened = [f for f, log in zip(fifos, logs) if os.path.exists(log)]
+    return rc, err, opened
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "migrate"])
+def test_fifo_named_safetensors_never_blocks(tmp_path, capsys, cmd):
+    d = tmp_path / "src"
+    d.mkdir()
+    fifo, fifo_index = d / "x.safetensors", d / "x.safetensors.index.json"
+    os.mkfifo(fifo)
+    os.mkfifo(fifo_index)
+    argv = [cmd, str(d)] + ([str(tmp_path / "out")] if cmd == "migrate" else [])
+    rc, err, opened = _cli_with_fifo_writers(capsys, argv, [fifo, fifo_index])
+    assert opened == []
+    assert rc == EXIT_BAD_INPUT and "no checkpoint" in err and str(d) in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    # A real checkpoint next to the FIFO still reads (the FIFO is not a shard).
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(3.0)}, str(d / "model.safetensors"))
+    rc, err, opened = _cli_with_fifo_writers(capsys, ["inspect", str(d)], [fifo, fifo_index])
+    assert rc == 0 and opened == [], err
+
+
+@pytest.mark.parametrize("name", ["fifo", "fifo.safetensors"])
+def test_fifo_as_source_path_is_bad_input(tmp_path, capsys, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    rc, err, opened = _cli_with_fifo_writers(capsys, ["inspect", str(fifo)], [fifo])
+    assert opened == [] and rc == EXIT_BAD_INPUT and str(fifo) in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
