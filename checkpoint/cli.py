@@ -173,6 +173,8 @@ def load_model(spec: str):
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise BadInput(f"--model {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the module itself raises / does not parse: no traceback
+        raise BadInput(f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}") from None
     try:
         model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     except Exception as e:  # noqa: BLE001 - e.g. a class that needs a config: say so, no traceback
@@ -367,8 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)
-    except (BadInput, CheckpointError, fqn.FQNError, FileNotFoundError, ValueError, KeyError) as e:
+    except (BadInput, CheckpointError, fqn.FQNError, OSError, ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        # One line: pydantic / multi-line messages are joined, pydantic's doc links dropped.
+        lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()]
+        msg = "; ".join(ln for ln in lines if not ln.startswith("For further information visit"))
         print(f"fqnckpt {args.command}: error: {msg}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

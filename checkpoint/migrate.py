@@ -19,14 +19,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
 import fqn
 from fqn import FQNMap, TensorKind, canonical_fqn, dtype_name, eager_tensors
 from fqn.rules import WRAPPER_SEGMENTS
 
-from .errors import MigrationError
+from .errors import CorruptCheckpointError, MigrationError
 from .load import check_tied_values
 from .sources import OptimizerInfo, Source, open_source
 
@@ -189,6 +189,10 @@ def compile_rules(rules: Iterable[tuple[str, str] | str]) -> list[tuple[str, re.
             rx = re.compile(rf"(?:(?<![^.])|(?=\.))(?:{pat})(?:(?![^.])|(?<=\.))")
         except re.error as e:
             raise ValueError(f"rule regex {pat!r} does not compile: {e}") from None
+        try:
+            rx.sub(repl, "")  # parses the replacement template (bad group references) up front
+        except re.error as e:
+            raise ValueError(f"rule {pat!r}: replacement {repl!r} is invalid: {e}") from None
         out.append((pat, rx, repl))
     return out
 
@@ -208,7 +212,12 @@ def _apply_rules(name: str, rules: Sequence[tuple[str, re.Pattern, str]]) -> tup
 def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
     if fqn_map is None or isinstance(fqn_map, FQNMap):
         return fqn_map
-    return FQNMap.from_json(Path(fqn_map).read_bytes())
+    try:
+        return FQNMap.from_json(Path(fqn_map).read_bytes())
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "document"
+        raise CorruptCheckpointError(str(fqn_map), f"not an FQN map JSON: {where}: {err['msg']}") from None
 
 
 def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str, str], list[Unresolved]]:

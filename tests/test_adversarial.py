@@ -143,3 +143,52 @@ def test_fifo_as_source_path_is_bad_input(tmp_path, capsys, name):
     rc, err, opened = _cli_with_fifo_writers(capsys, ["inspect", str(fifo)], [fifo])
     assert opened == [] and rc == EXIT_BAD_INPUT and str(fifo) in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+# -- CLI: bad input is exit 2 with one line, never a traceback ---------------------------------------
+
+
+@pytest.fixture
+def pickle_src(tmp_path):
+    p = tmp_path / "m.pt"
+    torch.save({"l.weight": torch.ones(2, 3), "l.bias": torch.ones(2)}, p)
+    return p
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ('raise RuntimeError("boom at import")\n', "boom at import"),
+        ("def (:\n", "SyntaxError"),
+    ],
+    ids=["raises_at_import", "syntax_error"],
+)
+def test_cli_model_module_failing_at_import(tmp_path, capsys, monkeypatch, pickle_src, body, needle):
+    name = f"adv_mod_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(os.sys.path))  # load_model puts the cwd on sys.path
+    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--model", f"{name}:f")
+    assert rc == EXIT_BAD_INPUT
+    assert needle in err and f"{name}:f" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "not_json", "wrong_schema"])
+def test_cli_bad_fqn_map_file(tmp_path, capsys, pickle_src, kind):
+    fm = tmp_path / "map.json"
+    if kind == "directory":
+        fm.mkdir()
+    elif kind == "not_json":
+        fm.write_text("hello")
+    else:
+        fm.write_text('{"version": 2, "records": []}')
+    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--fqn-map", str(fm))
+    assert rc == EXIT_BAD_INPUT and str(fm) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_rule_with_bad_group_reference(tmp_path, capsys, pickle_src):
+    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--rule", r"l=\9")
+    assert rc == EXIT_BAD_INPUT and "invalid group reference" in err and r"'l'" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
