@@ -146,7 +146,7 @@ def _split(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]
             cur, size = [], 0
         cur.append(s)
         size += s.nbytes
-    if cur or not groups:
+    if cur:  # no tensors, no files: a file the index cannot name would make the checkpoint unloadable
         groups.append(cur)
     return groups
 

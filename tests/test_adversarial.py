@@ -192,3 +192,18 @@ def test_cli_rule_with_bad_group_reference(tmp_path, capsys, pickle_src):
     rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--rule", r"l=\9")
     assert rc == EXIT_BAD_INPUT and "invalid group reference" in err and r"'l'" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+# -- checkpoints with zero tensors ---------------------------------------------------------------------
+
+
+def test_empty_state_dict_round_trips(tmp_path):
+    """Saving a state_dict with no tensors wrote a shard file the index did not name, so the
+    checkpoint it committed could not be loaded or verified."""
+    path = tmp_path / "ck"
+    idx = checkpoint.save({}, path)
+    assert idx.weight_map == {} and idx.files() == [] and idx.metadata.total_size == 0
+    assert sorted(os.listdir(path)) == [INDEX]
+    assert checkpoint.load({}, path).loaded_keys == []
+    rep = checkpoint.verify(path)
+    assert rep.ok and rep.tensors == 0, rep.problems
