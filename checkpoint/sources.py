@@ -303,13 +303,15 @@ def _has_tensors(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-def _flatten(obj: Mapping, prefix: str, out: dict[str, Any], skipped: dict[str, str]) -> None:
+def _flatten(obj: Mapping, prefix: str, out: dict[str, Any], skipped: dict[str, str], path: Path) -> None:
     for k, v in obj.items():
         name = f"{prefix}{k}"
         if isinstance(v, torch.Tensor):
+            if name in out:  # {"a": {"b": t}, "a.b": u} or {1: t, "1": u}: never keep one silently
+                raise CorruptCheckpointError(str(path), f"two entries both flatten to tensor name {name!r}")
             out[name] = v
         elif isinstance(v, Mapping) and _has_tensors(v):
-            _flatten(v, name + ".", out, skipped)
+            _flatten(v, name + ".", out, skipped, path)
         else:
             skipped[name] = type(v).__name__
 
@@ -412,7 +414,7 @@ class _PickleReader:
             if isinstance(cont, torch.Tensor):
                 tensors[self.container or "tensor"] = cont
             else:
-                _flatten(cont, "", tensors, skipped)
+                _flatten(cont, "", tensors, skipped, self.path)
         self.tensors, self.skipped = tensors, skipped
         self.touched = 0
 

@@ -207,3 +207,26 @@ def test_empty_state_dict_round_trips(tmp_path):
     assert checkpoint.load({}, path).loaded_keys == []
     rep = checkpoint.verify(path)
     assert rep.ok and rep.tensors == 0, rep.problems
+
+
+# -- pickle entries whose flattened names collide --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj,name",
+    [
+        ({"a": {"b": torch.ones(2)}, "a.b": torch.zeros(2)}, "a.b"),
+        ({1: torch.ones(2), "1": torch.zeros(2)}, "1"),
+    ],
+    ids=["nested_vs_dotted", "int_vs_str_key"],
+)
+def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
+    """Both entries became one tensor name and the first was silently dropped."""
+    from checkpoint.migrate import migrate
+
+    src = tmp_path / "m.pt"
+    torch.save(obj, src)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        migrate(src, tmp_path / "out")
+    assert repr(name) in str(ei.value) and str(src) in str(ei.value)
+    assert not (tmp_path / "out").exists()
