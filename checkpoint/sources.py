@@ -42,6 +42,7 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
+from .layout import ST_TO_DTYPE
 
 ZIP_MAGIC = b"PK\x03\x04"
 LFS_MAGIC = b"version https://git-lfs"
@@ -507,12 +508,8 @@ def _st_header(path: Path) -> dict[str, SourceSpec]:
         raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}  # fmt: skip
+# The writer's own table, so every dtype fqnckpt saves (C64, FNUZ float8s too) can be read back.
+_ST_DTYPES = ST_TO_DTYPE
 
 
 def _st_dtype(name: str, path: Path, key: str) -> torch.dtype:

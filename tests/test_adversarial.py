@@ -230,3 +230,19 @@ def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
         migrate(src, tmp_path / "out")
     assert repr(name) in str(ei.value) and str(src) in str(ei.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_complex64_checkpoint_inspect_and_migrate(tmp_path, capsys):
+    """fqnckpt saves complex64 (C64) but its source reader did not know the dtype, so its own
+    checkpoints could not be inspected, diffed or migrated."""
+    from checkpoint.migrate import migrate
+
+    c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)
+    checkpoint.save({"c": c, "w": torch.arange(2.0)}, tmp_path / "ck")
+    rc, err = run_cli(capsys, "inspect", str(tmp_path / "ck"))
+    assert rc == 0, err
+    rep = migrate(tmp_path / "ck", tmp_path / "out")
+    assert rep.mapping == {"c": "c", "w": "w"}
+    target = {"c": torch.zeros(2, dtype=torch.complex64), "w": torch.zeros(2)}
+    checkpoint.load(target, tmp_path / "out")
+    assert torch.equal(target["c"], c) and torch.equal(target["w"], torch.arange(2.0))
