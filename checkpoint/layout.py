@@ -53,7 +53,13 @@ class TensorSpec:
 
     @classmethod
     def of(cls, fqn: str, tensor: torch.Tensor) -> TensorSpec:
-        """Spec of ``tensor`` (a DTensor gives its global shape)."""
+        """Spec of ``tensor`` (a DTensor gives its global shape).
+
+        Raises:
+            TypeError: ``tensor`` is not strided (sparse / mkldnn layouts have no flat bytes to store).
+        """
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{fqn!r} has layout {tensor.layout}; only dense (strided) tensors can be saved")
         return cls(fqn, tuple(tensor.shape), tensor.dtype)
 
     @property

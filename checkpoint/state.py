@@ -83,8 +83,8 @@ def module_state(model: nn.Module) -> ModuleState:
 
 def _storage_key(t: torch.Tensor) -> tuple | None:
     """Identity of the bytes a tensor shows; None for empty tensors (all share data_ptr 0)."""
-    if t.numel() == 0:
-        return None
+    if t.numel() == 0 or t.layout != torch.strided:
+        return None  # sparse tensors are refused by name in TensorSpec.of
     base = t._local_tensor if isinstance(t, DTensor) else t
     extra = (t.placements, t.shape) if isinstance(t, DTensor) else ()
     return (base.data_ptr(), tuple(base.shape), tuple(base.stride()), base.dtype, str(base.device), *extra)

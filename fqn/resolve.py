@@ -261,6 +261,8 @@ def resolve_report(
             or several container prefixes fit equally.
         FQNCollisionError: two source names resolve to the same target name.
     """
+    if isinstance(names, str) or not isinstance(model, nn.Module):
+        raise TypeError("resolve takes an iterable of names (not one string) and an nn.Module model")
     names = list(names)
     idx = _ModelNames(model)
     hits: dict[str, Hit] = {}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint
+import fqn
 from checkpoint import CorruptCheckpointError
 from checkpoint.cli import EXIT_BAD_INPUT
 from checkpoint.cli import main as cli_main
@@ -246,3 +247,17 @@ def test_complex64_checkpoint_inspect_and_migrate(tmp_path, capsys):
     target = {"c": torch.zeros(2, dtype=torch.complex64), "w": torch.zeros(2)}
     checkpoint.load(target, tmp_path / "out")
     assert torch.equal(target["c"], c) and torch.equal(target["w"], torch.arange(2.0))
+
+
+def test_sparse_tensor_is_a_typeerror_naming_the_key(tmp_path):
+    with pytest.raises(TypeError, match="'s'.*sparse"):
+        checkpoint.save({"w": torch.ones(2), "s": torch.eye(3).to_sparse()}, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_resolve_rejects_a_single_string_and_a_non_module():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="iterable of names"):
+        fqn.resolve("weight", model)
+    with pytest.raises(TypeError, match="nn.Module"):
+        fqn.resolve(["weight"], None)
