@@ -38,7 +38,10 @@ def default_backend() -> str:
 
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
     try:
@@ -78,7 +81,9 @@ def run_ranks(
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, backend, timeout, fn, args, queue), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -91,7 +96,9 @@ def run_ranks(
     try:
         while len(results) + len(errors) < world_size:
             if time.monotonic() > deadline:
-                raise RankFailedError(f"ranks did not finish within {timeout:.0f} s (world size {world_size})")
+                raise RankFailedError(
+                    f"ranks did not finish within {timeout:.0f} s (world size {world_size})"
+                )
             if queue.empty():
                 if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
                     time.sleep(0.2)

@@ -38,7 +38,10 @@ def test_save_pretrained_sharded_loads_into_eager(tmp_path, tie):
     rep = checkpoint.load(dst, tmp_path / "hf")
     assert rep.ok and rep.unexpected_keys == [] and rep.ignorable_keys == []
     if tie:
-        assert "lm_head.weight" not in index["weight_map"] and dst.lm_head.weight is dst.model.embed_tokens.weight
+        assert (
+            "lm_head.weight" not in index["weight_map"]
+            and dst.lm_head.weight is dst.model.embed_tokens.weight
+        )
     with torch.no_grad():
         assert torch.equal(dst(TOKENS).logits, src(TOKENS).logits)
 
