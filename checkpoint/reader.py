@@ -110,15 +110,38 @@ def _header_problem(path: str) -> str:
     return ""
 
 
-def _open_safetensors(path: str):
+def open_safetensors(path: str):
+    """``safetensors.safe_open(path, framework="pt")`` plus the one check it lacks: a tensor name
+    appearing twice in the JSON header (safetensors keeps the last entry silently).
+
+    Raises:
+        CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
+            where it can, and Git LFS pointers), or the header repeats a tensor name.
+    """
     try:
-        return safe_open(path, framework="pt")
+        handle = safe_open(path, framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
         raise CorruptCheckpointError(
             path,
             f"not a valid safetensors file (bad or truncated header or offsets): {e}"
             f"{_header_problem(path)}{_lfs_hint(path)}",
         ) from e
+    _check_unique_header_keys(path)
+    return handle
+
+
+def _check_unique_header_keys(path: str) -> None:
+    def pairs(items):
+        seen = set()
+        for k, _ in items:
+            if k in seen:
+                raise CorruptCheckpointError(path, f"header names tensor {k!r} twice")
+            seen.add(k)
+        return dict(items)
+
+    with open(path, "rb") as f:  # safe_open has validated the length already
+        (n,) = struct.unpack("<Q", f.read(8))
+        json.loads(f.read(n), object_pairs_hook=pairs)
 
 
 def read_index(path: str) -> IndexFile:
@@ -230,14 +253,14 @@ class CheckpointReader:
         name = self._key_file[self._known(key)]
         h = self._handles.get(name)
         if h is None:
-            h = self._handles[name] = _open_safetensors(os.path.join(self.root, name))
+            h = self._handles[name] = open_safetensors(os.path.join(self.root, name))
         return h
 
     def _load_headers(self) -> None:
         """Open every named file, check the index against the headers (before any data is read)."""
         in_file: dict[str, list[str]] = {}
         for name in self.files:
-            h = self._handles[name] = _open_safetensors(os.path.join(self.root, name))
+            h = self._handles[name] = open_safetensors(os.path.join(self.root, name))
             for k in h.keys():
                 in_file.setdefault(k, []).append(name)
                 sl = h.get_slice(k)
@@ -295,7 +318,7 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         if not path.endswith(".safetensors"):
             raise CheckpointNotFoundError(path, "expected a directory or a .safetensors file")
         root, name = os.path.dirname(path), os.path.basename(path)
-        h = _open_safetensors(path)
+        h = open_safetensors(path)
         reader = CheckpointReader(root, None, None, {k: name for k in h.keys()})
         reader._load_headers()
         return reader
@@ -319,7 +342,7 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         reader = CheckpointReader(path, index, idx_path, dict(index.weight_map))
         _warn_strays(path, prefix, set(files))
     elif os.path.isfile(single):
-        h = _open_safetensors(single)
+        h = open_safetensors(single)
         reader = CheckpointReader(path, None, None, {k: f"{prefix}.safetensors" for k in h.keys()})
     else:
         raise CheckpointNotFoundError(path, f"no {index_name(prefix)} and no {prefix}.safetensors")

@@ -43,6 +43,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .layout import ST_TO_DTYPE
+from .reader import open_safetensors
 
 ZIP_MAGIC = b"PK\x03\x04"
 LFS_MAGIC = b"version https://git-lfs"
@@ -496,7 +497,7 @@ class _FileReader:
 
 def _st_header(path: Path) -> dict[str, SourceSpec]:
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(str(path)) as f:
             out = {}
             for k in f.keys():
                 sl = f.get_slice(k)

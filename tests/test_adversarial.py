@@ -261,3 +261,16 @@ def test_resolve_rejects_a_single_string_and_a_non_module():
         fqn.resolve("weight", model)
     with pytest.raises(TypeError, match="nn.Module"):
         fqn.resolve(["weight"], None)
+
+
+def test_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """safetensors keeps the last of two same-named header entries silently; we refuse the file."""
+    entry = '"w":{"dtype":"F32","shape":[%d],"data_offsets":[0,%d]}'
+    # The last entry covers all the data, so safetensors itself accepts the file.
+    header = ("{" + entry % (1, 4) + "," + entry % (2, 8) + "}").encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "dup.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.0, 2.0))
+    with pytest.raises(CorruptCheckpointError, match=r"dup\.safetensors.*'w' twice"):
+        checkpoint.load({"w": torch.zeros(1)}, path)
+    assert cli_main(["inspect", str(path)]) == EXIT_BAD_INPUT
