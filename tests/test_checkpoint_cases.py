@@ -139,7 +139,7 @@ def test_b19_index_maps_tensor_to_shard_lacking_it(tmp_path):
     # Misplaced: present, but in another shard than indexed (a union check would pass).
     del wm["aux_fc.weight"]
     write_index(tmp_path, dict(wm, **{"trunk.bias": s2}))
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(TensorNotInShardError) as ei:
         open_checkpoint(tmp_path)
     assert ei.value.key == "trunk.bias" and ei.value.shard == s2 and ei.value.found_in == s1
 

@@ -71,7 +71,7 @@ def test_parse_size_hf_semantics():
     )
     assert parse_size(123) == 123 and parse_size("1.5KB") == 1500
     for bad in ("5 parsecs", 0, -1, "abc", True):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="max_shard_size"):
             parse_size(bad)
 
 
