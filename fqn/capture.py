@@ -110,17 +110,7 @@ def map_from_capture(
     """
     records = eager_tensors(model)
     by_id = {id(t.tensor): t.fqn for t in records}
-    fmap = FQNMap(
-        TensorRecord(
-            fqn=t.fqn,
-            aliases=list(t.aliases),
-            kind=t.kind,
-            shape=list(t.tensor.shape),
-            dtype=dtype_name(t.tensor.dtype),
-            provenance=Provenance.identity,
-        )
-        for t in records
-    )
+    fmap = FQNMap.from_module(model, Provenance.identity)
     for name, t in _graph_tensors(gm, example_inputs):
         fqn = by_id.get(id(t))
         if fqn is not None:
