@@ -209,7 +209,7 @@ def save(
 # -- distributed ------------------------------------------------------------------------------
 
 
-def _owned_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+def _owned_block(t: torch.Tensor, index: int, fqn: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """The block this rank writes of tensor ``t`` and its element offset, or None.
 
     A DTensor's local shard is written by the rank whose coordinate is 0 on every mesh dim that
@@ -224,7 +224,7 @@ def _owned_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, tuple[int, 
         )
     if any(type(p) not in (Shard, Replicate) for p in t.placements):  # e.g. _StridedShard
         raise NotImplementedError(
-            f"placements {t.placements} are not supported for saving (Shard/Replicate only)"
+            f"{fqn!r}: placements {t.placements} are not supported for saving (Shard/Replicate only)"
         )
     coord = t.device_mesh.get_coordinate()
     if coord is None:
@@ -238,7 +238,7 @@ def _owned_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, tuple[int, 
     local = t.to_local()
     if tuple(local.shape) != tuple(shape):
         raise RuntimeError(
-            f"local shard of shape {tuple(local.shape)} differs from the expected {tuple(shape)}"
+            f"{fqn!r}: local shard of shape {tuple(local.shape)} differs from the expected {tuple(shape)}"
         )
     return local, tuple(offset)
 
@@ -279,7 +279,9 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
                     fd = None
                     try:
                         for i, slot in enumerate(f.slots):
-                            block = _owned_block(_fetch_any(part, slot.spec), _base(lay, f) + i)
+                            block = _owned_block(
+                                _fetch_any(part, slot.spec), _base(lay, f) + i, slot.spec.fqn
+                            )
                             if block is None:
                                 continue
                             fd = fd if fd is not None else open_shard_file(os.path.join(staging_dir, f.name))
