@@ -95,6 +95,7 @@ def test_concurrent_saves_never_interleave(tmp_path):
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads)  # a hung save would otherwise pass unnoticed
     assert errors == []
     got = _content(path)
     assert any(_is(got, sd) for sd in sds) and checkpoint.verify(path).ok
