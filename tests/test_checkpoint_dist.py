@@ -184,6 +184,8 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
     stats.reset()
     rep = checkpoint.load(target, path)
     read = stats.bytes_read
+    # What this rank holds after the load: its local shards (a plain tensor is held whole).
+    held = sum((v.to_local() if hasattr(v, "to_local") else v).nbytes for v in target.values())
     ref = reference_tensors()
     ok = {
         k: bool(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, ref[k]))
@@ -196,6 +198,7 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
     return {
         "written": written,
         "read": read,
+        "held": held,
         "again": again,
         "ok": ok,
         "loaded": rep.loaded_keys,
@@ -224,6 +227,8 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
     # Each byte written exactly once: bytes written over all ranks == bytes of all shard files.
     on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in files)
     assert sum(r["written"] for r in res) == on_disk
+    # Each rank reads exactly the slices it holds, never whole tensors it does not keep.
+    assert [r["read"] for r in res] == [r["held"] for r in res]
     return res
 
 
