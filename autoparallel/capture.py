@@ -94,4 +94,4 @@ def capture(
         if name not in fqn_map:
             raise CaptureError(f"graph attribute {name!r} is not a tensor of {type(model).__name__}")
         attr_of.setdefault(fqn_map.to_eager(name), name)
-    return Captured(gm, fqn_map, attr_of, device or torch.device("cpu"), n_casts)
+    return Captured(gm, fqn_map, attr_of, device or torch.get_default_device(), n_casts)
