@@ -83,16 +83,21 @@ def replicate_free_tensors(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> int:
             users = [u for u in node.users if u in dependent or u.op == "output"]
             if not users:
                 continue
-            with graph.inserting_after(node):
-                wrap = graph.call_function(as_replicate, (node, key))
-            wrap.meta = dict(node.meta)
-            for u in users:
-                u.replace_input_with(node, wrap)
+            _reroute(graph, node, users, as_replicate, key)
             inserted += 1
             touched = True
         if touched:
             mod.recompile()
     return inserted
+
+
+def _reroute(graph: torch.fx.Graph, node: torch.fx.Node, users, fn, key: int) -> None:
+    """Insert ``fn(node, key)`` right after ``node`` and make ``users`` read it instead of ``node``."""
+    with graph.inserting_after(node):
+        wrapped = graph.call_function(fn, (node, key))
+    wrapped.meta = dict(node.meta)
+    for u in users:
+        u.replace_input_with(node, wrapped)
 
 
 def as_gathered(t: torch.Tensor, mesh_key: int) -> torch.Tensor:
@@ -120,11 +125,7 @@ def gather_state_before_use(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> int:
         if node.op != "get_attr" or not _is_tensor_node(gm, node):
             continue
         users = list(node.users)
-        with graph.inserting_after(node):
-            g = graph.call_function(as_gathered, (node, key))
-        g.meta = dict(node.meta)
-        for u in users:
-            u.replace_input_with(node, g)
+        _reroute(graph, node, users, as_gathered, key)
         inserted += 1
     if inserted:
         gm.recompile()

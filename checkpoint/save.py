@@ -80,6 +80,16 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
     return t
 
 
+def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
+    """Data is in place: write the index files last, then move the checkpoint into place."""
+    _faults.fault_point("after_data_written")
+    _faults.fault_point("before_index_write")
+    for part, idx in zip(parts, indexes):
+        staged.write_file(index_name(part.prefix), idx.to_json_bytes())
+    _faults.fault_point("after_index_write")
+    staged.commit()
+
+
 def _save_parts(
     path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes]
 ) -> list[IndexFile]:
@@ -107,12 +117,7 @@ def _save_parts(
                 indexes.append(_index(part, layout, records))
             for name, data in extra_files.items():
                 st.write_file(name, bytes(data))
-            _faults.fault_point("after_data_written")
-            _faults.fault_point("before_index_write")
-            for part, idx in zip(parts, indexes):
-                st.write_file(index_name(part.prefix), idx.to_json_bytes())
-            _faults.fault_point("after_index_write")
-            st.commit()
+            _write_indexes_and_commit(st, parts, indexes)
     except CheckpointError:
         raise
     except OSError as e:
@@ -324,12 +329,7 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
         err = None
         if rank == 0:
             try:
-                _faults.fault_point("after_data_written")
-                _faults.fault_point("before_index_write")
-                for part, idx in zip(parts, indexes):
-                    staged.write_file(index_name(part.prefix), idx.to_json_bytes())
-                _faults.fault_point("after_index_write")
-                staged.commit()
+                _write_indexes_and_commit(staged, parts, indexes)
             except BaseException as e:  # noqa: BLE001
                 err = (
                     CheckpointWriteError(path, f"{type(e).__name__}: {e}", 0)
