@@ -19,13 +19,13 @@ from .errors import (
     TiedValuesMismatchError,
     UnsafePathError,
 )
-from .format import IndexFile, parse_size
-from .layout import TensorSpec
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
-from .reader import CheckpointReader, StrayFileWarning, open_checkpoint
 from .reports import LoadReport, VerifyReport
 from .save import save, save_streaming
+from .storage.format import IndexFile, parse_size
+from .storage.layout import TensorSpec
+from .storage.reader import CheckpointReader, StrayFileWarning, open_checkpoint
 from .verify import verify
 
 __all__ = [

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from . import _faults
 from .errors import CheckpointExistsError
-from .format import MODEL_PREFIX, index_name
+from .storage.format import MODEL_PREFIX, index_name
 
 STAGING_TAG = ".fqnckpt-staging-"
 OLD_TAG = ".fqnckpt-old-"

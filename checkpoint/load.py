@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor
 from fqn import canonical_fqn
 from fqn.registry import dtype_name
 
-from . import dist
 from .errors import CheckpointMismatchError, TiedValuesMismatchError
-from .format import OPTIMIZER_PREFIX, index_name
-from .reader import CheckpointReader, open_checkpoint
+from .ranks import dist
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import ModuleState, object_state
+from .storage.format import OPTIMIZER_PREFIX, index_name
+from .storage.reader import CheckpointReader, open_checkpoint
 
 
 def local_slices(t: DTensor) -> tuple[slice, ...]:
@@ -152,7 +152,7 @@ def load(
 
     Raises (all before anything is copied):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
-        DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.reader.open_checkpoint`.
+        DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_checkpoint`.
         TiedValuesMismatchError: names the target ties are stored separately with different values.
         ChecksumMismatchError: ``verify`` and a file's size or sha256 differs from the index.
         CheckpointMismatchError: ``strict`` and missing / unexpected / shape-mismatched keys

@@ -543,8 +543,8 @@ def _plan_optimizer(source: Source, model, fmap, compiled, report: MigrationRepo
 
 
 def _write(source, plan, dst, report, fmap, max_shard_size, overwrite, progress) -> None:
-    from .layout import TensorSpec
     from .save import save_streaming
+    from .storage.layout import TensorSpec
 
     specs = [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in plan.items()]
     bar = tqdm(total=report.total_bytes, unit="B", unit_scale=True, desc="migrate", delay=1.0,

@@ -15,9 +15,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .errors import CheckpointError
-from .format import OptimizerMeta, ParamGroup
-from .reader import CheckpointReader
 from .state import Entry, ModuleState
+from .storage.format import OptimizerMeta, ParamGroup
+from .storage.reader import CheckpointReader
 
 
 class OptimizerMismatchError(CheckpointError):

@@ -18,10 +18,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fqn import FQNMap, FQNMapFile
 
-from . import _faults, dist
+from . import _faults
 from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
-from .format import (
+from .ranks import dist
+from .state import Entry, object_state
+from .storage.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     FileRecord,
@@ -31,9 +33,8 @@ from .format import (
     OptimizerMeta,
     index_name,
 )
-from .layout import Layout, TensorSpec, plan_layout
-from .state import Entry, object_state
-from .writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
+from .storage.layout import Layout, TensorSpec, plan_layout
+from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
 
 
 @dataclass

@@ -7,10 +7,10 @@ import os
 import struct
 
 from .errors import CheckpointError, CheckpointNotFoundError
-from .format import OPTIMIZER_PREFIX, index_name
-from .reader import CheckpointReader, open_checkpoint
 from .reports import FileCheck, VerifyReport
-from .writer import sha256_file
+from .storage.format import OPTIMIZER_PREFIX, index_name
+from .storage.reader import CheckpointReader, open_checkpoint
+from .storage.writer import sha256_file
 
 
 def _header_total(path: str) -> int:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 
 from autoparallel import AutoParallel, MixedPrecisionPolicy, apply_mixed_precision  # noqa: E402
-from checkpoint.launch import run_ranks  # noqa: E402
+from checkpoint.ranks.launch import run_ranks  # noqa: E402
 from tests.models import TinyConfig, TinyTransformer  # noqa: E402
 
 

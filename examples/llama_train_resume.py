@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard  # noqa: E402
 
 import checkpoint  # noqa: E402
 from autoparallel import AutoParallel, MixedPrecisionPolicy  # noqa: E402
-from checkpoint.launch import run_ranks  # noqa: E402
+from checkpoint.ranks.launch import run_ranks  # noqa: E402
 
 GLOBAL_BATCH = 4  # sequences per step, split over the ranks (a multiple of every world size used)
 SEQ = 16

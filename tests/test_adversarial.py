@@ -15,8 +15,8 @@ import torch
 import checkpoint
 import fqn
 from checkpoint import CorruptCheckpointError
-from checkpoint.cli import EXIT_BAD_INPUT
 from checkpoint.cli import main as cli_main
+from checkpoint.cli.main import EXIT_BAD_INPUT
 
 INDEX = "model.safetensors.index.json"
 

@@ -1,4 +1,4 @@
-"""Multi-rank checks of autoparallel (gloo, 127.0.0.1, via checkpoint.launch.run_ranks).
+"""Multi-rank checks of autoparallel (gloo, 127.0.0.1, via checkpoint.ranks.launch.run_ranks).
 
 One spawn per world size (1, 2, 4); the 4-rank spawn also runs a 2x2 mesh. Each rank compares the
 parallel module with the eager model: outputs and every gradient within 1e-5 in float32, within
@@ -26,7 +26,7 @@ from autoparallel import (
     apply_mixed_precision,
     dtensor_init_context,
 )
-from checkpoint.launch import run_ranks
+from checkpoint.ranks.launch import run_ranks
 from tests.models import TinyConfig, TinyTransformer, rope_tables
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

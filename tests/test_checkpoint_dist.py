@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import checkpoint
 from checkpoint import open_checkpoint
-from checkpoint.launch import run_ranks
+from checkpoint.ranks.launch import run_ranks
 
 CFG_BATCH, LR = 8, 1e-2  # resume test: global batch, AdamW learning rate
 
@@ -165,7 +165,7 @@ def _interop(mesh, path, hf_path):
 def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume_first, hf_path=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from checkpoint.writer import stats
+    from checkpoint.storage.writer import stats
 
     losses = _resume_phase(rank, world, resume_path, mesh_shape, resume_first)
 

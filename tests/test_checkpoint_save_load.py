@@ -25,7 +25,7 @@ from checkpoint import (
     open_checkpoint,
     parse_size,
 )
-from checkpoint.layout import plan_layout
+from checkpoint.storage.layout import plan_layout
 
 
 class Block(nn.Module):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint.cli import _COMMANDS, main
+from checkpoint.cli.main import _COMMANDS, main
 
 MODEL_SRC = textwrap.dedent(
     """

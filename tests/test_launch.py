@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint.launch import RankFailedError, run_ranks
+from checkpoint.ranks.launch import RankFailedError, run_ranks
 
 
 def _allreduce(rank, world_size):

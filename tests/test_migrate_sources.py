@@ -22,8 +22,8 @@ from checkpoint.errors import (
     UnsafePickleError,
 )
 from checkpoint.migrate import migrate, read_report
-from checkpoint.reader import open_checkpoint
 from checkpoint.sources import open_source, sniff
+from checkpoint.storage.reader import open_checkpoint
 
 
 def _sd(seed: int = 0) -> dict[str, torch.Tensor]:

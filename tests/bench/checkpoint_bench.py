@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
-from checkpoint.writer import stats  # noqa: E402
+from checkpoint.storage.writer import stats  # noqa: E402
 
 
 def make_state(total_bytes: int) -> dict[str, torch.Tensor]:
@@ -178,7 +178,7 @@ def _dist_rank(rank, world, root, gb, which):
 
 
 def distributed(root: str, gb: float, world: int = 2) -> None:
-    from checkpoint.launch import run_ranks
+    from checkpoint.ranks.launch import run_ranks
 
     res = run_ranks(_dist_rank, world, root, gb, "all", backend="gloo", timeout=1200)
     ours = os.path.join(root, "dist_ours")

@@ -155,7 +155,7 @@ def _budget(mode: str, seed: int) -> int:
     what the failing process writes, so every trial hits a full disk."""
     import random
 
-    from checkpoint.layout import TensorSpec, plan_layout
+    from checkpoint.storage.layout import TensorSpec, plan_layout
 
     sd = cw.values("new", 0, mode)
     shard = cw.SINGLE_SHARD_BYTES if mode == "single" else cw.RANKS_SHARD_BYTES

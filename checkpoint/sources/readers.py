@@ -2,7 +2,7 @@
 
 ``open_source(path)`` sniffs the format from the first bytes (not the extension) and returns a
 :class:`Source` with ``keys()`` / ``spec(key)`` / ``get(key)``, the interface of
-``checkpoint.reader.open_checkpoint``, so a migration streams one tensor at a time from any format:
+``checkpoint.storage.reader.open_checkpoint``, so a migration streams one tensor at a time from any format:
 
 * ``torch.save`` pickles (zip ``PK\\x03\\x04``; legacy non-zip, pickle protocol byte ``\\x80``):
   only ever ``weights_only=True``; unsafe globals are listed before loading and refused unless the
@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import safe_open
 
-from .errors import (
+from ..errors import (
     AmbiguousSourceError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -42,8 +42,8 @@ from .errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from .layout import ST_TO_DTYPE
-from .reader import open_safetensors
+from ..storage.layout import ST_TO_DTYPE
+from ..storage.reader import open_safetensors
 
 ZIP_MAGIC = b"PK\x03\x04"
 LFS_MAGIC = b"version https://git-lfs"

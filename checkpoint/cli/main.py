@@ -73,8 +73,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .migrate import naming_schemes
-    from .sources import open_source
+    from ..migrate import naming_schemes
+    from ..sources import open_source
 
     with open_source(args.path, key=args.key, trusted_globals=args.trust) as src:
         keys = src.keys()
@@ -137,7 +137,7 @@ def _migrate_args(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="MODULE:CALLABLE",
         help="called with no arguments, returns the target eager nn.Module (meta device is enough), "
-        "e.g. checkpoint.demo:minilm_model; the current directory is importable",
+        "e.g. checkpoint.cli.demo:minilm_model; the current directory is importable",
     )
     p.add_argument("--fqn-map", metavar="FILE", help="FQN map JSON saved at capture time")
     p.add_argument(
@@ -185,8 +185,8 @@ def load_model(spec: str):
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from .errors import CheckpointExistsError, MigrationError
-    from .migrate import migrate
+    from ..errors import CheckpointExistsError, MigrationError
+    from ..migrate import migrate
 
     model = load_model(args.model) if args.model else None
     try:
@@ -240,14 +240,14 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     import checkpoint
 
-    from .errors import ChecksumMismatchError, CorruptCheckpointError, TensorNotInShardError
+    from ..errors import ChecksumMismatchError, CorruptCheckpointError, TensorNotInShardError
 
     verify = getattr(checkpoint, "verify", None)
     try:
         if verify is not None:
             result = verify(args.path)
         else:  # checkpoint.verify not exported yet: re-hash every file through the reader
-            from .reader import open_checkpoint
+            from ..storage.reader import open_checkpoint
 
             with open_checkpoint(args.path) as r:
                 result = {f: r.verify_file(f) for f in r.files}
@@ -279,7 +279,7 @@ def tensor_digest(t) -> str:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from .sources import open_source
+    from ..sources import open_source
 
     with (
         open_source(args.a, trusted_globals=args.trust) as a,
@@ -337,8 +337,8 @@ register_command(
     Command(
         "demo",
         "the main job on a real model (all-MiniLM-L6-v2 or a built-in one), with a table of checks",
-        lambda p: importlib.import_module("checkpoint.demo").add_arguments(p),
-        lambda a: importlib.import_module("checkpoint.demo").run_demo(a),
+        lambda p: importlib.import_module("checkpoint.cli.demo").add_arguments(p),
+        lambda a: importlib.import_module("checkpoint.cli.demo").run_demo(a),
     )
 )
 
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fqnckpt``; returns the exit code (0 ok, 1 mismatch found, 2 bad input)."""
     import fqn
 
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
