@@ -30,7 +30,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
 
-from checkpoint import demo  # noqa: E402
+from checkpoint.cli import demo  # noqa: E402
 
 
 def run(batch: int = 8, workdir: str | None = None, world_size: int = 2) -> list[demo.Check]:

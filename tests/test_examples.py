@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpoint import demo
+from checkpoint.cli import demo
 from checkpoint.cli import main as fqnckpt
 from checkpoint.storage.reader import open_checkpoint
 
