@@ -12,11 +12,13 @@ Point names, in the order a save reaches them:
 - ``after_data_written``: every shard file of the checkpoint is written and fsynced.
 - ``before_index_write`` / ``after_index_write``: around writing the index file(s) (written last).
 - ``after_staging_fsync``: staging directory fsynced, ready to move into place.
-- ``before_commit_rename``: just before the atomic exchange / rename into place.
-- ``after_aside_rename``: fallback path only: the old checkpoint was renamed aside, the new one
-  not yet renamed in (recovered by the next load/save).
-- ``after_commit_rename``: the new checkpoint is in place; the old one not yet deleted.
-- ``before_cleanup``: just before the old checkpoint's directory is removed.
+- ``before_commit_rename``: just before the commit point (see :mod:`checkpoint.atomic`): the rename
+  of the staging dir to ``path`` (new path) or to ``path/.fqnckpt-commit-*`` (existing directory).
+- ``after_commit_rename``: the commit is decided; over an existing directory no file moved yet
+  (the next load / save rolls it forward).
+- ``after_first_move``: existing directory only: one new file renamed into place, the rest not.
+- ``before_cleanup``: existing directory only: every file moved, stale files removed; the commit
+  directory not yet removed.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ POINTS = (
     "after_index_write",
     "after_staging_fsync",
     "before_commit_rename",
-    "after_aside_rename",
     "after_commit_rename",
+    "after_first_move",
     "before_cleanup",
 )
 

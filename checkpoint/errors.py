@@ -134,6 +134,36 @@ class CheckpointWriteError(CheckpointError, OSError):
         return self.args[0]
 
 
+class UnsavableError(CheckpointError, ValueError):
+    """``save`` refused, before writing anything, a name or value the safetensors format cannot
+    hold (``key``: the tensor name, or the shard file whose header is too large). Any previous
+    checkpoint at ``path`` is untouched."""
+
+    def __init__(self, key: Any, why: str, path: str = ""):
+        self.key, self.path = key, str(path)
+        where = f"saving {self.path}: " if path else ""
+        super().__init__(f"{where}{key!r}: {why}; nothing was written")
+
+
+class UnsavableTypeError(UnsavableError, TypeError):
+    """:class:`UnsavableError` for a value of a type safetensors cannot store (dtype, layout)."""
+
+
+class InterruptedCommitError(CheckpointError, OSError):
+    """A save into ``path`` was killed mid-commit and this process may not complete it (no write
+    permission): the checkpoint cannot be read until a process that may write there opens it."""
+
+    def __init__(self, path: str, why: str):
+        self.path = str(path)
+        super().__init__(
+            f"{self.path}: a save was interrupted while committing and could not be completed here ({why}); "
+            "open it once with write permission (load, verify or save) to complete it"
+        )
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class RankAgreementError(CheckpointError):
     """Another rank failed during a collective save / load; ``failures`` maps rank -> message."""
 

@@ -21,6 +21,7 @@ from .ranks import dist
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import ModuleState, object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
+from .atomic import read_view
 from .storage.reader import CheckpointReader, open_checkpoint
 
 
@@ -171,23 +172,25 @@ def load(
     report = None
     reader = None
     try:
-        reader = open_checkpoint(path)
+        opt_reader = None
+        with read_view(path):  # model and optimizer parts of one checkpoint (checkpoint.atomic)
+            reader = open_checkpoint(path)
+            if optimizer is not None:
+                root = reader.root
+                if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
+                    from .errors import CheckpointNotFoundError
+
+                    raise CheckpointNotFoundError(
+                        root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
+                    )
+                opt_reader = open_checkpoint(root, prefix=OPTIMIZER_PREFIX)
         if verify:
             for name in reader.files:
                 reader.verify_file(name)
         report, copies = _plan(reader, state, model, path)
         if strict and not report.ok:
             raise CheckpointMismatchError(report, path)
-        opt_reader = None
-        if optimizer is not None:
-            root = reader.root
-            if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
-                from .errors import CheckpointNotFoundError
-
-                raise CheckpointNotFoundError(
-                    root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
-                )
-            opt_reader = open_checkpoint(root, prefix=OPTIMIZER_PREFIX)
+        if opt_reader is not None:
             for name in opt_reader.files if verify else ():
                 opt_reader.verify_file(name)
     except BaseException as e:  # noqa: BLE001 - agreed across ranks below

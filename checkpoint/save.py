@@ -33,6 +33,7 @@ from .storage.format import (
     OptimizerMeta,
     index_name,
 )
+from .storage import limits
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
 
@@ -81,6 +82,29 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
     return t
 
 
+def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size) -> list[Layout]:
+    """Plan every part's files and check everything safetensors must be able to read back (names,
+    header sizes; dtypes were checked when the specs were made) before anything is written: a
+    checkpoint no reader can open is never committed. Linear in the number of tensors."""
+    for part in parts:
+        for spec in part.specs:
+            limits.check_name(spec.fqn, path)
+        for group in part.alias_groups:
+            for name in group:
+                limits.check_name(name, path)
+    layouts = [plan_layout(p.specs, max_shard_size, p.prefix) for p in parts]
+    for lay in layouts:
+        for f in lay.files:
+            limits.check_header(f, path)
+    return layouts
+
+
+def _spec_of(path: str, fqn: str, tensor: torch.Tensor) -> TensorSpec:
+    limits.check_name(fqn, path)
+    limits.check_tensor(fqn, tensor, path)
+    return TensorSpec.of(fqn, tensor)
+
+
 def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
     """Data is in place: write the index files last, then move the checkpoint into place."""
     _faults.fault_point("after_data_written")
@@ -96,7 +120,7 @@ def _save_parts(
 ) -> list[IndexFile]:
     for name in extra_files:
         _check_extra_name(name)
-    layouts = [plan_layout(p.specs, max_shard_size, p.prefix) for p in parts]
+    layouts = _plan_checked(path, parts, max_shard_size)
     indexes: list[IndexFile] = []
     try:
         with (
@@ -205,7 +229,7 @@ def save(
     parts = []
     for prefix, entries, groups, fm, om in parts_entries:
         by_fqn = {e.fqn: e.tensor for e in entries}
-        specs = [TensorSpec.of(e.fqn, e.tensor) for e in entries]
+        specs = [_spec_of(path, e.fqn, e.tensor) for e in entries]
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
     if any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es):
         return _save_distributed(path, parts, max_shard_size, overwrite)[0]
@@ -253,7 +277,7 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
     if not dist.active():
         raise RuntimeError("DTensor parameters need an initialized process group to save")
     rank, world = dist.rank(), dist.world_size()
-    layouts = [plan_layout(p.specs, max_shard_size, p.prefix) for p in parts]
+    layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
     fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
     if len(set(map(hash, map(tuple, dist.all_gather_object(fingerprint))))) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 
+from .atomic import read_view
 from .errors import CheckpointError, CheckpointNotFoundError
 from .reports import FileCheck, VerifyReport
 from .storage.format import OPTIMIZER_PREFIX, index_name
@@ -26,7 +27,8 @@ def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
     total = 0
     for name in reader.files:
         p = os.path.join(reader.root, name)
-        size, digest = os.path.getsize(p), sha256_file(p)
+        src = reader.held_path(name)  # the file opened, even if a save replaced it since
+        size, digest = os.path.getsize(src), sha256_file(src)
         rec = meta.files.get(name) if meta else None
         fc = FileCheck(
             file=name, size=size, sha256=digest,
@@ -39,7 +41,7 @@ def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
             report.problems.append(
                 f"{p}: sha256 {digest} differs from the index's {rec.sha256} (corrupted data)"
             )
-        total += _header_total(p)
+        total += _header_total(src)
     report.tensors += len(reader.keys())
     report.total_size += total
     if reader.index is not None:
@@ -63,15 +65,22 @@ def verify(path: str | os.PathLike) -> VerifyReport:
     """
     path = os.path.abspath(os.fspath(path))
     report = VerifyReport(path=path)
-    prefixes = ["model"]
-    if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
-        prefixes.append(OPTIMIZER_PREFIX)
-    for prefix in prefixes:
+    readers: list[CheckpointReader] = []
+    with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.atomic)
+        prefixes = ["model"]
+        if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
+            prefixes.append(OPTIMIZER_PREFIX)
+        for prefix in prefixes:
+            try:
+                readers.append(open_checkpoint(path, prefix=prefix))
+            except CheckpointNotFoundError:
+                raise
+            except (CheckpointError, OSError) as e:
+                report.problems.append(f"{type(e).__name__}: {e}")
+    for reader in readers:
         try:
-            with open_checkpoint(path, prefix=prefix) as reader:
+            with reader:
                 _check_part(reader, report)
-        except CheckpointNotFoundError:
-            raise
         except (CheckpointError, OSError) as e:
             report.problems.append(f"{type(e).__name__}: {e}")
     return report

@@ -1,4 +1,6 @@
-"""Atomic commit: a SIGKILL at every fault point leaves the old or the new checkpoint, never a mix."""
+"""Commit protocol (checkpoint.atomic): a SIGKILL at every fault point leaves the old or the new
+checkpoint, whole, never a mix; user files beside the shards survive; nothing but the checkpoint
+remains after the next save."""
 
 from __future__ import annotations
 
@@ -10,24 +12,28 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import atomic, open_checkpoint
+from checkpoint import open_checkpoint
 from checkpoint._faults import POINTS
 
 OLD = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
 NEW = {f"t{i}": torch.full((64,), 100.0 + i) for i in range(4)}
-SINGLE_POINTS = [p for p in POINTS if p != "after_aside_rename"]
+# OLD in 2 shards, NEW in 4: the new save has other shard names, so the old ones are stale.
+OLD_SHARD, NEW_SHARD = 600, 300
+OLD_FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+NEW_FILES = [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)] + ["model.safetensors.index.json"]
+USER = {"config.json": b'{"model_type": "x"}', "tokenizer/vocab.txt": b"a\nb\n"}
+# Before the commit point the old checkpoint is visible; from it on, the new one.
+NEW_FROM = {"after_commit_rename", "after_first_move", "before_cleanup"}
 
 
-def _killed_save(path, point, exchange=True, sd=NEW):
+def _killed_save(path, point, sd=NEW):
     """Fork a child that saves with ``FQNCKPT_FAULT_POINT=point``; returns the child's wait status."""
     pid = os.fork()
     if pid == 0:  # child
         code = 0
         try:
             os.environ["FQNCKPT_FAULT_POINT"] = point
-            if not exchange:
-                atomic._renameat2_exchange = lambda a, b: False
-            checkpoint.save(sd, path, overwrite=True, max_shard_size=600)
+            checkpoint.save(sd, path, overwrite=True, max_shard_size=NEW_SHARD)
         except BaseException:  # noqa: BLE001
             code = 3
         os._exit(code)
@@ -44,27 +50,34 @@ def _is(sd, other):
     return sorted(sd) == sorted(other) and all(torch.equal(sd[k], other[k]) for k in sd)
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "fallback"])
-def test_kill_at_every_point_leaves_old_or_new(tmp_path, exchange):
+def _add_user_files(path):
+    for rel, data in USER.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+
+
+def _visible(path):
+    """Names in the checkpoint directory that are not fqnckpt's hidden work entries."""
+    return sorted(n for n in os.listdir(path) if not n.startswith("."))
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_at_every_point_leaves_old_or_new(tmp_path, point):
     path = tmp_path / "ck"
-    checkpoint.save(OLD, path, max_shard_size=600)
-    assert len(os.listdir(path)) == 3  # 2 shards + index
-    points = SINGLE_POINTS + ([] if exchange else ["after_aside_rename"])
-    seen = set()
-    for point in points:
-        checkpoint.save(OLD, path, overwrite=True, max_shard_size=600)
-        status = _killed_save(path, point, exchange)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
-        got = _content(path)  # load recovers an interrupted fallback commit
-        assert _is(got, OLD) or _is(got, NEW), point
-        assert checkpoint.verify(path).ok, point
-        seen.add((point, "new" if _is(got, NEW) else "old"))
-    # Before the commit rename: old; from the rename on: new.
-    assert ("before_commit_rename", "old") in seen and ("after_commit_rename", "new") in seen
-    assert ("after_index_write", "old") in seen and ("before_cleanup", "new") in seen
+    checkpoint.save(OLD, path, max_shard_size=OLD_SHARD)
+    _add_user_files(path)
+    status = _killed_save(path, point)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+    got = _content(path)  # a load completes an interrupted commit
+    want, files = (NEW, NEW_FILES) if point in NEW_FROM else (OLD, OLD_FILES)
+    assert _is(got, want), point
+    assert checkpoint.verify(path).ok, point
+    assert {rel: (path / rel).read_bytes() for rel in USER} == USER
+    assert _visible(path) == sorted(files + ["config.json", "tokenizer"])
     # Leftovers carry hidden names, are never a checkpoint, and the next save removes them.
-    checkpoint.save(NEW, path, overwrite=True)
+    checkpoint.save(NEW, path, overwrite=True, max_shard_size=NEW_SHARD)
     assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"]
+    assert sorted(os.listdir(path)) == sorted(NEW_FILES + ["config.json", "tokenizer"])
 
 
 def test_kill_on_new_path_leaves_nothing(tmp_path):
@@ -83,14 +96,14 @@ def test_concurrent_saves_never_interleave(tmp_path):
     sds = [{f"t{i}": torch.full((4096,), float(w)) for i in range(8)} for w in range(4)]
     errors = []
 
-    def run(sd):
+    def run(w, sd):
         try:
             for _ in range(3):
-                checkpoint.save(sd, path, overwrite=True, max_shard_size=20000)
+                checkpoint.save(sd, path, overwrite=True, max_shard_size=20000 * (1 + w % 2))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(sd,)) for sd in sds]
+    threads = [threading.Thread(target=run, args=(w, sd)) for w, sd in enumerate(sds)]
     for t in threads:
         t.start()
     for t in threads:
@@ -100,3 +113,5 @@ def test_concurrent_saves_never_interleave(tmp_path):
     got = _content(path)
     assert any(_is(got, sd) for sd in sds) and checkpoint.verify(path).ok
     assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"]
+    with open_checkpoint(path) as r:  # exactly the files of the last save: no stale shard
+        assert sorted(os.listdir(path)) == sorted(r.files + ["model.safetensors.index.json"])

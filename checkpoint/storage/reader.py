@@ -10,6 +10,7 @@ tensors or only the slices a rank needs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -178,6 +179,7 @@ class CheckpointReader:
         self._key_file = key_file
         self.files: list[str] = sorted(set(key_file.values()))
         self._handles: dict[str, object] = {}
+        self._fds: dict[str, int] = {}  # raw fd per file, opened with the handle (see held_path)
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
 
     # -- lookups ------------------------------------------------------------------------------
@@ -231,17 +233,54 @@ class CheckpointReader:
         if name not in self.files:
             raise KeyError(f"{name!r} is not a file of {self.root}; files: {self.files}")
         path = os.path.join(self.root, name)
+        src = self.held_path(name)
         rec = self.meta.files.get(name) if self.meta else None
         if rec is not None:
-            size = os.path.getsize(path)
+            size = os.path.getsize(src)
             if size != rec.size:
                 raise ChecksumMismatchError(path, f"size {rec.size}", f"size {size}")
-        digest = sha256_file(path)
+        digest = sha256_file(src)
         if rec is not None and digest != rec.sha256:
             raise ChecksumMismatchError(path, rec.sha256, digest)
         return digest
 
     # -- plumbing -----------------------------------------------------------------------------
+    def held_path(self, name: str) -> str:
+        """A path reading the very file opened with this checkpoint, even after a later save
+        replaced it (commits rename new files in; the opened inode stays): ``/proc/self/fd/N``
+        where it exists, else the file's path if it still names the opened file.
+
+        Raises:
+            CorruptCheckpointError: no ``/proc`` and the file was replaced since it was opened.
+        """
+        path = os.path.join(self.root, name)
+        fd = self._fds.get(name)
+        if fd is None:
+            return path
+        proc = f"/proc/self/fd/{fd}"
+        if os.path.exists(proc):
+            return proc
+        now, held = os.stat(path), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise CorruptCheckpointError(path, "was replaced by a later save after the checkpoint was opened; reopen it")
+        return path
+
+    def _open_file(self, name: str):
+        path = os.path.join(self.root, name)
+        # The raw fd first: safe_open maps the same inode (no commit can run: see atomic.read_view).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            h = open_safetensors(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        old = self._fds.pop(name, None)
+        if old is not None:
+            os.close(old)
+        self._fds[name] = fd
+        self._handles[name] = h
+        return h
+
     def _known(self, key: str) -> str:
         if key not in self._key_file:
             from fqn.errors import UnknownNameError
@@ -253,14 +292,15 @@ class CheckpointReader:
         name = self._key_file[self._known(key)]
         h = self._handles.get(name)
         if h is None:
-            h = self._handles[name] = open_safetensors(os.path.join(self.root, name))
+            with atomic.read_view(self.root):
+                h = self._open_file(name)
         return h
 
     def _load_headers(self) -> None:
         """Open every named file, check the index against the headers (before any data is read)."""
         in_file: dict[str, list[str]] = {}
         for name in self.files:
-            h = self._handles[name] = open_safetensors(os.path.join(self.root, name))
+            h = self._open_file(name)
             for k in h.keys():
                 in_file.setdefault(k, []).append(name)
                 sl = h.get_slice(k)
@@ -284,6 +324,14 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles release their mmap when dropped
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -310,10 +358,20 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         DuplicateTensorError: a tensor is stored in two files.
         CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
             an fqnckpt index's ``metadata.total_size`` differs from the indexed tensors' bytes.
+        InterruptedCommitError: a save was killed mid-commit and this process cannot complete it.
+
+    Concurrent saves: the reader sees the checkpoint before or after any ``save(overwrite=True)``
+    running at the same time, whole, never a mix (see :func:`checkpoint.atomic.read_view`; wrap
+    several ``open_checkpoint`` calls in one ``read_view`` to get the same checkpoint for each).
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.lexists(path):
-        atomic.recover_locked(path)
+    # One checkpoint, whole: every file is opened inside one read view (no commit runs meanwhile;
+    # see checkpoint.atomic), and a reader keeps the files it opened.
+    with atomic.read_view(path):
+        return _open_checkpoint(path, prefix)
+
+
+def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
             raise CheckpointNotFoundError(path, "expected a directory or a .safetensors file")

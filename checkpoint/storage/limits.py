@@ -1,0 +1,74 @@
+"""What a safetensors file can hold, checked before a save writes its first byte.
+
+A checkpoint that no reader can open must never be committed (it would replace a good one with
+``overwrite=True``), so every rule the safetensors reader enforces on names, dtypes and headers is
+checked here, from the planned layout, in time linear in the number of tensors:
+
+- a tensor name is a non-empty ``str`` that encodes to UTF-8 (a lone surrogate such as
+  ``"\\ud800"`` does not: ``json.dumps`` writes it as ``\\ud800`` and serde_json, which safetensors
+  uses, rejects that escape), and not ``__metadata__`` (the header's reserved key);
+- the dtype is one safetensors stores (:data:`checkpoint.storage.layout.DTYPE_TO_ST`), the layout
+  dense (strided);
+- the JSON header of each file is at most :data:`MAX_HEADER_BYTES` bytes (safetensors'
+  ``MAX_HEADER_SIZE`` in ``safetensors/src/tensor.rs``: ``read_metadata`` refuses ``n >
+  100_000_000``, ``n`` being the header length after the 8-byte prefix, padding included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UnsavableError, UnsavableTypeError
+from .layout import DTYPE_TO_ST, FilePlan
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors/src/tensor.rs MAX_HEADER_SIZE
+RESERVED_NAME = "__metadata__"
+
+
+def check_name(name: Any, path: str = "") -> None:
+    """Raise :class:`UnsavableError` unless ``name`` can be a tensor name in a safetensors header.
+
+    Raises:
+        UnsavableTypeError: ``name`` is not a ``str``.
+        UnsavableError: empty, ``__metadata__``, or not encodable as UTF-8 (lone surrogates).
+    """
+    if not isinstance(name, str):
+        raise UnsavableTypeError(name, f"tensor names must be str, not {type(name).__name__}", path)
+    if not name:
+        raise UnsavableError(name, "a tensor name must not be empty", path)
+    if name == RESERVED_NAME:
+        raise UnsavableError(name, "is the safetensors header's reserved key", path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsavableError(
+            name,
+            f"is not valid UTF-8 ({e.reason} at character {e.start}); safetensors' JSON header cannot hold it",
+            path,
+        ) from None
+
+
+def check_tensor(name: str, tensor: torch.Tensor, path: str = "") -> None:
+    """Raise :class:`UnsavableTypeError` unless ``tensor``'s dtype and layout can be stored."""
+    if tensor.layout != torch.strided:
+        raise UnsavableTypeError(
+            name, f"has layout {tensor.layout}; only dense (strided) tensors can be saved", path
+        )
+    if tensor.dtype not in DTYPE_TO_ST:
+        raise UnsavableTypeError(name, f"has dtype {tensor.dtype}, which safetensors cannot store", path)
+
+
+def check_header(plan: FilePlan, path: str = "") -> None:
+    """Raise :class:`UnsavableError` naming ``plan``'s file if its header exceeds safetensors' limit."""
+    n = len(plan.header) - 8
+    if n > MAX_HEADER_BYTES:
+        first = plan.slots[0].spec.fqn if plan.slots else ""
+        raise UnsavableError(
+            plan.name,
+            f"its safetensors header would be {n} bytes, over safetensors' limit of {MAX_HEADER_BYTES} "
+            f"({len(plan.slots)} tensor names, e.g. {first[:60]!r}...): use shorter names or a smaller "
+            "max_shard_size",
+            path,
+        )
