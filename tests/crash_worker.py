@@ -105,10 +105,7 @@ def _rank_save(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
 
     import checkpoint
-    from checkpoint import atomic
 
-    if job.get("no_exchange"):  # spawned ranks do not inherit the leader's patch
-        atomic._renameat2_exchange = lambda a, b: False
     sd = _dtensors(values("new", job["seed"], "ranks"), world)
     took = 0.0
     if job.get("warm"):  # a warm-up save measures how long one takes under the current load
@@ -153,10 +150,7 @@ def _signal_ready(p: str, seconds: float) -> None:
 def _child(job: dict) -> int:
     """Body of a forked trial child (own process group). Returns the exit code."""
     import checkpoint
-    from checkpoint import atomic
 
-    if job.get("no_exchange"):  # exercise the rename-aside fallback commit
-        atomic._renameat2_exchange = lambda a, b: False
     if job["mode"] == "ranks":
         from checkpoint.ranks.launch import run_ranks
 
@@ -391,12 +385,29 @@ def _equal(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def judge(path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str) -> str:
+# Files the user keeps beside a previous checkpoint (Hugging Face layout): every save must leave them.
+USER_FILES = {"config.json": b'{"model_type": "trial"}', "tokenizer/vocab.txt": b"a\nb\n"}
+
+
+def _user_files_intact(path: Path) -> bool:
+    try:
+        return all((path / rel).read_bytes() == data for rel, data in USER_FILES.items())
+    except OSError:
+        return False
+
+
+def judge(path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str, user_files: bool = False) -> str:
     """Load ``path`` after a trial and classify it (see module docstring); records failures in ``t``.
+    ``user_files``: :data:`USER_FILES` were put beside the old checkpoint and must be intact.
     Returns "old", "new", "absent", "wrong" or "partial"."""
     import torch
 
     import checkpoint
+
+    if user_files and not _user_files_intact(path):
+        t.partial_visible += 1
+        t.failures.append(f"{what}: user files beside the checkpoint were changed or removed")
+        return "partial"
 
     old, new = values("old", seed, mode), values("new", seed, mode)
     target = {k: torch.zeros_like(v) for k, v in new.items()}
@@ -432,8 +443,11 @@ def judge(path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str) 
 
 
 def check_clean_after_next_save(path: Path, seed: int, mode: str, t: Tally, what: str) -> None:
-    """A fresh save over ``path`` succeeds and leaves only the checkpoint and its lock file."""
+    """A fresh save over ``path`` succeeds and leaves only the checkpoint and its lock file beside
+    it, and inside it only the new checkpoint's files (no stale shard, no work entry) and the
+    user's files."""
     import checkpoint
+    from checkpoint.storage.format import index_name
 
     shard = SINGLE_SHARD_BYTES if mode == "single" else RANKS_SHARD_BYTES
     try:
@@ -447,37 +461,47 @@ def check_clean_after_next_save(path: Path, seed: int, mode: str, t: Tally, what
     if names != want:
         t.leftovers += 1
         t.failures.append(f"{what}: leftovers after the next save: {sorted(set(names) - set(want))}")
+    with checkpoint.open_checkpoint(path) as r:
+        inside_want = set(r.files) | {index_name()}
+    inside_want |= {rel.split("/")[0] for rel in USER_FILES} if (path / "config.json").exists() else set()
+    inside = set(os.listdir(path))
+    if inside != inside_want:
+        t.leftovers += 1
+        t.failures.append(f"{what}: inside the checkpoint after the next save: extra "
+                          f"{sorted(inside - inside_want)}, missing {sorted(inside_want - inside)}")  # fmt: skip
 
 
 def _seed_old(path: Path, seed: int, mode: str) -> None:
+    """The previous checkpoint, in twice as many shards as a trial's save writes (so the new
+    save's shard names differ and the old shards become stale), plus the user's files."""
     import checkpoint
 
     shard = SINGLE_SHARD_BYTES if mode == "single" else RANKS_SHARD_BYTES
-    checkpoint.save(values("old", seed, mode), path, max_shard_size=shard)
+    checkpoint.save(values("old", seed, mode), path, max_shard_size=shard // 2)
+    for rel, data in USER_FILES.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
 
 
 RANK1_POINTS = ("after_tensor_write", "before_file_fsync", "after_file_fsync")
+# From the commit point on, the new checkpoint is visible (completed by the next load if killed).
+NEW_FROM = ("after_commit_rename", "after_first_move", "before_cleanup")
+IN_PLACE_ONLY = ("after_first_move", "before_cleanup")  # reached only over an existing directory
 
 
 def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2, point: str | None = None) -> dict:
-    """The random choices of one trial, all drawn from ``seed``: a previous checkpoint for even
-    seeds, the rename-aside fallback commit for a quarter, and a fault point the save reaches (any
-    rank for points every rank passes, else rank 0) or a kill delay as a fraction of a save's
-    duration (above 1 some saves finish first)."""
+    """The random choices of one trial, all drawn from ``seed``: a previous checkpoint (with user
+    files beside it) for even seeds, and a fault point the save reaches (any rank for points every
+    rank passes, else rank 0) or a kill delay as a fraction of a save's duration (above 1 some
+    saves finish first)."""
     from checkpoint._faults import POINTS
 
     rng = random.Random(seed)
-    plan = {"had_old": seed % 2 == 0, "no_exchange": rng.random() < 0.25}
+    plan = {"had_old": seed % 2 == 0}
     if kill == "fault":
-        points = [
-            p
-            for p in POINTS
-            if (p != "after_aside_rename" or (plan["no_exchange"] and plan["had_old"]))
-            and (p != "before_cleanup" or plan["had_old"])
-        ]
+        points = [p for p in POINTS if p not in IN_PLACE_ONLY or plan["had_old"]]
         if point is not None:  # forced: make the point reachable
-            plan["had_old"] |= point in ("after_aside_rename", "before_cleanup")
-            plan["no_exchange"] |= point == "after_aside_rename"
+            plan["had_old"] |= point in IN_PLACE_ONLY
         point = point or rng.choice(points)
         plan["fault"] = point
         plan["fault_rank"] = (rng.randrange(2) if point in RANK1_POINTS else 0) if mode == "ranks" else None
@@ -506,16 +530,16 @@ def crash_trial(
         _seed_old(path, seed, mode)
     job = {"mode": mode, "seed": seed, "path": str(path), "ready": str(d / "ready"), "done": str(d / "done"),
            "warm": str(d / "warm"), "fault": plan.get("fault"), "fault_rank": plan.get("fault_rank"),
-           "no_exchange": plan["no_exchange"], "timeout": 60}  # fmt: skip
+           "timeout": 60}  # fmt: skip
     out = run_job(z, job, kill_frac=plan.get("delay_frac"), wait_s=90 if mode == "ranks" else 30)
     what = f"seed={seed} mode={mode} kill={kill} plan={plan}"
     t.tried += 1
     t.killed += out["killed"]
-    outcome = judge(path, seed, mode, plan["had_old"], t, what)
+    outcome = judge(path, seed, mode, plan["had_old"], t, what, user_files=plan["had_old"])
     if not out["killed"] and outcome != "new":
         t.failures.append(f"{what}: the save completed but {outcome} is visible")
     if kill == "fault" and outcome in ("old", "new", "absent"):
-        after = plan["fault"] in ("after_commit_rename", "before_cleanup")
+        after = plan["fault"] in NEW_FROM
         want = "new" if after else ("old" if plan["had_old"] else "absent")
         if outcome != want:
             t.failures.append(f"{what}: killed at {plan['fault']} but {outcome} is visible, expected {want}")
@@ -548,7 +572,7 @@ def disk_full_trial(z: Zygote, root: Path, seed: int, mode: str, budget: int, t:
         t.rejected_right += 1
     else:
         t.failures.append(f"{what}: expected CheckpointWriteError naming {path}, got {out}")
-    if judge(path, seed, mode, True, t, what) != "old":
+    if judge(path, seed, mode, True, t, what, user_files=True) != "old":
         t.failures.append(f"{what}: the previous checkpoint did not survive")
     check_clean_after_next_save(path, seed, mode, t, what)
 

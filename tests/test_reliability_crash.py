@@ -67,7 +67,7 @@ def test_single_process_kills(zygote, tmp_path):
 
 def test_two_rank_kills(zygote, tmp_path):
     points = ["after_lock", "after_file_create", "after_tensor_write", "before_file_fsync", "after_file_fsync",
-              "before_index_write", "after_staging_fsync", "after_aside_rename", "after_commit_rename",
+              "before_index_write", "after_staging_fsync", "after_first_move", "after_commit_rename",
               "before_cleanup"]  # fmt: skip
     kinds = [("fault", 300 + i, p) for i, p in enumerate(points)] + [("delay", 400, None)]
     t, outcomes, kills = _run(zygote, tmp_path, "ranks", kinds, max_frac=0.6)
