@@ -18,6 +18,9 @@ from .errors import (
     TensorNotInShardError,
     TiedValuesMismatchError,
     UnsafePathError,
+    UnsavableError,
+    UnsavableTypeError,
+    InterruptedCommitError,
 )
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
@@ -56,4 +59,7 @@ __all__ = [
     "CheckpointWriteError",
     "RankAgreementError",
     "TiedValuesMismatchError",
+    "UnsavableError",
+    "UnsavableTypeError",
+    "InterruptedCommitError",
 ]

@@ -339,6 +339,8 @@ class StagedCheckpoint:
         self.committed = False
 
     def __enter__(self) -> StagedCheckpoint:
+        if self.path in getattr(_views, "held", {}):  # the commit would wait for this thread forever
+            raise RuntimeError(f"saving {self.path} inside read_view({self.path!r}) of the same thread")
         self._lock = checkpoint_lock(self.path)
         self._lock.__enter__()
         try:

@@ -172,10 +172,16 @@ def save_streaming(
     checkpoint directory (e.g. ``migration_report.json``) inside the same atomic commit.
 
     Writes ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` (HF layout),
-    atomically (see :mod:`checkpoint.atomic`). Returns the index written.
+    atomically (see :mod:`checkpoint.atomic`). ``overwrite=True`` replaces only the files the
+    previous checkpoint owns (:func:`checkpoint.atomic.owned_files`); other files and folders in
+    ``path`` (``config.json``, tokenizer files, ...) stay. Returns the index written.
 
     Raises:
-        CheckpointExistsError: ``path`` exists and ``overwrite`` is False.
+        UnsavableError: before anything is written, a name safetensors cannot hold (not UTF-8, e.g.
+            a lone surrogate; empty; ``__metadata__``) or a shard header over safetensors' 100 MB
+            limit (:mod:`checkpoint.storage.limits`); names the key / file.
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is False; or it is not a
+            checkpoint directory (a file, a symlink, a non-empty directory without a checkpoint).
         CheckpointWriteError: an OS error while writing (e.g. disk full); ``path`` is untouched.
         TypeError: ``fetch`` returned a non-tensor, or a dtype safetensors cannot store.
         ValueError: a fetched tensor's shape/dtype differs from its spec; duplicate FQNs.
@@ -209,8 +215,10 @@ def save(
     ``optimizer``: also writes ``optimizer-0000k-of-0000n.safetensors`` +
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
 
-    Returns the model index written. Raises what :func:`save_streaming` raises, and
-    ``TypeError`` naming the key for a non-tensor value; on ranks whose peers failed,
+    Returns the model index written. Raises what :func:`save_streaming` raises (every check
+    before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
+    key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
+    naming the key for a non-tensor value; on ranks whose peers failed,
     :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = os.fspath(path)
