@@ -13,6 +13,7 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     DuplicateTensorError,
+    InterruptedCommitError,
     MissingShardError,
     RankAgreementError,
     TensorNotInShardError,
@@ -20,7 +21,6 @@ from .errors import (
     UnsafePathError,
     UnsavableError,
     UnsavableTypeError,
-    InterruptedCommitError,
 )
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function

@@ -166,7 +166,13 @@ def _dir_lock(path: str, op: int) -> Iterator[int | None]:
 
 
 def _plain(name: object) -> bool:
-    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and name not in (".", "..")
+    )
 
 
 def owned_files(path: str) -> set[str]:
@@ -184,7 +190,9 @@ def owned_files(path: str) -> set[str]:
         except (OSError, ValidationError, ValueError):
             continue  # no index, or unreadable: only the fixed names and shard names above
         owned.update(n for n in idx.weight_map.values() if _plain(n) and n in names)
-    return {n for n in owned if os.path.islink(os.path.join(path, n)) or os.path.isfile(os.path.join(path, n))}
+    return {
+        n for n in owned if os.path.islink(os.path.join(path, n)) or os.path.isfile(os.path.join(path, n))
+    }
 
 
 # -- recovery ---------------------------------------------------------------------------------------
@@ -349,9 +357,7 @@ class StagedCheckpoint:
             _faults.fault_point("after_lock")
             check_target(self.path, self.overwrite)
             tag = STAGING_TAG + uuid.uuid4().hex
-            self.dir = (
-                os.path.join(self.path, tag) if os.path.isdir(self.path) else sibling(self.path, tag)
-            )
+            self.dir = os.path.join(self.path, tag) if os.path.isdir(self.path) else sibling(self.path, tag)
             os.mkdir(self.dir)
             _faults.fault_point("after_staging_created")
         except BaseException:
@@ -387,7 +393,9 @@ class StagedCheckpoint:
         for name in files:  # a directory in the way would stop the roll-forward after the commit point
             dst = os.path.join(self.path, name)
             if os.path.isdir(dst) and not os.path.islink(dst):
-                raise CheckpointExistsError(dst, "a directory has the name of a checkpoint file; refusing to replace it")
+                raise CheckpointExistsError(
+                    dst, "a directory has the name of a checkpoint file; refusing to replace it"
+                )
         manifest = CommitManifest(files=files, remove=sorted(owned_files(self.path) - set(files)))
         self.write_file(MANIFEST, manifest.model_dump_json().encode())
         fsync_path(self.dir)

@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor
 from fqn import canonical_fqn
 from fqn.registry import dtype_name
 
+from .atomic import read_view
 from .errors import CheckpointMismatchError, TiedValuesMismatchError
 from .ranks import dist
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import ModuleState, object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
-from .atomic import read_view
 from .storage.reader import CheckpointReader, open_checkpoint
 
 

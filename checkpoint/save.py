@@ -23,6 +23,7 @@ from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
 from .ranks import dist
 from .state import Entry, object_state
+from .storage import limits
 from .storage.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -33,7 +34,6 @@ from .storage.format import (
     OptimizerMeta,
     index_name,
 )
-from .storage import limits
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
 

@@ -19,7 +19,11 @@ OLD = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
 NEW = {f"t{i}": torch.full((64,), 100.0 + i) for i in range(4)}
 # OLD in 2 shards, NEW in 4: the new save has other shard names, so the old ones are stale.
 OLD_SHARD, NEW_SHARD = 600, 300
-OLD_FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+OLD_FILES = [
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+]
 NEW_FILES = [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)] + ["model.safetensors.index.json"]
 USER = {"config.json": b'{"model_type": "x"}', "tokenizer/vocab.txt": b"a\nb\n"}
 # Before the commit point the old checkpoint is visible; from it on, the new one.

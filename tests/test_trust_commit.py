@@ -77,7 +77,9 @@ def test_save_streaming_and_alias_names_checked(tmp_path):
 
     before = snapshot(tmp_path)
     with pytest.raises(UnsavableError, match="UTF-8") as ei:
-        checkpoint.save_streaming(tmp_path / "ck", [TensorSpec("x\ud800", (2,), torch.float32)], lambda s: torch.ones(2))
+        checkpoint.save_streaming(
+            tmp_path / "ck", [TensorSpec("x\ud800", (2,), torch.float32)], lambda s: torch.ones(2)
+        )
     assert ei.value.key == "x\ud800"
     with pytest.raises(UnsavableError, match="UTF-8"):
         checkpoint.save_streaming(
@@ -93,7 +95,9 @@ def test_header_over_safetensors_limit_refused(tmp_path, monkeypatch):
     before = snapshot(tmp_path)
     names = {f"{i:03d}." + "x" * 200: torch.zeros(1) for i in range(20)}  # ~4.8 KB of header
     monkeypatch.setattr(limits, "MAX_HEADER_BYTES", 4096)
-    with pytest.raises(UnsavableError, match="header would be .* bytes, over safetensors' limit of 4096") as ei:
+    with pytest.raises(
+        UnsavableError, match="header would be .* bytes, over safetensors' limit of 4096"
+    ) as ei:
         checkpoint.save(names, path, overwrite=True)
     assert ei.value.key == "model-00001-of-00001.safetensors"
     assert snapshot(tmp_path) == before
@@ -109,7 +113,10 @@ def test_header_limit_is_safetensors_own():
 
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "h.safetensors")
-        for n, msg in ((limits.MAX_HEADER_BYTES, "invalid header length"), (limits.MAX_HEADER_BYTES + 1, "too large")):
+        for n, msg in (
+            (limits.MAX_HEADER_BYTES, "invalid header length"),
+            (limits.MAX_HEADER_BYTES + 1, "too large"),
+        ):
             with open(p, "wb") as f:
                 f.write(struct.pack("<Q", n) + b"{}      ")
             with pytest.raises(SafetensorError, match=msg):
@@ -189,7 +196,9 @@ def test_directory_in_place_of_a_checkpoint_file_refused_before_commit(tmp_path)
     os.mkdir(path / "model-00001-of-00002.safetensors")
     before = snapshot(tmp_path)
     with pytest.raises(checkpoint.CheckpointExistsError, match="directory"):
-        checkpoint.save({"a": torch.ones(300), "b": torch.ones(300)}, path, overwrite=True, max_shard_size=1200)
+        checkpoint.save(
+            {"a": torch.ones(300), "b": torch.ones(300)}, path, overwrite=True, max_shard_size=1200
+        )
     assert snapshot(tmp_path) == before
 
 
@@ -262,7 +271,9 @@ def test_reader_during_commit_sees_one_checkpoint(tmp_path, reader):
     # would mix them silently. The writer is frozen mid-commit; the reader must get old or new.
     path = tmp_path / "ck"
     checkpoint.save(_sd(1), path, max_shard_size=300)
-    t, go, restore = _paused_save(path, lambda: checkpoint.save(_sd(2), path, overwrite=True, max_shard_size=300))
+    t, go, restore = _paused_save(
+        path, lambda: checkpoint.save(_sd(2), path, overwrite=True, max_shard_size=300)
+    )
     out = {}
 
     def read():
@@ -295,7 +306,9 @@ def test_load_with_optimizer_reads_one_checkpoint(tmp_path):
     net1, opt1 = _opt_pair(1)
     checkpoint.save(net1, path, optimizer=opt1, max_shard_size=200)
     net2, opt2 = _opt_pair(2)
-    t, go, restore = _paused_save(path, lambda: checkpoint.save(net2, path, optimizer=opt2, overwrite=True, max_shard_size=200))
+    t, go, restore = _paused_save(
+        path, lambda: checkpoint.save(net2, path, optimizer=opt2, overwrite=True, max_shard_size=200)
+    )
     got = {}
 
     def read():
@@ -313,7 +326,10 @@ def test_load_with_optimizer_reads_one_checkpoint(tmp_path):
         rt.join(30)
     finally:
         restore()
-    ref = {v: {float(s["momentum_buffer"].flatten()[0]) for s in o.state.values()} for v, o in ((1, opt1), (2, opt2))}
+    ref = {
+        v: {float(s["momentum_buffer"].flatten()[0]) for s in o.state.values()}
+        for v, o in ((1, opt1), (2, opt2))
+    }
     assert (got["w"], got["m"]) in (({1.0}, ref[1]), ({2.0}, ref[2]))
 
 
