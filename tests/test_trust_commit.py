@@ -72,6 +72,17 @@ def test_save_refuses_what_safetensors_cannot_hold(tmp_path, sd, error, match):
     assert snapshot(tmp_path) == before
 
 
+def test_unusual_but_valid_names_round_trip(tmp_path):
+    # Negative control of the name rule: anything that is valid UTF-8 is stored and read back.
+    names = ["emoji.\U0001f600", "nul\x00byte", 'quote"and\\backslash', "new\nline", "é.ü.漢字", " "]
+    sd = {n: torch.full((2,), float(i)) for i, n in enumerate(names)}
+    idx = checkpoint.save(sd, tmp_path / "ck")
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        assert sorted(r.keys()) == sorted(names) and all(torch.equal(r.get(n), sd[n]) for n in names)
+    with safe_open(str(tmp_path / "ck" / idx.files()[0]), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(names)
+
+
 def test_save_streaming_and_alias_names_checked(tmp_path):
     from checkpoint import TensorSpec
 
