@@ -4,8 +4,10 @@ read from env ``RANK``). A no-op otherwise (one dict lookup).
 
 Point names, in the order a save reaches them:
 
-- ``after_lock``: lock taken, leftovers of earlier saves cleaned, staging dir not yet made.
-- ``after_staging_created``: empty staging directory exists beside the target.
+- ``after_lock``: lock taken, interrupted commits completed, leftovers of earlier saves removed,
+  staging dir not yet made.
+- ``after_staging_created``: empty staging directory exists (inside the target directory, or
+  beside a new path).
 - ``after_file_create``: a shard file was created and preallocated (header written, no data).
 - ``after_tensor_write``: one tensor (or a rank's shard of it) was written.
 - ``before_file_fsync`` / ``after_file_fsync``: around the fsync of one shard file.
