@@ -91,6 +91,7 @@ class CheckpointManager:
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
         self._future: SaveFuture | None = None
+        self.last_report = None  # LoadReport of the last load_latest
         os.makedirs(self.root, exist_ok=True)
         if dist.rank() == 0:
             self._remove_deleting()
@@ -167,7 +168,8 @@ class CheckpointManager:
         **load_kwargs: Any,
     ) -> int | None:
         """Load the newest complete checkpoint with :func:`checkpoint.load` (strict by default);
-        returns its step, or None (nothing loaded) when there is none. On many ranks rank 0 picks
+        returns its step, or None (nothing loaded) when there is none; the
+        :class:`~checkpoint.LoadReport` is kept in ``last_report``. On many ranks rank 0 picks
         the checkpoint and tells the others (one broadcast on the default group).
 
         Raises: what :func:`checkpoint.load` raises.
@@ -181,7 +183,9 @@ class CheckpointManager:
             step = dist.broadcast_object(step)
         if step is None:
             return None
-        load(module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs)
+        self.last_report = load(
+            module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs
+        )
         return step
 
     # -- retention ------------------------------------------------------------------------------
