@@ -269,7 +269,11 @@ def _owned_block(t: torch.Tensor, index: int, fqn: str) -> tuple[torch.Tensor, t
 
 
 def _save_distributed(
-    path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes] | None = None
+    path: str,
+    parts: Sequence[_Part],
+    max_shard_size,
+    overwrite: bool,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> list[IndexFile]:
     extra_files = extra_files or {}
     for name in extra_files:

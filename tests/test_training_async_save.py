@@ -1,7 +1,6 @@
 """``checkpoint.async_save``: the snapshot is taken at the call (values changed right after are not
 saved), the files are byte-identical to ``save``'s, write errors come out of ``result()``,
-staging buffers are reused, and on 2 ranks the background collectives do not interleave with the
-training loop's (which keeps running all_reduce on the default group meanwhile)."""
+and staging buffers are reused (2 ranks: tests/test_training_ranks.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import torch
 
 import checkpoint
 from checkpoint import CheckpointExistsError
-from checkpoint.ranks.launch import run_ranks
 from checkpoint.training.async_save import AsyncSaver
 
 
@@ -62,7 +60,9 @@ def test_files_are_byte_identical_to_save(tmp_path):
     model, opt = _trained()
     extra = {"step": 7, "lr": [0.1, float("nan")]}
     checkpoint.save(model, tmp_path / "sync", optimizer=opt, extra_state=extra, max_shard_size=1000)
-    fut = checkpoint.async_save(model, tmp_path / "async", optimizer=opt, extra_state=extra, max_shard_size=1000)
+    fut = checkpoint.async_save(
+        model, tmp_path / "async", optimizer=opt, extra_state=extra, max_shard_size=1000
+    )
     fut.result()
     sync, asyn = _files(tmp_path / "sync"), _files(tmp_path / "async")
     assert len([n for n in sync if n.startswith("model-")]) > 1  # several shard files
@@ -109,61 +109,3 @@ def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp
         got = _model(1)
         checkpoint.load(got, path)
         assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
-
-
-# -- 2 ranks ------------------------------------------------------------------------------------
-
-
-def _full(step: int):
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(8, 6, generator=g), "norm": torch.randn(6, generator=g), "head": torch.randn(4, 6, generator=g)}
-
-
-def _rank_async(rank, world, root):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    full = _full(0)
-    sd = {
-        "w": DTensor.from_local(full["w"].chunk(world, 0)[rank].clone(), mesh, [Shard(0)], run_check=False),
-        "norm": DTensor.from_local(full["norm"].clone(), mesh, [Replicate()], run_check=False),
-        "head": DTensor.from_local(full["head"].chunk(world, 1)[rank].clone(), mesh, [Shard(1)], run_check=False),
-    }
-    saver = AsyncSaver()
-    fut = saver.save(sd, os.path.join(root, "ck"), extra_state={"step": 5, "rank": rank})
-    # Training goes on: parameters change in place, collectives run on the default group.
-    sums = []
-    for i in range(20):
-        with torch.no_grad():
-            for t in sd.values():
-                t.to_local().add_(1)
-        x = torch.tensor([float(rank + i)])
-        dist.all_reduce(x)
-        sums.append(x.item())
-    index = fut.result(timeout=120)
-    staged = fut.staging_bytes
-    fut2 = saver.save(sd, os.path.join(root, "ck2"))  # second save: the background group is reused
-    fut2.result(timeout=120)
-    return {"sums": sums, "files": sorted(index.files()), "staged": staged}
-
-
-@pytest.mark.slow
-def test_two_ranks_async_save_old_values_and_independent_collectives(tmp_path):
-    out = run_ranks(_rank_async, 2, str(tmp_path), backend="gloo", timeout=180)
-    assert [o["sums"] for o in out] == [[float(2 * i + 1) for i in range(20)]] * 2
-    # Each rank stages only its bytes: its shards, and the replicated norm on rank 0 only.
-    assert out[0]["staged"] == (4 * 6 + 6 + 4 * 3) * 4 and out[1]["staged"] == (4 * 6 + 4 * 3) * 4
-    full = _full(0)
-    target = {k: torch.zeros_like(v) for k, v in full.items()}
-    extra = {"step": None, "rank": None}
-    checkpoint.load(target, tmp_path / "ck", extra_state=extra)
-    assert all(torch.equal(target[k], full[k]) for k in full)
-    assert extra == {"step": 5, "rank": 0}  # rank 0's extra state
-    checkpoint.load(target, tmp_path / "ck2")
-    for t in full.values():
-        for _ in range(20):
-            t.add_(1)  # as the ranks did
-    assert all(torch.equal(target[k], full[k]) for k in full)
-    assert checkpoint.verify(tmp_path / "ck").ok and checkpoint.verify(tmp_path / "ck2").ok

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import ChecksumMismatchError, CheckpointMismatchError, CorruptCheckpointError
+from checkpoint import CheckpointMismatchError, ChecksumMismatchError, CorruptCheckpointError
 from checkpoint.training.extra_state import EXTRA_STATE_FILE, ExtraStateFile
 
 
@@ -87,7 +87,9 @@ def test_plain_values_roundtrip_exactly_and_fill_the_callers_dict(tmp_path):
     for k in values:
         assert _same(target[k], values[k]), k
     assert report.missing_keys == [] and report.unexpected_keys == []
-    assert {k for k in report.loaded_keys if k.startswith("extra_state.")} == {f"extra_state.{k}" for k in values}
+    assert {k for k in report.loaded_keys if k.startswith("extra_state.")} == {
+        f"extra_state.{k}" for k in values
+    }
     # The JSON part follows the pydantic schema.
     doc = ExtraStateFile.model_validate_json((tmp_path / "ck" / EXTRA_STATE_FILE).read_bytes())
     assert sorted(doc.entries) == sorted(values) and not doc.entries["rng"].stateful

@@ -2,7 +2,8 @@
 AdamW and an LR scheduler on batches drawn from torch's global RNG; the manager saves (async) at
 step K with the scheduler, step and RNG state in ``extra_state``. A fresh process resumes with
 ``load_latest``: the losses of the remaining steps are bit-identical to an uninterrupted run's.
-Both runs are spawned processes (the shared ``run_ranks`` harness, one rank)."""
+Both runs are spawned processes (the shared ``run_ranks`` harness, one rank); 2 ranks -> 4 ranks
+is in tests/test_training_ranks.py."""
 
 from __future__ import annotations
 

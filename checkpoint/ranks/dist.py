@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, RankAgreementError
 
-
 _local = threading.local()
 
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..save import _prepare, _save_distributed, _save_parts
 from ..ranks import dist
+from ..save import _prepare, _save_distributed, _save_parts
 from ..storage.format import IndexFile, parse_size
 
 

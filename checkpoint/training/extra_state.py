@@ -25,7 +25,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, MutableMapping
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -86,11 +86,11 @@ class DictNode(_Node):
     """Keys in insertion order; a key is a str or an int (JSON keeps them apart)."""
 
     kind: Literal["dict"] = "dict"
-    items: list[tuple[Union[StrictStr, StrictInt], Node]]
+    items: list[tuple[StrictStr | StrictInt, Node]]
 
 
 Node = Annotated[
-    Union[NoneNode, BoolNode, IntNode, FloatNode, StrNode, TensorNode, ListNode, DictNode],
+    NoneNode | BoolNode | IntNode | FloatNode | StrNode | TensorNode | ListNode | DictNode,
     Field(discriminator="kind"),
 ]
 ListNode.model_rebuild()
@@ -213,7 +213,9 @@ def snapshot_extra_state(extra_state: Mapping[str, Any]) -> dict[str, ExtraState
         if not isinstance(k, str) or not k:
             raise TypeError(f"extra_state key {k!r} is not a non-empty str")
         if is_stateful(v):
-            out[k] = ExtraStateEntry(stateful=True, class_name=type(v).__name__, value=_encode(v.state_dict(), k))
+            out[k] = ExtraStateEntry(
+                stateful=True, class_name=type(v).__name__, value=_encode(v.state_dict(), k)
+            )
         else:
             out[k] = ExtraStateEntry(stateful=False, value=_encode(v, k))
     return out

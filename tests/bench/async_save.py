@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.dir)
     sd = make_state(int(a.mib * 2**20), a.device)
     size = sum(v.numel() * v.element_size() for v in sd.values())
-    print(f"state: {len(sd)} tensors, {size / 2**20:.0f} MiB on {a.device}; torch threads {torch.get_num_threads()}")
+    print(
+        f"state: {len(sd)} tensors, {size / 2**20:.0f} MiB on {a.device}; torch threads {torch.get_num_threads()}"
+    )
     saver = AsyncSaver()
     n = 0
 
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
     first = async_call()
     print(f"first async_save call (allocates staging buffers): {first * 1e3:.1f} ms")
-    print(f"staging memory: {saver.staging_bytes / 2**20:.1f} MiB ({'pinned' if a.device.startswith('cuda') else 'pageable'} host memory, reused)")
+    print(
+        f"staging memory: {saver.staging_bytes / 2**20:.1f} MiB ({'pinned' if a.device.startswith('cuda') else 'pageable'} host memory, reused)"
+    )
     syncs, asyncs, ratios = [], [], []
     for i in range(a.pairs):
         if i % 2 == 0:
@@ -100,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"synchronous save:      {fmt(syncs)}")
     print(f"async_save blocking:   {fmt(asyncs)}")
-    print(f"ratio blocking / save: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); goal <= 0.10")
+    print(
+        f"ratio blocking / save: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); goal <= 0.10"
+    )
     shutil.rmtree(a.dir, ignore_errors=True)
     return 0
 
