@@ -29,6 +29,7 @@ def _full(step: int):
         "w": torch.randn(8, 6, generator=g),
         "norm": torch.randn(6, generator=g),
         "head": torch.randn(4, 6, generator=g),
+        "count": torch.arange(3) + step,  # plain (same on every rank): one rank writes it
     }
 
 
@@ -45,6 +46,7 @@ def _rank_async(rank, world, root):
         "head": DTensor.from_local(
             full["head"].chunk(world, 1)[rank].clone(), mesh, [Shard(1)], run_check=False
         ),
+        "count": full["count"].clone(),
     }
     saver = AsyncSaver()
     fut = saver.save(sd, os.path.join(root, "ck"), extra_state={"step": 5, "rank": rank})
@@ -53,7 +55,7 @@ def _rank_async(rank, world, root):
     for i in range(20):
         with torch.no_grad():
             for t in sd.values():
-                t.to_local().add_(1)
+                (t.to_local() if isinstance(t, DTensor) else t).add_(1)
         x = torch.tensor([float(rank + i)])
         dist.all_reduce(x)
         sums.append(x.item())
@@ -136,8 +138,9 @@ def two_ranks(tmp_path_factory):
 def test_two_ranks_async_save_old_values_and_independent_collectives(two_ranks):
     tmp_path, out = two_ranks["root"] / "async", [r["async"] for r in two_ranks["ranks"]]
     assert [o["sums"] for o in out] == [[float(2 * i + 1) for i in range(20)]] * 2
-    # Each rank stages only its bytes: its shards, and the replicated norm on rank 0 only.
-    assert out[0]["staged"] == (4 * 6 + 6 + 4 * 3) * 4 and out[1]["staged"] == (4 * 6 + 4 * 3) * 4
+    # Each rank stages only its bytes: its shards; the replicated norm and the plain count (the
+    # first slot of the file: int64 sorts first) on rank 0 only.
+    assert out[0]["staged"] == (4 * 6 + 6 + 4 * 3) * 4 + 3 * 8 and out[1]["staged"] == (4 * 6 + 4 * 3) * 4
     full = _full(0)
     target = {k: torch.zeros_like(v) for k, v in full.items()}
     extra = {"step": None, "rank": None}

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..ranks import dist
 from ..save import _prepare, _save_distributed, _save_parts
 from ..storage.format import IndexFile, parse_size
+from ..storage.layout import plan_layout
 
 
 class SaveFuture:
@@ -102,6 +103,21 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=src.device.type == "cuda")
 
 
+def _plain_written_elsewhere(parts, max_shard_size) -> set[tuple[str, str]]:
+    """(prefix, FQN) of the slots another rank writes if their tensor is plain: ``save`` gives the
+    k-th slot of a part's layout to rank ``k % world size``."""
+    out = set()
+    rank, world = dist.rank(), dist.world_size()
+    for part in parts:
+        k = 0
+        for f in plan_layout(part.specs, max_shard_size, part.prefix).files:
+            for slot in f.slots:
+                if k % world != rank:
+                    out.add((part.prefix, slot.spec.fqn))
+                k += 1
+    return out
+
+
 def _writes(t: DTensor) -> bool:
     """Whether this rank writes (part of) DTensor ``t``: the rule of ``save._owned_block``."""
     coord = t.device_mesh.get_coordinate()
@@ -139,9 +155,11 @@ class AsyncSaver:
             self._group = tdist.new_group(backend="gloo")  # collective: every rank is in this call
         return self._group
 
-    def _stage_tensor(self, key: tuple[str, str], t: Any, used: set, copies: list) -> Any:
+    def _stage_tensor(self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set) -> Any:
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             return t  # refused by the writer with save's own message, through result()
+        if key in skip and not isinstance(t, DTensor):
+            return t  # a plain tensor another rank writes: never read here
         if isinstance(t, DTensor):
             if any(isinstance(p, Partial) for p in t.placements):  # reduce here, not in the background
                 t = t.redistribute(
@@ -182,10 +200,11 @@ class AsyncSaver:
             used: set = set()
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             staged = []
+            skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() else set()
             with torch.no_grad():
                 for part in parts:
                     by_fqn = {
-                        s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies)
+                        s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
                         for s in part.specs
                     }
                     staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
@@ -256,6 +275,9 @@ def async_save(
 
     Staging memory: host bytes equal to the tensor bytes this rank writes (model + optimizer
     state), kept between saves (``checkpoint.training.async_save.default_saver().staging_bytes``).
+
+    Wait for the result (or :meth:`AsyncSaver.wait`) before destroying the process group: the
+    background thread talks on a group of it.
 
     Raises now: ``TypeError`` / ``ValueError`` for input ``save`` rejects before writing (non-tensor
     values, a bad ``max_shard_size``, an extra_state value that cannot be saved). Every write
