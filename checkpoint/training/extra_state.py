@@ -277,9 +277,10 @@ def plan_extra_state(root: str | None, extra_state: MutableMapping[str, Any], re
     A stateful target must have been saved stateful, and a plain one plain.
 
     Raises:
-        TypeError: ``extra_state`` is not a mutable mapping.
-        CorruptCheckpointError, ChecksumMismatchError: see :func:`read_extra_state_file`; also a
-            stored entry whose kind (stateful or not) differs from the target's, or undecodable data.
+        TypeError: ``extra_state`` is not a mutable mapping, or a stored entry's kind (saved through
+            ``state_dict()`` or plain) differs from the target's (names the key and file).
+        CorruptCheckpointError, ChecksumMismatchError: see :func:`read_extra_state_file`; also
+            undecodable data.
     """
     if not isinstance(extra_state, MutableMapping):
         raise TypeError(f"extra_state must be a mutable mapping to fill, got {type(extra_state).__name__}")
@@ -294,8 +295,8 @@ def plan_extra_state(root: str | None, extra_state: MutableMapping[str, Any], re
         e = stored[k]
         if e.stateful != is_stateful(cur):
             saved = f"through state_dict() ({e.class_name})" if e.stateful else "as a plain value"
-            raise CorruptCheckpointError(
-                path, f"extra_state {k!r} was saved {saved}, but the target is a {type(cur).__name__}"
+            raise TypeError(
+                f"{path}: extra_state {k!r} was saved {saved}, but the target is a {type(cur).__name__}"
             )
         try:
             values[k] = _decode(e.value, k)
