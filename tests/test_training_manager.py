@@ -118,7 +118,8 @@ AFTER_COMMIT = ["after_commit_rename", "manager_before_retention", "manager_afte
 def test_kills_during_background_writes_leave_latest_complete(tmp_path):
     rng = random.Random(14)
     trials = [{"root": str(tmp_path / p), "point": p} for p in BEFORE_COMMIT + AFTER_COMMIT]
-    trials += [{"root": str(tmp_path / f"delay-{i}"), "delay": rng.random() * 0.3} for i in range(4)]
+    # Delays after step 2 is staged; here a step-2 save takes ~0.05 s, so most land mid-write.
+    trials += [{"root": str(tmp_path / f"delay-{i}"), "delay": rng.random() * 0.06} for i in range(4)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("FQNCKPT_FAULT_POINT", None)
     proc = subprocess.run(
