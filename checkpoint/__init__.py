@@ -1,7 +1,8 @@
 """checkpoint: sharded safetensors checkpoints in eager FQNs, from one process or many ranks.
 
 Public API: :func:`save`, :func:`save_streaming`, :func:`load`, :func:`verify`,
-:func:`open_checkpoint`, the reports and the errors.
+:func:`open_checkpoint`, the reports and the errors; for training, :func:`async_save` and
+:class:`CheckpointManager` (see :mod:`checkpoint.training`).
 """
 
 from .errors import (
@@ -29,11 +30,15 @@ from .save import save, save_streaming
 from .storage.format import IndexFile, parse_size
 from .storage.layout import TensorSpec
 from .storage.reader import CheckpointReader, StrayFileWarning, open_checkpoint
+from .training import CheckpointManager, SaveFuture, async_save
 from .verify import verify
 
 __all__ = [
     "save",
     "save_streaming",
+    "async_save",
+    "SaveFuture",
+    "CheckpointManager",
     "load",
     "verify",
     "migrate",

@@ -8,7 +8,8 @@ reads only the slices of its local shards (``safe_open(...).get_slice``), so loa
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -134,6 +135,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
     verify: bool = False,
+    extra_state: MutableMapping[str, Any] | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -150,6 +152,10 @@ def load(
     ``verify``: first re-hash every file read and compare its byte size and sha256 with the
     index's ``metadata.fqnckpt.files`` record (safetensors itself has no checksum, so a flipped
     data byte otherwise loads silently); costs one extra read of the files.
+    ``extra_state``: fill this dict from the checkpoint's ``extra_state.json``: objects with
+    ``load_state_dict`` are restored in place, other keys get the saved value (see
+    :mod:`checkpoint.training.extra_state`); its entries appear in the report as
+    ``extra_state.<key>`` (missing / unexpected / loaded) and are applied after the tensors.
 
     Raises (all before anything is copied):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
@@ -188,6 +194,11 @@ def load(
             for name in reader.files:
                 reader.verify_file(name)
         report, copies = _plan(reader, state, model, path)
+        extra = None
+        if extra_state is not None:
+            from .training.extra_state import plan_extra_state
+
+            extra = plan_extra_state(reader.root if reader.index_path else None, extra_state, report)
         if strict and not report.ok:
             raise CheckpointMismatchError(report, path)
         if opt_reader is not None:
@@ -206,6 +217,8 @@ def load(
 
             load_optimizer(optimizer, opt_reader, state)
             report.optimizer_loaded = True
+        if extra is not None:
+            extra.apply()
     except BaseException as e:  # noqa: BLE001
         err = e
     finally:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -199,6 +200,7 @@ def save(
     max_shard_size: int | str = "5GB",
     optimizer: torch.optim.Optimizer | None = None,
     overwrite: bool = False,
+    extra_state: Mapping[str, Any] | None = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -215,6 +217,10 @@ def save(
     ``optimizer``: also writes ``optimizer-0000k-of-0000n.safetensors`` +
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
 
+    ``extra_state``: the rest of the training state (step, LR scheduler, RNG states, ...), written
+    to ``extra_state.json`` in the same atomic commit (see :mod:`checkpoint.training.extra_state`);
+    on many ranks rank 0's values are saved.
+
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
@@ -222,6 +228,20 @@ def save(
     :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = os.fspath(path)
+    parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
+    if distributed:
+        return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+    return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+
+
+def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:
+    """What ``save`` writes: the parts, whether they hold DTensors, and the extra files (also used by
+    :func:`checkpoint.training.async_save.async_save`, which stages the parts before writing)."""
+    extra_files: dict[str, bytes] = {}
+    if extra_state is not None:
+        from .training.extra_state import extra_state_file_bytes, snapshot_extra_state
+
+        extra_files = extra_state_file_bytes(snapshot_extra_state(extra_state))
     state = object_state(obj)
     fmap = state.fqn_map.to_model() if state.fqn_map is not None else None
     parts_entries: list[tuple[str, list[Entry], list[list[str]], FQNMapFile | None, OptimizerMeta | None]] = [
@@ -239,9 +259,8 @@ def save(
         by_fqn = {e.fqn: e.tensor for e in entries}
         specs = [_spec_of(path, e.fqn, e.tensor) for e in entries]
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
-    if any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es):
-        return _save_distributed(path, parts, max_shard_size, overwrite)[0]
-    return _save_parts(path, parts, max_shard_size, overwrite, {})[0]
+    distributed = any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es)
+    return parts, distributed, extra_files
 
 
 # -- distributed ------------------------------------------------------------------------------
@@ -281,7 +300,16 @@ def _owned_block(t: torch.Tensor, index: int, fqn: str) -> tuple[torch.Tensor, t
     return local, tuple(offset)
 
 
-def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool) -> list[IndexFile]:
+def _save_distributed(
+    path: str,
+    parts: Sequence[_Part],
+    max_shard_size,
+    overwrite: bool,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> list[IndexFile]:
+    extra_files = extra_files or {}
+    for name in extra_files:
+        _check_extra_name(name)
     if not dist.active():
         raise RuntimeError("DTensor parameters need an initialized process group to save")
     rank, world = dist.rank(), dist.world_size()
@@ -362,6 +390,8 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
         err = None
         if rank == 0:
             try:
+                for name, data in extra_files.items():  # rank 0's, like the indexes
+                    staged.write_file(name, bytes(data))
                 _write_indexes_and_commit(staged, parts, indexes)
             except BaseException as e:  # noqa: BLE001
                 err = (

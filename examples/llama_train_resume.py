@@ -1,4 +1,5 @@
-"""Train a small Llama on 2 ranks (activation checkpointing, bf16), save, resume on another world size.
+"""Train a small Llama on 2 ranks (activation checkpointing, bf16), checkpoint it in the background
+with a CheckpointManager, resume on another world size.
 
 Run from anywhere: ``python examples/llama_train_resume.py [--steps 6] [--resume-world-size 1]``.
 
@@ -8,13 +9,18 @@ Run from anywhere: ``python examples/llama_train_resume.py [--steps 6] [--resume
    bf16 ``MixedPrecisionPolicy`` on a 2-rank gloo mesh; the captured graph keeps one
    ``torch.ops.higher_order.tag_activation_checkpoint`` per layer (counted and printed);
 2. ``init_weights()`` (transformers' own init code) runs on the parallel module's DTensors;
-3. AdamW trains ``--steps`` steps; after ``--save-after`` steps the model and the optimizer are
-   saved with :func:`checkpoint.save` (eager FQNs, one set of full-tensor files);
-4. a new parallel module on ``--resume-world-size`` ranks loads both with :func:`checkpoint.load`
-   (each rank reads only its slices) and trains the remaining steps: its losses must match the
-   uninterrupted run's (same global batches; only reduction order differs).
+3. AdamW with a linear-warmup LR schedule trains ``--steps`` steps; after each step up to
+   ``--save-after`` a :class:`checkpoint.CheckpointManager` (``keep_latest=2``, async) saves model,
+   optimizer and ``extra_state`` (step, LR scheduler, RNG state) to ``root/step-0000000k``: the
+   call returns once the state is staged, the files are written in the background while training
+   goes on (eager FQNs, one set of full-tensor files per checkpoint);
+4. a new parallel module on ``--resume-world-size`` ranks resumes with ``load_latest`` (each rank
+   reads only its slices; the scheduler is restored in place, the step comes back in the dict)
+   and trains the remaining steps: its losses must match the uninterrupted run's (same global
+   batches; only reduction order differs).
 
-Prints the tag count, the saved key names and a table of losses per step.
+Prints the tag count, the saved key names, the kept checkpoints, the longest time a save blocked
+training, and a table of losses per step.
 """
 
 from __future__ import annotations
@@ -93,16 +99,10 @@ def parallel_llama(mesh):
     return pmod, n_tags
 
 
-def train(
-    rank: int,
-    world_size: int,
-    steps: list[int],
-    load_from: str | None,
-    save_to: str | None,
-    save_after: int | None,
-) -> dict:
-    """One rank: build, init (or load model + optimizer), train ``steps``; returns the global loss of
-    each step (float, mean token cross-entropy), the tag count and the saved keys."""
+def train(rank: int, world_size: int, steps: int, root: str, resume: bool, save_after: int | None) -> dict:
+    """One rank: build, init (or resume model, optimizer, scheduler and step from the newest
+    checkpoint under ``root``), train up to step ``steps - 1``; returns the global loss of each
+    step (float, mean token cross-entropy), the tag count, the saved keys and the resumed step."""
     warnings.filterwarnings("ignore", message="DTensor random operators")
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     pmod, n_tags = parallel_llama(mesh)
@@ -110,13 +110,22 @@ def train(
     torch.manual_seed(0)
     pmod.init_weights()  # transformers' init, run unchanged on DTensors (also fills rotary buffers)
     opt = torch.optim.AdamW(pmod.parameters(), lr=LR)
-    out: dict = {"tags": n_tags, "losses": {}}
-    if load_from is not None:
-        report = checkpoint.load(pmod, load_from, optimizer=opt)  # strict; reshards to this mesh
-        out["loaded"] = len(report.loaded_keys)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3)  # warmup
+    manager = checkpoint.CheckpointManager(root, keep_latest=2, async_save=True)
+    out: dict = {"tags": n_tags, "losses": {}, "blocked_s": 0.0}
+    first = 0
+    if resume:
+        extra = {"step": None, "lr_scheduler": sched, "rng": None}
+        step = manager.load_latest(pmod, opt, extra)  # strict; reshards to this mesh
+        report = manager.last_report
+        torch.set_rng_state(extra["rng"])
+        first = extra["step"] + 1
+        out["resumed_step"] = step
+        out["loaded"] = len([k for k in report.loaded_keys if not k.startswith("extra_state.")])
+        out["extra_loaded"] = sorted(k for k in report.loaded_keys if k.startswith("extra_state."))
         out["optimizer_loaded"] = report.optimizer_loaded
     vocab = llama_config().vocab_size
-    for step in steps:
+    for step in range(first, steps):
         batch = tokens(step).chunk(world_size)[rank]
         logits = pmod(input_ids=batch).logits
         n_targets = GLOBAL_BATCH * (SEQ - 1)
@@ -130,28 +139,37 @@ def train(
         loss.backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         out["losses"][step] = total.item()
-        if save_to is not None and step == save_after:
-            checkpoint.save(pmod, save_to, optimizer=opt)
+        if not resume and step <= save_after:
+            t = time.perf_counter()
+            extra = {"step": step, "lr_scheduler": sched, "rng": torch.get_rng_state()}
+            manager.save(step, pmod, opt, extra)  # returns once staged; written in the background
+            out["blocked_s"] = max(out["blocked_s"], time.perf_counter() - t)
             out["saved_keys"] = sorted(pmod.state_dict())
+    manager.wait()  # the last background save has committed
+    out["kept"] = [os.path.basename(p) for p in map(manager.path, manager.steps())]
+    out["staging_bytes"] = manager.staging_bytes
     return out
 
 
 def run(steps: int = 6, save_after: int = 2, resume_world_size: int = 1, workdir: str | None = None) -> dict:
     """Train ``steps`` steps on 2 ranks (saving after step ``save_after``), then resume on
     ``resume_world_size`` ranks. Returns ``{"tags", "state_dict_keys", "stored_keys",
-    "alias_groups", "loaded", "optimizer_loaded", "uninterrupted": {step: loss},
-    "resumed": {step: loss}, "max_loss_diff", "checkpoint", "seconds": {phase: seconds}}``."""
+    "alias_groups", "loaded", "extra_loaded", "optimizer_loaded", "resumed_step", "kept",
+    "blocked_s", "staging_bytes", "uninterrupted": {step: loss}, "resumed": {step: loss},
+    "max_loss_diff", "checkpoint", "seconds": {phase: seconds}}``."""
     workdir = workdir or tempfile.mkdtemp(prefix="llama-resume-")
-    ckpt = os.path.join(workdir, f"step-{save_after}")
+    root = os.path.join(workdir, "checkpoints")
     t0 = time.perf_counter()
-    first = run_ranks(train, 2, list(range(steps)), None, ckpt, save_after, backend="gloo", timeout=300)
+    first = run_ranks(train, 2, steps, root, False, save_after, backend="gloo", timeout=300)
     t1 = time.perf_counter()
     rest = list(range(save_after + 1, steps))
-    resumed = run_ranks(train, resume_world_size, rest, ckpt, None, None, backend="gloo", timeout=300)
+    resumed = run_ranks(train, resume_world_size, steps, root, True, None, backend="gloo", timeout=300)
     t2 = time.perf_counter()
+    ckpt = checkpoint.CheckpointManager(root).latest()
     full, res = first[0]["losses"], resumed[0]["losses"]
     with checkpoint.open_checkpoint(ckpt) as reader:  # what is on disk: eager FQNs, tied alias recorded
         stored, aliases = sorted(reader.keys()), [list(g) for g in reader.alias_groups]
@@ -161,7 +179,12 @@ def run(steps: int = 6, save_after: int = 2, resume_world_size: int = 1, workdir
         "stored_keys": stored,
         "alias_groups": aliases,
         "loaded": resumed[0]["loaded"],
+        "extra_loaded": resumed[0]["extra_loaded"],
         "optimizer_loaded": resumed[0]["optimizer_loaded"],
+        "resumed_step": resumed[0]["resumed_step"],
+        "kept": first[0]["kept"],
+        "blocked_s": max(r["blocked_s"] for r in first),
+        "staging_bytes": first[0]["staging_bytes"],
         "uninterrupted": full,
         "resumed": res,
         "max_loss_diff": max(abs(full[s] - res[s]) for s in rest),
@@ -184,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         f"saved {len(r['stored_keys'])} tensors in eager FQNs to {r['checkpoint']}, e.g. {r['stored_keys'][:2]}"
     )
     print(f"tied names (stored once): {r['alias_groups']}")
+    print(f"kept checkpoints: {r['kept']}; a save blocked training at most {r['blocked_s'] * 1e3:.0f} ms "
+          f"(staging {r['staging_bytes'] / 2**20:.1f} MiB per rank)")  # fmt: skip
     print(
-        f"resumed on {a.resume_world_size} rank(s): {r['loaded']} tensors, optimizer {r['optimizer_loaded']}"
+        f"resumed on {a.resume_world_size} rank(s) from step {r['resumed_step']}: {r['loaded']} tensors, "
+        f"optimizer {r['optimizer_loaded']}, extra state {r['extra_loaded']}"
     )
     print(f"{'step':>4}  {'2 ranks':>10}  {f'resumed ({a.resume_world_size})':>13}  {'|diff|':>8}")
     for step, loss in r["uninterrupted"].items():

@@ -396,7 +396,9 @@ def _user_files_intact(path: Path) -> bool:
         return False
 
 
-def judge(path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str, user_files: bool = False) -> str:
+def judge(
+    path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str, user_files: bool = False
+) -> str:
     """Load ``path`` after a trial and classify it (see module docstring); records failures in ``t``.
     ``user_files``: :data:`USER_FILES` were put beside the old checkpoint and must be intact.
     Returns "old", "new", "absent", "wrong" or "partial"."""

@@ -1,17 +1,40 @@
 """Where ranks talk: every collective of a distributed save / load is here.
 
-All calls use the default process group (every rank of the job takes part). Failures are agreed:
+All calls use the default process group (every rank of the job takes part), or the group set
+for the calling thread with :func:`using_group`. Failures are agreed:
 :func:`check_all` gathers each rank's error so one rank's failure fails every rank instead of
 leaving the others hanging in the next collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import CheckpointError, RankAgreementError
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def using_group(group: Any) -> Iterator[None]:
+    """Run this thread's collectives of this module on ``group`` (a group of every rank, e.g. the
+    gloo group of background saves, so they never interleave with the training loop's collectives
+    on the default group). Ranks are the same as in the default group."""
+    prev = getattr(_local, "group", None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = prev
+
+
+def _group() -> Any:
+    return getattr(_local, "group", None)
 
 
 def active() -> bool:
@@ -30,14 +53,14 @@ def world_size() -> int:
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` of rank ``src`` on every rank (picklable objects only)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_group())
     return box[0]
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, indexed by rank."""
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group())
     return out
 
 
@@ -58,7 +81,7 @@ def check_all(what: str, error: BaseException | None) -> None:
 
 
 def barrier() -> None:
-    dist.barrier()
+    dist.barrier(group=_group())
 
 
 __all__ = [
@@ -69,5 +92,6 @@ __all__ = [
     "all_gather_object",
     "check_all",
     "barrier",
+    "using_group",
     "CheckpointError",
 ]

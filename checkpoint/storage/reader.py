@@ -262,7 +262,9 @@ class CheckpointReader:
             return proc
         now, held = os.stat(path), os.fstat(fd)
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            raise CorruptCheckpointError(path, "was replaced by a later save after the checkpoint was opened; reopen it")
+            raise CorruptCheckpointError(
+                path, "was replaced by a later save after the checkpoint was opened; reopen it"
+            )
         return path
 
     def _open_file(self, name: str):

@@ -1,0 +1,7 @@
+"""Training checkpoints: :func:`async_save`, the whole training state (``extra_state``) and
+:class:`CheckpointManager` (numbered checkpoints with retention)."""
+
+from .async_save import AsyncSaver, SaveFuture, async_save
+from .manager import CheckpointManager
+
+__all__ = ["async_save", "AsyncSaver", "SaveFuture", "CheckpointManager"]

@@ -1,0 +1,233 @@
+"""``CheckpointManager``: numbered training checkpoints under one root, saved in the background,
+with retention.
+
+``root/step-00000100`` is a checkpoint in fqnckpt's (Hugging Face) layout, committed atomically by
+:func:`checkpoint.save` / :func:`checkpoint.async_save`, so a step directory is visible only once
+complete and a kill at any moment leaves :meth:`CheckpointManager.latest` on a complete checkpoint.
+Retention removes a checkpoint by first renaming it to a hidden ``.step-X.fqnckpt-deleting-<uuid>``
+(atomic, so it disappears whole), then deleting that; leftovers of a killed removal are deleted
+by the next manager on rank 0.
+
+Fault points (``checkpoint._faults``) of the manager, for crash tests:
+``manager_before_retention`` (committed, nothing removed) and ``manager_after_retention_rename``
+(one old checkpoint renamed aside, not yet deleted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from .. import _faults, atomic
+from ..atomic import fsync_path
+from ..ranks import dist
+from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
+from .async_save import AsyncSaver, SaveFuture
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+DELETING_TAG = ".fqnckpt-deleting-"
+
+
+def step_dir_name(step: int) -> str:
+    """``100`` -> ``step-00000100``."""
+    return f"step-{step:08d}"
+
+
+def is_complete(path: str) -> bool:
+    """A committed checkpoint directory: its model index (and optimizer index, if any) parses, and
+    every shard file it names exists with the byte size recorded. No data is read."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    model_index = os.path.join(path, index_name(MODEL_PREFIX))
+    if not os.path.isfile(model_index):
+        return False
+    for prefix in (MODEL_PREFIX, OPTIMIZER_PREFIX):
+        p = os.path.join(path, index_name(prefix))
+        if prefix != MODEL_PREFIX and not os.path.isfile(p):
+            continue
+        try:
+            with open(p, "rb") as f:
+                index = IndexFile.model_validate_json(f.read())
+        except (OSError, ValidationError, ValueError):
+            return False
+        meta = index.metadata.fqnckpt
+        for name in index.files():
+            fp = os.path.join(path, name)
+            if "/" in name or not os.path.isfile(fp):
+                return False
+            if meta is not None and name in meta.files and os.path.getsize(fp) != meta.files[name].size:
+                return False
+    return True
+
+
+class CheckpointManager:
+    """Save ``root/step-{step:08d}`` checkpoints, find the newest complete one, keep the newest few.
+
+    ``root``: directory (created). ``keep_latest``: how many complete checkpoints to keep (None:
+    all); after each save the older complete ones beyond that are removed, never the one just
+    written nor the newest complete one. ``async_save``: save with :func:`checkpoint.async_save`
+    (the call returns once the state is staged; one save in flight, the next waits for it).
+
+    On many ranks create it and call every method on every rank; rank 0 removes old checkpoints.
+
+    Raises:
+        ValueError: ``keep_latest`` is not None or an int >= 1.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_latest: int | None = None, async_save: bool = True):
+        if keep_latest is not None and (
+            isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1
+        ):
+            raise ValueError(f"keep_latest must be None or an int >= 1, got {keep_latest!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_latest = keep_latest
+        self._saver = AsyncSaver() if async_save else None
+        self._future: SaveFuture | None = None
+        self.last_report = None  # LoadReport of the last load_latest
+        os.makedirs(self.root, exist_ok=True)
+        if dist.rank() == 0:
+            self._remove_deleting()
+
+    # -- finding checkpoints -------------------------------------------------------------------
+    def path(self, step: int) -> str:
+        """Where step ``step`` is (or would be) saved."""
+        return os.path.join(self.root, step_dir_name(step))
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints under ``root``, ascending."""
+        out = []
+        for name in os.listdir(self.root):
+            m = _STEP_DIR.match(name)
+            if m and is_complete(os.path.join(self.root, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> str | None:
+        """Path of the newest (highest step) complete checkpoint, or None."""
+        steps = self.steps()
+        return self.path(steps[-1]) if steps else None
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+        *,
+        max_shard_size: int | str = "5GB",
+    ) -> SaveFuture | None:
+        """Save ``module`` (+ ``optimizer``, ``extra_state``) as step ``step`` (replacing a
+        checkpoint of the same step atomically), then apply retention. Async: first waits for the
+        previous save, returns its :class:`SaveFuture` once staged; sync: returns None when done.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0.
+            What :func:`checkpoint.save` raises; async: the previous save's error, raised here
+            before anything new is staged (a failing disk is not silently skipped).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self.wait()
+        path = self.path(step)
+        kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
+        if self._saver is None:
+            from ..save import save
+
+            save(module, path, **kw)
+            self._retain(step)
+            return None
+        self._future = self._saver.save(module, path, after_commit=lambda: self._retain(step), **kw)
+        return self._future
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed (and retention ran); re-raise its error."""
+        fut, self._future = self._future, None
+        if fut is not None:
+            fut.result()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes held by this manager's staging buffers (0 without async_save)."""
+        return self._saver.staging_bytes if self._saver is not None else 0
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_latest(
+        self,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
+        extra_state: MutableMapping[str, Any] | None = None,
+        **load_kwargs: Any,
+    ) -> int | None:
+        """Load the newest complete checkpoint with :func:`checkpoint.load` (strict by default);
+        returns its step, or None (nothing loaded) when there is none; the
+        :class:`~checkpoint.LoadReport` is kept in ``last_report``. On many ranks rank 0 picks
+        the checkpoint and tells the others (one broadcast on the default group).
+
+        Raises: what :func:`checkpoint.load` raises.
+        """
+        from ..load import load
+
+        self.wait()
+        steps = self.steps()
+        step = steps[-1] if steps else None
+        if dist.active():
+            step = dist.broadcast_object(step)
+        if step is None:
+            return None
+        self.last_report = load(
+            module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs
+        )
+        return step
+
+    # -- retention ------------------------------------------------------------------------------
+    def _retain(self, written: int) -> None:
+        if dist.rank() != 0 or self.keep_latest is None:
+            return
+        _faults.fault_point("manager_before_retention")
+        steps = self.steps()
+        keep = set(steps[-self.keep_latest :]) | {written}
+        if steps:
+            keep.add(steps[-1])
+        for step in steps:
+            if step in keep:
+                continue
+            path = self.path(step)
+            aside = os.path.join(self.root, f".{step_dir_name(step)}{DELETING_TAG}{uuid.uuid4().hex}")
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                continue  # removed by someone else meanwhile
+            fsync_path(self.root)
+            _faults.fault_point("manager_after_retention_rename")
+            shutil.rmtree(aside, ignore_errors=True)
+            # The lock file would otherwise stay forever, one per step ever saved; a save of this
+            # retired step racing with its removal is not a use the manager has.
+            with atomic.checkpoint_lock(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(atomic.sibling(path, atomic.LOCK_TAG))
+
+    def _remove_deleting(self) -> None:
+        """Remove leftovers of killed removals, and of killed saves (staging dirs; an interrupted
+        commit decided inside a step directory is first rolled forward by
+        :func:`checkpoint.atomic.complete_interrupted`)."""
+        interrupted = set()
+        for name in os.listdir(self.root):
+            if name.startswith(".step-") and DELETING_TAG in name:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            elif name.startswith(".step-") and atomic.is_leftover_name(name) and atomic.LOCK_TAG not in name:
+                m = re.match(r"^\.(step-\d{8,})\.fqnckpt-", name)
+                if m:
+                    interrupted.add(os.path.join(self.root, m.group(1)))
+        for path in sorted(interrupted):
+            with atomic.checkpoint_lock(path):
+                atomic.complete_interrupted(path)
+                atomic.cleanup_leftovers(path)

@@ -1,0 +1,111 @@
+"""``checkpoint.async_save``: the snapshot is taken at the call (values changed right after are not
+saved), the files are byte-identical to ``save``'s, write errors come out of ``result()``,
+and staging buffers are reused (2 ranks: tests/test_training_ranks.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import CheckpointExistsError
+from checkpoint.training.async_save import AsyncSaver
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _trained():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _files(path):
+    return {n: (path / n).read_bytes() for n in sorted(os.listdir(path))}
+
+
+def test_values_changed_after_the_call_are_not_saved(tmp_path):
+    model, opt = _trained()
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    old_avg = opt.state[model[0].weight]["exp_avg"].clone()
+    counter = {"step": 1, "rng": torch.get_rng_state()}
+    rng_before = counter["rng"].clone()
+    fut = checkpoint.async_save(model, tmp_path / "ck", optimizer=opt, extra_state=counter)
+    with torch.no_grad():  # the training loop goes on at once
+        for p in model.parameters():
+            p.mul_(-3).add_(1)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    counter["step"] = 2
+    counter["rng"].zero_()
+    fut.result(timeout=120)
+    assert fut.done() and fut.exception() is None
+    fresh = _model(1)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    target = {"step": None, "rng": None}
+    checkpoint.load(fresh, tmp_path / "ck", optimizer=opt2, extra_state=target)
+    assert all(torch.equal(v, old[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(opt2.state[fresh[0].weight]["exp_avg"], old_avg)
+    assert target["step"] == 1 and torch.equal(target["rng"], rng_before)
+
+
+def test_files_are_byte_identical_to_save(tmp_path):
+    model, opt = _trained()
+    extra = {"step": 7, "lr": [0.1, float("nan")]}
+    checkpoint.save(model, tmp_path / "sync", optimizer=opt, extra_state=extra, max_shard_size=1000)
+    fut = checkpoint.async_save(
+        model, tmp_path / "async", optimizer=opt, extra_state=extra, max_shard_size=1000
+    )
+    fut.result()
+    sync, asyn = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert len([n for n in sync if n.startswith("model-")]) > 1  # several shard files
+    assert sync == asyn
+    assert checkpoint.verify(tmp_path / "async").ok
+
+
+def test_write_errors_come_out_of_result_and_bad_input_fails_at_once(tmp_path):
+    model, _ = _trained()
+    checkpoint.save(model, tmp_path / "ck")
+    before = _files(tmp_path / "ck")
+    fut = checkpoint.async_save(model, tmp_path / "ck")
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        fut.result()
+    assert isinstance(fut.exception(), CheckpointExistsError)
+    assert _files(tmp_path / "ck") == before
+    with pytest.raises(TypeError, match="'a'"):
+        checkpoint.async_save({"a": 1.0}, tmp_path / "other")
+    with pytest.raises(ValueError, match="max_shard_size"):
+        checkpoint.async_save(model, tmp_path / "other", max_shard_size="lots")
+    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"]
+
+
+def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp_path):
+    saver = AsyncSaver()
+    model, opt = _trained()
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    f1 = saver.save(model, tmp_path / "a", optimizer=opt)
+    ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    opt_bytes = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    assert f1.staging_bytes == saver.staging_bytes == model_bytes + opt_bytes
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    f2 = saver.save(model, tmp_path / "b", optimizer=opt)  # waits for f1, then reuses its buffers
+    assert f1.done()
+    assert {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs
+    f2.result()
+    for path, want in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        got = _model(1)
+        checkpoint.load(got, path)
+        assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
