@@ -66,7 +66,9 @@ MANIFEST = ".fqnckpt-manifest.json"  # hidden: extra_files names cannot start wi
 PREFIXES = (MODEL_PREFIX, OPTIMIZER_PREFIX)
 # Files a checkpoint owns by name alone (besides what its indexes name).
 OWNED_NAMES = frozenset(
-    [index_name(p) for p in PREFIXES] + [f"{p}.safetensors" for p in PREFIXES] + ["migration_report.json"]
+    [index_name(p) for p in PREFIXES]
+    + [f"{p}.safetensors" for p in PREFIXES]
+    + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.training.extra_state
 )
 _SHARD_NAME = re.compile(r"^(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors$")
 

@@ -177,3 +177,19 @@ def test_corrupt_or_mismatched_extra_state_is_refused_before_any_change(tmp_path
     with pytest.raises(CorruptCheckpointError, match="schema"):
         checkpoint.load(other, tmp_path / "ck", extra_state=target)
     assert target == {"step": 0} and torch.equal(other[0].weight, w)
+
+
+def test_overwrite_without_extra_state_removes_the_stale_file(tmp_path):
+    # extra_state.json is owned by the checkpoint: a later save without extra_state must not leave
+    # the old step / RNG state behind for a load to pick up as this checkpoint's.
+    d = tmp_path / "ck"
+    checkpoint.save({"w": torch.ones(2)}, d, extra_state={"step": 7})
+    assert (d / EXTRA_STATE_FILE).is_file()
+    (d / "config.json").write_text("{}")
+    checkpoint.save({"w": torch.zeros(2)}, d, overwrite=True)
+    assert sorted(os.listdir(d)) == sorted(
+        ["config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"]
+    )
+    extra: dict = {"step": 0}
+    report = checkpoint.load({"w": torch.empty(2)}, d, extra_state=extra, strict=False)
+    assert extra == {"step": 0} and "extra_state.step" in report.missing_keys
