@@ -220,12 +220,26 @@ def target_problem(t: torch.Tensor) -> str | None:
             "it is an inference tensor (made under torch.inference_mode()); load inside "
             "torch.inference_mode() or build the model outside it"
         )
-    if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:  # MemOverlap::Yes
+    if local.numel() > 1 and _has_internal_overlap(local):
         return (
             f"several of its elements share memory (strides {tuple(local.stride())}, e.g. an expand()ed "
             "tensor); make it contiguous (.clone()) or load with assign=True"
         )
     return None
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """Two elements of ``t`` share memory. torch answers Yes / No / TooHard
+    (``_debug_has_internal_overlap``) and copies into TooHard views (e.g. ``as_strided`` with
+    overlapping strides) silently, last write wins; those are counted exactly here (O(numel),
+    only for non-dense views)."""
+    status = torch._debug_has_internal_overlap(t)
+    if status != 2:  # 0 No, 1 Yes
+        return status == 1
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
+    return int(torch.unique(offsets).numel()) < t.numel()
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -297,6 +311,11 @@ def _owner_slot(model: torch.nn.Module, name: str):
 # -- plan ----------------------------------------------------------------------------------------
 
 
+def _file(reader: CheckpointReader, key: str) -> str:
+    """Path of the file holding ``key``, for messages."""
+    return os.path.join(reader.root, reader.file_of(key))
+
+
 def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> torch.Tensor:
     """The block of ``key`` that target ``t`` holds on this rank (all of it for a plain tensor).
 
@@ -310,7 +329,7 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        raise LoadError(key, os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
+        raise LoadError(key, _file(reader, key), f"{type(e).__name__}: {e}") from e
 
 
 def plan_load(
@@ -348,7 +367,7 @@ def plan_load(
         if spec.dtype != target:
             why = conversion_kind_problem(spec.dtype, target)
             if why and not allow_lossy:
-                raise LossyConversionError(key, reader.file_of(key), dtype_name(spec.dtype), dtype_name(target), why)
+                raise LossyConversionError(key, _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why)
             report.dtype_converted.append(
                 DtypeConversion(key=e.fqn, checkpoint_dtype=dtype_name(spec.dtype), target_dtype=dtype_name(target))
             )
@@ -385,7 +404,7 @@ def plan_load(
         if not allow_lossy and needs_value_check(spec.dtype, a.dtype):
             why = value_problem(read(a), a.dtype)
             if why:
-                raise LossyConversionError(a.key, reader.file_of(a.key), dtype_name(spec.dtype), dtype_name(a.dtype), why)
+                raise LossyConversionError(a.key, _file(reader, a.key), dtype_name(spec.dtype), dtype_name(a.dtype), why)
     for cluster in _overlap_clusters([a for a in copies if a.dtype == a.entry.tensor.dtype]):
         _check_overlaps(cluster, read, path)
 
@@ -442,7 +461,7 @@ def apply_load(
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
-            raise LoadError(a.key, os.path.join(reader.root, reader.file_of(a.key)), f"{type(e).__name__}: {e}") from e
+            raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
     if optimizer is not None and plan.optimizer_state is not None:
         if replaced:
             for g in optimizer.param_groups:

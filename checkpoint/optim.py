@@ -7,6 +7,7 @@ and rebuilt as DTensors with the parameter's mesh and placements (resharding).
 
 Values round-trip exactly (``value_encoding`` 2): hyper-parameters and non-tensor state are JSON
 in the index, with tags where JSON has no exact form (:data:`Value`): ``{"$float": "inf"}``,
+``{"$none": true}`` (the index is written with ``exclude_none``, which drops a bare null),
 ``{"$tuple": [...]}``, ``{"$tensor": {dtype, shape, data (base64 of the bytes)}}``,
 ``{"$dict": [[key, value], ...]}``, and ``{"$ref": key}`` for a tensor nested in a state value
 (stored as its own tensor ``key``). Checkpoints of encoding 1 (plain JSON, lists for tuples,
@@ -19,7 +20,7 @@ import base64
 import math
 import numbers
 from collections.abc import Callable
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter
@@ -48,6 +49,12 @@ class FloatTag(_Tag):
     """A float JSON cannot write: ``inf``, ``-inf``, ``nan``."""
 
     value: str = Field(alias="$float", pattern=r"^(inf|-inf|nan)$")
+
+
+class NoneTag(_Tag):
+    """``None`` (a plain JSON null would be dropped: the index is written with exclude_none)."""
+
+    value: Literal[True] = Field(alias="$none")
 
 
 class TupleTag(_Tag):
@@ -85,7 +92,7 @@ Value = TypeAliasType(
     "Value",
     Union[  # noqa: UP007
         None, StrictBool, StrictInt, FiniteFloat, StrictStr, list["Value"],
-        FloatTag, TupleTag, DictTag, TensorTag, RefTag,
+        NoneTag, FloatTag, TupleTag, DictTag, TensorTag, RefTag,
     ],
 )  # fmt: skip
 for _m in (TupleTag, DictTag):
@@ -107,7 +114,9 @@ def encode_value(v: object, where: str, store: Callable[[str, torch.Tensor], Non
     Raises:
         TypeError: a value with no exact encoding (names ``where``).
     """
-    if v is None or isinstance(v, (bool, str)):
+    if v is None:
+        return {"$none": True}
+    if isinstance(v, (bool, str)):
         return v
     if isinstance(v, numbers.Integral):
         return int(v)
@@ -151,6 +160,8 @@ def decode_value(raw: object, where: str, read: Callable[[str], torch.Tensor] | 
 
 
 def _decode(v: object, where: str, read) -> object:
+    if isinstance(v, NoneTag):
+        return None
     if isinstance(v, FloatTag):
         return float(v.value)
     if isinstance(v, TupleTag):
