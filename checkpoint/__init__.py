@@ -13,11 +13,16 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     DuplicateTensorError,
+    LoadError,
+    LossyConversionError,
+    MetaTargetError,
     MissingShardError,
+    OverlappingTargetsError,
     RankAgreementError,
     TensorNotInShardError,
     TiedValuesMismatchError,
     UnsafePathError,
+    UnwritableTargetError,
 )
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
@@ -56,4 +61,9 @@ __all__ = [
     "CheckpointWriteError",
     "RankAgreementError",
     "TiedValuesMismatchError",
+    "MetaTargetError",
+    "UnwritableTargetError",
+    "OverlappingTargetsError",
+    "LossyConversionError",
+    "LoadError",
 ]

@@ -131,12 +131,24 @@ def check_tied_values(reader, stored: list[str], path: str) -> None:
     """
     if len(stored) < 2:
         return
-    first = reader.get(stored[0])
+    first = guarded_get(reader, stored[0])
     for other in stored[1:]:
-        t = reader.get(other)
+        t = guarded_get(reader, other)
         # Bitwise, so NaNs stored twice compare equal.
         if not (t.shape == first.shape and t.dtype == first.dtype and _same_bits(t, first)):
             raise TiedValuesMismatchError(stored, [reader.file_of(k) for k in stored], path)
+
+
+def guarded_get(reader, key: str) -> torch.Tensor:
+    """``reader.get(key)``; a failure of safetensors / torch / the OS becomes a :class:`LoadError`
+    naming the key and its file."""
+    try:
+        return reader.get(key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
+        root = getattr(reader, "root", "")
+        raise LoadError(key, os.path.join(root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -210,8 +222,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def target_problem(t: torch.Tensor) -> str | None:
-    """Why torch would refuse (or silently ignore) an in-place copy into ``t``, or None. Meta
-    tensors are handled apart (:class:`MetaTargetError`)."""
+    """Why torch would refuse, or carry out wrongly, an in-place copy into ``t``, or None. Meta
+    tensors are handled apart (:class:`MetaTargetError`). Leaves that require grad are fine: the
+    copies run under ``torch.no_grad()``."""
     local = _local(t)
     if local.layout != torch.strided:
         return f"layout {local.layout} (only strided tensors are loaded in place)"
@@ -441,7 +454,10 @@ def apply_load(
     file vanishes from under a mapping) is a :class:`LoadError` naming key and file."""
     copies = plan.copies
     if dtype is not None:
-        obj.to(dtype)
+        try:
+            obj.to(dtype)
+        except Exception as e:  # noqa: BLE001
+            raise LoadError(f"module.to({dtype})", reader.root, f"{type(e).__name__}: {e}") from e
         # Buffers are new tensors now (parameters keep their identity): find each target again.
         fresh = object_state(obj).by_name()
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign) for a in copies]

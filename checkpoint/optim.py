@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import numbers
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 from typing_extensions import TypeAliasType
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, LoadError
 from .state import Entry, ModuleState
 from .storage.format import OptimizerMeta, ParamGroup
 from .storage.reader import CheckpointReader
@@ -252,6 +253,20 @@ def optimizer_entries(
 
 
 def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:
+    """State tensor ``key`` where ``param`` lives (this rank's slice for a DTensor of equal shape).
+
+    Raises:
+        LoadError: safetensors / torch fail to read or place it (names key and file).
+    """
+    try:
+        return _read_like_unguarded(reader, key, param)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise LoadError(key, os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
+
+
+def _read_like_unguarded(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:
     spec = reader.spec(key)
     if isinstance(param, DTensor) and spec.shape == tuple(param.shape) and spec.shape:
         from .load import local_slices
@@ -316,7 +331,9 @@ def plan_optimizer(
         if key not in reader:
             raise CorruptCheckpointError(where, f"$ref to tensor {key!r} that the optimizer shards lack")
         refs.add(key)
-        return reader.get(key)
+        from .load import guarded_get
+
+        return guarded_get(reader, key)
 
     state_values = {
         canon(fqn): {
