@@ -356,11 +356,13 @@ def plan_load(
     assign: bool = False,
     allow_lossy: bool = False,
     verify: bool = False,
+    state: ModuleState | None = None,
 ) -> LoadPlan:
     """Every check of :func:`load`, reading only (headers, and tensor data where a check needs
     values: duplicate spellings, range-narrowing conversions, targets sharing memory, optimizer
-    state). Changes nothing. Raises what :func:`load` raises."""
-    state = object_state(obj)
+    state). Changes nothing. ``state``: ``object_state(obj)`` if the caller has it already.
+    Raises what :func:`load` raises."""
+    state = state if state is not None else object_state(obj)
     model = obj if isinstance(obj, torch.nn.Module) else None
     if verify:
         for name in reader.files:
@@ -595,7 +597,7 @@ def load(
         reader = open_checkpoint(path)
         plan = plan_load(
             obj, reader, path, strict=strict, optimizer=optimizer, dtype=dtype,
-            assign=assign, allow_lossy=allow_lossy, verify=verify,
+            assign=assign, allow_lossy=allow_lossy, verify=verify, state=state,
         )  # fmt: skip
     except BaseException as e:  # noqa: BLE001 - agreed across ranks below
         err = e
