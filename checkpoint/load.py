@@ -84,11 +84,15 @@ def _match(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module 
     direct: dict[int, list[str]] = {}
     via_group: dict[int, str] = {}
     unknown: list[str] = []
+    ignorable: set[str] = set()
     for key in reader.keys():
         found = False
         e = by_name.get(key)
         if e is None and model is not None:
-            e = by_name.get(canonical_fqn(key, model))
+            canon = canonical_fqn(key, model)
+            e = by_name.get(canon)
+            if canon in state.non_persistent:
+                ignorable.add(key)
         if e is not None:
             direct.setdefault(id(e), []).append(key)
             found = True
@@ -116,7 +120,8 @@ def _match(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module 
             report.filled_from[e.fqn] = key
         pairs.append((e, key))
     for key in unknown:
-        (report.ignorable_keys if key in state.non_persistent else report.unexpected_keys).append(key)
+        ignore = key in state.non_persistent or key in ignorable
+        (report.ignorable_keys if ignore else report.unexpected_keys).append(key)
     return report, pairs
 
 

@@ -492,3 +492,18 @@ def test_corrupt_optimizer_value_is_named_and_changes_nothing(tmp_path):
     with pytest.raises(checkpoint.CorruptCheckpointError, match="'lr'"):
         checkpoint.load(m, d, optimizer=opt)
     snap.assert_unchanged()
+
+
+class WithNonPersistent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+        self.register_buffer("inv_freq", torch.zeros(3), persistent=False)
+
+
+def test_wrapper_spelling_of_a_non_persistent_buffer_is_ignorable(tmp_path):
+    checkpoint.save({"_orig_mod.w": torch.ones(2), "_orig_mod.inv_freq": torch.ones(3)}, tmp_path / "ck")
+    m = WithNonPersistent()
+    rep = checkpoint.load(m, tmp_path / "ck")
+    assert rep.ok and rep.ignorable_keys == ["_orig_mod.inv_freq"] and rep.unexpected_keys == []
+    assert torch.equal(m.w, torch.ones(2)) and torch.equal(m.inv_freq, torch.zeros(3))
