@@ -378,6 +378,10 @@ def plan_load(
     for e, key in pairs:
         spec = reader.spec(key)
         t = e.tensor
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise UnwritableTargetError(
+                e.fqn, path, "it is an uninitialized lazy parameter / buffer (no shape yet): run one forward pass first"
+            )
         if spec.shape != tuple(t.shape):
             report.shape_mismatched.append(
                 ShapeMismatch(key=e.fqn, checkpoint_shape=list(spec.shape), target_shape=list(t.shape))

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 def tensor_facts(t: torch.Tensor) -> tuple:
     """Everything that decides what ``t`` reads and where it lives, its bytes included (None for
     meta tensors, which hold no data)."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # lazy: no shape, no data yet
+        return (type(t).__name__, id(t), t.requires_grad)
     extra: tuple = ()
     if isinstance(t, DTensor):
         extra = ("dtensor", tuple(t.shape), tuple(map(str, t.placements)), str(t.device_mesh))

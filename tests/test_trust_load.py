@@ -507,3 +507,15 @@ def test_wrapper_spelling_of_a_non_persistent_buffer_is_ignorable(tmp_path):
     rep = checkpoint.load(m, tmp_path / "ck")
     assert rep.ok and rep.ignorable_keys == ["_orig_mod.inv_freq"] and rep.unexpected_keys == []
     assert torch.equal(m.w, torch.ones(2)) and torch.equal(m.inv_freq, torch.zeros(3))
+
+
+def test_uninitialized_lazy_parameter_is_a_named_refusal(tmp_path):
+    checkpoint.save(nn.Linear(3, 2), tmp_path / "ck")
+    m = nn.LazyLinear(2)
+    snap = Snapshot(m)
+    with pytest.raises(UnwritableTargetError, match="lazy") as ei:
+        checkpoint.load(m, tmp_path / "ck")
+    assert ei.value.key == "weight"
+    snap.assert_unchanged()
+    m(torch.ones(1, 3))  # initialized: loads
+    assert checkpoint.load(m, tmp_path / "ck").ok
