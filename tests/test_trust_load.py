@@ -519,3 +519,28 @@ def test_uninitialized_lazy_parameter_is_a_named_refusal(tmp_path):
     snap.assert_unchanged()
     m(torch.ones(1, 3))  # initialized: loads
     assert checkpoint.load(m, tmp_path / "ck").ok
+
+
+def test_snapshot_helper_sees_every_kind_of_change():
+    """The helper every rejection test relies on must fail on any change it promises to see."""
+    changes = {
+        "one bit": lambda m, o: m.a.weight.data.view(torch.int32)[0, 0].bitwise_xor_(1),
+        "dtype": lambda m, o: setattr(m.a.bias, "data", m.a.bias.data.double()),
+        "stride": lambda m, o: setattr(m.a.weight, "data", m.a.weight.data.t().contiguous().t()),
+        "storage": lambda m, o: setattr(m.a.bias, "data", m.a.bias.data.clone()),
+        "buffer object": lambda m, o: m.register_buffer("b", m.b.clone()),
+        "requires_grad": lambda m, o: m.a.bias.requires_grad_(False),
+        "optimizer lr": lambda m, o: o.param_groups[0].__setitem__("lr", 0.5000001),
+        "optimizer state": lambda m, o: o.state[m.a.weight]["exp_avg"][0, 0].copy_(
+            torch.nextafter(o.state[m.a.weight]["exp_avg"][0, 0], torch.tensor(1.0))
+        ),  # one ulp
+        "optimizer step type": lambda m, o: o.state[m.a.weight].__setitem__("step", 1),
+    }
+    for name, change in changes.items():
+        m, opt = fresh_with_optimizer()
+        snap = Snapshot(m, opt)
+        snap.assert_unchanged()
+        change(m, opt)
+        assert snap.differences(), name
+        with pytest.raises(AssertionError, match="changed"):
+            snap.assert_unchanged()
