@@ -159,7 +159,9 @@ def guarded_get(reader, key: str) -> torch.Tensor:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 # -- dtype conversions ---------------------------------------------------------------------------
@@ -210,7 +212,11 @@ def value_problem(src: torch.Tensor, dst: torch.dtype) -> str | None:
     range), or None."""
     conv = src.to(dst)
     if dst.is_floating_point or dst.is_complex:
-        bad = torch.isfinite(src) & ~torch.isfinite(conv) if src.is_floating_point() or src.is_complex() else ~torch.isfinite(conv)
+        bad = (
+            torch.isfinite(src) & ~torch.isfinite(conv)
+            if src.is_floating_point() or src.is_complex()
+            else ~torch.isfinite(conv)
+        )
     else:
         bad = conv.to(src.dtype) != src
     if not bool(bad.any()):
@@ -306,7 +312,9 @@ def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
     views = []
     for a in cluster:
         t = _local(a.entry.tensor)
-        v = torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, t.storage_offset(), t.shape, t.stride())
+        v = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            scratch, t.storage_offset(), t.shape, t.stride()
+        )
         src = read(a).to(t.dtype)
         v.copy_(src)
         views.append((a, v, src))
@@ -380,7 +388,9 @@ def plan_load(
         t = e.tensor
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
             raise UnwritableTargetError(
-                e.fqn, path, "it is an uninitialized lazy parameter / buffer (no shape yet): run one forward pass first"
+                e.fqn,
+                path,
+                "it is an uninitialized lazy parameter / buffer (no shape yet): run one forward pass first",
             )
         if spec.shape != tuple(t.shape):
             report.shape_mismatched.append(
@@ -391,9 +401,13 @@ def plan_load(
         if spec.dtype != target:
             why = conversion_kind_problem(spec.dtype, target)
             if why and not allow_lossy:
-                raise LossyConversionError(key, _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why)
+                raise LossyConversionError(
+                    key, _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why
+                )
             report.dtype_converted.append(
-                DtypeConversion(key=e.fqn, checkpoint_dtype=dtype_name(spec.dtype), target_dtype=dtype_name(target))
+                DtypeConversion(
+                    key=e.fqn, checkpoint_dtype=dtype_name(spec.dtype), target_dtype=dtype_name(target)
+                )
             )
         if assign:
             if isinstance(t, DTensor):
@@ -428,7 +442,9 @@ def plan_load(
         if not allow_lossy and needs_value_check(spec.dtype, a.dtype):
             why = value_problem(read(a), a.dtype)
             if why:
-                raise LossyConversionError(a.key, _file(reader, a.key), dtype_name(spec.dtype), dtype_name(a.dtype), why)
+                raise LossyConversionError(
+                    a.key, _file(reader, a.key), dtype_name(spec.dtype), dtype_name(a.dtype), why
+                )
     for cluster in _overlap_clusters([a for a in copies if a.dtype == a.entry.tensor.dtype]):
         _check_overlaps(cluster, read, path)
 
@@ -438,7 +454,9 @@ def plan_load(
             raise TypeError("optimizer= needs the nn.Module (parameters are matched by identity)")
         root = reader.root
         if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
-            raise CheckpointNotFoundError(root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)")
+            raise CheckpointNotFoundError(
+                root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
+            )
         from .optim import plan_optimizer
 
         with open_checkpoint(root, prefix=OPTIMIZER_PREFIX) as opt_reader:
@@ -498,7 +516,11 @@ def apply_load(
         try:
             apply_optimizer(optimizer, plan.optimizer_state)
         except Exception as e:  # noqa: BLE001
-            raise LoadError("optimizer state", os.path.join(reader.root, index_name(OPTIMIZER_PREFIX)), f"{type(e).__name__}: {e}") from e
+            raise LoadError(
+                "optimizer state",
+                os.path.join(reader.root, index_name(OPTIMIZER_PREFIX)),
+                f"{type(e).__name__}: {e}",
+            ) from e
         plan.report.optimizer_loaded = True
     return plan.report
 
@@ -516,7 +538,11 @@ def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:
         for n in a.entry.module_names:
             obj[n] = value
         return {}
-    new = torch.nn.Parameter(value, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else value
+    new = (
+        torch.nn.Parameter(value, requires_grad=old.requires_grad)
+        if isinstance(old, torch.nn.Parameter)
+        else value
+    )
     for n in a.entry.module_names:
         owner, slots, attr = _owner_slot(obj, n)
         getattr(owner, slots)[attr] = new

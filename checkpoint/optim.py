@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 import numbers
+import os
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter
-from pydantic import ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
 from torch.distributed.tensor import DTensor
 from typing_extensions import TypeAliasType
 
@@ -144,7 +153,9 @@ def encode_value(v: object, where: str, store: Callable[[str, torch.Tensor], Non
         if bad:
             raise TypeError(f"{where}: dict key {bad[0]!r} is not a string")
         return {"$dict": [[k, encode_value(x, f"{where}[{k!r}]", store)] for k, x in v.items()]}
-    raise TypeError(f"{where} is a {type(v).__name__}: no exact encoding (numbers, str, bool, None, tensors, tuples, lists, dicts)")
+    raise TypeError(
+        f"{where} is a {type(v).__name__}: no exact encoding (numbers, str, bool, None, tensors, tuples, lists, dicts)"
+    )
 
 
 def decode_value(raw: object, where: str, read: Callable[[str], torch.Tensor] | None = None) -> object:
@@ -263,7 +274,9 @@ def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise LoadError(key, os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
+        raise LoadError(
+            key, os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _read_like_unguarded(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ def saved_net(tmp_path, optimizer=False):
     src.b.copy_(torch.arange(4.0))
     opt = torch.optim.Adam(src.parameters(), lr=0.5) if optimizer else None
     if opt is not None:
-        src(torch.ones(1, 3)) if False else None
         src.a.weight.sum().backward()
         opt.step()
     checkpoint.save(src, tmp_path / "ck", optimizer=opt)
@@ -57,16 +56,9 @@ def fresh_with_optimizer():
 # -- 1. validate, then mutate --------------------------------------------------------------------
 
 
-def _rewrite(path, fn):
-    p = path / "model.safetensors.index.json"
-    data = json.loads(p.read_text())
-    fn(data)
-    p.write_text(json.dumps(data))
-
-
 REJECTIONS = {
     "not found": lambda d: (d.parent / "absent", {}, CheckpointNotFoundError),
-    "shape": lambda d: (d, {"strict": True, "_target": "shape"}, CheckpointMismatchError),
+    "shape": lambda d: (d, {"_target": "shape"}, CheckpointMismatchError),
     "unexpected key": lambda d: (d, {"_target": "fewer"}, CheckpointMismatchError),
     "optimizer groups": lambda d: (d, {"_opt": "groups"}, OptimizerMismatchError),
     "optimizer missing": lambda d: (d, {"_opt": "absent"}, CheckpointNotFoundError),
@@ -96,8 +88,7 @@ def test_rejected_load_leaves_model_and_optimizer_bit_identical(tmp_path, kind, 
     torch.manual_seed(1)
     m = {"shape": Shape, "fewer": Fewer}.get(target, Net)()
     if target == "int":
-        m.b = torch.zeros(4, dtype=torch.int64)  # buffer re-registered as int: float -> int is lossy
-        m.register_buffer("b", m.b)
+        m.b = torch.zeros(4, dtype=torch.int64)  # an int buffer: float -> int is lossy
     opt_kind = kw.pop("_opt", "plain")
     params = list(m.parameters())
     groups = [{"params": params[:1]}, {"params": params[1:]}] if opt_kind == "groups" else params
@@ -115,7 +106,9 @@ def test_dtype_option_applies_after_checks_and_converts(tmp_path):
     m = Net()
     rep = checkpoint.load(m, d, dtype=torch.bfloat16)
     assert m.a.weight.dtype == torch.bfloat16 and m.b.dtype == torch.bfloat16
-    assert torch.equal(m.a.weight, src.a.weight.to(torch.bfloat16)) and torch.equal(m.b, src.b.to(torch.bfloat16))
+    assert torch.equal(m.a.weight, src.a.weight.to(torch.bfloat16)) and torch.equal(
+        m.b, src.b.to(torch.bfloat16)
+    )
     assert sorted(c.key for c in rep.dtype_converted) == ["a.bias", "a.weight", "b"]
     with pytest.raises(TypeError, match="floating point or complex"):
         checkpoint.load(Net(), d, dtype=torch.int32)
@@ -169,7 +162,9 @@ def test_targets_sharing_memory_need_agreeing_values(tmp_path):
     target = {"x": buf[0:3], "y": buf[2:5]}
     checkpoint.load(target, d)
     assert buf.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
-    checkpoint.save({"x": torch.tensor([1.0, 2.0, 9.0]), "y": torch.tensor([3.0, 4.0, 5.0])}, d, overwrite=True)
+    checkpoint.save(
+        {"x": torch.tensor([1.0, 2.0, 9.0]), "y": torch.tensor([3.0, 4.0, 5.0])}, d, overwrite=True
+    )
     buf.zero_()
     snap = Snapshot(target)
     with pytest.raises(OverlappingTargetsError) as ei:
@@ -212,9 +207,17 @@ def test_conversions_within_range_load_and_are_reported(tmp_path):
     d = tmp_path / "ck"
     vals = {"f": torch.tensor([1.0, -2.5, 6e4]), "i": torch.tensor([7, -3]), "b": torch.tensor([True, False])}
     checkpoint.save(vals, d)
-    sd = {"f": torch.zeros(3, dtype=torch.float16), "i": torch.zeros(2, dtype=torch.int8), "b": torch.zeros(2)}
+    sd = {
+        "f": torch.zeros(3, dtype=torch.float16),
+        "i": torch.zeros(2, dtype=torch.int8),
+        "b": torch.zeros(2),
+    }
     rep = checkpoint.load(sd, d)
-    assert sd["f"].tolist() == [1.0, -2.5, 60000.0] and sd["i"].tolist() == [7, -3] and sd["b"].tolist() == [1.0, 0.0]
+    assert (
+        sd["f"].tolist() == [1.0, -2.5, 60000.0]
+        and sd["i"].tolist() == [7, -3]
+        and sd["b"].tolist() == [1.0, 0.0]
+    )
     assert {c.key for c in rep.dtype_converted} == {"f", "i", "b"}
 
 
@@ -326,19 +329,28 @@ def test_wrapper_keys_resolved_only_through_the_model(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "keys", [("weight", "module.weight"), ("_orig_mod.weight", "module.weight"), ("_orig_mod.weight", "weight")]
+    "keys",
+    [("weight", "module.weight"), ("_orig_mod.weight", "module.weight"), ("_orig_mod.weight", "weight")],
 )
 def test_two_spellings_of_one_tensor_refused_when_values_differ(tmp_path, keys):
     """A17 kind: refused naming both keys and the file; equal values load strictly."""
     p = tmp_path / "c.safetensors"
-    save_file({keys[0]: torch.full((2, 2), 1.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p))
+    save_file(
+        {keys[0]: torch.full((2, 2), 1.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p)
+    )
     m = nn.Linear(2, 2)
     snap = Snapshot(m)
     with pytest.raises(TiedValuesMismatchError) as ei:
         checkpoint.load(m, p)
-    assert sorted(ei.value.keys) == sorted(keys) and ei.value.files == ["c.safetensors"] and str(p) in str(ei.value)
+    assert (
+        sorted(ei.value.keys) == sorted(keys)
+        and ei.value.files == ["c.safetensors"]
+        and str(p) in str(ei.value)
+    )
     snap.assert_unchanged()
-    save_file({keys[0]: torch.full((2, 2), 2.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p))
+    save_file(
+        {keys[0]: torch.full((2, 2), 2.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p)
+    )
     rep = checkpoint.load(m, p)
     assert rep.ok and rep.unexpected_keys == [] and torch.equal(m.weight, torch.full((2, 2), 2.0))
 
@@ -375,7 +387,9 @@ def _same(a, b, where="") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             _same(x, y, f"{where}[{i}]")
     elif isinstance(a, dict):
-        assert list(a) == list(b) if where.endswith("group") else sorted(a) == sorted(b), f"{where}: {list(a)} != {list(b)}"
+        assert list(a) == list(b) if where.endswith("group") else sorted(a) == sorted(b), (
+            f"{where}: {list(a)} != {list(b)}"
+        )
         for k in a:
             _same(a[k], b[k], f"{where}.{k}")
     else:
