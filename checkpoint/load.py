@@ -55,6 +55,7 @@ class CopyAction:
     key: str
     dtype: torch.dtype
     assign: bool = False
+    stored_dtype: torch.dtype | None = None  # dtype of ``key`` in the checkpoint
 
 
 @dataclass
@@ -425,7 +426,7 @@ def plan_load(
                 raise UnwritableTargetError(e.fqn, path, why)
         elif _local(t).is_inference() and not torch.is_inference_mode_enabled():
             raise UnwritableTargetError(e.fqn, path, target_problem(t))
-        copies.append(CopyAction(e, key, target, assign))
+        copies.append(CopyAction(e, key, target, assign, spec.dtype))
         report.loaded_keys.append(e.fqn)
     for name in ("missing_keys", "unexpected_keys", "ignorable_keys", "loaded_keys"):
         getattr(report, name).sort()
@@ -438,12 +439,11 @@ def plan_load(
         return _read_target_block(reader, a.key, a.entry.tensor)
 
     for a in copies:
-        spec = reader.spec(a.key)
-        if not allow_lossy and needs_value_check(spec.dtype, a.dtype):
+        if not allow_lossy and needs_value_check(a.stored_dtype, a.dtype):
             why = value_problem(read(a), a.dtype)
             if why:
                 raise LossyConversionError(
-                    a.key, _file(reader, a.key), dtype_name(spec.dtype), dtype_name(a.dtype), why
+                    a.key, _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
                 )
     for cluster in _overlap_clusters([a for a in copies if a.dtype == a.entry.tensor.dtype]):
         _check_overlaps(cluster, read, path)
@@ -489,7 +489,7 @@ def apply_load(
             raise LoadError(f"module.to({dtype})", reader.root, f"{type(e).__name__}: {e}") from e
         # Buffers are new tensors now (parameters keep their identity): find each target again.
         fresh = object_state(obj).by_name()
-        copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign) for a in copies]
+        copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
     for a in copies:
         try:
