@@ -609,7 +609,9 @@ def load(
         LossyConversionError: a dtype conversion would lose values (see above).
         MetaTargetError: targets on the meta device and ``assign`` is False.
         UnwritableTargetError: a target cannot take an in-place copy (expanded / internally
-            overlapping, inference tensor outside inference mode, sparse).
+            overlapping, inference tensor outside inference mode, sparse, uninitialized lazy).
+        LoadError: safetensors / torch / the OS fail to read a tensor the checks need (names key
+            and file).
         OverlappingTargetsError: distinct targets share memory and the checkpoint gives the shared
             elements different values.
         OptimizerMismatchError (``checkpoint.optim``): optimizer groups match no saved groups.
