@@ -15,13 +15,18 @@ from .errors import (
     CorruptCheckpointError,
     DuplicateTensorError,
     InterruptedCommitError,
+    LoadError,
+    LossyConversionError,
+    MetaTargetError,
     MissingShardError,
+    OverlappingTargetsError,
     RankAgreementError,
     TensorNotInShardError,
     TiedValuesMismatchError,
     UnsafePathError,
     UnsavableError,
     UnsavableTypeError,
+    UnwritableTargetError,
 )
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
@@ -67,4 +72,9 @@ __all__ = [
     "UnsavableError",
     "UnsavableTypeError",
     "InterruptedCommitError",
+    "MetaTargetError",
+    "UnwritableTargetError",
+    "OverlappingTargetsError",
+    "LossyConversionError",
+    "LoadError",
 ]

@@ -122,6 +122,60 @@ class TiedValuesMismatchError(CheckpointError, ValueError):
         )
 
 
+class MetaTargetError(CheckpointError, ValueError):
+    """Target tensors are on the meta device: copying into them is a no-op (they hold no data).
+    ``keys`` lists them. Pass ``assign=True`` to replace them with the checkpoint's tensors."""
+
+    def __init__(self, keys: Iterable[str], path: str):
+        self.keys, self.path = sorted(keys), str(path)
+        super().__init__(
+            f"loading {self.path}: target tensors {_head(self.keys)} are on the meta device (no data to "
+            "copy into); pass assign=True to replace them with the checkpoint's tensors"
+        )
+
+
+class UnwritableTargetError(CheckpointError, ValueError):
+    """Target tensor ``key`` cannot take an in-place copy (``why``: expanded / overlapping memory,
+    inference tensor, non-strided layout, ...). Nothing was loaded."""
+
+    def __init__(self, key: str, path: str, why: str):
+        self.key, self.path, self.why = key, str(path), why
+        super().__init__(f"loading {self.path}: target tensor {key!r} cannot be written in place: {why}")
+
+
+class OverlappingTargetsError(CheckpointError, ValueError):
+    """Distinct target tensors ``keys`` share memory and the checkpoint holds different values for
+    the shared elements: whichever is copied last would win silently. Nothing was loaded."""
+
+    def __init__(self, keys: Iterable[str], path: str):
+        self.keys, self.path = list(keys), str(path)
+        super().__init__(
+            f"loading {self.path}: target tensors {self.keys} share memory and the checkpoint holds "
+            "different values for the shared elements; refusing to pick one"
+        )
+
+
+class LossyConversionError(CheckpointError, ValueError):
+    """Stored ``key`` (dtype ``src``) cannot be converted to the target's dtype ``dst`` without
+    losing values (``why``). Pass ``allow_lossy=True`` to convert anyway. Nothing was loaded."""
+
+    def __init__(self, key: str, file: str, src: str, dst: str, why: str):
+        self.key, self.file, self.src, self.dst = key, str(file), src, dst
+        super().__init__(
+            f"{self.file}: tensor {key!r} is {src}, the target is {dst}: {why} "
+            "(pass allow_lossy=True to convert anyway)"
+        )
+
+
+class LoadError(CheckpointError):
+    """torch (or the OS) failed while reading or writing ``key`` of ``file``; ``__cause__`` holds
+    the original error."""
+
+    def __init__(self, key: str, file: str, why: str):
+        self.key, self.file = key, str(file)
+        super().__init__(f"{self.file}: loading {key!r} failed: {why}")
+
+
 class CheckpointWriteError(CheckpointError, OSError):
     """Writing the checkpoint failed (e.g. disk full) on some rank; the previous checkpoint is intact."""
 

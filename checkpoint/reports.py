@@ -22,15 +22,18 @@ class DtypeConversion(BaseModel):
 
 
 class LoadReport(BaseModel):
-    """What :func:`checkpoint.load` found, computed before any copy. All names are eager FQNs.
+    """What :func:`checkpoint.load` found, computed before any copy (a load that raises changed
+    nothing; one that returns did every copy listed). All names are eager FQNs.
 
     - ``missing_keys``: target tensors the checkpoint lacks (no name of their alias group stored).
     - ``unexpected_keys``: checkpoint tensors the target lacks.
     - ``ignorable_keys``: checkpoint tensors that are non-persistent buffers of the target (not loaded).
     - ``shape_mismatched``: present in both with different shapes (not loaded).
     - ``dtype_converted``: loaded with a dtype conversion.
-    - ``loaded_keys``: target tensors filled (canonical FQNs); ``filled_from`` maps a target FQN
-      to the checkpoint key it was read from when they differ (tied aliases).
+    - ``loaded_keys``: target tensors filled (canonical FQNs); never a no-op (meta targets are
+      refused unless ``assign=True`` replaces them). ``filled_from`` maps a target FQN to the
+      checkpoint key it was read from when they differ (tied aliases, wrapper spellings the
+      module resolves).
     """
 
     path: str

@@ -1,8 +1,11 @@
 """Where names are mapped: a module or state_dict -> entries under eager FQNs.
 
 A module with an ``fqn_map`` attribute (an :class:`fqn.FQNMap`, e.g. a captured / parallel module)
-is named through it; otherwise :func:`fqn.eager_tensors` (which applies :func:`fqn.canonical_fqn`,
-removing ``_orig_mod.``, ``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``).
+is named through it; otherwise :func:`fqn.eager_tensors` (which applies :func:`fqn.canonical_fqn`
+with the module, removing ``_orig_mod.``, ``module.``, ``_fsdp_wrapped_module.``,
+``_checkpoint_wrapped_module.`` only where the module says that child is a wrapper).
+A plain state_dict is taken with its keys exactly as given: without a module nothing says which
+segment is a wrapper, so no name is changed by string alone.
 Tied tensors become one entry (canonical FQN + aliases). Non-persistent buffers are kept apart:
 never saved, reported as ignorable on load.
 """
@@ -16,17 +19,22 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fqn import FQNMap, TensorKind, canonical_fqn, eager_tensors
+from fqn import FQNMap, TensorKind, eager_tensors
 
 
 @dataclass
 class Entry:
-    """One stored tensor: canonical eager ``fqn``, its ``aliases``, the live ``tensor`` (maybe a DTensor)."""
+    """One stored tensor: canonical eager ``fqn``, its ``aliases``, the live ``tensor`` (maybe a DTensor).
+
+    ``module_names``: where the tensor lives in its module (``named_parameters`` / buffer names,
+    wrapper segments included), used to replace it (``load(assign=True)``); for a state_dict the keys.
+    """
 
     fqn: str
     tensor: torch.Tensor
     kind: TensorKind = TensorKind.parameter
     aliases: list[str] = field(default_factory=list)
+    module_names: list[str] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -77,22 +85,31 @@ def module_state(model: nn.Module) -> ModuleState:
         if et.kind == TensorKind.non_persistent_buffer:
             nonp.update({n: et.tensor for n in names})
             continue
-        entries.append(Entry(names[0], et.tensor, et.kind, names[1:]))
+        entries.append(Entry(names[0], et.tensor, et.kind, names[1:], list(et.module_names)))
     return ModuleState(entries, nonp, fmap)
 
 
-def _storage_key(t: torch.Tensor) -> tuple | None:
-    """Identity of the bytes a tensor shows; None for empty tensors (all share data_ptr 0)."""
+def alias_key(t: torch.Tensor) -> tuple | None:
+    """What decides the values a tensor reads: storage and byte offset (``data_ptr``), shape,
+    strides, dtype, device, and the lazy conjugate / negative bits. Two tensors with equal keys
+    read the same values in every case (aliases); any difference makes them distinct tensors.
+    None for empty or non-strided tensors (nothing to share; sparse ones are refused by
+    ``TensorSpec.of``)."""
     if t.numel() == 0 or t.layout != torch.strided:
-        return None  # sparse tensors are refused by name in TensorSpec.of
+        return None
     base = t._local_tensor if isinstance(t, DTensor) else t
-    extra = (t.placements, t.shape) if isinstance(t, DTensor) else ()
-    return (base.data_ptr(), tuple(base.shape), tuple(base.stride()), base.dtype, str(base.device), *extra)
+    extra = (tuple(t.placements), tuple(t.shape)) if isinstance(t, DTensor) else ()
+    return (
+        base.data_ptr(), tuple(base.shape), tuple(base.stride()), base.dtype, str(base.device),
+        base.is_conj(), base.is_neg(), *extra,
+    )  # fmt: skip
 
 
 def dict_state(sd: Mapping[str, object]) -> ModuleState:
-    """Entries of a flat state_dict. Tensors showing exactly the same bytes (same storage, offset,
-    shape, strides) are one entry with aliases; disjoint views of one buffer stay separate.
+    """Entries of a flat state_dict, named by its keys exactly as given (no wrapper segment is
+    removed: nothing says which is a wrapper). Tensors with equal :func:`alias_key` (same storage,
+    offset, shape, strides, dtype, conj / neg bits) are one entry with aliases; any other view,
+    e.g. disjoint views of one buffer or a ``.view(dtype)`` of it, stays a separate entry.
 
     Raises:
         TypeError: a value is not a tensor (names the key) or a key is not a string.
@@ -106,13 +123,12 @@ def dict_state(sd: Mapping[str, object]) -> ModuleState:
             raise TypeError(
                 f"state_dict value of {k!r} is a {type(v).__name__}, not a tensor; only tensors can be saved"
             )
-        name = canonical_fqn(k)
-        key = _storage_key(v)
+        key = alias_key(v)
         if key is not None and key in seen:
-            if name not in seen[key].names:
-                seen[key].aliases.append(name)
+            seen[key].aliases.append(k)
+            seen[key].module_names.append(k)
             continue
-        e = Entry(name, v, TensorKind.parameter)
+        e = Entry(k, v, TensorKind.parameter, module_names=[k])
         entries.append(e)
         if key is not None:
             seen[key] = e

@@ -32,6 +32,7 @@ from checkpoint import (
 )
 from checkpoint.errors import UnsafePickleError, UnsupportedFormatError
 from checkpoint.migrate import migrate
+from tests.snapshot import Snapshot
 
 INDEX = "model.safetensors.index.json"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -74,13 +75,13 @@ def rejected(path, exc, *needles, target=None, **kw):
     """``checkpoint.load`` into a fresh ``Net(99)`` must raise ``exc`` whose message contains every
     needle; the module's values must be unchanged. Returns the exception."""
     target = target if target is not None else Net(99)
-    before = snapshot(target)
+    snap = Snapshot(target)  # bytes, dtype, strides, storage and object identity of every tensor
     with pytest.raises(exc) as ei:
         checkpoint.load(target, path, **kw)
     msg = str(ei.value)
     for n in needles:
         assert str(n) in msg, f"{n!r} not in message: {msg}"
-    assert_unchanged(target, before)
+    snap.assert_unchanged()
     return ei.value
 
 

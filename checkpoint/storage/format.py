@@ -52,6 +52,11 @@ class OptimizerMeta(BaseModel):
     param_groups: list[ParamGroup]
     # "state.<fqn>.<name>" keys that were Python numbers (not tensors) in the optimizer state.
     python_scalars: list[str] = Field(default_factory=list)
+    # 1: hyper-parameters as plain JSON (inf / nan were lost); 2: exact tagged values and
+    # ``state_values`` (see checkpoint.optim.Value, which validates them).
+    value_encoding: Literal[1, 2] = 1
+    # fqn -> state name -> non-tensor optimizer state value (encoding 2).
+    state_values: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class FqnckptMeta(BaseModel):
