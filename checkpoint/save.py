@@ -26,7 +26,7 @@ from .state import Entry, object_state
 from .storage.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    FileRecord,
+    FileRecordV2,
     FqnckptMeta,
     IndexFile,
     IndexMetadata,
@@ -34,7 +34,7 @@ from .storage.format import (
     index_name,
 )
 from .storage.layout import Layout, TensorSpec, plan_layout
-from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
+from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
 
 
 @dataclass
@@ -49,7 +49,7 @@ class _Part:
     optimizer: OptimizerMeta | None = None
 
 
-def _index(part: _Part, layout: Layout, records: dict[str, FileRecord]) -> IndexFile:
+def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
     meta = FqnckptMeta(
         files=records,
         alias_groups=[list(g) for g in part.alias_groups],
@@ -104,7 +104,7 @@ def _save_parts(
             ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-hash") as pool,
         ):
             for part, layout in zip(parts, layouts):
-                records: dict[str, FileRecord] = {}
+                records: dict[str, FileRecordV2] = {}
                 for fplan in layout.files:
                     w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan, pool)
                     try:
@@ -112,7 +112,7 @@ def _save_parts(
                         for slot in fplan.slots:
                             w.write(slot, _fetch_checked(part, slot.spec))
                             _faults.fault_point("after_tensor_write")
-                        records[fplan.name] = FileRecord(size=fplan.size, sha256=w.finish())
+                        records[fplan.name] = w.finish()
                     finally:
                         w.close()
                 indexes.append(_index(part, layout, records))
@@ -301,7 +301,8 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
         dist.check_all(f"writing {path}", err)
-        # Every file is fsynced and hashed by one rank (fsync flushes all ranks' pages of the file).
+        # Every file is fsynced and hashed by one rank (fsync flushes all ranks' pages of the file);
+        # no rank saw every byte of a file, so its digests come from one read-back.
         err, mine = None, {}
         try:
             for j, (_, f) in enumerate(files):
@@ -314,13 +315,13 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
                     finally:
                         os.close(fd)
                     _faults.fault_point("after_file_fsync")
-                    mine[f.name] = FileRecord(size=os.path.getsize(p), sha256=sha256_file(p))
+                    mine[f.name] = file_record(p)
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
         dist.check_all(f"hashing {path}", err)
-        records: dict[str, FileRecord] = {}
+        records: dict[str, FileRecordV2] = {}
         for d in dist.all_gather_object(mine):
             records.update(d)
         indexes = [

@@ -31,7 +31,8 @@ from ..errors import (
     TensorNotInShardError,
     UnsafePathError,
 )
-from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, FqnckptMeta, IndexFile, index_name
+from . import digest as _digest
+from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, FileRecord, FileRecordV2, FqnckptMeta, IndexFile, index_name
 from .layout import ST_TO_DTYPE, TensorSpec
 from .writer import sha256_file, stats
 
@@ -164,6 +165,43 @@ def read_index(path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
+class FileDigestCheck:
+    """Result of :func:`check_file`: actual ``size`` (bytes), ``algorithm``, file-level ``digest``,
+    per-tensor ``tensors`` digests (version 2) and ``problem`` (None when it matches the record)."""
+
+    __slots__ = ("size", "algorithm", "digest", "tensors", "problem")
+
+    def __init__(self, size: int, algorithm: str, digest: str, tensors: dict[str, str], problem: str | None):
+        self.size, self.algorithm, self.digest, self.tensors, self.problem = size, algorithm, digest, tensors, problem
+
+
+def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCheck:
+    """Re-hash shard file ``path`` and compare it with its index record ``rec`` (None: nothing to
+    compare, sha256 reported). The problem text names the header or the tensors whose bytes changed."""
+    if not isinstance(rec, FileRecordV2):
+        size, d = os.path.getsize(path), sha256_file(path)
+        problem = None
+        if rec is not None and size != rec.size:
+            problem = f"size {size} bytes, index says {rec.size}"
+        elif rec is not None and d != rec.sha256:
+            problem = "corrupted data"
+        return FileDigestCheck(size, "sha256", d, {}, problem)
+    size, header, tensors = _digest.hash_file(path)
+    d = _digest.combine(header, tensors.values())
+    why = []
+    if size != rec.size:
+        why.append(f"size {size} bytes, index says {rec.size}")
+    if header != rec.header:
+        why.append("header bytes changed")
+    changed = [k for k, v in rec.tensors.items() if tensors.get(k) != v]
+    if changed:
+        why.append(f"tensor bytes changed: {changed[:10]}{' ...' if len(changed) > 10 else ''}")
+    if not why and (list(tensors) != list(rec.tensors) or d != rec.digest):
+        why.append("file digest differs from the index's")
+    problem = "; ".join(why) if why else None
+    return FileDigestCheck(size, "xxh3_128", d, tensors, problem)
+
+
 class CheckpointReader:
     """A validated, open checkpoint. Use :func:`open_checkpoint`; close with :meth:`close` or ``with``.
 
@@ -222,24 +260,37 @@ class CheckpointReader:
         return t
 
     def verify_file(self, name: str) -> str:
-        """Re-hash shard ``name``; returns its sha256.
+        """Re-hash shard ``name`` (one read); returns its file-level digest (xxh3-128 scheme of
+        format version 2, sha256 for version 1 or without fqnckpt metadata).
 
         Raises:
-            ChecksumMismatchError: size or sha256 differ from the index's record.
+            ChecksumMismatchError: size, header or any tensor's digest differ from the index's
+                record (``expected`` / ``actual`` are the file-level digests).
             KeyError: ``name`` is not a file of this checkpoint.
         """
         if name not in self.files:
             raise KeyError(f"{name!r} is not a file of {self.root}; files: {self.files}")
         path = os.path.join(self.root, name)
         rec = self.meta.files.get(name) if self.meta else None
-        if rec is not None:
-            size = os.path.getsize(path)
-            if size != rec.size:
-                raise ChecksumMismatchError(path, f"size {rec.size}", f"size {size}")
-        digest = sha256_file(path)
-        if rec is not None and digest != rec.sha256:
-            raise ChecksumMismatchError(path, rec.sha256, digest)
-        return digest
+        check = check_file(path, rec)
+        if check.problem is not None:
+            raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
+        return check.digest
+
+    def verify_index(self) -> str | None:
+        """Problem with the index's own digest (format version 2), or None when it matches or the
+        index has none (older versions, foreign indexes)."""
+        meta = self.meta
+        if meta is None or meta.format_version < 2:
+            return None
+        if meta.index_xxh3_128 is None:
+            return f"{self.index_path}: format version 2 index without {_digest.INDEX_FIELD}"
+        with open(self.index_path, "rb") as f:
+            raw = f.read()
+        got = _digest.index_digest_of(raw, meta.index_xxh3_128)
+        if got != meta.index_xxh3_128:
+            return f"{self.index_path}: index bytes changed ({_digest.INDEX_FIELD} {got} != recorded {meta.index_xxh3_128})"
+        return None
 
     # -- plumbing -----------------------------------------------------------------------------
     def _known(self, key: str) -> str:
