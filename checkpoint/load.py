@@ -121,7 +121,7 @@ def _copy(reader: CheckpointReader, copies) -> None:
                 continue
             src = reader.get_slice(key, local_slices(t)) if t.dim() else reader.get(key)
             local.copy_(src)
-        else:
+        elif not reader.read_into(key, t):
             t.copy_(reader.get(key))
 
 

@@ -347,12 +347,7 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
 
 def _base(lay: Layout, f) -> int:
     """Index of the first slot of file ``f`` within its layout (spreads plain tensors over ranks)."""
-    n = 0
-    for g in lay.files:
-        if g is f:
-            return n
-        n += len(g.slots)
-    return n
+    return lay.first_slot[f.name]
 
 
 def _fetch_any(part: _Part, spec: TensorSpec) -> torch.Tensor:

@@ -25,6 +25,13 @@ from .layout import FilePlan, TensorSlot
 _HASH_CHUNK = 16 << 20  # bytes per read when hashing a finished file
 
 
+# dtypes whose tensors numpy can view directly (not bfloat16 / float8).
+_NUMPY_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+     torch.uint8, torch.bool, torch.complex64}
+)  # fmt: skip
+
+
 @dataclass
 class IOStats:
     """Bytes written / read by this process since the last ``reset()`` (data and headers)."""
@@ -43,14 +50,20 @@ stats = IOStats()
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of ``t`` in row-major order, without copying when ``t`` is contiguous in host
     memory (a tensor on an accelerator is moved to host first)."""
-    t = t.detach()
+    # Few torch calls on the common path (a CPU contiguous tensor): each costs microseconds and
+    # MoE checkpoints hold 10^5 tensors.
+    if t.requires_grad:
+        t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    flat = t.reshape(-1)
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    if t.dtype in _NUMPY_DTYPES and t.numel():
+        return memoryview(t.numpy()).cast("B")  # one call instead of two views (~2x faster)
+    flat = t.view(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy())
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -99,7 +112,7 @@ def write_tensor(fd: int, slot: TensorSlot, tensor: torch.Tensor) -> None:
 
 def check_matches(slot: TensorSlot, tensor: torch.Tensor) -> None:
     spec = slot.spec
-    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+    if tensor.dtype != spec.dtype or tensor.shape != spec.shape:
         raise ValueError(
             f"tensor {spec.fqn!r} is {tuple(tensor.shape)} {tensor.dtype}, the plan says {spec.shape} {spec.dtype}"
         )
