@@ -17,7 +17,7 @@ from fqn import canonical_fqn
 from fqn.registry import dtype_name
 
 from .errors import CheckpointMismatchError, TiedValuesMismatchError
-from .ranks import dist
+from .ranks import dist, shards
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import ModuleState, object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
@@ -119,8 +119,13 @@ def _copy(reader: CheckpointReader, copies) -> None:
             local = t.to_local()
             if local.numel() == 0:
                 continue
-            src = reader.get_slice(key, local_slices(t)) if t.dim() else reader.get(key)
-            local.copy_(src)
+            if not t.dim():
+                local.copy_(reader.get(key))
+                continue
+            # One read per contiguous piece of the global tensor this rank holds (several for
+            # _StridedShard): each rank reads only its bytes, whatever the placements.
+            for lsl, gsl in shards.local_blocks(t):
+                local[lsl].copy_(reader.get_slice(key, gsl))
         elif not reader.read_into(key, t):
             t.copy_(reader.get(key))
 

@@ -14,14 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fqn import FQNMap, FQNMapFile
 
 from . import _faults
 from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
-from .ranks import dist
+from .ranks import dist, shards
 from .state import Entry, object_state
 from .storage.format import (
     MODEL_PREFIX,
@@ -215,38 +216,30 @@ def save(
 # -- distributed ------------------------------------------------------------------------------
 
 
-def _owned_block(t: torch.Tensor, index: int, fqn: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """The block this rank writes of tensor ``t`` and its element offset, or None.
+def _owned_blocks(t: torch.Tensor, index: int, fqn: str) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The blocks this rank writes of tensor ``t``: ``(data, global element offset)`` pairs.
 
     A DTensor's local shard is written by the rank whose coordinate is 0 on every mesh dim that
-    does not shard it (one writer per replica group); a plain tensor (same on every rank) by rank
-    ``index % world_size``.
+    does not shard it (one writer per replica group), as one block per contiguous piece of the
+    global tensor (several for ``_StridedShard``, see :mod:`checkpoint.ranks.shards`); a plain
+    tensor (same on every rank) by rank ``index % world_size``.
     """
     if not isinstance(t, DTensor):
-        return (t, (0,) * t.dim()) if index % dist.world_size() == dist.rank() else None
-    if any(isinstance(p, Partial) for p in t.placements):
-        t = t.redistribute(
-            t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
-        )
-    if any(type(p) not in (Shard, Replicate) for p in t.placements):  # e.g. _StridedShard
-        raise NotImplementedError(
-            f"{fqn!r}: placements {t.placements} are not supported for saving (Shard/Replicate only)"
-        )
+        return [(t, (0,) * t.dim())] if index % dist.world_size() == dist.rank() else []
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
     coord = t.device_mesh.get_coordinate()
     if coord is None:
-        return None
+        return []
     for d, p in enumerate(t.placements):
-        if not isinstance(p, Shard) and coord[d] != 0:
-            return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if not isinstance(p, (Shard, _StridedShard)) and coord[d] != 0:
+            return []
+    try:
+        blocks = list(shards.local_blocks(t))
+    except RuntimeError as e:
+        raise RuntimeError(f"{fqn!r}: {e}") from e
     local = t.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(
-            f"{fqn!r}: local shard of shape {tuple(local.shape)} differs from the expected {tuple(shape)}"
-        )
-    return local, tuple(offset)
+    return [(local[lsl], tuple(g.start for g in gsl)) for lsl, gsl in blocks]
 
 
 def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool) -> list[IndexFile]:
@@ -285,13 +278,14 @@ def _save_distributed(path: str, parts: Sequence[_Part], max_shard_size, overwri
                     fd = None
                     try:
                         for i, slot in enumerate(f.slots):
-                            block = _owned_block(
+                            blocks = _owned_blocks(
                                 _fetch_any(part, slot.spec), _base(lay, f) + i, slot.spec.fqn
                             )
-                            if block is None:
+                            if not blocks:
                                 continue
                             fd = fd if fd is not None else open_shard_file(os.path.join(staging_dir, f.name))
-                            write_block(fd, slot, *block)
+                            for block in blocks:
+                                write_block(fd, slot, *block)
                             _faults.fault_point("after_tensor_write")
                     finally:
                         if fd is not None:
