@@ -151,15 +151,17 @@ def load(
     ``dtype_converted``. ``dtype``: first cast the module's floating-point parameters and buffers
     to this dtype (``module.to(dtype)``), like ``from_pretrained(torch_dtype=...)``.
     ``optimizer``: also restore it from ``optimizer.safetensors.index.json``, by FQN.
-    ``verify``: first re-hash every file read and compare its byte size and sha256 with the
-    index's ``metadata.fqnckpt.files`` record (safetensors itself has no checksum, so a flipped
-    data byte otherwise loads silently); costs one extra read of the files.
+    ``verify``: first check the index's own digest and re-hash every file read against the
+    index's ``metadata.fqnckpt.files`` record (size; xxh3-128 of header and each tensor, or sha256
+    for format version 1: safetensors itself has no checksum, so a flipped data byte otherwise
+    loads silently); costs one extra read of the files.
 
     Raises (all before anything is copied):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
         DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_checkpoint`.
         TiedValuesMismatchError: names the target ties are stored separately with different values.
-        ChecksumMismatchError: ``verify`` and a file's size or sha256 differs from the index.
+        ChecksumMismatchError: ``verify`` and a file's size or digest, or the index's own digest,
+            differs from the record.
         CheckpointMismatchError: ``strict`` and missing / unexpected / shape-mismatched keys
             (``.report`` carries the LoadReport). With ``strict=False`` the matching keys load.
         RankAgreementError: another rank failed (when loading DTensors).
@@ -178,6 +180,7 @@ def load(
     try:
         reader = open_checkpoint(path)
         if verify:
+            reader.check_index_digest()
             for name in reader.files:
                 reader.verify_file(name)
         report, copies = _plan(reader, state, model, path)
@@ -193,6 +196,8 @@ def load(
                     root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
                 )
             opt_reader = open_checkpoint(root, prefix=OPTIMIZER_PREFIX)
+            if verify:
+                opt_reader.check_index_digest()
             for name in opt_reader.files if verify else ():
                 opt_reader.verify_file(name)
     except BaseException as e:  # noqa: BLE001 - agreed across ranks below

@@ -90,6 +90,8 @@ def test_every_flipped_byte_of_the_index_is_found(tmp_path):
     ip.write_text(json.dumps(data, indent=2) + "\n")
     rep = checkpoint.verify(tmp_path / "ck")
     assert not rep.ok and len(rep.problems) == 1 and "index bytes changed" in rep.problems[0]
+    with pytest.raises(ChecksumMismatchError, match="index bytes changed"):
+        checkpoint.load(dict(sd), tmp_path / "ck", verify=True)
 
 
 def test_flipped_data_byte_names_the_tensor(tmp_path):

@@ -334,6 +334,12 @@ class CheckpointReader:
             raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
         return check.digest
 
+    def check_index_digest(self) -> None:
+        """Raise :class:`ChecksumMismatchError` when :meth:`verify_index` finds a problem."""
+        problem = self.verify_index()
+        if problem is not None:
+            raise ChecksumMismatchError(self.index_path, self.meta.index_xxh3_128 or "", problem)
+
     def verify_index(self) -> str | None:
         """Problem with the index's own digest (format version 2), or None when it matches or the
         index has none (older versions, foreign indexes)."""
