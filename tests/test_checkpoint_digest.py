@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint.errors import ChecksumMismatchError, CheckpointError
+from checkpoint.errors import ChecksumMismatchError
 from checkpoint.storage import digest
 from checkpoint.storage.format import FORMAT_VERSION, index_name
 from checkpoint.storage.reader import check_file, open_checkpoint, read_index
@@ -44,7 +44,10 @@ def test_digests_recorded_match_bytes_and_are_layout_independent(tmp_path):
     meta1, meta2 = idx1.metadata.fqnckpt, idx2.metadata.fqnckpt
     assert meta1.format_version == meta2.format_version == FORMAT_VERSION == 2
     assert len(idx1.files()) == 1 and len(idx2.files()) > 2
-    want = {k: digest.hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for k, v in sd.items()}
+    want = {
+        k: digest.hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        for k, v in sd.items()
+    }
     assert meta1.tensor_digests() == meta2.tensor_digests() == want
     for idx, d in ((idx1, "one"), (idx2, "many")):
         rep = checkpoint.verify(tmp_path / d)
@@ -82,7 +85,9 @@ def test_every_flipped_byte_of_the_index_is_found(tmp_path):
         b = bytearray(raw)
         b[i] ^= 0x01
         ip.write_bytes(bytes(b))
-        assert not checkpoint.verify(tmp_path / "ck").ok, f"flip at index byte {i} ({raw[max(0, i - 20) : i + 20]!r}) not found"
+        assert not checkpoint.verify(tmp_path / "ck").ok, (
+            f"flip at index byte {i} ({raw[max(0, i - 20) : i + 20]!r}) not found"
+        )
     ip.write_bytes(raw)
     # Through the public API: a changed hyper-parameter-like value in the index is a problem.
     data = json.loads(raw)

@@ -104,7 +104,9 @@ class FqnckptMeta(BaseModel):
         want = FileRecord if self.format_version == 1 else FileRecordV2
         for name, rec in self.files.items():
             if not isinstance(rec, want):
-                raise ValueError(f"file record of {name!r} does not follow format version {self.format_version}")
+                raise ValueError(
+                    f"file record of {name!r} does not follow format version {self.format_version}"
+                )
         if self.format_version == 1 and self.index_xxh3_128 is not None:
             raise ValueError("index_xxh3_128 is not part of format version 1")
         return self

@@ -32,7 +32,15 @@ from ..errors import (
     UnsafePathError,
 )
 from . import digest as _digest
-from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, FileRecord, FileRecordV2, FqnckptMeta, IndexFile, index_name
+from .format import (
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    FileRecord,
+    FileRecordV2,
+    FqnckptMeta,
+    IndexFile,
+    index_name,
+)
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from .writer import sha256_file, stats, tensor_bytes
 
@@ -186,7 +194,13 @@ class FileDigestCheck:
     __slots__ = ("size", "algorithm", "digest", "tensors", "problem")
 
     def __init__(self, size: int, algorithm: str, digest: str, tensors: dict[str, str], problem: str | None):
-        self.size, self.algorithm, self.digest, self.tensors, self.problem = size, algorithm, digest, tensors, problem
+        self.size, self.algorithm, self.digest, self.tensors, self.problem = (
+            size,
+            algorithm,
+            digest,
+            tensors,
+            problem,
+        )
 
 
 def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCheck:
@@ -297,13 +311,17 @@ class CheckpointReader:
         name = self._key_file[key]
         fd = self._fds.get(name)
         if fd is None:
-            fd = self._fds[name] = os.open(os.path.join(self.root, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = self._fds[name] = os.open(
+                os.path.join(self.root, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+            )
         view = tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
         done = 0
         while done < e - b:
             n = os.preadv(fd, [view[done:]], b + done)
             if n <= 0:
-                raise CorruptCheckpointError(os.path.join(self.root, name), f"tensor {key!r}: file ends early")
+                raise CorruptCheckpointError(
+                    os.path.join(self.root, name), f"tensor {key!r}: file ends early"
+                )
             done += n
         stats.bytes_read += done
         return True

@@ -300,4 +300,6 @@ def file_record(path: str) -> FileRecordV2:
     """Format-version-2 record of a finished shard file, read back once (distributed saves,
     where no single rank saw every byte)."""
     size, header, tensors = digest.hash_file(path)
-    return FileRecordV2(size=size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors)
+    return FileRecordV2(
+        size=size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors
+    )

@@ -77,7 +77,9 @@ def rounds(sides: dict, pairs: int, clear=()) -> dict[str, list[float]]:
         for j in range(len(names)):
             n = names[(i + j) % len(names)]
             for p in clear:
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.path.exists(p) and os.remove(p)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.path.exists(p) and os.remove(
+                    p
+                )
             os.sync()
             t = time.perf_counter()
             sides[n]()
@@ -98,12 +100,16 @@ def gbs(size: int, ts: list[float]) -> str:
     return f"{size / m / 1e9:.2f} GB/s (median {m:.3f}s, range {min(ts):.3f}-{max(ts):.3f}s)"
 
 
-def bench_case(name: str, sd: dict[str, torch.Tensor], root: str, medium: str, pairs: int, goals: dict) -> None:
+def bench_case(
+    name: str, sd: dict[str, torch.Tensor], root: str, medium: str, pairs: int, goals: dict
+) -> None:
     from safetensors.torch import load_file, save_file
 
     size = sum(v.numel() * v.element_size() for v in sd.values())
     os.makedirs(root, exist_ok=True)
-    ours, st_file, raw_file = (os.path.join(root, n) for n in (f"ours-{name}", f"st-{name}.safetensors", "raw.bin"))
+    ours, st_file, raw_file = (
+        os.path.join(root, n) for n in (f"ours-{name}", f"st-{name}.safetensors", "raw.bin")
+    )
     views = [tensor_bytes(v) for v in sd.values()]
 
     def st_save():
@@ -126,9 +132,15 @@ def bench_case(name: str, sd: dict[str, torch.Tensor], root: str, medium: str, p
 
     print(f"[{medium}] {name}: {len(sd)} tensors, {size / 2**20:.0f} MiB, {pairs} rounds, rotating order")
     t = rounds({"ours": our_save, "safetensors": st_save, "raw": raw_write}, pairs, (ours, st_file, raw_file))
-    print(f"  save ours {gbs(size, t['ours'])}; safetensors {gbs(size, t['safetensors'])}; raw {gbs(size, t['raw'])}")
-    print(ratio_line("save vs safetensors.save_file+fsync", t["safetensors"], t["ours"], goals.get("save_st")))
-    print(ratio_line("save vs raw pwrite+fsync of the same bytes", t["raw"], t["ours"], goals.get("save_raw")))
+    print(
+        f"  save ours {gbs(size, t['ours'])}; safetensors {gbs(size, t['safetensors'])}; raw {gbs(size, t['raw'])}"
+    )
+    print(
+        ratio_line("save vs safetensors.save_file+fsync", t["safetensors"], t["ours"], goals.get("save_st"))
+    )
+    print(
+        ratio_line("save vs raw pwrite+fsync of the same bytes", t["raw"], t["ours"], goals.get("save_raw"))
+    )
 
     stats.reset()
     our_save()
@@ -157,8 +169,14 @@ def bench_case(name: str, sd: dict[str, torch.Tensor], root: str, medium: str, p
     t = rounds({"ours": our_load, "safetensors": st_load, "st+copy": st_load_copy}, pairs)
     print(f"  load ours {gbs(size, t['ours'])}; safetensors.load_file {gbs(size, t['safetensors'])}; "
           f"load_file + copy into the model {gbs(size, t['st+copy'])}")  # fmt: skip
-    print(ratio_line("load vs safetensors.load_file (mmap, no copy)", t["safetensors"], t["ours"], goals.get("load_st")))
-    print(ratio_line("load vs load_file + copy into the model", t["st+copy"], t["ours"], goals.get("load_copy")))
+    print(
+        ratio_line(
+            "load vs safetensors.load_file (mmap, no copy)", t["safetensors"], t["ours"], goals.get("load_st")
+        )
+    )
+    print(
+        ratio_line("load vs load_file + copy into the model", t["st+copy"], t["ours"], goals.get("load_copy"))
+    )
     assert all(torch.equal(dst[k], v) for k, v in sd.items())
     shutil.rmtree(ours, ignore_errors=True)
     for p in (st_file, raw_file):
@@ -210,9 +228,14 @@ def _dist_rank(rank, world, root, nbytes):
         theirs, fqn_to_index_mapping={k: 1 for k in sd}, save_distributed=True, enable_consolidation=True
     )
     out["save_dcp"] = clock(lambda: dcp.save(sd, storage_writer=writer))
-    dst = {k: torch.distributed.tensor.zeros(v.shape, device_mesh=mesh, placements=[Shard(0)]) for k, v in sd.items()}
+    dst = {
+        k: torch.distributed.tensor.zeros(v.shape, device_mesh=mesh, placements=[Shard(0)])
+        for k, v in sd.items()
+    }
     stats.reset()
-    out["load_ours"] = clock(lambda: (checkpoint.load(dst, ours), touch({k: v.to_local() for k, v in dst.items()})))
+    out["load_ours"] = clock(
+        lambda: (checkpoint.load(dst, ours), touch({k: v.to_local() for k, v in dst.items()}))
+    )
     out["read"] = stats.bytes_read
     out["load_dcp"] = clock(
         lambda: (
@@ -251,7 +274,14 @@ def main() -> None:
     try:
         for medium, root in media:
             shutil.rmtree(root, ignore_errors=True)
-            bench_case("large", make_large(large), root, medium, pairs, {"save_st": 0.95, "save_raw": 0.9, "load_copy": 0.95})
+            bench_case(
+                "large",
+                make_large(large),
+                root,
+                medium,
+                pairs,
+                {"save_st": 0.95, "save_raw": 0.9, "load_copy": 0.95},
+            )
             bench_case("many", make_many(many), root, medium, pairs, {"save_st": 0.5, "load_st": 0.5})
         fqn_map_bytes(many)
         print(f"peak RSS: {peak_rss_mb():.0f} MB")
