@@ -32,7 +32,7 @@ from .errors import (
     TiedValuesMismatchError,
     UnwritableTargetError,
 )
-from .ranks import dist
+from .ranks import dist, shards
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import Entry, ModuleState, object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
@@ -352,7 +352,8 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
     """
     try:
         if isinstance(t, DTensor) and t.dim():
-            return reader.get_slice(key, local_slices(t))
+            # Each rank reads only its blocks, whatever the placements (several for _StridedShard).
+            return shards.read_local(reader, key, t)
         return reader.get(key)
     except CheckpointError:
         raise
@@ -380,6 +381,7 @@ def plan_load(
     state = state if state is not None else object_state(obj)
     model = obj if isinstance(obj, torch.nn.Module) else None
     if verify:
+        reader.check_index_digest()
         for name in reader.files:
             reader.verify_file(name)
     report, pairs = _match(reader, state, model, path)
@@ -461,6 +463,8 @@ def plan_load(
         from .optim import plan_optimizer
 
         with open_checkpoint(root, prefix=OPTIMIZER_PREFIX) as opt_reader:
+            if verify:
+                opt_reader.check_index_digest()
             for name in opt_reader.files if verify else ():
                 opt_reader.verify_file(name)
             plan.optimizer_state = plan_optimizer(optimizer, opt_reader, state)
@@ -495,6 +499,8 @@ def apply_load(
     for a in copies:
         try:
             t = a.entry.tensor
+            if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
+                continue  # same dtype, contiguous CPU target: bytes read straight into it
             src = _read_target_block(reader, a.key, t)
             if a.assign:
                 replaced.update(_assign(obj, a, src))
@@ -597,9 +603,10 @@ def load(
     parameters. Needed for meta targets, which hold no data to copy into.
 
     ``optimizer``: also restore it from ``optimizer.safetensors.index.json``, by FQN, values
-    exact (see :mod:`checkpoint.optim`). ``verify``: first re-hash every file read and compare its
-    byte size and sha256 with the index's ``metadata.fqnckpt.files`` record (safetensors itself
-    has no checksum, so a flipped data byte otherwise loads silently); costs one extra read.
+    exact (see :mod:`checkpoint.optim`). ``verify``: first check the index's own digest and
+    re-hash every file read against the index's ``metadata.fqnckpt.files`` record (size; xxh3-128
+    of header and each tensor, or sha256 for format version 1: safetensors itself has no checksum,
+    so a flipped data byte otherwise loads silently); costs one extra read of the files.
 
     ``extra_state``: fill this dict from the checkpoint's ``extra_state.json``: objects with
     ``load_state_dict`` are restored in place, other keys get the saved value (see
@@ -611,7 +618,8 @@ def load(
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
         DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_checkpoint`.
         TiedValuesMismatchError: stored keys naming one target tensor hold different values.
-        ChecksumMismatchError: ``verify`` and a file's size or sha256 differs from the index.
+        ChecksumMismatchError: ``verify`` and a file's size or digest, or the index's own digest,
+            differs from the record.
         CheckpointMismatchError: ``strict`` and missing / unexpected / shape-mismatched keys
             (``.report`` carries the LoadReport). With ``strict=False`` the matching keys load.
         LossyConversionError: a dtype conversion would lose values (see above).

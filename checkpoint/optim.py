@@ -282,9 +282,9 @@ def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch
 def _read_like_unguarded(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:
     spec = reader.spec(key)
     if isinstance(param, DTensor) and spec.shape == tuple(param.shape) and spec.shape:
-        from .load import local_slices
+        from .ranks.shards import read_local
 
-        local = reader.get_slice(key, local_slices(param))
+        local = read_local(reader, key, param)
         return DTensor.from_local(
             local.to(param.device), param.device_mesh, param.placements, run_check=False,
             shape=param.shape, stride=param.stride(),

@@ -53,19 +53,17 @@ class LoadReport(BaseModel):
 
 
 class FileCheck(BaseModel):
-    """One file checked by verify: sizes in bytes, sha256 hex digests (``expected`` from the index)."""
+    """One file checked by verify: sizes in bytes, file-level hex ``digest`` of ``algorithm``
+    (``xxh3_128`` for format version 2, ``sha256`` for version 1), ``expected`` from the index;
+    ``ok`` is False when the size, header or any tensor's digest differs."""
 
     file: str
     size: int
     expected_size: int | None = None
-    sha256: str
-    expected_sha256: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return (self.expected_sha256 is None or self.sha256 == self.expected_sha256) and (
-            self.expected_size is None or self.size == self.expected_size
-        )
+    algorithm: str = "sha256"
+    digest: str
+    expected_digest: str | None = None
+    ok: bool = True
 
 
 class VerifyReport(BaseModel):

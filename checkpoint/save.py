@@ -15,20 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fqn import FQNMap, FQNMapFile
 
 from . import _faults
 from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
-from .ranks import dist
+from .ranks import dist, shards
 from .state import Entry, object_state
 from .storage import limits
 from .storage.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
-    FileRecord,
+    FileRecordV2,
     FqnckptMeta,
     IndexFile,
     IndexMetadata,
@@ -36,7 +37,7 @@ from .storage.format import (
     index_name,
 )
 from .storage.layout import Layout, TensorSpec, plan_layout
-from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
+from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
 
 
 @dataclass
@@ -51,7 +52,7 @@ class _Part:
     optimizer: OptimizerMeta | None = None
 
 
-def _index(part: _Part, layout: Layout, records: dict[str, FileRecord]) -> IndexFile:
+def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
     meta = FqnckptMeta(
         files=records,
         alias_groups=[list(g) for g in part.alias_groups],
@@ -129,7 +130,7 @@ def _save_parts(
             ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-hash") as pool,
         ):
             for part, layout in zip(parts, layouts):
-                records: dict[str, FileRecord] = {}
+                records: dict[str, FileRecordV2] = {}
                 for fplan in layout.files:
                     w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan, pool)
                     try:
@@ -137,7 +138,7 @@ def _save_parts(
                         for slot in fplan.slots:
                             w.write(slot, _fetch_checked(part, slot.spec))
                             _faults.fault_point("after_tensor_write")
-                        records[fplan.name] = FileRecord(size=fplan.size, sha256=w.finish())
+                        records[fplan.name] = w.finish()
                     finally:
                         w.close()
                 indexes.append(_index(part, layout, records))
@@ -266,38 +267,30 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
 # -- distributed ------------------------------------------------------------------------------
 
 
-def _owned_block(t: torch.Tensor, index: int, fqn: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """The block this rank writes of tensor ``t`` and its element offset, or None.
+def _owned_blocks(t: torch.Tensor, index: int, fqn: str) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The blocks this rank writes of tensor ``t``: ``(data, global element offset)`` pairs.
 
     A DTensor's local shard is written by the rank whose coordinate is 0 on every mesh dim that
-    does not shard it (one writer per replica group); a plain tensor (same on every rank) by rank
-    ``index % world_size``.
+    does not shard it (one writer per replica group), as one block per contiguous piece of the
+    global tensor (several for ``_StridedShard``, see :mod:`checkpoint.ranks.shards`); a plain
+    tensor (same on every rank) by rank ``index % world_size``.
     """
     if not isinstance(t, DTensor):
-        return (t, (0,) * t.dim()) if index % dist.world_size() == dist.rank() else None
-    if any(isinstance(p, Partial) for p in t.placements):
-        t = t.redistribute(
-            t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
-        )
-    if any(type(p) not in (Shard, Replicate) for p in t.placements):  # e.g. _StridedShard
-        raise NotImplementedError(
-            f"{fqn!r}: placements {t.placements} are not supported for saving (Shard/Replicate only)"
-        )
+        return [(t, (0,) * t.dim())] if index % dist.world_size() == dist.rank() else []
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
     coord = t.device_mesh.get_coordinate()
     if coord is None:
-        return None
+        return []
     for d, p in enumerate(t.placements):
-        if not isinstance(p, Shard) and coord[d] != 0:
-            return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if not isinstance(p, (Shard, _StridedShard)) and coord[d] != 0:
+            return []
+    try:
+        blocks = list(shards.local_blocks(t))
+    except RuntimeError as e:
+        raise RuntimeError(f"{fqn!r}: {e}") from e
     local = t.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(
-            f"{fqn!r}: local shard of shape {tuple(local.shape)} differs from the expected {tuple(shape)}"
-        )
-    return local, tuple(offset)
+    return [(local[lsl], tuple(g.start for g in gsl)) for lsl, gsl in blocks]
 
 
 def _save_distributed(
@@ -345,13 +338,14 @@ def _save_distributed(
                     fd = None
                     try:
                         for i, slot in enumerate(f.slots):
-                            block = _owned_block(
+                            blocks = _owned_blocks(
                                 _fetch_any(part, slot.spec), _base(lay, f) + i, slot.spec.fqn
                             )
-                            if block is None:
+                            if not blocks:
                                 continue
                             fd = fd if fd is not None else open_shard_file(os.path.join(staging_dir, f.name))
-                            write_block(fd, slot, *block)
+                            for block in blocks:
+                                write_block(fd, slot, *block)
                             _faults.fault_point("after_tensor_write")
                     finally:
                         if fd is not None:
@@ -361,7 +355,8 @@ def _save_distributed(
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
         dist.check_all(f"writing {path}", err)
-        # Every file is fsynced and hashed by one rank (fsync flushes all ranks' pages of the file).
+        # Every file is fsynced and hashed by one rank (fsync flushes all ranks' pages of the file);
+        # no rank saw every byte of a file, so its digests come from one read-back.
         err, mine = None, {}
         try:
             for j, (_, f) in enumerate(files):
@@ -374,13 +369,13 @@ def _save_distributed(
                     finally:
                         os.close(fd)
                     _faults.fault_point("after_file_fsync")
-                    mine[f.name] = FileRecord(size=os.path.getsize(p), sha256=sha256_file(p))
+                    mine[f.name] = file_record(p)
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
         dist.check_all(f"hashing {path}", err)
-        records: dict[str, FileRecord] = {}
+        records: dict[str, FileRecordV2] = {}
         for d in dist.all_gather_object(mine):
             records.update(d)
         indexes = [
@@ -408,12 +403,7 @@ def _save_distributed(
 
 def _base(lay: Layout, f) -> int:
     """Index of the first slot of file ``f`` within its layout (spreads plain tensors over ranks)."""
-    n = 0
-    for g in lay.files:
-        if g is f:
-            return n
-        n += len(g.slots)
-    return n
+    return lay.first_slot[f.name]
 
 
 def _fetch_any(part: _Part, spec: TensorSpec) -> torch.Tensor:

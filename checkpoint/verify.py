@@ -1,4 +1,4 @@
-"""``verify``: re-hash every file and check the index against the headers."""
+"""``verify``: re-hash every file (and the index) and check the index against the headers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from .atomic import read_view
 from .errors import CheckpointError, CheckpointNotFoundError
 from .reports import FileCheck, VerifyReport
 from .storage.format import OPTIMIZER_PREFIX, index_name
-from .storage.reader import CheckpointReader, open_checkpoint
-from .storage.writer import sha256_file
+from .storage.reader import CheckpointReader, check_file, open_checkpoint
 
 
 def _header_total(path: str) -> int:
@@ -25,21 +24,23 @@ def _header_total(path: str) -> int:
 def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
     meta = reader.meta
     total = 0
+    problem = reader.verify_index()
+    if problem is not None:
+        report.problems.append(problem)
     for name in reader.files:
         p = os.path.join(reader.root, name)
         src = reader.held_path(name)  # the file opened, even if a save replaced it since
-        size, digest = os.path.getsize(src), sha256_file(src)
         rec = meta.files.get(name) if meta else None
+        check = check_file(src, rec)
         fc = FileCheck(
-            file=name, size=size, sha256=digest,
-            expected_size=rec.size if rec else None, expected_sha256=rec.sha256 if rec else None,
+            file=name, size=check.size, algorithm=check.algorithm, digest=check.digest,
+            expected_size=rec.size if rec else None, expected_digest=rec.digest if rec else None,
+            ok=check.problem is None,
         )  # fmt: skip
         report.files.append(fc)
-        if rec is not None and size != rec.size:
-            report.problems.append(f"{p}: size {size} bytes, index says {rec.size}")
-        if rec is not None and digest != rec.sha256:
+        if check.problem is not None:
             report.problems.append(
-                f"{p}: sha256 {digest} differs from the index's {rec.sha256} (corrupted data)"
+                f"{p}: {check.algorithm} {check.digest} differs from the index's {rec.digest}: {check.problem}"
             )
         total += _header_total(src)
     report.tensors += len(reader.keys())
@@ -58,7 +59,9 @@ def verify(path: str | os.PathLike) -> VerifyReport:
     """Re-hash every file of the checkpoint (model and, if present, optimizer part) and check the
     index against the file headers (every indexed tensor in its file, no duplicates, sizes,
     ``total_size``). Each problem is reported as text naming its file; a flipped byte shows as a
-    sha256 mismatch of that file.
+    digest mismatch of that file naming the header or tensors changed (format version 2: xxh3-128
+    per tensor and header, see :mod:`checkpoint.storage.digest`; version 1: sha256 per file), or as
+    a mismatch of the index's own digest.
 
     Raises:
         CheckpointNotFoundError: nothing at ``path``. Other problems are reported, not raised.

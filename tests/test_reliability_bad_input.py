@@ -190,9 +190,9 @@ def test_flipped_data_byte_caught_by_verify_and_load_verify(tmp_path):
     p.write_bytes(bytes(raw))
     rep = checkpoint.verify(path)
     assert not rep.ok and rep.bad_files == [SHARD2]
-    assert SHARD2 in rep.problems[0] and idx.metadata.fqnckpt.files[SHARD2].sha256 in rep.problems[0]
+    assert SHARD2 in rep.problems[0] and idx.metadata.fqnckpt.files[SHARD2].digest in rep.problems[0]
     e = rejected(path, ChecksumMismatchError, p, verify=True)
-    assert e.expected == idx.metadata.fqnckpt.files[SHARD2].sha256 and e.actual != e.expected
+    assert e.expected == idx.metadata.fqnckpt.files[SHARD2].digest and e.actual != e.expected
     # The intact checkpoint passes the same check and loads exact values.
     path2, _ = saved(tmp_path / "ok")
     m = Net(99)

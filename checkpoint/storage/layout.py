@@ -15,9 +15,11 @@ safetensors' own writer does, so every tensor starts aligned to its element size
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -45,11 +47,17 @@ class TensorSpec:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        shape = tuple(map(int, self.shape))
+        object.__setattr__(self, "shape", shape)
         if self.dtype not in DTYPE_TO_ST:
             raise TypeError(f"tensor {self.fqn!r}: dtype {self.dtype} cannot be stored in safetensors")
-        if any(d < 0 for d in self.shape):
+        if shape and min(shape) < 0:
             raise ValueError(f"tensor {self.fqn!r}: negative dimension in shape {self.shape}")
+        # Computed once here: planning reads them several times per tensor (10^5 tensors in MoE
+        # checkpoints). Not fields, so equality and hashing stay (fqn, shape, dtype).
+        numel = math.prod(shape)
+        object.__setattr__(self, "_numel", numel)
+        object.__setattr__(self, "_nbytes", numel * self.dtype.itemsize)
 
     @classmethod
     def of(cls, fqn: str, tensor: torch.Tensor) -> TensorSpec:
@@ -64,18 +72,15 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return self._numel
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        return self._nbytes
 
 
 @dataclass(frozen=True)
@@ -109,18 +114,28 @@ class Layout:
     prefix: str
     files: tuple[FilePlan, ...]
 
-    @property
+    # Computed once (cached_property writes the instance __dict__, allowed on a frozen dataclass).
+    @cached_property
     def slots(self) -> dict[str, TensorSlot]:
         return {s.spec.fqn: s for f in self.files for s in f.slots}
 
-    @property
+    @cached_property
     def total_size(self) -> int:
         """Sum of tensor data bytes (HF's ``metadata.total_size``; headers excluded)."""
         return sum(s.end - s.begin for f in self.files for s in f.slots)
 
-    @property
+    @cached_property
     def weight_map(self) -> dict[str, str]:
         return dict(sorted((s.spec.fqn, f.name) for f in self.files for s in f.slots))
+
+    @cached_property
+    def first_slot(self) -> dict[str, int]:
+        """File name -> position of its first slot in the layout's slot order."""
+        out, n = {}, 0
+        for f in self.files:
+            out[f.name] = n
+            n += len(f.slots)
+        return out
 
 
 def shard_file_name(prefix: str, k: int, n: int) -> str:
@@ -133,8 +148,9 @@ def build_header(
 ) -> bytes:
     """Header bytes for ``(spec, begin, end)`` entries (offsets relative to the data start)."""
     head: dict[str, object] = {"__metadata__": dict(metadata or HEADER_METADATA)}
+    st = DTYPE_TO_ST
     for spec, b, e in entries:
-        head[spec.fqn] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": list(spec.shape), "data_offsets": [b, e]}
+        head[spec.fqn] = {"dtype": st[spec.dtype], "shape": spec.shape, "data_offsets": (b, e)}
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text

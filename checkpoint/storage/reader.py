@@ -32,9 +32,18 @@ from ..errors import (
     TensorNotInShardError,
     UnsafePathError,
 )
-from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, FqnckptMeta, IndexFile, index_name
-from .layout import ST_TO_DTYPE, TensorSpec
-from .writer import sha256_file, stats
+from . import digest as _digest
+from .format import (
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    FileRecord,
+    FileRecordV2,
+    FqnckptMeta,
+    IndexFile,
+    index_name,
+)
+from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
+from .writer import sha256_file, stats, tensor_bytes
 
 _LFS_MAGIC = b"version https://git-lfs"
 
@@ -119,6 +128,12 @@ def open_safetensors(path: str):
         CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
             where it can, and Git LFS pointers), or the header repeats a tensor name.
     """
+    return open_safetensors_with_header(path)[0]
+
+
+def open_safetensors_with_header(path: str) -> tuple[object, dict]:
+    """:func:`open_safetensors` and the parsed JSON header (validated by ``safe_open``), so that
+    shapes and dtypes of 10^5 tensors come from one ``json.loads`` instead of a call per tensor."""
     try:
         handle = safe_open(path, framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
@@ -127,11 +142,21 @@ def open_safetensors(path: str):
             f"not a valid safetensors file (bad or truncated header or offsets): {e}"
             f"{_header_problem(path)}{_lfs_hint(path)}",
         ) from e
-    _check_unique_header_keys(path)
-    return handle
+    with open(path, "rb") as f:  # safe_open has validated the length already
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+    head = json.loads(raw)
+    _check_unique_header_keys(path, raw, head)
+    return handle, head
 
 
-def _check_unique_header_keys(path: str) -> None:
+def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
+    # Fast path: every tensor entry has exactly one "data_offsets" key (safe_open checked), and the
+    # quoted word cannot occur inside an escaped name, so as many occurrences as distinct tensors
+    # means no name repeats. Otherwise (a repeat, or the word in __metadata__) the exact check runs.
+    if raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
+        return
+
     def pairs(items):
         seen = set()
         for k, _ in items:
@@ -140,9 +165,7 @@ def _check_unique_header_keys(path: str) -> None:
             seen.add(k)
         return dict(items)
 
-    with open(path, "rb") as f:  # safe_open has validated the length already
-        (n,) = struct.unpack("<Q", f.read(8))
-        json.loads(f.read(n), object_pairs_hook=pairs)
+    json.loads(raw, object_pairs_hook=pairs)
 
 
 def read_index(path: str) -> IndexFile:
@@ -165,6 +188,49 @@ def read_index(path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
+class FileDigestCheck:
+    """Result of :func:`check_file`: actual ``size`` (bytes), ``algorithm``, file-level ``digest``,
+    per-tensor ``tensors`` digests (version 2) and ``problem`` (None when it matches the record)."""
+
+    __slots__ = ("size", "algorithm", "digest", "tensors", "problem")
+
+    def __init__(self, size: int, algorithm: str, digest: str, tensors: dict[str, str], problem: str | None):
+        self.size, self.algorithm, self.digest, self.tensors, self.problem = (
+            size,
+            algorithm,
+            digest,
+            tensors,
+            problem,
+        )
+
+
+def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCheck:
+    """Re-hash shard file ``path`` and compare it with its index record ``rec`` (None: nothing to
+    compare, sha256 reported). The problem text names the header or the tensors whose bytes changed."""
+    if not isinstance(rec, FileRecordV2):
+        size, d = os.path.getsize(path), sha256_file(path)
+        problem = None
+        if rec is not None and size != rec.size:
+            problem = f"size {size} bytes, index says {rec.size}"
+        elif rec is not None and d != rec.sha256:
+            problem = "corrupted data"
+        return FileDigestCheck(size, "sha256", d, {}, problem)
+    size, header, tensors = _digest.hash_file(path)
+    d = _digest.combine(header, tensors.values())
+    why = []
+    if size != rec.size:
+        why.append(f"size {size} bytes, index says {rec.size}")
+    if header != rec.header:
+        why.append("header bytes changed")
+    changed = [k for k, v in rec.tensors.items() if tensors.get(k) != v]
+    if changed:
+        why.append(f"tensor bytes changed: {changed[:10]}{' ...' if len(changed) > 10 else ''}")
+    if not why and (list(tensors) != list(rec.tensors) or d != rec.digest):
+        why.append("file digest differs from the index's")
+    problem = "; ".join(why) if why else None
+    return FileDigestCheck(size, "xxh3_128", d, tensors, problem)
+
+
 class CheckpointReader:
     """A validated, open checkpoint. Use :func:`open_checkpoint`; close with :meth:`close` or ``with``.
 
@@ -181,6 +247,8 @@ class CheckpointReader:
         self._handles: dict[str, object] = {}
         self._fds: dict[str, int] = {}  # raw fd per file, opened with the handle (see held_path)
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._spec_objs: dict[str, TensorSpec] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
 
     # -- lookups ------------------------------------------------------------------------------
     @property
@@ -204,16 +272,60 @@ class CheckpointReader:
 
     def spec(self, key: str) -> TensorSpec:
         """Shape and dtype of ``key`` from its file header (no data read)."""
+        spec = self._spec_objs.get(key)
+        if spec is not None:
+            return spec
         shape, st = self._specs[self._known(key)]
         if st not in ST_TO_DTYPE:
             raise CorruptCheckpointError(self.file_of(key), f"tensor {key!r} has unsupported dtype {st!r}")
-        return TensorSpec(key, shape, ST_TO_DTYPE[st])
+        spec = self._spec_objs[key] = TensorSpec(key, shape, ST_TO_DTYPE[st])
+        return spec
 
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (CPU)."""
         t = self._handle(key).get_tensor(key)
         stats.bytes_read += t.numel() * t.element_size()
         return t
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Read tensor ``key`` straight into ``out`` when ``out`` is a contiguous CPU tensor of the
+        stored shape and dtype (one ``preadv``, no intermediate tensor); False otherwise (then use
+        :meth:`get`). Byte ranges come from the header ``safe_open`` validated: safetensors has no
+        API to read into existing memory, and ``get_tensor`` costs ~100 us per tensor.
+        """
+        known = self._specs.get(key)
+        if (
+            known is None
+            or out.device.type != "cpu"
+            or DTYPE_TO_ST.get(out.dtype) != known[1]
+            or out.shape != known[0]
+            or not out.is_contiguous()
+            or out.is_conj()
+            or out.is_neg()
+            or key not in self._spans
+            or key not in self._key_file
+        ):
+            return False
+        b, e = self._spans[key]
+        if e == b:
+            return True
+        name = self._key_file[key]
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._fds[name] = os.open(
+                os.path.join(self.root, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+            )
+        view = tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
+        done = 0
+        while done < e - b:
+            n = os.preadv(fd, [view[done:]], b + done)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    os.path.join(self.root, name), f"tensor {key!r}: file ends early"
+                )
+            done += n
+        stats.bytes_read += done
+        return True
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk."""
@@ -224,10 +336,12 @@ class CheckpointReader:
         return t
 
     def verify_file(self, name: str) -> str:
-        """Re-hash shard ``name``; returns its sha256.
+        """Re-hash shard ``name`` (one read); returns its file-level digest (xxh3-128 scheme of
+        format version 2, sha256 for version 1 or without fqnckpt metadata).
 
         Raises:
-            ChecksumMismatchError: size or sha256 differ from the index's record.
+            ChecksumMismatchError: size, header or any tensor's digest differ from the index's
+                record (``expected`` / ``actual`` are the file-level digests).
             KeyError: ``name`` is not a file of this checkpoint.
         """
         if name not in self.files:
@@ -235,14 +349,31 @@ class CheckpointReader:
         path = os.path.join(self.root, name)
         src = self.held_path(name)
         rec = self.meta.files.get(name) if self.meta else None
-        if rec is not None:
-            size = os.path.getsize(src)
-            if size != rec.size:
-                raise ChecksumMismatchError(path, f"size {rec.size}", f"size {size}")
-        digest = sha256_file(src)
-        if rec is not None and digest != rec.sha256:
-            raise ChecksumMismatchError(path, rec.sha256, digest)
-        return digest
+        check = check_file(src, rec)  # the file opened, even if a save replaced it since
+        if check.problem is not None:
+            raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
+        return check.digest
+
+    def check_index_digest(self) -> None:
+        """Raise :class:`ChecksumMismatchError` when :meth:`verify_index` finds a problem."""
+        problem = self.verify_index()
+        if problem is not None:
+            raise ChecksumMismatchError(self.index_path, self.meta.index_xxh3_128 or "", problem)
+
+    def verify_index(self) -> str | None:
+        """Problem with the index's own digest (format version 2), or None when it matches or the
+        index has none (older versions, foreign indexes)."""
+        meta = self.meta
+        if meta is None or meta.format_version < 2:
+            return None
+        if meta.index_xxh3_128 is None:
+            return f"{self.index_path}: format version 2 index without {_digest.INDEX_FIELD}"
+        with open(self.index_path, "rb") as f:
+            raw = f.read()
+        got = _digest.index_digest_of(raw, meta.index_xxh3_128)
+        if got != meta.index_xxh3_128:
+            return f"{self.index_path}: index bytes changed ({_digest.INDEX_FIELD} {got} != recorded {meta.index_xxh3_128})"
+        return None
 
     # -- plumbing -----------------------------------------------------------------------------
     def held_path(self, name: str) -> str:
@@ -272,7 +403,8 @@ class CheckpointReader:
         # The raw fd first: safe_open maps the same inode (no commit can run: see atomic.read_view).
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            h = open_safetensors(path)
+            h, head = open_safetensors_with_header(path)
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         except BaseException:
             os.close(fd)
             raise
@@ -281,7 +413,7 @@ class CheckpointReader:
             os.close(old)
         self._fds[name] = fd
         self._handles[name] = h
-        return h
+        return h, head, 8 + n
 
     def _known(self, key: str) -> str:
         if key not in self._key_file:
@@ -302,11 +434,15 @@ class CheckpointReader:
         """Open every named file, check the index against the headers (before any data is read)."""
         in_file: dict[str, list[str]] = {}
         for name in self.files:
-            h = self._open_file(name)
-            for k in h.keys():
+            h, head, data_start = self._open_file(name)
+            for k, v in head.items():
+                if k == "__metadata__":
+                    continue
                 in_file.setdefault(k, []).append(name)
-                sl = h.get_slice(k)
-                self._specs.setdefault(k, (tuple(sl.get_shape()), sl.get_dtype()))
+                if k not in self._specs:
+                    self._specs[k] = (tuple(v["shape"]), v["dtype"])
+                    b, e = v["data_offsets"]
+                    self._spans[k] = (data_start + b, data_start + e)
         for k, names in in_file.items():
             if len(names) > 1:
                 raise DuplicateTensorError(k, names)
@@ -323,6 +459,7 @@ class CheckpointReader:
             )
             for k in extra:
                 self._specs.pop(k, None)
+                self._spans.pop(k, None)
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles release their mmap when dropped
@@ -418,7 +555,7 @@ def _check_total_size(reader: CheckpointReader) -> None:
     if reader.meta is None or reader.index.metadata.total_size is None:
         return
     declared = reader.index.metadata.total_size
-    actual = sum(reader.spec(k).nbytes for k in reader.keys())
+    actual = sum(e - b for k, (b, e) in reader._spans.items() if k in reader._key_file)
     if actual != declared:
         raise CorruptCheckpointError(
             reader.index_path,

@@ -1,0 +1,106 @@
+"""Integrity digests of format version 2: xxh3-128 of each tensor's bytes, of each file's header,
+and of the index itself.
+
+Why xxh3-128 (measured on the 2-core development machine, 256 MiB buffer, one thread, heavily
+contended, median of 5): sha256 0.6 GB/s, zlib.crc32 1.5-1.8, blake3 2.3-2.5 (3.4 with threads),
+crc32c (google-crc32c) 5.2-7.6, xxh3-128 5.2-5.3, a numpy memcpy 5.5-5.6. xxh3-128 runs at
+memory-copy speed, so hashing each chunk just before ``pwrite`` reads it (while it is in cache)
+costs about one extra pass over cached data, and its 128 bits make accidental collisions
+negligible (crc32c's 32 bits are not). It guards against corruption, not tampering: an attacker
+who can rewrite files can rewrite the index too.
+
+Scheme (a file is ``[8-byte length][JSON header][tensor bytes, no holes]``, see
+:mod:`checkpoint.storage.layout`): the index records per file its byte ``size``, ``header`` =
+xxh3-128 of bytes ``[0, data_start)``, ``tensors`` = {FQN: xxh3-128 of the tensor's row-major
+bytes} and ``digest`` = :func:`combine` of those. The header fixes every tensor's byte range and
+the ranges cover the rest of the file, so every byte is covered. A tensor's digest does not depend
+on the file, offset or sharding it was saved with, so two checkpoints can be compared tensor by
+tensor. The index carries ``index_xxh3_128``, the digest of its own bytes with that value zeroed.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+
+import xxhash
+
+ALGORITHM = "xxh3_128"
+HEX_LEN = 32
+ZERO = "0" * HEX_LEN
+CHUNK = 8 << 20  # bytes hashed then written per step: stays in cache between the two
+INDEX_FIELD = "index_xxh3_128"
+
+hexdigest = xxhash.xxh3_128_hexdigest
+new = xxhash.xxh3_128
+
+
+def combine(header: str, tensors: Iterable[str]) -> str:
+    """File-level digest: xxh3-128 of the header digest followed by the tensor digests in byte order."""
+    h = xxhash.xxh3_128(bytes.fromhex(header))
+    for d in tensors:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
+def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
+    """Read shard file ``path`` once: ``(size, header digest, {tensor name: digest})``, tensors in
+    byte order. The header's own structure is validated elsewhere (``safe_open``); here a header
+    that cannot be parsed yields no tensor digests (then they mismatch the index).
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 8:
+            return size, hexdigest(f.read()), {}
+        (n,) = struct.unpack("<Q", f.read(8))
+        n = min(n, size - 8)
+        raw = f.read(n)
+        f.seek(0)
+        header = hexdigest(f.read(8 + n))
+        try:
+            head = json.loads(raw)
+            spans = sorted(
+                (int(v["data_offsets"][0]), int(v["data_offsets"][1]), k)
+                for k, v in head.items()
+                if k != "__metadata__"
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+            return size, header, {}
+        base = 8 + n
+        out: dict[str, str] = {}
+        if not spans or size == base:
+            return size, header, {k: hexdigest(b"") for b, e, k in spans if b == e}
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = memoryview(mm)
+            try:
+                for b, e, k in spans:
+                    lo, hi = base + max(b, 0), min(base + e, size)
+                    out[k] = hexdigest(view[lo:hi]) if lo <= hi else hexdigest(b"")
+            finally:
+                view.release()
+        finally:
+            mm.close()
+    return size, header, out
+
+
+def index_bytes_with_digest(text: bytes) -> tuple[bytes, str]:
+    """``text`` (an index serialized with ``"index_xxh3_128": "<32 zeros>"``) with the zeros
+    replaced by the digest of ``text``, and that digest."""
+    placeholder = f'"{INDEX_FIELD}": "{ZERO}"'.encode()
+    if text.count(placeholder) != 1:
+        raise RuntimeError(f"index text must hold {placeholder!r} exactly once")
+    value = hexdigest(text)
+    return text.replace(placeholder, f'"{INDEX_FIELD}": "{value}"'.encode()), value
+
+
+def index_digest_of(raw: bytes, recorded: str) -> str | None:
+    """Digest of index bytes ``raw`` whose recorded value is ``recorded`` (recomputed with it
+    zeroed); None when the field does not appear exactly once in ``raw``."""
+    field = f'"{INDEX_FIELD}": "{recorded}"'.encode()
+    if raw.count(field) != 1:
+        return None
+    return hexdigest(raw.replace(field, f'"{INDEX_FIELD}": "{ZERO}"'.encode()))

@@ -1,0 +1,161 @@
+"""Integrity digests (format version 2: xxh3-128 per tensor, header and index; version 1: sha256
+per file): one flipped byte anywhere is found, per-tensor digests do not depend on the layout, and
+checkpoints of the previous format version still verify."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.errors import ChecksumMismatchError
+from checkpoint.storage import digest
+from checkpoint.storage.format import FORMAT_VERSION, index_name
+from checkpoint.storage.reader import check_file, open_checkpoint, read_index
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(3, 4, generator=g),
+        "a.bias": torch.randn(4, generator=g).to(torch.bfloat16),
+        "b.ids": torch.randint(0, 9, (5,), generator=g),
+        "c.big": torch.randn(300_000, generator=g),  # > 1 MiB: the chunked hash-then-write path
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def flipped(p, i: int, bit: int = 0x01) -> bytes:
+    raw = p.read_bytes()
+    b = bytearray(raw)
+    b[i] ^= bit
+    p.write_bytes(bytes(b))
+    return raw
+
+
+def test_digests_recorded_match_bytes_and_are_layout_independent(tmp_path):
+    sd = state()
+    idx1 = checkpoint.save(sd, tmp_path / "one")
+    idx2 = checkpoint.save(sd, tmp_path / "many", max_shard_size=64)
+    meta1, meta2 = idx1.metadata.fqnckpt, idx2.metadata.fqnckpt
+    assert meta1.format_version == meta2.format_version == FORMAT_VERSION == 2
+    assert len(idx1.files()) == 1 and len(idx2.files()) > 2
+    want = {
+        k: digest.hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        for k, v in sd.items()
+    }
+    assert meta1.tensor_digests() == meta2.tensor_digests() == want
+    for idx, d in ((idx1, "one"), (idx2, "many")):
+        rep = checkpoint.verify(tmp_path / d)
+        assert rep.ok, rep.problems
+        assert [f.algorithm for f in rep.files] == ["xxh3_128"] * len(idx.files())
+        assert [f.digest for f in rep.files] == [idx.metadata.fqnckpt.files[n].digest for n in idx.files()]
+
+
+def test_every_flipped_byte_of_a_file_is_found(tmp_path):
+    sd = {"x": torch.arange(6, dtype=torch.float32), "y": torch.tensor([7, 8], dtype=torch.int16)}
+    idx = checkpoint.save(sd, tmp_path / "ck")
+    (name,) = idx.files()
+    rec = idx.metadata.fqnckpt.files[name]
+    p = tmp_path / "ck" / name
+    raw = p.read_bytes()
+    assert check_file(str(p), rec).problem is None
+    for i in range(len(raw)):  # header length, JSON header, padding and every data byte
+        b = bytearray(raw)
+        b[i] ^= 0x04
+        p.write_bytes(bytes(b))
+        assert check_file(str(p), rec).problem is not None, f"flip at byte {i} not found"
+    p.write_bytes(raw)
+    p.write_bytes(raw + b"\0")  # appended byte
+    assert "size" in check_file(str(p), rec).problem
+
+
+def test_every_flipped_byte_of_the_index_is_found(tmp_path):
+    sd = {"x": torch.arange(6, dtype=torch.float32), "y": torch.tensor([7, 8], dtype=torch.int16)}
+    idx = checkpoint.save(sd, tmp_path / "ck", max_shard_size=16)
+    ip = tmp_path / "ck" / index_name()
+    raw = ip.read_bytes()
+    assert raw.count(idx.metadata.fqnckpt.index_xxh3_128.encode()) == 1
+    assert checkpoint.verify(tmp_path / "ck").ok
+    for i in range(len(raw)):
+        b = bytearray(raw)
+        b[i] ^= 0x01
+        ip.write_bytes(bytes(b))
+        assert not checkpoint.verify(tmp_path / "ck").ok, (
+            f"flip at index byte {i} ({raw[max(0, i - 20) : i + 20]!r}) not found"
+        )
+    ip.write_bytes(raw)
+    # Through the public API: a changed hyper-parameter-like value in the index is a problem.
+    data = json.loads(raw)
+    data["metadata"]["fqnckpt"]["alias_groups"] = [["x", "y"]]
+    ip.write_text(json.dumps(data, indent=2) + "\n")
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert not rep.ok and len(rep.problems) == 1 and "index bytes changed" in rep.problems[0]
+    with pytest.raises(ChecksumMismatchError, match="index bytes changed"):
+        checkpoint.load(dict(sd), tmp_path / "ck", verify=True)
+
+
+def test_flipped_data_byte_names_the_tensor(tmp_path):
+    idx = checkpoint.save(state(), tmp_path / "ck")
+    (name,) = idx.files()
+    p = tmp_path / "ck" / name
+    n = int.from_bytes(p.read_bytes()[:8], "little")
+    head = json.loads(p.read_bytes()[8 : 8 + n])
+    b, e = head["c.big"]["data_offsets"]
+    flipped(p, 8 + n + (b + e) // 2, 0x80)
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert not rep.ok and rep.bad_files == [name] and "['c.big']" in rep.problems[0]
+    with pytest.raises(ChecksumMismatchError, match=r"c\.big"):
+        checkpoint.load(state(), tmp_path / "ck", verify=True)
+
+
+def _rewrite_as_version_1(root) -> dict[str, str]:
+    """Turn a checkpoint into what the previous code wrote: format_version 1, a sha256 per file,
+    no per-tensor or index digests. Returns {file: sha256}."""
+    ip = os.path.join(root, index_name())
+    data = json.loads(open(ip, "rb").read())
+    meta = data["metadata"]["fqnckpt"]
+    shas = {}
+    for name, rec in meta["files"].items():
+        with open(os.path.join(root, name), "rb") as f:
+            shas[name] = hashlib.sha256(f.read()).hexdigest()
+        meta["files"][name] = {"size": rec["size"], "sha256": shas[name]}
+    meta["format_version"] = 1
+    del meta["index_xxh3_128"]
+    with open(ip, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+    return shas
+
+
+def test_previous_format_version_still_verifies(tmp_path):
+    sd = state()
+    idx2 = checkpoint.save(sd, tmp_path / "ck", max_shard_size=64)
+    shas = _rewrite_as_version_1(tmp_path / "ck")
+    idx = read_index(str(tmp_path / "ck" / index_name()))
+    assert idx.metadata.fqnckpt.format_version == 1
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert rep.ok, rep.problems
+    assert {f.file: (f.algorithm, f.digest) for f in rep.files} == {k: ("sha256", v) for k, v in shas.items()}
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    checkpoint.load(out, tmp_path / "ck", verify=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    victim = idx2.weight_map["c.big"]
+    flipped(tmp_path / "ck" / victim, -1)
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert not rep.ok and rep.bad_files == [victim] and shas[victim] in rep.problems[0]
+    with pytest.raises(ChecksumMismatchError, match=victim):
+        checkpoint.load(state(), tmp_path / "ck", verify=True)
+
+
+def test_version_1_index_with_version_2_records_is_refused(tmp_path):
+    checkpoint.save(state(), tmp_path / "ck")
+    ip = tmp_path / "ck" / index_name()
+    data = json.loads(ip.read_bytes())
+    data["metadata"]["fqnckpt"]["format_version"] = 1
+    ip.write_text(json.dumps(data))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="format version 1"):
+        open_checkpoint(tmp_path / "ck")
