@@ -232,10 +232,22 @@ def test_error_from_torch_while_copying_is_ours_naming_key_and_file(tmp_path, mo
             raise RuntimeError("simulated read failure")
         return real(self, key)
 
-    monkeypatch.setattr(CheckpointReader, "get", broken)
-    with pytest.raises(LoadError, match="simulated") as ei:
-        checkpoint.load(Net(), d)
-    assert ei.value.key == "b" and ei.value.file.endswith(".safetensors") and str(d) in ei.value.file
+    real_into = CheckpointReader.read_into
+
+    def broken_into(self, key, out):
+        if key == "b":
+            raise OSError("simulated pread failure")
+        return real_into(self, key, out)
+
+    # Both read paths: through safetensors (get) and straight into the target (read_into).
+    for attr, fn in (("get", broken), ("read_into", broken_into)):
+        with monkeypatch.context() as m:
+            m.setattr(CheckpointReader, attr, fn)
+            if attr == "get":
+                m.setattr(CheckpointReader, "read_into", lambda self, key, out: False)
+            with pytest.raises(LoadError, match="simulated") as ei:
+                checkpoint.load(Net(), d)
+            assert ei.value.key == "b" and ei.value.file.endswith(".safetensors") and str(d) in ei.value.file
 
 
 # -- 2. meta targets -----------------------------------------------------------------------------
