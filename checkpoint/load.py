@@ -140,6 +140,8 @@ def load(
     parameters on any mesh / placements: each rank reads only its slices) or a state_dict whose
     tensors are filled in place. ``path``: a directory with ``model.safetensors.index.json``
     (authoritative), a directory with one ``model.safetensors``, or one ``.safetensors`` file.
+    A DCP directory is read through ``torch.distributed.checkpoint`` (see
+    :mod:`checkpoint.sources.dcp_load`; its errors name DCP).
     Tied tensors are filled from whichever alias the checkpoint stored. Keys that are
     non-persistent buffers of the target are reported as ``ignorable_keys`` and not loaded.
     Tensors stored in another dtype are converted to the target's dtype and listed in
@@ -160,6 +162,12 @@ def load(
         RankAgreementError: another rank failed (when loading DTensors).
     """
     path = os.fspath(path)
+    from .sources.dcp import dcp_format  # a DCP directory is read through torch.distributed.checkpoint
+
+    if dcp_format(path):
+        from .sources.dcp_load import load_dcp
+
+        return load_dcp(obj, path, strict=strict, optimizer=optimizer, dtype=dtype, verify=verify)
     if dtype is not None:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError("dtype= needs an nn.Module")

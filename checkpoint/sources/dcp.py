@@ -143,7 +143,7 @@ def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
 
 
 @contextlib.contextmanager
-def dcp_errors(path: Path, keys: list[str]) -> Iterator[None]:
+def dcp_errors(path: Path, keys: list[str], files: list[str] | None = None) -> Iterator[None]:
     """Turn anything DCP raises (``CheckpointException`` is a ``BaseException``) into our
     :class:`CorruptCheckpointError` naming DCP, the file, the keys and the rank."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -159,10 +159,12 @@ def dcp_errors(path: Path, keys: list[str]) -> Iterator[None]:
         if isinstance(inner, CheckpointError):
             raise inner from None
         on = f" on rank {rank}" if rank is not None else ""
-        which = keys[0] if len(keys) == 1 else f"{keys[:5]}{' ...' if len(keys) > 5 else ''}"
+        which = repr(keys[0]) if len(keys) == 1 else f"{keys[:5]}{' ...' if len(keys) > 5 else ''}"
+        in_files = f" in {sorted(files)[:5]}" if files else ""
         msg = str(inner).strip().splitlines()
+        detail = f": {msg[-1]}" if msg else " (truncated or damaged file?)"
         raise CorruptCheckpointError(
-            str(path), f"DCP read of {which} failed{on}: {type(inner).__name__}: {msg[-1] if msg else ''}"
+            str(path), f"DCP read of {which}{in_files} failed{on}: {type(inner).__name__}{detail}"
         ) from None
 
 
@@ -182,8 +184,11 @@ class _DCPReader:
     """Reads tensors through ``dcp.load`` into fresh tensors (no process group needed), in
     batches along the order given by :meth:`read_ahead`."""
 
-    def __init__(self, reader: Any, specs: dict[str, SourceSpec], flat: dict[str, str], path: Path):
+    def __init__(
+        self, reader: Any, specs: dict[str, SourceSpec], flat: dict[str, str], path: Path, files: dict
+    ):
         self.reader, self.specs, self.flat, self.path = reader, specs, flat, path
+        self.files = files  # DCP flat key -> files holding its chunks (for error messages)
         self.order: list[str] = []
         self.pos: dict[str, int] = {}
         self.cache: dict[str, torch.Tensor] = {}
@@ -210,7 +215,7 @@ class _DCPReader:
         import torch.distributed.checkpoint as dcp
 
         out = {self.flat[k]: torch.empty(self.specs[k].shape, dtype=self.specs[k].dtype) for k in keys}
-        with dcp_errors(self.path, [self.flat[k] for k in keys]):
+        with dcp_errors(self.path, list(out), self.files_of(list(out))):
             dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
         return {k: out[self.flat[k]] for k in keys}
 
@@ -227,9 +232,12 @@ class _DCPReader:
         import torch.distributed.checkpoint as dcp
 
         out: dict[str, Any] = dict.fromkeys(flat_keys)
-        with dcp_errors(self.path, flat_keys):
+        with dcp_errors(self.path, flat_keys, self.files_of(flat_keys)):
             dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
         return out
+
+    def files_of(self, flat_keys: list[str]) -> list[str]:
+        return sorted({f for k in flat_keys for f in self.files.get(k, ())})
 
     def close(self) -> None:
         self.cache = {}
@@ -272,10 +280,11 @@ def _per_file(md: Any, root: Path, path: Path) -> dict[str, dict[str, int]]:
     return {f: {"tensors": len(d["tensors"]), "bytes": d["bytes"]} for f, d in sorted(out.items())}
 
 
-def open_dcp(path: Path, fmt: str, key: str | None = None) -> Source:
+def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool = True) -> Source:
     """A :class:`Source` over a DCP directory (see module docstring).
 
     ``key``: which top-level container holds the model when several do (``"model"``).
+    ``read_optimizer``: False skips reading the optimizer's param groups (a model-only load).
 
     Raises:
         UnsafePickleError: ``.metadata`` references a global outside DCP's metadata classes.
@@ -322,8 +331,11 @@ def open_dcp(path: Path, fmt: str, key: str | None = None) -> Source:
     flat: dict[str, str] = {}
     file_of: dict[str, str] = {}
     first_file: dict[str, str] = {}
+    all_files: dict[str, set[str]] = {}
     for idx, info in (md.storage_data or {}).items():
-        first_file.setdefault(idx.fqn, os.path.relpath(str(root / str(info.relative_path)), str(path)))
+        f = os.path.relpath(str(root / str(info.relative_path)), str(path))
+        first_file.setdefault(idx.fqn, f)
+        all_files.setdefault(idx.fqn, set()).add(f)
     opt_state: dict[str, tuple[str, str]] = {}
     left_out: list[str] = []
     skipped: dict[str, str] = {}
@@ -356,9 +368,9 @@ def open_dcp(path: Path, fmt: str, key: str | None = None) -> Source:
     for k in other:
         if k not in pg_keys:
             skipped[k] = type(md.state_dict_metadata[k]).__name__
-    dreader = _DCPReader(reader, {**specs, **extra}, flat, path)
+    dreader = _DCPReader(reader, {**specs, **extra}, flat, path, all_files)
     info = None
-    if opt_name is not None:
+    if opt_name is not None and read_optimizer:
         info = _optimizer_info(md, pg_keys, dreader, opt_state, path)
         info.separate, info.container = separate, opt_name
     files = sorted(set(first_file.values()))
