@@ -9,11 +9,13 @@ grows with the header size so re-parsing stays a small fraction of the work.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
+from safetensors import safe_open
 
 from ..errors import (
     AmbiguousSourceError,
@@ -67,20 +69,33 @@ def _header_len(path: Path) -> int:
 
 
 class _FileReader:
-    """Per-key reads through one open ``safe_open`` handle per file (one header parse per file)."""
+    """Per-key reads through one open ``safe_open`` handle per file (one header parse per file).
+
+    A re-open (after the window) goes through ``/proc/self/fd/<fd>`` of a descriptor held since
+    the header was read, so it maps the same file even if the path was replaced meanwhile (a
+    concurrent ``save(overwrite=True)``), and skips the duplicate-name check already done."""
 
     def __init__(self, root: Path, files: dict[str, str], handles: dict[str, Any], window: int):
         self.root, self.files, self.window = root, files, window
         self.handles = handles  # file -> handle, opened while reading the headers
+        self.fds = {f: os.open(root / f, os.O_RDONLY) for f in handles}
         self.touched: dict[str, int] = {}
         self.limit = {f: max(window, _WINDOW_PER_HEADER_BYTE * _header_len(root / f)) for f in handles}
+
+    def _reopen(self, name: str) -> Any:
+        proc = f"/proc/self/fd/{self.fds[name]}"
+        path = proc if os.path.exists(proc) else str(self.root / name)
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as e:  # noqa: BLE001 - validated before; a changed file is named
+            raise CorruptCheckpointError(str(self.root / name), f"cannot re-open: {e}") from None
 
     def get(self, key: str) -> torch.Tensor:
         name = self.files[key]
         h = self.handles.get(name)
         if h is None or self.touched.get(name, 0) > self.limit[name]:
             self.handles[name] = None  # drop the old mapping before mapping again
-            h = self.handles[name] = _open(self.root / name)
+            h = self.handles[name] = self._reopen(name)
             self.touched[name] = 0
         t = h.get_tensor(key).contiguous()
         self.touched[name] = self.touched.get(name, 0) + t.nbytes
@@ -88,6 +103,9 @@ class _FileReader:
 
     def close(self) -> None:
         self.handles.clear()  # safe_open handles release their mapping when dropped
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 def _header(path: Path) -> tuple[dict[str, SourceSpec], Any]:
