@@ -20,6 +20,7 @@ Any DCP ``CheckpointException`` (a ``BaseException``) becomes our
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import pickle
@@ -60,15 +61,20 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def _check_storage_paths(root: Path, md: Any) -> None:
-    for info in (md.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is None:
-            continue
-        rel = str(rel)
+    rels = {
+        str(info.relative_path) for info in (md.storage_data or {}).values() if hasattr(info, "relative_path")
+    }
+    for rel in rels:  # each distinct file once, not once per stored chunk
         # HuggingFaceStorageReader records the full path of each file it globbed in ``root``.
         if os.path.isabs(rel) and os.path.dirname(rel) == os.path.abspath(root):
             rel = os.path.basename(rel)
         paths.member(root, rel)
+
+
+def _display_names(root: Path, path: Path, md: Any) -> dict[str, str]:
+    """``relative_path`` as stored -> file name relative to ``path`` (computed once per file)."""
+    rels = {str(info.relative_path) for info in (md.storage_data or {}).values()}
+    return {r: os.path.relpath(str(root / r), str(path)) for r in rels}
 
 
 def _readers():
@@ -202,7 +208,7 @@ class _DCPReader:
         if i is None:
             return [key]
         out, size = [], 0
-        for k in self.order[i:]:
+        for k in itertools.islice(self.order, i, None):
             s = self.specs[k]
             nb = math.prod(s.shape) * s.dtype.itemsize
             if out and size + nb > READ_BATCH_BYTES:
@@ -269,8 +275,9 @@ def _per_file(md: Any, root: Path, path: Path) -> dict[str, dict[str, int]]:
             for c in m.chunks:
                 chunk_bytes[(k, tuple(c.offsets))] = math.prod(c.sizes) * m.properties.dtype.itemsize
     out: dict[str, dict[str, Any]] = {}
+    names = _display_names(root, path, md)
     for idx, info in (md.storage_data or {}).items():
-        f = os.path.relpath(str(root / str(info.relative_path)), str(path))
+        f = names[str(info.relative_path)]
         d = out.setdefault(f, {"tensors": set(), "bytes": 0})
         off = tuple(idx.offset) if idx.offset is not None else None
         nb = chunk_bytes.get((idx.fqn, off))
@@ -297,7 +304,8 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     reader, md, root = open_metadata(path, fmt)
     optim = _optimizer_containers(md)
     tensor_keys = [k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
-    other = [k for k in md.state_dict_metadata if k not in set(tensor_keys)]
+    tensor_set = set(tensor_keys)
+    other = [k for k in md.state_dict_metadata if k not in tensor_set]
     top_level = any(len(_path_of(md, k)) == 1 for k in tensor_keys)
     containers = list(dict.fromkeys(str(_path_of(md, k)[0]) for k in tensor_keys if len(_path_of(md, k)) > 1))
     model_like = [c for c in containers if c not in optim]
@@ -332,8 +340,9 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     file_of: dict[str, str] = {}
     first_file: dict[str, str] = {}
     all_files: dict[str, set[str]] = {}
+    names = _display_names(root, path, md)
     for idx, info in (md.storage_data or {}).items():
-        f = os.path.relpath(str(root / str(info.relative_path)), str(path))
+        f = names[str(info.relative_path)]
         first_file.setdefault(idx.fqn, f)
         all_files.setdefault(idx.fqn, set()).add(f)
     opt_state: dict[str, tuple[str, str]] = {}
