@@ -24,6 +24,8 @@ from ..errors import AmbiguousSourceError, CorruptCheckpointError, UnsafePickleE
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import sniff_file
 
+_WINDOW_PER_TENSOR = 64 << 10
+
 
 def resolve_globals(trusted: Iterable[Any]) -> list[Any]:
     """Turn ``trusted_globals`` entries into objects for ``torch.serialization.safe_globals``.
@@ -306,7 +308,10 @@ class _PickleReader:
         self.touched = 0
 
     def get(self, key: str) -> torch.Tensor:
-        if self.tensors is None or (self.fmt == "torch-zip" and self.touched > self.window):
+        # Re-loading costs time per tensor, so the window grows with the tensor count (64 KiB of
+        # reads per tensor): re-loads stay a small fraction of the work at any count.
+        limit = max(self.window, len(self.tensors or ()) * _WINDOW_PER_TENSOR)
+        if self.tensors is None or (self.fmt == "torch-zip" and self.touched > limit):
             self.tensors = None  # drop the old mapping before mapping again
             self._load()
         # No copy: a view of the mapping (the writer reads it once and drops it); a copy would put
