@@ -203,3 +203,20 @@ def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     single = Net()  # a single process without a process group reads it too
     checkpoint.load(single, path)
     assert _same(_snapshot(single), want)
+
+
+def test_dcp_hf_rank_shards_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model, _ = _trained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            model.state_dict(),
+            storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), save_distributed=True),
+            no_dist=True,
+        )
+    target = Net()
+    assert checkpoint.load(target, tmp_path / "hf").ok
+    assert _same(_snapshot(target), _snapshot(model))

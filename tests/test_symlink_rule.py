@@ -169,7 +169,9 @@ def test_symlinks_inside_the_checkpoint_followed(tmp_path):
     assert set(rep.mapping) == {"weight", "bias"}
 
 
-@pytest.mark.parametrize("entry", ["sub/w.safetensors", "../ck/w.safetensors", "/abs/w.safetensors", ".."])
+@pytest.mark.parametrize(
+    "entry", ["sub/w.safetensors", "../ck/w.safetensors", "/abs/w.safetensors", "..", "w\x00.safetensors"]
+)
 def test_index_entry_must_be_a_plain_file_name(tmp_path, entry):
     d = tmp_path / "ck"
     (d / "sub").mkdir(parents=True)
@@ -182,4 +184,4 @@ def test_index_entry_must_be_a_plain_file_name(tmp_path, entry):
     ):
         with pytest.raises(CheckpointError) as e:
             call()
-        assert isinstance(e.value, UnsafePathError) and entry in str(e.value)
+        assert isinstance(e.value, UnsafePathError) and repr(entry) in str(e.value)

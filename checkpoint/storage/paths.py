@@ -2,8 +2,8 @@
 in the directory, DCP's ``.metadata`` / ``*.distcp``), used by every reader: ``load``, ``verify``,
 ``migrate``, ``inspect``, ``diff``.
 
-* A name is a plain file name: not empty, no ``/`` or ``\\``, not ``.`` / ``..``, not absolute,
-  not starting with ``~``.
+* A name is a plain file name: not empty, no ``/``, ``\\`` or NUL, not ``.`` / ``..``, not
+  absolute, not starting with ``~``.
 * A symlink is followed only when its final target lies inside the checkpoint directory or, for
   the Hugging Face hub-cache layout (``<cache>/models--org--name/snapshots/<rev>/<file>`` ->
   ``../../blobs/<sha256>``, as ``huggingface_hub`` writes it; see its ``file_download.py``
@@ -47,8 +47,8 @@ def check_name(root: str, name: str) -> None:
     """Raise :class:`UnsafePathError` unless ``name`` is a plain file name (see module docstring)."""
     if not isinstance(name, str) or not name or os.path.isabs(name) or name.startswith("~"):
         raise UnsafePathError(str(name), root, "absolute or not a plain file name")
-    if "/" in name or "\\" in name or name in (".", ".."):
-        raise UnsafePathError(name, root, "not a plain file name (contains '/', '\\', '..' or '.')")
+    if "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
+        raise UnsafePathError(name, root, "not a plain file name (contains '/', '\\' or a NUL, or is '.' / '..')")
 
 
 def member(root: str | os.PathLike, name: str) -> str:
