@@ -48,7 +48,9 @@ def check_name(root: str, name: str) -> None:
     if not isinstance(name, str) or not name or os.path.isabs(name) or name.startswith("~"):
         raise UnsafePathError(str(name), root, "absolute or not a plain file name")
     if "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
-        raise UnsafePathError(name, root, "not a plain file name (contains '/', '\\' or a NUL, or is '.' / '..')")
+        raise UnsafePathError(
+            name, root, "not a plain file name (contains '/', '\\' or a NUL, or is '.' / '..')"
+        )
 
 
 def member(root: str | os.PathLike, name: str) -> str:
