@@ -498,7 +498,7 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
                 steps.append(f"tied alias of {canon!r}: stored once")
             sh, dt = specs[s]
             report.entries.append(
-                KeyDecision(
+                KeyDecision.model_construct(  # our own values: no re-validation per tensor
                     source=s,
                     target=planned[s][0],
                     decided_by=steps,
@@ -560,7 +560,7 @@ def _plan_optimizer(
             continue
         plan[target] = k
         entries.append(
-            KeyDecision(
+            KeyDecision.model_construct(  # our own values: no re-validation per tensor
                 source=k,
                 target=target,
                 decided_by=["optimizer param name"],

@@ -5,7 +5,8 @@
 Each pair times both sides, alternating which goes first; ``os.sync()`` before each timed step.
 Prints per-side medians and ranges and the median and range of the per-pair ratios. Sources:
 ``safetensors`` (one file), ``dcp`` (the same tensors written by ``dcp.save``; the reference
-stays the safetensors copy, so the ratio shows what reading through DCP costs).
+stays the safetensors copy, and DCP's own ``dcp.load`` of the same tensors is timed beside it:
+DCP unpickles every tensor, a cost any reader going through its FileSystemReader pays).
 
     python tests/bench/migrate_scale.py [--tensors 20000] [--shape 64 32] [--pairs 5]
         [--sources safetensors,dcp] [--dir DIR ...]
@@ -60,6 +61,17 @@ def reference(src: str, dst: str) -> None:
     os.remove(dst)
 
 
+def dcp_read(src: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """DCP's own read of the same tensors (``dcp.load`` into preallocated tensors): the floor
+    for any reader going through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {k: torch.empty(s) for k, s in shapes.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": out}, checkpoint_id=src, no_dist=True)
+
+
 def migration(src: str, dst: str) -> None:
     checkpoint.migrate(src, dst)
     shutil.rmtree(dst)
@@ -74,23 +86,31 @@ def run(d: str, kind: str, n: int, shape: tuple[int, ...], pairs: int) -> None:
     try:
         st_src = make_source(work, "safetensors", n, shape)
         src = st_src if kind == "safetensors" else make_source(work, kind, n, shape)
-        ref_t, mig_t, ratios = [], [], []
+        ref_t, mig_t, ratios, dcp_t, dcp_ratios = [], [], [], [], []
+        shapes = {k: tuple(shape) for k in load_file(st_src)}
         for i in range(pairs):
             sides = [
                 ("ref", lambda: reference(st_src, os.path.join(work, "ref.safetensors"))),
                 ("mig", lambda: migration(src, os.path.join(work, "out"))),
             ]
-            if i % 2:
-                sides.reverse()
+            if kind == "dcp":
+                sides.append(("dcp", lambda: dcp_read(src, shapes)))
+            sides = sides[i % len(sides) :] + sides[: i % len(sides)]  # rotate who goes first
             got = {name: timed(fn) for name, fn in sides}
             ref_t.append(got["ref"])
             mig_t.append(got["mig"])
             ratios.append(got["mig"] / got["ref"])
+            if kind == "dcp":
+                dcp_t.append(got["dcp"])
+                dcp_ratios.append(got["mig"] / got["dcp"])
         mb = n * torch.Size(shape).numel() * 4 / 1e6
         print(f"[{d}] source {kind}: {n} tensors of {tuple(shape)} float32 ({mb:.0f} MB), {pairs} pairs")
         print(f"  safetensors load_file + save_file: {fmt(ref_t)} s")
         print(f"  checkpoint.migrate:                {fmt(mig_t)} s")
         print(f"  ratio migrate / reference:         {fmt(ratios)} x  (goal <= 3x)")
+        if dcp_t:
+            print(f"  dcp.load of the same tensors:      {fmt(dcp_t)} s")
+            print(f"  ratio migrate / dcp.load:          {fmt(dcp_ratios)} x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
