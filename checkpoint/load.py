@@ -580,6 +580,8 @@ def load(
     parameters on any mesh / placements: each rank reads only its slices) or a state_dict whose
     tensors are filled in place. ``path``: a directory with ``model.safetensors.index.json``
     (authoritative), a directory with one ``model.safetensors``, or one ``.safetensors`` file.
+    A DCP directory is read through ``torch.distributed.checkpoint`` (see
+    :mod:`checkpoint.sources.dcp_load`; its errors name DCP).
 
     Names: a checkpoint key fills the target tensor it names; with a module, also a spelling that
     the module resolves (wrapper segments such as ``_orig_mod.`` / ``module.`` are dropped only
@@ -637,6 +639,20 @@ def load(
     copying (nothing checkable is left to that phase).
     """
     path = os.fspath(path)
+    from .sources.dcp import dcp_format  # a DCP directory is read through torch.distributed.checkpoint
+
+    if dcp_format(path):
+        from .sources.dcp_load import load_dcp
+
+        if assign or extra_state is not None:
+            from .sources.dcp_load import DCPLoadError
+
+            raise DCPLoadError(
+                os.fspath(path), "assign= and extra_state= are not read from DCP directly; migrate it first"
+            )
+        return load_dcp(
+            obj, path, strict=strict, optimizer=optimizer, dtype=dtype, verify=verify, allow_lossy=allow_lossy
+        )
     if dtype is not None:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError("dtype= needs an nn.Module")

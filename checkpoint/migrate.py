@@ -105,6 +105,9 @@ class MigrationReport(BaseModel):
     skipped: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
     optimizer_param_groups: list[dict[str, Any]] | None = None
+    # Optimizer state kept beside a model container ({"model", "optim"}): source key -> state.<fqn>.<slot>,
+    # written to optimizer-*.safetensors + optimizer.safetensors.index.json (checkpoint.optim format).
+    optimizer_entries: list[KeyDecision] = Field(default_factory=list)
     total_bytes: int = 0
 
     @property
@@ -305,10 +308,12 @@ def plan_names(
         for n, target in found.items():
             src, steps = pending[n]
             out[src] = (target, [*steps, _resolve_label(n, target)] if target != n else steps)
+        reported = set()
         for u in failed:
             bad.append(Unresolved(source=pending[u.source][0], reason=u.reason, candidates=u.candidates))
+            reported.add(u.source)
         for n in pending:
-            if n not in found and not any(u.source == pending[n][0] for u in bad):
+            if n not in found and n not in reported:
                 bad.append(Unresolved(source=pending[n][0], reason="fqn.resolve returned no name for it"))
     return out, bad
 
@@ -332,13 +337,14 @@ def _optimizer_names(
         specs = {n: ((), torch.float32) for n in names}
         planned, bad = plan_names(names, specs, model=model, fqn_map=fqn_map, rules=rules)
         report.unresolved.extend(bad)
-        report.notes.append("optimizer state named by the source's param_names")
+        report.notes.append("optimizer state named by the source's param names")
         return {str(pid): planned[n][0] for pid, n in zip(info.param_ids, names) if n in planned}
     if model is None:
         raise MigrationError(
             report,
             f"optimizer state in {src.path} is keyed by position ({len(info.param_ids)} params) and carries no "
-            "param_names; pass model= so its parameter order fixes the names",
+            "param_names; pass a model (--model) so its parameter order fixes the names"
+            + (f", or pick the model container alone (key={src.container!r})" if info.separate else ""),
         )
     params = [t for t in eager_tensors(model) if t.kind == TensorKind.parameter]
     if len(params) != len(info.param_ids):
@@ -409,18 +415,28 @@ def migrate(
         )
         keys = source.keys()
         specs = {k: (tuple(source.spec(k).shape), source.spec(k).dtype) for k in keys}
-        if source.optimizer is not None:
-            plan = _plan_optimizer(source, model, fmap, compiled, report)
+        info = source.optimizer
+        opt_plan: dict[str, str] = {}
+        if info is not None and not info.separate:  # the chosen container is an optimizer
+            plan = _plan_optimizer(source, model, fmap, compiled, report, keys, report.entries)
         else:
             plan = _plan_model(source, keys, specs, model, fmap, compiled, report)
+            if info is not None:
+                opt_keys = list(info.state)
+                opt_plan = _plan_optimizer(
+                    source, model, fmap, compiled, report, opt_keys, report.optimizer_entries
+                )
         if not report.ok and not allow_unresolved:
             raise MigrationError(report, report.problems())
-        report.total_bytes = sum(source.nbytes(s) for s in plan.values())
+        report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
+            source.nbytes(s) for s in opt_plan.values()
+        )
         for srcs in report.tied_sources:  # never let one alias silently stand for a different one
             check_tied_values(source, srcs, str(src))
+        opt_meta = _optimizer_meta(source, report, opt_plan) if info is not None and info.separate else None
         if dry_run:
             return report
-        _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress)
+        _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta)
         return report
     finally:
         source.close()
@@ -446,12 +462,16 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
     by_canon: dict[str, list[str]] = {}
     for target, srcs in by_target.items():
         by_canon.setdefault(canonical_of.get(target, target), []).extend(srcs)
+    # One pass over targets (not one per canonical name: that was quadratic in the tensor count).
+    clash_of: dict[str, str] = {}
+    for t, ss in by_target.items():
+        if len(ss) > 1:
+            clash_of.setdefault(canonical_of.get(t, t), t)
     plan: dict[str, str] = {}
     for canon, srcs in sorted(by_canon.items()):
         srcs = sorted(srcs)
-        clashing = [t for t, ss in by_target.items() if len(ss) > 1 and canonical_of.get(t, t) == canon]
-        if clashing:
-            report.collisions.append(Collision(target=clashing[0], sources=srcs))
+        if canon in clash_of:
+            report.collisions.append(Collision(target=clash_of[canon], sources=srcs))
             continue
         chosen = next((s for s in srcs if planned[s][0] == canon), srcs[0])
         if model is not None:
@@ -478,7 +498,7 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
                 steps.append(f"tied alias of {canon!r}: stored once")
             sh, dt = specs[s]
             report.entries.append(
-                KeyDecision(
+                KeyDecision.model_construct(  # our own values: no re-validation per tensor
                     source=s,
                     target=planned[s][0],
                     decided_by=steps,
@@ -490,10 +510,11 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
     order = {k: i for i, k in enumerate(keys)}
     report.entries.sort(key=lambda e: order[e.source])
     if model is not None:
+        collided = {canonical_of.get(c.target) for c in report.collisions}
         for t in eager_tensors(model):
             if t.kind == TensorKind.non_persistent_buffer:
                 continue
-            if t.fqn not in plan and not any(canonical_of.get(c.target) == t.fqn for c in report.collisions):
+            if t.fqn not in plan and t.fqn not in collided:
                 report.missing.append(t.fqn)
             if t.aliases:
                 report.alias_groups.append(t.names)
@@ -503,30 +524,43 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
     return plan
 
 
-def _plan_optimizer(source: Source, model, fmap, compiled, report: MigrationReport) -> dict[str, str]:
-    """Optimizer state keyed by id/position -> ``state.<eager FQN>.<slot>`` (as DCP's
-    ``get_optimizer_state_dict`` keys it, flattened)."""
+def _plan_optimizer(
+    source: Source,
+    model,
+    fmap,
+    compiled,
+    report: MigrationReport,
+    keys: list[str],
+    entries: list[KeyDecision],
+) -> dict[str, str]:
+    """Optimizer state keyed by id / position / source FQN -> ``state.<eager FQN>.<slot>`` (as
+    DCP's ``get_optimizer_state_dict`` keys it, flattened); fills ``entries`` and the groups."""
     info = source.optimizer
     names = _optimizer_names(info, source, model, fmap, compiled, report)
     shapes = {t.fqn: tuple(t.tensor.shape) for t in eager_tensors(model)} if model is not None else {}
+    unresolved = {u.source for u in report.unresolved}
     plan: dict[str, str] = {}
-    for k in source.keys():
-        _, pid, slot = k.split(".", 2)
-        if pid not in names:
-            if not any(u.source == k for u in report.unresolved):
-                report.unresolved.append(Unresolved(source=k, reason=f"optimizer param id {pid} has no name"))
+    for k in keys:
+        pid, slot = info.state[k]
+        name = names.get(str(pid))
+        if name is None:
+            if k not in unresolved:
+                report.unresolved.append(Unresolved(source=k, reason=f"optimizer param {pid!r} has no name"))
             continue
-        target = f"state.{names[pid]}.{slot}"
+        target = f"state.{name}.{slot}"
         sh, dt = tuple(source.spec(k).shape), source.spec(k).dtype
-        want = shapes.get(names[pid])
+        want = shapes.get(name)
         if want is not None and sh not in ((), want):
             report.shape_mismatched.append(
                 ShapeMismatch(source=k, target=target, source_shape=list(sh), model_shape=list(want))
             )
             continue
+        if target in plan:
+            report.collisions.append(Collision(target=target, sources=sorted([plan[target], k])))
+            continue
         plan[target] = k
-        report.entries.append(
-            KeyDecision(
+        entries.append(
+            KeyDecision.model_construct(  # our own values: no re-validation per tensor
                 source=k,
                 target=target,
                 decided_by=["optimizer param name"],
@@ -542,31 +576,68 @@ def _plan_optimizer(source: Source, model, fmap, compiled, report: MigrationRepo
     return plan
 
 
-def _write(source, plan, dst, report, fmap, max_shard_size, overwrite, progress) -> None:
-    from .save import save_streaming
-    from .storage.layout import TensorSpec
+def _optimizer_meta(source: Source, report: MigrationReport, opt_plan: dict[str, str]):
+    """The optimizer index metadata (:mod:`checkpoint.optim` format) of a migrated optimizer."""
+    from .storage.format import OptimizerMeta, ParamGroup
 
-    specs = [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in plan.items()]
+    scalars = sorted(t for t, s in opt_plan.items() if s in source.optimizer.scalars)
+    try:
+        groups = [ParamGroup(**g) for g in report.optimizer_param_groups or []]
+    except ValidationError as e:
+        raise MigrationError(
+            report, f"optimizer param groups cannot be stored: {e.errors()[0]['msg']}"
+        ) from None
+    return OptimizerMeta(optimizer_class="unknown", param_groups=groups, python_scalars=scalars)
+
+
+def _write(
+    source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None
+) -> None:
+    from .save import _Part, _save_parts
+    from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX
+    from .storage.layout import TensorSpec, plan_layout
+
+    def specs_of(p: dict[str, str]) -> list[TensorSpec]:
+        return [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in p.items()]
+
     bar = tqdm(total=report.total_bytes, unit="B", unit_scale=True, desc="migrate", delay=1.0,
                disable=not progress)  # fmt: skip
 
-    def fetch(spec) -> torch.Tensor:
-        t = source.get(plan[spec.fqn])
-        bar.update(t.nbytes)
-        return t
+    def fetcher(p: dict[str, str]):
+        def fetch(spec) -> torch.Tensor:
+            t = source.get(p[spec.fqn])
+            bar.update(t.nbytes)
+            return t
 
+        return fetch
+
+    if isinstance(fmap, FQNMap):
+        fmap = fmap.to_model()
+    parts = [
+        _Part(
+            MODEL_PREFIX,
+            specs_of(plan),
+            fetcher(plan),
+            [g for g in report.alias_groups if g[0] in plan],
+            fmap,
+        )
+    ]
+    if opt_meta is not None:
+        parts.append(_Part(OPTIMIZER_PREFIX, specs_of(opt_plan), fetcher(opt_plan), optimizer=opt_meta))
+    if source.format.startswith("dcp"):  # DCP reads in batches along the order the writer asks
+        order = []
+        for part, p in zip(parts, (plan, opt_plan)):
+            layout = plan_layout(part.specs, max_shard_size, part.prefix)
+            order += [p[slot.spec.fqn] for f in layout.files for slot in f.slots]
+        source.read_ahead(order)
     report.written = True
     extra = {REPORT_NAME: report.model_dump_json(indent=2).encode()}
-    if report.optimizer_param_groups is not None:
+    if report.optimizer_param_groups is not None and opt_meta is None:
         import json
 
         extra[OPTIMIZER_GROUPS_NAME] = json.dumps(report.optimizer_param_groups, indent=2).encode()
     try:
-        save_streaming(
-            str(dst), specs, fetch, max_shard_size=max_shard_size, overwrite=overwrite,
-            alias_groups=[g for g in report.alias_groups if g[0] in plan],
-            fqn_map=fmap, extra_files=extra,
-        )  # fmt: skip
+        _save_parts(os.fspath(dst), parts, max_shard_size, overwrite, extra)
     except BaseException:
         report.written = False
         raise

@@ -85,11 +85,8 @@ def _inspect(args: argparse.Namespace) -> int:
         wrappers = Counter(
             s.split(":", 1)[1] for k in keys for s in naming_schemes(k) if s.startswith("wrapper:")
         )
-        per_file: dict[str, dict[str, int]] = {}
-        for k in keys:
-            f = per_file.setdefault(src.file_of(k), {"tensors": 0, "bytes": 0})
-            f["tensors"] += 1
-            f["bytes"] += src.nbytes(k)
+        per_file = src.per_file()  # true figures: a DCP tensor split over files counts in each
+        opt = src.optimizer
         data = {
             "path": str(args.path),
             "format": src.format,
@@ -103,7 +100,16 @@ def _inspect(args: argparse.Namespace) -> int:
             "per_file": per_file,
             "skipped": src.skipped,
             "notes": src.notes,
-            "optimizer": src.optimizer is not None,
+            "optimizer": opt is not None,
+            "optimizer_state": {
+                "container": opt.container,
+                "tensors": len(opt.state),
+                "params": len(opt.param_ids),
+                "param_groups": len(opt.groups),
+                "bytes": sum(src.nbytes(k) for k in opt.state),
+            }
+            if opt is not None
+            else None,
         }
         if args.keys:
             data["keys"] = {
@@ -119,6 +125,10 @@ def _inspect(args: argparse.Namespace) -> int:
         lines.append(f"  wrapper segments: {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}")
     lines.append("  files:")
     lines += [f"    {f}: {v['tensors']} tensors, {_human(v['bytes'])}" for f, v in sorted(per_file.items())]
+    if opt is not None:
+        o = data["optimizer_state"]
+        lines.append(f"  optimizer state: {o['tensors']} tensors for {o['params']} params, {o['param_groups']} "
+                     f"param groups, {_human(o['bytes'])}")  # fmt: skip
     if src.skipped:
         lines.append(f"  non-tensor entries skipped: {sorted(src.skipped)}")
     lines += [f"  note: {n}" for n in src.notes]

@@ -30,9 +30,9 @@ from ..errors import (
     DuplicateTensorError,
     MissingShardError,
     TensorNotInShardError,
-    UnsafePathError,
 )
 from . import digest as _digest
+from . import paths
 from .format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -64,22 +64,10 @@ def _lfs_hint(path: str) -> str:
 
 
 def _safe_member(root: str, entry: str) -> str:
-    """Absolute path of index entry ``entry`` inside ``root``; refuses anything leading outside."""
-    if not entry or os.path.isabs(entry) or "\\" in entry or entry.startswith("~"):
-        raise UnsafePathError(entry, root, "absolute or not a plain file name")
-    parts = entry.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePathError(entry, root, "contains '..', '.' or an empty segment")
-    full = os.path.join(root, *parts)
-    cur = root
-    for p in parts:
-        cur = os.path.join(cur, p)
-        if os.path.islink(cur):
-            raise UnsafePathError(entry, root, f"{cur} is a symlink")
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(full)]) != real_root:
-        raise UnsafePathError(entry, root, "resolves outside the checkpoint directory")
-    return full
+    """Absolute path of index entry ``entry`` inside ``root``, under the one symlink rule of
+    :mod:`checkpoint.storage.paths` (plain file names; symlinks only into the checkpoint directory
+    or, for a hub-cache snapshot, into its cached repository)."""
+    return paths.member(root, entry)
 
 
 def _header_problem(path: str) -> str:
@@ -492,7 +480,8 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
     Raises:
         CheckpointNotFoundError: nothing loadable at ``path``.
         MissingShardError: files named by the index are missing (all of them are listed).
-        UnsafePathError: an index entry is absolute, contains ``..``, or is / passes a symlink.
+        UnsafePathError: an index entry is not a plain file name, or a file is a symlink leading
+            outside the checkpoint directory (see :mod:`checkpoint.storage.paths`).
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: a tensor is stored in two files.
         CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
@@ -521,8 +510,8 @@ def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
         return reader
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(path)
-    idx_path = os.path.join(path, index_name(prefix))
-    single = os.path.join(path, f"{prefix}.safetensors")
+    idx_path = _safe_member(path, index_name(prefix))
+    single = _safe_member(path, f"{prefix}.safetensors")
     if os.path.isfile(idx_path):
         index = read_index(idx_path)
         files = index.files()

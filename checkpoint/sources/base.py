@@ -1,0 +1,156 @@
+"""The one interface every migration source implements: :class:`Source` (``keys`` / ``spec`` /
+``get`` / ``file_of``), the shape of ``checkpoint.storage.reader.CheckpointReader``, so a migration
+streams one tensor at a time from any format."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+FORMATS = ("torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "dcp", "dcp-hf-sharded")
+
+
+class SourceSpec(NamedTuple):
+    """Shape (elements) and dtype of one source tensor; ``fqn`` is the source key."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class OptimizerInfo:
+    """An optimizer ``state_dict`` found in the source (``{"state": {id: {...}}, "param_groups"}``).
+
+    ``param_ids`` are the ids in ``param_groups`` order (ints for ``torch.optim`` state_dicts, FQN
+    strings for DCP's ``get_optimizer_state_dict``); ``param_names`` the names the source carries
+    (torch's ``param_names`` in each group, or DCP's FQN keys), else ``None``; ``groups`` are the
+    hyper-parameters without ids. ``state`` maps each optimizer source key to ``(param id, slot)``;
+    ``scalars`` are state entries that were Python numbers (read back as 0-dim tensors, float64 /
+    int64). ``separate`` is True when the optimizer sits beside a model container (``{"model": ...,
+    "optim": ...}``): its keys are then not among :meth:`Source.keys` but written to the optimizer
+    files of the migrated checkpoint.
+    """
+
+    param_ids: list[Any]
+    param_names: list[str] | None
+    groups: list[dict[str, Any]]
+    group_ids: list[list[Any]]
+    state: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    scalars: set[str] = field(default_factory=set)
+    separate: bool = False
+    container: str | None = None
+
+
+@dataclass
+class Source:
+    """A readable checkpoint: ``keys()`` / ``spec(key)`` / ``get(key)`` plus what was found.
+
+    ``format`` is one of :data:`FORMATS`; ``files`` the files read (relative to ``path`` when it
+    is a directory); ``skipped`` maps non-tensor entries to their type name (never a tensor);
+    ``notes`` are facts a user should know (e.g. "legacy pickle: loaded fully"); ``container`` the
+    key chosen inside a pickle / DCP state_dict; ``optimizer`` is set when an optimizer state_dict
+    was found (the chosen container, or one beside it: see :class:`OptimizerInfo`).
+    ``spec`` / ``get`` / ``file_of`` also answer for the optimizer's state keys.
+    """
+
+    path: Path
+    format: str
+    files: list[str]
+    _specs: dict[str, SourceSpec]
+    _file_of: dict[str, str]
+    _reader: Any
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    container: str | None = None
+    optimizer: OptimizerInfo | None = None
+    # Specs of optimizer state keys kept beside a model container (not among keys()).
+    _extra_specs: dict[str, SourceSpec] = field(default_factory=dict)
+    # True per-file figures when one tensor spans several files (DCP): file -> (tensors, bytes).
+    _per_file: dict[str, dict[str, int]] | None = None
+
+    def keys(self) -> list[str]:
+        """Model tensor keys in source order (optimizer state kept apart is in ``optimizer.state``)."""
+        return list(self._specs)
+
+    def _lookup(self, key: str) -> SourceSpec:
+        s = self._specs.get(key)
+        if s is None:
+            s = self._extra_specs.get(key)
+        if s is None:
+            raise KeyError(f"{key!r} is not a tensor of {self.path}")
+        return s
+
+    def spec(self, key: str) -> SourceSpec:
+        """Shape and dtype of ``key`` from headers / metadata only (no tensor data read).
+
+        Raises:
+            KeyError: ``key`` is not a tensor of the source.
+        """
+        return self._lookup(key)
+
+    def file_of(self, key: str) -> str:
+        """The file holding ``key`` (the first of several for a DCP tensor split over files)."""
+        return self._file_of[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor ``key``, contiguous. For a zip pickle it may view the memory-mapped file: use
+        it and drop it, do not keep it (holding it keeps the mapping resident)."""
+        self._lookup(key)
+        return self._reader.get(key)
+
+    def read_ahead(self, keys: Sequence[str]) -> None:
+        """Hint: ``get`` will be called for ``keys`` in this order (lets DCP read them in batches)."""
+        hint = getattr(self._reader, "read_ahead", None)
+        if hint is not None:
+            hint(list(keys))
+
+    def nbytes(self, key: str) -> int:
+        """Size of ``key`` in bytes."""
+        s = self._lookup(key)
+        return _numel(s.shape) * s.dtype.itemsize
+
+    def total_bytes(self) -> int:
+        """Bytes of the model tensors (``keys()``)."""
+        return sum(self.nbytes(k) for k in self._specs)
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of the optimizer state kept beside the model container (0 if none)."""
+        return sum(self.nbytes(k) for k in self._extra_specs)
+
+    def per_file(self) -> dict[str, dict[str, int]]:
+        """``{file: {"tensors": n, "bytes": b}}`` over every tensor (model and optimizer): true
+        figures, a tensor split over several files counts in each with the bytes stored there."""
+        if self._per_file is not None:
+            return {f: dict(v) for f, v in self._per_file.items()}
+        out: dict[str, dict[str, int]] = {}
+        for k in (*self._specs, *self._extra_specs):
+            f = out.setdefault(self._file_of[k], {"tensors": 0, "bytes": 0})
+            f["tensors"] += 1
+            f["bytes"] += self.nbytes(k)
+        return out
+
+    def close(self) -> None:
+        close = getattr(self._reader, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+__all__ = ["FORMATS", "OptimizerInfo", "Source", "SourceSpec"]

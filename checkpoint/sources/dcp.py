@@ -1,0 +1,453 @@
+"""DCP (``torch.distributed.checkpoint``) directories as a first-class source: migration and load.
+
+Read through torch's own reader: ``FileSystemReader`` (``.metadata`` + ``*.distcp``) or
+``HuggingFaceStorageReader`` (DCP's per-rank safetensors shards) with a ``DefaultLoadPlanner``
+whose only change is that non-tensor entries are unpickled with ``weights_only=True`` (torch's
+planner uses ``weights_only=False``). ``.metadata`` itself is a plain pickle that
+``weights_only`` cannot parse, so it is read with a restricted unpickler (only DCP metadata
+classes resolve). Every file named by the metadata passes the one symlink rule
+(:mod:`checkpoint.storage.paths`).
+
+Structure comes from the metadata's ``planner_data`` (flat key -> path in the saved nested
+state_dict): a model container (``{"model": ...}``) is chosen like a pickle's, and an optimizer
+state_dict from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (``{"state": {fqn:
+{slot: t}}, "param_groups": [...]}``) is kept apart as the optimizer, keyed by FQN.
+
+Any DCP ``CheckpointException`` (a ``BaseException``) becomes our
+:class:`~checkpoint.errors.CorruptCheckpointError` naming DCP, the file, key and rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointError, UnsafePickleError
+from ..storage import paths
+from .base import OptimizerInfo, Source, SourceSpec
+from .sniffing import is_dcp, is_dcp_hf
+
+_DCP_META_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# Bytes of tensors read by one dcp.load call when the read order is known (batches amortise
+# DCP's per-call planning; peak memory stays about one batch).
+READ_BATCH_BYTES = 64 << 20
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler for DCP's ``.metadata`` (a plain protocol-4+ pickle that ``weights_only`` cannot
+    parse: torch's own reader calls ``pickle.load``). Only DCP metadata classes, torch dtypes,
+    ``torch.Size`` and ``pathlib`` paths resolve; any other global is refused (Python docs,
+    "Restricting Globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        ok = (
+            module in _DCP_META_MODULES
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "Path"))
+        )
+        if not ok:
+            raise UnsafePickleError("<DCP .metadata>", [f"{module}.{name}"])
+        return super().find_class(module, name)
+
+
+def _check_storage_paths(root: Path, md: Any) -> None:
+    rels = {
+        str(info.relative_path) for info in (md.storage_data or {}).values() if hasattr(info, "relative_path")
+    }
+    for rel in rels:  # each distinct file once, not once per stored chunk
+        # HuggingFaceStorageReader records the full path of each file it globbed in ``root``.
+        if os.path.isabs(rel) and os.path.dirname(rel) == os.path.abspath(root):
+            rel = os.path.basename(rel)
+        paths.member(root, rel)
+
+
+def _display_names(root: Path, path: Path, md: Any) -> dict[str, str]:
+    """``relative_path`` as stored -> file name relative to ``path`` (computed once per file)."""
+    rels = {str(info.relative_path) for info in (md.storage_data or {}).values()}
+    return {r: os.path.relpath(str(root / r), str(path)) for r in rels}
+
+
+def _readers():
+    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        """``FileSystemReader`` whose metadata is read once with :class:`_RestrictedUnpickler`."""
+
+        _md = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if self._md is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                path = Path(paths.member(self.path, ".metadata"))
+                try:
+                    with open(path, "rb") as f:
+                        md = _RestrictedUnpickler(f).load()
+                except UnsafePickleError as e:
+                    raise UnsafePickleError(str(path), e.globals) from None
+                except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
+                    raise CorruptCheckpointError(str(path), f"unreadable DCP metadata: {e}") from None
+                if getattr(md, "storage_meta", None) is None:
+                    md.storage_meta = StorageMeta()
+                _check_storage_paths(Path(self.path), md)
+                self._md = md
+            self._md.storage_meta.load_id = self.load_id
+            return self._md
+
+    class SafeHFReader(HuggingFaceStorageReader):
+        """``HuggingFaceStorageReader`` with the symlink rule applied to the shards it names."""
+
+        _md = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if self._md is None:
+                for f in Path(self.path).glob("*.safetensors"):
+                    paths.member(self.path, f.name)
+                md = super().read_metadata(*args, **kwargs)
+                _check_storage_paths(Path(self.path), md)
+                self._md = md
+            return self._md
+
+    return SafeFileSystemReader, SafeHFReader
+
+
+def _planner():
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """``DefaultLoadPlanner`` unpickling non-tensor entries with ``weights_only=True``."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner
+
+
+def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
+    failures = getattr(e, "failures", None) or {}
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        return rank, exc
+    return None, e
+
+
+@contextlib.contextmanager
+def dcp_errors(path: Path, keys: list[str], files: list[str] | None = None) -> Iterator[None]:
+    """Turn anything DCP raises (``CheckpointException`` is a ``BaseException``) into our
+    :class:`CorruptCheckpointError` naming DCP, the file, the keys and the rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as e:  # noqa: BLE001
+        rank, inner = _first_failure(e)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        on = f" on rank {rank}" if rank is not None else ""
+        which = repr(keys[0]) if len(keys) == 1 else f"{keys[:5]}{' ...' if len(keys) > 5 else ''}"
+        in_files = f" in {sorted(files)[:5]}" if files else ""
+        msg = str(inner).strip().splitlines()
+        detail = f": {msg[-1]}" if msg else " (truncated or damaged file?)"
+        raise CorruptCheckpointError(
+            str(path), f"DCP read of {which}{in_files} failed{on}: {type(inner).__name__}{detail}"
+        ) from None
+
+
+def open_metadata(path: Path, fmt: str) -> tuple[Any, Any, Path]:
+    """``(storage reader, metadata, root)`` of the DCP checkpoint at ``path``."""
+    safe_fs, safe_hf = _readers()
+    root = path
+    if fmt == "dcp-hf-sharded" and (path / "sharded").is_dir() and is_dcp_hf(path / "sharded"):
+        root = path / "sharded"
+    reader = safe_fs(str(root)) if fmt == "dcp" else safe_hf(str(root))
+    with dcp_errors(root / ".metadata" if fmt == "dcp" else root, [".metadata"]):
+        md = reader.read_metadata()
+    return reader, md, root
+
+
+class _DCPReader:
+    """Reads tensors through ``dcp.load`` into fresh tensors (no process group needed), in
+    batches along the order given by :meth:`read_ahead`."""
+
+    def __init__(
+        self, reader: Any, specs: dict[str, SourceSpec], flat: dict[str, str], path: Path, files: dict
+    ):
+        self.reader, self.specs, self.flat, self.path = reader, specs, flat, path
+        self.files = files  # DCP flat key -> files holding its chunks (for error messages)
+        self.order: list[str] = []
+        self.pos: dict[str, int] = {}
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def read_ahead(self, keys: list[str]) -> None:
+        self.order = [k for k in keys if k in self.specs]
+        self.pos = {k: i for i, k in enumerate(self.order)}
+
+    def _batch(self, key: str) -> list[str]:
+        i = self.pos.get(key)
+        if i is None:
+            return [key]
+        out, size = [], 0
+        for k in itertools.islice(self.order, i, None):
+            s = self.specs[k]
+            nb = math.prod(s.shape) * s.dtype.itemsize
+            if out and size + nb > READ_BATCH_BYTES:
+                break
+            out.append(k)
+            size += nb
+        return out
+
+    def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        out = {self.flat[k]: torch.empty(self.specs[k].shape, dtype=self.specs[k].dtype) for k in keys}
+        with dcp_errors(self.path, list(out), self.files_of(list(out))):
+            dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
+        return {k: out[self.flat[k]] for k in keys}
+
+    def get(self, key: str) -> torch.Tensor:
+        t = self.cache.pop(key, None)
+        if t is None:
+            got = self.load(self._batch(key))
+            t = got.pop(key)
+            self.cache = got
+        return t
+
+    def read_bytes(self, flat_keys: list[str]) -> dict[str, Any]:
+        """Non-tensor entries (param-group hyper-parameters), unpickled with ``weights_only=True``."""
+        import torch.distributed.checkpoint as dcp
+
+        out: dict[str, Any] = dict.fromkeys(flat_keys)
+        with dcp_errors(self.path, flat_keys, self.files_of(flat_keys)):
+            dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
+        return out
+
+    def files_of(self, flat_keys: list[str]) -> list[str]:
+        return sorted({f for k in flat_keys for f in self.files.get(k, ())})
+
+    def close(self) -> None:
+        self.cache = {}
+
+
+def _path_of(md: Any, key: str) -> tuple:
+    p = (md.planner_data or {}).get(key) if isinstance(md.planner_data, Mapping) else None
+    return tuple(p) if p else (key,)
+
+
+def _optimizer_containers(md: Any) -> set[str]:
+    """Top-level containers shaped like ``get_optimizer_state_dict``: ``state`` + ``param_groups``."""
+    seen: dict[str, set[str]] = {}
+    for k in md.state_dict_metadata:
+        p = _path_of(md, k)
+        if len(p) >= 3 and p[1] in ("state", "param_groups"):
+            seen.setdefault(str(p[0]), set()).add(p[1])
+    return {c for c, parts in seen.items() if parts == {"state", "param_groups"}}
+
+
+def _per_file(md: Any, root: Path, path: Path) -> dict[str, dict[str, int]]:
+    """True per-file figures: tensor chunks stored in each file (a tensor split over ranks counts
+    in every file holding a chunk of it, with that chunk's bytes)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    chunk_bytes: dict[tuple, int] = {}
+    for k, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            for c in m.chunks:
+                chunk_bytes[(k, tuple(c.offsets))] = math.prod(c.sizes) * m.properties.dtype.itemsize
+    out: dict[str, dict[str, Any]] = {}
+    names = _display_names(root, path, md)
+    for idx, info in (md.storage_data or {}).items():
+        f = names[str(info.relative_path)]
+        d = out.setdefault(f, {"tensors": set(), "bytes": 0})
+        off = tuple(idx.offset) if idx.offset is not None else None
+        nb = chunk_bytes.get((idx.fqn, off))
+        if nb is not None:
+            d["tensors"].add(idx.fqn)
+            d["bytes"] += nb
+    return {f: {"tensors": len(d["tensors"]), "bytes": d["bytes"]} for f, d in sorted(out.items())}
+
+
+def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool = True) -> Source:
+    """A :class:`Source` over a DCP directory (see module docstring).
+
+    ``key``: which top-level container holds the model when several do (``"model"``).
+    ``read_optimizer``: False skips reading the optimizer's param groups (a model-only load).
+
+    Raises:
+        UnsafePickleError: ``.metadata`` references a global outside DCP's metadata classes.
+        CorruptCheckpointError: unreadable metadata or param groups (DCP, file and key named).
+        AmbiguousSourceError: several model containers and no ``key``.
+        UnsafePathError: the metadata names a file that is not a plain name, or a symlink leads out.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader, md, root = open_metadata(path, fmt)
+    optim = _optimizer_containers(md)
+    tensor_keys = [k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
+    tensor_set = set(tensor_keys)
+    other = [k for k in md.state_dict_metadata if k not in tensor_set]
+    top_level = any(len(_path_of(md, k)) == 1 for k in tensor_keys)
+    containers = list(dict.fromkeys(str(_path_of(md, k)[0]) for k in tensor_keys if len(_path_of(md, k)) > 1))
+    model_like = [c for c in containers if c not in optim]
+    if key is not None:
+        if key not in containers:
+            raise AmbiguousSourceError(
+                str(path), containers, f"key {key!r} is not a DCP container holding tensors"
+            )
+        container = key
+    elif top_level or not model_like:
+        container = None
+    elif len(model_like) == 1:
+        container = model_like[0]
+    else:
+        raise AmbiguousSourceError(
+            str(path), model_like, "several DCP containers hold tensors; pick one with key="
+        )
+    opt_name = None
+    if container is not None or top_level:
+        left = [c for c in optim if c != container]
+        if len(left) > 1:
+            raise AmbiguousSourceError(
+                str(path), left, "several optimizer state_dicts; pick the model with key="
+            )
+        opt_name = left[0] if left else None
+    elif len(optim) == 1:
+        opt_name = next(iter(optim))
+
+    specs: dict[str, SourceSpec] = {}
+    extra: dict[str, SourceSpec] = {}
+    flat: dict[str, str] = {}
+    file_of: dict[str, str] = {}
+    first_file: dict[str, str] = {}
+    all_files: dict[str, set[str]] = {}
+    names = _display_names(root, path, md)
+    for idx, info in (md.storage_data or {}).items():
+        f = names[str(info.relative_path)]
+        first_file.setdefault(idx.fqn, f)
+        all_files.setdefault(idx.fqn, set()).add(f)
+    opt_state: dict[str, tuple[str, str]] = {}
+    left_out: list[str] = []
+    skipped: dict[str, str] = {}
+    separate = container is not None or top_level
+    for k in tensor_keys:
+        m = md.state_dict_metadata[k]
+        p = _path_of(md, k)
+        if opt_name is not None and str(p[0]) == opt_name:
+            if len(p) < 4 or p[1] != "state":
+                raise CorruptCheckpointError(
+                    str(path), f"DCP optimizer tensor {k!r} is not under 'state.<fqn>.<slot>'"
+                )
+            name = k
+            opt_state[name] = (str(p[2]), ".".join(map(str, p[3:])))
+            (extra if separate else specs)[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
+        elif container is not None and str(p[0]) != container:
+            if len(p) > 1:
+                left_out.append(str(p[0]))
+                continue
+            name = k  # a top-level tensor beside the containers
+            specs[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
+        else:
+            name = ".".join(map(str, p[1:])) if container is not None else k
+            if name in specs or name in flat:
+                raise CorruptCheckpointError(str(path), f"two DCP entries both name tensor {name!r}")
+            specs[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
+        flat[name] = k
+        file_of[name] = first_file.get(k, "")
+    pg_keys = [k for k in other if opt_name is not None and _path_of(md, k)[:2] == (opt_name, "param_groups")]
+    for k in other:
+        if k not in pg_keys:
+            skipped[k] = type(md.state_dict_metadata[k]).__name__
+    dreader = _DCPReader(reader, {**specs, **extra}, flat, path, all_files)
+    info = None
+    if opt_name is not None and read_optimizer:
+        info = _optimizer_info(md, pg_keys, dreader, opt_state, path)
+        info.separate, info.container = separate, opt_name
+    files = sorted(set(first_file.values()))
+    src = Source(path, fmt, files, specs, file_of, dreader, skipped, [], container, info, extra,
+                 _per_file(md, root, path))  # fmt: skip
+    if container is not None and key is None:
+        src.notes.append(f"picked DCP container {container!r}, the only one holding model tensors")
+    if left_out:
+        src.notes.append(f"DCP containers not migrated (key={key!r} chose one): {sorted(set(left_out))}")
+    if info is not None and separate:
+        src.notes.append(f"optimizer state {opt_name!r} (keyed by FQN): written to the optimizer files")
+    if skipped:
+        src.notes.append(f"{len(skipped)} non-tensor DCP entries are not migrated")
+    return src
+
+
+def _optimizer_info(
+    md: Any, pg_keys: list[str], reader: _DCPReader, state: dict, path: Path
+) -> OptimizerInfo:
+    values = reader.read_bytes(pg_keys) if pg_keys else {}
+    groups: dict[int, dict[str, Any]] = {}
+    for k in pg_keys:
+        p = _path_of(md, k)
+        if len(p) < 4:
+            raise CorruptCheckpointError(
+                str(path), f"DCP param group entry {k!r} is not 'param_groups.<i>.<name>'"
+            )
+        groups.setdefault(int(p[2]), {})[".".join(map(str, p[3:]))] = values[k]
+    ids: list[str] = []
+    hyper, group_ids = [], []
+    for i in sorted(groups):
+        g = groups[i]
+        params = g.pop("params", None)
+        if not isinstance(params, (list, tuple)) or not all(isinstance(x, str) for x in params):
+            raise CorruptCheckpointError(
+                str(path),
+                f"DCP optimizer param_groups.{i}.params is not a list of FQNs (get_state_dict layout)",
+            )
+        g.pop("param_names", None)
+        ids.extend(params)
+        group_ids.append(list(params))
+        hyper.append(g)
+    known = set(ids)
+    for k, (fqn, _) in state.items():
+        if fqn not in known:
+            raise CorruptCheckpointError(
+                str(path), f"DCP optimizer state {k!r}: {fqn!r} is in no param group"
+            )
+    return OptimizerInfo(ids, list(ids), hyper, group_ids, dict(state))
+
+
+def dcp_format(path: str | os.PathLike) -> str | None:
+    """``"dcp"`` / ``"dcp-hf-sharded"`` when ``path`` is a DCP directory, else None (cheap: no
+    header of a plain safetensors checkpoint is parsed)."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if is_dcp(p):
+        return "dcp"
+    if (p / "sharded").is_dir() and is_dcp_hf(p / "sharded"):
+        return "dcp-hf-sharded"
+    if (
+        not (p / "model.safetensors.index.json").exists()
+        and not (p / "model.safetensors").exists()
+        and is_dcp_hf(p)
+    ):
+        return "dcp-hf-sharded"
+    return None
+
+
+__all__ = ["open_dcp", "dcp_format", "dcp_errors", "READ_BATCH_BYTES"]

@@ -1,0 +1,363 @@
+"""``torch.save`` pickles (zip and legacy) as a migration :class:`~checkpoint.sources.base.Source`.
+
+Only ever ``weights_only=True``: unsafe globals are listed first (by disassembling the pickle,
+nothing runs) and refused unless the caller trusts them by name. Every tensor of the chosen
+container is found, however deep it is nested in dicts, lists and tuples (no depth limit: an
+explicit stack, not recursion); non-tensor leaves are reported as ``skipped`` with their type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+import os
+import pickle
+import pickletools
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import AmbiguousSourceError, CorruptCheckpointError, UnsafePickleError, UnsupportedFormatError
+from .base import OptimizerInfo, Source, SourceSpec
+from .sniffing import sniff_file
+
+_WINDOW_PER_TENSOR = 64 << 10
+
+
+def resolve_globals(trusted: Iterable[Any]) -> list[Any]:
+    """Turn ``trusted_globals`` entries into objects for ``torch.serialization.safe_globals``.
+
+    Entries are classes / functions, or ``"module.qualname"`` strings, imported by name (the user
+    named them explicitly, e.g. on the command line).
+
+    Raises:
+        UnsafePickleError: a string names nothing importable.
+    """
+    out = []
+    for g in trusted:
+        if not isinstance(g, str):
+            out.append(g)
+            continue
+        mod, _, name = g.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(mod), name))
+        except (ImportError, AttributeError, ValueError):
+            raise UnsafePickleError(
+                "<trusted_globals>", [g], why=f"cannot import trusted global {g!r}"
+            ) from None
+    return out
+
+
+def _legacy_globals(path: Path) -> set[str]:
+    """GLOBAL / STACK_GLOBAL names in a legacy (non-zip) ``torch.save`` file, read with
+    ``pickletools`` without executing anything. ``torch.serialization.get_unsafe_globals_in_checkpoint``
+    only reads zip files; a legacy file is 4 pickles (magic, protocol, sys info, object) + raw data."""
+    found: set[str] = set()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        for _ in range(4):
+            if f.tell() >= size:  # a plain ``pickle.dump`` file holds one pickle, not 4
+                break
+            strings: list[str] = []
+            try:
+                for op, arg, _pos in pickletools.genops(f):
+                    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                        strings.append(arg)
+                    elif op.name == "GLOBAL":
+                        found.add(arg.replace(" ", "."))
+                    elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                        found.add(f"{strings[-2]}.{strings[-1]}")
+            except ValueError as e:  # truncated or not a pickle
+                raise CorruptCheckpointError(str(path), f"damaged pickle: {e}") from None
+    return found
+
+
+def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list[str]:
+    """Globals of a ``torch.save`` file outside the ``weights_only`` safe set and ``trusted``,
+    found by disassembling the pickle (nothing runs). Sorted ``module.name`` strings."""
+    objs = resolve_globals(trusted)
+    p = Path(path)
+    with torch.serialization.safe_globals(objs):
+        if sniff_file(p) == "torch-zip":
+            try:
+                return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+            except RuntimeError as e:  # torch's zip reader: truncated / not a torch.save archive
+                raise CorruptCheckpointError(
+                    str(p), f"not a valid torch.save zip archive: {str(e).splitlines()[0]}"
+                ) from None
+        from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
+
+        safe = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    return sorted(g for g in _legacy_globals(p) if g not in safe and not g.startswith("torch."))
+
+
+# -- walking the unpickled object ------------------------------------------------------------------
+def _is_optimizer_sd(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj
+
+
+def _children(obj: Any) -> Iterable[tuple[str, Any]] | None:
+    """``(segment, value)`` pairs of a container (dict keys as ``str``, list / tuple indices), or
+    None for a leaf."""
+    if isinstance(obj, Mapping):
+        return ((str(k), v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return ((str(i), v) for i, v in enumerate(obj))
+    return None
+
+
+def _has_tensors(obj: Any) -> bool:
+    """Any tensor anywhere under ``obj`` (explicit stack: no depth limit, no recursion limit)."""
+    stack = [obj]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, torch.Tensor):
+            return True
+        kids = _children(cur)
+        if kids is not None:
+            stack.extend(v for _, v in kids)
+    return False
+
+
+def _tensor_subtrees(obj: Any) -> set[int]:
+    """``id`` of every container under ``obj`` (itself included) holding a tensor somewhere below:
+    one iterative post-order walk, so flattening stays linear however deep the nesting is."""
+    holds: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        cur, done = stack.pop()
+        kids = _children(cur)
+        if kids is None:
+            continue
+        if done:
+            for _, v in _children(cur):
+                if isinstance(v, torch.Tensor) or id(v) in holds:
+                    holds.add(id(cur))
+                    break
+            continue
+        stack.append((cur, True))
+        stack.extend((v, False) for _, v in kids)
+    return holds
+
+
+def _flatten(
+    obj: Any, prefix: str, out: dict[str, Any], skipped: dict[str, str], path: Path, optimizers: dict
+) -> None:
+    """Every tensor under ``obj`` into ``out`` keyed by its dotted path; non-tensor values into
+    ``skipped`` (name -> type; a container without tensors is one value). An optimizer
+    state_dict met on the way goes into ``optimizers`` (name -> object), not among model tensors."""
+    holds = _tensor_subtrees(obj)
+    stack: list[tuple[str, Any]] = [(prefix.rstrip("."), obj)]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if name in out:  # {"a": {"b": t}, "a.b": u} or {1: t, "1": u}: never keep one silently
+                raise CorruptCheckpointError(str(path), f"two entries both flatten to tensor name {name!r}")
+            out[name] = v
+            continue
+        if id(v) not in holds:
+            skipped[name or "<root>"] = type(v).__name__
+            continue
+        if name and _is_optimizer_sd(v):
+            optimizers[name] = v
+            continue
+        # reversed: the stack pops in source order, so tensors keep their order
+        items = list(_children(v))
+        stack.extend((f"{name}.{k}" if name else k, x) for k, x in reversed(items))
+
+
+def _pick_container(obj: Any, key: str | None, path: Path) -> tuple[Any, str | None]:
+    """The state_dict inside a loaded pickle: ``key`` (``a/b`` for nested) or the only candidate."""
+    if key is not None:
+        cur = obj
+        for part in key.split("/"):
+            if not isinstance(cur, Mapping) or part not in cur:
+                choices = _container_choices(obj)
+                raise AmbiguousSourceError(str(path), choices, f"key {key!r} is not in the checkpoint")
+            cur = cur[part]
+        if not _has_tensors(cur):
+            raise AmbiguousSourceError(str(path), _container_choices(obj), f"key {key!r} holds no tensors")
+        return cur, key
+    if not isinstance(obj, Mapping):
+        raise UnsupportedFormatError(
+            str(path), f"top-level object is a {type(obj).__name__}, not a dict of tensors"
+        )
+    if _is_optimizer_sd(obj) or any(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj, None
+    choices = _container_choices(obj)
+    model_like = [c for c in choices if not _is_optimizer_sd(obj[c])]
+    if len(model_like) == 1:
+        return obj[model_like[0]], model_like[0]
+    if not choices:
+        raise UnsupportedFormatError(str(path), "no tensors found in the checkpoint")
+    if not model_like and len(choices) == 1:
+        return obj[choices[0]], choices[0]
+    raise AmbiguousSourceError(str(path), choices, "several containers hold tensors; pick one with key=")
+
+
+def _container_choices(obj: Any) -> list[str]:
+    if not isinstance(obj, Mapping):
+        return []
+    return [str(k) for k, v in obj.items() if _children(v) is not None and _has_tensors(v)]
+
+
+def _optimizer_view(
+    osd: Mapping, path: Path, prefix: str = ""
+) -> tuple[dict[str, torch.Tensor], OptimizerInfo, dict[str, str]]:
+    """Tensors of an optimizer state_dict keyed ``<prefix>state.<param id>.<slot>`` plus its
+    groups. Python-number state (``step`` of older optimizers) becomes a 0-dim tensor listed in
+    ``scalars`` so it is carried over, not dropped; anything else is ``skipped`` by type."""
+    ids: list[Any] = []
+    names: list[str] | None = []
+    groups = []
+    group_ids = []
+    for gi, g in enumerate(osd["param_groups"]):
+        if not isinstance(g, Mapping) or "params" not in g:
+            raise CorruptCheckpointError(str(path), f"optimizer param_groups[{gi}] has no 'params'")
+        ids.extend(g["params"])
+        group_ids.append(list(g["params"]))
+        if names is not None and "param_names" in g:
+            names.extend(g["param_names"])
+        else:
+            names = None
+        groups.append({k: v for k, v in g.items() if k not in ("params", "param_names")})
+    tensors: dict[str, torch.Tensor] = {}
+    skipped: dict[str, str] = {}
+    info = OptimizerInfo(ids, names, groups, group_ids)
+    known = set(ids)
+    for pid, slots in osd["state"].items():
+        if pid not in known:
+            raise CorruptCheckpointError(
+                str(path), f"optimizer state has param id {pid!r} absent from param_groups"
+            )
+        for slot, v in slots.items():
+            k = f"{prefix}state.{pid}.{slot}"
+            if isinstance(v, torch.Tensor):
+                tensors[k] = v
+            elif isinstance(v, numbers.Number) and not isinstance(v, (bool, complex)):
+                dt = torch.int64 if isinstance(v, numbers.Integral) else torch.float64
+                tensors[k] = torch.tensor(v, dtype=dt)
+                info.scalars.add(k)
+            else:
+                skipped[k] = type(v).__name__
+                continue
+            info.state[k] = (pid, str(slot))
+    return tensors, info, skipped
+
+
+class _PickleReader:
+    """Loads a ``torch.save`` file with ``weights_only=True``; zip files through ``mmap=True``.
+
+    Why the re-open: a mapped file's touched pages stay resident until unmapped, so after
+    ``window`` bytes have been copied out the load is dropped and done again (metadata only).
+    """
+
+    def __init__(self, path: Path, fmt: str, key: str | None, trusted: list[Any], window: int):
+        self.path, self.fmt, self.key, self.trusted, self.window = path, fmt, key, trusted, window
+        self.touched = 0
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.container: str | None = None
+        self.skipped: dict[str, str] = {}
+        self.optimizer: OptimizerInfo | None = None
+        self.left_out: list[str] = []
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            with torch.serialization.safe_globals(self.trusted), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = torch.load(self.path, mmap=self.fmt == "torch-zip", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafePickleError(str(self.path), [], why=str(e).splitlines()[0]) from None
+        except RuntimeError as e:  # torch's zip reader on a damaged archive
+            raise CorruptCheckpointError(str(self.path), f"damaged torch.save file: {e}") from None
+        cont, self.container = _pick_container(obj, self.key, self.path)
+        skipped: dict[str, str] = {}
+        optimizers: dict[str, Any] = {}
+        if _is_optimizer_sd(cont):
+            tensors, self.optimizer, skipped = _optimizer_view(cont, self.path)
+        else:
+            tensors = {}
+            if isinstance(cont, torch.Tensor):
+                tensors[self.container or "tensor"] = cont
+            else:
+                _flatten(cont, "", tensors, skipped, self.path, optimizers)
+            if self.container is not None and self.key is None and isinstance(obj, Mapping):
+                # An optimizer beside the auto-picked model container ({"model", "optimizer"}).
+                for k, v in obj.items():
+                    if str(k) != self.container and _is_optimizer_sd(v) and _has_tensors(v):
+                        optimizers[str(k)] = v
+            if len(optimizers) > 1:
+                raise AmbiguousSourceError(
+                    str(self.path), sorted(optimizers), "several optimizer state_dicts hold tensors; pick one "
+                    "container with key= (the others are then not migrated)",
+                )  # fmt: skip
+            for name, osd in optimizers.items():
+                opt_tensors, info, opt_skipped = _optimizer_view(osd, self.path, f"{name}.")
+                info.separate, info.container = True, name
+                tensors.update(opt_tensors)
+                skipped.update(opt_skipped)
+                self.optimizer = info
+        if self.key is not None and isinstance(obj, Mapping):
+            top = self.key.split("/")[0]
+            self.left_out = [c for c in _container_choices(obj) if c != top]
+        self.tensors, self.skipped = tensors, skipped
+        self.touched = 0
+
+    def get(self, key: str) -> torch.Tensor:
+        # Re-loading costs time per tensor, so the window grows with the tensor count (64 KiB of
+        # reads per tensor): re-loads stay a small fraction of the work at any count.
+        limit = max(self.window, len(self.tensors or ()) * _WINDOW_PER_TENSOR)
+        if self.tensors is None or (self.fmt == "torch-zip" and self.touched > limit):
+            self.tensors = None  # drop the old mapping before mapping again
+            self._load()
+        # No copy: a view of the mapping (the writer reads it once and drops it); a copy would put
+        # every tensor through the heap, where freed blocks are not always returned to the OS.
+        t = self.tensors[key].contiguous()
+        self.touched += t.nbytes
+        return t
+
+    def close(self) -> None:
+        self.tensors = None
+
+
+def open_pickle(path: Path, fmt: str, key: str | None, trusted_globals: Iterable[Any], window: int) -> Source:
+    """A :class:`Source` over a ``torch.save`` file (see module docstring).
+
+    Raises:
+        UnsafePickleError: globals outside the ``weights_only`` safe set and ``trusted_globals``.
+        AmbiguousSourceError: several model containers (or several optimizers) and no ``key``.
+        CorruptCheckpointError / UnsupportedFormatError: a damaged file or no tensors.
+    """
+    trusted = resolve_globals(trusted_globals)
+    bad = unsafe_globals(path, trusted)
+    if bad:
+        raise UnsafePickleError(str(path), bad)
+    r = _PickleReader(path, fmt, key, trusted, window)
+    specs = {k: SourceSpec(k, tuple(t.shape), t.dtype) for k, t in r.tensors.items()}
+    extra: dict[str, SourceSpec] = {}
+    if r.optimizer is not None and r.optimizer.separate:
+        extra = {k: specs.pop(k) for k in r.optimizer.state}
+    notes = []
+    if fmt == "torch-legacy":
+        notes.append(
+            "legacy (non-zip) torch.save format cannot be memory-mapped: it was loaded fully into memory"
+        )
+    if r.container is not None and key is None:
+        notes.append(f"picked container {r.container!r}, the only one holding model tensors")
+    if r.optimizer is not None and r.optimizer.separate:
+        notes.append(
+            f"optimizer state_dict {r.optimizer.container!r} beside the model: written to the optimizer files"
+        )
+    if r.left_out:
+        notes.append(f"containers not migrated (key={key!r} chose one): {r.left_out}")
+    all_files = dict.fromkeys([*specs, *extra], path.name)
+    return Source(
+        path, fmt, [path.name], specs, all_files, r, r.skipped, notes, r.container, r.optimizer, extra
+    )  # fmt: skip
+
+
+__all__ = ["open_pickle", "resolve_globals", "unsafe_globals"]

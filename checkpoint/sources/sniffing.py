@@ -1,0 +1,125 @@
+"""Which format a checkpoint path holds, from content (first bytes), never the extension.
+
+Files found inside a directory pass the one symlink rule (:mod:`checkpoint.storage.paths`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..storage import paths
+
+ZIP_MAGIC = b"PK\x03\x04"
+LFS_MAGIC = b"version https://git-lfs"
+# Key under which DCP's HuggingFaceStorageWriter stores per-rank sharding info in the header.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def sniff_file(path: Path) -> str:
+    """Format of one file from its first bytes: ``torch-zip``, ``torch-legacy``, ``safetensors``,
+    ``index`` (a JSON ``*.index.json``).
+
+    Raises:
+        CorruptCheckpointError: a Git LFS pointer (run ``git lfs pull``).
+        UnsupportedFormatError: unknown content.
+    """
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(ZIP_MAGIC):
+        return "torch-zip"
+    if head.startswith(LFS_MAGIC):
+        raise CorruptCheckpointError(
+            str(path), "this is a Git LFS pointer file, not the data; run `git lfs pull` to fetch it"
+        )
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    if head[:1] == b"\x80":
+        return "torch-legacy"
+    if head.lstrip()[:1] == b"{":
+        return "index"
+    raise UnsupportedFormatError(str(path), f"unrecognised content (first bytes {head[:8]!r})")
+
+
+def _members(d: Path, names: list[str]) -> list[Path]:
+    """``d/name`` for each regular file (a FIFO would block a reader), under the symlink rule."""
+    out = []
+    for n in sorted(names):
+        p = Path(paths.member(d, n))
+        if p.is_file():
+            out.append(p)
+    return out
+
+
+def index_files(d: Path) -> list[Path]:
+    return _members(d, [f.name for f in d.glob("*.index.json")])
+
+
+def st_files(d: Path) -> list[Path]:
+    """Regular ``*.safetensors`` files of ``d`` (hidden ones are staging leftovers: not read)."""
+    return _members(d, [f.name for f in d.glob("*.safetensors") if not f.name.startswith(".")])
+
+
+def pickle_files(d: Path) -> list[Path]:
+    return _members(d, [f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES])
+
+
+def is_dcp_hf(d: Path) -> bool:
+    """``d`` holds DCP's per-rank safetensors shards (``HuggingFaceStorageWriter(save_distributed=
+    True)``): their headers carry ``DCP_SHARDING_INFO``. One header is read, not every file's."""
+    files = st_files(d)
+    if not files:
+        return False
+    try:
+        with safe_open(str(files[0]), framework="pt") as h:
+            return DCP_SHARDING_KEY in (h.metadata() or {})
+    except Exception:  # a bad file is reported by the reader that opens it
+        return False
+
+
+def is_dcp(d: Path) -> bool:
+    """``d`` is a DCP ``FileSystemWriter`` directory (``.metadata`` + ``*.distcp``)."""
+    return Path(paths.member(d, ".metadata")).is_file()
+
+
+def sniff(path: str | os.PathLike) -> str:
+    """Format of the checkpoint at ``path`` (a file or a directory); one of
+    :data:`checkpoint.sources.FORMATS`.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, or a directory without a known layout
+            (several pickles are listed by name).
+        UnsafePathError: a file in the directory is a symlink leading outside it.
+        CorruptCheckpointError / UnsupportedFormatError: see :func:`sniff_file`.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(str(p))
+    if p.is_file():
+        kind = sniff_file(p)
+        return "safetensors-sharded" if kind == "index" else kind
+    if not p.is_dir():  # a FIFO / socket / device: opening it could block or never end
+        raise CheckpointNotFoundError(str(p), "not a regular file or a directory")
+    if is_dcp(p):
+        return "dcp"
+    if (p / "sharded").is_dir() and is_dcp_hf(p / "sharded"):
+        return "dcp-hf-sharded"
+    if index_files(p):
+        return "safetensors-sharded"
+    if st_files(p):
+        return "dcp-hf-sharded" if is_dcp_hf(p) else "safetensors-sharded"
+    pickles = pickle_files(p)
+    if len(pickles) == 1:
+        return sniff_file(pickles[0])
+    if pickles:
+        raise CheckpointNotFoundError(
+            str(p), f"several pickle files {[f.name for f in pickles]}; pass the one to read"
+        )
+    raise CheckpointNotFoundError(str(p), "no .metadata, *.safetensors, index or single pickle file in it")
+
+
+__all__ = ["sniff", "sniff_file", "DCP_SHARDING_KEY"]

@@ -1,0 +1,222 @@
+"""DCP as a first-class source (issue 13 item 3): ``load(module, dcp_dir)`` through
+torch.distributed.checkpoint, ``migrate`` of the tutorial layout ``{"model", "optim"}`` into model
+and optimizer files, true per-file figures in ``inspect``, errors that name DCP."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import checkpoint
+from checkpoint.cli.main import main as cli
+from checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from checkpoint.ranks.launch import run_ranks
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.enc(x)))
+
+
+def _trained(steps: int = 2):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for i in range(steps):
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(i))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _dcp_save(state, path):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+@pytest.fixture
+def tutorial(tmp_path):
+    """``dcp.save({"model": ..., "optim": ...})`` as the DCP tutorial does (get_state_dict)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _trained()
+    msd, osd = get_state_dict(model, opt)
+    _dcp_save({"model": msd, "optim": osd}, tmp_path / "dcp")
+    return model, opt, tmp_path / "dcp"
+
+
+def _snapshot(model, opt=None):
+    snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if opt is not None:
+        snap["__opt__"] = repr(opt.state_dict())
+    return snap
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, capsys):
+    model, opt, src = tutorial
+    report = checkpoint.migrate(src, tmp_path / "out", model=Net())
+    assert report.ok and report.container == "model"
+    assert report.mapping == {k: k for k in model.state_dict()}  # no optim.* among model keys
+    with checkpoint.open_checkpoint(tmp_path / "out") as r:
+        assert r.keys() == sorted(model.state_dict())
+    targets = sorted(e.target for e in report.optimizer_entries)
+    assert targets == sorted(
+        f"state.{n}.{s}" for n, _ in model.named_parameters() for s in ("step", "exp_avg", "exp_avg_sq")
+    )
+    # Loadable with the optimizer: exact state, hyper-parameters, and the next step matches.
+    fresh = Net()
+    new_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    checkpoint.load(fresh, tmp_path / "out", optimizer=new_opt)
+    assert _same(_snapshot(fresh), _snapshot(model))
+    ref, got = opt.state_dict(), new_opt.state_dict()
+    assert got["param_groups"] == ref["param_groups"]
+    for i, slots in ref["state"].items():
+        assert slots.keys() == got["state"][i].keys()
+        assert all(torch.equal(v, got["state"][i][k]) for k, v in slots.items())
+    x = torch.randn(4, 6)
+    for m, o in ((model, opt), (fresh, new_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    assert _same(_snapshot(fresh), _snapshot(model))
+
+    # The CLI says the same: exit 0, and inspect reports the optimizer state.
+    assert cli(["migrate", str(src), str(tmp_path / "cli-out")]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", "--json", str(src)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tensors"] == 4 and data["container"] == "model"
+    assert data["optimizer_state"] == {
+        "container": "optim", "tensors": 12, "params": 4, "param_groups": 1,
+        "bytes": sum(s[k].nbytes for s in ref["state"].values() for k in s),
+    }  # fmt: skip
+
+
+def test_load_reads_dcp_with_names_resolved(tutorial, tmp_path):
+    model, _, src = tutorial
+    plain = Net()
+    rep = checkpoint.load(plain, src)
+    assert rep.ok and rep.loaded_keys == sorted(model.state_dict())
+    assert _same(_snapshot(plain), _snapshot(model))
+    wrapped = nn.Module()
+    wrapped.model = Net()  # the checkpoint's container prefix "model." is the target's child
+    checkpoint.load(wrapped, src)
+    assert _same(_snapshot(wrapped.model), _snapshot(model))
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}  # a plain state_dict target
+    checkpoint.load(sd, src)
+    assert _same(sd, _snapshot(model))
+
+
+def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
+    _, opt, src = tutorial
+    target = nn.Linear(6, 8)
+    before = _snapshot(target)
+    with pytest.raises(CheckpointMismatchError, match="DCP checkpoint") as e:
+        checkpoint.load(target, src)
+    assert e.value.report.unexpected_keys == ["enc.bias", "enc.weight", "head.bias", "head.weight"]
+    assert _same(_snapshot(target), before)
+    with pytest.raises(CheckpointError, match="DCP.*migrate it first"):
+        checkpoint.load(Net(), src, optimizer=opt)
+    with pytest.raises(CheckpointError, match="DCP stores no checksums"):
+        checkpoint.load(Net(), src, verify=True)
+
+    # A truncated data file: DCP raises CheckpointException (a BaseException); ours names DCP,
+    # the file, the keys and the rank, and the target is untouched.
+    data = [f for f in os.listdir(src) if f.endswith(".distcp")]
+    assert len(data) == 1
+    with open(src / data[0], "r+b") as f:
+        f.truncate(64)
+    target = Net()
+    before = _snapshot(target)
+    with pytest.raises(CorruptCheckpointError) as e:
+        checkpoint.load(target, src)
+    msg = str(e.value)
+    assert "DCP" in msg and data[0] in msg and "rank 0" in msg and "model.enc.weight" in msg
+    assert _same(_snapshot(target), before)
+    code = cli(["migrate", str(src), str(tmp_path / "out"), "--model", "tests.test_migrate_dcp:Net"])
+    assert code == 2 and not (tmp_path / "out").exists()
+
+
+# -- 2 ranks: a tensor split over both .distcp files ----------------------------------------------
+def _sharded_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = _trained()
+    sd = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd}, checkpoint_id=path)
+    # Load into another placement: each rank reads its slices, resharded.
+    target = Net()
+    for mod in (target.enc, target.head):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            pl = [Shard(1)] if p.dim() == 2 else [Replicate()]
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(torch.zeros_like(p), mesh, pl)))
+    rep = checkpoint.load(target, path)
+    return {
+        "loaded": rep.loaded_keys,
+        "full": {k: v.full_tensor() for k, v in target.state_dict().items()},
+        "local_shapes": {k: tuple(v.to_local().shape) for k, v in target.state_dict().items()},
+    }
+
+
+@pytest.mark.slow
+def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
+    path = str(tmp_path / "dcp2")
+    res = run_ranks(_sharded_worker, 2, path, backend="gloo", timeout=180)
+    model, _ = _trained()
+    want = _snapshot(model)
+    for r in res:
+        assert r["loaded"] == sorted(want) and _same(r["full"], want)
+    assert res[0]["local_shapes"]["enc.weight"] == (8, 3)  # Shard(1) of (8, 6): its half only
+
+    assert cli(["inspect", "--json", path]) == 0
+    data = json.loads(capsys.readouterr().out)
+    total = sum(v.nbytes for v in want.values())
+    assert data["total_bytes"] == total and data["tensors"] == 4
+    # Every tensor is split over both files: each file holds 4 tensors and half of the bytes.
+    assert data["per_file"] == {
+        "__0_0.distcp": {"tensors": 4, "bytes": total // 2},
+        "__1_0.distcp": {"tensors": 4, "bytes": total // 2},
+    }
+    single = Net()  # a single process without a process group reads it too
+    checkpoint.load(single, path)
+    assert _same(_snapshot(single), want)
+
+
+def test_dcp_hf_rank_shards_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model, _ = _trained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            model.state_dict(),
+            storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf"), save_distributed=True),
+            no_dist=True,
+        )
+    target = Net()
+    assert checkpoint.load(target, tmp_path / "hf").ok
+    assert _same(_snapshot(target), _snapshot(model))
