@@ -13,11 +13,13 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     DuplicateTensorError,
+    ExternalError,
     MissingShardError,
     RankAgreementError,
     TensorNotInShardError,
     TiedValuesMismatchError,
     UnsafePathError,
+    UnsupportedTensorError,
 )
 from .load import load
 from .migrate import MigrationReport, migrate  # rebinds checkpoint.migrate to the function
@@ -56,4 +58,6 @@ __all__ = [
     "CheckpointWriteError",
     "RankAgreementError",
     "TiedValuesMismatchError",
+    "UnsupportedTensorError",
+    "ExternalError",
 ]

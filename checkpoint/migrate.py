@@ -26,9 +26,10 @@ import fqn
 from fqn import FQNMap, TensorKind, canonical_fqn, dtype_name, eager_tensors
 from fqn.rules import WRAPPER_SEGMENTS
 
-from .errors import CorruptCheckpointError, MigrationError
+from .errors import CorruptCheckpointError, MigrationError, UnsupportedTensorError, external_errors
 from .load import check_tied_values
 from .sources import OptimizerInfo, Source, open_source
+from .tensor_checks import dtype_problem
 
 REPORT_NAME = "migration_report.json"
 OPTIMIZER_GROUPS_NAME = "optimizer_param_groups.json"
@@ -218,6 +219,8 @@ def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"])) or "document"
         raise CorruptCheckpointError(str(fqn_map), f"not an FQN map JSON: {where}: {err['msg']}") from None
+    except OSError as e:  # missing, a directory, unreadable: ours, naming the file
+        raise CorruptCheckpointError(str(fqn_map), f"cannot read the FQN map: {e.strerror or e}") from None
 
 
 def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str, str], list[Unresolved]]:
@@ -396,7 +399,8 @@ def migrate(
     """
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
-    source = open_source(src, key=key, trusted_globals=trusted_globals)
+    with external_errors(os.fspath(src), what="reading"):
+        source = open_source(src, key=key, trusted_globals=trusted_globals)
     try:
         report = MigrationReport(
             source=str(src),
@@ -415,6 +419,10 @@ def migrate(
             plan = _plan_model(source, keys, specs, model, fmap, compiled, report)
         if not report.ok and not allow_unresolved:
             raise MigrationError(report, report.problems())
+        for s in plan.values():  # refused before anything is written, naming source file and key
+            why = dtype_problem(source.spec(s).dtype)
+            if why is not None:
+                raise UnsupportedTensorError(_file_of(source, s), s, why)
         report.total_bytes = sum(source.nbytes(s) for s in plan.values())
         for srcs in report.tied_sources:  # never let one alias silently stand for a different one
             check_tied_values(source, srcs, str(src))
@@ -424,6 +432,10 @@ def migrate(
         return report
     finally:
         source.close()
+
+
+def _file_of(source: Source, key: str) -> str:
+    return str(source.path / source.file_of(key)) if source.path.is_dir() else str(source.path)
 
 
 def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationReport) -> dict[str, str]:

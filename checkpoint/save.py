@@ -35,6 +35,7 @@ from .storage.format import (
 )
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.writer import SequentialFileWriter, create_shard_file, open_shard_file, sha256_file, write_block
+from .tensor_checks import check_storable
 
 
 @dataclass
@@ -205,6 +206,7 @@ def save(
     parts = []
     for prefix, entries, groups, fm, om in parts_entries:
         by_fqn = {e.fqn: e.tensor for e in entries}
+        check_storable(((e.fqn, e.tensor) for e in entries), path)
         specs = [TensorSpec.of(e.fqn, e.tensor) for e in entries]
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
     if any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es):

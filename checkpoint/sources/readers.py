@@ -41,9 +41,12 @@ from ..errors import (
     UnsafePathError,
     UnsafePickleError,
     UnsupportedFormatError,
+    external_errors,
 )
 from ..storage.layout import ST_TO_DTYPE
 from ..storage.reader import open_safetensors
+from ..tensor_checks import check_dense_tensors
+from .validate import validate_optimizer_state_dict
 
 ZIP_MAGIC = b"PK\x03\x04"
 LFS_MAGIC = b"version https://git-lfs"
@@ -117,7 +120,9 @@ class Source:
         """The tensor ``key``, contiguous (one read). For a zip pickle it may view the memory-mapped
         file: use it and drop it, do not keep it (holding it keeps the mapping resident)."""
         self.spec(key)
-        return self._reader.get(key)
+        file = self.path / self.file_of(key) if self.path.is_dir() else self.path
+        with external_errors(str(file), key, "reading"):
+            return self._reader.get(key)
 
     def nbytes(self, key: str) -> int:
         """Size of ``key`` in bytes."""
@@ -355,6 +360,7 @@ def _optimizer_view(
     osd: Mapping, path: Path
 ) -> tuple[dict[str, torch.Tensor], OptimizerInfo, dict[str, str]]:
     """Tensors of an optimizer state_dict keyed ``state.<param id>.<slot>`` plus its groups."""
+    validate_optimizer_state_dict(osd, str(path))
     ids: list[Any] = []
     names: list[str] | None = []
     groups = []
@@ -407,6 +413,10 @@ class _PickleReader:
             raise UnsafePickleError(str(self.path), [], why=str(e).splitlines()[0]) from None
         except RuntimeError as e:  # torch's zip reader on a damaged archive
             raise CorruptCheckpointError(str(self.path), f"damaged torch.save file: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a malformed pickle surfaces as any error type
+            raise CorruptCheckpointError(
+                str(self.path), f"damaged torch.save file: {type(e).__name__}: {' '.join(str(e).split())}"
+            ) from None
         cont, self.container = _pick_container(obj, self.key, self.path)
         skipped: dict[str, str] = {}
         if _is_optimizer_sd(cont):
@@ -417,6 +427,7 @@ class _PickleReader:
                 tensors[self.container or "tensor"] = cont
             else:
                 _flatten(cont, "", tensors, skipped, self.path)
+        check_dense_tensors(tensors, str(self.path))
         self.tensors, self.skipped = tensors, skipped
         self.touched = 0
 
