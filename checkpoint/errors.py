@@ -167,9 +167,9 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
 class AmbiguousSourceError(CheckpointError, ValueError):
     """The source holds several candidate containers (or ``key`` is wrong); ``choices`` lists them."""
 
-    def __init__(self, file: str, choices: Iterable[str], why: str = ""):
+    def __init__(self, file: str, choices: Iterable[str], why: str = "", choice_of: str = "key"):
         self.file, self.choices = str(file), list(choices)
-        super().__init__(f"{self.file}: {why}; choices for key: {self.choices}")
+        super().__init__(f"{self.file}: {why}; choices for {choice_of}: {self.choices}")
 
 
 class MigrationError(CheckpointError):
@@ -211,10 +211,30 @@ class ExternalError(CheckpointError):
             for x in (self.file, f"tensor {key!r}" if key else "", f"rank {rank}" if rank is not None else "")
             if x
         )
-        detail = " ".join(str(cause).split())  # one line
+        detail = _typed(cause)
         super().__init__(
             f"{where or '<no file>'}: {what + ' ' if what else ''}failed: {type(cause).__name__}: {detail}"
         )
+
+
+def _typed(e: BaseException) -> str:
+    detail = _cause_detail(e)
+    return f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+
+
+def _cause_detail(cause: BaseException) -> str:
+    """One line for ``cause``: DCP's ``CheckpointException`` carries each rank's exception in
+    ``failures`` and a whole traceback in its text; the first rank's own exception is used."""
+    failures = getattr(cause, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items(), key=lambda kv: str(kv[0]))[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, BaseException):
+            return f"on rank {rank}: {_typed(inner)}"
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):
+        lines = lines[-1:]  # the exception line of an embedded traceback
+    return " ".join(" ".join(lines).split())
 
 
 @contextlib.contextmanager

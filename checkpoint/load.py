@@ -17,6 +17,7 @@ from fqn import canonical_fqn
 from fqn.registry import dtype_name
 
 from .errors import CheckpointMismatchError, TiedValuesMismatchError
+from .progress import copy_progress
 from .ranks import dist
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import ModuleState, object_state
@@ -112,8 +113,10 @@ def check_tied_values(reader, stored: list[str], path: str) -> None:
 
 
 @torch.no_grad()
-def _copy(reader: CheckpointReader, copies) -> None:
+def _copy(reader: CheckpointReader, copies, on_copy=None) -> None:
     for e, key in copies:
+        if on_copy is not None:
+            on_copy(key)
         t = e.tensor
         if isinstance(t, DTensor):
             local = t.to_local()
@@ -133,6 +136,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
     verify: bool = False,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -149,6 +153,8 @@ def load(
     ``verify``: first re-hash every file read and compare its byte size and sha256 with the
     index's ``metadata.fqnckpt.files`` record (safetensors itself has no checksum, so a flipped
     data byte otherwise loads silently); costs one extra read of the files.
+    ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
+    shown after 1 s).
 
     Raises (all before anything is copied):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
@@ -197,7 +203,8 @@ def load(
     elif err is not None:
         raise err
     try:
-        _copy(reader, copies)
+        with copy_progress(reader, copies, progress) as on_copy:  # progress hook
+            _copy(reader, copies, on_copy)
         if opt_reader is not None:
             from .optim import load_optimizer
 

@@ -20,7 +20,6 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tqdm import tqdm
 
 import fqn
 from fqn import FQNMap, TensorKind, canonical_fqn, dtype_name, eager_tensors
@@ -28,6 +27,7 @@ from fqn.rules import WRAPPER_SEGMENTS
 
 from .errors import CorruptCheckpointError, MigrationError, UnsupportedTensorError, external_errors
 from .load import check_tied_values
+from .progress import progress_bar
 from .sources import OptimizerInfo, Source, open_source
 from .tensor_checks import dtype_problem
 
@@ -367,7 +367,7 @@ def migrate(
     allow_unresolved: bool = False,
     trusted_globals: Iterable[Any] = (),
     overwrite: bool = False,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> MigrationReport:
     """Rewrite the checkpoint at ``src`` under eager FQNs into ``dst`` (``checkpoint.save`` format).
 
@@ -386,7 +386,7 @@ def migrate(
         allow_unresolved: migrate what resolves, drop (and report) the rest instead of stopping.
         trusted_globals: pickle globals allowed beyond the ``weights_only`` safe set.
         overwrite: replace an existing checkpoint at ``dst``.
-        progress: tqdm bar on stderr (shown only for work over a second).
+        progress: tqdm bar on stderr (``None``: only when stderr is a terminal; shown after 1 s).
 
     Returns:
         The :class:`MigrationReport` (also written to ``dst/migration_report.json``).
@@ -559,8 +559,7 @@ def _write(source, plan, dst, report, fmap, max_shard_size, overwrite, progress)
     from .storage.layout import TensorSpec
 
     specs = [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in plan.items()]
-    bar = tqdm(total=report.total_bytes, unit="B", unit_scale=True, desc="migrate", delay=1.0,
-               disable=not progress)  # fmt: skip
+    bar = progress_bar(report.total_bytes, "migrate", progress)
 
     def fetch(spec) -> torch.Tensor:
         t = source.get(plan[spec.fqn])

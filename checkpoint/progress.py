@@ -7,7 +7,10 @@ terminal, and only once the work has taken over a second (tqdm's ``delay``); ``T
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tqdm import tqdm
 
@@ -28,3 +31,40 @@ def progress_bar(total: int, desc: str, progress: bool | None) -> tqdm:
         total=total, unit="B", unit_scale=True, desc=desc, delay=DELAY_S, file=sys.stderr,
         disable=not progress_enabled(progress), leave=False,
     )  # fmt: skip
+
+
+def _rank0(progress: bool | None) -> bool | None:
+    """Only rank 0 of a process group shows a bar (every rank does the same work)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return False
+    return progress
+
+
+@contextlib.contextmanager
+def counted_fetches(parts: Any, desc: str, progress: bool | None) -> Iterator[None]:
+    """``save``'s hook: each ``part.fetch(spec)`` of ``parts`` advances one bar by ``spec.nbytes``."""
+    total = sum(spec.nbytes for p in parts for spec in p.specs)
+    with progress_bar(total, desc, _rank0(progress)) as bar:
+        if not bar.disable:
+            for p in parts:
+                p.fetch = _counting(p.fetch, bar)
+        yield
+
+
+def _counting(fetch: Callable, bar: tqdm) -> Callable:
+    def fetch_and_count(spec):
+        t = fetch(spec)
+        bar.update(spec.nbytes)
+        return t
+
+    return fetch_and_count
+
+
+@contextlib.contextmanager
+def copy_progress(reader: Any, copies: Any, progress: bool | None) -> Iterator[Callable[[str], None]]:
+    """``load``'s hook: yields ``on_copy(key)``, called before each tensor is copied."""
+    sizes = {key: reader.spec(key).nbytes for _, key in copies}
+    with progress_bar(sum(sizes.values()), "load", _rank0(progress)) as bar:
+        yield lambda key: bar.update(sizes[key])

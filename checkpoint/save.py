@@ -21,6 +21,7 @@ from fqn import FQNMap, FQNMapFile
 from . import _faults
 from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
+from .progress import counted_fetches
 from .ranks import dist
 from .state import Entry, object_state
 from .storage.format import (
@@ -170,6 +171,7 @@ def save(
     max_shard_size: int | str = "5GB",
     optimizer: torch.optim.Optimizer | None = None,
     overwrite: bool = False,
+    progress: bool | None = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -186,7 +188,12 @@ def save(
     ``optimizer``: also writes ``optimizer-0000k-of-0000n.safetensors`` +
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
 
+    ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
+    shown after 1 s).
+
     Returns the model index written. Raises what :func:`save_streaming` raises, and
+    :class:`~checkpoint.errors.UnsupportedTensorError` naming the key for a sparse / quantized
+    tensor or a dtype safetensors cannot hold, before anything is written;
     ``TypeError`` naming the key for a non-tensor value; on ranks whose peers failed,
     :class:`~checkpoint.errors.RankAgreementError`.
     """
@@ -209,9 +216,10 @@ def save(
         check_storable(((e.fqn, e.tensor) for e in entries), path)
         specs = [TensorSpec.of(e.fqn, e.tensor) for e in entries]
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
-    if any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es):
-        return _save_distributed(path, parts, max_shard_size, overwrite)[0]
-    return _save_parts(path, parts, max_shard_size, overwrite, {})[0]
+    with counted_fetches(parts, "save", progress):  # progress hook: counts each fetched tensor
+        if any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es):
+            return _save_distributed(path, parts, max_shard_size, overwrite)[0]
+        return _save_parts(path, parts, max_shard_size, overwrite, {})[0]
 
 
 # -- distributed ------------------------------------------------------------------------------

@@ -110,7 +110,9 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     ``report.notes``.
 
     Raises:
-        CheckpointNotFoundError: nothing at ``path``. Other problems are reported, not raised.
+        CheckpointNotFoundError: nothing at ``path`` in a format fqnckpt reads.
+        AmbiguousSourceError: a directory with several pickle files (``.choices`` lists them).
+        Other problems are reported, not raised.
     """
     from .progress import progress_bar
 
@@ -135,11 +137,13 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
 
 def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:
     """Not fqnckpt's layout: another readable format, or the original not-found error."""
-    from .errors import UnsupportedFormatError
+    from .errors import AmbiguousSourceError, UnsupportedFormatError
     from .sources import sniff
 
     try:
         sniff(path)
+    except AmbiguousSourceError:
+        raise
     except (CheckpointNotFoundError, UnsupportedFormatError):
         raise CheckpointNotFoundError(
             path, "no index, *.safetensors, DCP .metadata or single pickle in it"

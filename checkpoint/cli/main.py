@@ -75,7 +75,8 @@ _FLAG_SPELLINGS = [
     (re.compile(r"\ballow_unresolved=True"), "--allow-unresolved"),
     (re.compile(r"\bmodel=(?!\w)"), "--model MODULE:CALLABLE"),
     (re.compile(r"\bfqn_map=(?!\w)"), "--fqn-map FILE"),
-    (re.compile(r"\bkey=(?=[\s'\"]|$)"), "--key "),
+    (re.compile(r"\bkey=(?=['\"])"), "--key "),
+    (re.compile(r"\bkey=(?=\s|$|[;,.)])"), "--key"),
     (re.compile(r"\bmax_shard_size\b"), "--max-shard-size"),
 ]
 
@@ -84,7 +85,7 @@ def cli_spelling(msg: str) -> str:
     """``msg`` with the API's keyword arguments replaced by the flags that set them."""
     for rx, flag in _FLAG_SPELLINGS:
         msg = rx.sub(flag, msg)
-    return msg.replace("--key  ", "--key ").replace("--key '", "--key '")
+    return msg
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -113,6 +114,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from ..migrate import naming_schemes
     from ..sources import open_source
 
+    _check_trust(args)
     with open_source(args.path, key=args.key, trusted_globals=args.trust) as src:
         keys = src.keys()
         dtypes = Counter(str(src.spec(k).dtype).removeprefix("torch.") for k in keys)
@@ -206,22 +208,41 @@ def load_model(spec: str):
 
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise BadInput(f"--model {spec!r} must be MODULE:CALLABLE")
+        raise BadInput(f"--model {spec!r} must be MODULE:CALLABLE", flag="--model")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise BadInput(f"--model {spec!r}: {e}") from None
+        raise BadInput(f"--model {spec!r}: {e}", flag="--model") from None
     except Exception as e:  # noqa: BLE001 - the module itself raises / does not parse: no traceback
-        raise BadInput(f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}") from None
+        raise BadInput(
+            f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}", flag="--model"
+        ) from None
     try:
         model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     except Exception as e:  # noqa: BLE001 - e.g. a class that needs a config: say so, no traceback
-        raise BadInput(f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}") from None
+        raise BadInput(
+            f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}", flag="--model"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module")
+        raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module", flag="--model")
     return model
+
+
+def _check_trust(args: argparse.Namespace) -> None:
+    """Each ``--trust MODULE.NAME`` must import (before any pickle is looked at)."""
+    from ..sources.readers import resolve_globals
+
+    for g in getattr(args, "trust", None) or []:
+        try:
+            resolve_globals([g])
+        except Exception:  # noqa: BLE001 - any import failure is the flag's fault
+            raise BadInput(
+                f"--trust {g!r}: cannot import it (give a class or function as MODULE.NAME)",
+                flag="--trust",
+                key=g,
+            ) from None
 
 
 def _check_migrate_flags(args: argparse.Namespace):
@@ -234,17 +255,18 @@ def _check_migrate_flags(args: argparse.Namespace):
     try:
         rules = compile_rules(args.rule)
     except ValueError as e:
-        raise BadInput(f"--rule: {e}", flag="--rule") from None
+        raise BadInput(str(e), flag="--rule") from None
     try:
         parse_size(args.max_shard_size)
     except ValueError as e:
-        raise BadInput(f"--max-shard-size: {e}", flag="--max-shard-size") from None
+        raise BadInput(str(e), flag="--max-shard-size") from None
+    _check_trust(args)
     fmap = None
     if args.fqn_map is not None:
         try:
             fmap = _load_fqn_map(args.fqn_map)
         except (CheckpointError, OSError, ValueError) as e:
-            raise BadInput(f"--fqn-map: {_one_line(str(e))}", flag="--fqn-map", file=args.fqn_map) from None
+            raise BadInput(_one_line(str(e)), flag="--fqn-map", file=args.fqn_map) from None
     return [(pat, repl) for pat, _, repl in rules], fmap
 
 
@@ -374,6 +396,7 @@ def _diff(args: argparse.Namespace) -> int:
     from ..progress import progress_bar
     from ..sources import open_source
 
+    _check_trust(args)
     model = load_model(args.model) if args.model else None
     with (
         open_source(args.a, trusted_globals=args.trust) as a,
@@ -518,6 +541,9 @@ def _flag_at_fault(e: BaseException, args: argparse.Namespace) -> str | None:
 
     if isinstance(e, BadInput):
         return e.flag
+    if isinstance(e, _UsageError):
+        m = re.search(r"(?:argument |arguments: )(-{1,2}[\w-]+)", str(e))
+        return m.group(1) if m else None
     if isinstance(e, UnsafePickleError) and (e.globals or e.file == "<trusted_globals>"):
         return "--trust"
     if isinstance(e, AmbiguousSourceError) and getattr(args, "key", None) is not None:
@@ -557,7 +583,7 @@ def _report_error(e: BaseException, args: argparse.Namespace | None, command: st
         out = {"ok": False, "command": command, "message": msg, "flag": flag, "exit_code": EXIT_BAD_INPUT}
         out.update({k: fields.get(k) for k in ("error", "file", "key")})
         print(json.dumps(out, sort_keys=True, default=str))
-    print(f"fqnckpt {command}: error: {msg}", file=sys.stderr)
+    print(f"{' '.join(['fqnckpt', command] if command else ['fqnckpt'])}: error: {msg}", file=sys.stderr)
     if os.environ.get("FQNCKPT_TRACEBACK"):
         import traceback
 
@@ -577,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as e:
-        return _report_error(e, None, command or "", as_json)
+        return _report_error(e, argparse.Namespace(), command or "", as_json)
     try:
         return args._run(args)
     except KeyboardInterrupt:

@@ -205,6 +205,10 @@ def sniff(path: str | os.PathLike) -> str:
     pickles = [f for f in sorted(p.iterdir()) if f.is_file() and f.suffix in (".pt", ".pth", ".bin", ".ckpt")]
     if len(pickles) == 1:
         return sniff_file(pickles[0])
+    if len(pickles) > 1:  # never pick one silently: list them
+        raise AmbiguousSourceError(
+            str(p), [f.name for f in pickles], "several pickle files, name one of them as the path", "the path"
+        )
     raise CheckpointNotFoundError(str(p), "no .metadata, *.safetensors, index or single pickle file in it")
 
 
