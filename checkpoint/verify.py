@@ -121,7 +121,7 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     prefixes = ["model"]
     if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
         prefixes.append(OPTIMIZER_PREFIX)
-    with progress_bar(_files_bytes(path), "verify", progress) as bar:
+    with external_errors(path, what="verifying"), progress_bar(_files_bytes(path), "verify", progress) as bar:
         for prefix in prefixes:
             try:
                 with open_checkpoint(path, prefix=prefix) as reader:

@@ -579,13 +579,15 @@ def run_demo(args: argparse.Namespace) -> int:
     not, 2 when ``transformers`` is missing or the options are bad."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
     _quiet()
+    from .main import BadInput  # reported by the CLI as one line / one JSON object, exit 2
+
     if importlib.util.find_spec("transformers") is None:
-        print("fqnckpt demo: error: needs transformers (pip install 'fqnckpt[examples]')", file=sys.stderr)
-        return 2
+        raise BadInput("needs transformers (pip install 'fqnckpt[examples]')")
     if args.batch <= 0 or args.world_size <= 0 or args.batch % args.world_size:
-        print(f"fqnckpt demo: error: --batch {args.batch} must be a positive multiple of --world-size "
-              f"{args.world_size}", file=sys.stderr)  # fmt: skip
-        return 2
+        raise BadInput(
+            f"--batch {args.batch} must be a positive multiple of --world-size {args.world_size}",
+            flag="--batch",
+        )
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="fqnckpt-demo-")
     workdir = Path(args.workdir or tmp)
     try:
@@ -611,7 +613,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 show(c)
         total = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - a step that raises is a failed check, not bad input (2)
-        print(f"fqnckpt demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        if args.json:
+            print(json.dumps({"ok": False, "error": type(e).__name__, "message": msg, "checks": []}))
+        print(f"fqnckpt demo: FAILED: {msg}", file=sys.stderr)
         return 1
     finally:
         if tmp is not None:

@@ -100,6 +100,10 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 # -- inspect ---------------------------------------------------------------------------------------------
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint file or directory (any supported format)")
@@ -330,8 +334,8 @@ def _verify(args: argparse.Namespace) -> int:
     rep = verify(args.path, progress=None)
     what = "sha256 checked" if rep.checksummed else "structure checked, not checksummed"
     head = (
-        f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {rep.tensors} tensors, "
-        f"{len(rep.files) or '-'} files, {what})"
+        f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {_plural(rep.tensors, 'tensor')}, "
+        f"{_plural(len(rep.files), 'file')}, {what})"
     )
     lines = [head] + [f"  problem: {p}" for p in rep.problems] + [f"  note: {n}" for n in rep.notes]
     _emit(args, rep.model_dump(mode="json") | {"ok": rep.ok, "bad_files": rep.bad_files}, "\n".join(lines))
@@ -581,7 +585,7 @@ def _report_error(e: BaseException, args: argparse.Namespace | None, command: st
         msg = f"{flag}: {msg}"
     if as_json:
         out = {"ok": False, "command": command, "message": msg, "flag": flag, "exit_code": EXIT_BAD_INPUT}
-        out.update({k: fields.get(k) for k in ("error", "file", "key")})
+        out.update({k: fields.get(k) for k in ("error", "file", "key", "rank")})
         print(json.dumps(out, sort_keys=True, default=str))
     print(f"{' '.join(['fqnckpt', command] if command else ['fqnckpt'])}: error: {msg}", file=sys.stderr)
     if os.environ.get("FQNCKPT_TRACEBACK"):
