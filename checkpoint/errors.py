@@ -200,21 +200,15 @@ class ExternalError(CheckpointError):
         self, file: str | None, cause: BaseException, key: str | None = None, rank: int | None = None,
         what: str = "",
     ):  # fmt: skip
-        self.file, self.key, self.rank, self.cause = (
-            (str(file) if file is not None else None),
-            key,
-            rank,
-            cause,
-        )
+        self.file = str(file) if file is not None else None
+        self.key, self.rank, self.cause = key, rank, cause
         where = ": ".join(
             x
             for x in (self.file, f"tensor {key!r}" if key else "", f"rank {rank}" if rank is not None else "")
             if x
         )
         detail = _typed(cause)
-        super().__init__(
-            f"{where or '<no file>'}: {what + ' ' if what else ''}failed: {type(cause).__name__}: {detail}"
-        )
+        super().__init__(f"{where or '<no file>'}: {what + ' ' if what else ''}failed: {detail}")
 
 
 def _typed(e: BaseException) -> str:

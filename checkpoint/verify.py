@@ -112,6 +112,7 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     Raises:
         CheckpointNotFoundError: nothing at ``path`` in a format fqnckpt reads.
         AmbiguousSourceError: a directory with several pickle files (``.choices`` lists them).
+        UnsupportedFormatError: a file whose content is no format fqnckpt reads.
         Other problems are reported, not raised.
     """
     from .progress import progress_bar
@@ -142,9 +143,9 @@ def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:
 
     try:
         sniff(path)
-    except AmbiguousSourceError:
+    except (AmbiguousSourceError, UnsupportedFormatError):  # bad input, named: exit 2
         raise
-    except (CheckpointNotFoundError, UnsupportedFormatError):
+    except CheckpointNotFoundError:
         raise CheckpointNotFoundError(
             path, "no index, *.safetensors, DCP .metadata or single pickle in it"
         ) from None

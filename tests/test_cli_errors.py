@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import checkpoint
 from checkpoint import CorruptCheckpointError, ExternalError, UnsupportedTensorError
@@ -187,3 +188,44 @@ def test_errors_name_flags_not_python_arguments(tmp_path, capsys):
     assert not os.path.exists(dst)
     assert cli_spelling("pass overwrite=True to replace it") == "pass --overwrite to replace it"
     assert cli_spelling("pick one with key=") == "pick one with --key"
+
+
+def _damaged(data: bytes, kind: str, frac: float) -> bytes:
+    pos = int(len(data) * frac)
+    if kind == "truncate":
+        return data[:pos]
+    return data[:pos] + bytes(16) + data[pos + 16 :]
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+def test_damaged_files_are_named_never_a_traceback(tmp_path, capsys, fmt):
+    """Truncated or zeroed bytes anywhere in a pickle / safetensors file: every command answers
+    0, 1 (verify found damage) or 2 with one JSON object, and never a foreign error type."""
+    sd = {"a.w": torch.arange(64.0), "b": torch.ones(3, dtype=torch.int64)}
+    src = tmp_path / ("s.safetensors" if fmt == "safetensors" else "p.pt")
+    if fmt == "safetensors":
+        save_file(sd, str(src))
+    else:
+        torch.save(sd, src, _use_new_zipfile_serialization=fmt == "zip")
+    data = src.read_bytes()
+    seen = set()
+    for kind in ("truncate", "zero"):
+        for frac in (0.0, 0.02, 0.1, 0.3, 0.6, 0.9, 0.99):
+            src.write_bytes(_damaged(data, kind, frac))
+            for argv in (
+                ["inspect", str(src)],
+                ["migrate", str(src), str(tmp_path / "o"), "--dry-run"],
+                ["verify", str(src)],
+            ):
+                rc, out, err = cli(capsys, *argv, "--json")
+                assert rc in (0, 1, 2) and "Traceback" not in err, (kind, frac, argv, err)
+                result = json.loads(out)
+                if rc == 2:
+                    assert len(err.strip().splitlines()) == 1 and result["file"] == str(src), result
+                    assert result["error"] in {
+                        "CorruptCheckpointError", "UnsupportedFormatError", "UnsafePickleError", "CheckpointNotFoundError"
+                    }, result  # fmt: skip
+                    seen.add(result["error"])
+                if rc == 1:
+                    assert argv[0] == "verify" and str(src) in result["problems"][0]
+    assert "CorruptCheckpointError" in seen

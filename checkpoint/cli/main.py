@@ -567,7 +567,8 @@ def _report_error(e: BaseException, args: argparse.Namespace | None, command: st
 
     if args is not None and not isinstance(e, (CheckpointError, fqn.FQNError, BadInput, _UsageError)):
         file = getattr(e, "filename", None) if isinstance(e, OSError) else None
-        e = ExternalError(file or _input_file(args), e, what=command)
+        cause, e = e, ExternalError(file or _input_file(args), e, what=command)
+        e.__cause__ = cause
     fields = (
         error_fields(e)
         if not isinstance(e, _UsageError)

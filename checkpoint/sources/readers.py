@@ -292,9 +292,9 @@ def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list
         if sniff_file(p) == "torch-zip":
             try:
                 return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
-            except RuntimeError as e:  # torch's zip reader: truncated / not a torch.save archive
+            except Exception as e:  # noqa: BLE001 - torch's zip reader / pickle scan on damaged bytes
                 raise CorruptCheckpointError(
-                    str(p), f"not a valid torch.save zip archive: {str(e).splitlines()[0]}"
+                    str(p), f"not a valid torch.save zip archive: {type(e).__name__}: {' '.join(str(e).split())}"
                 ) from None
         from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
 
