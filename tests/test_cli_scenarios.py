@@ -125,6 +125,7 @@ def test_inspect_counts_tensors_not_segments(tmp_path, capsys):
     assert data["wrapper_segments"] == {"module": 3, "_orig_mod": 3}
     rc, out, _ = cli(capsys, "inspect", str(tmp_path / "w.safetensors"))
     assert "naming (tensors): wrapper x3" in out and "_orig_mod x3, module x3" in out
+    assert json.loads(cli(capsys, "--json", "inspect", str(tmp_path / "w.safetensors"))[1]) == data
 
 
 # -- diff across naming schemes -----------------------------------------------------------------------

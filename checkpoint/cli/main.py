@@ -421,7 +421,13 @@ def _diff(args: argparse.Namespace) -> int:
                     if tensor_digest(a.get(na[k])) != tensor_digest(b.get(nb[k])):
                         values.append(k)
                     bar.update(a.nbytes(na[k]))
-    naming = f"eager FQNs of {args.model}" if model is not None else "canonical" if args.canonical else "raw"
+    naming = (
+        f"eager FQNs of {args.model}"
+        if model is not None
+        else "canonical names"
+        if args.canonical
+        else "raw names"
+    )
     data = {
         "a": args.a,
         "b": args.b,
@@ -447,7 +453,7 @@ def _diff(args: argparse.Namespace) -> int:
         compared = f"values compared by sha256 for {len(same_meta)} tensors"
     lines = [
         f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} "
-        f"({len(common)} common tensors by {naming} names; {compared})"
+        f"({len(common)} common tensors by {naming}; {compared})"
     ]
     for f in fields:
         if data[f]:
