@@ -15,14 +15,16 @@ import hashlib
 import importlib
 import json
 import os
-import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error
+
+EXIT_OK, EXIT_MISMATCH = 0, 1
+__all__ = ["EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT", "BadInput", "cli_spelling", "main", "build_parser"]
 _SHORT_TABLE_ROWS = 10  # renamed keys shown by `migrate` without --keys
 
 
@@ -45,47 +47,6 @@ def register_command(cmd: Command) -> Command:
         raise ValueError(f"fqnckpt command {cmd.name!r} is already registered")
     _COMMANDS[cmd.name] = cmd
     return cmd
-
-
-class BadInput(Exception):
-    """Bad command-line input (exit code 2); ``flag`` / ``file`` / ``key`` say what is at fault."""
-
-    def __init__(self, msg: str, flag: str | None = None, file: str | None = None, key: str | None = None):
-        super().__init__(msg)
-        self.flag, self.file, self.key = flag, file, key
-
-
-class _UsageError(Exception):
-    """argparse found a bad command line (its message, exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is raised (reported as one line / one JSON object like every
-    other bad input) instead of printing usage and exiting."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise _UsageError(f"{message} (see '{self.prog} --help')")
-
-
-# The API's keyword spellings in messages, as the command line spells them.
-_FLAG_SPELLINGS = [
-    (re.compile(r"\btrusted_globals=\[\.\.\.\] / --trust NAME"), "--trust MODULE.NAME"),
-    (re.compile(r"\btrusted_globals=\[\.\.\.\]"), "--trust MODULE.NAME"),
-    (re.compile(r"\boverwrite=True"), "--overwrite"),
-    (re.compile(r"\ballow_unresolved=True"), "--allow-unresolved"),
-    (re.compile(r"\bmodel=(?!\w)"), "--model MODULE:CALLABLE"),
-    (re.compile(r"\bfqn_map=(?!\w)"), "--fqn-map FILE"),
-    (re.compile(r"\bkey=(?=['\"])"), "--key "),
-    (re.compile(r"\bkey=(?=\s|$|[;,.)])"), "--key"),
-    (re.compile(r"\bmax_shard_size\b"), "--max-shard-size"),
-]
-
-
-def cli_spelling(msg: str) -> str:
-    """``msg`` with the API's keyword arguments replaced by the flags that set them."""
-    for rx, flag in _FLAG_SPELLINGS:
-        msg = rx.sub(flag, msg)
-    return msg
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -270,7 +231,7 @@ def _check_migrate_flags(args: argparse.Namespace):
         try:
             fmap = _load_fqn_map(args.fqn_map)
         except (CheckpointError, OSError, ValueError) as e:
-            raise BadInput(_one_line(str(e)), flag="--fqn-map", file=args.fqn_map) from None
+            raise BadInput(one_line(str(e)), flag="--fqn-map", file=args.fqn_map) from None
     return [(pat, repl) for pat, _, repl in rules], fmap
 
 
@@ -291,7 +252,7 @@ def _migrate(args: argparse.Namespace) -> int:
         raise BadInput(cli_spelling(str(e)), flag="--overwrite", file=e.path) from None
     except MigrationError as e:
         report, code = e.report, EXIT_MISMATCH
-        print(f"fqnckpt migrate: {_one_line(cli_spelling(str(e)))}", file=sys.stderr)
+        print(f"fqnckpt migrate: {one_line(cli_spelling(str(e)))}", file=sys.stderr)
     c = report.counts()
     lines = [
         f"{report.source} ({report.source_format}) -> {report.destination or '(dry run, nothing written)'}",
@@ -510,7 +471,7 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one subparser per registered :class:`Command`."""
-    parser = _Parser(
+    parser = Parser(
         prog="fqnckpt",
         description="PyTorch checkpoints in eager FQNs",
         epilog="exit codes: 0 ok, 1 a check found a mismatch, 2 bad input. 'fqnckpt COMMAND --help' for options.",
@@ -519,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", default=False, help="machine-readable output on stdout"
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for cmd in _COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         # SUPPRESS: the subcommand's default must not undo a --json given before it.
@@ -529,77 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
-
-
-def _one_line(msg: str) -> str:
-    """One line: multi-line (pydantic, torch) messages joined, pydantic's doc links dropped."""
-    lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()]
-    return "; ".join(ln for ln in lines if not ln.startswith("For further information visit"))
-
-
-def _input_file(args: argparse.Namespace) -> str | None:
-    for name in ("path", "src", "a"):
-        v = getattr(args, name, None)
-        if v is not None:
-            return str(v)
-    return None
-
-
-def _flag_at_fault(e: BaseException, args: argparse.Namespace) -> str | None:
-    """The command-line flag that set the value an error is about, when one did."""
-    from ..errors import AmbiguousSourceError, CheckpointExistsError, UnsafePickleError
-
-    if isinstance(e, BadInput):
-        return e.flag
-    if isinstance(e, _UsageError):
-        m = re.search(r"(?:argument |arguments: )(-{1,2}[\w-]+)", str(e))
-        return m.group(1) if m else None
-    if isinstance(e, UnsafePickleError) and (e.globals or e.file == "<trusted_globals>"):
-        return "--trust"
-    if isinstance(e, AmbiguousSourceError) and getattr(args, "key", None) is not None:
-        return "--key"
-    if isinstance(e, AmbiguousSourceError) and "key" in str(e):
-        return "--key"
-    if isinstance(e, CheckpointExistsError):
-        return "--overwrite"
-    return None
-
-
-def _report_error(e: BaseException, args: argparse.Namespace | None, command: str, as_json: bool) -> int:
-    """One line on stderr (and one JSON object on stdout with ``--json``); returns exit code 2."""
-    import fqn
-
-    from ..errors import CheckpointError, ExternalError, error_fields
-
-    if args is not None and not isinstance(e, (CheckpointError, fqn.FQNError, BadInput, _UsageError)):
-        file = getattr(e, "filename", None) if isinstance(e, OSError) else None
-        cause, e = e, ExternalError(file or _input_file(args), e, what=command)
-        e.__cause__ = cause
-    fields = (
-        error_fields(e)
-        if not isinstance(e, _UsageError)
-        else {"error": "UsageError", "file": None, "key": None}
-    )
-    if isinstance(e, BadInput):
-        fields.update(error="BadInput", file=e.file or fields.get("file"), key=e.key)
-    if isinstance(e, KeyError) and e.args:
-        msg = str(e.args[0])
-    else:
-        msg = str(e)
-    msg = cli_spelling(_one_line(msg))
-    flag = _flag_at_fault(e, args) if args is not None else None
-    if flag and flag not in msg:
-        msg = f"{flag}: {msg}"
-    if as_json:
-        out = {"ok": False, "command": command, "message": msg, "flag": flag, "exit_code": EXIT_BAD_INPUT}
-        out.update({k: fields.get(k) for k in ("error", "file", "key", "rank")})
-        print(json.dumps(out, sort_keys=True, default=str))
-    print(f"{' '.join(['fqnckpt', command] if command else ['fqnckpt'])}: error: {msg}", file=sys.stderr)
-    if os.environ.get("FQNCKPT_TRACEBACK"):
-        import traceback
-
-        traceback.print_exception(e)
-    return EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -613,8 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if a in _COMMANDS), "")
     try:
         args = build_parser().parse_args(argv)
-    except _UsageError as e:
-        return _report_error(e, argparse.Namespace(), command or "", as_json)
+    except UsageError as e:
+        return report_error(e, argparse.Namespace(), command or "", as_json)
     try:
         return args._run(args)
     except KeyboardInterrupt:
@@ -623,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every error becomes one line (DCP's derive from BaseException)
-        return _report_error(e, args, args.command, args.json)
+        return report_error(e, args, args.command, args.json)
 
 
 if __name__ == "__main__":
