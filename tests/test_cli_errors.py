@@ -126,6 +126,8 @@ def test_dcp_checkpoint_exception_is_ours(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(d), no_dist=True)
+    rep = checkpoint.verify(d)  # intact: every tensor read, no checksums to compare
+    assert rep.ok and rep.format == "dcp" and rep.tensors == 1 and rep.checksummed is False
     data_file = next(d.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
     with pytest.raises(ExternalError) as ei:
