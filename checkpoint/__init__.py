@@ -14,6 +14,7 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     DuplicateTensorError,
+    ExternalError,
     InterruptedCommitError,
     LoadError,
     LossyConversionError,
@@ -26,6 +27,7 @@ from .errors import (
     UnsafePathError,
     UnsavableError,
     UnsavableTypeError,
+    UnsupportedTensorError,
     UnwritableTargetError,
 )
 from .load import load
@@ -77,4 +79,6 @@ __all__ = [
     "OverlappingTargetsError",
     "LossyConversionError",
     "LoadError",
+    "UnsupportedTensorError",
+    "ExternalError",
 ]

@@ -5,8 +5,9 @@ Other engineers add their own types here with small edits; keep each one specifi
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -78,10 +79,11 @@ class UnsafePathError(CheckpointError, ValueError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """A file is not a valid safetensors file / index (bad header, offsets, JSON, LFS pointer)."""
+    """A file is not a valid safetensors file / index (bad header, offsets, JSON, LFS pointer).
+    ``key``: the entry at fault inside the file (tensor name, JSON field), when known."""
 
-    def __init__(self, file: str, why: str):
-        self.file = str(file)
+    def __init__(self, file: str, why: str, key: str | None = None):
+        self.file, self.key = str(file), key
         super().__init__(f"{self.file}: {why}")
 
 
@@ -195,12 +197,24 @@ class UnsavableError(CheckpointError, ValueError):
 
     def __init__(self, key: Any, why: str, path: str = ""):
         self.key, self.path = key, str(path)
+        self.file = self.path  # like UnsupportedTensorError / the CLI's error fields
         where = f"saving {self.path}: " if path else ""
         super().__init__(f"{where}{key!r}: {why}; nothing was written")
 
 
-class UnsavableTypeError(UnsavableError, TypeError):
-    """:class:`UnsavableError` for a value of a type safetensors cannot store (dtype, layout)."""
+class UnsupportedTensorError(CheckpointError, TypeError):
+    """Tensor ``key`` of ``file`` cannot be stored or read as flat bytes: a layout other than
+    strided (sparse, nested, mkldnn), a quantized tensor, or a dtype safetensors cannot hold
+    (e.g. complex128). A ``TypeError`` too, for callers that caught the old error."""
+
+    def __init__(self, file: str, key: str, why: str):
+        self.file, self.key = str(file), key
+        super().__init__(f"{self.file}: tensor {key!r}: {why}")
+
+
+class UnsavableTypeError(UnsavableError, UnsupportedTensorError):
+    """:class:`UnsavableError` for a value of a type safetensors cannot store (dtype, layout); also
+    an :class:`UnsupportedTensorError`, the same kind of fault met while reading."""
 
 
 class InterruptedCommitError(CheckpointError, OSError):
@@ -249,9 +263,9 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
 class AmbiguousSourceError(CheckpointError, ValueError):
     """The source holds several candidate containers (or ``key`` is wrong); ``choices`` lists them."""
 
-    def __init__(self, file: str, choices: Iterable[str], why: str = ""):
+    def __init__(self, file: str, choices: Iterable[str], why: str = "", choice_of: str = "key"):
         self.file, self.choices = str(file), list(choices)
-        super().__init__(f"{self.file}: {why}; choices for key: {self.choices}")
+        super().__init__(f"{self.file}: {why}; choices for {choice_of}: {self.choices}")
 
 
 class MigrationError(CheckpointError):
@@ -261,6 +275,77 @@ class MigrationError(CheckpointError):
     def __init__(self, report: Any, why: str):
         self.report = report
         super().__init__(f"migration of {report.source} stopped: {why}")
+
+
+class ExternalError(CheckpointError):
+    """A library fqnckpt calls (torch, safetensors, pydantic, DCP, the OS) failed in a way no
+    specific error of ours describes. ``file`` / ``key`` / ``rank`` say where (``None`` when
+    unknown), ``cause`` is the original exception (also chained as ``__cause__``)."""
+
+    def __init__(
+        self, file: str | None, cause: BaseException, key: str | None = None, rank: int | None = None,
+        what: str = "",
+    ):  # fmt: skip
+        self.file = str(file) if file is not None else None
+        self.key, self.rank, self.cause = key, rank, cause
+        where = ": ".join(
+            x
+            for x in (self.file, f"tensor {key!r}" if key else "", f"rank {rank}" if rank is not None else "")
+            if x
+        )
+        detail = _typed(cause)
+        super().__init__(f"{where or '<no file>'}: {what + ' ' if what else ''}failed: {detail}")
+
+
+def _typed(e: BaseException) -> str:
+    detail = _cause_detail(e)
+    return f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+
+
+def _cause_detail(cause: BaseException) -> str:
+    """One line for ``cause``: DCP's ``CheckpointException`` carries each rank's exception in
+    ``failures`` and a whole traceback in its text; the first rank's own exception is used."""
+    failures = getattr(cause, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items(), key=lambda kv: str(kv[0]))[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, BaseException):
+            return f"on rank {rank}: {_typed(inner)}"
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):
+        lines = lines[-1:]  # the exception line of an embedded traceback
+    return " ".join(" ".join(lines).split())
+
+
+@contextlib.contextmanager
+def external_errors(file: str | None, key: str | None = None, what: str = "") -> Iterator[None]:
+    """Re-raise any exception from inside the block that is not ours as :class:`ExternalError`
+    naming ``file`` / ``key`` (ours, ``fqn``'s and KeyboardInterrupt / SystemExit pass through).
+    Catches ``BaseException``: DCP's ``CheckpointException`` derives from it, not from Exception."""
+    from fqn.errors import FQNError
+
+    try:
+        yield
+    except (CheckpointError, FQNError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - named and chained, never swallowed
+        raise ExternalError(file, e, key, what=what) from e
+
+
+def error_fields(e: BaseException) -> dict[str, Any]:
+    """``{"error", "file", "key", "rank"}`` of an exception, for one-line / JSON reports: taken
+    from the attributes our errors carry (``file`` / ``path`` / ``shard``; ``key`` / ``entry``)."""
+    file = next((getattr(e, a) for a in ("file", "shard", "path") if getattr(e, a, None) is not None), None)
+    if file is None and getattr(e, "files", None):
+        file = ", ".join(map(str, e.files))
+    key = next((getattr(e, a) for a in ("key", "entry") if getattr(e, a, None) is not None), None)
+    return {
+        "error": type(e).__name__,
+        "message": str(e),
+        "file": str(file) if file is not None else None,
+        "key": key if key is None or isinstance(key, str) else str(key),
+        "rank": getattr(e, "rank", None),
+    }
 
 
 def _head(keys: list[str], n: int = 10) -> str:

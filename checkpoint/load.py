@@ -10,7 +10,7 @@ the slices of its local shards (``safe_open(...).get_slice``), so loading reshar
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from .errors import (
     TiedValuesMismatchError,
     UnwritableTargetError,
 )
+from .progress import copy_progress
 from .ranks import dist, shards
 from .reports import DtypeConversion, LoadReport, ShapeMismatch
 from .state import Entry, ModuleState, object_state
@@ -482,6 +483,7 @@ def apply_load(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
+    on_copy: Callable[[str], None] | None = None,
 ) -> LoadReport:
     """Carry out a checked :class:`LoadPlan`: ``module.to(dtype)``, the copies (or replacements),
     the optimizer state. Only reads and writes remain here; a failure of torch or the OS (e.g. the
@@ -497,6 +499,8 @@ def apply_load(
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
     for a in copies:
+        if on_copy is not None:
+            on_copy(a.key)  # progress
         try:
             t = a.entry.tensor
             if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
@@ -570,6 +574,7 @@ def load(
     assign: bool = False,
     allow_lossy: bool = False,
     extra_state: MutableMapping[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -615,6 +620,9 @@ def load(
     :mod:`checkpoint.training.extra_state`); its entries appear in the report as
     ``extra_state.<key>`` (missing / unexpected / loaded), checked with everything else and applied
     after the tensors.
+
+    ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
+    shown after 1 s).
 
     Raises (all before anything is changed):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
@@ -685,7 +693,8 @@ def load(
             raise err
         err = None
         try:
-            apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype)
+            with copy_progress(reader, plan.copies, progress) as on_copy:
+                apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy)
             if extra is not None:
                 extra.apply()
         except BaseException as e:  # noqa: BLE001

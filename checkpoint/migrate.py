@@ -20,15 +20,16 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tqdm import tqdm
 
 import fqn
 from fqn import FQNMap, TensorKind, canonical_fqn, dtype_name, eager_tensors
 from fqn.rules import WRAPPER_SEGMENTS
 
-from .errors import CorruptCheckpointError, MigrationError
+from .errors import CorruptCheckpointError, MigrationError, UnsupportedTensorError, external_errors
 from .load import check_tied_values
+from .progress import progress_bar
 from .sources import OptimizerInfo, Source, open_source
+from .tensor_checks import dtype_problem
 
 REPORT_NAME = "migration_report.json"
 OPTIMIZER_GROUPS_NAME = "optimizer_param_groups.json"
@@ -221,6 +222,8 @@ def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"])) or "document"
         raise CorruptCheckpointError(str(fqn_map), f"not an FQN map JSON: {where}: {err['msg']}") from None
+    except OSError as e:  # missing, a directory, unreadable: ours, naming the file
+        raise CorruptCheckpointError(str(fqn_map), f"cannot read the FQN map: {e.strerror or e}") from None
 
 
 def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str, str], list[Unresolved]]:
@@ -370,7 +373,7 @@ def migrate(
     allow_unresolved: bool = False,
     trusted_globals: Iterable[Any] = (),
     overwrite: bool = False,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> MigrationReport:
     """Rewrite the checkpoint at ``src`` under eager FQNs into ``dst`` (``checkpoint.save`` format).
 
@@ -389,7 +392,7 @@ def migrate(
         allow_unresolved: migrate what resolves, drop (and report) the rest instead of stopping.
         trusted_globals: pickle globals allowed beyond the ``weights_only`` safe set.
         overwrite: replace an existing checkpoint at ``dst``.
-        progress: tqdm bar on stderr (shown only for work over a second).
+        progress: tqdm bar on stderr (``None``: only when stderr is a terminal; shown after 1 s).
 
     Returns:
         The :class:`MigrationReport` (also written to ``dst/migration_report.json``).
@@ -402,7 +405,8 @@ def migrate(
     """
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
-    source = open_source(src, key=key, trusted_globals=trusted_globals)
+    with external_errors(os.fspath(src), what="reading"):
+        source = open_source(src, key=key, trusted_globals=trusted_globals)
     try:
         report = MigrationReport(
             source=str(src),
@@ -428,6 +432,13 @@ def migrate(
                 )
         if not report.ok and not allow_unresolved:
             raise MigrationError(report, report.problems())
+        for s in [
+            *plan.values(),
+            *opt_plan.values(),
+        ]:  # refused before anything is written, naming file and key
+            why = dtype_problem(source.spec(s).dtype)
+            if why is not None:
+                raise UnsupportedTensorError(_file_of(source, s), s, why)
         report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
             source.nbytes(s) for s in opt_plan.values()
         )
@@ -440,6 +451,10 @@ def migrate(
         return report
     finally:
         source.close()
+
+
+def _file_of(source: Source, key: str) -> str:
+    return str(source.path / source.file_of(key)) if source.path.is_dir() else str(source.path)
 
 
 def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationReport) -> dict[str, str]:
@@ -600,8 +615,7 @@ def _write(
     def specs_of(p: dict[str, str]) -> list[TensorSpec]:
         return [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in p.items()]
 
-    bar = tqdm(total=report.total_bytes, unit="B", unit_scale=True, desc="migrate", delay=1.0,
-               disable=not progress)  # fmt: skip
+    bar = progress_bar(report.total_bytes, "migrate", progress)
 
     def fetcher(p: dict[str, str]):
         def fetch(spec) -> torch.Tensor:

@@ -68,11 +68,17 @@ class FileCheck(BaseModel):
 
 class VerifyReport(BaseModel):
     """Result of :func:`checkpoint.verify`: per-file checks and every problem found, as text
-    naming its file (``problems`` empty means the checkpoint is intact)."""
+    naming its file (``problems`` empty means the checkpoint is intact; ``notes`` are facts such
+    as "not checksummed", never damage). ``total_size`` in bytes of tensor data."""
 
     path: str
+    format: str = "safetensors-index"
     files: list[FileCheck] = Field(default_factory=list)
     problems: list[str] = Field(default_factory=list)
+    # Facts that are not damage, e.g. "not checksummed" for an index written by another tool.
+    notes: list[str] = Field(default_factory=list)
+    # True when every file's sha256 was compared with a recorded one.
+    checksummed: bool = True
     tensors: int = 0
     total_size: int = 0
 

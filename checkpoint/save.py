@@ -23,6 +23,7 @@ from fqn import FQNMap, FQNMapFile
 from . import _faults
 from .atomic import StagedCheckpoint
 from .errors import CheckpointError, CheckpointWriteError
+from .progress import counted_fetches
 from .ranks import dist, shards
 from .state import Entry, object_state
 from .storage import limits
@@ -202,6 +203,7 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     overwrite: bool = False,
     extra_state: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -222,6 +224,9 @@ def save(
     to ``extra_state.json`` in the same atomic commit (see :mod:`checkpoint.training.extra_state`);
     on many ranks rank 0's values are saved.
 
+    ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
+    shown after 1 s).
+
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
@@ -230,9 +235,10 @@ def save(
     """
     path = os.fspath(path)
     parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
-    if distributed:
-        return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
-    return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+    with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
+        if distributed:
+            return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+        return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
 
 
 def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:

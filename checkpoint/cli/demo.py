@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -375,11 +376,17 @@ def _migrate_and_load(name: str, src: str, dst: str, source: Source, reference, 
 
 
 def run_main_job(
-    source: Source, workdir: str | os.PathLike, batch: int = 8, world_size: int = 2
+    source: Source,
+    workdir: str | os.PathLike,
+    batch: int = 8,
+    world_size: int = 2,
+    on_check: Callable[[Check], None] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> list[Check]:
     """Steps 1-4 (module docstring) on ``source``; returns the checks. ``batch``: sentences, a
     multiple of ``world_size``. Files go under ``workdir`` (``saved/``, ``compiled.pt``,
-    ``dynamo_flat.safetensors``, ``migrated_*``).
+    ``dynamo_flat.safetensors``, ``migrated_*``). ``on_check(check)`` is called as each check
+    finishes and ``on_step(text)`` before each long step (so a caller can print as it goes).
 
     Raises:
         ValueError: ``batch`` is not a positive multiple of ``world_size``.
@@ -400,13 +407,15 @@ def run_main_job(
     workdir.mkdir(parents=True, exist_ok=True)
     saved = workdir / "saved"
     inputs = batch_inputs(source, batch)
-    checks: list[Check] = []
+    checks = _Checks(on_check)
+    step = on_step or (lambda text: None)
 
     # Reference: plain transformers eager, single process.
     reference = AutoModel.from_pretrained(source.weights_dir, attn_implementation="eager").eval()
     ref_emb = eager_embeddings(reference, inputs)
 
     # 1-2. Parallel module on the ranks, compared with eager.
+    step(f"spawning {world_size} ranks: capture, load, forward and save (the longest step)")
     t0 = time.perf_counter()
     results = run_ranks(parallel_job, world_size, source, inputs, str(saved), backend="gloo", timeout=600)
     ranks_seconds = time.perf_counter() - t0
@@ -451,7 +460,7 @@ def run_main_job(
     checks.append(
         Check(
             f"save sharded ({source.shard_size}) + verify",
-            f"{n_files} files, {n_bytes:,} bytes, {save_s:.2f}s, sha256 {'ok' if verify.ok else 'BAD'}",
+            f"{n_files} files, {n_bytes:,} bytes, {save_s:.2f}s, digests {'ok' if verify.ok else 'BAD'}",
             "verify ok",
             verify.ok and n_files >= 1,
             {"files": n_files, "bytes": n_bytes, "seconds": save_s, "tensor_bytes": verify.total_size},
@@ -478,6 +487,7 @@ def run_main_job(
     )
 
     # 4. Checkpoints written by a compiled model and by a captured graph, migrated, loaded strictly.
+    step("migrating a compiled model's pickle and a captured graph's state_dict")
     compiled_pt = workdir / "compiled.pt"
     torch.save(torch.compile(reference).state_dict(), compiled_pt)  # `_orig_mod.` keys, nothing compiled
     checks.append(
@@ -494,12 +504,11 @@ def run_main_job(
     flat = {k: v.detach().contiguous() for k, v in gm.state_dict().items()}
     flat_st = workdir / "dynamo_flat.safetensors"
     save_file(flat, flat_st)
-    checks.append(
-        _migrate_and_load(
-            "dynamo-flat names", str(flat_st), str(workdir / "migrated_flat"), source, reference, True
-        )
+    flat_check = _migrate_and_load(
+        "dynamo-flat names", str(flat_st), str(workdir / "migrated_flat"), source, reference, True
     )
-    checks[-1].figures["example_key"] = next(k for k in flat if "query" in k)
+    flat_check.figures["example_key"] = next(k for k in flat if "query" in k)
+    checks.append(flat_check)
     checks.append(
         Check(
             "wall time",
@@ -509,7 +518,34 @@ def run_main_job(
             {"ranks_seconds": ranks_seconds, "rank0": r0["seconds"]},
         )
     )
-    return checks
+    return list(checks)
+
+
+class _Checks(list):
+    """The list of checks; ``append`` also reports each one to ``on_check`` as it finishes."""
+
+    def __init__(self, on_check: Callable[[Check], None] | None):
+        super().__init__()
+        self.on_check = on_check
+
+    def append(self, check: Check) -> None:
+        super().append(check)
+        if self.on_check is not None:
+            self.on_check(check)
+
+
+# Column widths of the streamed table (each row is printed when its check finishes).
+_WIDTHS = (40, 56, 22)
+
+
+def format_row(check: Check | None) -> str:
+    """One row of the streamed table (``None``: the header and its rule)."""
+    if check is None:
+        cells = ("check", "value", "limit", "ok")
+        head = "  ".join(c.ljust(w) for c, w in zip(cells, (*_WIDTHS, 2))).rstrip()
+        return head + "\n" + "  ".join("-" * w for w in (*_WIDTHS, 2))
+    cells = (check.check, check.value, check.limit)
+    return "  ".join(c.ljust(w) for c, w in zip(cells, _WIDTHS)) + "  " + ("ok" if check.ok else "FAIL")
 
 
 # -- the command -----------------------------------------------------------------------------------------
@@ -543,24 +579,44 @@ def run_demo(args: argparse.Namespace) -> int:
     not, 2 when ``transformers`` is missing or the options are bad."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
     _quiet()
+    from .main import BadInput  # reported by the CLI as one line / one JSON object, exit 2
+
     if importlib.util.find_spec("transformers") is None:
-        print("fqnckpt demo: error: needs transformers (pip install 'fqnckpt[examples]')", file=sys.stderr)
-        return 2
+        raise BadInput("needs transformers (pip install 'fqnckpt[examples]')")
     if args.batch <= 0 or args.world_size <= 0 or args.batch % args.world_size:
-        print(f"fqnckpt demo: error: --batch {args.batch} must be a positive multiple of --world-size "
-              f"{args.world_size}", file=sys.stderr)  # fmt: skip
-        return 2
+        raise BadInput(
+            f"--batch {args.batch} must be a positive multiple of --world-size {args.world_size}",
+            flag="--batch",
+        )
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="fqnckpt-demo-")
     workdir = Path(args.workdir or tmp)
     try:
         t0 = time.perf_counter()
         source, which = choose_source(workdir, args.builtin)
-        if not args.json:
+        stream = not args.json
+        if stream:  # each check is printed as it finishes, not all at the end
             print(which, flush=True)
-        checks = run_main_job(source, workdir, batch=args.batch, world_size=args.world_size)
+            print(format_row(None), flush=True)
+        shown: list[Check] = []
+
+        def show(c: Check) -> None:
+            shown.append(c)
+            print(format_row(c), flush=True)
+
+        checks = run_main_job(
+            source, workdir, batch=args.batch, world_size=args.world_size,
+            on_check=show if stream else None,
+            on_step=(lambda text: print(f"  ... {text}", file=sys.stderr, flush=True)) if stream else None,
+        )  # fmt: skip
+        for c in checks if stream else ():  # any the job returned without reporting
+            if not any(c is x for x in shown):
+                show(c)
         total = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - a step that raises is a failed check, not bad input (2)
-        print(f"fqnckpt demo: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        if args.json:
+            print(json.dumps({"ok": False, "error": type(e).__name__, "message": msg, "checks": []}))
+        print(f"fqnckpt demo: FAILED: {msg}", file=sys.stderr)
         return 1
     finally:
         if tmp is not None:
@@ -571,6 +627,5 @@ def run_demo(args: argparse.Namespace) -> int:
                 "checks": [asdict(c) for c in checks]}  # fmt: skip
         print(json.dumps(data, indent=2, default=str))
     else:
-        print(format_table(checks))
         print(f"{'all checks passed' if ok else 'SOME CHECKS FAILED'} in {total:.1f}s")
     return 0 if ok else 1

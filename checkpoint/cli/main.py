@@ -1,9 +1,11 @@
 """The ``fqnckpt`` command line (also ``python -m checkpoint``): inspect, migrate, verify, diff.
 
 Each subcommand is a :class:`Command` in ``_COMMANDS`` (add one with :func:`register_command`,
-e.g. the ``demo`` command). Every command takes ``--json``; long work shows a tqdm bar on stderr
-(only after one second). Exit codes: 0 success, 1 a check found a mismatch, 2 bad input (the
-message names the file and key).
+e.g. the ``demo`` command). ``--json`` goes before or after the subcommand; long work shows a tqdm
+bar on stderr (only after one second). Exit codes: 0 success, 1 a check found a mismatch, 2 bad
+input: one line on stderr naming the file, key and flag at fault (with ``--json`` also one JSON
+object on stdout: ``error``, ``message``, ``file``, ``key``, ``flag``). No exception leaves as a
+traceback (``FQNCKPT_TRACEBACK=1`` prints it, for bug reports).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
+from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_MISMATCH = 0, 1
+__all__ = ["EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT", "BadInput", "cli_spelling", "main", "build_parser"]
 _SHORT_TABLE_ROWS = 10  # renamed keys shown by `migrate` without --keys
 
 
@@ -46,10 +49,6 @@ def register_command(cmd: Command) -> Command:
     return cmd
 
 
-class BadInput(Exception):
-    """Bad command-line input (exit code 2)."""
-
-
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str) if args.json else text)
 
@@ -60,6 +59,10 @@ def _human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 # -- inspect ---------------------------------------------------------------------------------------------
@@ -76,14 +79,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from ..migrate import naming_schemes
     from ..sources import open_source
 
+    _check_trust(args)
     with open_source(args.path, key=args.key, trusted_globals=args.trust) as src:
         keys = src.keys()
         dtypes = Counter(str(src.spec(k).dtype).removeprefix("torch.") for k in keys)
-        schemes = Counter(
-            s.split(":")[0] if s.startswith("wrapper") else s for k in keys for s in naming_schemes(k)
-        )
+        # Counts are of tensors: a key with two wrapper segments is one tensor of naming "wrapper".
+        per_key = {k: naming_schemes(k) for k in keys}
+        schemes = Counter(kind for v in per_key.values() for kind in {x.split(":")[0] for x in v})
         wrappers = Counter(
-            s.split(":", 1)[1] for k in keys for s in naming_schemes(k) if s.startswith("wrapper:")
+            seg for v in per_key.values() for seg in {x.split(":", 1)[1] for x in v if ":" in x}
         )
         per_file = src.per_file()  # true figures: a DCP tensor split over files counts in each
         opt = src.optimizer
@@ -95,8 +99,8 @@ def _inspect(args: argparse.Namespace) -> int:
             "tensors": len(keys),
             "total_bytes": src.total_bytes(),
             "dtypes": dict(dtypes),
-            "naming_schemes": dict(schemes),
-            "wrapper_segments": dict(wrappers),
+            "naming_schemes": dict(schemes),  # scheme -> number of tensors
+            "wrapper_segments": dict(wrappers),  # segment -> number of tensors
             "per_file": per_file,
             "skipped": src.skipped,
             "notes": src.notes,
@@ -119,10 +123,13 @@ def _inspect(args: argparse.Namespace) -> int:
         f"{data['path']}: {src.format}" + (f" (container {src.container!r})" if src.container else ""),
         f"  tensors: {len(keys)}, {_human(data['total_bytes'])} ({data['total_bytes']} bytes)",
         f"  dtypes: {', '.join(f'{d} x{n}' for d, n in sorted(dtypes.items()))}",
-        "  naming: " + (", ".join(f"{s} x{n}" for s, n in sorted(schemes.items())) or "plain eager names"),
+        "  naming (tensors): "
+        + (", ".join(f"{s} x{n}" for s, n in sorted(schemes.items())) or "plain eager names"),
     ]
     if wrappers:
-        lines.append(f"  wrapper segments: {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}")
+        lines.append(
+            f"  wrapper segments (tensors): {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}"
+        )
     lines.append("  files:")
     lines += [f"    {f}: {v['tensors']} tensors, {_human(v['bytes'])}" for f, v in sorted(per_file.items())]
     if opt is not None:
@@ -176,41 +183,86 @@ def load_model(spec: str):
 
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise BadInput(f"--model {spec!r} must be MODULE:CALLABLE")
+        raise BadInput(f"--model {spec!r} must be MODULE:CALLABLE", flag="--model")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise BadInput(f"--model {spec!r}: {e}") from None
+        raise BadInput(f"--model {spec!r}: {e}", flag="--model") from None
     except Exception as e:  # noqa: BLE001 - the module itself raises / does not parse: no traceback
-        raise BadInput(f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}") from None
+        raise BadInput(
+            f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}", flag="--model"
+        ) from None
     try:
         model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     except Exception as e:  # noqa: BLE001 - e.g. a class that needs a config: say so, no traceback
-        raise BadInput(f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}") from None
+        raise BadInput(
+            f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}", flag="--model"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module")
+        raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module", flag="--model")
     return model
+
+
+def _check_trust(args: argparse.Namespace) -> None:
+    """Each ``--trust MODULE.NAME`` must import (before any pickle is looked at)."""
+    from ..sources.readers import resolve_globals
+
+    for g in getattr(args, "trust", None) or []:
+        try:
+            resolve_globals([g])
+        except Exception:  # noqa: BLE001 - any import failure is the flag's fault
+            raise BadInput(
+                f"--trust {g!r}: cannot import it (give a class or function as MODULE.NAME)",
+                flag="--trust",
+                key=g,
+            ) from None
+
+
+def _check_migrate_flags(args: argparse.Namespace):
+    """Validate the flags that need no checkpoint before anything is read: ``--rule``,
+    ``--max-shard-size``, ``--fqn-map`` (returns the compiled rules and the loaded FQN map)."""
+    from ..errors import CheckpointError
+    from ..migrate import _load_fqn_map, compile_rules
+    from ..storage.format import parse_size
+
+    try:
+        rules = compile_rules(args.rule)
+    except ValueError as e:
+        raise BadInput(str(e), flag="--rule") from None
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise BadInput(str(e), flag="--max-shard-size") from None
+    _check_trust(args)
+    fmap = None
+    if args.fqn_map is not None:
+        try:
+            fmap = _load_fqn_map(args.fqn_map)
+        except (CheckpointError, OSError, ValueError) as e:
+            raise BadInput(one_line(str(e)), flag="--fqn-map", file=args.fqn_map) from None
+    return [(pat, repl) for pat, _, repl in rules], fmap
 
 
 def _migrate(args: argparse.Namespace) -> int:
     from ..errors import CheckpointExistsError, MigrationError
     from ..migrate import migrate
 
+    rules, fmap = _check_migrate_flags(args)
     model = load_model(args.model) if args.model else None
     try:
         report = migrate(
-            args.src, args.dst, model=model, fqn_map=args.fqn_map, rules=args.rule, key=args.key,
+            args.src, args.dst, model=model, fqn_map=fmap, rules=rules, key=args.key,
             dry_run=args.dry_run, max_shard_size=args.max_shard_size, allow_unresolved=args.allow_unresolved,
-            trusted_globals=args.trust, overwrite=args.overwrite, progress=True,
+            trusted_globals=args.trust, overwrite=args.overwrite, progress=None,
         )  # fmt: skip
         code = EXIT_OK
     except CheckpointExistsError as e:  # the message names the API's overwrite=True; say the flag
-        raise BadInput(str(e).replace("overwrite=True", "--overwrite")) from None
+        raise BadInput(cli_spelling(str(e)), flag="--overwrite", file=e.path) from None
     except MigrationError as e:
         report, code = e.report, EXIT_MISMATCH
-        print(f"fqnckpt: {e}", file=sys.stderr)
+        print(f"fqnckpt migrate: {one_line(cli_spelling(str(e)))}", file=sys.stderr)
     c = report.counts()
     lines = [
         f"{report.source} ({report.source_format}) -> {report.destination or '(dry run, nothing written)'}",
@@ -226,7 +278,7 @@ def _migrate(args: argparse.Namespace) -> int:
         if len(shown) < len(renamed):
             lines.append(f"    ... {len(renamed) - len(shown)} more (--keys lists all; --json for machines)")
     for u in report.unresolved:
-        lines.append(f"  unresolved: {u.source}: {u.reason}")
+        lines.append(f"  unresolved: {u.source}: {cli_spelling(u.reason)}")
     for col in report.collisions:
         lines.append(f"  collision: {col.sources} -> {col.target}")
     for m in report.shape_mismatched:
@@ -244,30 +296,24 @@ def _migrate(args: argparse.Namespace) -> int:
 
 # -- verify ----------------------------------------------------------------------------------------------
 def _verify_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="fqnckpt checkpoint directory or file")
+    p.add_argument("path", help="checkpoint directory or file (any supported format)")
 
 
 def _verify(args: argparse.Namespace) -> int:
-    import checkpoint
+    from ..verify import verify
 
-    from ..errors import ChecksumMismatchError, CorruptCheckpointError, TensorNotInShardError
-
-    verify = getattr(checkpoint, "verify", None)
-    try:
-        if verify is not None:
-            result = verify(args.path)
-        else:  # checkpoint.verify not exported yet: re-hash every file through the reader
-            from ..storage.reader import open_checkpoint
-
-            with open_checkpoint(args.path) as r:
-                result = {f: r.verify_file(f) for f in r.files}
-    except (ChecksumMismatchError, CorruptCheckpointError, TensorNotInShardError) as e:
-        _emit(args, {"path": args.path, "ok": False, "error": str(e)}, f"{args.path}: MISMATCH: {e}")
-        return EXIT_MISMATCH
-    ok = bool(getattr(result, "ok", True)) if result is not None else True
-    data = result.model_dump(mode="json") if hasattr(result, "model_dump") else result
-    _emit(args, {"path": args.path, "ok": ok, "result": data}, f"{args.path}: {'OK' if ok else 'MISMATCH'}")
-    return EXIT_OK if ok else EXIT_MISMATCH
+    rep = verify(args.path, progress=None)
+    algos = sorted({f.algorithm for f in rep.files if f.expected_digest is not None})
+    what = (
+        f"{'/'.join(algos) or 'digests'} checked" if rep.checksummed else "structure checked, not checksummed"
+    )
+    head = (
+        f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {_plural(rep.tensors, 'tensor')}, "
+        f"{_plural(len(rep.files), 'file')}, {what})"
+    )
+    lines = [head] + [f"  problem: {p}" for p in rep.problems] + [f"  note: {n}" for n in rep.notes]
+    _emit(args, rep.model_dump(mode="json") | {"ok": rep.ok, "bad_files": rep.bad_files}, "\n".join(lines))
+    return EXIT_OK if rep.ok else EXIT_MISMATCH
 
 
 # -- diff ------------------------------------------------------------------------------------------------
@@ -275,6 +321,15 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="first checkpoint (any supported format)")
     p.add_argument("b", help="second checkpoint (any supported format)")
     p.add_argument("--no-values", action="store_true", help="compare keys, shapes and dtypes only")
+    names = p.add_mutually_exclusive_group()
+    names.add_argument(
+        "--model",
+        metavar="MODULE:CALLABLE",
+        help="resolve both sides' keys to this model's eager FQNs first (as migrate --model does)",
+    )
+    names.add_argument(
+        "--canonical", action="store_true", help="strip wrapper segments (_orig_mod., module., ...) first"
+    )
     p.add_argument(
         "--trust", action="append", default=[], metavar="MODULE.NAME", help="trusted pickle global"
     )
@@ -288,44 +343,99 @@ def tensor_digest(t) -> str:
     return hashlib.sha256(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
+def _diff_names(src, model, canonical: bool) -> tuple[dict[str, str], list[str]]:
+    """``{name compared: source key}`` and the keys that resolve to no name (with ``model``).
+    With ``model`` names go through ``migrate``'s resolution and end at the canonical FQN of
+    their tied group, so a side storing one alias matches a side storing another."""
+    from fqn import canonical_fqn, eager_tensors
+
+    keys = src.keys()
+    if model is None:
+        mapped = {k: canonical_fqn(k) if canonical else k for k in keys}
+        unresolved: list[str] = []
+    else:
+        from ..migrate import plan_names
+
+        specs = {k: (tuple(src.spec(k).shape), src.spec(k).dtype) for k in keys}
+        planned, bad = plan_names(keys, specs, model=model, fqn_map=None, rules=[])
+        canon = {n: t.fqn for t in eager_tensors(model) for n in t.names}
+        mapped = {k: canon.get(t, t) for k, (t, _) in planned.items()}
+        unresolved = sorted(u.source for u in bad)
+    out: dict[str, str] = {}
+    for k, name in mapped.items():
+        if name in out:  # two keys of one side name one tensor: compare the first, report the rest
+            unresolved.append(f"{k} (same tensor as {out[name]})")
+            continue
+        out[name] = k
+    return out, unresolved
+
+
 def _diff(args: argparse.Namespace) -> int:
+    from ..progress import progress_bar
     from ..sources import open_source
 
+    _check_trust(args)
+    model = load_model(args.model) if args.model else None
     with (
         open_source(args.a, trusted_globals=args.trust) as a,
         open_source(args.b, trusted_globals=args.trust) as b,
     ):
-        ka, kb = set(a.keys()), set(b.keys())
+        na, bad_a = _diff_names(a, model, args.canonical)
+        nb, bad_b = _diff_names(b, model, args.canonical)
+        ka, kb = set(na), set(nb)
         common = sorted(ka & kb)
-        shape = [k for k in common if tuple(a.spec(k).shape) != tuple(b.spec(k).shape)]
-        dtype = [k for k in common if a.spec(k).dtype != b.spec(k).dtype]
+        shape = [k for k in common if tuple(a.spec(na[k]).shape) != tuple(b.spec(nb[k]).shape)]
+        dtype = [k for k in common if a.spec(na[k]).dtype != b.spec(nb[k]).dtype]
         values: list[str] = []
+        same_meta = [k for k in common if k not in shape and k not in dtype]
         if not args.no_values:
-            same_meta = [k for k in common if k not in shape and k not in dtype]
-            total = sum(a.nbytes(k) for k in same_meta)
-            with tqdm(total=total, unit="B", unit_scale=True, desc="diff", delay=1.0, file=sys.stderr) as bar:
+            total = sum(a.nbytes(na[k]) for k in same_meta)
+            with progress_bar(total, "diff", None) as bar:
                 for k in same_meta:  # one tensor of each side in memory at a time
-                    if tensor_digest(a.get(k)) != tensor_digest(b.get(k)):
+                    if tensor_digest(a.get(na[k])) != tensor_digest(b.get(nb[k])):
                         values.append(k)
-                    bar.update(a.nbytes(k))
+                    bar.update(a.nbytes(na[k]))
+    naming = (
+        f"eager FQNs of {args.model}"
+        if model is not None
+        else "canonical names"
+        if args.canonical
+        else "raw names"
+    )
     data = {
         "a": args.a,
         "b": args.b,
+        "names": naming,
+        "common": len(common),
         "only_in_a": sorted(ka - kb),
         "only_in_b": sorted(kb - ka),
+        "unresolved_in_a": bad_a,
+        "unresolved_in_b": bad_b,
         "shape_differs": shape,
         "dtype_differs": dtype,
         "value_differs": values,
         "compared_values": not args.no_values,
+        "values_compared": 0 if args.no_values else len(same_meta),
     }
-    same = not any(
-        data[f] for f in ("only_in_a", "only_in_b", "shape_differs", "dtype_differs", "value_differs")
-    )
+    fields = ("only_in_a", "only_in_b", "unresolved_in_a", "unresolved_in_b", "shape_differs", "dtype_differs",
+              "value_differs")  # fmt: skip
+    same = not any(data[f] for f in fields)
     data["same"] = same
-    lines = [f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} ({len(common)} common keys)"]
-    for f in ("only_in_a", "only_in_b", "shape_differs", "dtype_differs", "value_differs"):
+    if args.no_values:
+        compared = "values not compared (--no-values): keys, shapes and dtypes only"
+    else:
+        compared = f"values compared by sha256 for {len(same_meta)} tensors"
+    lines = [
+        f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} "
+        f"({len(common)} common tensors by {naming}; {compared})"
+    ]
+    for f in fields:
         if data[f]:
-            lines.append(f"  {f.replace('_', ' ')}: {data[f]}")
+            lines.append(f"  {f.replace('_', ' ')} ({len(data[f])}): {data[f][:20]}")
+    if not common and (ka or kb) and model is None and not args.canonical:
+        lines.append(
+            "  hint: --canonical strips wrapper segments; --model MODULE:CALLABLE resolves to eager FQNs"
+        )
     _emit(args, data, "\n".join(lines))
     return EXIT_OK if same else EXIT_MISMATCH
 
@@ -338,7 +448,11 @@ register_command(
 register_command(
     Command("migrate", "rewrite a checkpoint under eager FQNs, with a report", _migrate_args, _migrate)
 )
-register_command(Command("verify", "re-hash a checkpoint's files against its index", _verify_args, _verify))
+register_command(
+    Command(
+        "verify", "check a checkpoint's structure, and its checksums where recorded", _verify_args, _verify
+    )
+)
 register_command(
     Command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints", _diff_args, _diff)
 )
@@ -354,38 +468,65 @@ register_command(
 
 
 # -- entry point -----------------------------------------------------------------------------------------
+def version() -> str:
+    """``fqnckpt X.Y.Z (torch A.B.C)`` from the installed distributions' metadata (no torch import)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    def v(name: str) -> str:
+        try:
+            return dist_version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"fqnckpt {v('fqnckpt')} (torch {v('torch')}, python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one subparser per registered :class:`Command`."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fqnckpt",
         description="PyTorch checkpoints in eager FQNs",
         epilog="exit codes: 0 ok, 1 a check found a mismatch, 2 bad input. 'fqnckpt COMMAND --help' for options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument(
+        "--json", action="store_true", default=False, help="machine-readable output on stdout"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for cmd in _COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        # SUPPRESS: the subcommand's default must not undo a --json given before it.
+        p.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+        )
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``fqnckpt``; returns the exit code (0 ok, 1 mismatch found, 2 bad input)."""
-    import fqn
+    """Run ``fqnckpt``; returns the exit code (0 ok, 1 mismatch found, 2 bad input, 130 interrupted).
 
-    from ..errors import CheckpointError
-
-    args = build_parser().parse_args(argv)
+    Every exception is reported as one line naming the file / key / flag (see module docstring);
+    only ``SystemExit`` from ``--help`` / ``--version`` passes through.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    command = next((a for a in argv if a in _COMMANDS), "")
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return report_error(e, argparse.Namespace(), command or "", as_json)
     try:
         return args._run(args)
-    except (BadInput, CheckpointError, fqn.FQNError, OSError, ValueError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        # One line: pydantic / multi-line messages are joined, pydantic's doc links dropped.
-        lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()]
-        msg = "; ".join(ln for ln in lines if not ln.startswith("For further information visit"))
-        print(f"fqnckpt {args.command}: error: {msg}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"fqnckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - every error becomes one line (DCP's derive from BaseException)
+        return report_error(e, args, args.command, args.json)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import external_errors
+
 FORMATS = ("torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "dcp", "dcp-hf-sharded")
 
 
@@ -101,7 +103,9 @@ class Source:
         """The tensor ``key``, contiguous. For a zip pickle it may view the memory-mapped file: use
         it and drop it, do not keep it (holding it keeps the mapping resident)."""
         self._lookup(key)
-        return self._reader.get(key)
+        file = self.path / self.file_of(key) if self.path.is_dir() else self.path
+        with external_errors(str(file), key, "reading"):  # torch / safetensors / OS errors named
+            return self._reader.get(key)
 
     def read_ahead(self, keys: Sequence[str]) -> None:
         """Hint: ``get`` will be called for ``keys`` in this order (lets DCP read them in batches)."""

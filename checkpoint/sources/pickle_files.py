@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, UnsafePickleError, UnsupportedFormatError
+from ..tensor_checks import check_dense_tensors
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import sniff_file
+from .validate import validate_optimizer_state_dict
 
 _WINDOW_PER_TENSOR = 64 << 10
 
@@ -84,9 +86,10 @@ def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list
         if sniff_file(p) == "torch-zip":
             try:
                 return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
-            except RuntimeError as e:  # torch's zip reader: truncated / not a torch.save archive
+            except Exception as e:  # noqa: BLE001 - torch's zip reader / pickle scan on damaged bytes
                 raise CorruptCheckpointError(
-                    str(p), f"not a valid torch.save zip archive: {str(e).splitlines()[0]}"
+                    str(p),
+                    f"not a valid torch.save zip archive: {type(e).__name__}: {' '.join(str(e).split())}",
                 ) from None
         from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
 
@@ -210,6 +213,7 @@ def _optimizer_view(
     """Tensors of an optimizer state_dict keyed ``<prefix>state.<param id>.<slot>`` plus its
     groups. Python-number state (``step`` of older optimizers) becomes a 0-dim tensor listed in
     ``scalars`` so it is carried over, not dropped; anything else is ``skipped`` by type."""
+    validate_optimizer_state_dict(osd, str(path))
     ids: list[Any] = []
     names: list[str] | None = []
     groups = []
@@ -274,6 +278,10 @@ class _PickleReader:
             raise UnsafePickleError(str(self.path), [], why=str(e).splitlines()[0]) from None
         except RuntimeError as e:  # torch's zip reader on a damaged archive
             raise CorruptCheckpointError(str(self.path), f"damaged torch.save file: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a malformed pickle surfaces as any error type
+            raise CorruptCheckpointError(
+                str(self.path), f"damaged torch.save file: {type(e).__name__}: {' '.join(str(e).split())}"
+            ) from None
         cont, self.container = _pick_container(obj, self.key, self.path)
         skipped: dict[str, str] = {}
         optimizers: dict[str, Any] = {}
@@ -304,6 +312,7 @@ class _PickleReader:
         if self.key is not None and isinstance(obj, Mapping):
             top = self.key.split("/")[0]
             self.left_out = [c for c in _container_choices(obj) if c != top]
+        check_dense_tensors(tensors, str(self.path))
         self.tensors, self.skipped = tensors, skipped
         self.touched = 0
 

@@ -10,7 +10,12 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    AmbiguousSourceError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from ..storage import paths
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -115,9 +120,12 @@ def sniff(path: str | os.PathLike) -> str:
     pickles = pickle_files(p)
     if len(pickles) == 1:
         return sniff_file(pickles[0])
-    if pickles:
-        raise CheckpointNotFoundError(
-            str(p), f"several pickle files {[f.name for f in pickles]}; pass the one to read"
+    if pickles:  # never pick one silently: list them
+        raise AmbiguousSourceError(
+            str(p),
+            [f.name for f in pickles],
+            "several pickle files, name one of them as the path",
+            "the path",
         )
     raise CheckpointNotFoundError(str(p), "no .metadata, *.safetensors, index or single pickle file in it")
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsavableError, UnsavableTypeError
-from .layout import DTYPE_TO_ST, FilePlan
+from .layout import FilePlan
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors/src/tensor.rs MAX_HEADER_SIZE
 RESERVED_NAME = "__metadata__"
@@ -51,13 +51,13 @@ def check_name(name: Any, path: str = "") -> None:
 
 
 def check_tensor(name: str, tensor: torch.Tensor, path: str = "") -> None:
-    """Raise :class:`UnsavableTypeError` unless ``tensor``'s dtype and layout can be stored."""
-    if tensor.layout != torch.strided:
-        raise UnsavableTypeError(
-            name, f"has layout {tensor.layout}; only dense (strided) tensors can be saved", path
-        )
-    if tensor.dtype not in DTYPE_TO_ST:
-        raise UnsavableTypeError(name, f"has dtype {tensor.dtype}, which safetensors cannot store", path)
+    """Raise :class:`UnsavableTypeError` unless ``tensor``'s layout (strided, not nested or
+    quantized) and dtype can be stored (the rule of :mod:`checkpoint.tensor_checks`)."""
+    from ..tensor_checks import tensor_problem
+
+    why = tensor_problem(tensor, storable=True)
+    if why is not None:
+        raise UnsavableTypeError(name, why, path)
 
 
 def check_header(plan: FilePlan, path: str = "") -> None:
