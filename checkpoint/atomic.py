@@ -121,15 +121,33 @@ class CommitManifest(BaseModel):
 @contextlib.contextmanager
 def checkpoint_lock(path: str) -> Iterator[None]:
     """Exclusive ``fcntl.flock`` on ``.<name>.fqnckpt-lock`` beside ``path`` (blocks until free):
-    one save at a time. The lock file is never deleted: deleting it would let two savers lock
-    different inodes."""
+    one save at a time. The lock file exists only while a save holds it (nothing is left beside a
+    checkpoint): it is unlinked before the lock is released, and a waiter that then wins the lock
+    on the unlinked inode sees that the name no longer leads to its inode and locks afresh (the
+    usual lock-file-with-unlink protocol; flock alone would let two savers lock different inodes)."""
     parent, _ = _split(path)
     os.makedirs(parent, exist_ok=True)
-    fd = os.open(sibling(path, LOCK_TAG), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    lock = sibling(path, LOCK_TAG)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            now = os.stat(lock)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
         os.close(fd)  # releases the lock
 
 

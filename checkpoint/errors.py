@@ -199,7 +199,8 @@ class UnsavableError(CheckpointError, ValueError):
         self.key, self.path = key, str(path)
         self.file = self.path  # like UnsupportedTensorError / the CLI's error fields
         where = f"saving {self.path}: " if path else ""
-        super().__init__(f"{where}{key!r}: {why}; nothing was written")
+        # Not super(): UnsavableTypeError's next base (UnsupportedTensorError) takes other arguments.
+        Exception.__init__(self, f"{where}{key!r}: {why}; nothing was written")
 
 
 class UnsupportedTensorError(CheckpointError, TypeError):

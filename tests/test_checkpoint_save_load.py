@@ -239,7 +239,7 @@ def test_exists_overwrite_and_refuse_foreign_dir(tmp_path):
     with pytest.raises(CheckpointExistsError, match="not a checkpoint"):
         checkpoint.save({"w": torch.ones(2)}, tmp_path / "home", overwrite=True)
     assert (tmp_path / "home" / "notes.txt").read_text() == "mine"
-    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", ".home.fqnckpt-lock", "ck", "home"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "home"]
 
 
 def test_verify_reports_flipped_byte_with_its_file(tmp_path):
@@ -348,4 +348,4 @@ def test_disk_full_is_write_error_and_previous_checkpoint_intact(tmp_path, monke
     assert isinstance(ei.value, OSError)
     monkeypatch.undo()
     assert {p: (tmp_path / "ck" / p).read_bytes() for p in os.listdir(tmp_path / "ck")} == before
-    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"]  # staging removed
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # staging removed

@@ -176,7 +176,7 @@ def test_overwrite_keeps_user_files_and_drops_stale_files(tmp_path):
     assert {rel: (path / rel).read_bytes() for rel in user} == user
     assert idx.files() == ["model-00001-of-00001.safetensors"]
     assert torch.equal(_values(path)["w"], small["w"]) and checkpoint.verify(path).ok
-    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
 def test_owned_files_rule(tmp_path):
@@ -387,7 +387,7 @@ def test_deleted_checkpoint_never_comes_back(tmp_path):
             checkpoint.verify(path)
     assert snapshot(tmp_path) == before  # readers restore nothing
     checkpoint.save(_sd(3), path)  # the next save removes the leftover
-    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-lock", "ck"] and _load_values(path) == {3.0}
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and _load_values(path) == {3.0}
 
 
 def test_interrupted_commit_travels_with_its_directory(tmp_path):

@@ -352,6 +352,14 @@ class CheckpointReader:
         """Problem with the index's own digest (format version 2), or None when it matches or the
         index has none (older versions, foreign indexes)."""
         meta = self.meta
+        if meta is None and self.index_path is not None:
+            # A foreign index has no fqnckpt block; ours with a damaged key ("metadata", "fqnckpt")
+            # would pass as foreign: both names and the digest field are in every index we write.
+            with open(self.index_path, "rb") as f:
+                raw = f.read()
+            if b'"fqnckpt"' in raw or _digest.INDEX_FIELD.encode() in raw:
+                return f"{self.index_path}: fqnckpt's index metadata is damaged (the fqnckpt block does not parse)"
+            return None
         if meta is None or meta.format_version < 2:
             return None
         if meta.index_xxh3_128 is None:

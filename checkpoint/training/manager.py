@@ -223,7 +223,9 @@ class CheckpointManager:
         for name in os.listdir(self.root):
             if name.startswith(".step-") and DELETING_TAG in name:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            elif name.startswith(".step-") and atomic.is_leftover_name(name) and atomic.LOCK_TAG not in name:
+            elif name.startswith(".step-") and atomic.is_leftover_name(
+                name
+            ):  # lock files of killed saves too
                 m = re.match(r"^\.(step-\d{8,})\.fqnckpt-", name)
                 if m:
                     interrupted.add(os.path.join(self.root, m.group(1)))
