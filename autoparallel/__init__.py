@@ -8,7 +8,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .api import AutoParallel
 from .capture import Captured, capture
-from .errors import AutoParallelError, CaptureError, DataAssignmentError, PlacementError, StateError
+from .errors import (
+    AutoParallelError,
+    CaptureError,
+    DataAssignmentError,
+    InputError,
+    PlacementError,
+    StateError,
+    UninitializedStateError,
+)
 from .init_weights import dtensor_init_context, wrap_init_weights
 from .mixed_precision import CastToDtype, apply_mixed_precision, count_param_casts
 from .parallel_module import build_parallel_module
@@ -34,4 +42,6 @@ __all__ = [
     "PlacementError",
     "DataAssignmentError",
     "StateError",
+    "InputError",
+    "UninitializedStateError",
 ]
