@@ -255,7 +255,7 @@ BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 
 
 def _api_checks(rank, mesh):
-    """apply_placement twice gives independent modules; a missing input constraint is named."""
+    """apply_placement twice gives independent modules; inputs unlike the capture's are refused."""
     torch.manual_seed(0)
     model = TinyTransformer(TinyConfig(n_layers=1))
     model.init_weights()
@@ -273,6 +273,10 @@ def _api_checks(rank, mesh):
         InputError, match=r"forward got 2 positional argument\(s\).*captured for 1 positional"
     ):
         first(tokens, tokens)
+    with pytest.raises(
+        InputError, match=r"input tensor #0 has shape \(1, 8\).*local \(per-rank\) shape \(2, 8\)"
+    ):
+        first(tokens[:1])  # the graph is static: another batch size would silently mis-shape masks
     return True
 
 
