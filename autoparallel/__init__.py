@@ -1,4 +1,6 @@
-"""autoparallel: strict dynamo capture with AC tags and mixed precision, DTensor parallel module.
+"""autoparallel: strict dynamo capture with AC tags and mixed precision, and a parallel module whose
+state is stored as DTensors (any placements) and whose per-rank graph runs data-parallel with FSDP
+semantics (state all-gathered before use, gradients reduce-scattered back to the placements).
 
 The FQN map recorded during capture is exposed on the result (``pmod.fqn_map``), so checkpoints
 keep eager FQNs.
