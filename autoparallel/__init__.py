@@ -1,4 +1,6 @@
-"""autoparallel: strict dynamo capture with AC tags and mixed precision, DTensor parallel module.
+"""autoparallel: strict dynamo capture with AC tags and mixed precision, and a parallel module whose
+state is stored as DTensors (any placements) and whose per-rank graph runs data-parallel with FSDP
+semantics (state all-gathered before use, gradients reduce-scattered back to the placements).
 
 The FQN map recorded during capture is exposed on the result (``pmod.fqn_map``), so checkpoints
 keep eager FQNs.
@@ -8,7 +10,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .api import AutoParallel
 from .capture import Captured, capture
-from .errors import AutoParallelError, CaptureError, DataAssignmentError, PlacementError, StateError
+from .errors import (
+    AutoParallelError,
+    CaptureError,
+    DataAssignmentError,
+    InputError,
+    PlacementError,
+    StateError,
+    UninitializedStateError,
+)
 from .init_weights import dtensor_init_context, wrap_init_weights
 from .mixed_precision import CastToDtype, apply_mixed_precision, count_param_casts
 from .parallel_module import build_parallel_module
@@ -34,4 +44,6 @@ __all__ = [
     "PlacementError",
     "DataAssignmentError",
     "StateError",
+    "InputError",
+    "UninitializedStateError",
 ]

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.placement_types import Placement
 
 from .capture import Captured, capture
+from .data import InputSignature, local_inputs
 from .errors import StateError
 from .mixed_precision import resolve_policy
 from .parallel_module import build_parallel_module
@@ -43,11 +44,21 @@ class AutoParallel:
     inputs with GLOBAL shapes: a tuple of positional args, ``{"args": (...), "kwargs": {...}}``, or
     a single argument (tensor or nested list / tuple / dict of tensors). Constraints list one
     placement tuple (one entry per mesh dim) per tensor leaf, in ``torch.utils._pytree`` flattening
-    order of ``(args, kwargs)`` / of the output.
+    order of ``(args, kwargs)`` / of the output. Inputs are split on the batch (dim 0) only:
+    ``Shard(0)`` or ``Replicate()`` per mesh dim (default ``Shard(0)`` on every mesh dim).
+
+    The model is captured for the per-rank (local) inputs: on entering the block for the default
+    input placements, again in :meth:`apply_placement` if the constraints change the local shapes.
+    The parallel module then computes data-parallel with FSDP semantics (see
+    :func:`autoparallel.parallel_module.build_parallel_module`).
 
     Raises (on entering the ``with`` block):
-        autoparallel.errors.CaptureError: dynamo cannot capture the model in one graph.
-        NotImplementedError: a mixed-precision ``reduce_dtype`` other than float32.
+        autoparallel.errors.CaptureError: dynamo cannot capture the model in one graph, or the
+            model returns a non-tensor (e.g. a transformers cache: the message says
+            ``use_cache=False``).
+        autoparallel.errors.PlacementError: an input's batch is not divisible by the ranks
+            splitting it.
+        ValueError: a mixed-precision ``reduce_dtype`` that is not a floating dtype.
     """
 
     def __init__(
@@ -62,17 +73,27 @@ class AutoParallel:
         self.mesh = mesh
         self.mp_policy = resolve_policy(mp_policy)
         self._captured: Captured | None = None
+        self._global: tuple[tuple, dict] | None = None
         self._inputs: list[tuple[Placement, ...]] | None = None
         self._outputs: list[tuple[Placement, ...]] | None = None
         self._overrides: dict[str, Sequence[Placement]] = {}
 
     def __enter__(self) -> AutoParallel:
-        args, kwargs = _split_inputs(self.input_fn())
-        self._captured = capture(self.model, args, kwargs, self.mp_policy)
+        self._global = _split_inputs(self.input_fn())
+        self._captured = self._capture()
         return self
 
     def __exit__(self, *exc) -> None:
         self._captured = None
+        self._global = None
+
+    def _local_inputs(self) -> tuple[tuple, dict]:
+        assert self._global is not None
+        return local_inputs(*self._global, self._inputs, tuple(self.mesh.shape))
+
+    def _capture(self) -> Captured:
+        args, kwargs = self._local_inputs()
+        return capture(self.model, args, kwargs, self.mp_policy)
 
     @property
     def captured(self) -> Captured:
@@ -119,11 +140,17 @@ class AutoParallel:
     def apply_placement(self, plan: Plan | None = None) -> nn.Module:
         """Build the parallel module (see :func:`autoparallel.parallel_module.build_parallel_module`).
 
-        ``plan`` defaults to :meth:`optimize_placement`. Each call returns a new, independent module.
+        ``plan`` defaults to :meth:`optimize_placement`. Each call returns a new, independent module
+        (they share the captured graph). Captures again if the input constraints give other local
+        shapes than the capture's.
+
+        Raises:
+            PlacementError: see :func:`~autoparallel.parallel_module.build_parallel_module`, and an
+                input's batch not divisible by the ranks splitting it.
         """
         plan = plan if plan is not None else self.optimize_placement()
-        if getattr(self.captured.gm, "_autoparallel_consumed", False):
-            self.__enter__()  # the graph was rewritten for the previous module: capture afresh
+        if InputSignature.of(*self._local_inputs()) != self.captured.inputs:
+            self._captured = self._capture()
         return build_parallel_module(
             self.model,
             self.captured,

@@ -9,18 +9,21 @@ keeps ``torch.ops.higher_order.tag_activation_checkpoint`` for ``checkpoint(use_
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from fqn import FQNMap
 
+from .data import InputSignature
 from .errors import CaptureError
-from .mixed_precision import apply_mixed_precision
+from .mixed_precision import CastToDtype, apply_mixed_precision
 
 
 @dataclass
@@ -31,7 +34,10 @@ class Captured:
     by the private copy's own FQNs (``lin.parametrizations.weight.original`` under mixed precision).
     ``fqn_map``: eager FQN <-> graph attribute names. ``attr_of``: ``{eager FQN: graph attribute}``
     for every tensor the graph holds. ``device``: device the graph was traced on (``meta`` for a
-    meta model). ``n_casts``: number of cast parametrizations registered.
+    meta model). ``n_casts``: number of cast parametrizations registered. ``cast_fqns``: eager
+    FQNs of the parameters every use of which the graph casts to ``param_dtype``. ``inputs``: the
+    example inputs' structure, shapes, dtypes and constants. ``training``: each module's
+    ``training`` flag at capture, in ``model.named_modules(remove_duplicate=False)`` order.
     """
 
     gm: torch.fx.GraphModule
@@ -39,6 +45,9 @@ class Captured:
     attr_of: dict[str, str]
     device: torch.device
     n_casts: int
+    cast_fqns: frozenset[str] = field(default_factory=frozenset)
+    inputs: InputSignature | None = None
+    training: tuple[bool, ...] | None = None
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -85,7 +94,7 @@ def capture(
     try:
         gm = _dynamo_graph_capture_for_export(private)(*args, **kwargs)
     except Exception as e:  # dynamo raises many types; give one with the model's class
-        raise CaptureError(f"strict dynamo capture of {type(model).__name__} failed: {e}") from e
+        raise CaptureError(_capture_failure(type(model).__name__, e)) from e
     # Attribute names become the copy's FQNs (and the raw graph becomes callable).
     _restore_state_dict(private, gm)
     fqn_map = FQNMap.from_capture(private, gm)
@@ -94,4 +103,52 @@ def capture(
         if name not in fqn_map:
             raise CaptureError(f"graph attribute {name!r} is not a tensor of {type(model).__name__}")
         attr_of.setdefault(fqn_map.to_eager(name), name)
-    return Captured(gm, fqn_map, attr_of, device or torch.get_default_device(), n_casts)
+    cast_ids = _cast_parameter_ids(private)
+    cast_fqns = frozenset(fqn for fqn, attr in attr_of.items() if id(_get_tensor(gm, attr)) in cast_ids)
+    return Captured(
+        gm,
+        fqn_map,
+        attr_of,
+        device or torch.get_default_device(),
+        n_casts,
+        cast_fqns,
+        InputSignature.of(args, kwargs),
+        tuple(m.training for _, m in model.named_modules(remove_duplicate=False)),
+    )
+
+
+# dynamo's message for an output it cannot return, e.g. a transformers ``DynamicCache``.
+_UNRECOGNIZED_OUTPUT = re.compile(r"unrecognized type \w+\((\w+)\) at output (\d+)")
+
+
+def _capture_failure(model_name: str, e: Exception) -> str:
+    hit = _UNRECOGNIZED_OUTPUT.search(str(e))
+    if hit:
+        return (
+            f"{model_name} returns a {hit.group(1)} (output #{hit.group(2)}), which is not a tensor: the parallel "
+            "module returns tensors (in lists, tuples, dicts, dataclasses) only. For a transformers model "
+            "pass use_cache=False (in its config or as a forward argument): a KV cache serves generation, "
+            f"not training. (dynamo: {e})"
+        )
+    return f"strict dynamo capture of {model_name} failed: {e}"
+
+
+def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = root.get_submodule(mod_name) if mod_name else root
+    return getattr(mod, leaf)
+
+
+def _cast_parameter_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters of ``model`` that every use reads through a :class:`CastToDtype`."""
+    cast: set[int] = set()
+    direct: set[int] = set()
+    for mod in model.modules():
+        if isinstance(mod, parametrize.ParametrizationList):
+            if any(isinstance(p, CastToDtype) for p in mod):
+                cast.add(id(mod.original))
+                continue
+        for p in mod._parameters.values():
+            if p is not None:
+                direct.add(id(p))
+    return cast - direct

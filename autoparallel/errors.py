@@ -21,3 +21,17 @@ class DataAssignmentError(AutoParallelError):
 
 class StateError(AutoParallelError):
     """An :class:`AutoParallel` method was called out of order (e.g. outside its ``with`` block)."""
+
+
+class InputError(AutoParallelError, ValueError):
+    """The parallel module's forward got inputs unlike the captured ones (structure, local shape, constants)."""
+
+
+class UninitializedStateError(AutoParallelError):
+    """Forward read tensors materialized by ``to_empty`` and never written since.
+
+    ``fqns``: all their eager FQNs (the message names the first few)."""
+
+    def __init__(self, message: str, fqns: list[str]):
+        super().__init__(message)
+        self.fqns = list(fqns)

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import DataAssignmentError
+from .uninitialized import NoteWrites
 
 _active = threading.local()
 _DATA_SETTER = torch._C.TensorBase.data
@@ -120,7 +121,7 @@ def dtensor_init_context(module: nn.Module):
     _active.depth = 1
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
-        with implicit_replication(), _RefuseDataSet(), _ShardedRandom():
+        with implicit_replication(), _RefuseDataSet(), _ShardedRandom(), NoteWrites():
             yield
     finally:
         nn.Module.__setattr__ = original_setattr

@@ -31,18 +31,17 @@ class CastToDtype(nn.Module):
 
 
 def resolve_policy(policy: MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
-    """Normalize ``policy``: ``None`` or no ``param_dtype`` means no casts; ``reduce_dtype`` defaults to float32.
+    """Normalize ``policy``: ``None`` or no ``param_dtype`` means no casts; ``reduce_dtype`` defaults
+    to float32 (gradients are summed across ranks in it, then stored in the parameter's dtype).
 
     Raises:
-        NotImplementedError: ``reduce_dtype`` other than float32. The parallel module gathers
-            parameters before the cast, so gradients are reduce-scattered in the stored dtype
-            (float32) and reach the parameters in float32; casting them lower is not offered.
+        ValueError: ``reduce_dtype`` is not a floating-point dtype.
     """
     if policy is None or policy.param_dtype is None:
         return None
     reduce_dtype = policy.reduce_dtype if policy.reduce_dtype is not None else torch.float32
-    if reduce_dtype != torch.float32:
-        raise NotImplementedError(f"reduce_dtype={reduce_dtype} is not supported; use float32 (the default)")
+    if not reduce_dtype.is_floating_point:
+        raise ValueError(f"reduce_dtype={reduce_dtype} is not a floating-point dtype")
     return MixedPrecisionPolicy(
         param_dtype=policy.param_dtype,
         reduce_dtype=reduce_dtype,

@@ -1,5 +1,5 @@
 """Build the parallel module: the user's class and submodules, DTensor state at eager FQNs,
-``forward`` running the captured graph under DTensor."""
+``forward`` running the captured per-rank graph on gathered state (FSDP semantics)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ from torch.utils import _pytree as pytree
 from fqn import eager_tensors
 
 from .capture import Captured
+from .data import InputSignature, data_dims, data_placements, input_placements_of, output_to
 from .errors import PlacementError, StateError
-from .graph_passes import gather_state_before_use, replicate_free_tensors, retarget_devices
+from .gather import GatherSpec, gather_full
+from .graph_passes import retarget_devices
 from .init_weights import wrap_init_weights
+from .mixed_precision import resolve_policy
 from .placement import Plan
+from .uninitialized import FreshState
 
 Placements = tuple[Placement, ...]
 
@@ -33,10 +37,19 @@ class _Runtime:
     gm: torch.fx.GraphModule
     attr_of: dict[str, str]  # eager FQN -> graph attribute
     slot_of: dict[str, tuple[nn.Module, str, str]]  # eager FQN -> (module, "_parameters"|"_buffers", key)
+    gather: dict[str, GatherSpec]  # eager FQN -> how forward gathers it
     mesh: DeviceMesh
-    inputs: list[Placements] | None
+    inputs: InputSignature
+    cast_inputs_to: torch.dtype | None
+    data: Placements  # placements of a local output: Shard(0) on the data dims
     outputs: list[Placements] | None
-    mp_policy: MixedPrecisionPolicy | None
+    output_dtype: torch.dtype | None
+    training: tuple[bool, ...] | None  # each module's mode at capture, in named_modules order
+    fresh: FreshState | None = None  # set by to_empty
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        mod, store, key = self.slot_of[fqn]
+        return getattr(mod, store)[key]
 
 
 def _shard_tensor(t: torch.Tensor, mesh: DeviceMesh, placements: Placements) -> DTensor:
@@ -51,10 +64,21 @@ def _parallel_class(cls: type) -> type:
     """A subclass of the user's class whose ``forward`` runs the captured graph (cached per class)."""
     cached = _CLASSES.get(cls)
     if cached is None:
+
+        def to_empty(self, *, device, recurse: bool = True):
+            out = super(cached, self).to_empty(device=device, recurse=recurse)
+            rt: _Runtime = self._autoparallel
+            rt.fresh = FreshState(rt.tensor, rt.attr_of)  # the tensors forward reads
+            return out
+
+        to_empty.__doc__ = (
+            "``nn.Module.to_empty``; forward then refuses the tensors it allocated until something writes "
+            "them (``init_weights``, ``checkpoint.load``, any in-place write)."
+        )
         cached = type(
             f"AutoParallel{cls.__name__}",
             (cls,),
-            {"forward": _parallel_forward, "__module__": cls.__module__},
+            {"forward": _parallel_forward, "to_empty": to_empty, "__module__": cls.__module__},
         )
         _CLASSES[cls] = cached
     return cached
@@ -76,25 +100,46 @@ def build_parallel_module(
 
     An instance of a subclass of ``type(model)`` with ``model``'s submodules (same classes and
     structure, deep-copied), every parameter / buffer replaced by a DTensor on ``mesh`` with
-    ``plan[fqn]`` placements, tied tensors shared under all their names, non-persistent buffers
-    kept non-persistent. ``fqn_map`` is the capture's :class:`fqn.FQNMap`. ``init_weights`` (and
-    every submodule's) runs in :func:`autoparallel.init_weights.dtensor_init_context`.
+    ``plan[fqn]`` placements (its storage), tied tensors shared under all their names,
+    non-persistent buffers kept non-persistent. ``fqn_map`` is the capture's :class:`fqn.FQNMap`.
+    ``init_weights`` (and every submodule's) runs in
+    :func:`autoparallel.init_weights.dtensor_init_context`.
 
-    ``forward(*args, **kwargs)`` takes local tensors: the i-th tensor leaf of ``(args, kwargs)``
-    becomes ``DTensor.from_local(x, mesh, input_placements[i])`` (default ``Shard(0)`` on every
-    mesh dim); the j-th tensor leaf of the result is redistributed to ``output_placements[j]``
-    (default: same) and returned as its local tensor (differentiable).
+    Computation (FSDP semantics, data parallel only): ``captured`` must have been captured for
+    the per-rank inputs (:func:`autoparallel.data.local_inputs`). ``forward(*args, **kwargs)``
+    takes this rank's local tensors, of the captured shapes; the i-th tensor leaf is this rank's
+    part of an input with ``input_placements[i]`` (``Shard(0)`` / ``Replicate()`` per mesh dim;
+    default ``Shard(0)`` on every mesh dim). The graph runs on plain tensors: each parameter /
+    buffer is all-gathered to its full value where forward starts (in the mixed-precision
+    ``param_dtype`` for cast parameters), and each gradient is summed over the mesh dims that
+    split the data, in ``reduce_dtype``, and scattered back to the parameter's placements
+    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). The j-th tensor output leaf is
+    redistributed from ``Shard(0)`` on the data dims to ``output_placements[j]`` (default: the
+    same, no communication) and returned as this rank's local tensor (differentiable); a 0-dim
+    output is this rank's value on its local batch.
 
-    ``captured`` is consumed: its graph is rewritten in place (a second call raises
-    :class:`StateError`; :meth:`AutoParallel.apply_placement` captures again by itself).
+    Forward raises :class:`autoparallel.errors.InputError` for inputs unlike the captured ones,
+    :class:`autoparallel.errors.UninitializedStateError` after ``to_empty`` until the tensors it
+    allocated are written (``init_weights``, ``checkpoint.load``, ``load_state_dict``), and
+    :class:`StateError` when a module's train / eval mode differs from the capture's.
+
+    ``captured`` can build any number of modules: its graph is rewritten in place for the mesh's
+    device and shared (it holds no state at run time).
 
     Raises:
-        PlacementError: ``plan`` misses a tensor of the model.
-        StateError: ``captured`` already built a parallel module.
+        PlacementError: ``plan`` misses a tensor of the model; an input constraint is not
+            ``Shard(0)`` / ``Replicate()``, or their number differs from the number of inputs.
+        StateError: ``captured`` records no example inputs (not made by :func:`autoparallel.capture`).
     """
+    if captured.inputs is None:
+        raise StateError("this capture records no example inputs; capture it with autoparallel.capture")
+    in_placements = input_placements_of(input_placements, captured.inputs.n_tensors, mesh.ndim)
+    dims = data_dims(in_placements, mesh.ndim)
+    policy = resolve_policy(mp_policy)
     eager = eager_tensors(model)
     by_id: dict[int, torch.Tensor] = {}
     fqn_of_id: dict[int, str] = {}
+    gather: dict[str, GatherSpec] = {}
     for rec in eager:
         if rec.fqn not in plan:
             raise PlacementError(f"placement plan has no entry for {rec.fqn!r}")
@@ -103,6 +148,16 @@ def build_parallel_module(
             dt = nn.Parameter(dt, requires_grad=rec.tensor.requires_grad)
         by_id[id(rec.tensor)] = dt
         fqn_of_id[id(rec.tensor)] = rec.fqn
+        cast = policy is not None and rec.fqn in captured.cast_fqns
+        gather[rec.fqn] = GatherSpec(
+            mesh=mesh,
+            placements=tuple(dt.placements),
+            shape=dt.shape,
+            stride=dt.stride(),
+            compute_dtype=policy.param_dtype if cast else dt.dtype,
+            reduce_dtype=policy.reduce_dtype if cast else dt.dtype,
+            data_dims=dims,
+        )
 
     # Share the tensors in the copy (no data copied), then swap them for DTensors slot by slot.
     memo = {id(rec.tensor): rec.tensor for rec in eager}
@@ -117,15 +172,18 @@ def build_parallel_module(
                     d[key] = by_id[id(t)]
     pmod.__class__ = _parallel_class(type(model))
 
-    gm = _runtime_graph(captured, mesh)
     rt = _Runtime(
-        gm=gm,
-        attr_of=dict(captured.attr_of),
+        gm=_runtime_graph(captured, mesh),
+        attr_of={fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of},
         slot_of=slot_of,
+        gather=gather,
         mesh=mesh,
-        inputs=[tuple(p) for p in input_placements] if input_placements else None,
+        inputs=captured.inputs,
+        cast_inputs_to=policy.param_dtype if policy is not None and policy.cast_forward_inputs else None,
+        data=data_placements(dims, mesh.ndim),
         outputs=[tuple(p) for p in output_placements] if output_placements else None,
-        mp_policy=mp_policy,
+        output_dtype=policy.output_dtype if policy is not None else None,
+        training=captured.training,
     )
     object.__setattr__(pmod, "_autoparallel", rt)
     object.__setattr__(pmod, "fqn_map", captured.fqn_map)
@@ -134,62 +192,68 @@ def build_parallel_module(
 
 
 def _runtime_graph(captured: Captured, mesh: DeviceMesh) -> torch.fx.GraphModule:
-    """Rewrite the captured graph IN PLACE to run under DTensor on ``mesh``; its own tensors become
-    meta placeholders (forward always passes the parallel module's DTensors), freeing their memory.
+    """Make the captured graph run on ``mesh``'s device, IN PLACE and idempotently, so one capture
+    serves any number of parallel modules (the graph holds no state at run time: forward passes
+    the gathered tensors). Its own tensors become meta placeholders, freeing their memory.
     Why in place: copying a dgc graph trips over the fake tensors in its node metadata."""
     gm = captured.gm
-    if getattr(gm, "_autoparallel_consumed", False):
-        raise StateError("this capture already built a parallel module; capture again")
-    retarget_devices(gm, captured.device, torch.device(mesh.device_type))
-    replicate_free_tensors(gm, mesh)
-    gather_state_before_use(gm, mesh)
+    dst = torch.device(mesh.device_type)
+    src = getattr(gm, "_autoparallel_device", captured.device)
+    retarget_devices(gm, src, dst)
+    object.__setattr__(gm, "_autoparallel_device", dst)
     for mod in gm.modules():
         for store in (mod._parameters, mod._buffers):
             for key, t in store.items():
                 if t is not None and not t.is_meta:
                     meta = torch.empty_like(t, device="meta")
                     store[key] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    object.__setattr__(gm, "_autoparallel_consumed", True)
     return gm
 
 
-def _placements(table: list[Placements] | None, i: int, mesh: DeviceMesh, what: str) -> Placements:
-    from torch.distributed.tensor import Shard
-
-    if table is None:
-        return tuple(Shard(0) for _ in range(mesh.ndim))
-    if i >= len(table):
-        raise PlacementError(f"{what} tensor #{i} has no constraint ({len(table)} given)")
-    return table[i]
+def _check_modes(rt: _Runtime, pmod: nn.Module) -> None:
+    if rt.training is None:
+        return
+    for (name, mod), captured_mode in zip(pmod.named_modules(remove_duplicate=False), rt.training):
+        if mod.training != captured_mode:
+            mode = "training" if captured_mode else "eval"
+            raise StateError(
+                f"module {name or type(pmod).__name__!r} is in {'training' if mod.training else 'eval'} mode, but "
+                f"the graph was captured in {mode} mode (dropout and the like are fixed at capture): "
+                f"call {'.train()' if captured_mode else '.eval()'}, or capture the model again in the mode wanted"
+            )
 
 
 def _parallel_forward(self, *args, **kwargs):
     rt: _Runtime = self._autoparallel
-    mesh = rt.mesh
+    if rt.fresh is not None:
+        rt.fresh.check()
+    _check_modes(rt, self)
     flat, spec = pytree.tree_flatten((args, kwargs))
-    cast_to = rt.mp_policy.param_dtype if rt.mp_policy and rt.mp_policy.cast_forward_inputs else None
-    i = 0
-    for k, x in enumerate(flat):
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-            if cast_to is not None and x.is_floating_point():
-                x = x.to(cast_to)
-            flat[k] = DTensor.from_local(x, mesh, _placements(rt.inputs, i, mesh, "input"), run_check=False)
-            i += 1
-    args, kwargs = pytree.tree_unflatten(flat, spec)
-    state = {
-        attr: getattr(rt.slot_of[fqn][0], rt.slot_of[fqn][1])[rt.slot_of[fqn][2]]
-        for fqn, attr in rt.attr_of.items()
-    }
+    rt.inputs.check(flat, spec)
+    if rt.cast_inputs_to is not None:
+        flat = [
+            x.to(rt.cast_inputs_to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in flat
+        ]
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+    state = {attr: gather_full(rt.tensor(fqn), rt.gather[fqn]) for fqn, attr in rt.attr_of.items()}
     out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
-    out_dtype = rt.mp_policy.output_dtype if rt.mp_policy else None
     flat, spec = pytree.tree_flatten(out)
     j = 0
     for k, y in enumerate(flat):
-        if isinstance(y, DTensor):
-            placements = _placements(rt.outputs, j, mesh, "output")
-            y = y.redistribute(mesh, placements).to_local(grad_placements=placements)
-            if out_dtype is not None and y.is_floating_point():
-                y = y.to(out_dtype)
+        if isinstance(y, torch.Tensor):
+            want = _output_placements(rt, j, y)
+            y = output_to(y, rt.mesh, rt.data, want)
+            if rt.output_dtype is not None and y.is_floating_point():
+                y = y.to(rt.output_dtype)
             flat[k] = y
             j += 1
     return pytree.tree_unflatten(flat, spec)
+
+
+def _output_placements(rt: _Runtime, j: int, y: torch.Tensor) -> Placements:
+    if rt.outputs is None:
+        return rt.data
+    if j >= len(rt.outputs):
+        raise PlacementError(f"output tensor #{j} has no constraint ({len(rt.outputs)} given)")
+    return rt.outputs[j]

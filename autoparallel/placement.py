@@ -2,7 +2,8 @@
 
 This is NOT a cost-model solver (meta-pytorch/autoparallel solves an ILP over sharding
 strategies); it applies one FSDP-style rule plus the user's glob overrides. Any valid plan gives
-the same numbers, because the captured graph runs under DTensor, which redistributes as needed.
+the same numbers, because placements only decide storage: the parallel module gathers every tensor
+to its full value before the graph reads it (see :mod:`autoparallel.gather`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ TAG = torch.ops.higher_order.tag_activation_checkpoint
 
 
 def llama_config():
-    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads, vocab 256) with tied embeddings."""
+    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads, vocab 256) with tied embeddings and
+    transformers' default attention (sdpa)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -63,7 +64,7 @@ def llama_config():
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
         tie_word_embeddings=True,
-        attn_implementation="eager",
+        use_cache=False,  # a KV cache serves generation; capture refuses it as an output
     )
 
 

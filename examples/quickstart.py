@@ -20,7 +20,7 @@ from checkpoint.cli.demo import minilm_dir  # the real all-MiniLM-L6-v2 weights,
 logging.disable_progress_bar()
 mesh = init_device_mesh("cpu", (2,))
 rank = mesh.get_local_rank()
-cfg = AutoConfig.from_pretrained(minilm_dir(), attn_implementation="eager")
+cfg = AutoConfig.from_pretrained(minilm_dir())
 with torch.device("meta"):
     model = BertModel(cfg).eval()  # no memory used
 ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -33,7 +33,7 @@ if rank == 0:  # eager FQN -> the captured graph's names
 pmod.to_empty(device="cpu")
 pmod.init_weights()  # the model's own init code, on DTensors
 checkpoint.load(pmod, minilm_dir())  # strict, eager names; each rank reads its slices
-eager = BertModel.from_pretrained(minilm_dir(), attn_implementation="eager").eval()
+eager = BertModel.from_pretrained(minilm_dir()).eval()
 with torch.no_grad():
     out = pmod(ids.chunk(2)[rank]).last_hidden_state  # local rows in, local rows out
     diff = (out - eager(ids).last_hidden_state.chunk(2)[rank]).abs().max()

@@ -177,3 +177,64 @@ class WithHead(nn.Module):
         super().__init__()
         self.backbone = Base()
         self.classifier = nn.Linear(4, 3)
+
+
+# -- small transformers models with the library's defaults (sdpa attention) -------------------------
+# Dropout is 0 so the parallel module and eager draw no random masks; use_cache=False because a
+# KV cache is not a tensor output (capture refuses it, naming this fix).
+
+
+def hf_llama(vocab: int = 64, hidden: int = 32, layers: int = 1, **overrides):
+    """``LlamaForCausalLM``: 4 heads, 2 KV heads (GQA), untied head, default attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
+
+
+def hf_bert(vocab: int = 64, hidden: int = 32, layers: int = 1):
+    """``BertModel`` (with pooler): 4 heads, default attention, no dropout."""
+    from transformers import BertConfig, BertModel
+
+    return BertModel(
+        BertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
+
+
+def hf_gpt2(vocab: int = 64, hidden: int = 32, layers: int = 1):
+    """``GPT2LMHeadModel`` (head tied to the token embedding): 4 heads, default attention, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )

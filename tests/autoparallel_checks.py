@@ -1,0 +1,233 @@
+"""Per-rank checks of the parallel module run inside the spawns of tests/test_autoparallel_ranks.py
+(one spawn per world size, shared): transformers models with default attention, the refusal of
+never-initialized state, and the bytes mixed-precision collectives move."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import checkpoint
+from autoparallel import (
+    AutoParallel,
+    MixedPrecisionPolicy,
+    StateError,
+    UninitializedStateError,
+    build_parallel_module,
+    capture,
+    default_plan,
+)
+from autoparallel.data import InputSignature, local_inputs
+from tests.models import TinyConfig, TinyTransformer, hf_bert, hf_gpt2, hf_llama
+
+# Llama's vocab 66 gives uneven Shard(0) embedding / head shards on 4 ranks.
+HF_MODELS = {"llama": lambda: hf_llama(vocab=66), "bert": hf_bert, "gpt2": hf_gpt2}
+SEQ = 12
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [y for y in pytree.tree_leaves(tree) if isinstance(y, torch.Tensor)]
+
+
+def _hf_inputs(name: str, batch: int) -> dict:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 64, (batch, SEQ), generator=g)
+    if name != "bert":
+        return {"input_ids": ids}
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    mask[1::2, SEQ - 4 :] = 0  # padded rows: the mask is built from an input inside the graph
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _mixed_plan(fmap, mesh: DeviceMesh) -> dict:
+    """The default plan with every 3rd matrix Shard(1) and every 3rd replicated (per mesh dim)."""
+    plan = default_plan(fmap, mesh)
+    matrices = [r.fqn for r in fmap if len(r.shape) == 2]
+    for i, fqn in enumerate(matrices):
+        if i % 3 == 1:
+            plan[fqn] = (Shard(1),) + (Shard(0),) * (mesh.ndim - 1)
+        elif i % 3 == 2:
+            plan[fqn] = (Replicate(),) + (Shard(1),) * (mesh.ndim - 1)
+    return plan
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """max |a - b| over the reference's scale (max |b|, at least ``floor``)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+def hf_checks(rank: int, names: list[str], setups: list[tuple], tag: str) -> dict:
+    """transformers models with their default attention (sdpa), float32: forward outputs and every
+    gradient of the parallel module against eager on the global batch, for each setup
+    ``(mesh, input placements, output placements or None, plan kind)``; setups whose local
+    shapes agree share one capture. Returns ``{"<model> <tag>.<setup #>": (out rel diff, grad rel diff)}``."""
+    out: dict = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = HF_MODELS[name]()
+        assert model.config._attn_implementation == "sdpa"  # the library default
+        ref = copy.deepcopy(model)
+        batch = 2 * max(s[0].size() for s in setups)
+        kwargs = _hf_inputs(name, batch)
+        ref_out = _tensors(ref(**kwargs))
+        weights = [
+            torch.randn(y.shape, generator=torch.Generator().manual_seed(7 + i))
+            for i, y in enumerate(ref_out)
+        ]
+        sum((y * w).sum() for y, w in zip(ref_out, weights)).backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        # A gradient that is zero in exact arithmetic (BERT's key bias: softmax ignores a per-row
+        # shift) is pure rounding noise; its scale is floored at 1e-3 of the model's largest.
+        floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
+        cap = None
+        for k, (mesh, in_pl, out_pl, plan_kind) in enumerate(setups):
+            table = [in_pl] * len(kwargs)
+            local = local_inputs((), kwargs, table, tuple(mesh.shape))
+            if cap is None or cap.inputs != InputSignature.of(*local):
+                cap = capture(model, *local)
+            plan = _mixed_plan(cap.fqn_map, mesh) if plan_kind == "mixed" else default_plan(cap.fqn_map, mesh)
+            outs = [out_pl] * len(ref_out) if out_pl else None
+            pmod = build_parallel_module(model, cap, plan, mesh, table, outs)
+            my_in = {key: distribute_tensor(v, mesh, in_pl).to_local() for key, v in kwargs.items()}
+            got = _tensors(pmod(**my_in))
+            want_pl = out_pl or in_pl
+            mine = [distribute_tensor(t.detach(), mesh, want_pl).to_local() for t in (*ref_out, *weights)]
+            want, my_w = mine[: len(ref_out)], mine[len(ref_out) :]
+            sum((y * w).sum() for y, w in zip(got, my_w)).backward()
+            out_d = max(_rel(y, r.detach()) for y, r in zip(got, want))
+            grad_d = 0.0
+            for n, p in pmod.named_parameters():
+                if n in ref_grads:
+                    assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+                    grad_d = max(grad_d, _rel(p.grad.full_tensor(), ref_grads[n], floor))
+                else:
+                    assert p.grad is None, n  # unused in the graph (BERT's pooler when not returned)
+            assert out_d <= 1e-5 and grad_d <= 1e-5, (name, k, out_d, grad_d)
+            out[f"{name} {tag}.{k}"] = (out_d, grad_d)
+    return out
+
+
+def _named(err: UninitializedStateError) -> set[str]:
+    """The FQNs an UninitializedStateError names: the message's first 8 (then a count), all in ``fqns``."""
+    assert set(err.fqns[:8]) <= set(str(err).split("allocated: ")[1].split(". Call")[0].split(", "))
+    return set(err.fqns)
+
+
+def uninit_checks(rank: int, mesh: DeviceMesh) -> bool:
+    """to_empty'd tensors are refused until written; load alone leaves Llama's inv_freq unwritten."""
+    world = mesh.size()
+    with torch.device("meta"):
+        tiny = TinyTransformer(TinyConfig(n_layers=1))
+    tokens = torch.randint(0, 32, (2 * world, 8))
+    with AutoParallel(tiny, lambda: tokens, mesh) as autop:
+        pmod = autop.apply_placement()
+    pmod.to_empty(device="cpu")
+    mine = tokens.chunk(world)[rank]
+    with pytest.raises(
+        UninitializedStateError, match=r"12 tensor\(s\).*init_weights\(\).*checkpoint.load"
+    ) as err:
+        pmod(mine)
+    every = {n for n, _ in pmod.named_parameters()} | {"freqs_cis"}
+    assert _named(err.value) == every
+    # Writes of any kind count, a tensor at a time.
+    with torch.no_grad():
+        pmod.norm.weight.fill_(1.0)
+    zeros = distribute_tensor(torch.zeros(16, 16), mesh, [Shard(0)])
+    pmod.load_state_dict({"layers.0.attention.wq.weight": zeros}, strict=False)
+    with pytest.raises(UninitializedStateError, match=r"10 tensor\(s\)") as err:
+        pmod(mine)
+    assert _named(err.value) == every - {"norm.weight", "layers.0.attention.wq.weight"}
+    pmod.init_weights()
+    pmod(mine)  # everything written
+
+    # transformers' Llama: checkpoint.load writes every persistent tensor, not rotary_emb.inv_freq.
+    torch.manual_seed(0)
+    eager = hf_llama()
+    ckpt = os.path.join(tempfile.gettempdir(), f"fqnckpt-uninit-{os.getppid()}")
+    if rank == 0:
+        checkpoint.save(eager, ckpt, overwrite=True)
+    dist.barrier()
+    with torch.device("meta"):
+        meta = hf_llama()
+    ids = torch.randint(0, 64, (2 * world, SEQ), generator=torch.Generator().manual_seed(3))
+    with AutoParallel(meta, lambda: {"args": (), "kwargs": {"input_ids": ids}}, mesh) as autop:
+        pllama = autop.apply_placement()
+    pllama.to_empty(device="cpu")
+    checkpoint.load(pllama, ckpt)
+    mine = ids.chunk(world)[rank]
+    with pytest.raises(UninitializedStateError, match=r"1 tensor\(s\).*: model.rotary_emb.inv_freq\. Call"):
+        pllama(input_ids=mine)
+    pllama.init_weights()  # computes the rotary buffers (and re-initializes the weights)
+    checkpoint.load(pllama, ckpt)
+    torch.testing.assert_close(
+        pllama(input_ids=mine).logits, eager(input_ids=ids).logits.chunk(world)[rank], atol=1e-5, rtol=1e-5
+    )
+    # A graph captured in training mode refuses eval mode (its dropout is fixed at capture).
+    pllama.eval()
+    with pytest.raises(
+        StateError, match=r"'AutoParallelLlamaForCausalLM' is in eval mode.*captured in training"
+    ):
+        pllama(input_ids=mine)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(ckpt)
+    return True
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Records ``(collective, input dtype, input bytes)`` of every functional collective."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            t = args[0]
+            self.calls.append((name, t.dtype, t.numel() * t.element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def mp_bytes_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """All-gathers move param_dtype (bf16) bytes; gradients are reduce-scattered in reduce_dtype
+    (float32 by default, bf16 when asked); exact byte counts from the plan's shard shapes."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(n_layers=1))
+    model.init_weights()
+    tokens = torch.randint(0, 32, (2 * world, 8))
+    found = {}
+    for reduce_dtype in (None, torch.bfloat16):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        with AutoParallel(model, lambda: tokens, mesh, mp_policy=policy) as autop:
+            pmod = autop.apply_placement()
+        # Every parameter is Shard(0) with even shards here (dims 16 / 32 over 2 ranks).
+        params = dict(pmod.named_parameters())  # the tied embedding once
+        assert all(p.placements == (Shard(0),) and p.shape[0] % world == 0 for p in params.values())
+        with _CountCollectives() as fwd:
+            logits = pmod(tokens.chunk(world)[rank])
+        with _CountCollectives() as bwd:
+            logits.float().sum().backward()
+        gathers = [c for c in fwd.calls if c[0] == "all_gather_into_tensor"]
+        assert len(gathers) == len(fwd.calls) == len(params), (fwd.calls, list(params))
+        assert all(dtype == torch.bfloat16 for _, dtype, _ in gathers)
+        assert sum(b for *_, b in gathers) == sum(p.numel() // world * 2 for p in params.values())
+        scatters = [c for c in bwd.calls if c[0] == "reduce_scatter_tensor"]
+        assert len(scatters) == len(bwd.calls) == len(params)
+        want = reduce_dtype or torch.float32
+        assert all(dtype == want for _, dtype, _ in scatters)
+        assert sum(b for *_, b in scatters) == sum(p.numel() * want.itemsize for p in params.values())
+        assert all(p.grad.dtype == torch.float32 for p in params.values())
+        found[str(want)] = (sum(b for *_, b in gathers), sum(b for *_, b in scatters))
+    return found
