@@ -1,0 +1,235 @@
+"""Mesh-independent init (autoparallel.mesh_init, autoparallel.rng).
+
+Single-process: Philox4x32-10 known answers, shard boxes equal to slices of the full tensor, the
+moments and bounds of every distribution on 10^6 samples, independence of FQN streams, fallbacks.
+Multi-rank (one spawn per world size 1, 2, 4; the 4-rank spawn also runs a 2x2 mesh): the parallel
+module's ``init_weights()`` gives bit-identical full tensors to ``mesh_independent_init`` on the
+eager model, for Shard(0), Shard(1) and Replicate plans.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autoparallel import FullTensorWarning, mesh_independent_init
+from autoparallel.rng import fill_box, philox4x32_10, stream_id
+
+N = 1_000_000
+
+
+# --- the generator --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "counter,key,expected",
+    [  # Random123 v1.14.0 tests/kat_vectors, "philox4x32 10" lines
+        ((0, 0, 0, 0), (0, 0), "6627e8d5 e169c58d bc57ac4c 9b00dbd8"),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), "408f276d 41c83b0e a20bc7c6 6d5451fd"),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            "d16cfe09 94fdcceb 5001e420 24126ea1",
+        ),
+    ],
+)
+def test_philox_known_answers(counter, key, expected):
+    words = philox4x32_10([torch.tensor([c]) for c in counter], key)
+    assert " ".join(f"{int(w):08x}" for w in words) == expected
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform", "uniform53", "open", "int63"])
+def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
+    monkeypatch.setattr("autoparallel.rng.CHUNK", 64)  # several pieces and row batches
+    sid = stream_id(7, "w", "op", 0)
+    shape = (9, 13, 6)
+    dtype = torch.int64 if kind == "int63" else torch.float64
+    full = torch.empty(shape, dtype=dtype)
+    fill_box(full, shape, (0, 0, 0), sid, kind, lambda v, p: v)
+    for offset, local in [((0, 0, 0), (9, 13, 6)), ((2, 0, 0), (3, 13, 6)), ((0, 5, 0), (9, 7, 6)),
+                          ((1, 3, 2), (5, 9, 3)), ((8, 12, 5), (1, 1, 1)), ((4, 0, 1), (2, 13, 4))]:
+        box = torch.empty(local, dtype=dtype)
+        fill_box(box, shape, offset, sid, kind, lambda v, p: v)
+        want = full[tuple(slice(o, o + n) for o, n in zip(offset, local))]
+        assert torch.equal(box, want), (kind, offset, local)
+    # A non-contiguous destination gets the same values.
+    t = torch.empty(6, 13, 9, dtype=dtype).permute(2, 1, 0)
+    fill_box(t, shape, (0, 0, 0), sid, kind, lambda v, p: v)
+    assert torch.equal(t, full)
+
+
+# --- distributions on 10^6 samples ----------------------------------------------------------------
+
+
+class _One(nn.Module):
+    def __init__(self, n=N, dtype=torch.float32):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, dtype=dtype))
+
+
+def _sample(fn, n=N, dtype=torch.float32, seed=0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    m = _One(n, dtype)
+    with torch.no_grad():
+        mesh_independent_init(m, lambda mod: fn(mod.w))
+    return m.w.detach().double()
+
+
+def _check(x, mean, std, lo=-math.inf, hi=math.inf, sigmas=5.0):
+    n = x.numel()
+    assert abs(x.mean().item() - mean) < sigmas * std / math.sqrt(n), (x.mean().item(), mean)
+    # sd of the sample variance ~ std^2 sqrt(2 / n) (up to kurtosis); 10 of them is generous and tight
+    assert abs(x.var().item() - std**2) < 10 * std**2 * math.sqrt(2 / n) * 3, (x.std().item(), std)
+    assert x.min().item() >= lo and x.max().item() <= hi
+
+
+def test_normal_moments_and_tails():
+    x = _sample(lambda w: nn.init.normal_(w, mean=1.5, std=0.02))
+    _check(x, 1.5, 0.02)
+    z = (x - 1.5) / 0.02
+    assert abs((z.abs() > 1.959964).double().mean().item() - 0.05) < 0.002  # two-sided 5% quantile
+    assert abs((z**4).mean().item() - 3.0) < 0.05  # kurtosis of a normal
+    assert z.abs().max().item() < 7.0  # Box-Muller with 32-bit u1 cannot pass ~6.7 sigma
+
+
+def test_uniform_and_kaiming_uniform_bounds():
+    x = _sample(lambda w: nn.init.uniform_(w, -0.3, 0.7))
+    _check(x, 0.2, 1.0 / math.sqrt(12), -0.3, 0.7)
+    torch.manual_seed(0)
+    m = nn.Linear(1000, 1000)
+    mesh_independent_init(m, lambda mod: nn.init.kaiming_uniform_(mod.weight, a=math.sqrt(5)))
+    bound = 1 / math.sqrt(1000)
+    _check(m.weight.detach().double().flatten(), 0.0, bound / math.sqrt(3), -bound, bound)
+    x64 = _sample(lambda w: w.uniform_(), dtype=torch.float64)
+    _check(x64, 0.5, 1 / math.sqrt(12), 0.0, 1.0)
+    assert (x64 * 2**32 != (x64 * 2**32).floor()).any()  # float64 gets 53 bits, not 32
+
+
+@pytest.mark.parametrize("a,b", [(-2.0, 2.0), (-0.5, 1.0), (1.0, 3.0), (-3.0, -2.5)])
+def test_trunc_normal_moments_and_bounds(a, b):
+    mean, std = 0.0, 1.0
+    x = _sample(lambda w: nn.init.trunc_normal_(w, mean=mean, std=std, a=a, b=b))
+    # Moments of the truncated normal (Johnson, Kotz, Balakrishnan, vol. 1, 13.10).
+    phi = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * math.erfc(-t / math.sqrt(2))  # noqa: E731
+    z = cdf(b) - cdf(a)
+    m = (phi(a) - phi(b)) / z
+    var = 1 + (a * phi(a) - b * phi(b)) / z - m * m
+    _check(x, m, math.sqrt(var), a, b)
+
+
+def test_exponential_bernoulli_random_cauchy_geometric_log_normal():
+    x = _sample(lambda w: w.exponential_(2.0))
+    _check(x, 0.5, 0.5, 0.0)
+    assert abs((x > 1.0).double().mean().item() - math.exp(-2.0)) < 0.002  # inverse CDF tail
+    x = _sample(lambda w: w.bernoulli_(0.3))
+    _check(x, 0.3, math.sqrt(0.21), 0.0, 1.0)
+    assert set(x.unique().tolist()) == {0.0, 1.0}
+    p = torch.linspace(0, 1, N)
+    x = _sample(lambda w: w.bernoulli_(p))
+    assert abs(x[: N // 10].mean().item() - 0.05) < 0.003 and abs(x[-N // 10 :].mean().item() - 0.95) < 0.003
+    x = _sample(lambda w: w.random_(3, 13))
+    _check(x, 7.5, math.sqrt((10**2 - 1) / 12), 3, 12)
+    assert set(x.unique().tolist()) == set(range(3, 13))
+    x = _sample(lambda w: w.cauchy_(1.0, 2.0))
+    assert abs(x.median().item() - 1.0) < 0.02 and abs((x - 1).abs().median().item() - 2.0) < 0.02
+    x = _sample(lambda w: w.geometric_(0.25))
+    _check(x, 4.0, math.sqrt(0.75) / 0.25, 1.0)
+    x = _sample(lambda w: w.log_normal_(0.0, 0.5))
+    assert abs(x.log().mean().item()) < 0.003 and abs(x.log().std().item() - 0.5) < 0.003
+
+
+def test_random_factories_and_int_dtypes():
+    torch.manual_seed(3)
+    m = _One(N)
+    out = {}
+
+    def fn(mod):
+        out["randn"] = torch.randn(N, dtype=torch.float64)
+        out["rand"] = torch.rand(N, dtype=torch.float64)
+        out["randint"] = torch.randint(-5, 5, (N,))
+        out["randn_like"] = torch.randn_like(mod.w)
+
+    mesh_independent_init(m, fn)
+    _check(out["randn"], 0.0, 1.0)
+    _check(out["rand"], 0.5, 1 / math.sqrt(12), 0.0, 1.0)
+    assert out["randint"].dtype == torch.int64 and set(out["randint"].unique().tolist()) == set(range(-5, 5))
+    _check(out["randn_like"].double(), 0.0, 1.0)
+    assert out["randn_like"].dtype == torch.float32
+    assert not torch.equal(out["randn"].float(), out["randn_like"])  # successive temporaries differ
+
+
+# --- streams: FQN, call number, key ---------------------------------------------------------------
+
+
+class _Pair(nn.Module):
+    def __init__(self, n=N // 2):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(n))
+        self.b = nn.Parameter(torch.empty(n))
+
+    def init_weights(self):
+        nn.init.normal_(self.a)
+        nn.init.normal_(self.b)
+
+
+def test_fqn_streams_are_independent_and_order_free():
+    torch.manual_seed(0)
+    m = mesh_independent_init(_Pair())
+    a, b = m.a.detach().double(), m.b.detach().double()
+    r = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+    assert abs(r) < 5 / math.sqrt(a.numel())
+    assert abs(torch.corrcoef(torch.stack([a[:-1], b[1:]]))[0, 1].item()) < 5 / math.sqrt(a.numel())
+    # Values depend on the FQN, not on the order of the fills.
+    torch.manual_seed(0)
+    m2 = mesh_independent_init(_Pair(), lambda mod: (nn.init.normal_(mod.b), nn.init.normal_(mod.a)))
+    assert torch.equal(m2.a, m.a) and torch.equal(m2.b, m.b)
+    # A second fill of one tensor is a fresh stream; a new key (next init) gives new values.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        m3 = mesh_independent_init(_Pair(), lambda mod: (mod.a.normal_(), mod.a.normal_(), mod.b.normal_()))
+    assert not torch.equal(m3.a, m.a) and torch.equal(m3.b, m.b)
+    first = m.a.detach().clone()
+    mesh_independent_init(m)
+    assert not torch.equal(m.a, first)
+    # Same seed, same values; .data and .detach() aliases use the parameter's stream.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        m4 = mesh_independent_init(_Pair(), lambda mod: (mod.a.data.normal_(), mod.b.detach().normal_()))
+    assert torch.equal(m4.a, a.float()) and torch.equal(m4.b, b.float())
+
+
+def test_user_generator_sets_the_key():
+    def fn(seed):
+        def run(mod):
+            nn.init.normal_(mod.w, generator=torch.Generator().manual_seed(seed))
+
+        return run
+
+    torch.manual_seed(0)
+    x = mesh_independent_init(_One(1000), fn(5)).w.detach().clone()
+    torch.manual_seed(1)  # the default generator no longer matters for this fill
+    y = mesh_independent_init(_One(1000), fn(5)).w.detach().clone()
+    z = mesh_independent_init(_One(1000), fn(6)).w.detach().clone()
+    assert torch.equal(x, y) and not torch.equal(x, z)
+
+
+def test_whole_tensor_inits_on_plain_tensors_and_errors():
+    torch.manual_seed(0)
+    m = nn.Bilinear(8, 8, 12)  # weight [12, 8, 8]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FullTensorWarning)  # nothing is "made full" on one device
+        mesh_independent_init(m, lambda mod: nn.init.orthogonal_(mod.weight))
+    w = m.weight.detach().flatten(1)  # 12 orthonormal rows of length 64
+    torch.testing.assert_close(w @ w.t(), torch.eye(12), atol=1e-5, rtol=0)
+    s = nn.Linear(20, 10)
+    torch.manual_seed(0)
+    mesh_independent_init(s, lambda mod: nn.init.sparse_(mod.weight, 0.5, std=0.01))
+    assert ((s.weight == 0).sum(0) == 5).all() and 0.005 < s.weight[s.weight != 0].std() < 0.02
+    assert nn.init.orthogonal_.__module__ == "torch.nn.init"  # patches undone
+    with pytest.raises(TypeError, match="has no init_weights"):
+        mesh_independent_init(nn.Linear(2, 2))
