@@ -233,3 +233,169 @@ def test_whole_tensor_inits_on_plain_tensors_and_errors():
     assert nn.init.orthogonal_.__module__ == "torch.nn.init"  # patches undone
     with pytest.raises(TypeError, match="has no init_weights"):
         mesh_independent_init(nn.Linear(2, 2))
+
+
+# --- multi-rank: bit-identical on every mesh ------------------------------------------------------
+
+
+class _AllInits(nn.Module):
+    """Every kind of init, on tensors whose dims split unevenly over 2 and 4 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(10, 7))
+        self.b = nn.Parameter(torch.empty(6, 9, 5))
+        self.c = nn.Parameter(torch.empty(11))
+        self.lin = nn.Linear(7, 10)
+        self.d = nn.Parameter(torch.empty(9, 6))
+        self.e = nn.Parameter(torch.empty(7, 10))
+        self.f = nn.Parameter(torch.empty(8, 5))
+        self.register_buffer("mask", torch.empty(5, 9))
+        self.register_buffer("ids", torch.empty(9, 4, dtype=torch.int64))
+
+    def init_weights(self):
+        nn.init.trunc_normal_(self.a, std=0.02)
+        nn.init.xavier_normal_(self.b)
+        nn.init.kaiming_uniform_(self.lin.weight, a=math.sqrt(5))
+        nn.init.uniform_(self.lin.bias, -0.1, 0.1)
+        with torch.no_grad():
+            self.a.mul_(3.0)
+            self.b.add_(torch.rand_like(self.b))  # a temporary, sharded like b
+            self.c.bernoulli_(0.3)
+            self.mask.exponential_(2.0)
+            self.mask.log_normal_(0.0, 0.5)  # a second fill of the same tensor
+            self.ids.random_(0, 100)
+        nn.init.orthogonal_(self.d)  # needs the whole tensor
+        nn.init.sparse_(self.e, 0.3)  # needs the whole tensor
+        self.f = nn.Parameter(torch.randn(8, 5) * 0.02)  # user code assigning a full tensor
+
+
+WHOLE = {"d", "e", "f"}  # the FQNs whose init makes a full tensor
+
+
+def _distribute(model: nn.Module, mesh, placements_of) -> nn.Module:
+    """Swap every parameter / buffer for a DTensor (local chunk only, no comms), as the parallel
+    module holds them, and wrap init_weights as build_parallel_module does."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from autoparallel import wrap_init_weights
+
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                dt = distribute_tensor(t.detach(), mesh, placements_of(t.dim()), src_data_rank=None)
+                store[key] = nn.Parameter(dt, t.requires_grad) if isinstance(t, nn.Parameter) else dt
+    wrap_init_weights(model)
+    return model
+
+
+def _plans(mesh_shape):
+    from torch.distributed.tensor import Replicate, Shard
+
+    def last(ndim):
+        return Shard(ndim - 1 if ndim > 1 else 0)
+
+    if len(mesh_shape) == 1:
+        return {
+            "Shard(0)": lambda nd: (Shard(0),),
+            "Shard(1)": lambda nd: (Shard(min(1, nd - 1)),),
+            "Shard(last)": lambda nd: (last(nd),),
+            "Replicate": lambda nd: (Replicate(),),
+        }
+    return {
+        "(Shard(0), Shard(1))": lambda nd: (Shard(0), Shard(min(1, nd - 1))),
+        "(Shard(1), Shard(0))": lambda nd: (Shard(min(1, nd - 1)), Shard(0)),
+        "(Shard(0), Shard(0))": lambda nd: (Shard(0), Shard(0)),
+        "(Replicate, Shard(1))": lambda nd: (Replicate(), Shard(min(1, nd - 1))),
+    }
+
+
+def _state_full(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    assert list(got) == list(want)
+    worst = 0.0
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        d = (got[k].double() - want[k].double()).abs().max().item() if want[k].numel() else 0.0
+        if not torch.equal(got[k], want[k]):
+            worst = max(worst, d, 1e-300)  # unequal bits count even where the difference rounds to 0
+    return worst
+
+
+def _mesh_rank_main(rank, world, mesh_shapes):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autoparallel import AutoParallel
+    from tests.models import TinyConfig, TinyTransformer
+
+    eager_model = _AllInits()  # built first: its constructor draws from the default generator
+    torch.manual_seed(1234)
+    want = _state_full(mesh_independent_init(eager_model))
+    table = {}
+    for shape in mesh_shapes:
+        mesh = init_device_mesh("cpu", shape)
+        key = "x".join(map(str, shape))
+        for plan, placements_of in _plans(shape).items():
+            model = _distribute(_AllInits(), mesh, placements_of)
+            torch.manual_seed(1234)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with CommDebugMode() as comm:
+                    model.init_weights()
+            full_made = sorted(
+                str(w.message).split("'")[1] for w in caught if issubclass(w.category, FullTensorWarning)
+            )
+            sharded = any(p.is_shard() for p in placements_of(2)) and world > 1
+            assert full_made == (sorted(WHOLE) if sharded else []), (key, plan, full_made)
+            assert comm.get_total_counts() == 0, (key, plan)  # every fill stayed local
+            table[(key, plan)] = _max_diff(_state_full(model), want)
+
+    # The parallel module itself (capture + build), TinyTransformer, plan with Shard(0), Shard(1)
+    # and Replicate tensors, built on meta and materialized.
+    cfg = TinyConfig()
+    eager_tt = TinyTransformer(cfg)
+    torch.manual_seed(99)
+    eager = _state_full(mesh_independent_init(eager_tt))
+    mesh = init_device_mesh("cpu", mesh_shapes[-1])
+    n = mesh.ndim
+    with torch.device("meta"):
+        meta_model = TinyTransformer(cfg)
+    with AutoParallel(meta_model, lambda: torch.randint(0, 32, (2 * world, cfg.seq)), mesh) as autop:
+        autop.add_input_constraints([(Shard(0),) * n])
+        autop.add_output_constraints([(Shard(0),) * n])
+        autop.set_placements(
+            {
+                "layers.*.attention.w*.weight": (Shard(1),) * n,
+                "layers.0.feed_forward.*": (Replicate(),) * n,
+            }
+        )
+        pmod = autop.apply_placement(autop.optimize_placement())
+    pmod.to_empty(device="cpu")
+    torch.manual_seed(99)
+    with CommDebugMode() as comm:
+        pmod.init_weights()
+    assert comm.get_total_counts() == 0
+    table[("x".join(map(str, mesh_shapes[-1])), "parallel module, TinyTransformer")] = _max_diff(
+        _state_full(pmod), eager
+    )
+    return table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,mesh_shapes", [(1, [(1,)]), (2, [(2,)]), (4, [(4,), (2, 2)])], ids=["1rank", "2ranks", "4ranks+2x2"])
+def test_init_is_bit_identical_on_every_mesh(world, mesh_shapes):
+    from checkpoint.launch import run_ranks
+
+    results = run_ranks(_mesh_rank_main, world, mesh_shapes, backend="gloo", timeout=300)
+    assert all(r == results[0] for r in results)
+    print(f"\nworld {world}: max |parallel - mesh_independent_init(eager)| over all tensors")
+    for (mesh, plan), d in results[0].items():
+        print(f"  mesh {mesh:5s} {plan:38s} {d:g}")
+    assert all(d == 0.0 for d in results[0].values()), results[0]
