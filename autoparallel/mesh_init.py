@@ -133,7 +133,10 @@ def _draw_key(generator: torch.Generator | None = None) -> int:
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(not p.is_replicate() for p in t.placements)
+    # Split across more than one rank: its full tensor is larger than the local shard.
+    return isinstance(t, DTensor) and any(
+        not p.is_replicate() and t.device_mesh.size(i) > 1 for i, p in enumerate(t.placements)
+    )
 
 
 def _box(t: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
