@@ -95,26 +95,30 @@ def stream_id(key: int, *parts: str | int) -> tuple[int, int, int, int]:
 
 
 def _block_variates(kind: str, blocks: torch.Tensor, sid: tuple[int, int, int, int]) -> torch.Tensor:
-    """``blocks`` int64 [n] -> variates [n, V] of ``kind`` (see the module table)."""
+    """``blocks`` int64 [n] -> variates of ``kind`` (see the module table), lane-major [V, n]:
+    element ``(lane, i)`` belongs to global index ``blocks[i] * V + lane``."""
     c1: Word = (blocks >> 32) if int(blocks.max()) > _MASK else 0
     w = philox4x32_10((blocks & _MASK, c1, sid[2], sid[3]), (sid[0], sid[1]))
     w = [x if isinstance(x, torch.Tensor) else torch.full_like(blocks, x) for x in w]
     if kind == "uniform":
-        return torch.stack(w, 1).double().mul_(_INV32)
+        return torch.stack(w).double().mul_(_INV32)
     if kind == "open":
-        return torch.stack(w, 1).double().add_(0.5).mul_(_INV32)
+        return torch.stack(w).double().add_(0.5).mul_(_INV32)
     if kind == "uniform53":
-        a = (w[0] * (1 << 21) + (w[1] >> 11)).double()
-        b = (w[2] * (1 << 21) + (w[3] >> 11)).double()
-        return torch.stack([a, b], 1).mul_(_INV53)
+        a = w[0].mul_(1 << 21).add_(w[1] >> 11)
+        b = w[2].mul_(1 << 21).add_(w[3] >> 11)
+        return torch.stack([a, b]).double().mul_(_INV53)
     if kind == "int63":
-        return torch.stack([((w[1] & 0x7FFFFFFF) << 32) | w[0], ((w[3] & 0x7FFFFFFF) << 32) | w[2]], 1)
+        return torch.stack([w[1].bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(w[0]),
+                            w[3].bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(w[2])])
     if kind == "normal":
-        r01 = w[0].double().add_(1.0).mul_(_INV32).log_().mul_(-2.0).sqrt_()
-        r23 = w[2].double().add_(1.0).mul_(_INV32).log_().mul_(-2.0).sqrt_()
-        t01 = w[1].double().mul_(2.0 * math.pi * _INV32)
-        t23 = w[3].double().mul_(2.0 * math.pi * _INV32)
-        return torch.stack([r01 * t01.cos(), r01 * t01.sin(), r23 * t23.cos(), r23 * t23.sin()], 1)
+        out = torch.empty(4, blocks.numel(), dtype=torch.float64, device=blocks.device)
+        for i in (0, 2):
+            r = w[i].double().add_(1.0).mul_(_INV32).log_().mul_(-2.0).sqrt_()
+            t = w[i + 1].double().mul_(2.0 * math.pi * _INV32)
+            torch.mul(r, t.cos(), out=out[i])
+            torch.mul(r, t.sin_(), out=out[i + 1])
+        return out
     raise ValueError(f"unknown variate kind {kind!r}")
 
 
@@ -175,14 +179,19 @@ def fill_box(
             st = starts[r0 : r0 + rows_per] + c0
             rb = st.numel()
             blocks = (st.div(lanes, rounding_mode="floor")[:, None] + span).reshape(-1)
-            v = _block_variates(kind, blocks, sid).view(rb, nb * lanes)
-            if rb == 1:
-                lane = int(st[0]) % lanes
-                v = v[:, lane : lane + n]
-            else:
-                cols = (st % lanes)[:, None] + torch.arange(n, dtype=torch.int64, device=device)
-                v = v.gather(1, cols)
+            lanes_t = _block_variates(kind, blocks, sid).t()  # [rb * nb, V], a view
+            lane0 = st % lanes
+            if not params and not bool(lane0.any()):
+                # Runs start on a block boundary: write block-shaped views, no gather.
+                m, rest = divmod(n, lanes)
+                vals = transform(lanes_t, ()).view(rb, nb, lanes)
+                dst2[r0 : r0 + rb, c0 : c0 + m * lanes].view(rb, m, lanes).copy_(vals[:, :m])
+                if rest:
+                    dst2[r0 : r0 + rb, c0 + m * lanes : c0 + n].copy_(vals[:, m, :rest])
+                continue
+            v = lanes_t.reshape(rb, nb * lanes)
+            cols = lane0[:, None] + torch.arange(n, dtype=torch.int64, device=device)
             ps = tuple(p[r0 : r0 + rb, c0 : c0 + n] for p in params2)
-            dst2[r0 : r0 + rb, c0 : c0 + n] = transform(v, ps)
+            dst2[r0 : r0 + rb, c0 : c0 + n] = transform(v.gather(1, cols), ps)
     if dst is not out:
         out.copy_(dst)
