@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -342,7 +343,8 @@ class _MeshIndependentRandom(TorchDispatchMode):
 
 
 def _patched_init_functions(state: _State) -> dict[str, Callable]:
-    """``nn.init`` functions without a torch-function hook that must see the whole target."""
+    """``nn.init`` functions without a torch-function hook: trunc_normal_ (one element-wise pass
+    instead of rejection rounds) and the two that must see the whole target."""
     orig_orthogonal, orig_sparse = nn.init.orthogonal_, nn.init.sparse_
 
     def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
@@ -393,16 +395,20 @@ def mesh_independent_context(module: nn.Module):
         yield _active.state
         return
     state = _State(module, _draw_key())
-    saved = {name: getattr(nn.init, name) for name in ("trunc_normal_", "orthogonal_", "sparse_")}
+    # transformers (>= 5) keeps its own references to these nn.init functions and calls those.
+    hf = sys.modules.get("transformers.initialization")
+    tables = [vars(nn.init)] + [t for t in [getattr(hf, "TORCH_INIT_FUNCTIONS", None)] if isinstance(t, dict)]
+    patches = _patched_init_functions(state)
+    saved = [(table, name, table[name]) for table in tables for name in patches if name in table]
     _active.state = state
     try:
-        for name, fn in _patched_init_functions(state).items():
-            setattr(nn.init, name, fn)
+        for table, name, _ in saved:
+            table[name] = patches[name]
         with _MeshIndependentRandom(state):
             yield state
     finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+        for table, name, fn in saved:
+            table[name] = fn
         _active.state = None
 
 

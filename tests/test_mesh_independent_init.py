@@ -2,7 +2,7 @@
 
 Single-process: Philox4x32-10 known answers, shard boxes equal to slices of the full tensor, the
 moments and bounds of every distribution on 10^6 samples, independence of FQN streams, fallbacks.
-Multi-rank (one spawn per world size 1, 2, 4; the 4-rank spawn also runs a 2x2 mesh): the parallel
+Multi-rank (one 4-rank spawn; meshes of 1, 2 and 4 ranks and 2x2 inside it): the parallel
 module's ``init_weights()`` gives bit-identical full tensors to ``mesh_independent_init`` on the
 eager model, for Shard(0), Shard(1) and Replicate plans.
 """
@@ -235,6 +235,17 @@ def test_whole_tensor_inits_on_plain_tensors_and_errors():
         mesh_independent_init(nn.Linear(2, 2))
 
 
+def test_transformers_init_functions_are_covered():
+    # transformers >= 5 calls its own saved references to torch.nn.init functions.
+    hf_init = pytest.importorskip("transformers.initialization")
+    torch.manual_seed(0)
+    a = mesh_independent_init(_One(1000), lambda m: hf_init.trunc_normal_(m.w, std=0.02, a=-0.04, b=0.04)).w
+    torch.manual_seed(0)
+    b = mesh_independent_init(_One(1000), lambda m: nn.init.trunc_normal_(m.w, std=0.02, a=-0.04, b=0.04)).w
+    assert torch.equal(a, b) and a.abs().max() <= 0.04 + 1e-7
+    assert hf_init.TORCH_INIT_FUNCTIONS["trunc_normal_"] is torch.nn.init.trunc_normal_  # restored
+
+
 # --- multi-rank: bit-identical on every mesh ------------------------------------------------------
 
 
@@ -327,8 +338,22 @@ def _max_diff(got: dict, want: dict) -> float:
     return worst
 
 
-def _mesh_rank_main(rank, world, mesh_shapes):
+def _meshes(world: int):
+    """Meshes of 1, 2 and 4 ranks and a 2x2 mesh, all from one 4-rank spawn (a DTensor sees only its
+    mesh: a size-2 submesh is a 2-rank run)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    assert world == 4
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    return {
+        "1": init_device_mesh("cpu", (4, 1), mesh_dim_names=("a", "b"))["b"],
+        "2": grid["b"],
+        "4": init_device_mesh("cpu", (4,)),
+        "2x2": grid,
+    }
+
+
+def _mesh_rank_main(rank, world):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -339,10 +364,9 @@ def _mesh_rank_main(rank, world, mesh_shapes):
     torch.manual_seed(1234)
     want = _state_full(mesh_independent_init(eager_model))
     table = {}
-    for shape in mesh_shapes:
-        mesh = init_device_mesh("cpu", shape)
-        key = "x".join(map(str, shape))
-        for plan, placements_of in _plans(shape).items():
+    meshes = _meshes(world)
+    for key, mesh in meshes.items():
+        for plan, placements_of in _plans(tuple(mesh.shape)).items():
             model = _distribute(_AllInits(), mesh, placements_of)
             torch.manual_seed(1234)
             with warnings.catch_warnings(record=True) as caught:
@@ -352,28 +376,27 @@ def _mesh_rank_main(rank, world, mesh_shapes):
             full_made = sorted(
                 str(w.message).split("'")[1] for w in caught if issubclass(w.category, FullTensorWarning)
             )
-            sharded = any(p.is_shard() for p in placements_of(2)) and world > 1
+            sharded = any(p.is_shard() for p in placements_of(2)) and mesh.size() > 1
             assert full_made == (sorted(WHOLE) if sharded else []), (key, plan, full_made)
             assert comm.get_total_counts() == 0, (key, plan)  # every fill stayed local
             table[(key, plan)] = _max_diff(_state_full(model), want)
 
-    # The parallel module itself (capture + build), TinyTransformer, plan with Shard(0), Shard(1)
-    # and Replicate tensors, built on meta and materialized.
+    # The parallel module itself (capture + build) of TinyTransformer on the 2x2 mesh, built on meta
+    # and materialized, with a plan mixing Shard(0), Shard(1) and Replicate tensors.
     cfg = TinyConfig()
     eager_tt = TinyTransformer(cfg)
     torch.manual_seed(99)
     eager = _state_full(mesh_independent_init(eager_tt))
-    mesh = init_device_mesh("cpu", mesh_shapes[-1])
-    n = mesh.ndim
+    mesh = meshes["2x2"]
     with torch.device("meta"):
         meta_model = TinyTransformer(cfg)
     with AutoParallel(meta_model, lambda: torch.randint(0, 32, (2 * world, cfg.seq)), mesh) as autop:
-        autop.add_input_constraints([(Shard(0),) * n])
-        autop.add_output_constraints([(Shard(0),) * n])
+        autop.add_input_constraints([(Shard(0), Shard(0))])
+        autop.add_output_constraints([(Shard(0), Shard(0))])
         autop.set_placements(
             {
-                "layers.*.attention.w*.weight": (Shard(1),) * n,
-                "layers.0.feed_forward.*": (Replicate(),) * n,
+                "layers.*.attention.w*.weight": (Shard(1), Shard(0)),
+                "layers.0.feed_forward.*": (Replicate(), Replicate()),
             }
         )
         pmod = autop.apply_placement(autop.optimize_placement())
@@ -382,20 +405,18 @@ def _mesh_rank_main(rank, world, mesh_shapes):
     with CommDebugMode() as comm:
         pmod.init_weights()
     assert comm.get_total_counts() == 0
-    table[("x".join(map(str, mesh_shapes[-1])), "parallel module, TinyTransformer")] = _max_diff(
-        _state_full(pmod), eager
-    )
+    table[("2x2", "parallel module of TinyTransformer")] = _max_diff(_state_full(pmod), eager)
     return table
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,mesh_shapes", [(1, [(1,)]), (2, [(2,)]), (4, [(4,), (2, 2)])], ids=["1rank", "2ranks", "4ranks+2x2"])
-def test_init_is_bit_identical_on_every_mesh(world, mesh_shapes):
+def test_init_is_bit_identical_on_every_mesh():
     from checkpoint.launch import run_ranks
 
-    results = run_ranks(_mesh_rank_main, world, mesh_shapes, backend="gloo", timeout=300)
+    results = run_ranks(_mesh_rank_main, 4, backend="gloo", timeout=400)
     assert all(r == results[0] for r in results)
-    print(f"\nworld {world}: max |parallel - mesh_independent_init(eager)| over all tensors")
+    assert {mesh for mesh, _ in results[0]} == {"1", "2", "4", "2x2"}
+    print("\nmax |parallel init_weights() - mesh_independent_init(eager)| over all tensors (0: bit-identical)")
     for (mesh, plan), d in results[0].items():
-        print(f"  mesh {mesh:5s} {plan:38s} {d:g}")
+        print(f"  mesh {mesh:4s} {plan:38s} {d:g}")
     assert all(d == 0.0 for d in results[0].values()), results[0]

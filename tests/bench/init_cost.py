@@ -1,6 +1,7 @@
 """Cost of mesh-independent ``init_weights()`` vs the former per-shard rule, same run, same module.
 
-Run: ``python tests/bench/init_cost.py [--world 2] [--pairs 5] [--size small|example]``.
+Run: ``python tests/bench/init_cost.py [--world 2] [--pairs 5] [--size small|example] [--threads N]``.
+``--threads`` sets ``torch.set_num_threads`` on each rank (both rules alike; default: torch's).
 
 The parallel module of a Llama (transformers ``LlamaForCausalLM``, built on meta, FSDP-style
 ``Shard(0)`` plan from ``AutoParallel``) on ``world`` gloo ranks; ``init_weights()`` is
@@ -57,6 +58,10 @@ def _build(size: str, mesh):
 def _use_rule(pmod, mesh_independent: bool) -> None:
     from autoparallel import wrap_init_weights
 
+    # transformers marks initialized modules / tensors and skips them in later init_weights() calls.
+    for obj in [*pmod.modules(), *pmod.parameters(), *pmod.buffers()]:
+        obj.__dict__.pop("_is_hf_initialized", None)
+
     for mod in pmod.modules():  # drop earlier per-instance wrappers, then wrap with the rule
         mod.__dict__.pop("init_weights", None)
     wrap_init_weights(pmod, mesh_independent=mesh_independent)
@@ -82,9 +87,11 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _time_rank(rank, world, size, pairs):
+def _time_rank(rank, world, size, pairs, threads):
     from torch.distributed.device_mesh import init_device_mesh
 
+    if threads:
+        torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     pmod = _build(size, init_device_mesh("cpu", (world,)))
     _timed_init(pmod, True), _timed_init(pmod, False)  # warm both paths once
@@ -96,10 +103,12 @@ def _time_rank(rank, world, size, pairs):
     return rows
 
 
-def _memory_rank(rank, world, size, mesh_independent):
+def _memory_rank(rank, world, size, mesh_independent, threads):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    if threads:
+        torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     pmod = _build(size, init_device_mesh("cpu", (world,)))
     _use_rule(pmod, mesh_independent)
@@ -120,18 +129,20 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    rows = run_ranks(_time_rank, args.world, args.size, args.pairs, backend="gloo", timeout=1200)[0]
+    rows = run_ranks(_time_rank, args.world, args.size, args.pairs, args.threads, backend="gloo", timeout=1200)[0]
     ratios = [a / b for a, b in rows]
     mi = [a for a, _ in rows]
     ps = [b for _, b in rows]
-    print(f"Llama '{args.size}', {args.world} ranks, Shard(0) plan, {args.pairs} pairs (rank 0):")
+    threads = args.threads or torch.get_num_threads()
+    print(f"Llama '{args.size}', {args.world} ranks x {threads} threads, Shard(0) plan, {args.pairs} pairs (rank 0):")
     print(f"  init_weights mesh-independent  median {statistics.median(mi):7.3f} s  range {min(mi):.3f}-{max(mi):.3f}")
     print(f"  init_weights per-shard (before) median {statistics.median(ps):7.3f} s  range {min(ps):.3f}-{max(ps):.3f}")
     print(f"  ratio mesh-independent / per-shard: median x{statistics.median(ratios):.2f}  "
           f"range x{min(ratios):.2f}-x{max(ratios):.2f}  (goal <= x2)")
     for rule in (True, False):
-        mem = run_ranks(_memory_rank, args.world, args.size, rule, backend="gloo", timeout=1200)[0]
+        mem = run_ranks(_memory_rank, args.world, args.size, rule, args.threads, backend="gloo", timeout=1200)[0]
         name = "mesh-independent" if rule else "per-shard (before)"
         print(f"  peak extra RSS during init, {name:18s}: {mem['peak_extra'] / 2**20:7.1f} MiB "
               f"(local params+buffers {mem['local'] / 2**20:.1f} MiB, largest full tensor "
