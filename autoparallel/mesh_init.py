@@ -388,8 +388,9 @@ def mesh_independent_context(module: nn.Module):
 
     Draws the 64-bit key from the CPU default generator on entry. Re-entrant (an inner entry shares
     the outer one's key and call numbers). Patches ``nn.init.trunc_normal_``, ``orthogonal_`` and
-    ``sparse_`` for its duration (process-wide; code holding its own reference to the originals
-    gets torch's versions, still mesh-independent through the ops they call).
+    ``sparse_`` (and transformers' saved references to them) for its duration (process-wide; other
+    code holding its own reference gets torch's versions: still mesh-independent through the ops
+    they call, but torch's ``trunc_normal_`` then needs a global ``any`` per rejection round).
     """
     if getattr(_active, "state", None) is not None:
         yield _active.state
