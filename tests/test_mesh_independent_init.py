@@ -62,6 +62,17 @@ def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     assert torch.equal(t, full)
 
 
+def test_box_of_a_huge_tensor_needs_no_full_tensor():
+    # 2^41 elements (8 TiB as float32): only the boxes are computed; block numbers pass 2^32.
+    shape = (2**20, 2**21)
+    sid = stream_id(11, "huge", "normal_", 0)
+    a = torch.empty(3, 5)
+    fill_box(a, shape, (2**20 - 3, 2**21 - 5), sid, "normal", lambda v, p: v)
+    b = torch.empty(2, 7)
+    fill_box(b, shape, (2**20 - 2, 2**21 - 7), sid, "normal", lambda v, p: v)
+    assert torch.equal(a[1:], b[:, 2:]) and a.std() > 0.3
+
+
 # --- distributions on 10^6 samples ----------------------------------------------------------------
 
 
