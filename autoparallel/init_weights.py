@@ -124,18 +124,12 @@ def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
     _active.depth = 1
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
-        rng = mesh_independent_context(module) if mesh_independent else _sharded_random()
+        rng = mesh_independent_context(module) if mesh_independent else _ShardedRandom()
         with implicit_replication(), _RefuseDataSet(), rng:
             yield
     finally:
         nn.Module.__setattr__ = original_setattr
         _active.depth = 0
-
-
-@contextlib.contextmanager
-def _sharded_random():
-    with _ShardedRandom():
-        yield
 
 
 def wrap_init_weights(root: nn.Module, method: str = "init_weights", mesh_independent: bool = True) -> int:
