@@ -387,7 +387,8 @@ def mesh_independent_context(module: nn.Module):
     """Context in which random fills of ``module``'s tensors are mesh-independent (module doc).
 
     Draws the 64-bit key from the CPU default generator on entry. Re-entrant (an inner entry shares
-    the outer one's key and call numbers). Patches ``nn.init.trunc_normal_``, ``orthogonal_`` and
+    the outer one's key and call numbers). Patches ``nn.Module.__setattr__`` (a tensor assigned to a
+    parameter / buffer slot keeps the slot's FQN), ``nn.init.trunc_normal_``, ``orthogonal_`` and
     ``sparse_`` (and transformers' saved references to them) for its duration (process-wide; other
     code holding its own reference gets torch's versions: still mesh-independent through the ops
     they call, but torch's ``trunc_normal_`` then needs a global ``any`` per rejection round).
@@ -401,13 +402,30 @@ def mesh_independent_context(module: nn.Module):
     tables = [vars(nn.init)] + [t for t in [getattr(hf, "TORCH_INIT_FUNCTIONS", None)] if isinstance(t, dict)]
     patches = _patched_init_functions(state)
     saved = [(table, name, table[name]) for table in tables for name in patches if name in table]
+    # A tensor assigned to a parameter / buffer slot (``self.w = nn.Parameter(...)``) takes the
+    # slot's FQN, as the parallel module's copy into its DTensor keeps it.
+    slots: dict[tuple[int, str], str] = {}
+    for rec in eager_tensors(module):
+        for name in rec.module_names:
+            path, _, attr = name.rpartition(".")
+            slots[(id(module.get_submodule(path)), attr)] = rec.fqn
+    setattr_before = nn.Module.__setattr__
+
+    def setattr_keeping_fqn(self, name, value):
+        setattr_before(self, name, value)
+        fqn = slots.get((id(self), name))
+        if fqn is not None and isinstance(value, torch.Tensor):
+            state.register(value, fqn)
+
     _active.state = state
     try:
         for table, name, _ in saved:
             table[name] = patches[name]
+        nn.Module.__setattr__ = setattr_keeping_fqn
         with _MeshIndependentRandom(state):
             yield state
     finally:
+        nn.Module.__setattr__ = setattr_before
         for table, name, fn in saved:
             table[name] = fn
         _active.state = None

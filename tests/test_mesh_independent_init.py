@@ -214,6 +214,19 @@ def test_fqn_streams_are_independent_and_order_free():
     assert torch.equal(m4.a, a.float()) and torch.equal(m4.b, b.float())
 
 
+def test_reassigned_parameter_keeps_its_fqn_stream():
+    def reassign(mod):
+        mod.a = nn.Parameter(torch.empty(mod.a.shape))
+        nn.init.normal_(mod.a)
+
+    torch.manual_seed(0)
+    m = mesh_independent_init(_Pair(1000), lambda mod: nn.init.normal_(mod.a))
+    torch.manual_seed(0)
+    m2 = mesh_independent_init(_Pair(1000), reassign)
+    assert torch.equal(m2.a, m.a)
+    assert nn.Module.__setattr__.__name__ == "__setattr__"  # the patch was undone
+
+
 def test_user_generator_sets_the_key():
     def fn(seed):
         def run(mod):
@@ -272,6 +285,7 @@ class _AllInits(nn.Module):
         self.d = nn.Parameter(torch.empty(9, 6))
         self.e = nn.Parameter(torch.empty(7, 10))
         self.f = nn.Parameter(torch.empty(8, 5))
+        self.g = nn.Parameter(torch.empty(6, 4))
         self.register_buffer("mask", torch.empty(5, 9))
         self.register_buffer("ids", torch.empty(9, 4, dtype=torch.int64))
 
@@ -290,9 +304,11 @@ class _AllInits(nn.Module):
         nn.init.orthogonal_(self.d)  # needs the whole tensor
         nn.init.sparse_(self.e, 0.3)  # needs the whole tensor
         self.f = nn.Parameter(torch.randn(8, 5) * 0.02)  # user code assigning a full tensor
+        self.g = nn.Parameter(torch.empty(6, 4))  # reassigned, then filled: still the stream of "g"
+        nn.init.normal_(self.g)
 
 
-WHOLE = {"d", "e", "f"}  # the FQNs whose init makes a full tensor
+WHOLE = {"d", "e", "f", "g"}  # the FQNs whose init makes a full tensor
 
 
 def _distribute(model: nn.Module, mesh, placements_of) -> nn.Module:
