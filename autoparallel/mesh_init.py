@@ -431,15 +431,6 @@ def mesh_independent_context(module: nn.Module):
         _active.state = None
 
 
-def register_alias(t: torch.Tensor, of: torch.Tensor) -> None:
-    """Inside an active context, make fills of ``t`` use the stream of ``of`` (no-op otherwise)."""
-    state = getattr(_active, "state", None)
-    if state is not None:
-        fqn = state.fqn_of(of)
-        if fqn is not None:
-            state.register(t, fqn)
-
-
 def mesh_independent_init(module: nn.Module, fn: Callable[[nn.Module], Any] | None = None) -> nn.Module:
     """Run ``module.init_weights()`` (or ``fn(module)``) with mesh-independent random fills.
 
