@@ -20,6 +20,7 @@ from .errors import (
     UninitializedStateError,
 )
 from .init_weights import dtensor_init_context, wrap_init_weights
+from .mesh_init import FullTensorWarning, mesh_independent_context, mesh_independent_init
 from .mixed_precision import CastToDtype, apply_mixed_precision, count_param_casts
 from .parallel_module import build_parallel_module
 from .placement import Plan, apply_overrides, default_plan, fsdp_placements
@@ -39,6 +40,9 @@ __all__ = [
     "count_param_casts",
     "dtensor_init_context",
     "wrap_init_weights",
+    "mesh_independent_init",
+    "mesh_independent_context",
+    "FullTensorWarning",
     "AutoParallelError",
     "CaptureError",
     "PlacementError",

@@ -8,11 +8,13 @@ Three things make single-device code work (written by hand: no library does this
   ``zero_``) run on the local shard only, so the full tensor is never built on a rank;
 * reassignment (``self.w = nn.Parameter(t)``, ``self.buf = t``) of a DTensor attribute copies
   ``t`` into the existing DTensor, keeping its placement, tied aliases and registration;
-* random in-place inits (``normal_``, ``uniform_``, ... any op tagged ``nondeterministic_seeded``)
-  on a DTensor draw each shard from its own stream, seeded from the default generator and the
-  shard's coordinates, so shards differ and replicas agree (DTensor's own RNG tracker does not
-  cover CPU meshes). Ranks must share the default generator's seed, as single-device init code
-  run on every rank does after ``torch.manual_seed``;
+* random fills (``normal_``, ``uniform_``, ``nn.init.*``, ``torch.randn``, ...) are
+  mesh-independent (:mod:`autoparallel.mesh_init`): each element's value depends on a key drawn
+  from the default generator, the tensor's eager FQN, the op and its arguments and the element's
+  global index, never on the mesh or placements, and equals :func:`mesh_independent_init` on the
+  eager model. Ranks must share the default generator's seed, as single-device init code run on
+  every rank does after ``torch.manual_seed``. ``mesh_independent=False`` keeps the former rule
+  (each shard drawn from its own torch stream: cheaper, values depend on the mesh);
 * ``dtensor.data = t`` would swap the wrapper's metadata and silently drop the write, so it raises
   :class:`~autoparallel.errors.DataAssignmentError`.
 """
@@ -31,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import DataAssignmentError
+from .mesh_init import mesh_independent_context
 from .uninitialized import NoteWrites
 
 _active = threading.local()
@@ -51,7 +54,8 @@ class _RefuseDataSet(TorchFunctionMode):
 
 
 class _ShardedRandom(TorchDispatchMode):
-    """Run seeded random in-place ops on a DTensor's local shard with a per-shard generator."""
+    """Former rule (``mesh_independent=False``): seeded random in-place ops on a DTensor's local
+    shard with a per-shard generator; values depend on the mesh."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -89,7 +93,7 @@ def _copy_into(dst: DTensor, value: torch.Tensor, where: str) -> None:
 
 
 @contextlib.contextmanager
-def dtensor_init_context(module: nn.Module):
+def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
     """Context in which single-device init code writes into ``module``'s DTensors (see module doc).
 
     Re-entrant: nested calls (a parent's ``init_weights`` calling its children's) share one context.
@@ -121,15 +125,18 @@ def dtensor_init_context(module: nn.Module):
     _active.depth = 1
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
-        with implicit_replication(), _RefuseDataSet(), _ShardedRandom(), NoteWrites():
+        rng = mesh_independent_context(module) if mesh_independent else _ShardedRandom()
+        # NoteWrites outside the random fills' mode: it sees the writes that mode makes.
+        with implicit_replication(), _RefuseDataSet(), NoteWrites(), rng:
             yield
     finally:
         nn.Module.__setattr__ = original_setattr
         _active.depth = 0
 
 
-def wrap_init_weights(root: nn.Module, method: str = "init_weights") -> int:
-    """Make ``root.<method>`` and every submodule's ``<method>`` run in :func:`dtensor_init_context`.
+def wrap_init_weights(root: nn.Module, method: str = "init_weights", mesh_independent: bool = True) -> int:
+    """Make ``root.<method>`` and every submodule's ``<method>`` run in :func:`dtensor_init_context`
+    (``mesh_independent`` passed on).
 
     The bound method is wrapped per instance, so calling a submodule's ``init_weights`` directly
     works too. Returns the number of modules wrapped.
@@ -138,15 +145,15 @@ def wrap_init_weights(root: nn.Module, method: str = "init_weights") -> int:
     for mod in root.modules():
         fn = getattr(type(mod), method, None)
         if callable(fn):
-            object.__setattr__(mod, method, _in_context(root, fn.__get__(mod)))
+            object.__setattr__(mod, method, _in_context(root, fn.__get__(mod), mesh_independent))
             wrapped += 1
     return wrapped
 
 
-def _in_context(root: nn.Module, bound):
+def _in_context(root: nn.Module, bound, mesh_independent: bool):
     @functools.wraps(bound)
     def run(*args, **kwargs):
-        with dtensor_init_context(root):
+        with dtensor_init_context(root, mesh_independent):
             return bound(*args, **kwargs)
 
     return run

@@ -1,0 +1,202 @@
+"""Counter-based random variates for any box of a tensor's global index space (mesh-independent init).
+
+Generator: Philox4x32-10, from J. K. Salmon, M. A. Moraes, R. O. Dror, D. E. Shaw, "Parallel random
+numbers: as easy as 1, 2, 3", SC'11 (2011), doi:10.1145/2063384.2063405; constants and round function
+as in the Random123 reference (``philox.h``), checked against its ``kat_vectors``. Written by hand
+with torch int64 ops (no library offers a counter-based generator over an arbitrary index box on any
+torch device): a 32x32-bit product fits the 64 bits of an int64 (it wraps, keeping the low 64 bits,
+which is the exact unsigned product), so every word stays exact on CPU and GPU alike.
+
+Layout: element ``g`` (row-major linear index in the *global* shape) of a stream takes lane
+``g % V`` of block ``g // V``; block ``b`` is ``philox(counter=(b mod 2^32, b >> 32, s2, s3),
+key=(k0, k1))`` with ``(k0, k1, s2, s3)`` the stream's 128-bit id. So an element's value depends on
+the stream and ``g`` only, never on which box (shard) is computed. ``V`` and the variate per lane:
+
+========== === =================================================================================
+kind        V   variate (float64 unless said)
+========== === =================================================================================
+uniform     4   ``w * 2^-32`` in [0, 1), one 32-bit word per element
+uniform53   2   53-bit ``(w0 * 2^21 + w1 >> 11) * 2^-53`` in [0, 1) (float64 targets)
+open        4   ``(w + 0.5) * 2^-32`` in (0, 1): inverse-CDF methods that take a log or a tangent
+normal      4   Box-Muller (G. E. P. Box, M. E. Muller, Ann. Math. Statist. 29(2), 1958):
+                words (w0, w1) -> ``r cos t, r sin t``, (w2, w3) likewise, with
+                ``r = sqrt(-2 ln u1)``, ``u1 = (w0 + 1) 2^-32`` in (0, 1], ``t = 2 pi w1 2^-32``
+int63       2   int64 ``(w1 & 0x7fffffff) << 32 | w0`` in [0, 2^63)
+========== === =================================================================================
+
+Every later step is an element-wise torch op (``log``, ``cos``, ``ndtri``, ...), whose result for
+an element does not depend on where it sits in the tensor (tests/test_mesh_independent_init.py
+pins this through whole fills on shards vs full tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers (Random123 philox.h)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments (golden ratio, sqrt(3) - 1)
+_MASK = 0xFFFFFFFF
+_INV32 = 2.0**-32
+_INV53 = 2.0**-53
+
+Word = torch.Tensor | int
+LANES = {"uniform": 4, "uniform53": 2, "open": 4, "normal": 4, "int63": 2}
+# Elements per piece computed at once: bounds the temporaries (~50 bytes an element, ~13 MiB) while
+# keeping the ~150 torch ops per piece large enough that per-op (thread pool) overhead stays small;
+# pieces never change values, only how many are computed together.
+CHUNK = 1 << 18
+
+
+def _mulhilo(m: int, c: Word) -> tuple[Word, Word]:
+    # High and low 32-bit words of m * c; fresh tensors, so the masks can run in place.
+    if not isinstance(c, torch.Tensor):
+        return (m * c) >> 32, (m * c) & _MASK
+    p = c * m
+    return (p >> 32).bitwise_and_(_MASK), p.bitwise_and_(_MASK)
+
+
+def _xor3(fresh: Word, a: Word, k: int) -> Word:
+    # fresh ^ a ^ k, in place on ``fresh`` when it is a tensor (it is owned by the round).
+    if isinstance(fresh, torch.Tensor):
+        return fresh.bitwise_xor_(a).bitwise_xor_(k)
+    if isinstance(a, torch.Tensor):
+        return (a ^ fresh).bitwise_xor_(k)
+    return fresh ^ a ^ k
+
+
+def philox4x32_10(
+    counter: Sequence[Word], key: tuple[int, int]
+) -> tuple[torch.Tensor | int, torch.Tensor | int, torch.Tensor | int, torch.Tensor | int]:
+    """Philox4x32 with 10 rounds: 4 counter words (int64 tensors holding [0, 2^32), broadcastable,
+    or Python ints) and 2 key words (ints) -> 4 output words (int64 in [0, 2^32))."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
+        k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+    return c0, c1, c2, c3
+
+
+def stream_id(key: int, *parts: str | int) -> tuple[int, int, int, int]:
+    """The 128-bit id ``(k0, k1, s2, s3)`` of a stream: BLAKE2b (hashlib) of the 64-bit init key and
+    ``parts`` (FQN, op name, call number). A hash, not Python's ``hash`` (salted per process)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(int(key % 2**64).to_bytes(8, "little"))
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else int(p).to_bytes(8, "little", signed=True)
+        h.update(len(b).to_bytes(4, "little") + b)
+    d = h.digest()
+    return tuple(int.from_bytes(d[i : i + 4], "little") for i in range(0, 16, 4))  # type: ignore[return-value]
+
+
+def _block_variates(kind: str, blocks: torch.Tensor, sid: tuple[int, int, int, int]) -> torch.Tensor:
+    """``blocks`` int64 [n] -> variates of ``kind`` (see the module table), lane-major [V, n]:
+    element ``(lane, i)`` belongs to global index ``blocks[i] * V + lane``."""
+    c1: Word = (blocks >> 32) if int(blocks.max()) > _MASK else 0
+    w = philox4x32_10((blocks & _MASK, c1, sid[2], sid[3]), (sid[0], sid[1]))
+    w = [x if isinstance(x, torch.Tensor) else torch.full_like(blocks, x) for x in w]
+    if kind == "uniform":
+        return torch.stack(w).double().mul_(_INV32)
+    if kind == "open":
+        return torch.stack(w).double().add_(0.5).mul_(_INV32)
+    if kind == "uniform53":
+        a = w[0].mul_(1 << 21).add_(w[1] >> 11)
+        b = w[2].mul_(1 << 21).add_(w[3] >> 11)
+        return torch.stack([a, b]).double().mul_(_INV53)
+    if kind == "int63":
+        return torch.stack(
+            [
+                w[1].bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(w[0]),
+                w[3].bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(w[2]),
+            ]
+        )
+    if kind == "normal":
+        out = torch.empty(4, blocks.numel(), dtype=torch.float64, device=blocks.device)
+        for i in (0, 2):
+            r = w[i].double().add_(1.0).mul_(_INV32).log_().mul_(-2.0).sqrt_()
+            t = w[i + 1].double().mul_(2.0 * math.pi * _INV32)
+            torch.mul(r, t.cos(), out=out[i])
+            torch.mul(r, t.sin_(), out=out[i + 1])
+        return out
+    raise ValueError(f"unknown variate kind {kind!r}")
+
+
+def _runs(global_shape: Sequence[int], offset: Sequence[int], local_shape: Sequence[int], device):
+    """The box as R runs of L consecutive global indices: (int64 starts [R], L). Trailing dims the
+    box covers whole merge into one run, so Shard(0) and Replicate are a single run."""
+    k = len(global_shape)
+    if k == 0:
+        return torch.zeros(1, dtype=torch.int64, device=device), 1
+    gstride = [1] * k
+    for d in range(k - 2, -1, -1):
+        gstride[d] = gstride[d + 1] * global_shape[d + 1]
+    j = k - 1
+    while j > 0 and local_shape[j] == global_shape[j]:
+        j -= 1
+    length = math.prod(local_shape[j:])
+    starts = torch.tensor(offset[j] * gstride[j], dtype=torch.int64, device=device)
+    for d in range(j - 1, -1, -1):
+        idx = torch.arange(offset[d], offset[d] + local_shape[d], dtype=torch.int64, device=device)
+        starts = (idx * gstride[d]).view(-1, *([1] * (j - 1 - d))) + starts
+    return starts.reshape(-1), length
+
+
+def fill_box(
+    out: torch.Tensor,
+    global_shape: Sequence[int],
+    offset: Sequence[int],
+    sid: tuple[int, int, int, int],
+    kind: str,
+    transform: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor],
+    params: Sequence[torch.Tensor] = (),
+) -> None:
+    """Write ``transform(variates, params)`` into ``out``, the box ``[offset, offset + out.shape)``
+    of a tensor of ``global_shape``.
+
+    ``out``: any dtype / device / strides; written in place piece by piece (no full tensor, no
+    float64 copy of the whole box). ``params``: tensors of ``out.shape`` (per-element arguments,
+    e.g. Bernoulli probabilities), sliced like the variates. ``transform`` gets float64 (int64 for
+    ``int63``) variates of a piece and returns that piece's values, cast by the write.
+    """
+    local_shape = tuple(out.shape)
+    if out.numel() == 0:
+        return
+    device = out.device
+    starts, length = _runs(global_shape, offset, local_shape, device)
+    rows = starts.numel()
+    dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    dst2 = dst.view(rows, length)
+    params2 = [p.expand(local_shape).reshape(rows, length) for p in params]
+    lanes = LANES[kind]
+    piece = min(length, CHUNK)
+    rows_per = max(1, CHUNK // piece)
+    for c0 in range(0, length, piece):
+        n = min(piece, length - c0)
+        nb = (n + 2 * lanes - 2) // lanes  # blocks covering n elements from any lane
+        span = torch.arange(nb, dtype=torch.int64, device=device)
+        for r0 in range(0, rows, rows_per):
+            st = starts[r0 : r0 + rows_per] + c0
+            rb = st.numel()
+            blocks = (st.div(lanes, rounding_mode="floor")[:, None] + span).reshape(-1)
+            lanes_t = _block_variates(kind, blocks, sid).t()  # [rb * nb, V], a view
+            lane0 = st % lanes
+            if not params and not bool(lane0.any()):
+                # Runs start on a block boundary: write block-shaped views, no gather.
+                m, rest = divmod(n, lanes)
+                vals = transform(lanes_t, ()).view(rb, nb, lanes)
+                dst2[r0 : r0 + rb, c0 : c0 + m * lanes].view(rb, m, lanes).copy_(vals[:, :m])
+                if rest:
+                    dst2[r0 : r0 + rb, c0 + m * lanes : c0 + n].copy_(vals[:, m, :rest])
+                continue
+            v = lanes_t.reshape(rb, nb * lanes)
+            cols = lane0[:, None] + torch.arange(n, dtype=torch.int64, device=device)
+            ps = tuple(p[r0 : r0 + rb, c0 : c0 + n] for p in params2)
+            dst2[r0 : r0 + rb, c0 : c0 + n] = transform(v.gather(1, cols), ps)
+    if dst is not out:
+        out.copy_(dst)
