@@ -426,13 +426,19 @@ def mesh_independent_context(module: nn.Module):
             state.register(value, fqn)
 
     _active.state = state
+    # The generator runs ~150 small integer ops per 2^18-element piece: on CPU, intra-op threads
+    # only add synchronisation (measured x93 slower than one thread with 2 ranks x 2 threads on 2
+    # cores, tests/bench/init_cost.py), so fills run on one thread. Values do not depend on it.
+    threads = torch.get_num_threads()
     try:
         for table, name, _ in saved:
             table[name] = patches[name]
         nn.Module.__setattr__ = setattr_keeping_fqn
+        torch.set_num_threads(1)
         with _MeshIndependentRandom(state):
             yield state
     finally:
+        torch.set_num_threads(threads)
         nn.Module.__setattr__ = setattr_before
         for table, name, fn in saved:
             table[name] = fn
