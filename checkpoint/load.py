@@ -220,6 +220,11 @@ def value_problem(src: torch.Tensor, dst: torch.dtype) -> str | None:
             if src.is_floating_point() or src.is_complex()
             else ~torch.isfinite(conv)
         )
+    elif not (src.is_floating_point() or src.is_complex()) and src.dtype != torch.bool:
+        # Compare with the target's bounds: a round trip cannot see int8 <-> uint8 wrapping.
+        info = torch.iinfo(dst)
+        wide = src.to(torch.int64)
+        bad = (wide < info.min) | (wide > info.max)
     else:
         bad = conv.to(src.dtype) != src
     if not bool(bad.any()):

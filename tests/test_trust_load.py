@@ -186,8 +186,11 @@ def test_targets_sharing_memory_need_agreeing_values(tmp_path):
         (torch.tensor([1e5]), torch.zeros(1, dtype=torch.float16), "out of range"),
         (torch.tensor([2**40]), torch.zeros(1, dtype=torch.int32), "out of range"),
         (torch.tensor([-1], dtype=torch.int16), torch.zeros(1, dtype=torch.uint8), "out of range"),
+        # Same width, other signedness: a round trip through the target type cannot see these.
+        (torch.tensor([200], dtype=torch.uint8), torch.zeros(1, dtype=torch.int8), "out of range"),
+        (torch.tensor([-1], dtype=torch.int8), torch.zeros(1, dtype=torch.uint8), "out of range"),
     ],
-    ids=["complex-real", "float-int", "int-bool", "f32-f16-overflow", "i64-i32", "i16-u8"],
+    ids=["complex-real", "float-int", "int-bool", "f32-f16-overflow", "i64-i32", "i16-u8", "u8-i8", "i8-u8"],
 )
 @pytest.mark.filterwarnings("ignore:Casting complex values to real")
 def test_lossy_conversion_refused_unless_allowed(tmp_path, stored, target, why):
