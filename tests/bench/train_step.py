@@ -34,19 +34,15 @@ HIDDEN, LAYERS, SEQ, GLOBAL_BATCH, VOCAB = 256, 4, 128, 8, 2048
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.models import hf_llama
 
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=4 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=SEQ,
-            use_cache=False,  # a KV cache is no training output
-        )
+    return hf_llama(
+        VOCAB,
+        HIDDEN,
+        LAYERS,
+        intermediate_size=4 * HIDDEN,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
     )
 
 
