@@ -40,14 +40,6 @@ from .storage.format import OPTIMIZER_PREFIX, index_name
 from .storage.reader import CheckpointReader, open_checkpoint
 
 
-def local_slices(t: DTensor) -> tuple[slice, ...]:
-    """Slices of the global tensor that ``t``'s local shard covers on this rank (one per dim)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
-
-
 @dataclass
 class CopyAction:
     """Fill target ``entry`` from checkpoint tensor ``key``; the target has dtype ``dtype`` when
