@@ -190,6 +190,25 @@ class CheckpointWriteError(CheckpointError, OSError):
         return self.args[0]
 
 
+class SnapshotChangedError(CheckpointError, RuntimeError):
+    """An ``async_save(..., background_staging=True)`` found tensor ``key`` written in place after the
+    call returned and before the background thread had staged it (seen through the tensor's version
+    counter), so its snapshot would mix old and new values. Nothing was written at ``path``; any
+    previous checkpoint there is intact. Writes through ``optimizer.step()`` wait for the staging
+    and never cause this; other writers must call ``SaveFuture.wait_staged()`` first."""
+
+    def __init__(self, key: str, path: str):
+        self.key, self.path = key, str(path)
+        super().__init__(
+            f"{key!r} was written in place after async_save(..., background_staging=True) returned and before "
+            f"it was staged: its snapshot would mix values; nothing was written at {self.path}. Call "
+            "future.wait_staged() before writing it by other means than optimizer.step()"
+        )
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class UnsavableError(CheckpointError, ValueError):
     """``save`` refused, before writing anything, a name or value the safetensors format cannot
     hold (``key``: the tensor name, or the shard file whose header is too large). Any previous

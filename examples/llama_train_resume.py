@@ -112,7 +112,9 @@ def train(rank: int, world_size: int, steps: int, root: str, resume: bool, save_
     pmod.init_weights()  # transformers' init, run unchanged on DTensors (also fills rotary buffers)
     opt = torch.optim.AdamW(pmod.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3)  # warmup
-    manager = checkpoint.CheckpointManager(root, keep_latest=2, async_save=True)
+    # background_staging: the optimizer's tensors are copied during the next forward / backward;
+    # opt.step() waits for that copy (nothing else writes them in this loop).
+    manager = checkpoint.CheckpointManager(root, keep_latest=2, async_save=True, background_staging=True)
     out: dict = {"tags": n_tags, "losses": {}, "blocked_s": 0.0}
     first = 0
     if resume:
@@ -147,7 +149,7 @@ def train(rank: int, world_size: int, steps: int, root: str, resume: bool, save_
         if not resume and step <= save_after:
             t = time.perf_counter()
             extra = {"step": step, "lr_scheduler": sched, "rng": torch.get_rng_state()}
-            manager.save(step, pmod, opt, extra)  # returns once staged; written in the background
+            manager.save(step, pmod, opt, extra)  # returns at once; staged and written in the background
             out["blocked_s"] = max(out["blocked_s"], time.perf_counter() - t)
             out["saved_keys"] = sorted(pmod.state_dict())
     manager.wait()  # the last background save has committed

@@ -4,7 +4,9 @@ and staging buffers are reused (2 ranks: tests/test_training_ranks.py)."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 
 import pytest
 import torch
@@ -109,3 +111,87 @@ def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp
         got = _model(1)
         checkpoint.load(got, path)
         assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+
+
+class _HeldStaging:
+    """Hold the background copy of a ``background_staging`` save until ``release()``, so a test
+    sees deterministically what happens before the snapshot is staged."""
+
+    def __init__(self, monkeypatch):
+        mod = importlib.import_module("checkpoint.training.async_save")  # the module, not the function
+
+        self.gate, original = threading.Event(), mod._stage_deferred
+
+        def held(path, deferred):
+            assert self.gate.wait(60)
+            original(path, deferred)
+
+        monkeypatch.setattr(mod, "_stage_deferred", held)
+
+    def release(self):
+        self.gate.set()
+
+
+def test_background_staging_holds_the_next_step_and_saves_the_values_at_the_call(tmp_path, monkeypatch):
+    held = _HeldStaging(monkeypatch)
+    model, opt = _trained()
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    old_avg = opt.state[model[0].weight]["exp_avg"].clone()
+    saver = AsyncSaver()
+    fut = saver.save(model, tmp_path / "ck", optimizer=opt, background_staging=True)
+    assert not fut.staged() and not fut.done()  # the optimizer's tensors are not copied yet
+    model(torch.randn(8, 16)).sum().backward()  # forward and backward run meanwhile
+    stepped = threading.Event()
+    stepper = threading.Thread(target=lambda: (opt.step(), stepped.set()))
+    stepper.start()
+    assert not stepped.wait(0.5)  # the step pre-hook holds optimizer.step()
+    assert all(torch.equal(v, old[k]) for k, v in model.state_dict().items())
+    held.release()
+    stepper.join(60)
+    assert stepped.is_set() and fut.wait_staged(60)
+    fut.result(timeout=120)
+    assert not torch.equal(model[0].weight, old["0.weight"])  # the step ran, after the copy
+    fresh = _model(1)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    checkpoint.load(fresh, tmp_path / "ck", optimizer=opt2)
+    assert all(torch.equal(v, old[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(opt2.state[fresh[0].weight]["exp_avg"], old_avg)
+    # Same bytes as a synchronous save of those values; staging counts every tensor.
+    checkpoint.save(fresh, tmp_path / "sync", optimizer=opt2)
+    assert _files(tmp_path / "ck") == _files(tmp_path / "sync")
+    assert fut.staging_bytes == saver.staging_bytes
+
+
+@pytest.mark.parametrize("how", ["param", "optimizer_state"])
+def test_write_before_staged_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, how):
+    model, opt = _trained()
+    checkpoint.save(model, tmp_path / "ck", optimizer=opt)
+    before = _files(tmp_path / "ck")
+    held = _HeldStaging(monkeypatch)
+    fut = AsyncSaver().save(model, tmp_path / "ck", optimizer=opt, overwrite=True, background_staging=True)
+    with torch.no_grad():  # breaks the contract: written by other means than optimizer.step()
+        if how == "param":
+            model[2].bias.mul_(2)
+        else:
+            opt.state[model[0].weight]["exp_avg_sq"].zero_()
+    held.release()
+    with pytest.raises(checkpoint.SnapshotChangedError) as e:
+        fut.result(timeout=120)
+    want = "2.bias" if how == "param" else "optimizer state"
+    assert want in str(e.value) and "wait_staged" in str(e.value)
+    assert _files(tmp_path / "ck") == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_background_staging_without_optimizer_stages_in_the_call(tmp_path):
+    model, _ = _trained()
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = AsyncSaver().save(model, tmp_path / "ck", background_staging=True)
+    assert fut.staged()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    fut.result(timeout=120)
+    got = _model(1)
+    checkpoint.load(got, tmp_path / "ck")
+    assert all(torch.equal(v, old[k]) for k, v in got.state_dict().items())

@@ -5,7 +5,9 @@
   while the background save talks on its own group;
 - resume 2 ranks -> 4 ranks through :class:`checkpoint.CheckpointManager`: a model with Shard(0)
   DTensor weights, AdamW and an LR scheduler (in ``extra_state``) saved at step K on 2 ranks
-  continues on 4 ranks with the uninterrupted run's losses (fp32; reduction order differs).
+  continues on 4 ranks with the uninterrupted run's losses (fp32; reduction order differs); the
+  save stages the optimizer's DTensor shards in the background (``background_staging``) while the
+  next step's forward and backward run.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _dist_train(rank, world, root, resume: bool):
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.3, total_iters=STEPS)
-    mgr = CheckpointManager(root, keep_latest=2)
+    mgr = CheckpointManager(root, keep_latest=2, background_staging=True)  # step K+1's opt.step waits
     state = {"step": -1, "sched": sched}
     first = 0
     if resume:

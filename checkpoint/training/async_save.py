@@ -3,7 +3,10 @@
 The call builds exactly what :func:`checkpoint.save` writes (same parts, names, optimizer and
 extra state), copies every tensor this rank writes into a staging buffer and returns a
 :class:`SaveFuture`. A background thread then runs the same write / hash / atomic-commit code as
-``save`` on the staged copies, so the format and guarantees are those of ``save``.
+``save`` on the staged copies, so the format and guarantees are those of ``save``. With
+``background_staging`` the host tensors ``optimizer.step()`` writes are copied by that thread
+first, while the training loop runs its next forward and backward; a step pre-hook holds the
+optimizer until then (see :func:`async_save`).
 
 Staging buffers: one host tensor per saved tensor (per local shard for DTensors this rank writes),
 pinned when the source is on CUDA, kept by the :class:`AsyncSaver` and reused by the next save of
@@ -33,20 +36,33 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..errors import SnapshotChangedError
 from ..ranks import dist
 from ..save import _prepare, _save_distributed, _save_parts
-from ..storage.format import IndexFile, parse_size
+from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
 
 
 class SaveFuture:
     """The outcome of one :func:`async_save`: ``result(timeout)`` returns the model
     :class:`~checkpoint.IndexFile` once committed or raises what ``save`` would have raised;
-    ``done()``; ``exception(timeout)``. ``path``: the checkpoint path; ``staging_bytes``: host bytes
-    the snapshot of this save occupies."""
+    ``done()``; ``exception(timeout)``; ``staged()`` / ``wait_staged(timeout)`` (see
+    ``background_staging``). ``path``: the checkpoint path; ``staging_bytes``: host bytes the
+    snapshot of this save occupies."""
 
-    def __init__(self, future: Future, path: str, staging_bytes: int):
+    def __init__(self, future: Future, path: str, staging_bytes: int, staged: threading.Event):
         self._future, self.path, self.staging_bytes = future, path, staging_bytes
+        self._staged = staged
+
+    def staged(self) -> bool:
+        """Whether every value of the snapshot is in the staging buffers (True at once unless
+        ``background_staging``; also True once staging gave up on an error, which ``result()`` raises)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`staged` (at most ``timeout`` seconds); returns :meth:`staged`. After it,
+        every saved tensor may be written by any means."""
+        return self._staged.wait(timeout)
 
     def result(self, timeout: float | None = None) -> IndexFile:
         """Block until committed (at most ``timeout`` seconds: ``TimeoutError``); re-raises the save's error."""
@@ -126,6 +142,36 @@ def _writes(t: DTensor) -> bool:
     return all(isinstance(p, Shard) or coord[d] == 0 for d, p in enumerate(t.placements))
 
 
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return (local.device.type, local.untyped_storage().data_ptr())
+
+
+def _updated_by(optimizer: torch.optim.Optimizer) -> set[tuple[str, int]]:
+    """Storages ``optimizer.step()`` writes: its parameters and its per-parameter state tensors."""
+    out = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.add(_storage_key(p))
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    out.add(_storage_key(v))
+    return out
+
+
+@dataclasses.dataclass
+class _Copy:
+    """One tensor to stage: ``src`` into ``buf``; ``owner`` is the object writers bump the version
+    counter of (the DTensor itself for a shard: in-place ops on a DTensor leave its local tensor's
+    counter alone), ``version`` its counter at the call."""
+
+    key: tuple[str, str]
+    buf: torch.Tensor
+    src: torch.Tensor
+    owner: torch.Tensor
+    version: int
+
+
 class AsyncSaver:
     """Staging buffers plus one background writer thread; one save in flight at a time (a new
     :meth:`save` first waits for the previous one, whose buffers it reuses). Thread-safe."""
@@ -134,6 +180,7 @@ class AsyncSaver:
         self._pool = _StagingPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-async-save")
         self._pending: Future | None = None
+        self._hook: Any = None  # the optimizer step pre-hook of a background-staged save
         self._group: Any = None
         self._lock = threading.Lock()
 
@@ -160,6 +207,7 @@ class AsyncSaver:
             return t  # refused by the writer with save's own message, through result()
         if key in skip and not isinstance(t, DTensor):
             return t  # a plain tensor another rank writes: never read here
+        owner = t
         if isinstance(t, DTensor):
             if any(isinstance(p, Partial) for p in t.placements):  # reduce here, not in the background
                 t = t.redistribute(
@@ -170,13 +218,13 @@ class AsyncSaver:
             local = t.to_local()
             buf = self._pool.buffer(key, local)
             used.add(key)
-            copies.append((buf, local))
+            copies.append(_Copy(key, buf, local, owner, owner._version))
             return DTensor.from_local(
                 buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
             )
         buf = self._pool.buffer(key, t)
         used.add(key)
-        copies.append((buf, t))
+        copies.append(_Copy(key, buf, t, owner, owner._version))
         return buf
 
     def save(
@@ -188,6 +236,7 @@ class AsyncSaver:
         extra_state: Mapping[str, Any] | None = None,
         max_shard_size: int | str = "5GB",
         overwrite: bool = False,
+        background_staging: bool = False,
         after_commit: Callable[[], None] | None = None,
     ) -> SaveFuture:
         """See :func:`async_save`. ``after_commit``: run in the background thread once the checkpoint
@@ -196,9 +245,12 @@ class AsyncSaver:
         parse_size(max_shard_size)  # a bad size fails here, not in the background
         with self._lock:
             self.wait()
+            if self._hook is not None:  # the previous save is staged: its hook is a no-op now
+                self._hook.remove()
+                self._hook = None
             parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
             used: set = set()
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            copies: list[_Copy] = []
             staged = []
             skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() else set()
             with torch.no_grad():
@@ -208,34 +260,77 @@ class AsyncSaver:
                         for s in part.specs
                     }
                     staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
-                for buf, src in copies:
-                    _copy(buf, src)
+                deferred: list[_Copy] = []
+                if background_staging and optimizer is not None:
+                    # Host tensors only optimizer.step() writes are copied by the background thread;
+                    # the step pre-hook below holds the next step until they are.
+                    mine = _updated_by(optimizer)
+                    deferred = [
+                        c for c in copies if c.src.device.type == "cpu" and _storage_key(c.src) in mine
+                    ]
+                    later = {id(c) for c in deferred}
+                    copies = [c for c in copies if id(c) not in later]
+                for c in copies:
+                    _copy(c.buf, c.src)
                 event = None
-                if any(src.device.type == "cuda" for _, src in copies):
+                if any(c.src.device.type == "cuda" for c in copies):
                     event = torch.cuda.Event()
                     event.record()
             for key in set(self._pool.buffers) - used:  # names gone since the last save
                 del self._pool.buffers[key]
             group = self._background_group() if distributed and dist.active() else None
-            nbytes = sum(b.numel() * b.element_size() for b, _ in copies)
+            nbytes = sum(c.buf.numel() * c.buf.element_size() for c in copies + deferred)
+            staged_event = threading.Event()
+            if not deferred:
+                staged_event.set()
+            else:
+
+                def hold_step(*_args) -> None:  # a step pre-hook must return None
+                    staged_event.wait()
+
+                self._hook = optimizer.register_step_pre_hook(hold_step)
             fut = self._executor.submit(
                 _write, path, staged, distributed, extra_files, max_shard_size, overwrite, event, group,
-                after_commit,
+                after_commit, background_staging, deferred, staged_event,
             )  # fmt: skip
             self._pending = fut
-            return SaveFuture(fut, path, nbytes)
+            return SaveFuture(fut, path, nbytes, staged_event)
+
+
+def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
+    """Copy each deferred tensor, then check that nothing wrote it since the call (a write that
+    finished before the copy ended shows in the version counter; the step pre-hook keeps
+    ``optimizer.step()`` out until this returns)."""
+    with torch.no_grad():
+        for c in deferred:
+            _copy(c.buf, c.src)
+            if c.owner._version != c.version:
+                prefix, fqn = c.key
+                raise SnapshotChangedError(fqn if prefix == MODEL_PREFIX else f"{prefix} state {fqn}", path)
 
 
 def _write(
-    path, parts, distributed, extra_files, max_shard_size, overwrite, event, group, after_commit
-) -> IndexFile:
-    """Background thread: the write / hash / commit of ``save`` on the staged parts."""
+    path, parts, distributed, extra_files, max_shard_size, overwrite, event, group, after_commit,
+    background, deferred, staged_event,
+) -> IndexFile:  # fmt: skip
+    """Background thread: stage the deferred tensors, then the write / hash / commit of ``save``."""
+    err: BaseException | None = None
+    try:
+        _stage_deferred(path, deferred)
+    except BaseException as e:  # noqa: BLE001 - raised below (after the ranks agree)
+        err = e
+    finally:
+        staged_event.set()  # also on error: the optimizer step must not wait forever
     if event is not None:
         event.synchronize()
     if distributed:
         with dist.using_group(group):
+            if background:  # same on every rank (an argument of the call): every rank stops if one is torn
+                dist.check_all(f"staging {path}", err)
             index = _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
     else:
+        if err is not None:
+            raise err
         index = _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
     if after_commit is not None:
         after_commit()
@@ -263,6 +358,7 @@ def async_save(
     extra_state: Mapping[str, Any] | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    background_staging: bool = False,
 ) -> SaveFuture:
     """:func:`checkpoint.save` in the background: returns once a snapshot of the values at the call
     is staged in host memory, so the caller may update parameters, optimizer state and the objects
@@ -273,6 +369,19 @@ def async_save(
     writing, this call first waits for it (its staging buffers are reused). On many ranks call it on
     every rank (see the module docstring for how ranks talk).
 
+    ``background_staging=True`` (with ``optimizer``): the host tensors that ``optimizer.step()``
+    writes (its parameters and their state) are copied by the background thread instead of in
+    the call, which then returns after copying the rest (buffers, other tensors, extra state)
+    and registers an ``optimizer`` step pre-hook that holds the next ``step()`` until that copy
+    is done. The copy overlaps the next forward and backward, as torchtitan's pinned-memory async
+    mode (``maybe_wait_for_staging()`` before ``optimizers.step()``) and DCP's
+    ``use_async_staging`` do. Contract: until ``SaveFuture.staged()``, those tensors may be
+    written only through ``optimizer.step()``; call ``SaveFuture.wait_staged()`` before writing
+    them otherwise. A write that breaks it and bumps the tensor's version counter (any in-place
+    op, ``load_state_dict``) fails the save with :class:`~checkpoint.SnapshotChangedError` naming
+    the tensor, nothing written; a write through ``.data`` bypasses the counter and cannot be
+    seen. Without ``optimizer`` the flag changes nothing.
+
     Staging memory: host bytes equal to the tensor bytes this rank writes (model + optimizer
     state), kept between saves (``checkpoint.training.async_save.default_saver().staging_bytes``).
 
@@ -281,8 +390,8 @@ def async_save(
 
     Raises now: ``TypeError`` / ``ValueError`` for input ``save`` rejects before writing (non-tensor
     values, a bad ``max_shard_size``, an extra_state value that cannot be saved). Every write
-    error (``CheckpointExistsError``, ``CheckpointWriteError``, ``RankAgreementError``, ...) is
-    raised by ``SaveFuture.result()``.
+    error (``CheckpointExistsError``, ``CheckpointWriteError``, ``RankAgreementError``,
+    ``SnapshotChangedError``, ...) is raised by ``SaveFuture.result()``.
     """
     return default_saver().save(
         module_or_state,
@@ -291,4 +400,5 @@ def async_save(
         extra_state=extra_state,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
+        background_staging=background_staging,
     )

@@ -75,6 +75,9 @@ class CheckpointManager:
     all); after each save the older complete ones beyond that are removed, never the one just
     written nor the newest complete one. ``async_save``: save with :func:`checkpoint.async_save`
     (the call returns once the state is staged; one save in flight, the next waits for it).
+    ``background_staging``: passed to :func:`checkpoint.async_save` (the optimizer's tensors are
+    copied while the next forward / backward runs; its next ``step()`` waits for the copy; read
+    the contract there).
 
     On many ranks create it and call every method on every rank; rank 0 removes old checkpoints.
 
@@ -82,7 +85,14 @@ class CheckpointManager:
         ValueError: ``keep_latest`` is not None or an int >= 1.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_latest: int | None = None, async_save: bool = True):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_latest: int | None = None,
+        async_save: bool = True,
+        background_staging: bool = False,
+    ):
         if keep_latest is not None and (
             isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1
         ):
@@ -90,6 +100,7 @@ class CheckpointManager:
         self.root = os.path.abspath(os.fspath(root))
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
+        self.background_staging = background_staging
         self._future: SaveFuture | None = None
         self.last_report = None  # LoadReport of the last load_latest
         os.makedirs(self.root, exist_ok=True)
@@ -145,7 +156,13 @@ class CheckpointManager:
             save(module, path, **kw)
             self._retain(step)
             return None
-        self._future = self._saver.save(module, path, after_commit=lambda: self._retain(step), **kw)
+        self._future = self._saver.save(
+            module,
+            path,
+            after_commit=lambda: self._retain(step),
+            background_staging=self.background_staging,
+            **kw,
+        )
         return self._future
 
     def wait(self) -> None:
