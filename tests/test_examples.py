@@ -88,7 +88,7 @@ def test_llama_train_resume(tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
     ex = _example("llama_train_resume", monkeypatch)
-    r = ex.run(steps=5, save_after=2, resume_world_size=1, workdir=str(tmp_path))
+    r = ex.run(steps=5, save_after=2, resume_world_size=4, workdir=str(tmp_path))  # bf16, 2 -> 4 ranks
     cfg = ex.llama_config()
     assert r["tags"] == cfg.num_hidden_layers == 2  # one tag_activation_checkpoint per decoder layer
 
@@ -106,7 +106,7 @@ def test_llama_train_resume(tmp_path, monkeypatch):
     assert sorted(full) == [0, 1, 2, 3, 4] and sorted(res) == [3, 4]
     assert abs(full[0] - math.log(cfg.vocab_size)) < 0.1  # init_weights ran: near-uniform logits
     assert full[4] < full[0]  # it trains
-    # First resumed step: same weights, only the batch split differs (2 ranks -> 1).
+    # First resumed step: same weights, only the batch split differs (2 ranks -> 4).
     assert abs(res[3] - full[3]) < 1e-4
     assert r["max_loss_diff"] < ex.LOSS_TOL
 
