@@ -52,14 +52,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from fqn import eager_tensors
 
 from .rng import fill_box, stream_id
+from .uninitialized import note_written
 
 aten = torch.ops.aten
 _TEMPORARY = "<temporary>"
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
 _active = threading.local()
 
 
@@ -199,12 +201,13 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
     local, gshape, offset = _box(dst, name)
     sid = state.stream(name, op, a.get("generator"))
     params: tuple[torch.Tensor, ...] = ()
+    narrow = local.dtype in _NARROW  # float32 variates and transform, rounded on the write
     if op == "normal_":
         mean, std = a["mean"], a["std"]
-        kind, tf = "normal", lambda v, p: v.mul_(std).add_(mean)
+        kind, tf = "normal32" if narrow else "normal", lambda v, p: v.mul_(std).add_(mean)
     elif op == "uniform_":
         lo, hi = a["from"], a["to"]
-        kind = "uniform53" if local.dtype == torch.float64 else "uniform"
+        kind = "uniform32" if narrow else "uniform53" if local.dtype == torch.float64 else "uniform"
         tf = lambda v, p: v.mul_(hi - lo).add_(lo)  # noqa: E731
     elif op == "bernoulli_":
         prob = a["p"]
@@ -233,8 +236,13 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
         kind, tf = "open", _trunc_normal_transform(a["mean"], a["std"], a["a"], a["b"])
     else:  # pragma: no cover - callers pass only the ops above
         raise AssertionError(op)
-    with torch.no_grad():
+    # The fill's ~150 element-wise ops skip the modes below this one (they see plain local tensors
+    # only; each mode's Python hook cost ~10 us an op, more than the op itself on small tensors);
+    # the write to a DTensor is reported to NoteWrites by hand.
+    with torch.no_grad(), _disable_current_modes():
         fill_box(local, gshape, offset, sid, kind, tf, params)
+    if isinstance(dst, DTensor):
+        note_written(dst)
     return dst
 
 

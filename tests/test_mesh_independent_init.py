@@ -42,12 +42,12 @@ def test_philox_known_answers(counter, key, expected):
     assert " ".join(f"{int(w):08x}" for w in words) == expected
 
 
-@pytest.mark.parametrize("kind", ["normal", "uniform", "uniform53", "open", "int63"])
+@pytest.mark.parametrize("kind", ["normal", "normal32", "uniform", "uniform32", "uniform53", "open", "int63"])
 def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     monkeypatch.setattr("autoparallel.rng.CHUNK", 64)  # several pieces and row batches
     sid = stream_id(7, "w", "op", 0)
     shape = (9, 13, 6)
-    dtype = torch.int64 if kind == "int63" else torch.float64
+    dtype = torch.int64 if kind == "int63" else torch.float32 if kind.endswith("32") else torch.float64
     full = torch.empty(shape, dtype=dtype)
     fill_box(full, shape, (0, 0, 0), sid, kind, lambda v, p: v)
     for offset, local in [
@@ -66,6 +66,28 @@ def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     t = torch.empty(6, 13, 9, dtype=dtype).permute(2, 1, 0)
     fill_box(t, shape, (0, 0, 0), sid, kind, lambda v, p: v)
     assert torch.equal(t, full)
+
+
+def test_float32_box_muller_matches_float64_and_ignores_layout():
+    # normal32's angle is normal's shifted by pi (its words count from -2^31): z32 ~ -z64. The
+    # float32 series (+ - * / sqrt only) stay within ~12 float32 ulps of the float64 libm values
+    # where |z| > 0.1; below, float32 u1 = (w + 1) 2^-32 (24 bits) coarsens the radius near u1 = 1.
+    n = 1 << 20
+    sid = stream_id(5, "w", "normal_", 0)
+    z32, z64 = torch.empty(n), torch.empty(n, dtype=torch.float64)
+    fill_box(z32, (n,), (0,), sid, "normal32", lambda v, p: v)
+    fill_box(z64, (n,), (0,), sid, "normal", lambda v, p: v)
+    err = (z32.double() + z64).abs()
+    assert err.max().item() < 5e-5 and err[z64.abs() > 0.1].max().item() < 3e-6
+    # Same values whatever the piece size, thread count and position inside the computed buffer.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tail = torch.empty(n - 37)
+        fill_box(tail, (n,), (37,), sid, "normal32", lambda v, p: v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(tail, z32[37:])
 
 
 def test_box_of_a_huge_tensor_needs_no_full_tensor():
