@@ -45,10 +45,10 @@ _INV53 = 2.0**-53
 
 Word = torch.Tensor | int
 LANES = {"uniform": 4, "uniform32": 4, "uniform53": 2, "open": 4, "normal": 4, "normal32": 4, "int63": 2}
-# Elements per piece computed at once: bounds the temporaries (~50 bytes an element, ~13 MiB) while
-# keeping the ~150 torch ops per piece large enough that per-op (thread pool) overhead stays small;
-# pieces never change values, only how many are computed together.
-CHUNK = 1 << 18
+# Elements per piece computed at once: bounds the temporaries (~50 bytes an element, ~6 MiB) while
+# keeping the ~150 torch ops per piece large enough that per-op overhead stays small (2^17 measured
+# a little faster than 2^16 and 2^18 on a 1 MiB-L2 CPU); pieces never change values.
+CHUNK = 1 << 17
 
 
 def philox4x32_10(
@@ -211,13 +211,24 @@ def fill_box(
     local_shape = tuple(out.shape)
     if out.numel() == 0:
         return
-    device = out.device
-    starts, length = _runs(global_shape, offset, local_shape, device)
+    starts, length = _runs(global_shape, offset, local_shape, out.device)
     rows = starts.numel()
     dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     dst2 = dst.view(rows, length)
     params2 = [p.expand(local_shape).reshape(rows, length) for p in params]
     lanes = LANES[kind]
+    # Inference mode: the temporaries need no version counters or autograd metadata (~15% faster).
+    with torch.inference_mode():
+        _fill_runs(dst2, starts, length, sid, kind, transform, params2, lanes)
+    if dst is not out:
+        out.copy_(dst)
+
+
+def _fill_runs(dst2, starts, length, sid, kind, transform, params2, lanes) -> None:
+    """:func:`fill_box` on ``dst2`` [rows, length], row ``i`` holding global indices
+    ``starts[i] + [0, length)``."""
+    rows = starts.numel()
+    device = dst2.device
     piece = min(length, CHUNK)
     rows_per = max(1, CHUNK // piece)
     for c0 in range(0, length, piece):
@@ -230,7 +241,7 @@ def fill_box(
             blocks = (st.div(lanes, rounding_mode="floor")[:, None] + span).reshape(-1)
             var = _block_variates(kind, blocks, sid)  # [rb * nb, V]
             lane0 = st % lanes
-            if not params and not bool(lane0.any()):
+            if not params2 and not bool(lane0.any()):
                 # Runs start on a block boundary: write block-shaped views, no gather.
                 m, rest = divmod(n, lanes)
                 vals = transform(var, ()).view(rb, nb, lanes)
@@ -242,5 +253,3 @@ def fill_box(
             cols = lane0[:, None] + torch.arange(n, dtype=torch.int64, device=device)
             ps = tuple(p[r0 : r0 + rb, c0 : c0 + n] for p in params2)
             dst2[r0 : r0 + rb, c0 : c0 + n] = transform(v.gather(1, cols), ps)
-    if dst is not out:
-        out.copy_(dst)
