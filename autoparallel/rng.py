@@ -16,17 +16,41 @@ the stream and ``g`` only, never on which box (shard) is computed. ``V`` and the
 kind        V   variate (float64 unless said)
 ========== === =================================================================================
 uniform     4   ``w * 2^-32`` in [0, 1), one 32-bit word per element
+uniform32   4   float32 ``(w >> 8) * 2^-24`` in [0, 1) (float32 / bf16 / fp16 targets)
 uniform53   2   53-bit ``(w0 * 2^21 + w1 >> 11) * 2^-53`` in [0, 1) (float64 targets)
 open        4   ``(w + 0.5) * 2^-32`` in (0, 1): inverse-CDF methods that take a log or a tangent
 normal      4   Box-Muller (G. E. P. Box, M. E. Muller, Ann. Math. Statist. 29(2), 1958):
                 words (w0, w1) -> ``r cos t, r sin t``, (w2, w3) likewise, with
                 ``r = sqrt(-2 ln u1)``, ``u1 = (w0 + 1) 2^-32`` in (0, 1], ``t = 2 pi w1 2^-32``
+                (torch ``log``, ``sqrt``, ``cos``, ``sin`` in float64)
+normal32    4   the same Box-Muller in float32 (float32 / bf16 / fp16 targets) from ``+ - * /
+                sqrt`` only (below): ``u1 = (w0 + 1) 2^-32`` rounded to float32 (24 bits),
+                ``t = 2 pi (w1 - 2^31) 2^-32`` in [-pi, pi) (so ``z32 ~ -z`` of ``normal``)
 int63       2   int64 ``(w1 & 0x7fffffff) << 32 | w0`` in [0, 2^63)
 ========== === =================================================================================
 
-Every later step is an element-wise torch op (``log``, ``cos``, ``ndtri``, ...), whose result for
-an element does not depend on where it sits in the tensor (tests/test_mesh_independent_init.py
-pins this through whole fills on shards vs full tensors).
+``normal32`` without ``log`` / ``cos`` / ``sin``: the float32 bits of ``x = w0 + 1`` give
+``x = 2^e m``, ``m`` in [1, 2), exactly (integer ops on the bits), and ``-2 ln u1 = 2 (32 - e) ln 2
+- 4 atanh(s)``, ``s = (m - 1) / (m + 1)`` in [0, 1/3), ``atanh(s) = sum s^(2k+1) / (2k + 1)``
+(Abramowitz & Stegun, Handbook of Mathematical Functions, 1964, 4.1.27), 7 terms: truncation
+< 3e-8 on ``r^2``. ``cos t`` and ``sin t`` from the half angle ``h = t / 2`` in [-pi/2, pi/2]
+(A&S 4.3.24-25: ``cos t = (cos h - sin h)(cos h + sin h)``, ``sin t = 2 cos h sin h``), ``cos h``
+and ``sin h`` by their Taylor series (A&S 4.3.65-66) to ``h^12`` / ``h^13``: truncation < 7e-9.
+Against ``normal`` (float64 libm) the result is within 2e-6 where ``|z| > 0.1`` and within 3e-5
+everywhere (the float32 ``u1`` coarsens small radii; measured on 2^22 samples, pinned by
+tests/test_mesh_independent_init.py). Every step is an integer op, an
+int-to-float conversion (round to nearest) or one of ``+ - * / sqrt``, each exactly rounded by
+IEEE 754 in every torch kernel, vectorized body, scalar tail or thread sub-range alike, on CPU and
+CUDA; no step is a fused multiply-add (Horner runs as separate ``mul`` and ``add``). So an element's
+``normal32`` / ``uniform32`` bits depend on its words only: not on the box, piece, thread count, CPU
+vector width or device type, by construction.
+
+The float64 kinds (and the transforms of ops other than ``normal_`` / ``uniform_``) run torch's
+``log``, ``cos``, ``ndtri``, ... whose CPU kernels use SLEEF in the vectorized body and libm in the
+scalar tail (aten ``Loops.h``), which may differ in the last float64 bit; rounding to the target
+dtype hides that except at a rounding boundary. Whole fills on shards vs full tensors are pinned
+equal by tests/test_mesh_independent_init.py, but these kinds are not position-independent by
+construction.
 """
 
 from __future__ import annotations
@@ -206,7 +230,9 @@ def fill_box(
     ``out``: any dtype / device / strides; written in place piece by piece (no full tensor, no
     float64 copy of the whole box). ``params``: tensors of ``out.shape`` (per-element arguments,
     e.g. Bernoulli probabilities), sliced like the variates. ``transform`` gets float64 (int64 for
-    ``int63``) variates of a piece and returns that piece's values, cast by the write.
+    ``int63``, float32 for ``normal32`` / ``uniform32``) variates of a piece, ``[n, V]`` (element
+    ``(i, lane)`` at global index ``V * block_i + lane``), and returns that piece's values, cast by
+    the write. Raises ValueError for an unknown ``kind``.
     """
     local_shape = tuple(out.shape)
     if out.numel() == 0:
