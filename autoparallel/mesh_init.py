@@ -444,7 +444,7 @@ def mesh_independent_context(module: nn.Module):
             state.register(value, fqn)
 
     _active.state = state
-    # The generator runs ~150 small integer ops per 2^18-element piece: on CPU, intra-op threads
+    # The generator runs ~150 small integer ops per 2^17-element piece: on CPU, intra-op threads
     # only add synchronisation (measured x93 slower than one thread with 2 ranks x 2 threads on 2
     # cores, tests/bench/init_cost.py), so fills run on one thread. Values do not depend on it.
     threads = torch.get_num_threads()
