@@ -126,7 +126,8 @@ def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
         rng = mesh_independent_context(module) if mesh_independent else _ShardedRandom()
-        # NoteWrites outside the random fills' mode: it sees the writes that mode makes.
+        # NoteWrites outside the random fills' mode; that mode reports its DTensor writes to it by
+        # hand (its element-wise ops skip the modes below it, mesh_init._fill).
         with implicit_replication(), _RefuseDataSet(), NoteWrites(), rng:
             yield
     finally:

@@ -17,10 +17,13 @@ Inside :func:`mesh_independent_context` every random fill (``normal_``, ``unifor
 through :mod:`autoparallel.rng` (Philox4x32-10, Salmon et al. 2011). A DTensor computes only the
 elements of its local shard (box from
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``): no full tensor, no
-communication. Distributions (float64, then rounded to the tensor's dtype):
+communication. Distributions (float64, then rounded to the tensor's dtype, except the first two on
+float32 / bf16 / fp16 tensors, which run in float32 from exactly rounded ops only):
 
-* ``normal_(mean, std)``: ``mean + std * z``, ``z`` by Box-Muller (see :mod:`autoparallel.rng`);
-* ``uniform_(a, b)``: ``a + (b - a) * u``, ``u`` with 32 bits (53 for float64 tensors);
+* ``normal_(mean, std)``: ``mean + std * z``, ``z`` by Box-Muller (see :mod:`autoparallel.rng`;
+  float32 / bf16 / fp16: kind ``normal32``, series instead of ``log`` / ``cos`` / ``sin``);
+* ``uniform_(a, b)``: ``a + (b - a) * u``, ``u`` with 24 bits (float32 / bf16 / fp16), 53 bits
+  (float64) or 32 bits (other dtypes);
 * ``trunc_normal_(mean, std, a, b)``: inverse CDF, ``mean + std * ndtri(Phi(alpha) + u (Phi(beta) -
   Phi(alpha)))`` (exact truncated normal in one pass instead of torch's rejection loop, which needs a
   global ``any`` per round; mirrored onto the lower tail, where ``Phi`` keeps its precision;
@@ -34,8 +37,15 @@ builds a full tensor and copies / assigns it into a sharded DTensor) run on a fu
 each rank, with the same streams as on one device, and emit one :class:`FullTensorWarning` naming
 the FQN. Other seeded ops (``randperm``, ``multinomial``) on plain tensors run with a
 ``torch.Generator`` seeded from their stream; on a DTensor they raise ``NotImplementedError``.
-Values are bit-identical across meshes on one device type; across device types the float64
-transcendental functions may differ in the last bit.
+Values are bit-identical across meshes on one device type. ``normal_`` / ``uniform_`` (and the
+``nn.init`` functions built on them) of float32 / bf16 / fp16 tensors are bit-identical on any device
+type by construction (:mod:`autoparallel.rng`); elsewhere the float64 transcendental functions may
+differ in the last bit across device types.
+
+Cost (tests/bench/init_cost.py, Llama 'small', 2 CPU ranks): ~3.5-4x the former per-shard
+``normal_``, almost all of it Philox4x32-10 in torch int64 ops (~6 ns an element on one core, against
+~3.5 ns for the whole of torch's ``normal_``, whose Mersenne Twister is sequential and so cannot
+address an element by its index).
 """
 
 from __future__ import annotations
@@ -52,14 +62,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from fqn import eager_tensors
 
 from .rng import fill_box, stream_id
+from .uninitialized import note_written
 
 aten = torch.ops.aten
 _TEMPORARY = "<temporary>"
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
 _active = threading.local()
 
 
@@ -199,12 +211,13 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
     local, gshape, offset = _box(dst, name)
     sid = state.stream(name, op, a.get("generator"))
     params: tuple[torch.Tensor, ...] = ()
+    narrow = local.dtype in _NARROW  # float32 variates and transform, rounded on the write
     if op == "normal_":
         mean, std = a["mean"], a["std"]
-        kind, tf = "normal", lambda v, p: v.mul_(std).add_(mean)
+        kind, tf = "normal32" if narrow else "normal", lambda v, p: v.mul_(std).add_(mean)
     elif op == "uniform_":
         lo, hi = a["from"], a["to"]
-        kind = "uniform53" if local.dtype == torch.float64 else "uniform"
+        kind = "uniform32" if narrow else "uniform53" if local.dtype == torch.float64 else "uniform"
         tf = lambda v, p: v.mul_(hi - lo).add_(lo)  # noqa: E731
     elif op == "bernoulli_":
         prob = a["p"]
@@ -233,8 +246,13 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
         kind, tf = "open", _trunc_normal_transform(a["mean"], a["std"], a["a"], a["b"])
     else:  # pragma: no cover - callers pass only the ops above
         raise AssertionError(op)
-    with torch.no_grad():
+    # The fill's ~150 element-wise ops skip the modes below this one (they see plain local tensors
+    # only; each mode's Python hook cost ~10 us an op, more than the op itself on small tensors);
+    # the write to a DTensor is reported to NoteWrites by hand.
+    with torch.no_grad(), _disable_current_modes():
         fill_box(local, gshape, offset, sid, kind, tf, params)
+    if isinstance(dst, DTensor):
+        note_written(dst)
     return dst
 
 
@@ -426,7 +444,7 @@ def mesh_independent_context(module: nn.Module):
             state.register(value, fqn)
 
     _active.state = state
-    # The generator runs ~150 small integer ops per 2^18-element piece: on CPU, intra-op threads
+    # The generator runs ~150 small integer ops per 2^17-element piece: on CPU, intra-op threads
     # only add synchronisation (measured x93 slower than one thread with 2 ranks x 2 threads on 2
     # cores, tests/bench/init_cost.py), so fills run on one thread. Values do not depend on it.
     threads = torch.get_num_threads()

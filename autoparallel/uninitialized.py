@@ -39,10 +39,17 @@ class NoteWrites(TorchDispatchMode):
         if _PENDING and func._schema.is_mutable:
             for arg, value in zip(func._schema.arguments, args):
                 if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, DTensor):
-                    ptr = value._local_tensor.untyped_storage().data_ptr()
-                    for fresh in list(_PENDING):
-                        fresh.note_storage_written(ptr)
+                    note_written(value)
         return out
+
+
+def note_written(t: DTensor) -> None:
+    """Report an in-place write to ``t``'s local storage to the pending :class:`FreshState` records
+    (for writers that bypass :class:`NoteWrites`, such as the mesh-independent random fills)."""
+    if _PENDING:
+        ptr = t._local_tensor.untyped_storage().data_ptr()
+        for fresh in list(_PENDING):
+            fresh.note_storage_written(ptr)
 
 
 # FreshState records with tensors still pending (weak: a dropped module drops its record).

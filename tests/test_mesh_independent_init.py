@@ -42,12 +42,12 @@ def test_philox_known_answers(counter, key, expected):
     assert " ".join(f"{int(w):08x}" for w in words) == expected
 
 
-@pytest.mark.parametrize("kind", ["normal", "uniform", "uniform53", "open", "int63"])
+@pytest.mark.parametrize("kind", ["normal", "normal32", "uniform", "uniform32", "uniform53", "open", "int63"])
 def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     monkeypatch.setattr("autoparallel.rng.CHUNK", 64)  # several pieces and row batches
     sid = stream_id(7, "w", "op", 0)
     shape = (9, 13, 6)
-    dtype = torch.int64 if kind == "int63" else torch.float64
+    dtype = torch.int64 if kind == "int63" else torch.float32 if kind.endswith("32") else torch.float64
     full = torch.empty(shape, dtype=dtype)
     fill_box(full, shape, (0, 0, 0), sid, kind, lambda v, p: v)
     for offset, local in [
@@ -66,6 +66,69 @@ def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     t = torch.empty(6, 13, 9, dtype=dtype).permute(2, 1, 0)
     fill_box(t, shape, (0, 0, 0), sid, kind, lambda v, p: v)
     assert torch.equal(t, full)
+
+
+@pytest.fixture
+def one_thread():
+    # As mesh_independent_context runs fills: intra-op threads only add waits on a shared 2-core box.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_float32_box_muller_matches_float64_and_ignores_layout(one_thread):
+    # normal32's angle is normal's shifted by pi (its words count from -2^31): z32 ~ -z64. The
+    # float32 series (+ - * / sqrt only) stay within 2e-6 of the float64 libm values where
+    # |z| > 0.1; below, float32 u1 = (w + 1) 2^-32 (24 bits) coarsens the radius near u1 = 1.
+    n = 1 << 20
+    sid = stream_id(5, "w", "normal_", 0)
+    z32, z64 = torch.empty(n), torch.empty(n, dtype=torch.float64)
+    fill_box(z32, (n,), (0,), sid, "normal32", lambda v, p: v)
+    fill_box(z64, (n,), (0,), sid, "normal", lambda v, p: v)
+    err = (z32.double() + z64).abs()
+    assert err.max().item() < 5e-5 and err[z64.abs() > 0.1].max().item() < 3e-6
+    # Shifted by 37 elements, every element sits elsewhere in the SIMD vectors and scalar tails.
+    box = torch.empty((1 << 17) - 37)
+    fill_box(box, (n,), (37,), sid, "normal32", lambda v, p: v)
+    assert torch.equal(box, z32[37 : 1 << 17])
+
+
+_DIGEST = """
+import hashlib, importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("rng", sys.argv[1])  # rng alone: a quick start
+rng = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rng)
+print(torch.backends.cpu.get_cpu_capability())
+n = (1 << 16) + 13  # odd length: scalar tails in every kernel
+for kind in ("normal32", "uniform32"):
+    t = torch.empty(n)
+    rng.fill_box(t, (n + 5,), (5,), rng.stream_id(3, "w", kind, 0), kind, lambda v, p: v.mul_(0.02).add_(0.01))
+    print(kind, hashlib.sha256(t.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_float32_kinds_do_not_depend_on_the_cpu_kernels():
+    # ATEN_CPU_CAPABILITY=default runs torch's scalar (non-SIMD) kernels: same bits as the SIMD ones.
+    import os
+    import subprocess
+    import sys
+
+    import autoparallel.rng
+
+    def digests(capability):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        cmd = [sys.executable, "-c", _DIGEST, autoparallel.rng.__file__]
+        ran, *lines = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split(
+            "\n"
+        )
+        assert ran.lower() == capability, ran
+        return lines
+
+    best = torch.backends.cpu.get_cpu_capability().lower()
+    if best == "default":
+        pytest.skip("this CPU has no SIMD kernels to compare against")
+    assert digests("default") == digests(best)
 
 
 def test_box_of_a_huge_tensor_needs_no_full_tensor():
