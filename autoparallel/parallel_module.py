@@ -20,7 +20,7 @@ from fqn import eager_tensors
 from .capture import Captured
 from .data import InputSignature, data_dims, data_placements, input_placements_of, output_to
 from .errors import PlacementError, StateError
-from .gather import GatherSpec, gather_full
+from .gather import Bucket, GatherSpec, bucketable, gather_buckets, gather_full, make_buckets
 from .graph_passes import retarget_devices
 from .init_weights import wrap_init_weights
 from .mixed_precision import resolve_policy
@@ -38,6 +38,8 @@ class _Runtime:
     attr_of: dict[str, str]  # eager FQN -> graph attribute
     slot_of: dict[str, tuple[nn.Module, str, str]]  # eager FQN -> (module, "_parameters"|"_buffers", key)
     gather: dict[str, GatherSpec]  # eager FQN -> how forward gathers it
+    buckets: list[Bucket]  # parameters gathered / reduced by one collective per bucket
+    single: list[tuple[str, str]]  # (eager FQN, graph attribute) gathered one by one
     mesh: DeviceMesh
     inputs: InputSignature
     cast_inputs_to: torch.dtype | None
@@ -138,6 +140,7 @@ def build_parallel_module(
     policy = resolve_policy(mp_policy)
     eager = eager_tensors(model)
     by_id: dict[int, torch.Tensor] = {}
+    by_fqn: dict[str, torch.Tensor] = {}
     fqn_of_id: dict[int, str] = {}
     gather: dict[str, GatherSpec] = {}
     for rec in eager:
@@ -147,6 +150,7 @@ def build_parallel_module(
         if isinstance(rec.tensor, nn.Parameter):
             dt = nn.Parameter(dt, requires_grad=rec.tensor.requires_grad)
         by_id[id(rec.tensor)] = dt
+        by_fqn[rec.fqn] = dt
         fqn_of_id[id(rec.tensor)] = rec.fqn
         cast = policy is not None and rec.fqn in captured.cast_fqns
         gather[rec.fqn] = GatherSpec(
@@ -172,11 +176,20 @@ def build_parallel_module(
                     d[key] = by_id[id(t)]
     pmod.__class__ = _parallel_class(type(model))
 
+    attr_of = {fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of}
+    in_bucket = [
+        (fqn, gather[fqn], by_fqn[fqn].dtype)
+        for fqn in attr_of
+        if isinstance(by_fqn[fqn], nn.Parameter) and bucketable(gather[fqn], by_fqn[fqn])
+    ]
+    bucketed = {fqn for fqn, *_ in in_bucket}
     rt = _Runtime(
         gm=_runtime_graph(captured, mesh),
-        attr_of={fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of},
+        attr_of=attr_of,
         slot_of=slot_of,
         gather=gather,
+        buckets=make_buckets(in_bucket),
+        single=[(fqn, attr) for fqn, attr in attr_of.items() if fqn not in bucketed],
         mesh=mesh,
         inputs=captured.inputs,
         cast_inputs_to=policy.param_dtype if policy is not None and policy.cast_forward_inputs else None,
@@ -236,7 +249,7 @@ def _parallel_forward(self, *args, **kwargs):
             for x in flat
         ]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-    state = {attr: gather_full(rt.tensor(fqn), rt.gather[fqn]) for fqn, attr in rt.attr_of.items()}
+    state = _gather_state(rt)
     out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
     flat, spec = pytree.tree_flatten(out)
     j = 0
@@ -249,6 +262,29 @@ def _parallel_forward(self, *args, **kwargs):
             flat[k] = y
             j += 1
     return pytree.tree_unflatten(flat, spec)
+
+
+def _gather_state(rt: _Runtime) -> dict[str, torch.Tensor]:
+    """``{graph attribute: full tensor}``: the buckets' members in one autograd node (collectives
+    issued bucket after bucket before any is waited on), the rest one by one."""
+    state: dict[str, torch.Tensor] = {}
+    ready: list[Bucket] = []
+    tensors: list[torch.Tensor] = []
+    for b in rt.buckets:
+        ts = [rt.tensor(fqn) for fqn in b.fqns]
+        if b.fits(ts):
+            ready.append(b)
+            tensors.extend(ts)
+        else:  # a member was replaced by a tensor of another kind: gather it like any other
+            for fqn in b.fqns:
+                state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    if ready:
+        fqns = [fqn for b in ready for fqn in b.fqns]
+        for fqn, full in zip(fqns, gather_buckets(ready, tensors)):
+            state[rt.attr_of[fqn]] = full
+    for fqn, attr in rt.single:
+        state[attr] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    return state
 
 
 def _output_placements(rt: _Runtime, j: int, y: torch.Tensor) -> Placements:
