@@ -181,6 +181,11 @@ class Bucket:
         )
         return [p.narrow(0, 0, m.shape[0]) for p, m in zip(padded, self.members)]
 
+    def zeros(self, k: int) -> torch.Tensor:
+        """A zero gradient for member ``k`` (one the loss did not reach; the graph is the same on
+        every rank, so every rank sends zeros for the same member)."""
+        return torch.zeros(self.members[k].shape, dtype=self.compute_dtype, device=self.device)
+
     def start_reduce(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Pack the full gradients (cast to ``reduce_dtype``) and issue the reduce-scatter."""
         flat = torch.empty(self.world * self.size, dtype=self.reduce_dtype, device=self.device)
@@ -256,6 +261,7 @@ class _GatherBuckets(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buckets: list[Bucket], *params: DTensor):  # type: ignore[override]
         ctx.buckets = buckets
+        ctx.set_materialize_grads(False)  # an output the loss does not reach gets no gradient, as in eager
         pending, i = [], 0
         for b in buckets:
             n = len(b.members)
@@ -264,13 +270,16 @@ class _GatherBuckets(torch.autograd.Function):
         return tuple(full for b, out in zip(buckets, pending) for full in b.finish_gather(out))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         pending, i = [], 0
         for b in ctx.buckets:
             n = len(b.members)
-            pending.append(b.start_reduce(list(grads[i : i + n])))
+            pending.append(
+                b.start_reduce([b.zeros(k) if g is None else g for k, g in enumerate(grads[i : i + n])])
+            )
             i += n
-        return (None, *(g for b, out in zip(ctx.buckets, pending) for g in b.finish_reduce(out)))
+        reduced = [g for b, out in zip(ctx.buckets, pending) for g in b.finish_reduce(out)]
+        return (None, *(None if g is None else r for g, r in zip(grads, reduced)))
 
 
 def gather_buckets(buckets: list[Bucket], params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -233,3 +233,89 @@ def mp_bytes_checks(rank: int, mesh: DeviceMesh) -> dict:
         assert all(p.grad.dtype == torch.float32 for p in params.values())
         found[str(want)] = (sum(b for *_, b in gathers), sum(b for *_, b in scatters))
     return found
+
+
+class _Uneven(torch.nn.Module):
+    """Dim 0 of 9 and 5 rows: uneven shards on 2 and 4 ranks (3, 3, 3, 0 and 2, 2, 1, 0 on 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(9, 6)
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 6, bias=False)  # Shard(1) override: per-tensor path
+        self.c = torch.nn.Parameter(torch.randn(4, 6))  # Replicate override: per-tensor path
+        self.unused = torch.nn.Parameter(torch.randn(7))  # in the graph, not in the loss
+
+    def forward(self, ids):
+        h = torch.tanh(self.a(self.emb(ids)))
+        return self.b(h) @ self.c.t(), self.unused * 2
+
+
+def _bucket_pmod(model, mesh, ids, policy=None):
+    with AutoParallel(model, lambda: ids, mesh, mp_policy=policy) as autop:
+        autop.set_placements({"b.weight": (Shard(1),), "c": (Replicate(),)})
+        return autop.apply_placement()
+
+
+def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """The bucketed path (Shard(0) parameters on a 1-D mesh) next to the per-tensor one: forward and
+    gradients equal eager (float32, uneven dim 0, a rank with an empty shard on 4 ranks, an output
+    the loss ignores, accumulation over two backwards, a frozen member), and under bf16 one
+    all-gather of the padded bucket in bf16 and one reduce-scatter in float32 per step."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    model = _Uneven()
+    ids = torch.randint(0, 9, (2 * world, 3), generator=torch.Generator().manual_seed(1))
+    pmod = _bucket_pmod(model, mesh, ids)
+    (bucket,) = pmod._autoparallel.buckets
+    assert sorted(bucket.fqns) == ["a.bias", "a.weight", "emb.weight", "unused"], bucket.fqns
+    assert sorted(fqn for fqn, _ in pmod._autoparallel.single) == ["b.weight", "c"]
+
+    ref = copy.deepcopy(model)
+    ref_out, ref_unused = ref(ids)
+    w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
+    (ref_out * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(ref_grads) == {"emb.weight", "a.weight", "a.bias", "b.weight", "c"}
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    diffs = []
+    for accumulated in (1, 2):  # the second backward adds to the first's gradients
+        out, unused = pmod(ids.chunk(world)[rank])
+        diffs.append(_rel(out, ref_out.chunk(world)[rank].detach()))
+        assert torch.equal(unused, ref_unused.detach())
+        (out * w.chunk(world)[rank]).sum().backward()
+        for n, p in pmod.named_parameters():
+            if n == "unused":
+                assert p.grad is None  # as in eager: the loss does not reach it
+                continue
+            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+            assert p.grad.to_local().shape == p.to_local().shape, n
+            diffs.append(_rel(p.grad.full_tensor(), accumulated * ref_grads[n], scale))
+    pmod.zero_grad()
+    pmod.a.bias.requires_grad_(False)
+    out, _ = pmod(ids.chunk(world)[rank])
+    (out * w.chunk(world)[rank]).sum().backward()
+    assert pmod.a.bias.grad is None and pmod.emb.weight.grad is not None
+    diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
+    with torch.no_grad():
+        diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
+    assert max(diffs) <= 1e-5, diffs
+
+    # Bytes and number of collectives under bf16 (gloo: only with more than one rank).
+    pmod = _bucket_pmod(model, mesh, ids, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with _CountCollectives() as fwd:
+        out, _ = pmod(ids.chunk(world)[rank])
+    with _CountCollectives() as bwd:
+        out.float().sum().backward()
+    padded = sum(-(-p.shape[0] // world) * p[0].numel() for p in model.parameters() if p is not model.c)
+    padded -= -(-6 // world) * 5  # b.weight is not in the bucket
+    if world > 1:
+        assert fwd.calls[0] == ("all_gather_into_tensor", torch.bfloat16, 2 * padded), fwd.calls
+        assert [c[0] for c in fwd.calls] == ["all_gather_into_tensor"] * 2  # + b.weight's (Shard(1))
+        assert ("reduce_scatter_tensor", torch.float32, 4 * world * padded) in bwd.calls, bwd.calls
+        assert sorted(c[0] for c in bwd.calls) == [
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor",
+        ]
+    return {"diff": max(diffs), "fwd": len(fwd.calls), "bwd": len(bwd.calls)}
