@@ -9,6 +9,8 @@ and cannot take the plan's placements (``Shard(1)``, 2-D ``Shard`` / ``Replicate
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +94,7 @@ def gather_full(t: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Bucketed path: Shard(0) parameters on a 1-D data-parallel mesh (the default FSDP-style plan).
 
-BUCKET_BYTES = 64 << 20  # cap of one bucket's per-rank gradient buffer (reduce_dtype bytes)
+BUCKET_BYTES = 8 << 20  # cap of one bucket's reduce-scatter input (the padded full gradients)
 
 
 @dataclass(frozen=True)
@@ -234,16 +236,19 @@ def bucketable(spec: GatherSpec, t: torch.Tensor) -> bool:
 
 
 def make_buckets(
-    members: list[tuple[str, GatherSpec, torch.dtype]], cap_bytes: int = BUCKET_BYTES
+    members: list[tuple[str, GatherSpec, torch.dtype]], cap_bytes: int | None = None
 ) -> list[Bucket]:
     """Group ``(fqn, spec, local dtype)`` (in graph order) into buckets of one mesh and dtypes,
-    each at most ``cap_bytes`` of gradient buffer per rank (a larger tensor gets its own)."""
+    each at most ``cap_bytes`` of reduce-scatter input (the padded full gradients in
+    ``reduce_dtype``; a larger tensor gets a bucket of its own; default :data:`BUCKET_BYTES`). Several buckets let the first
+    ones' reduce-scatters run while backward computes the gradients of the others."""
+    cap_bytes = BUCKET_BYTES if cap_bytes is None else cap_bytes
     open_: dict[tuple, tuple[list[str], list[GatherSpec], int]] = {}
     done: list[Bucket] = []
     for fqn, spec, local_dtype in members:
         key = (id(spec.mesh), spec.compute_dtype, spec.reduce_dtype, local_dtype)
         world = spec.mesh.size()
-        nbytes = -(-spec.shape[0] // world) * spec.shape[1:].numel() * spec.reduce_dtype.itemsize
+        nbytes = world * -(-spec.shape[0] // world) * spec.shape[1:].numel() * spec.reduce_dtype.itemsize
         fqns, specs, size = open_.get(key, ([], [], 0))
         if fqns and size + nbytes > cap_bytes:
             done.append(Bucket(fqns, specs, local_dtype))
@@ -254,46 +259,127 @@ def make_buckets(
     return done
 
 
+class GradTape:
+    """One forward call's bookkeeping for overlapping gradient reduce-scatters with backward.
+
+    ``where``: ``{graph attribute: (bucket #, member #)}``. The graph reads each such attribute
+    through :func:`use_marker` (see :func:`autoparallel.graph_passes.with_use_markers`), whose
+    autograd node runs as soon as that member's full gradient is complete; when every member of a
+    bucket has arrived, the bucket's reduce-scatter is issued (asynchronously) while backward goes
+    on. :class:`_GatherBuckets`' backward, which autograd runs last, waits for them, and reduces
+    the buckets not issued yet (a member the loss does not reach, no markers in the graph).
+    """
+
+    def __init__(self, buckets: list[Bucket], where: dict[str, tuple[int, int]]):
+        self.buckets = buckets
+        self.where = where
+        self.reset()
+
+    def reset(self) -> None:
+        self.grads: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in self.buckets]
+        self.arrived = [0] * len(self.buckets)
+        self.pending: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.drain_queued = False
+
+    def arrive(self, attr: str, grad: torch.Tensor) -> None:
+        b, k = self.where[attr]
+        self.grads[b][k] = grad
+        self.arrived[b] += 1
+        if self.arrived[b] == len(self.buckets[b].members):
+            self.pending[b] = self.buckets[b].start_reduce(self.grads[b])  # type: ignore[arg-type]
+            self.grads[b] = [None] * len(self.grads[b])
+            if not self.drain_queued:  # a backward that never reaches the parameters leaves none pending
+                self.drain_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+
+    def _drain(self) -> None:
+        for b, out in zip(self.buckets, self.pending):
+            if out is not None:
+                b.finish_reduce(out)
+        self.reset()
+
+
+_ACTIVE = threading.local()  # .tape: the GradTape of the forward call running the graph
+
+
+@contextmanager
+def active_tape(tape: GradTape):
+    """Make :func:`use_marker` report to ``tape`` while the graph runs (this thread)."""
+    prev = getattr(_ACTIVE, "tape", None)
+    _ACTIVE.tape = tape
+    try:
+        yield
+    finally:
+        _ACTIVE.tape = prev
+
+
+def use_marker(t: torch.Tensor, attr: str) -> torch.Tensor:
+    """``t`` (the value of graph attribute ``attr``), through a node whose backward hands ``t``'s
+    gradient to the active :class:`GradTape`; ``t`` itself when no tape tracks ``attr``."""
+    tape = getattr(_ACTIVE, "tape", None)
+    if tape is None or attr not in tape.where or not (t.requires_grad and torch.is_grad_enabled()):
+        return t
+    return _Ready.apply(tape, attr, t)
+
+
+class _Ready(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tape: GradTape, attr: str, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.tape, ctx.attr = tape, attr
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.tape.arrive(ctx.attr, grad)
+        # The tape holds the gradient; _GatherBuckets gets a placeholder that costs no memory.
+        return None, None, grad.new_zeros(()).expand(grad.shape)
+
+
 class _GatherBuckets(torch.autograd.Function):
-    """DTensor parameters of all ``buckets`` -> their full tensors; gradients reduce-scattered
-    bucket by bucket. All collectives of a direction are issued before the first is waited on."""
+    """DTensor parameters of all ``tape.buckets`` -> their full tensors; gradients reduce-scattered
+    bucket by bucket (see :class:`GradTape`). All-gathers are all issued before the first is waited
+    on."""
 
     @staticmethod
-    def forward(ctx, buckets: list[Bucket], *params: DTensor):  # type: ignore[override]
-        ctx.buckets = buckets
+    def forward(ctx, tape: GradTape, *params: DTensor):  # type: ignore[override]
+        ctx.tape = tape
         ctx.set_materialize_grads(False)  # an output the loss does not reach gets no gradient, as in eager
-        pending, i = [], 0
-        for b in buckets:
-            n = len(b.members)
-            pending.append(b.start_gather([p._local_tensor for p in params[i : i + n]]))
-            i += n
-        return tuple(full for b, out in zip(buckets, pending) for full in b.finish_gather(out))
+        return tuple(_gather(tape.buckets, params))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        pending, i = [], 0
-        for b in ctx.buckets:
+    def backward(ctx, *given: torch.Tensor | None):  # type: ignore[override]
+        tape: GradTape = ctx.tape
+        i, pending, missing = 0, [], []
+        for bi, b in enumerate(tape.buckets):
             n = len(b.members)
-            pending.append(
-                b.start_reduce([b.zeros(k) if g is None else g for k, g in enumerate(grads[i : i + n])])
-            )
+            grads = [g if g is not None else given[i + k] for k, g in enumerate(tape.grads[bi])]
+            if tape.pending[bi] is None:  # not issued while backward ran: issue it now
+                missing.extend(g is None for g in grads)
+                tape.pending[bi] = b.start_reduce(
+                    [b.zeros(k) if g is None else g for k, g in enumerate(grads)]
+                )
+            else:
+                missing.extend([False] * n)
             i += n
-        reduced = [g for b, out in zip(ctx.buckets, pending) for g in b.finish_reduce(out)]
-        return (None, *(None if g is None else r for g, r in zip(grads, reduced)))
+        pending = list(tape.pending)
+        tape.reset()
+        reduced = [g for b, out in zip(tape.buckets, pending) for g in b.finish_reduce(out)]
+        return (None, *(None if m else r for m, r in zip(missing, reduced)))
 
 
-def gather_buckets(buckets: list[Bucket], params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Full tensors of ``params`` (the buckets' members, concatenated in bucket order), in each
-    bucket's ``compute_dtype``; differentiable (see :class:`Bucket`) when grad mode is on and some
-    parameter requires grad."""
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        return list(_GatherBuckets.apply(buckets, *params))
-    out, i = [], 0
-    pending = []
+def _gather(buckets: list[Bucket], params) -> list[torch.Tensor]:
+    pending, i = [], 0
     for b in buckets:
         n = len(b.members)
         pending.append(b.start_gather([p._local_tensor for p in params[i : i + n]]))
         i += n
-    for b, o in zip(buckets, pending):
-        out.extend(b.finish_gather(o))
-    return out
+    return [full for b, out in zip(buckets, pending) for full in b.finish_gather(out)]
+
+
+def gather_buckets(tape: GradTape, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors of ``params`` (the members of ``tape.buckets``, concatenated in bucket order),
+    in each bucket's ``compute_dtype``; differentiable (see :class:`Bucket`, :class:`GradTape`) when
+    grad mode is on and some parameter requires grad."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return list(_GatherBuckets.apply(tape, *params))
+    return _gather(tape.buckets, params)

@@ -20,8 +20,18 @@ from fqn import eager_tensors
 from .capture import Captured
 from .data import InputSignature, data_dims, data_placements, input_placements_of, output_to
 from .errors import PlacementError, StateError
-from .gather import Bucket, GatherSpec, bucketable, gather_buckets, gather_full, make_buckets
-from .graph_passes import retarget_devices
+from .gather import (
+    Bucket,
+    GatherSpec,
+    GradTape,
+    active_tape,
+    bucketable,
+    gather_buckets,
+    gather_full,
+    make_buckets,
+    use_marker,
+)
+from .graph_passes import retarget_devices, with_use_markers
 from .init_weights import wrap_init_weights
 from .mixed_precision import resolve_policy
 from .placement import Plan
@@ -183,8 +193,11 @@ def build_parallel_module(
         if isinstance(by_fqn[fqn], nn.Parameter) and bucketable(gather[fqn], by_fqn[fqn])
     ]
     bucketed = {fqn for fqn, *_ in in_bucket}
+    gm = _runtime_graph(captured, mesh)
+    if bucketed:  # this module's own copy of the graph, reading bucketed parameters through markers
+        gm = with_use_markers(gm, {attr_of[fqn] for fqn in bucketed}, use_marker)
     rt = _Runtime(
-        gm=_runtime_graph(captured, mesh),
+        gm=gm,
         attr_of=attr_of,
         slot_of=slot_of,
         gather=gather,
@@ -249,8 +262,9 @@ def _parallel_forward(self, *args, **kwargs):
             for x in flat
         ]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-    state = _gather_state(rt)
-    out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
+    state, tape = _gather_state(rt)
+    with active_tape(tape):
+        out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
     flat, spec = pytree.tree_flatten(out)
     j = 0
     for k, y in enumerate(flat):
@@ -264,9 +278,10 @@ def _parallel_forward(self, *args, **kwargs):
     return pytree.tree_unflatten(flat, spec)
 
 
-def _gather_state(rt: _Runtime) -> dict[str, torch.Tensor]:
-    """``{graph attribute: full tensor}``: the buckets' members in one autograd node (collectives
-    issued bucket after bucket before any is waited on), the rest one by one."""
+def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], GradTape]:
+    """``{graph attribute: full tensor}`` and the call's :class:`GradTape`: the buckets' members in
+    one autograd node (all-gathers issued bucket after bucket before any is waited on), the rest
+    one by one."""
     state: dict[str, torch.Tensor] = {}
     ready: list[Bucket] = []
     tensors: list[torch.Tensor] = []
@@ -278,13 +293,14 @@ def _gather_state(rt: _Runtime) -> dict[str, torch.Tensor]:
         else:  # a member was replaced by a tensor of another kind: gather it like any other
             for fqn in b.fqns:
                 state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    where = {rt.attr_of[fqn]: (i, k) for i, b in enumerate(ready) for k, fqn in enumerate(b.fqns)}
+    tape = GradTape(ready, where)
     if ready:
-        fqns = [fqn for b in ready for fqn in b.fqns]
-        for fqn, full in zip(fqns, gather_buckets(ready, tensors)):
-            state[rt.attr_of[fqn]] = full
+        for attr, full in zip(where, gather_buckets(tape, tensors)):
+            state[attr] = full
     for fqn, attr in rt.single:
         state[attr] = gather_full(rt.tensor(fqn), rt.gather[fqn])
-    return state
+    return state, tape
 
 
 def _output_placements(rt: _Runtime, j: int, y: torch.Tensor) -> Placements:

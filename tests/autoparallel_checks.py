@@ -26,6 +26,7 @@ from autoparallel import (
     build_parallel_module,
     capture,
     default_plan,
+    gather,
 )
 from autoparallel.data import InputSignature, local_inputs
 from tests.models import TinyConfig, TinyTransformer, hf_bert, hf_gpt2, hf_llama
@@ -251,26 +252,42 @@ class _Uneven(torch.nn.Module):
         return self.b(h) @ self.c.t(), self.unused * 2
 
 
-def _bucket_pmod(model, mesh, ids, policy=None):
+def _bucket_pmods(model, mesh, ids, policy=None, caps=(None,)) -> list:
+    """One parallel module per bucket cap (``None``: the default), sharing one capture."""
+    pmods = []
     with AutoParallel(model, lambda: ids, mesh, mp_policy=policy) as autop:
         autop.set_placements({"b.weight": (Shard(1),), "c": (Replicate(),)})
-        return autop.apply_placement()
+        for cap in caps:
+            default, gather.BUCKET_BYTES = gather.BUCKET_BYTES, cap or gather.BUCKET_BYTES
+            try:
+                pmods.append(autop.apply_placement())
+            finally:
+                gather.BUCKET_BYTES = default
+    return pmods
+
+
+class _OpOrder(TorchDispatchMode):
+    """Names of the ops dispatched, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     """The bucketed path (Shard(0) parameters on a 1-D mesh) next to the per-tensor one: forward and
     gradients equal eager (float32, uneven dim 0, a rank with an empty shard on 4 ranks, an output
-    the loss ignores, accumulation over two backwards, a frozen member), and under bf16 one
-    all-gather of the padded bucket in bf16 and one reduce-scatter in float32 per step."""
+    the loss ignores, accumulation over two backwards, a frozen member), with one bucket and with
+    a bucket per tensor (a reduce-scatter issued before backward is over); under bf16 one all-gather
+    of the padded bucket in bf16 and one reduce-scatter in float32 per step."""
     world = mesh.size()
     torch.manual_seed(0)
     model = _Uneven()
     ids = torch.randint(0, 9, (2 * world, 3), generator=torch.Generator().manual_seed(1))
-    pmod = _bucket_pmod(model, mesh, ids)
-    (bucket,) = pmod._autoparallel.buckets
-    assert sorted(bucket.fqns) == ["a.bias", "a.weight", "emb.weight", "unused"], bucket.fqns
-    assert sorted(fqn for fqn, _ in pmod._autoparallel.single) == ["b.weight", "c"]
-
     ref = copy.deepcopy(model)
     ref_out, ref_unused = ref(ids)
     w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
@@ -279,30 +296,43 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     assert set(ref_grads) == {"emb.weight", "a.weight", "a.bias", "b.weight", "c"}
     scale = max(g.abs().max().item() for g in ref_grads.values())
     diffs = []
-    for accumulated in (1, 2):  # the second backward adds to the first's gradients
-        out, unused = pmod(ids.chunk(world)[rank])
-        diffs.append(_rel(out, ref_out.chunk(world)[rank].detach()))
-        assert torch.equal(unused, ref_unused.detach())
+    # The default cap (one bucket) and a 1-byte cap (a bucket per tensor, reduce-scatters issued
+    # while backward runs, a bucket the loss never reaches).
+    one, each = _bucket_pmods(model, mesh, ids, caps=(None, 1))
+    for pmod in (one, each):
+        buckets = pmod._autoparallel.buckets
+        fqns = sorted(fqn for b in buckets for fqn in b.fqns)
+        assert fqns == ["a.bias", "a.weight", "emb.weight", "unused"], fqns
+        assert len(buckets) == (1 if pmod is one else 4)
+        assert sorted(fqn for fqn, _ in pmod._autoparallel.single) == ["b.weight", "c"]
+        for accumulated in (1, 2):  # the second backward adds to the first's gradients
+            out, unused = pmod(ids.chunk(world)[rank])
+            diffs.append(_rel(out, ref_out.chunk(world)[rank].detach()))
+            assert torch.equal(unused, ref_unused.detach())
+            with _OpOrder() as order:
+                (out * w.chunk(world)[rank]).sum().backward()
+            if world > 1 and pmod is each:  # a.weight's reduce-scatter starts before emb's gradient
+                first = order.ops.index("reduce_scatter_tensor")
+                assert first < order.ops.index("embedding_dense_backward"), order.ops
+            for n, p in pmod.named_parameters():
+                if n == "unused":
+                    assert p.grad is None  # as in eager: the loss does not reach it
+                    continue
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+                assert p.grad.to_local().shape == p.to_local().shape, n
+                diffs.append(_rel(p.grad.full_tensor(), accumulated * ref_grads[n], scale))
+        pmod.zero_grad()
+        pmod.a.bias.requires_grad_(False)
+        out, _ = pmod(ids.chunk(world)[rank])
         (out * w.chunk(world)[rank]).sum().backward()
-        for n, p in pmod.named_parameters():
-            if n == "unused":
-                assert p.grad is None  # as in eager: the loss does not reach it
-                continue
-            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
-            assert p.grad.to_local().shape == p.to_local().shape, n
-            diffs.append(_rel(p.grad.full_tensor(), accumulated * ref_grads[n], scale))
-    pmod.zero_grad()
-    pmod.a.bias.requires_grad_(False)
-    out, _ = pmod(ids.chunk(world)[rank])
-    (out * w.chunk(world)[rank]).sum().backward()
-    assert pmod.a.bias.grad is None and pmod.emb.weight.grad is not None
-    diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
-    with torch.no_grad():
-        diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
+        assert pmod.a.bias.grad is None and pmod.emb.weight.grad is not None
+        diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
+        with torch.no_grad():
+            diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
     assert max(diffs) <= 1e-5, diffs
 
     # Bytes and number of collectives under bf16 (gloo: only with more than one rank).
-    pmod = _bucket_pmod(model, mesh, ids, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    (pmod,) = _bucket_pmods(model, mesh, ids, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with _CountCollectives() as fwd:
         out, _ = pmod(ids.chunk(world)[rank])
     with _CountCollectives() as bwd:
