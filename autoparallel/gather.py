@@ -1,10 +1,26 @@
-"""FSDP-style state access for the parallel module: gather a DTensor to a full plain tensor before
-use, reduce its gradient back to the DTensor's placements after.
+"""FSDP-style state access for the parallel module: gather each DTensor to a full plain tensor
+before the graph runs, reduce its gradient back to the DTensor's placements after.
 
 The captured graph runs on plain tensors (no op needs a DTensor sharding rule); the only cross-rank
-work is here and at the output boundary (see :mod:`autoparallel.parallel_module`). Written by
-hand because FSDP2 (``fully_shard``) manages its own ``Shard(0)`` parameters on a 1-D or HSDP mesh
-and cannot take the plan's placements (``Shard(1)``, 2-D ``Shard`` / ``Replicate`` mixes) as they are.
+work is here and at the output boundary (see :mod:`autoparallel.parallel_module`). Two paths:
+
+* Bucketed (:class:`Bucket`): parameters stored ``Shard(0)`` on a 1-D mesh whose ranks split the
+  data (the default FSDP-style plan), grouped in graph order into buckets of the same dtypes, at most
+  :data:`BUCKET_BYTES` of gradients each. Forward: each bucket's local shards are packed (padded to
+  ``ceil(dim 0 / world)`` rows, as ``torch.chunk`` splits them) into one flat buffer in
+  ``param_dtype`` and gathered by one ``all_gather_into_tensor``; all buckets are issued before the
+  first is waited on. Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
+  ``reduce_dtype`` buffer and summed by one ``reduce_scatter_tensor``, issued as soon as the
+  bucket's last gradient is complete (a marker node at each parameter's first use in the graph,
+  :class:`GradTape`), so it runs while backward computes the earlier layers; all are waited on when
+  autograd reaches the parameters, at the end of backward.
+* Per tensor (:func:`gather_full`): every other tensor (``Shard(1)``, ``Replicate()``, 2-D meshes,
+  ``_StridedShard``, buffers): ``DTensor.full_tensor`` in forward, ``redistribute`` of the
+  gradient (``Partial`` over the data dims) in backward, synchronously.
+
+Written by hand because FSDP2 (``fully_shard``) manages its own ``Shard(0)`` parameters on a 1-D or
+HSDP mesh and cannot take the plan's placements (``Shard(1)``, 2-D ``Shard`` / ``Replicate`` mixes)
+as they are; the bucketed path packs, pads and unpacks as FSDP2's ``_fsdp_collectives`` does.
 """
 
 from __future__ import annotations
@@ -91,7 +107,6 @@ def gather_full(t: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
     return _Gather.apply(t.to_local(), spec)
 
 
-# ---------------------------------------------------------------------------------------------
 # Bucketed path: Shard(0) parameters on a 1-D data-parallel mesh (the default FSDP-style plan).
 
 BUCKET_BYTES = 8 << 20  # cap of one bucket's reduce-scatter input (the padded full gradients)
@@ -151,7 +166,12 @@ class Bucket:
         """Whether ``tensors`` (the module's current state) still are the DTensor shards the bucket
         was built for; a reassigned tensor sends the bucket down the per-tensor path."""
         for t, shape in zip(tensors, self.local_shapes):
-            if not isinstance(t, DTensor) or t._local_tensor.shape != shape or t.dtype != self.local_dtype:
+            if not (
+                isinstance(t, DTensor)
+                and t._local_tensor.shape == shape
+                and t.dtype == self.local_dtype
+                and t.placements == self.placements
+            ):
                 return False
         return True
 
@@ -239,9 +259,9 @@ def make_buckets(
     members: list[tuple[str, GatherSpec, torch.dtype]], cap_bytes: int | None = None
 ) -> list[Bucket]:
     """Group ``(fqn, spec, local dtype)`` (in graph order) into buckets of one mesh and dtypes,
-    each at most ``cap_bytes`` of reduce-scatter input (the padded full gradients in
-    ``reduce_dtype``; a larger tensor gets a bucket of its own; default :data:`BUCKET_BYTES`). Several buckets let the first
-    ones' reduce-scatters run while backward computes the gradients of the others."""
+    each at most ``cap_bytes`` (default :data:`BUCKET_BYTES`) of reduce-scatter input: the padded
+    full gradients in ``reduce_dtype``; a larger tensor gets a bucket of its own. Several buckets
+    let the first ones' reduce-scatters run while backward computes the others' gradients."""
     cap_bytes = BUCKET_BYTES if cap_bytes is None else cap_bytes
     open_: dict[tuple, tuple[list[str], list[GatherSpec], int]] = {}
     done: list[Bucket] = []

@@ -125,7 +125,12 @@ def build_parallel_module(
     buffer is all-gathered to its full value where forward starts (in the mixed-precision
     ``param_dtype`` for cast parameters), and each gradient is summed over the mesh dims that
     split the data, in ``reduce_dtype``, and scattered back to the parameter's placements
-    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). The j-th tensor output leaf is
+    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). ``Shard(0)`` parameters on a 1-D data
+    mesh do this in buckets (one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` per
+    bucket, the latter issued during backward as soon as the bucket's gradients are complete, so
+    it overlaps the rest of backward); the module holds its own copy of the graph with a marker
+    at each such parameter's first use (see :mod:`autoparallel.gather`). Other tensors are
+    gathered and reduced one by one. The j-th tensor output leaf is
     redistributed from ``Shard(0)`` on the data dims to ``output_placements[j]`` (default: the
     same, no communication) and returned as this rank's local tensor (differentiable); a 0-dim
     output is this rank's value on its local batch.
@@ -136,7 +141,7 @@ def build_parallel_module(
     :class:`StateError` when a module's train / eval mode differs from the capture's.
 
     ``captured`` can build any number of modules: its graph is rewritten in place for the mesh's
-    device and shared (it holds no state at run time).
+    device and shared (it holds no state at run time; the marked copy shares its submodules).
 
     Raises:
         PlacementError: ``plan`` misses a tensor of the model; an input constraint is not

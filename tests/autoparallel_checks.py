@@ -329,6 +329,16 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
         diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
         with torch.no_grad():
             diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
+        # A member replaced by a plain parameter: its bucket goes down the per-tensor path (a plain
+        # tensor is not reduced across ranks).
+        pmod.zero_grad()
+        pmod.a.bias = torch.nn.Parameter(ref.a.bias.detach().clone())
+        out, _ = pmod(ids.chunk(world)[rank])
+        (out * w.chunk(world)[rank]).sum().backward()
+        bias_grad = pmod.a.bias.grad.clone()  # a plain tensor's gradient is this rank's batch's
+        dist.all_reduce(bias_grad)
+        diffs.append(_rel(bias_grad, ref_grads["a.bias"], scale))
+        diffs.append(_rel(pmod.a.weight.grad.full_tensor(), ref_grads["a.weight"], scale))
     assert max(diffs) <= 1e-5, diffs
 
     # Bytes and number of collectives under bf16 (gloo: only with more than one rank).
