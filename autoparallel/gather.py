@@ -8,12 +8,14 @@ work is here and at the output boundary (see :mod:`autoparallel.parallel_module`
   data (the default FSDP-style plan), grouped in graph order into buckets of the same dtypes, at most
   :data:`BUCKET_BYTES` of gradients each. Forward: each bucket's local shards are packed (padded to
   ``ceil(dim 0 / world)`` rows, as ``torch.chunk`` splits them) into one flat buffer in
-  ``param_dtype`` and gathered by one ``all_gather_into_tensor``; all buckets are issued before the
-  first is waited on. Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
+  ``param_dtype`` and gathered by one ``all_gather_into_tensor``; all are issued where forward
+  starts, and each is waited on where the graph first uses one of its members (a marker node at
+  each parameter's first use, :class:`BucketTape`), so it arrives while the graph computes with
+  the earlier buckets. Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
   ``reduce_dtype`` buffer and summed by one ``reduce_scatter_tensor``, issued as soon as the
-  bucket's last gradient is complete (a marker node at each parameter's first use in the graph,
-  :class:`GradTape`), so it runs while backward computes the earlier layers; all are waited on when
-  autograd reaches the parameters, at the end of backward.
+  bucket's last gradient is complete (the marker's backward), so it runs while backward computes
+  the earlier layers; all are waited on when autograd reaches the parameters, at the end of
+  backward.
 * Per tensor (:func:`gather_full`): every other tensor (``Shard(1)``, ``Replicate()``, 2-D meshes,
   ``_StridedShard``, buffers): ``DTensor.full_tensor`` in forward, ``redistribute`` of the
   gradient (``Partial`` over the data dims) in backward, synchronously.
@@ -279,23 +281,58 @@ def make_buckets(
     return done
 
 
-class GradTape:
-    """One forward call's bookkeeping for overlapping gradient reduce-scatters with backward.
+class BucketTape:
+    """One forward call's bookkeeping for overlapping the buckets' collectives with compute.
 
     ``where``: ``{graph attribute: (bucket #, member #)}``. The graph reads each such attribute
-    through :func:`use_marker` (see :func:`autoparallel.graph_passes.with_use_markers`), whose
-    autograd node runs as soon as that member's full gradient is complete; when every member of a
-    bucket has arrived, the bucket's reduce-scatter is issued (asynchronously) while backward goes
-    on. :class:`_GatherBuckets`' backward, which autograd runs last, waits for them, and reduces
-    the buckets not issued yet (a member the loss does not reach, no markers in the graph).
+    through :func:`use_marker`, placed just before its first use (see
+    :func:`autoparallel.graph_passes.with_use_markers`).
+
+    Forward: :class:`_GatherBuckets` issues every bucket's all-gather and hands the graph
+    placeholders; the first marker of a bucket waits for its all-gather and copies its members out
+    (:meth:`full`), so later buckets arrive while the graph computes with earlier ones.
+    Backward: a marker's autograd node runs as soon as its member's full gradient is complete
+    (autograd runs the ready node made last first); when all members of a bucket have arrived, its
+    reduce-scatter is issued (asynchronously) and backward goes on. :class:`_GatherBuckets`'
+    backward, which autograd runs after all of them, waits for them and reduces the buckets not
+    issued yet (one with a member the loss does not reach).
     """
 
     def __init__(self, buckets: list[Bucket], where: dict[str, tuple[int, int]]):
         self.buckets = buckets
         self.where = where
+        self.gathers: list[torch.Tensor | None] = [None] * len(buckets)  # all-gathers in flight
+        self.fulls: list[list[torch.Tensor] | None] = [None] * len(buckets)
         self.reset()
 
+    def start_gathers(self, params) -> None:
+        """Issue every bucket's all-gather (``params``: the members, in bucket order)."""
+        i = 0
+        for b_i, b in enumerate(self.buckets):
+            n = len(b.members)
+            self.gathers[b_i] = b.start_gather([p._local_tensor for p in params[i : i + n]])
+            i += n
+
+    def full(self, attr: str) -> torch.Tensor:
+        """The full tensor of ``attr`` (waits for its bucket's all-gather the first time)."""
+        b, k = self.where[attr]
+        fulls = self.fulls[b]
+        if fulls is None:
+            fulls = self.fulls[b] = self.buckets[b].finish_gather(self.gathers[b])  # type: ignore[arg-type]
+            self.gathers[b] = None
+        return fulls[k]
+
+    def end_forward(self) -> None:
+        """Drop the full tensors (autograd keeps what backward needs) and wait for any all-gather
+        no marker asked for (an attribute the graph does not read)."""
+        for b, out in zip(self.buckets, self.gathers):
+            if out is not None and b.world > 1:
+                torch.ops._c10d_functional.wait_tensor(out)
+        self.gathers = [None] * len(self.buckets)
+        self.fulls = [None] * len(self.buckets)
+
     def reset(self) -> None:
+        """Forget backward's state (after the gradients were handed over, for a next backward)."""
         self.grads: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in self.buckets]
         self.arrived = [0] * len(self.buckets)
         self.pending: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -319,34 +356,38 @@ class GradTape:
         self.reset()
 
 
-_ACTIVE = threading.local()  # .tape: the GradTape of the forward call running the graph
+_ACTIVE = threading.local()  # .tape: the BucketTape of the forward call running the graph
 
 
 @contextmanager
-def active_tape(tape: GradTape):
-    """Make :func:`use_marker` report to ``tape`` while the graph runs (this thread)."""
+def active_tape(tape: BucketTape):
+    """Make :func:`use_marker` use ``tape`` while the graph runs (this thread); ends its forward."""
     prev = getattr(_ACTIVE, "tape", None)
     _ACTIVE.tape = tape
     try:
         yield
     finally:
         _ACTIVE.tape = prev
+        tape.end_forward()
 
 
 def use_marker(t: torch.Tensor, attr: str) -> torch.Tensor:
-    """``t`` (the value of graph attribute ``attr``), through a node whose backward hands ``t``'s
-    gradient to the active :class:`GradTape`; ``t`` itself when no tape tracks ``attr``."""
+    """The value of graph attribute ``attr``: the full tensor from the active :class:`BucketTape`
+    (``t`` is its placeholder) through a node whose backward hands the gradient to the tape; ``t``
+    itself when no tape tracks ``attr``."""
     tape = getattr(_ACTIVE, "tape", None)
-    if tape is None or attr not in tape.where or not (t.requires_grad and torch.is_grad_enabled()):
+    if tape is None or attr not in tape.where:
         return t
-    return _Ready.apply(tape, attr, t)
+    if t.requires_grad and torch.is_grad_enabled():
+        return _Ready.apply(tape, attr, t)
+    return tape.full(attr)
 
 
 class _Ready(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tape: GradTape, attr: str, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, tape: BucketTape, attr: str, placeholder: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.tape, ctx.attr = tape, attr
-        return t.view_as(t)
+        return tape.full(attr)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -355,25 +396,36 @@ class _Ready(torch.autograd.Function):
         return None, None, grad.new_zeros(()).expand(grad.shape)
 
 
+def _placeholders(buckets: list[Bucket]) -> list[torch.Tensor]:
+    # NaN, not zeros: a read that bypassed the markers would show, not compute quietly.
+    out = []
+    for b in buckets:
+        nan = torch.full((), float("nan"), dtype=b.compute_dtype, device=b.device)
+        out.extend(nan.expand(m.shape) for m in b.members)
+    return out
+
+
 class _GatherBuckets(torch.autograd.Function):
-    """DTensor parameters of all ``tape.buckets`` -> their full tensors; gradients reduce-scattered
-    bucket by bucket (see :class:`GradTape`). All-gathers are all issued before the first is waited
-    on."""
+    """DTensor parameters of all ``tape.buckets`` -> placeholders of their full tensors (the
+    markers read the real ones from the tape); gradients reduce-scattered bucket by bucket (see
+    :class:`BucketTape`)."""
 
     @staticmethod
-    def forward(ctx, tape: GradTape, *params: DTensor):  # type: ignore[override]
+    def forward(ctx, tape: BucketTape, *params: DTensor):  # type: ignore[override]
         ctx.tape = tape
         ctx.set_materialize_grads(False)  # an output the loss does not reach gets no gradient, as in eager
-        return tuple(_gather(tape.buckets, params))
+        tape.start_gathers(params)
+        return tuple(_placeholders(tape.buckets))
 
     @staticmethod
     def backward(ctx, *given: torch.Tensor | None):  # type: ignore[override]
-        tape: GradTape = ctx.tape
-        i, pending, missing = 0, [], []
+        tape: BucketTape = ctx.tape
+        i, missing = 0, []
         for bi, b in enumerate(tape.buckets):
             n = len(b.members)
-            grads = [g if g is not None else given[i + k] for k, g in enumerate(tape.grads[bi])]
             if tape.pending[bi] is None:  # not issued while backward ran: issue it now
+                # A member that did not arrive through its marker has no gradient (given: None).
+                grads = [g if g is not None else given[i + k] for k, g in enumerate(tape.grads[bi])]
                 missing.extend(g is None for g in grads)
                 tape.pending[bi] = b.start_reduce(
                     [b.zeros(k) if g is None else g for k, g in enumerate(grads)]
@@ -387,19 +439,12 @@ class _GatherBuckets(torch.autograd.Function):
         return (None, *(None if m else r for m, r in zip(missing, reduced)))
 
 
-def _gather(buckets: list[Bucket], params) -> list[torch.Tensor]:
-    pending, i = [], 0
-    for b in buckets:
-        n = len(b.members)
-        pending.append(b.start_gather([p._local_tensor for p in params[i : i + n]]))
-        i += n
-    return [full for b, out in zip(buckets, pending) for full in b.finish_gather(out)]
-
-
-def gather_buckets(tape: GradTape, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Full tensors of ``params`` (the members of ``tape.buckets``, concatenated in bucket order),
-    in each bucket's ``compute_dtype``; differentiable (see :class:`Bucket`, :class:`GradTape`) when
-    grad mode is on and some parameter requires grad."""
+def gather_buckets(tape: BucketTape, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Placeholders for the full tensors of ``params`` (the members of ``tape.buckets``, in bucket
+    order), whose all-gathers are issued; :func:`use_marker` gives the graph the real ones, in each
+    bucket's ``compute_dtype``. Differentiable (see :class:`BucketTape`) when grad mode is on and
+    some parameter requires grad."""
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         return list(_GatherBuckets.apply(tape, *params))
-    return _gather(tape.buckets, params)
+    tape.start_gathers(params)
+    return _placeholders(tape.buckets)

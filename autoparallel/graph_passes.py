@@ -41,7 +41,7 @@ def with_use_markers(gm: torch.fx.GraphModule, attrs: set[str], marker) -> torch
 
     Why: autograd runs a node's backward in the reverse order of creation among the ready ones, so
     a node made where a parameter is first used (not where forward starts) runs as soon as that
-    parameter's gradient is complete; see :class:`autoparallel.gather.GradTape`. Copied with
+    parameter's gradient is complete; see :class:`autoparallel.gather.BucketTape`. Copied with
     ``Graph.graph_copy`` (node metadata shared): ``copy.deepcopy`` trips over its fake tensors.
     """
     graph = torch.fx.Graph()

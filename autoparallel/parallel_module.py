@@ -22,8 +22,8 @@ from .data import InputSignature, data_dims, data_placements, input_placements_o
 from .errors import PlacementError, StateError
 from .gather import (
     Bucket,
+    BucketTape,
     GatherSpec,
-    GradTape,
     active_tape,
     bucketable,
     gather_buckets,
@@ -283,10 +283,10 @@ def _parallel_forward(self, *args, **kwargs):
     return pytree.tree_unflatten(flat, spec)
 
 
-def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], GradTape]:
-    """``{graph attribute: full tensor}`` and the call's :class:`GradTape`: the buckets' members in
-    one autograd node (all-gathers issued bucket after bucket before any is waited on), the rest
-    one by one."""
+def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], BucketTape]:
+    """``{graph attribute: value}`` and the call's :class:`BucketTape`: the buckets' members as
+    placeholders from one autograd node that issues all their all-gathers (the graph's markers
+    take the full tensors from the tape), the other tensors gathered one by one."""
     state: dict[str, torch.Tensor] = {}
     ready: list[Bucket] = []
     tensors: list[torch.Tensor] = []
@@ -299,7 +299,7 @@ def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], GradTape]:
             for fqn in b.fqns:
                 state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), rt.gather[fqn])
     where = {rt.attr_of[fqn]: (i, k) for i, b in enumerate(ready) for k, fqn in enumerate(b.fqns)}
-    tape = GradTape(ready, where)
+    tape = BucketTape(ready, where)
     if ready:
         for attr, full in zip(where, gather_buckets(tape, tensors)):
             state[attr] = full
