@@ -177,8 +177,8 @@ class Bucket:
                 return False
         return True
 
-    def start_gather(self, locals_: list[torch.Tensor]) -> torch.Tensor:
-        """Pack the local shards and issue the all-gather; returns the (pending) output."""
+    def start_gather(self, locals_: list[torch.Tensor]) -> InFlight:
+        """Pack the local shards and issue the all-gather."""
         flat = torch.empty(self.size, dtype=self.compute_dtype, device=self.device)
         dst = [
             flat.narrow(0, m.offset, m.numel).view(m.rows, *m.shape[1:]).narrow(0, 0, m.local_rows)
@@ -186,13 +186,12 @@ class Bucket:
         ]
         torch._foreach_copy_(dst, locals_)  # pad rows stay unwritten: they are never read
         if self.world == 1:
-            return flat
-        return torch.ops._c10d_functional.all_gather_into_tensor(flat, self.world, self.group_name)
+            return flat, flat
+        return flat, torch.ops._c10d_functional.all_gather_into_tensor(flat, self.world, self.group_name)
 
-    def finish_gather(self, out: torch.Tensor) -> list[torch.Tensor]:
+    def finish_gather(self, work: InFlight) -> list[torch.Tensor]:
         """Wait for the all-gather and copy each member out: full tensors in ``compute_dtype``."""
-        if self.world > 1:
-            out = torch.ops._c10d_functional.wait_tensor(out)
+        out = _wait(work, self.world)
         padded = [
             torch.empty((self.world * m.rows, *m.shape[1:]), dtype=self.compute_dtype, device=self.device)
             for m in self.members
@@ -210,19 +209,20 @@ class Bucket:
         every rank, so every rank sends zeros for the same member)."""
         return torch.zeros(self.members[k].shape, dtype=self.compute_dtype, device=self.device)
 
-    def start_reduce(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def start_reduce(self, grads: list[torch.Tensor]) -> InFlight:
         """Pack the full gradients (cast to ``reduce_dtype``) and issue the reduce-scatter."""
         flat = torch.empty(self.world * self.size, dtype=self.reduce_dtype, device=self.device)
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=flat.view(self.world, self.size))
         if self.world == 1:
-            return flat
-        return torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", self.world, self.group_name)
+            return flat, flat
+        return flat, torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat, "sum", self.world, self.group_name
+        )
 
-    def finish_reduce(self, out: torch.Tensor) -> list[DTensor]:
+    def finish_reduce(self, work: InFlight) -> list[DTensor]:
         """Wait for the reduce-scatter; each member's summed local gradient as a DTensor like the
         parameter (a view of the output when ``reduce_dtype`` is the parameter's dtype)."""
-        if self.world > 1:
-            out = torch.ops._c10d_functional.wait_tensor(out)
+        out = _wait(work, self.world)
         grads = []
         for m in self.members:
             g = out.narrow(0, m.offset, m.numel).view(m.rows, *m.shape[1:]).narrow(0, 0, m.local_rows)
@@ -233,6 +233,15 @@ class Bucket:
                 )
             )
         return grads
+
+
+# A collective in flight: (its input, its pending output). The input is held until the wait so
+# that its memory cannot be reused while the backend may still read it (no stream to record on CPU).
+InFlight = tuple[torch.Tensor, torch.Tensor]
+
+
+def _wait(work: InFlight, world: int) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(work[1]) if world > 1 else work[1]
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:
@@ -301,7 +310,7 @@ class BucketTape:
     def __init__(self, buckets: list[Bucket], where: dict[str, tuple[int, int]]):
         self.buckets = buckets
         self.where = where
-        self.gathers: list[torch.Tensor | None] = [None] * len(buckets)  # all-gathers in flight
+        self.gathers: list[InFlight | None] = [None] * len(buckets)  # all-gathers in flight
         self.fulls: list[list[torch.Tensor] | None] = [None] * len(buckets)
         self.reset()
 
@@ -325,9 +334,9 @@ class BucketTape:
     def end_forward(self) -> None:
         """Drop the full tensors (autograd keeps what backward needs) and wait for any all-gather
         no marker asked for (an attribute the graph does not read)."""
-        for b, out in zip(self.buckets, self.gathers):
-            if out is not None and b.world > 1:
-                torch.ops._c10d_functional.wait_tensor(out)
+        for b, work in zip(self.buckets, self.gathers):
+            if work is not None:
+                _wait(work, b.world)
         self.gathers = [None] * len(self.buckets)
         self.fulls = [None] * len(self.buckets)
 
@@ -335,7 +344,7 @@ class BucketTape:
         """Forget backward's state (after the gradients were handed over, for a next backward)."""
         self.grads: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in self.buckets]
         self.arrived = [0] * len(self.buckets)
-        self.pending: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.pending: list[InFlight | None] = [None] * len(self.buckets)
         self.drain_queued = False
 
     def arrive(self, attr: str, grad: torch.Tensor) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -192,13 +193,16 @@ def build_parallel_module(
     pmod.__class__ = _parallel_class(type(model))
 
     attr_of = {fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of}
+    gm = _runtime_graph(captured, mesh)
+    # A tensor the graph holds under two names would need two markers: gather it one by one.
+    names = Counter(captured.fqn_map.to_eager(n) for n, _ in gm.named_parameters(remove_duplicate=False))
+    one_name = {fqn for fqn in attr_of if names[fqn] == 1}
     in_bucket = [
         (fqn, gather[fqn], by_fqn[fqn].dtype)
         for fqn in attr_of
-        if isinstance(by_fqn[fqn], nn.Parameter) and bucketable(gather[fqn], by_fqn[fqn])
+        if fqn in one_name and isinstance(by_fqn[fqn], nn.Parameter) and bucketable(gather[fqn], by_fqn[fqn])
     ]
     bucketed = {fqn for fqn, *_ in in_bucket}
-    gm = _runtime_graph(captured, mesh)
     if bucketed:  # this module's own copy of the graph, reading bucketed parameters through markers
         gm = with_use_markers(gm, {attr_of[fqn] for fqn in bucketed}, use_marker)
     rt = _Runtime(
