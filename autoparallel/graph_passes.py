@@ -32,3 +32,29 @@ def retarget_devices(gm: torch.fx.GraphModule, src: torch.device, dst: torch.dev
         if touched:
             mod.recompile()
     return changed
+
+
+def with_use_markers(gm: torch.fx.GraphModule, attrs: set[str], marker) -> torch.fx.GraphModule:
+    """A new GraphModule running ``gm``'s graph (shared submodules, shared tensors) in which every
+    use of each top-level ``get_attr`` of ``attrs`` reads ``marker(value, attr)`` instead, called
+    just before the attribute's first user. ``gm`` is not modified.
+
+    Why: autograd runs a node's backward in the reverse order of creation among the ready ones, so
+    a node made where a parameter is first used (not where forward starts) runs as soon as that
+    parameter's gradient is complete; see :class:`autoparallel.gather.BucketTape`. Copied with
+    ``Graph.graph_copy`` (node metadata shared): ``copy.deepcopy`` trips over its fake tensors.
+    """
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or node.target not in attrs or not node.users:
+            continue
+        first = min(node.users, key=order.__getitem__)
+        with graph.inserting_before(first):
+            marked = graph.call_function(marker, (node, node.target))
+        node.replace_all_uses_with(marked, delete_user_cb=lambda user, m=marked: user is not m)
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)

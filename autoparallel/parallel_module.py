@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,18 @@ from fqn import eager_tensors
 from .capture import Captured
 from .data import InputSignature, data_dims, data_placements, input_placements_of, output_to
 from .errors import PlacementError, StateError
-from .gather import GatherSpec, gather_full
-from .graph_passes import retarget_devices
+from .gather import (
+    Bucket,
+    BucketTape,
+    GatherSpec,
+    active_tape,
+    bucketable,
+    gather_buckets,
+    gather_full,
+    make_buckets,
+    use_marker,
+)
+from .graph_passes import retarget_devices, with_use_markers
 from .init_weights import wrap_init_weights
 from .mixed_precision import resolve_policy
 from .placement import Plan
@@ -38,6 +49,8 @@ class _Runtime:
     attr_of: dict[str, str]  # eager FQN -> graph attribute
     slot_of: dict[str, tuple[nn.Module, str, str]]  # eager FQN -> (module, "_parameters"|"_buffers", key)
     gather: dict[str, GatherSpec]  # eager FQN -> how forward gathers it
+    buckets: list[Bucket]  # parameters gathered / reduced by one collective per bucket
+    single: list[tuple[str, str]]  # (eager FQN, graph attribute) gathered one by one
     mesh: DeviceMesh
     inputs: InputSignature
     cast_inputs_to: torch.dtype | None
@@ -113,7 +126,12 @@ def build_parallel_module(
     buffer is all-gathered to its full value where forward starts (in the mixed-precision
     ``param_dtype`` for cast parameters), and each gradient is summed over the mesh dims that
     split the data, in ``reduce_dtype``, and scattered back to the parameter's placements
-    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). The j-th tensor output leaf is
+    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). ``Shard(0)`` parameters on a 1-D data
+    mesh do this in buckets (one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` per
+    bucket, the latter issued during backward as soon as the bucket's gradients are complete, so
+    it overlaps the rest of backward); the module holds its own copy of the graph with a marker
+    at each such parameter's first use (see :mod:`autoparallel.gather`). Other tensors are
+    gathered and reduced one by one. The j-th tensor output leaf is
     redistributed from ``Shard(0)`` on the data dims to ``output_placements[j]`` (default: the
     same, no communication) and returned as this rank's local tensor (differentiable); a 0-dim
     output is this rank's value on its local batch.
@@ -124,7 +142,7 @@ def build_parallel_module(
     :class:`StateError` when a module's train / eval mode differs from the capture's.
 
     ``captured`` can build any number of modules: its graph is rewritten in place for the mesh's
-    device and shared (it holds no state at run time).
+    device and shared (it holds no state at run time; the marked copy shares its submodules).
 
     Raises:
         PlacementError: ``plan`` misses a tensor of the model; an input constraint is not
@@ -138,6 +156,7 @@ def build_parallel_module(
     policy = resolve_policy(mp_policy)
     eager = eager_tensors(model)
     by_id: dict[int, torch.Tensor] = {}
+    by_fqn: dict[str, torch.Tensor] = {}
     fqn_of_id: dict[int, str] = {}
     gather: dict[str, GatherSpec] = {}
     for rec in eager:
@@ -147,6 +166,7 @@ def build_parallel_module(
         if isinstance(rec.tensor, nn.Parameter):
             dt = nn.Parameter(dt, requires_grad=rec.tensor.requires_grad)
         by_id[id(rec.tensor)] = dt
+        by_fqn[rec.fqn] = dt
         fqn_of_id[id(rec.tensor)] = rec.fqn
         cast = policy is not None and rec.fqn in captured.cast_fqns
         gather[rec.fqn] = GatherSpec(
@@ -172,11 +192,26 @@ def build_parallel_module(
                     d[key] = by_id[id(t)]
     pmod.__class__ = _parallel_class(type(model))
 
+    attr_of = {fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of}
+    gm = _runtime_graph(captured, mesh)
+    # A tensor the graph holds under two names would need two markers: gather it one by one.
+    names = Counter(captured.fqn_map.to_eager(n) for n, _ in gm.named_parameters(remove_duplicate=False))
+    one_name = {fqn for fqn in attr_of if names[fqn] == 1}
+    in_bucket = [
+        (fqn, gather[fqn], by_fqn[fqn].dtype)
+        for fqn in attr_of
+        if fqn in one_name and isinstance(by_fqn[fqn], nn.Parameter) and bucketable(gather[fqn], by_fqn[fqn])
+    ]
+    bucketed = {fqn for fqn, *_ in in_bucket}
+    if bucketed:  # this module's own copy of the graph, reading bucketed parameters through markers
+        gm = with_use_markers(gm, {attr_of[fqn] for fqn in bucketed}, use_marker)
     rt = _Runtime(
-        gm=_runtime_graph(captured, mesh),
-        attr_of={fqn: attr for fqn, attr in captured.attr_of.items() if fqn in slot_of},
+        gm=gm,
+        attr_of=attr_of,
         slot_of=slot_of,
         gather=gather,
+        buckets=make_buckets(in_bucket),
+        single=[(fqn, attr) for fqn, attr in attr_of.items() if fqn not in bucketed],
         mesh=mesh,
         inputs=captured.inputs,
         cast_inputs_to=policy.param_dtype if policy is not None and policy.cast_forward_inputs else None,
@@ -236,8 +271,9 @@ def _parallel_forward(self, *args, **kwargs):
             for x in flat
         ]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-    state = {attr: gather_full(rt.tensor(fqn), rt.gather[fqn]) for fqn, attr in rt.attr_of.items()}
-    out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
+    state, tape = _gather_state(rt)
+    with active_tape(tape):
+        out = torch.func.functional_call(rt.gm, state, args, kwargs, strict=False)
     flat, spec = pytree.tree_flatten(out)
     j = 0
     for k, y in enumerate(flat):
@@ -249,6 +285,31 @@ def _parallel_forward(self, *args, **kwargs):
             flat[k] = y
             j += 1
     return pytree.tree_unflatten(flat, spec)
+
+
+def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], BucketTape]:
+    """``{graph attribute: value}`` and the call's :class:`BucketTape`: the buckets' members as
+    placeholders from one autograd node that issues all their all-gathers (the graph's markers
+    take the full tensors from the tape), the other tensors gathered one by one."""
+    state: dict[str, torch.Tensor] = {}
+    ready: list[Bucket] = []
+    tensors: list[torch.Tensor] = []
+    for b in rt.buckets:
+        ts = [rt.tensor(fqn) for fqn in b.fqns]
+        if b.fits(ts):
+            ready.append(b)
+            tensors.extend(ts)
+        else:  # a member was replaced by a tensor of another kind: gather it like any other
+            for fqn in b.fqns:
+                state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    where = {rt.attr_of[fqn]: (i, k) for i, b in enumerate(ready) for k, fqn in enumerate(b.fqns)}
+    tape = BucketTape(ready, where)
+    if ready:
+        for attr, full in zip(where, gather_buckets(tape, tensors)):
+            state[attr] = full
+    for fqn, attr in rt.single:
+        state[attr] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    return state, tape
 
 
 def _output_placements(rt: _Runtime, j: int, y: torch.Tensor) -> Placements:

@@ -26,6 +26,7 @@ from autoparallel import (
     build_parallel_module,
     capture,
     default_plan,
+    gather,
 )
 from autoparallel.data import InputSignature, local_inputs
 from tests.models import TinyConfig, TinyTransformer, hf_bert, hf_gpt2, hf_llama
@@ -201,7 +202,8 @@ class _CountCollectives(TorchDispatchMode):
 
 def mp_bytes_checks(rank: int, mesh: DeviceMesh) -> dict:
     """All-gathers move param_dtype (bf16) bytes; gradients are reduce-scattered in reduce_dtype
-    (float32 by default, bf16 when asked); exact byte counts from the plan's shard shapes."""
+    (float32 by default, bf16 when asked); exact byte counts from the plan's shard shapes; one
+    collective each way per step (the parameters form one bucket)."""
     world = mesh.size()
     torch.manual_seed(0)
     model = TinyTransformer(TinyConfig(n_layers=1))
@@ -219,15 +221,141 @@ def mp_bytes_checks(rank: int, mesh: DeviceMesh) -> dict:
             logits = pmod(tokens.chunk(world)[rank])
         with _CountCollectives() as bwd:
             logits.float().sum().backward()
+        # All Shard(0) parameters on a 1-D mesh: one bucket, one all-gather and one reduce-scatter.
         gathers = [c for c in fwd.calls if c[0] == "all_gather_into_tensor"]
-        assert len(gathers) == len(fwd.calls) == len(params), (fwd.calls, list(params))
+        assert len(gathers) == len(fwd.calls) == 1, fwd.calls
         assert all(dtype == torch.bfloat16 for _, dtype, _ in gathers)
         assert sum(b for *_, b in gathers) == sum(p.numel() // world * 2 for p in params.values())
         scatters = [c for c in bwd.calls if c[0] == "reduce_scatter_tensor"]
-        assert len(scatters) == len(bwd.calls) == len(params)
+        assert len(scatters) == len(bwd.calls) == 1, bwd.calls
         want = reduce_dtype or torch.float32
         assert all(dtype == want for _, dtype, _ in scatters)
         assert sum(b for *_, b in scatters) == sum(p.numel() * want.itemsize for p in params.values())
         assert all(p.grad.dtype == torch.float32 for p in params.values())
         found[str(want)] = (sum(b for *_, b in gathers), sum(b for *_, b in scatters))
     return found
+
+
+class _Uneven(torch.nn.Module):
+    """Dim 0 of 9 and 5 rows: uneven shards on 2 and 4 ranks (3, 3, 3, 0 and 2, 2, 1, 0 on 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(9, 6)
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 6, bias=False)  # Shard(1) override: per-tensor path
+        self.c = torch.nn.Parameter(torch.randn(4, 6))  # Replicate override: per-tensor path
+        self.unused = torch.nn.Parameter(torch.randn(7))  # in the graph, not in the loss
+
+    def forward(self, ids):
+        h = torch.tanh(self.a(self.emb(ids)))
+        return self.b(h) @ self.c.t(), self.unused * 2
+
+
+def _bucket_pmods(model, mesh, ids, policy=None, caps=(None,)) -> list:
+    """One parallel module per bucket cap (``None``: the default), sharing one capture."""
+    pmods = []
+    with AutoParallel(model, lambda: ids, mesh, mp_policy=policy) as autop:
+        autop.set_placements({"b.weight": (Shard(1),), "c": (Replicate(),)})
+        for cap in caps:
+            default, gather.BUCKET_BYTES = gather.BUCKET_BYTES, cap or gather.BUCKET_BYTES
+            try:
+                pmods.append(autop.apply_placement())
+            finally:
+                gather.BUCKET_BYTES = default
+    return pmods
+
+
+class _OpOrder(TorchDispatchMode):
+    """Names of the ops dispatched, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """The bucketed path (Shard(0) parameters on a 1-D mesh) next to the per-tensor one: forward and
+    gradients equal eager (float32, uneven dim 0, a rank with an empty shard on 4 ranks, an output
+    the loss ignores, accumulation over two backwards, a frozen member), with one bucket and with
+    a bucket per tensor (a reduce-scatter issued before backward is over); under bf16 one all-gather
+    of the padded bucket in bf16 and one reduce-scatter in float32 per step."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    model = _Uneven()
+    ids = torch.randint(0, 9, (2 * world, 3), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    ref_out, ref_unused = ref(ids)
+    w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
+    (ref_out * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(ref_grads) == {"emb.weight", "a.weight", "a.bias", "b.weight", "c"}
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    diffs = []
+    # The default cap (one bucket) and a 1-byte cap (a bucket per tensor, reduce-scatters issued
+    # while backward runs, a bucket the loss never reaches).
+    one, each = _bucket_pmods(model, mesh, ids, caps=(None, 1))
+    for pmod in (one, each):
+        buckets = pmod._autoparallel.buckets
+        fqns = sorted(fqn for b in buckets for fqn in b.fqns)
+        assert fqns == ["a.bias", "a.weight", "emb.weight", "unused"], fqns
+        assert len(buckets) == (1 if pmod is one else 4)
+        assert sorted(fqn for fqn, _ in pmod._autoparallel.single) == ["b.weight", "c"]
+        for accumulated in (1, 2):  # the second backward adds to the first's gradients
+            out, unused = pmod(ids.chunk(world)[rank])
+            diffs.append(_rel(out, ref_out.chunk(world)[rank].detach()))
+            assert torch.equal(unused, ref_unused.detach())
+            with _OpOrder() as order:
+                (out * w.chunk(world)[rank]).sum().backward()
+            if world > 1 and pmod is each:  # a.weight's reduce-scatter starts before emb's gradient
+                first = order.ops.index("reduce_scatter_tensor")
+                assert first < order.ops.index("embedding_dense_backward"), order.ops
+            for n, p in pmod.named_parameters():
+                if n == "unused":
+                    assert p.grad is None  # as in eager: the loss does not reach it
+                    continue
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+                assert p.grad.to_local().shape == p.to_local().shape, n
+                diffs.append(_rel(p.grad.full_tensor(), accumulated * ref_grads[n], scale))
+        pmod.zero_grad()
+        pmod.a.bias.requires_grad_(False)
+        out, _ = pmod(ids.chunk(world)[rank])
+        (out * w.chunk(world)[rank]).sum().backward()
+        assert pmod.a.bias.grad is None and pmod.emb.weight.grad is not None
+        diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
+        with torch.no_grad():
+            diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
+        # A member replaced by a plain parameter: its bucket goes down the per-tensor path (a plain
+        # tensor is not reduced across ranks).
+        pmod.zero_grad()
+        pmod.a.bias = torch.nn.Parameter(ref.a.bias.detach().clone())
+        out, _ = pmod(ids.chunk(world)[rank])
+        (out * w.chunk(world)[rank]).sum().backward()
+        bias_grad = pmod.a.bias.grad.clone()  # a plain tensor's gradient is this rank's batch's
+        dist.all_reduce(bias_grad)
+        diffs.append(_rel(bias_grad, ref_grads["a.bias"], scale))
+        diffs.append(_rel(pmod.a.weight.grad.full_tensor(), ref_grads["a.weight"], scale))
+    assert max(diffs) <= 1e-5, diffs
+
+    # Bytes and number of collectives under bf16 (gloo: only with more than one rank).
+    (pmod,) = _bucket_pmods(model, mesh, ids, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with _CountCollectives() as fwd:
+        out, _ = pmod(ids.chunk(world)[rank])
+    with _CountCollectives() as bwd:
+        out.float().sum().backward()
+    padded = sum(-(-p.shape[0] // world) * p[0].numel() for p in model.parameters() if p is not model.c)
+    padded -= -(-6 // world) * 5  # b.weight is not in the bucket
+    if world > 1:
+        assert fwd.calls[0] == ("all_gather_into_tensor", torch.bfloat16, 2 * padded), fwd.calls
+        assert [c[0] for c in fwd.calls] == ["all_gather_into_tensor"] * 2  # + b.weight's (Shard(1))
+        assert ("reduce_scatter_tensor", torch.float32, 4 * world * padded) in bwd.calls, bwd.calls
+        assert sorted(c[0] for c in bwd.calls) == [
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor",
+        ]
+    return {"diff": max(diffs), "fwd": len(fwd.calls), "bwd": len(bwd.calls)}

@@ -27,7 +27,7 @@ from autoparallel import (
     dtensor_init_context,
 )
 from checkpoint.ranks.launch import run_ranks
-from tests.autoparallel_checks import HF_MODELS, hf_checks, mp_bytes_checks, uninit_checks
+from tests.autoparallel_checks import HF_MODELS, bucket_checks, hf_checks, mp_bytes_checks, uninit_checks
 from tests.models import TinyConfig, TinyTransformer, rope_tables
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -299,6 +299,8 @@ def _ranks_main(rank, world, runs, hf):
             results[f"{key} uninit"] = uninit_checks(rank, mesh)
         if "mp" in kinds:
             results[f"{key} mp"] = mp_bytes_checks(rank, mesh)
+        if "bucket" in kinds:
+            results[f"{key} bucket"] = bucket_checks(rank, mesh)
     for g, (names, setups) in enumerate(hf):
         results.update(hf_checks(rank, names, [_setup(*s) for s in setups], f"hf{g}"))
     return results
@@ -328,9 +330,9 @@ HF_4 = [
 @pytest.mark.parametrize(
     "world,runs,hf",
     [
-        (1, [((1,), ("fp32", "bf16", "api"))], HF_1),
-        (2, [((2,), (*ALL, "uninit", "mp"))], HF_2),
-        (4, [((4,), ("fp32",)), ((2, 2), ALL)], HF_4),
+        (1, [((1,), ("fp32", "bf16", "api", "bucket"))], HF_1),
+        (2, [((2,), (*ALL, "uninit", "mp", "bucket"))], HF_2),
+        (4, [((4,), ("fp32", "bucket")), ((2, 2), ALL)], HF_4),
     ],
     ids=["1rank", "2ranks", "4ranks+2x2"],
 )

@@ -8,7 +8,7 @@ attention) from the same weights: the parallel module (``AutoParallel``, default
 steps each, ``--pairs`` timed pairs alternate which side goes first; ``os.sync()`` and a barrier
 before every timed step. Prints each side's median step and range (max over ranks per step), the
 throughput ratio FSDP2 / parallel (>= 1.0 means the parallel module is at least as fast), capture
-and build time, and with ``--profile`` the parallel step's top ops by self CPU time.
+and build time, and with ``--profile`` each side's top ops by self CPU time (one step, rank 0).
 """
 
 from __future__ import annotations
@@ -108,15 +108,18 @@ def _rank(rank: int, world: int, pairs: int, profile: bool) -> dict:
         for name in order:
             times[name].append(_timed(*sides[name], mine, n_tokens))
     out = {"times": times, "capture": t_capture, "build": t_build, "first_loss": first_loss}
-    if profile and rank == 0:
+    if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
 
-        with prof(activities=[ProfilerActivity.CPU]) as p:
-            _step(*sides["parallel"], mine, n_tokens)
-        out["profile"] = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    elif profile:
-        _step(*sides["parallel"], mine, n_tokens)  # the peer of rank 0's profiled step
+        out["profile"] = {}
+        for name in sides:
+            if rank == 0:
+                with prof(activities=[ProfilerActivity.CPU]) as p:
+                    _step(*sides[name], mine, n_tokens)
+                out["profile"][name] = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+            else:
+                _step(*sides[name], mine, n_tokens)  # the peer of rank 0's profiled step
     return out
 
 
@@ -142,8 +145,9 @@ def main() -> None:
             f"{name:9s} median {med[name]:.3f} s/step  range {min(steps):.3f}-{max(steps):.3f}  ({a.pairs} steps)"
         )
     print(f"throughput parallel / FSDP2: x{med['fsdp2'] / med['parallel']:.2f} (goal >= 1.0)")
-    if "profile" in r0:
-        print(r0["profile"])
+    for name, table in r0.get("profile", {}).items():
+        print(f"{name}: one step on rank 0, top ops by self CPU time")
+        print(table)
 
 
 if __name__ == "__main__":
