@@ -8,7 +8,9 @@ ranks holding DTensors each write only the bytes they own into the same full-ten
 
 from __future__ import annotations
 
+import hashlib
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -314,8 +316,19 @@ def _save_distributed(
     rank, world = dist.rank(), dist.world_size()
     layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
     fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
-    if len(set(map(hash, map(tuple, dist.all_gather_object(fingerprint))))) != 1:
+    extras = {name: hashlib.sha256(data).hexdigest() for name, data in extra_files.items()}
+    gathered = dist.all_gather_object((fingerprint, extras))  # one exchange for both checks
+    if len({hash(tuple(fp)) for fp, _ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
+    differ = [r for r, (_, e) in enumerate(gathered) if e != gathered[0][1]]
+    if differ and rank == 0:
+        # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
+        # would come back as rank 0's on every rank.
+        warnings.warn(
+            f"saving {path}: extra_state differs between ranks (rank 0 vs ranks {differ}); rank 0's is "
+            "saved and every rank gets it back on load",
+            stacklevel=2,
+        )
     files = [(lay, f) for lay in layouts for f in lay.files]
 
     staged: StagedCheckpoint | None = None

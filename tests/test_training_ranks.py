@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -65,7 +66,12 @@ def _rank_async(rank, world, root):
     staged = fut.staging_bytes
     fut2 = saver.save(sd, os.path.join(root, "ck2"))  # second save: the background group is reused
     fut2.result(timeout=120)
-    return {"sums": sums, "files": sorted(index.files()), "staged": staged}
+    with warnings.catch_warnings(record=True) as caught:  # rank 0's extra_state is the one saved
+        warnings.simplefilter("always")
+        checkpoint.save(sd, os.path.join(root, "ck3"), extra_state={"rank": rank})
+        checkpoint.save(sd, os.path.join(root, "ck4"), extra_state={"same": 1})
+    differ = [str(w.message) for w in caught if "extra_state differs" in str(w.message)]
+    return {"sums": sums, "files": sorted(index.files()), "staged": staged, "differ": differ}
 
 
 DIM, HID, BATCH = 8, 16, 8  # HID and BATCH divide by 2 and 4
@@ -149,6 +155,9 @@ def test_two_ranks_async_save_old_values_and_independent_collectives(two_ranks):
     checkpoint.load(target, tmp_path / "ck", extra_state=extra)
     assert all(torch.equal(target[k], full[k]) for k in full)
     assert extra == {"step": 5, "rank": 0}  # rank 0's extra state
+    # ...and saving extra state that differs between ranks says so, on rank 0, once.
+    assert len(out[0]["differ"]) == 1 and "ck3" in out[0]["differ"][0] and "ranks [1]" in out[0]["differ"][0]
+    assert out[1]["differ"] == []
     checkpoint.load(target, tmp_path / "ck2")
     for t in full.values():
         for _ in range(20):

@@ -10,6 +10,10 @@ Each entry of the caller's ``Mapping[str, Any]`` is either
   dtype, shape and bytes stored exactly, read back on CPU), and lists, tuples and dicts (str or
   int keys) of these; on load the caller's dict gets the saved value under the same key.
 
+On many ranks the file holds rank 0's entries (written once, like the index); a save whose
+ranks pass different extra state warns, naming the ranks (per-rank values such as the RNG states
+of ranks seeded apart would come back as rank 0's everywhere).
+
 The file follows the pydantic schema :class:`ExtraStateFile`. Tensors are written inline
 (base64 of their row-major bytes, safetensors dtype names) because extra state is small (an RNG
 state is ~5 KB) and keeping it in one JSON file needs no second tensor container; large tensors
