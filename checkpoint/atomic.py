@@ -68,7 +68,7 @@ PREFIXES = (MODEL_PREFIX, OPTIMIZER_PREFIX)
 OWNED_NAMES = frozenset(
     [index_name(p) for p in PREFIXES]
     + [f"{p}.safetensors" for p in PREFIXES]
-    + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.training.extra_state
+    + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
 )
 _SHARD_NAME = re.compile(r"^(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors$")
 

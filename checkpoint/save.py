@@ -223,7 +223,7 @@ def save(
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
 
     ``extra_state``: the rest of the training state (step, LR scheduler, RNG states, ...), written
-    to ``extra_state.json`` in the same atomic commit (see :mod:`checkpoint.training.extra_state`);
+    to ``extra_state.json`` in the same atomic commit (see :mod:`checkpoint.storage.extra_state`);
     on many ranks rank 0's values are saved.
 
     ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
@@ -248,7 +248,7 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
     :func:`checkpoint.training.async_save.async_save`, which stages the parts before writing)."""
     extra_files: dict[str, bytes] = {}
     if extra_state is not None:
-        from .training.extra_state import extra_state_file_bytes, snapshot_extra_state
+        from .storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 
         extra_files = extra_state_file_bytes(snapshot_extra_state(extra_state))
     state = object_state(obj)

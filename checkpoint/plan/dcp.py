@@ -24,7 +24,9 @@ from ..errors import CheckpointError, CheckpointMismatchError
 from ..ranks import dist
 from ..reports import DtypeConversion, LoadReport, ShapeMismatch
 from ..state import object_state
-from .dcp import dcp_errors, dcp_format, open_dcp
+from ..sources.dcp import dcp_errors, dcp_format, open_dcp
+from .names import plan_names
+from .values import check_tied_values, conversion_kind_problem, target_problem
 
 
 class DCPLoadError(CheckpointError, ValueError):
@@ -48,8 +50,6 @@ def _match(keys, specs, state, model) -> tuple[dict[str, list[str]], list[str]]:
             pending.append(k)
     unknown: list[str] = []
     if pending and model is not None:
-        from ..migrate import plan_names
-
         planned, bad = plan_names(
             pending, {k: specs[k] for k in pending}, model=model, fqn_map=None, rules=()
         )
@@ -89,7 +89,6 @@ def load_dcp(
             the file, the keys and the rank.
     """
     from ..errors import LossyConversionError, MetaTargetError, UnwritableTargetError
-    from ..load import conversion_kind_problem, target_problem
 
     path = os.fspath(path)
     fmt = dcp_format(path) or "dcp"
@@ -118,8 +117,6 @@ def load_dcp(
                 report.missing_keys.append(e.fqn)
                 continue
             if len(stored) > 1:  # two spellings of one tensor: equal values or refused
-                from ..load import check_tied_values
-
                 check_tied_values(src, stored, f"DCP checkpoint {path}")
             key = stored[0]
             shape, sdt = specs[key]
@@ -176,7 +173,7 @@ def load_dcp(
 def _read(src, bufs: dict[str, torch.Tensor], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from .dcp import _planner
+    from ..sources.dcp import _planner
 
     collective = dist.active() and any(isinstance(b, DTensor) for b in bufs.values())
     with dcp_errors(Path(path), list(bufs), src._reader.files_of(list(bufs))):

@@ -1,0 +1,109 @@
+"""The apply stage: carry out a checked :class:`~checkpoint.plan.actions.LoadPlan`. Only reads
+and writes remain here (bytes read from the source, copied into the targets)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .errors import CheckpointError, LoadError
+from .plan.actions import CopyAction, LoadPlan
+from .plan.model import _owner_slot
+from .plan.values import _file, _read_target_block
+from .reports import LoadReport
+from .state import object_state
+from .storage.format import OPTIMIZER_PREFIX, index_name
+from .storage.reader import CheckpointReader
+
+
+@torch.no_grad()
+def apply_load(
+    plan: LoadPlan,
+    obj: torch.nn.Module | Mapping[str, torch.Tensor],
+    reader: CheckpointReader,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: torch.dtype | None = None,
+    on_copy: Callable[[str], None] | None = None,
+) -> LoadReport:
+    """Carry out a checked :class:`LoadPlan`: ``module.to(dtype)``, the copies (or replacements),
+    the optimizer state. Only reads and writes remain here; a failure of torch or the OS (e.g. the
+    file vanishes from under a mapping) is a :class:`LoadError` naming key and file."""
+    copies = plan.copies
+    if dtype is not None:
+        try:
+            obj.to(dtype)
+        except Exception as e:  # noqa: BLE001
+            raise LoadError(f"module.to({dtype})", reader.root, f"{type(e).__name__}: {e}") from e
+        # Buffers are new tensors now (parameters keep their identity): find each target again.
+        fresh = object_state(obj).by_name()
+        copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
+    replaced: dict[int, torch.Tensor] = {}
+    for a in copies:
+        if on_copy is not None:
+            on_copy(a.key)  # progress
+        try:
+            t = a.entry.tensor
+            if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
+                continue  # same dtype, contiguous CPU target: bytes read straight into it
+            src = _read_target_block(reader, a.key, t)
+            if a.assign:
+                replaced.update(_assign(obj, a, src))
+            elif isinstance(t, DTensor):
+                local = t.to_local()
+                if local.numel():
+                    local.copy_(src)
+            else:
+                t.copy_(src)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
+            raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
+    if optimizer is not None and plan.optimizer_state is not None:
+        if replaced:
+            for g in optimizer.param_groups:
+                g["params"] = [replaced.get(id(p), p) for p in g["params"]]
+        try:
+            apply_optimizer(optimizer, plan.optimizer_state)
+        except Exception as e:  # noqa: BLE001
+            raise LoadError(
+                "optimizer state",
+                os.path.join(reader.root, index_name(OPTIMIZER_PREFIX)),
+                f"{type(e).__name__}: {e}",
+            ) from e
+        plan.report.optimizer_loaded = True
+    return plan.report
+
+
+
+def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Replace target ``a.entry`` (every name of it) with the checkpoint value, in the target's
+    dtype and device (CPU for meta), keeping Parameter-ness and ``requires_grad`` (torch's
+    ``load_state_dict(assign=True)``). Returns {id(old parameter): new parameter}."""
+    old = a.entry.tensor
+    device = torch.device("cpu") if old.is_meta else old.device
+    value = src.to(device=device, dtype=a.dtype)
+    if value is src:
+        value = src.clone()  # never share memory with the reader's mapping
+    if not isinstance(obj, torch.nn.Module):
+        for n in a.entry.module_names:
+            obj[n] = value
+        return {}
+    new = (
+        torch.nn.Parameter(value, requires_grad=old.requires_grad)
+        if isinstance(old, torch.nn.Parameter)
+        else value
+    )
+    for n in a.entry.module_names:
+        owner, slots, attr = _owner_slot(obj, n)
+        getattr(owner, slots)[attr] = new
+    return {id(old): new} if new is not value else {}
+
+
+def apply_optimizer(optimizer: torch.optim.Optimizer, planned: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(planned)`` (``planned`` from :func:`plan_optimizer`)."""
+    optimizer.load_state_dict(planned)

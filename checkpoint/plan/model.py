@@ -1,0 +1,160 @@
+"""``plan_load``: every check of :func:`checkpoint.load`, reading only, into a :class:`LoadPlan`.
+
+Names (:mod:`.names`), shapes, dtype conversions and targets (:mod:`.values`), the optimizer
+(:mod:`.optimizer`) and extra state (:mod:`.extra_state`). Changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fqn.registry import dtype_name
+
+from ..errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    LossyConversionError,
+    MetaTargetError,
+    UnwritableTargetError,
+)
+from ..reports import DtypeConversion, ShapeMismatch
+from ..state import ModuleState, object_state
+from ..storage.format import OPTIMIZER_PREFIX, index_name
+from ..storage.reader import CheckpointReader, open_checkpoint
+from .actions import CopyAction, LoadPlan
+from .names import _match
+from .optimizer import plan_optimizer
+from .values import (
+    _check_overlaps,
+    _file,
+    _local,
+    _overlap_clusters,
+    _read_target_block,
+    conversion_kind_problem,
+    needs_value_check,
+    target_problem,
+    value_problem,
+)
+
+
+def _owner_slot(model: torch.nn.Module, name: str):
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if attr in owner._parameters:
+        return owner, "_parameters", attr
+    if attr in owner._buffers:
+        return owner, "_buffers", attr
+    raise AttributeError(f"{name!r} is neither a parameter nor a buffer of its module")
+
+
+
+def plan_load(
+    obj: torch.nn.Module | Mapping[str, torch.Tensor],
+    reader: CheckpointReader,
+    path: str,
+    *,
+    strict: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: torch.dtype | None = None,
+    assign: bool = False,
+    allow_lossy: bool = False,
+    verify: bool = False,
+    state: ModuleState | None = None,
+) -> LoadPlan:
+    """Every check of :func:`load`, reading only (headers, and tensor data where a check needs
+    values: duplicate spellings, range-narrowing conversions, targets sharing memory, optimizer
+    state). Changes nothing. ``state``: ``object_state(obj)`` if the caller has it already.
+    Raises what :func:`load` raises."""
+    state = state if state is not None else object_state(obj)
+    model = obj if isinstance(obj, torch.nn.Module) else None
+    if verify:
+        reader.check_index_digest()
+        for name in reader.files:
+            reader.verify_file(name)
+    report, pairs = _match(reader, state, model, path)
+    copies: list[CopyAction] = []
+    meta: list[str] = []
+    for e, key in pairs:
+        spec = reader.spec(key)
+        t = e.tensor
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise UnwritableTargetError(
+                e.fqn,
+                path,
+                "it is an uninitialized lazy parameter / buffer (no shape yet): run one forward pass first",
+            )
+        if spec.shape != tuple(t.shape):
+            report.shape_mismatched.append(
+                ShapeMismatch(key=e.fqn, checkpoint_shape=list(spec.shape), target_shape=list(t.shape))
+            )
+            continue
+        target = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+        if spec.dtype != target:
+            why = conversion_kind_problem(spec.dtype, target)
+            if why and not allow_lossy:
+                raise LossyConversionError(
+                    key, _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why
+                )
+            report.dtype_converted.append(
+                DtypeConversion(
+                    key=e.fqn, checkpoint_dtype=dtype_name(spec.dtype), target_dtype=dtype_name(target)
+                )
+            )
+        if assign:
+            if isinstance(t, DTensor):
+                raise UnwritableTargetError(e.fqn, path, "assign=True does not replace DTensor targets")
+            if model is not None:
+                for n in e.module_names:
+                    _owner_slot(model, n)
+            elif not isinstance(obj, MutableMapping):
+                raise TypeError(f"assign=True needs a mutable state_dict, got {type(obj).__name__}")
+        elif _local(t).is_meta:
+            meta.append(e.fqn)
+        elif target == t.dtype or not isinstance(obj, torch.nn.Module):  # else module.to makes a new tensor
+            why = target_problem(t)
+            if why:
+                raise UnwritableTargetError(e.fqn, path, why)
+        elif _local(t).is_inference() and not torch.is_inference_mode_enabled():
+            raise UnwritableTargetError(e.fqn, path, target_problem(t))
+        copies.append(CopyAction(e, key, target, assign, spec.dtype))
+        report.loaded_keys.append(e.fqn)
+    for name in ("missing_keys", "unexpected_keys", "ignorable_keys", "loaded_keys"):
+        getattr(report, name).sort()
+    if strict and not report.ok:
+        raise CheckpointMismatchError(report, path)
+    if meta:
+        raise MetaTargetError(meta, path)
+
+    def read(a: CopyAction) -> torch.Tensor:
+        return _read_target_block(reader, a.key, a.entry.tensor)
+
+    for a in copies:
+        if not allow_lossy and needs_value_check(a.stored_dtype, a.dtype):
+            why = value_problem(read(a), a.dtype)
+            if why:
+                raise LossyConversionError(
+                    a.key, _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
+                )
+    for cluster in _overlap_clusters([a for a in copies if a.dtype == a.entry.tensor.dtype]):
+        _check_overlaps(cluster, read, path)
+
+    plan = LoadPlan(report, copies)
+    if optimizer is not None:
+        if model is None:
+            raise TypeError("optimizer= needs the nn.Module (parameters are matched by identity)")
+        root = reader.root
+        if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
+            raise CheckpointNotFoundError(
+                root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
+            )
+        with open_checkpoint(root, prefix=OPTIMIZER_PREFIX) as opt_reader:
+            if verify:
+                opt_reader.check_index_digest()
+            for name in opt_reader.files if verify else ():
+                opt_reader.verify_file(name)
+            plan.optimizer_state = plan_optimizer(optimizer, opt_reader, state)
+    return plan

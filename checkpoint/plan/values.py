@@ -1,0 +1,253 @@
+"""The one set of value and target checks, for every source (fqnckpt, HF, pickle, DCP).
+
+Dtype conversions (by kind and by value range: :class:`LossyConversionError`), several stored
+keys naming one tensor (:class:`TiedValuesMismatchError`), targets that cannot take an in-place
+copy, and distinct targets sharing memory. Reads only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import CheckpointError, LoadError, OverlappingTargetsError, TiedValuesMismatchError
+from ..ranks import shards
+from ..storage.reader import CheckpointReader
+from .actions import CopyAction
+
+
+def check_tied_values(reader, stored: list[str], path: str) -> None:
+    """Several stored keys that name one target tensor (tied names, or spellings of one name)
+    must hold equal values (read here, before anything is copied); otherwise one would silently
+    overwrite the other.
+
+    ``reader`` is anything with ``get(key)`` and ``file_of(key)`` (a checkpoint or a migration
+    source). Raises :class:`TiedValuesMismatchError` (naming the keys and files) when shape,
+    dtype or bytes differ.
+    """
+    if len(stored) < 2:
+        return
+    first = guarded_get(reader, stored[0])
+    for other in stored[1:]:
+        t = guarded_get(reader, other)
+        # Bitwise, so NaNs stored twice compare equal.
+        if not (t.shape == first.shape and t.dtype == first.dtype and _same_bits(t, first)):
+            raise TiedValuesMismatchError(stored, [reader.file_of(k) for k in stored], path)
+
+
+
+def guarded_get(reader, key: str) -> torch.Tensor:
+    """``reader.get(key)``; a failure of safetensors / torch / the OS becomes a :class:`LoadError`
+    naming the key and its file."""
+    try:
+        return reader.get(key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
+        root = getattr(reader, "root", "")
+        raise LoadError(key, os.path.join(root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
+
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+
+def _rank(dt: torch.dtype) -> int:
+    """0 bool, 1 integer, 2 floating, 3 complex."""
+    if dt == torch.bool:
+        return 0
+    if dt.is_complex:
+        return 3
+    return 2 if dt.is_floating_point else 1
+
+
+
+def _range(dt: torch.dtype) -> tuple[float, float]:
+    if dt.is_complex:
+        dt = dt.to_real()
+    info = torch.finfo(dt) if dt.is_floating_point else torch.iinfo(dt)
+    return float(info.min), float(info.max)
+
+
+
+def conversion_kind_problem(src: torch.dtype, dst: torch.dtype) -> str | None:
+    """Why converting ``src`` to ``dst`` always loses information (a different kind of number),
+    or None. Value-dependent losses are :func:`needs_value_check`."""
+    rs, rd = _rank(src), _rank(dst)
+    if rs == 3 and rd < 3:
+        return "complex to real drops the imaginary part"
+    if rs == 2 and rd < 2:
+        return f"floating point to {'bool' if rd == 0 else 'integer'} drops the fraction"
+    if rs == 1 and rd == 0:
+        return "integer to bool keeps only zero / non-zero"
+    return None
+
+
+
+def needs_value_check(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True when some values of ``src`` are out of ``dst``'s range (e.g. float32 -> float16,
+    int64 -> int32, int32 -> uint8): the stored values are then read and checked before copying.
+    Rounding within range (float32 -> bfloat16, int64 -> float32) is not a loss of range."""
+    if src == dst or src == torch.bool or conversion_kind_problem(src, dst):
+        return False
+    lo_s, hi_s = _range(src)
+    lo_d, hi_d = _range(dst)
+    return lo_s < lo_d or hi_s > hi_d
+
+
+
+def value_problem(src: torch.Tensor, dst: torch.dtype) -> str | None:
+    """The first stored value that ``dst`` cannot represent (overflow to inf / nan, integer out of
+    range), or None."""
+    conv = src.to(dst)
+    if dst.is_floating_point or dst.is_complex:
+        bad = (
+            torch.isfinite(src) & ~torch.isfinite(conv)
+            if src.is_floating_point() or src.is_complex()
+            else ~torch.isfinite(conv)
+        )
+    elif not (src.is_floating_point() or src.is_complex()) and src.dtype != torch.bool:
+        # Compare with the target's bounds: a round trip cannot see int8 <-> uint8 wrapping.
+        info = torch.iinfo(dst)
+        wide = src.to(torch.int64)
+        bad = (wide < info.min) | (wide > info.max)
+    else:
+        bad = conv.to(src.dtype) != src
+    if not bool(bad.any()):
+        return None
+    i = int(bad.reshape(-1).nonzero()[0])
+    return f"value {src.reshape(-1)[i].item()!r} at flat index {i} is out of range"
+
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+
+def target_problem(t: torch.Tensor) -> str | None:
+    """Why torch would refuse, or carry out wrongly, an in-place copy into ``t``, or None. Meta
+    tensors are handled apart (:class:`MetaTargetError`). Leaves that require grad are fine: the
+    copies run under ``torch.no_grad()``."""
+    local = _local(t)
+    if local.layout != torch.strided:
+        return f"layout {local.layout} (only strided tensors are loaded in place)"
+    if local.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            "it is an inference tensor (made under torch.inference_mode()); load inside "
+            "torch.inference_mode() or build the model outside it"
+        )
+    if local.numel() > 1 and _has_internal_overlap(local):
+        return (
+            f"several of its elements share memory (strides {tuple(local.stride())}, e.g. an expand()ed "
+            "tensor); make it contiguous (.clone()) or load with assign=True"
+        )
+    return None
+
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """Two elements of ``t`` share memory. torch answers Yes / No / TooHard
+    (``_debug_has_internal_overlap``) and copies into TooHard views (e.g. ``as_strided`` with
+    overlapping strides) silently, last write wins; those are counted exactly here (O(numel),
+    only for non-dense views)."""
+    status = torch._debug_has_internal_overlap(t)
+    if status != 2:  # 0 No, 1 Yes
+        return status == 1
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
+    return int(torch.unique(offsets).numel()) < t.numel()
+
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last+1) byte offsets of ``t``'s elements within its storage."""
+    lo = hi = t.storage_offset()
+    for n, s in zip(t.shape, t.stride()):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo * t.element_size(), (hi + 1) * t.element_size()
+
+
+
+def _overlap_clusters(copies: list[CopyAction]) -> list[list[CopyAction]]:
+    """Groups of in-place copy targets whose byte spans in one storage intersect (distinct
+    entries: exact aliases are one entry). Sort and sweep: O(n log n)."""
+    spans = []
+    for a in copies:
+        t = _local(a.entry.tensor)
+        if a.assign or t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+            continue
+        us = t.untyped_storage()
+        spans.append(((t.device.type, t.device.index, us.data_ptr()), *_byte_span(t), a))
+    spans.sort(key=lambda s: (s[0], s[1], s[2]))
+    clusters: list[list[CopyAction]] = []
+    cur: list[CopyAction] = []
+    cur_store, cur_end = None, -1
+    for store, lo, hi, a in spans:
+        if store == cur_store and lo < cur_end:
+            cur.append(a)
+            cur_end = max(cur_end, hi)
+            continue
+        if len(cur) > 1:
+            clusters.append(cur)
+        cur, cur_store, cur_end = [a], store, hi
+    if len(cur) > 1:
+        clusters.append(cur)
+    return clusters
+
+
+
+def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
+    """Targets sharing memory: apply their copies, in order, to a scratch copy of the storage;
+    every target must then read back its own checkpoint value, else one overwrote another."""
+    base = _local(cluster[0].entry.tensor)
+    scratch = base.untyped_storage().clone()
+    views = []
+    for a in cluster:
+        t = _local(a.entry.tensor)
+        v = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            scratch, t.storage_offset(), t.shape, t.stride()
+        )
+        src = read(a).to(t.dtype)
+        v.copy_(src)
+        views.append((a, v, src))
+    for a, v, src in views:
+        if not _same_bits(v.contiguous(), src.to(v.device).contiguous()):
+            others = [b.entry.fqn for b in cluster if b is not a]
+            raise OverlappingTargetsError([a.entry.fqn, *others], path)
+
+
+
+def _file(reader: CheckpointReader, key: str) -> str:
+    """Path of the file holding ``key``, for messages."""
+    return os.path.join(reader.root, reader.file_of(key))
+
+
+
+def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> torch.Tensor:
+    """The block of ``key`` that target ``t`` holds on this rank (all of it for a plain tensor).
+
+    Raises:
+        LoadError: safetensors / torch / the OS fail to read it (names key and file).
+    """
+    try:
+        if isinstance(t, DTensor) and t.dim():
+            # Each rank reads only its blocks, whatever the placements (several for _StridedShard).
+            return shards.read_local(reader, key, t)
+        return reader.get(key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
+        raise LoadError(key, _file(reader, key), f"{type(e).__name__}: {e}") from e
