@@ -177,7 +177,7 @@ def _read(src, bufs: dict[str, torch.Tensor], path: str) -> None:
 
     collective = dist.active() and any(isinstance(b, DTensor) for b in bufs.values())
     with dcp_errors(Path(path), list(bufs), src._reader.files_of(list(bufs))):
-        dcp.load(bufs, storage_reader=src._reader.reader, planner=_planner()(), no_dist=not collective)
+        dcp.load(bufs, storage_reader=src._reader.reader, planner=_planner(path), no_dist=not collective)
 
 
 __all__ = ["load_dcp", "DCPLoadError", "dcp_format"]

@@ -4,8 +4,8 @@ Read through torch's own reader: ``FileSystemReader`` (``.metadata`` + ``*.distc
 ``HuggingFaceStorageReader`` (DCP's per-rank safetensors shards) with a ``DefaultLoadPlanner``
 whose only change is that non-tensor entries are unpickled with ``weights_only=True`` (torch's
 planner uses ``weights_only=False``). ``.metadata`` itself is a plain pickle that
-``weights_only`` cannot parse, so it is read with a restricted unpickler (only DCP metadata
-classes resolve). Every file named by the metadata passes the one symlink rule
+``weights_only`` cannot parse, so it is read with an exact ``(module, name)`` allowlist
+(:mod:`checkpoint.sources.unpickle`). Every file named by the metadata passes the one symlink rule
 (:mod:`checkpoint.storage.paths`).
 
 Structure comes from the metadata's ``planner_data`` (flat key -> path in the saved nested
@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import math
 import os
-import pickle
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,33 +30,15 @@ from typing import Any
 
 import torch
 
-from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointError, UnsafePickleError
+from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointError
 from ..storage import paths
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import is_dcp, is_dcp_hf
+from .unpickle import load_dcp_metadata, torch_load
 
-_DCP_META_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 # Bytes of tensors read by one dcp.load call when the read order is known (batches amortise
 # DCP's per-call planning; peak memory stays about one batch).
 READ_BATCH_BYTES = 64 << 20
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickler for DCP's ``.metadata`` (a plain protocol-4+ pickle that ``weights_only`` cannot
-    parse: torch's own reader calls ``pickle.load``). Only DCP metadata classes, torch dtypes,
-    ``torch.Size`` and ``pathlib`` paths resolve; any other global is refused (Python docs,
-    "Restricting Globals")."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        ok = (
-            module in _DCP_META_MODULES
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "Path"))
-        )
-        if not ok:
-            raise UnsafePickleError("<DCP .metadata>", [f"{module}.{name}"])
-        return super().find_class(module, name)
 
 
 def _check_storage_paths(root: Path, md: Any) -> None:
@@ -81,7 +62,7 @@ def _readers():
     from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
     class SafeFileSystemReader(FileSystemReader):
-        """``FileSystemReader`` whose metadata is read once with :class:`_RestrictedUnpickler`."""
+        """``FileSystemReader`` whose metadata is read once with :func:`~checkpoint.sources.unpickle.load_dcp_metadata` (exact globals only)."""
 
         _md = None
 
@@ -90,13 +71,8 @@ def _readers():
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
                 path = Path(paths.member(self.path, ".metadata"))
-                try:
-                    with open(path, "rb") as f:
-                        md = _RestrictedUnpickler(f).load()
-                except UnsafePickleError as e:
-                    raise UnsafePickleError(str(path), e.globals) from None
-                except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
-                    raise CorruptCheckpointError(str(path), f"unreadable DCP metadata: {e}") from None
+                with open(path, "rb") as f:
+                    md = load_dcp_metadata(f, str(path))
                 if getattr(md, "storage_meta", None) is None:
                     md.storage_meta = StorageMeta()
                 _check_storage_paths(Path(self.path), md)
@@ -121,7 +97,9 @@ def _readers():
     return SafeFileSystemReader, SafeHFReader
 
 
-def _planner():
+def _planner(path: str | os.PathLike):
+    """A DCP load planner for ``path`` (DCP's own ``DefaultLoadPlanner``: it plans the reads,
+    resharding onto the targets' meshes) whose non-tensor entries go through :func:`torch_load`."""
     import io
 
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -131,13 +109,15 @@ def _planner():
         """``DefaultLoadPlanner`` unpickling non-tensor entries with ``weights_only=True``."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
+            obj = torch_load(value, f"{self._path} entry {read_item.dest_index.fqn!r}")
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    return SafeLoadPlanner
+    planner = SafeLoadPlanner()
+    planner._path = os.fspath(path)
+    return planner
 
 
 def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
@@ -222,7 +202,7 @@ class _DCPReader:
 
         out = {self.flat[k]: torch.empty(self.specs[k].shape, dtype=self.specs[k].dtype) for k in keys}
         with dcp_errors(self.path, list(out), self.files_of(list(out))):
-            dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
+            dcp.load(out, storage_reader=self.reader, planner=_planner(self.path), no_dist=True)
         return {k: out[self.flat[k]] for k in keys}
 
     def get(self, key: str) -> torch.Tensor:
@@ -239,7 +219,7 @@ class _DCPReader:
 
         out: dict[str, Any] = dict.fromkeys(flat_keys)
         with dcp_errors(self.path, flat_keys, self.files_of(flat_keys)):
-            dcp.load(out, storage_reader=self.reader, planner=_planner()(), no_dist=True)
+            dcp.load(out, storage_reader=self.reader, planner=_planner(self.path), no_dist=True)
         return out
 
     def files_of(self, flat_keys: list[str]) -> list[str]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 import importlib
 import numbers
 import os
-import pickle
-import pickletools
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from ..errors import AmbiguousSourceError, CorruptCheckpointError, UnsafePickleE
 from ..tensor_checks import check_dense_tensors
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import sniff_file
+from .unpickle import scan_globals, torch_load
 from .validate import validate_optimizer_state_dict
 
 _WINDOW_PER_TENSOR = 64 << 10
@@ -53,25 +51,18 @@ def resolve_globals(trusted: Iterable[Any]) -> list[Any]:
     return out
 
 
-def _legacy_globals(path: Path) -> set[str]:
-    """GLOBAL / STACK_GLOBAL names in a legacy (non-zip) ``torch.save`` file, read with
+def _legacy_globals(path: Path) -> set[tuple[str, str]]:
+    """``(module, name)`` of every global in a legacy (non-zip) ``torch.save`` file, read with
     ``pickletools`` without executing anything. ``torch.serialization.get_unsafe_globals_in_checkpoint``
     only reads zip files; a legacy file is 4 pickles (magic, protocol, sys info, object) + raw data."""
-    found: set[str] = set()
+    found: set[tuple[str, str]] = set()
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         for _ in range(4):
             if f.tell() >= size:  # a plain ``pickle.dump`` file holds one pickle, not 4
                 break
-            strings: list[str] = []
             try:
-                for op, arg, _pos in pickletools.genops(f):
-                    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                        strings.append(arg)
-                    elif op.name == "GLOBAL":
-                        found.add(arg.replace(" ", "."))
-                    elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                        found.add(f"{strings[-2]}.{strings[-1]}")
+                found |= scan_globals(f)
             except ValueError as e:  # truncated or not a pickle
                 raise CorruptCheckpointError(str(path), f"damaged pickle: {e}") from None
     return found
@@ -94,7 +85,12 @@ def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list
         from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
 
         safe = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
-    return sorted(g for g in _legacy_globals(p) if g not in safe and not g.startswith("torch."))
+    # Exact pairs: torch's table is keyed "module.name"; a dotted name is never in it.
+    return sorted(
+        f"{m}.{n}"
+        for m, n in _legacy_globals(p)
+        if "." in n or (f"{m}.{n}" not in safe and m != "torch" and not m.startswith("torch."))
+    )
 
 
 # -- walking the unpickled object ------------------------------------------------------------------
@@ -270,18 +266,7 @@ class _PickleReader:
         self._load()
 
     def _load(self) -> None:
-        try:
-            with torch.serialization.safe_globals(self.trusted), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                obj = torch.load(self.path, mmap=self.fmt == "torch-zip", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafePickleError(str(self.path), [], why=str(e).splitlines()[0]) from None
-        except RuntimeError as e:  # torch's zip reader on a damaged archive
-            raise CorruptCheckpointError(str(self.path), f"damaged torch.save file: {e}") from None
-        except Exception as e:  # noqa: BLE001 - a malformed pickle surfaces as any error type
-            raise CorruptCheckpointError(
-                str(self.path), f"damaged torch.save file: {type(e).__name__}: {' '.join(str(e).split())}"
-            ) from None
+        obj = torch_load(self.path, str(self.path), self.trusted, mmap=self.fmt == "torch-zip")
         cont, self.container = _pick_container(obj, self.key, self.path)
         skipped: dict[str, str] = {}
         optimizers: dict[str, Any] = {}
