@@ -11,6 +11,7 @@ of its local shards (``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -42,6 +43,7 @@ def load(
     allow_lossy: bool = False,
     extra_state: MutableMapping[str, Any] | None = None,
     progress: bool | None = None,
+    recipe: str | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -91,6 +93,9 @@ def load(
     ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
     shown after 1 s).
 
+    ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): it is first converted by
+    :mod:`checkpoint.convert` (checked against ``obj``) into a temporary checkpoint, then loaded.
+
     Raises (all before anything is changed):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
         DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_checkpoint`.
@@ -114,6 +119,13 @@ def load(
     copying (nothing checkable is left to that phase).
     """
     path = os.fspath(path)
+    if recipe is not None:  # convert into a temporary checkpoint, then load it as usual
+        from .migrate import migrate
+
+        with tempfile.TemporaryDirectory(prefix="fqnckpt-convert-") as tmp:
+            migrate(path, os.path.join(tmp, "ck"), recipe=recipe, model=obj, progress=progress)
+            return load(obj, os.path.join(tmp, "ck"), strict=strict, optimizer=optimizer, dtype=dtype, verify=verify,
+                        assign=assign, allow_lossy=allow_lossy, extra_state=extra_state, progress=progress)  # fmt: skip
     from .sources.dcp import dcp_format  # a DCP directory is read through torch.distributed.checkpoint
 
     if dcp_format(path):

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from fqn import FQNMap
 
+from .convert import run_recipe
 from .errors import MigrationError, UnsupportedTensorError, external_errors
 from .migration_report import (
     OPTIMIZER_GROUPS_NAME,
@@ -54,6 +55,8 @@ def migrate(
     trusted_globals: Iterable[Any] = (),
     overwrite: bool = False,
     progress: bool | None = None,
+    recipe: str | None = None,
+    dims: dict[str, int] | None = None,
 ) -> MigrationReport:
     """Rewrite the checkpoint at ``src`` under eager FQNs into ``dst`` (``checkpoint.save`` format).
 
@@ -73,6 +76,9 @@ def migrate(
         trusted_globals: pickle globals allowed beyond the ``weights_only`` safe set.
         overwrite: replace an existing checkpoint at ``dst``.
         progress: tqdm bar on stderr (``None``: only when stderr is a terminal; shown after 1 s).
+        recipe: a tensor-changing conversion (``fqnckpt recipes``; ``"auto"`` picks the one that
+            fits ``model``), planned by :mod:`checkpoint.convert` and written here; returns its
+            :class:`checkpoint.convert.ConversionReport`. ``dims`` overrides model dimensions.
 
     Returns:
         The :class:`MigrationReport` (also written to ``dst/migration_report.json``).
@@ -83,6 +89,15 @@ def migrate(
         UnsafePickleError, AmbiguousSourceError, CorruptCheckpointError, ...: from reading ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
     """
+    if recipe is not None:  # checkpoint.convert plans and streams; written in save's format
+        from .save import _Part, _save_parts
+        from .storage.format import MODEL_PREFIX
+
+        def write(specs, fetch, extra):
+            _save_parts(os.fspath(dst), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
+
+        return run_recipe(src, dst, recipe, write=write, model=model, dims=dims, key=key, dry_run=dry_run,
+                          trusted_globals=trusted_globals, progress=progress)  # fmt: skip
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
     with external_errors(os.fspath(src), what="reading"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from fqn import FQNMap, FQNMapFile
 
 from . import _faults
 from .atomic import StagedCheckpoint
+from .convert.hf_files import hf_config_files
 from .errors import CheckpointError, CheckpointWriteError
 from .progress import counted_fetches
 from .ranks import dist, shards
@@ -206,6 +208,7 @@ def save(
     overwrite: bool = False,
     extra_state: Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    recipe: str | None = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -229,6 +232,10 @@ def save(
     ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
     shown after 1 s).
 
+    ``recipe``: write another layout (``fqnckpt recipes``, e.g. ``hf-to-torchtitan-llama3``): saved
+    as usual into a temporary directory beside ``path``, then converted by
+    :mod:`checkpoint.convert`; returns its ``ConversionReport``. One process only (no DTensors).
+
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
@@ -236,6 +243,18 @@ def save(
     :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = os.fspath(path)
+    if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
+        from .migrate import migrate
+
+        if optimizer is not None or extra_state is not None:
+            raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise NotImplementedError("save(recipe=...) runs in one process: save, then migrate(recipe=) on one rank")
+        parent = os.path.dirname(os.path.abspath(path))
+        with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
+            save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
+            return migrate(os.path.join(tmp, "ck"), path, recipe=recipe, model=obj, max_shard_size=max_shard_size,
+                           overwrite=overwrite, progress=progress)  # fmt: skip
     parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
@@ -251,6 +270,7 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
         from .storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 
         extra_files = extra_state_file_bytes(snapshot_extra_state(extra_state))
+    extra_files.update(hf_config_files(obj))  # a transformers model: from_pretrained(dir) works
     state = object_state(obj)
     fmap = state.fqn_map.to_model() if state.fqn_map is not None else None
     parts_entries: list[tuple[str, list[Entry], list[list[str]], FQNMapFile | None, OptimizerMeta | None]] = [

@@ -171,6 +171,8 @@ def _migrate_args(p: argparse.ArgumentParser) -> None:
         "--allow-unresolved", action="store_true", help="drop (and report) keys that do not resolve"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
+    p.add_argument("--recipe", help="convert tensors between layouts ('fqnckpt recipes' lists them; 'auto')")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="model dimension for --recipe")
 
 
 def load_model(spec: str):
@@ -251,6 +253,8 @@ def _migrate(args: argparse.Namespace) -> int:
 
     rules, fmap = _check_migrate_flags(args)
     model = load_model(args.model) if args.model else None
+    if args.recipe:
+        return importlib.import_module("checkpoint.cli.convert").run_migrate(args, model)
     try:
         report = migrate(
             args.src, args.dst, model=model, fqn_map=fmap, rules=rules, key=args.key,
@@ -455,6 +459,14 @@ register_command(
 )
 register_command(
     Command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints", _diff_args, _diff)
+)
+register_command(
+    Command(
+        "recipes",
+        "list the built-in conversion recipes (migrate --recipe NAME)",
+        lambda p: importlib.import_module("checkpoint.cli.convert").recipes_args(p),
+        lambda a: importlib.import_module("checkpoint.cli.convert").run_recipes(a),
+    )
 )
 # demo: imported lazily (it pulls in transformers); see checkpoint/demo.py
 register_command(

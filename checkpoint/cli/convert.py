@@ -1,0 +1,82 @@
+"""``fqnckpt recipes`` and ``fqnckpt migrate --recipe NAME``: tensor-changing conversions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import BadInput, cli_spelling, one_line
+
+EXIT_OK, EXIT_MISMATCH = 0, 1
+
+
+def recipes_args(p: argparse.ArgumentParser) -> None:
+    del p  # no options
+
+
+def run_recipes(args: argparse.Namespace) -> int:
+    import json
+
+    from ..convert import recipe_table
+
+    rows = recipe_table()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        need = "  (needs --model)" if r["needs_model"] else ""
+        print(f"{r['name']:<{width}}  inverse {r['inverse']:<{width}}  {r['summary']}{need}")
+    return EXIT_OK
+
+
+def parse_dims(items: list[str]) -> dict[str, int]:
+    """``["n_heads=32", ...]`` -> dict (BadInput naming the bad item)."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.isdigit():
+            raise BadInput(f"--dim {item!r} must be NAME=INTEGER (e.g. n_kv_heads=8)", flag="--dim")
+        out[name] = int(value)
+    return out
+
+
+def run_migrate(args: argparse.Namespace, model) -> int:
+    """``migrate --recipe``: plan (checked), write, print the rules applied and how often."""
+    from ..convert import ConversionError, RecipeError
+    from ..errors import CheckpointExistsError
+    from ..migrate import migrate
+
+    if args.rule or args.fqn_map:
+        raise BadInput("--recipe does the renaming itself: drop --rule / --fqn-map", flag="--recipe")
+    try:
+        report = migrate(
+            args.src, args.dst, model=model, recipe=args.recipe, dims=parse_dims(args.dim), key=args.key,
+            dry_run=args.dry_run, max_shard_size=args.max_shard_size, trusted_globals=args.trust,
+            overwrite=args.overwrite, progress=None,
+        )  # fmt: skip
+        code = EXIT_OK
+    except RecipeError as e:
+        raise BadInput(cli_spelling(str(e)), flag="--recipe") from None
+    except CheckpointExistsError as e:
+        raise BadInput(cli_spelling(str(e)), flag="--overwrite", file=e.path) from None
+    except ConversionError as e:
+        report, code = e.report, EXIT_MISMATCH
+        print(f"fqnckpt migrate: {one_line(cli_spelling(str(e)))}", file=sys.stderr)
+    lines = [f"{report.source} ({report.source_format}, {report.shards} shard(s)) -> "
+             f"{report.destination or '(nothing written)'}  recipe {report.recipe}"]  # fmt: skip
+    for u in report.rules:
+        if u.groups:
+            lines.append(f"  {u.groups:>5} x {u.rule}")
+    if report.unchanged:
+        lines.append(f"  {len(report.unchanged):>5} keys copied unchanged")
+    if report.dropped:
+        lines.append(f"  dropped (not weights): {report.dropped}")
+    lines += [f"  {p.kind}: {p.message}" for p in report.problems]
+    if args.json:
+        import json
+
+        print(json.dumps(report.model_dump(mode="json") | {"ok": report.ok}, indent=2))
+    else:
+        print("\n".join(lines))
+    return code

@@ -1,0 +1,132 @@
+"""The one entry into conversions used by ``checkpoint.migrate(..., recipe=)`` and the CLI:
+open the source, pick the recipe, resolve the dims, plan (checked), then hand the target specs and
+a fetch to the writer the caller gives (``checkpoint.save``'s), so this package never imports the
+entry points."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..progress import progress_bar
+from ..storage.layout import TensorSpec
+from .hf_files import hf_config_files
+from .catalog import PARAMS_NAME, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
+from .plan import ConversionPlan, plan_conversion
+from .recipes import RECIPES, RecipeError, get_recipe
+from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
+from .rules import Recipe
+
+Writer = Callable[[Sequence[TensorSpec], Callable[[TensorSpec], torch.Tensor], Mapping[str, bytes]], Any]
+
+
+def _auto(catalog, model, dims, source: str) -> ConversionPlan:
+    """The one built-in recipe under which every source key and every model FQN match (and which
+    changes something: a checkpoint already in the model's layout needs none)."""
+    if model is None:
+        raise RecipeError("recipe='auto' needs model= to check the targets against")
+    fits, tried = [], []
+    for name, entry in RECIPES.items():
+        try:
+            rec = entry.build(model)
+            if rec.writes != "hf-model":  # only these name the model's FQNs
+                continue
+            plan = plan_conversion(catalog, rec, dims, model=model, source=source)
+        except (ConversionError, TypeError, ValueError) as e:
+            tried.append(f"{name}: {str(e)[:120]}")
+            continue
+        if plan.groups and not any(rec.rules == r.rules and rec.pre == r.pre for _, _, r in fits):
+            fits.append((name, plan, rec))  # identical rules (Meta / torchtitan Llama) are one conversion
+    if len(fits) != 1:
+        why = f"several recipes fit: {[f[0] for f in fits]}" if fits else "no built-in recipe changes it into the model's layout"
+        raise RecipeError(f"recipe='auto' for {source}: {why}" + ("" if fits else "; " + " | ".join(tried[:12])))
+    return fits[0][1]
+
+
+def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any = None,
+                    dims: Mapping[str, int] | None = None, key: str | None = None,
+                    trusted_globals: Iterable[Any] = ()) -> ConversionPlan:  # fmt: skip
+    """Plan converting the checkpoint at ``src`` with ``recipe`` (a name from ``fqnckpt recipes``,
+    ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` beside ``src``, then the
+    ``model``'s config, then ``dims``; several Meta shards set ``dims["shards"]``.
+
+    The returned plan keeps the source open: call ``plan.catalog.close()`` when done.
+
+    Raises:
+        RecipeError: unknown recipe, one that needs ``model=``, or ``auto`` with none / several fits.
+        ConversionError: the plan's checks failed (see :func:`plan_conversion`); nothing was read.
+    """
+    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key)
+    try:
+        d = resolve_dims(params_dims(catalog.params), model_dims(model), dims)
+        if catalog.shards > 1:
+            d["shards"] = catalog.shards
+        if recipe == "auto":
+            return _auto(catalog, model, d, str(src))
+        rec = get_recipe(recipe, model)
+        return plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+    except BaseException:
+        catalog.close()
+        raise
+
+
+def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
+    """Files written beside the tensors: the report, and ``config.json`` (+ ``generation_config.json``)
+    for a Hugging Face target model, or ``params.json`` for Meta's layout."""
+    out = {CONVERSION_REPORT_NAME: plan.report.model_dump_json(indent=2).encode()}
+    if model is None or getattr(model, "config", None) is None:
+        return out
+    if plan.recipe.writes in ("hf", "hf-model"):
+        out.update(hf_config_files(model))
+    elif plan.recipe.writes == "meta":
+        out[PARAMS_NAME] = write_params_json(plan.dims, model)
+    return out
+
+
+def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
+               model: Any = None, dims: Mapping[str, int] | None = None, key: str | None = None,
+               dry_run: bool = False, trusted_globals: Iterable[Any] = (), progress: bool | None = None) -> ConversionReport:  # fmt: skip
+    """Plan, then (unless ``dry_run``) stream every target through ``write(specs, fetch, extra_files)``.
+
+    Returns:
+        The :class:`ConversionReport` (also written as ``conversion_report.json``).
+
+    Raises:
+        RecipeError, ConversionError: as :func:`open_conversion`; plus whatever ``write`` raises.
+    """
+    plan = open_conversion(src, recipe, model=model, dims=dims, key=key, trusted_globals=trusted_globals)
+    try:
+        report = plan.report
+        if dry_run:
+            report.dry_run = True
+            return report
+        report.destination = os.fspath(dst)
+        report.written = True
+        bar = progress_bar(report.total_bytes, "convert", progress)
+
+        def fetch(spec: TensorSpec) -> torch.Tensor:
+            t = plan.fetch(spec)
+            bar.update(t.nbytes)
+            return t
+
+        try:
+            write(plan.specs, fetch, side_files(plan, model))
+        except BaseException:
+            report.written = False
+            raise
+        finally:
+            bar.close()
+        return report
+    finally:
+        plan.catalog.close()
+
+
+def recipe_table() -> list[dict[str, Any]]:
+    """``[{name, inverse, needs_model, summary}]`` of the built-in recipes."""
+    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary} for n, e in RECIPES.items()]
+
+
+__all__ = ["open_conversion", "run_recipe", "side_files", "recipe_table"]

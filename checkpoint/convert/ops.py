@@ -1,0 +1,276 @@
+"""Tensor transforms as data, each with its exact inverse (``op.inverse()``).
+
+An op maps the list of values of one rule group to another list. A value is a tensor, or a list of
+tensors for a pattern with a gathered wildcard (``{*e}``: one tensor per expert / shard, in index
+order). Ops are frozen dataclasses: comparable, printable, and applied to meta tensors at planning
+time, so shapes are checked by the same code that later moves the data.
+
+Formulas: ``../shared/reference/conversions.md`` (RoPE permute from transformers'
+``convert_llama_weights_to_hf.py``; grouped-query QKV from Megatron-Bridge ``param_mapping.py``;
+stacked / fused experts from transformers 5 ``conversion_mapping.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+Value = Union[torch.Tensor, list[torch.Tensor]]
+
+
+class OpError(ValueError):
+    """An op cannot apply to the values it was given (count, shape, divisibility)."""
+
+
+class Op:
+    """Base class: ``apply(values, dims) -> values``; ``inverse()`` undoes it exactly."""
+
+    def apply(self, values: list[Value], dims: Mapping[str, int]) -> list[Value]:
+        raise NotImplementedError
+
+    def inverse(self) -> Op:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return repr(self)
+
+
+def _each(values: list[Value], fn) -> list[Value]:
+    """``fn`` on every tensor, inside lists too."""
+    return [[fn(t) for t in v] if isinstance(v, list) else fn(v) for v in values]
+
+
+def _tensor(v: Value, op: Op) -> torch.Tensor:
+    if isinstance(v, list):
+        raise OpError(f"{op.describe()} takes single tensors, got a list of {len(v)} (stack them first)")
+    return v
+
+
+def _dim(dims: Mapping[str, int], name: str, op: Op) -> int:
+    if name not in dims:
+        raise OpError(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)")
+    return int(dims[name])
+
+
+@dataclass(frozen=True)
+class Transpose(Op):
+    """``t.transpose(dim0, dim1)`` on every tensor (GPT-2 ``Conv1D`` (in, out) <-> ``nn.Linear``
+    (out, in)). Its own inverse."""
+
+    dim0: int = 0
+    dim1: int = 1
+
+    def apply(self, values, dims):
+        return _each(values, lambda t: t.transpose(self.dim0, self.dim1).contiguous())
+
+    def inverse(self):
+        return self
+
+
+@dataclass(frozen=True)
+class Stack(Op):
+    """Each list value -> ``torch.stack(list, dim)`` (per-expert -> stacked experts)."""
+
+    dim: int = 0
+
+    def apply(self, values, dims):
+        out = []
+        for v in values:
+            if not isinstance(v, list):
+                raise OpError(f"{self.describe()} takes a gathered pattern ({{*e}}), got one tensor")
+            out.append(torch.stack(v, self.dim))
+        return out
+
+    def inverse(self):
+        return Unstack(self.dim)
+
+
+@dataclass(frozen=True)
+class Unstack(Op):
+    """Each tensor -> the list of its slices along ``dim`` (stacked experts -> per-expert)."""
+
+    dim: int = 0
+
+    def apply(self, values, dims):
+        return [[s.contiguous() for s in _tensor(v, self).unbind(self.dim)] for v in values]
+
+    def inverse(self):
+        return Stack(self.dim)
+
+
+@dataclass(frozen=True)
+class Concat(Op):
+    """All values -> one ``torch.cat(values, dim)``; a single list value is concatenated in itself
+    (model-parallel shards). Parts must be equal along ``dim`` so that :class:`Chunk`, the
+    inverse, restores them exactly (gate/up, Meta shards); unequal parts are refused."""
+
+    dim: int = 0
+
+    def apply(self, values, dims):
+        parts = values[0] if len(values) == 1 and isinstance(values[0], list) else values
+        parts = [_tensor(v, self) for v in parts]
+        sizes = {p.shape[self.dim] for p in parts}
+        if len(sizes) > 1:
+            raise OpError(f"{self.describe()}: parts differ along dim {self.dim} ({sorted(sizes)}): not invertible")
+        cat = torch.cat(parts, self.dim)
+        return [cat]
+
+    def inverse(self):
+        return Chunk(self.dim)
+
+
+@dataclass(frozen=True)
+class Chunk(Op):
+    """One tensor -> ``parts`` equal pieces along ``dim``; ``parts=0`` means as many as the rule's
+    remaining patterns (filled in by :class:`~checkpoint.convert.rules.Rule`). With
+    ``gathered=True`` the pieces form one list value (shards) instead of separate values."""
+
+    dim: int = 0
+    parts: int = 0
+    gathered: bool = False
+
+    def apply(self, values, dims):
+        if len(values) != 1:
+            raise OpError(f"{self.describe()} takes one value, got {len(values)}")
+        t = _tensor(values[0], self)
+        n = self.parts
+        if n <= 0 or t.shape[self.dim] % n:
+            raise OpError(f"{self.describe()}: size {t.shape[self.dim]} along dim {self.dim} does not split in {n}")
+        pieces = [c.contiguous() for c in t.chunk(n, self.dim)]
+        return [pieces] if self.gathered else pieces
+
+    def inverse(self):
+        return Concat(self.dim)
+
+
+@dataclass(frozen=True)
+class PermuteRope(Op):
+    """Rows of each head: interleaved RoPE pairs (Meta, torchtitan Llama) -> half-split
+    (HF ``rotate_half``) when ``to_half``, else back. ``heads`` names the head count in the dims
+    (``n_heads`` for Q, ``n_kv_heads`` for K). Shape ``(n * head_dim, dim)`` (or 1-D) unchanged.
+
+    to HF: ``W.view(n, hd // 2, 2, d2).transpose(1, 2).reshape(d1, d2)``; from HF:
+    ``W.view(n, 2, hd // 2, d2).transpose(1, 2)...`` (transformers ``convert_llama_weights_to_hf``)."""
+
+    heads: str
+    to_half: bool = True
+
+    def apply(self, values, dims):
+        n = _dim(dims, self.heads, self)
+
+        def permute(t: torch.Tensor) -> torch.Tensor:
+            d1 = t.shape[0]
+            if d1 % (2 * n):
+                raise OpError(f"{self.describe()}: {d1} rows are not {n} heads of an even size")
+            rest = tuple(t.shape[1:])
+            pair = (d1 // n // 2, 2) if self.to_half else (2, d1 // n // 2)
+            return t.reshape(n, *pair, *rest).transpose(1, 2).reshape(d1, *rest).contiguous()
+
+        return [permute(_tensor(v, self)) for v in values]
+
+    def inverse(self):
+        return PermuteRope(self.heads, not self.to_half)
+
+
+@dataclass(frozen=True)
+class FuseQKV(Op):
+    """q, k, v -> the grouped-query fused tensor of Megatron / torchtitan: per KV group g the rows
+    ``[q heads of g (H/G); k_g; v_g]``, shape ``((H + 2G) * head_dim, *rest)``. 1-D biases too."""
+
+    heads: str = "n_heads"
+    kv_heads: str = "n_kv_heads"
+
+    def apply(self, values, dims):
+        h, g = _dim(dims, self.heads, self), _dim(dims, self.kv_heads, self)
+        if len(values) != 3 or h % g:
+            raise OpError(f"{self.describe()} takes q, k, v with {h} heads in {g} groups, got {len(values)} values")
+        q, k, v = (_tensor(x, self) for x in values)
+        hd = k.shape[0] // g
+        rest = tuple(q.shape[1:])
+        if q.shape[0] != h * hd or v.shape != k.shape:
+            raise OpError(f"{self.describe()}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit {h}/{g} heads")
+        parts = [q.reshape(g, h // g, hd, *rest), k.reshape(g, 1, hd, *rest), v.reshape(g, 1, hd, *rest)]
+        return [torch.cat(parts, 1).reshape((h + 2 * g) * hd, *rest)]
+
+    def inverse(self):
+        return SplitQKV(self.heads, self.kv_heads)
+
+
+@dataclass(frozen=True)
+class SplitQKV(Op):
+    """The grouped-query fused tensor -> q, k, v (inverse of :class:`FuseQKV`)."""
+
+    heads: str = "n_heads"
+    kv_heads: str = "n_kv_heads"
+
+    def apply(self, values, dims):
+        h, g = _dim(dims, self.heads, self), _dim(dims, self.kv_heads, self)
+        if len(values) != 1 or h % g:
+            raise OpError(f"{self.describe()} takes one fused tensor with {h} heads in {g} groups")
+        t = _tensor(values[0], self)
+        if t.shape[0] % (h + 2 * g):
+            raise OpError(f"{self.describe()}: {t.shape[0]} rows are not {h + 2 * g} heads")
+        hd = t.shape[0] // (h + 2 * g)
+        rest = tuple(t.shape[1:])
+        blocks = t.reshape(g, h // g + 2, hd, *rest)
+        q = blocks[:, : h // g].reshape(h * hd, *rest).contiguous()
+        k = blocks[:, h // g].reshape(g * hd, *rest).contiguous()
+        v = blocks[:, h // g + 1].reshape(g * hd, *rest).contiguous()
+        return [q, k, v]
+
+    def inverse(self):
+        return FuseQKV(self.heads, self.kv_heads)
+
+
+@dataclass(frozen=True)
+class JoinShards(Op):
+    """Each list value (one tensor per model-parallel shard, Meta ``consolidated.NN.pth`` order)
+    -> ``torch.cat(shards, dim)``; ``dim=None`` for a replicated tensor (norms): the shards must be
+    equal (``torch.equal``) and one is kept."""
+
+    dim: int | None = 0
+
+    def apply(self, values, dims):
+        out = []
+        for v in values:
+            shards = v if isinstance(v, list) else [v]
+            if self.dim is None:
+                if any(not torch.equal(shards[0], s) for s in shards[1:]):
+                    raise OpError(f"{self.describe()}: a replicated tensor differs between shards")
+                out.append(shards[0])
+            else:
+                out.append(torch.cat(shards, self.dim))
+        return out
+
+    def inverse(self):
+        return SplitShards(self.dim)
+
+
+@dataclass(frozen=True)
+class SplitShards(Op):
+    """Each tensor -> ``dims["shards"]`` model-parallel pieces along ``dim`` (copies when
+    ``dim=None``); inverse of :class:`JoinShards`."""
+
+    dim: int | None = 0
+
+    def apply(self, values, dims):
+        n = _dim(dims, "shards", self)
+        out = []
+        for v in values:
+            t = _tensor(v, self)
+            if self.dim is None:
+                out.append([t] * n)
+            elif t.shape[self.dim] % n:
+                raise OpError(f"{self.describe()}: size {t.shape[self.dim]} does not split in {n} shards")
+            else:
+                out.append([c.contiguous() for c in t.chunk(n, self.dim)])
+        return out
+
+    def inverse(self):
+        return JoinShards(self.dim)
+
+
+__all__ = ["JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "FuseQKV", "SplitQKV"]

@@ -1,0 +1,279 @@
+"""Planning a conversion apart from bytes, then streaming it group by group.
+
+:func:`plan_conversion` matches every source key to exactly one rule (or a ``drop`` pattern, or
+passthrough), forms the groups, runs each group's ops on meta tensors (shapes and dtypes checked,
+no data read), names the targets, and checks that each target is filled exactly once and, with a
+``model``, that the targets are exactly the model's tensors with its shapes. Any problem stops it
+before a byte is read, naming the keys. :class:`ConversionPlan` then yields the target tensors,
+reading one group at a time (memory bounded by the largest group: one layer's experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fqn import TensorKind, eager_tensors
+
+from ..storage.layout import TensorSpec
+from .catalog import Catalog
+from .ops import JoinShards, OpError, Value
+from .report import ConversionError, ConversionReport, GroupEntry, Problem, RuleUse
+from .rules import Pattern, Recipe, Rule
+
+
+@dataclass
+class Group:
+    """One application of a rule: per source pattern its key (or, gathered, its keys by index)."""
+
+    rule_index: int
+    rule: Rule
+    values: dict[str, str]
+    members: list[dict[int | None, str]]
+    targets: list[str] = field(default_factory=list)
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    def source_keys(self) -> list[str]:
+        return [m[i] for m in self.members for i in sorted(m, key=lambda x: -1 if x is None else x)]
+
+
+def _ops(rule: Rule, shards: int) -> tuple:
+    return ((JoinShards(rule.shard_dim),) if shards > 1 else ()) + rule.ops
+
+
+def _inputs(group: Group, shards: int, read) -> list[Value]:
+    """The group's values; ``read(key, shard)`` gives each tensor (meta or real)."""
+    out: list[Value] = []
+    for pat, m in zip(group.rule.source_patterns, group.members):
+        if pat.gathered is None:
+            key = m[None]
+            out.append([read(key, s) for s in range(shards)] if shards > 1 else read(key, 0))
+        else:
+            out.append([read(m[i], 0) for i in range(len(m))])
+    return out
+
+
+def _outputs(group: Group, values: list[Value]) -> list[tuple[str, torch.Tensor]]:
+    """Name the op results after the target patterns (a gathered target takes a list)."""
+    out = []
+    for pat, v in zip(group.rule.target_patterns, values):
+        if pat.gathered is None:
+            if isinstance(v, list):
+                raise OpError(f"target {pat.text!r} is one tensor but the ops made a list of {len(v)}")
+            out.append((pat.format(group.values), v))
+        else:
+            if not isinstance(v, list):
+                raise OpError(f"target {pat.text!r} gathers a list but the ops made one tensor")
+            out += [(pat.format(group.values, i), t) for i, t in enumerate(v)]
+    return out
+
+
+def _meta_apply(group: Group, catalog: Catalog, shards: int, dims: Mapping[str, int]) -> list[Value]:
+    """The group's ops on meta tensors: output shapes and dtypes, no data read."""
+
+    def meta(key: str, shard: int) -> torch.Tensor:
+        s = catalog.specs(key)[shard]
+        return torch.empty(s.shape, dtype=s.dtype, device="meta")
+
+    values = _inputs(group, shards, meta)
+    for op in _ops(group.rule, shards):
+        if isinstance(op, JoinShards) and op.dim is None:  # equality is checked on the data
+            values = [v[0] if isinstance(v, list) else v for v in values]
+            continue
+        values = op.apply(values, dims)
+    return values
+
+
+def _apply_renames(key: str, renames) -> str:
+    for r in renames:
+        key = r.apply(key)
+    return key
+
+
+class ConversionPlan:
+    """The checked plan: ``specs`` (target TensorSpecs in group order), ``fetch(spec)`` for the
+    writer (one group computed at a time, its other outputs kept until asked for), ``tensors()``
+    to iterate ``(target, tensor)``, and the ``report``."""
+
+    def __init__(self, catalog: Catalog, recipe: Recipe, dims: dict[str, int], groups: list[Group],
+                 unchanged: dict[str, str], report: ConversionReport):  # fmt: skip
+        self.catalog, self.recipe, self.dims = catalog, recipe, dims
+        self.groups, self.unchanged, self.report = groups, unchanged, report
+        self._group_of: dict[str, int] = {}
+        self.specs: list[TensorSpec] = []
+        for gi, g in enumerate(groups):
+            for s in g.specs:
+                self._group_of[s.fqn] = gi
+                self.specs.append(s)
+        for tgt, src in unchanged.items():
+            spec = catalog.specs(src)[0]
+            self.specs.append(TensorSpec(tgt, tuple(spec.shape), spec.dtype))
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def compute(self, group: Group) -> list[tuple[str, torch.Tensor]]:
+        """Read the group's source tensors and apply its ops: ``[(target, tensor)]``."""
+        shards = self.catalog.shards
+        values = _inputs(group, shards, self.catalog.get)
+        for op in _ops(group.rule, shards):
+            values = op.apply(values, self.dims)
+        return [(_apply_renames(n, self.recipe.post), t) for n, t in _outputs(group, values)]
+
+    def fetch(self, spec: TensorSpec) -> torch.Tensor:
+        name = spec.fqn
+        if name in self._cache:
+            return self._cache.pop(name)
+        gi = self._group_of.get(name)
+        if gi is None:
+            return self.catalog.get(self.unchanged[name], 0)
+        out = dict(self.compute(self.groups[gi]))
+        t = out.pop(name)
+        self._cache.update(out)
+        return t
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for g in self.groups:
+            yield from self.compute(g)
+        for tgt, src in self.unchanged.items():
+            yield tgt, self.catalog.get(src, 0)
+
+
+def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *, model: Any = None,
+                    source: str = "") -> ConversionPlan:  # fmt: skip
+    """Plan ``recipe`` over ``catalog`` (see the module docstring).
+
+    Args:
+        dims: model dimensions the ops need (``n_heads``, ``n_kv_heads``, ...).
+        model: target eager module; its state_dict names and shapes must be exactly the targets.
+
+    Raises:
+        ConversionError: unmatched / ambiguous / incomplete source keys, an op that does not fit
+            the shapes, targets filled twice, or (with ``model``) missing / unexpected / differently
+            shaped targets. ``.report.problems`` names every key; nothing was read or written.
+    """
+    dims = dict(dims)
+    shards = catalog.shards
+    report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
+                              shards=shards, dims=dims, rules=[RuleUse(rule=r.describe()) for r in recipe.rules])  # fmt: skip
+    problems = report.problems
+    drops = [Pattern(d) for d in recipe.drop]
+    groups: dict[tuple, Group] = {}
+    unchanged: dict[str, str] = {}
+    renamed: dict[str, str] = {}
+    for key in catalog.keys():
+        name = _apply_renames(key, recipe.pre)
+        if name in renamed:
+            problems.append(Problem(kind="collision", keys=[renamed[name], key], message=f"{renamed[name]!r} and {key!r} are both renamed to {name!r}"))
+            continue
+        renamed[name] = key
+        if any(d.match(name) is not None for d in drops):
+            report.dropped.append(key)
+            continue
+        hits = []
+        for ri, rule in enumerate(recipe.rules):
+            for pi, pat in enumerate(rule.source_patterns):
+                vals = pat.match(name)
+                if vals is not None:
+                    hits.append((ri, pi, pat, vals))
+        if len(hits) > 1:
+            problems.append(Problem(kind="ambiguous", keys=[key], message=f"{key!r} matches {len(hits)} rules: {[recipe.rules[h[0]].describe() for h in hits]}"))
+            continue
+        if not hits:
+            if recipe.passthrough:
+                unchanged[_apply_renames(name, recipe.post)] = key
+            else:
+                problems.append(Problem(kind="unmatched", keys=[key], message=f"{key!r} matches no rule of {recipe.name!r}"))
+            continue
+        ri, pi, pat, vals = hits[0]
+        index = None
+        if pat.gathered is not None:
+            index = int(vals.pop(pat.gathered))
+        gkey = (ri, tuple(sorted(vals.items())))
+        g = groups.get(gkey)
+        if g is None:
+            rule = recipe.rules[ri]
+            g = groups[gkey] = Group(ri, rule, vals, [{} for _ in rule.sources])
+        if index in g.members[pi]:
+            problems.append(Problem(kind="collision", keys=[g.members[pi][index], key], message=f"{key!r} and {g.members[pi][index]!r} fill one slot"))
+            continue
+        g.members[pi][index] = key
+    report.unchanged = sorted(unchanged.values())
+    # Complete groups only; then shapes from the ops run on meta tensors.
+    owner: dict[str, str] = {tgt: src for tgt, src in unchanged.items()}
+    meta_results: dict[tuple, list[Value]] = {}
+    ok_groups: list[Group] = []
+    for g in groups.values():
+        bad = None
+        for pat, m in zip(g.rule.source_patterns, g.members):
+            if not m:
+                bad = f"no key for {pat.text!r}"
+            elif pat.gathered is not None and sorted(m) != list(range(len(m))):
+                bad = f"{pat.text!r} indices {sorted(m)} are not 0..{len(m) - 1}"
+        counts = {len(m) for pat, m in zip(g.rule.source_patterns, g.members) if pat.gathered is not None}
+        if bad is None and len(counts) > 1:
+            bad = f"gathered patterns have different counts {sorted(counts)}"
+        if bad is not None:
+            problems.append(Problem(kind="incomplete", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {bad}"))
+            continue
+        try:
+            # Same rule and input specs give the same output specs: run the ops once per kind.
+            sig = (g.rule_index, tuple((len(m), *(tuple(s.shape) + (s.dtype,) for k in m.values() for s in catalog.specs(k))) for m in g.members))
+            values = meta_results.get(sig)
+            if values is None:
+                values = meta_results[sig] = _meta_apply(g, catalog, shards, dims)
+            outs = _outputs(g, values)
+        except (OpError, RuntimeError, ValueError) as e:
+            problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
+            continue
+        for tgt, t in outs:
+            tgt = _apply_renames(tgt, recipe.post)
+            if tgt in owner:
+                problems.append(Problem(kind="collision", keys=[tgt], message=f"target {tgt!r} filled twice (from {owner[tgt]!r} and {g.source_keys()[0]!r})"))
+                continue
+            owner[tgt] = g.source_keys()[0]
+            g.targets.append(tgt)
+            g.specs.append(TensorSpec(tgt, tuple(t.shape), t.dtype))
+        ok_groups.append(g)
+    if model is not None:
+        _check_model(model, ok_groups, unchanged, catalog, problems)
+    for g in ok_groups:
+        use = report.rules[g.rule_index]
+        use.groups += 1
+        use.sources += len(g.source_keys())
+        use.targets += len(g.targets)
+        report.groups.append(GroupEntry(rule=g.rule_index, sources=g.source_keys(), targets=list(g.targets)))
+    plan = ConversionPlan(catalog, recipe, dims, ok_groups, unchanged, report)
+    report.total_bytes = sum(s.nbytes for s in plan.specs)
+    if problems:
+        raise ConversionError(report)
+    return plan
+
+
+def _check_model(model, groups: list[Group], unchanged: dict[str, str], catalog: Catalog, problems: list[Problem]) -> None:
+    """Targets must be exactly the model's persistent tensors (one name per tied group), same shapes."""
+    shape_of = {s.fqn: s.shape for g in groups for s in g.specs}
+    for tgt, src in unchanged.items():
+        shape_of[tgt] = tuple(catalog.specs(src)[0].shape)
+    known: set[str] = set()
+    missing = []
+    for t in eager_tensors(model):
+        known.update(t.names)
+        if t.kind == TensorKind.non_persistent_buffer:
+            continue
+        filled = [n for n in t.names if n in shape_of]
+        if not filled:
+            missing.append(t.fqn)
+        elif len(filled) > 1:
+            problems.append(Problem(kind="collision", keys=filled, message=f"tied names {filled} are all targets: one tensor filled twice"))
+        elif shape_of[filled[0]] != tuple(t.tensor.shape):
+            problems.append(Problem(kind="shape", keys=[filled[0]], message=f"{filled[0]!r} would be {list(shape_of[filled[0]])}, the model has {list(t.tensor.shape)}"))
+    if missing:
+        problems.append(Problem(kind="missing", keys=sorted(missing), message=f"model tensors no rule fills: {sorted(missing)[:10]}"))
+    extra = sorted(set(shape_of) - known)
+    if extra:
+        problems.append(Problem(kind="unexpected", keys=extra, message=f"targets the model does not have: {extra[:10]}"))
+
+
+__all__ = ["ConversionPlan", "Group", "plan_conversion"]

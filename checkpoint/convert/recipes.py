@@ -1,0 +1,150 @@
+"""The built-in recipes (``fqnckpt recipes`` lists them), each usable both ways.
+
+Layouts and formulas: ``../shared/reference/conversions.md``; names from transformers
+``convert_llama_weights_to_hf.py`` (Meta), torchtitan ``b5bcd76`` state_dict adapters (Llama 3,
+Qwen3, DeepSeek-V3), Megatron-Bridge ``param_mapping.py`` (GPT with fused ``linear_qkv`` /
+``linear_fc1`` and Transformer Engine's fused ``layer_norm_weight``) and transformers
+``pytorch_utils.Conv1D`` (GPT-2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .ops import Chunk, PermuteRope, SplitQKV, Transpose, Unstack
+from .rules import Recipe, Rule
+
+R = Rule
+_L = "model.layers.{i}"
+
+
+def _llama_body(permute: bool) -> tuple[Rule, ...]:
+    q = (PermuteRope("n_heads"),) if permute else ()
+    k = (PermuteRope("n_kv_heads"),) if permute else ()
+    return (
+        R("tok_embeddings.weight", "model.embed_tokens.weight", shard_dim=1),
+        R("norm.weight", "model.norm.weight", shard_dim=None),
+        R("output.weight", "lm_head.weight", shard_dim=0),
+        R("layers.{i}.attention.wq.weight", f"{_L}.self_attn.q_proj.weight", q, shard_dim=0),
+        R("layers.{i}.attention.wk.weight", f"{_L}.self_attn.k_proj.weight", k, shard_dim=0),
+        R("layers.{i}.attention.wv.weight", f"{_L}.self_attn.v_proj.weight", shard_dim=0),
+        R("layers.{i}.attention.wo.weight", f"{_L}.self_attn.o_proj.weight", shard_dim=1),
+        R("layers.{i}.attention_norm.weight", f"{_L}.input_layernorm.weight", shard_dim=None),
+        R("layers.{i}.ffn_norm.weight", f"{_L}.post_attention_layernorm.weight", shard_dim=None),
+    )
+
+
+def _dense_mlp(prefix: str = "feed_forward") -> tuple[Rule, ...]:
+    return (
+        R(f"layers.{{i}}.{prefix}.w1.weight", f"{_L}.mlp.gate_proj.weight", shard_dim=0),
+        R(f"layers.{{i}}.{prefix}.w3.weight", f"{_L}.mlp.up_proj.weight", shard_dim=0),
+        R(f"layers.{{i}}.{prefix}.w2.weight", f"{_L}.mlp.down_proj.weight", shard_dim=1),
+    )
+
+
+META_LLAMA = Recipe(
+    "meta-llama-to-hf", "hf-to-meta-llama", _llama_body(True) + _dense_mlp(),
+    drop=("rope.freqs",), writes="hf-model", reads="meta",
+    summary="Meta consolidated.NN.pth (+ params.json) <-> HF Llama; Q/K rows RoPE-permuted, shards joined",
+)  # fmt: skip
+
+TORCHTITAN_LLAMA3 = Recipe(
+    "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _llama_body(True) + _dense_mlp(),
+    writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted",
+)  # fmt: skip
+
+TORCHTITAN_MOE = Recipe(
+    "torchtitan-moe-to-hf", "hf-to-torchtitan-moe",
+    _llama_body(False) + _dense_mlp() + (
+        R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_norm.weight"),
+        R("layers.{i}.attention.k_norm.weight", f"{_L}.self_attn.k_norm.weight"),
+        R("layers.{i}.moe.router.gate.weight", f"{_L}.mlp.gate.weight"),
+        R("layers.{i}.moe.expert_bias", f"{_L}.mlp.gate.e_score_correction_bias"),
+        R("layers.{i}.moe.experts.w1", f"{_L}.mlp.experts.{{*e}}.gate_proj.weight", (Unstack(0),)),
+        R("layers.{i}.moe.experts.w3", f"{_L}.mlp.experts.{{*e}}.up_proj.weight", (Unstack(0),)),
+        R("layers.{i}.moe.experts.w2", f"{_L}.mlp.experts.{{*e}}.down_proj.weight", (Unstack(0),)),
+    ) + tuple(
+        R(f"layers.{{i}}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{p}.weight")
+        for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    ),
+    writes="hf",
+    summary="torchtitan Qwen3 / DeepSeek-V3 stacked experts <-> HF per-expert keys (router, expert bias)",
+)  # fmt: skip
+
+_ANY = "{h:(?:.+\\.)?}"  # any prefix ending in a dot, or none
+GPT2 = Recipe(
+    "gpt2-conv1d-to-linear", "linear-to-gpt2-conv1d",
+    tuple(R(f"{_ANY}{m}.weight", f"{{h}}{m}.weight", (Transpose(0, 1),)) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")),
+    passthrough=True, drop=(f"{_ANY}attn.bias", f"{_ANY}attn.masked_bias"), reads="hf-model",
+    summary="GPT-2 Conv1D weights (in, out) <-> nn.Linear (out, in); biases and the rest unchanged",
+)  # fmt: skip
+
+_D = "decoder.layers.{i}"
+MEGATRON_GPT = Recipe(
+    "megatron-gpt-to-hf", "hf-to-megatron-gpt",
+    (
+        R("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        R("decoder.final_layernorm.weight", "model.norm.weight"),
+        R("output_layer.weight", "lm_head.weight"),
+        R(f"{_D}.self_attention.linear_qkv.weight",
+          tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv"), (SplitQKV(),)),
+        R(f"{_D}.self_attention.linear_qkv.bias", tuple(f"{_L}.self_attn.{p}_proj.bias" for p in "qkv"), (SplitQKV(),)),
+        R(f"{_D}.self_attention.linear_qkv.layer_norm_weight", f"{_L}.input_layernorm.weight"),
+        R(f"{_D}.self_attention.linear_proj.weight", f"{_L}.self_attn.o_proj.weight"),
+        R(f"{_D}.mlp.linear_fc1.weight", (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), (Chunk(0),)),
+        R(f"{_D}.mlp.linear_fc1.layer_norm_weight", f"{_L}.post_attention_layernorm.weight"),
+        R(f"{_D}.mlp.linear_fc2.weight", f"{_L}.mlp.down_proj.weight"),
+    ),
+    writes="hf-model",
+    summary="Megatron-core GPT (fused grouped-query linear_qkv, linear_fc1 = [gate; up]) <-> HF Llama",
+)  # fmt: skip
+
+_STATIC = (META_LLAMA, TORCHTITAN_LLAMA3, TORCHTITAN_MOE, GPT2, MEGATRON_GPT)
+
+
+def _experts(model: Any) -> Recipe:
+    from .transformers_rules import experts_recipe  # transformers is optional
+
+    return experts_recipe(model)
+
+
+class RecipeEntry(NamedTuple):
+    """A built-in recipe: ``build(model)`` gives it in the named direction."""
+
+    build: Callable[[Any], Recipe]
+    needs_model: bool
+    inverse: str
+    summary: str
+
+
+RECIPES: dict[str, RecipeEntry] = {}
+for _r in _STATIC:
+    RECIPES[_r.name] = RecipeEntry(lambda m, r=_r: r, False, _r.inverse_name, _r.summary)
+    RECIPES[_r.inverse_name] = RecipeEntry(lambda m, r=_r: r.inverse(), False, _r.name, _r.summary)
+_EXPERTS = "HF per-expert keys <-> transformers 5 fused experts, by the model's own conversion_mapping"
+RECIPES["experts-to-fused"] = RecipeEntry(_experts, True, "fused-to-experts", _EXPERTS)
+RECIPES["fused-to-experts"] = RecipeEntry(lambda m: _experts(m).inverse(), True, "experts-to-fused", _EXPERTS)
+
+
+class RecipeError(ValueError):
+    """Unknown recipe name, or one that needs ``model=`` without it."""
+
+
+def get_recipe(name: str | Recipe, model: Any = None) -> Recipe:
+    """The recipe called ``name`` (a :class:`Recipe` is returned as is).
+
+    Raises:
+        RecipeError: no such recipe (the known names listed), or it needs ``model=``.
+    """
+    if isinstance(name, Recipe):
+        return name
+    entry = RECIPES.get(name)
+    if entry is None:
+        raise RecipeError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    if entry.needs_model and model is None:
+        raise RecipeError(f"recipe {name!r} takes its rules from the target model: pass model= (--model)")
+    return entry.build(model)
+
+
+__all__ = ["RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]

@@ -1,0 +1,92 @@
+"""``conversion_report.json``: each rule applied and how often, every group (source keys ->
+target keys), what was dropped or copied unchanged, and what stopped the conversion."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import CheckpointError
+
+CONVERSION_REPORT_NAME = "conversion_report.json"
+
+
+class RuleUse(BaseModel):
+    """One rule of the recipe: ``groups`` times applied, over ``sources`` keys into ``targets``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str
+    groups: int = 0
+    sources: int = 0
+    targets: int = 0
+
+
+class GroupEntry(BaseModel):
+    """One application of a rule: these source keys became these target keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: int
+    sources: list[str]
+    targets: list[str]
+
+
+class Problem(BaseModel):
+    """Why the conversion stopped: ``kind`` and the keys concerned."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["unmatched", "ambiguous", "incomplete", "shape", "collision", "missing", "unexpected", "op"]
+    keys: list[str]
+    message: str
+
+
+class ConversionReport(BaseModel):
+    """The whole account of one conversion (``written`` False for a dry run or a refusal)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = 1
+    recipe: str
+    source: str
+    source_format: str
+    shards: int = 1
+    destination: str | None = None
+    dry_run: bool = False
+    written: bool = False
+    dims: dict[str, int] = Field(default_factory=dict)
+    rules: list[RuleUse] = Field(default_factory=list)
+    groups: list[GroupEntry] = Field(default_factory=list)
+    unchanged: list[str] = Field(default_factory=list)
+    dropped: list[str] = Field(default_factory=list)
+    problems: list[Problem] = Field(default_factory=list)
+    total_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def mapping(self) -> dict[str, list[str]]:
+        """``{source key: target keys it went into}``."""
+        out: dict[str, list[str]] = {k: [k] for k in self.unchanged}
+        for g in self.groups:
+            for s in g.sources:
+                out[s] = list(g.targets)
+        return out
+
+    def summary(self) -> str:
+        return "; ".join(f"{p.kind}: {p.message}" for p in self.problems[:10])
+
+
+class ConversionError(CheckpointError):
+    """A conversion stopped before anything was written; ``report`` names every key concerned."""
+
+    def __init__(self, report: ConversionReport, why: str | None = None):
+        self.report = report
+        super().__init__(f"conversion of {report.source} with recipe {report.recipe!r} stopped: {why or report.summary()}")
+
+
+__all__ = ["ConversionReport", "ConversionError", "RuleUse", "GroupEntry", "Problem", "CONVERSION_REPORT_NAME"]

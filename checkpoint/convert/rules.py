@@ -1,0 +1,216 @@
+"""Rules and recipes as data: a :class:`Rule` says which source keys one group combines, which
+target keys it fills and the ops between them; a :class:`Recipe` is a named list of rules, and
+``recipe.inverse()`` the other direction.
+
+Key patterns are literal text with placeholders: ``{i}`` one name segment (``[^.]+``),
+``{name:REGEX}`` a custom regex, ``{*e}`` a gathered index (digits): every key of the group with
+any index goes into one list value, ordered by index, which must run 0..n-1 with no gap.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Protocol
+
+from .ops import Chunk, Concat, FuseQKV, Op, SplitQKV
+
+_PLACEHOLDER = re.compile(r"\{(\*?)([A-Za-z_]\w*)(?::((?:[^{}]|\{\d*,?\d*\})+))?\}")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One key pattern (see the module docstring). ``gathered`` names its ``{*x}`` wildcard."""
+
+    text: str
+
+    @cached_property
+    def _parsed(self) -> tuple[re.Pattern, tuple[str, ...], str | None]:
+        out, names, gathered, pos = [], [], None, 0
+        for m in _PLACEHOLDER.finditer(self.text):
+            out.append(re.escape(self.text[pos : m.start()]))
+            star, name, rx = m.groups()
+            if name in names:
+                raise ValueError(f"pattern {self.text!r}: placeholder {{{name}}} used twice")
+            if star:
+                if gathered is not None:
+                    raise ValueError(f"pattern {self.text!r}: more than one gathered placeholder")
+                gathered, rx = name, r"\d+"
+            out.append(f"(?P<{name}>{rx or '[^.]+'})")
+            names.append(name)
+            pos = m.end()
+        out.append(re.escape(self.text[pos:]))
+        return re.compile("".join(out)), tuple(names), gathered
+
+    @property
+    def regex(self) -> re.Pattern:
+        return self._parsed[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._parsed[1]
+
+    @property
+    def gathered(self) -> str | None:
+        return self._parsed[2]
+
+    def match(self, key: str) -> dict[str, str] | None:
+        m = self.regex.fullmatch(key)
+        return None if m is None else m.groupdict()
+
+    def format(self, values: dict[str, str], index: int | None = None) -> str:
+        """The key for ``values`` (and ``index`` for the gathered placeholder)."""
+
+        def sub(m: re.Match) -> str:
+            star, name, _ = m.groups()
+            if star:
+                if index is None:
+                    raise ValueError(f"pattern {self.text!r} needs an index for {{*{name}}}")
+                return str(index)
+            if name not in values:
+                raise ValueError(f"pattern {self.text!r}: no value for {{{name}}} from the source key")
+            return values[name]
+
+        return _PLACEHOLDER.sub(sub, self.text)
+
+
+def _count(op: Op, n: int) -> int:
+    """Number of values after ``op`` given ``n`` before (count-preserving unless listed)."""
+    if isinstance(op, Concat):
+        return 1
+    if isinstance(op, FuseQKV):
+        return 1
+    if isinstance(op, SplitQKV):
+        return 3
+    if isinstance(op, Chunk) and not op.gathered:
+        return op.parts
+    return n
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Source patterns -> ``ops`` -> target patterns (one value per pattern, in order).
+
+    ``shard_dim`` says how a tensor split over model-parallel shards (Meta ``consolidated.NN.pth``)
+    is joined before the ops: the dim to concatenate, ``None`` for a replicated tensor. A
+    :class:`~checkpoint.convert.ops.Chunk` with ``parts=0`` is given the count it must produce.
+
+    Raises:
+        ValueError: the ops do not turn ``len(sources)`` values into ``len(targets)``, or the
+            target patterns use a placeholder the sources do not bind.
+    """
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    ops: tuple[Op, ...] = ()
+    shard_dim: int | None = 0
+
+    def __post_init__(self) -> None:
+        for k in ("sources", "targets"):
+            v = getattr(self, k)
+            object.__setattr__(self, k, (v,) if isinstance(v, str) else tuple(v))
+        ops = list(self.ops)
+        need = len(self.targets)
+        for j in range(len(ops) - 1, -1, -1):  # fill Chunk(parts=0) from the end, where the count is known
+            op = ops[j]
+            if isinstance(op, Chunk) and not op.gathered and op.parts == 0:
+                ops[j] = replace(op, parts=need)
+                need = 1
+            elif isinstance(op, (Concat, FuseQKV, SplitQKV, Chunk)):
+                break
+        object.__setattr__(self, "ops", tuple(ops))
+        n = len(self.sources)
+        for op in self.ops:
+            n = _count(op, n)
+        if n != len(self.targets):
+            raise ValueError(f"rule {self.describe()}: its ops make {n} values for {len(self.targets)} targets")
+        bound = {name for p in self.source_patterns for name in p.names}
+        for p in self.target_patterns:
+            unbound = set(p.names) - bound - {p.gathered}
+            if unbound:
+                raise ValueError(f"rule {self.describe()}: target {p.text!r} uses {sorted(unbound)} the sources do not bind")
+
+    @cached_property
+    def source_patterns(self) -> tuple[Pattern, ...]:
+        return tuple(Pattern(s) for s in self.sources)
+
+    @cached_property
+    def target_patterns(self) -> tuple[Pattern, ...]:
+        return tuple(Pattern(t) for t in self.targets)
+
+    def inverse(self) -> Rule:
+        """Targets -> sources with every op inverted, in reverse order; a placeholder keeps the
+        regex the sources gave it (``{h:(?:.*\\.)?}``) when the targets become the sources."""
+        regex = {}
+        for s in self.sources:
+            for m in _PLACEHOLDER.finditer(s):
+                if m.group(3):
+                    regex[m.group(2)] = m.group(3)
+
+        def with_regex(text: str) -> str:
+            def sub(m: re.Match) -> str:
+                star, name, rx = m.groups()
+                rx = rx or regex.get(name)
+                return f"{{{star}{name}{':' + rx if rx and not star else ''}}}"
+
+            return _PLACEHOLDER.sub(sub, text)
+
+        def plain(text: str) -> str:  # a target only formats: its regex is not needed
+            return _PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}{m.group(2)}}}", text)
+
+        new_sources = tuple(with_regex(t) for t in self.targets)
+        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim)
+
+    def describe(self) -> str:
+        ops = ", ".join(op.describe() for op in self.ops)
+        return f"{' + '.join(self.sources)} -> {' + '.join(self.targets)}" + (f" [{ops}]" if ops else "")
+
+
+class KeyRename(Protocol):
+    """A rename applied to whole keys before (``Recipe.pre``) or after (``Recipe.post``) the rules."""
+
+    def apply(self, key: str) -> str: ...
+
+    def inverse(self) -> KeyRename: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named, invertible list of rules.
+
+    ``passthrough``: a key no rule matches is copied unchanged (else it stops the conversion).
+    ``drop``: patterns of source entries that are not weights (Meta's ``rope.freqs``): consumed,
+    reported, not written; the inverse cannot recreate them. ``pre`` / ``post``: key renames before
+    matching the rules / after naming the targets (transformers' ``WeightRenaming``).
+    ``writes``: ``"hf-model"`` when the targets are exactly the ``model=``'s FQNs (checked; its
+    ``config.json`` written beside them), ``"hf"`` for another layout transformers loads (config
+    written, targets not checked against the model), ``"meta"`` for Meta's (``params.json``);
+    ``reads`` the same for the sources.
+    """
+
+    name: str
+    inverse_name: str
+    rules: tuple[Rule, ...]
+    passthrough: bool = False
+    drop: tuple[str, ...] = ()
+    pre: tuple[Any, ...] = ()
+    post: tuple[Any, ...] = ()
+    writes: str | None = None
+    reads: str | None = None
+    summary: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def inverse(self) -> Recipe:
+        """The other direction: every rule inverted, ``pre`` / ``post`` swapped and inverted."""
+        return Recipe(
+            name=self.inverse_name, inverse_name=self.name, rules=tuple(r.inverse() for r in self.rules),
+            passthrough=self.passthrough, drop=(), pre=tuple(r.inverse() for r in reversed(self.post)),
+            post=tuple(r.inverse() for r in reversed(self.pre)), writes=self.reads, reads=self.writes,
+            summary=self.summary, meta=self.meta,
+        )  # fmt: skip
+
+
+__all__ = ["Pattern", "Rule", "Recipe", "KeyRename"]

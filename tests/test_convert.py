@@ -1,0 +1,407 @@
+"""checkpoint.convert: every built-in recipe proven against the real model code (transformers'
+LlamaForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, GPT2LMHeadModel) or a reference forward
+written from the formulas (tests/conversion_refs.py): logits within 1e-5 (float32), 20 greedy
+tokens identical, and A -> B -> A bit-identical (torch.equal)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.convert import ConversionError, ConversionReport, RecipeError
+from checkpoint.sources import open_source
+from tests import conversion_refs as refs
+
+transformers = pytest.importorskip("transformers")
+warnings.filterwarnings("ignore", message=".*bos_token_id.*|.*eos_token_id.*")
+
+H, NH, NKV, FF, V, L = 32, 4, 2, 64, 61, 2
+PROMPT = torch.tensor([[3, 17, 5, 42, 8, 1]])
+
+
+def read(path) -> dict[str, torch.Tensor]:
+    with open_source(path) as s:
+        return {k: s.get(k).clone() for k in s.keys()}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights large enough that logits are far from ties (argmax stable under 1e-6 noise)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_" in name or name.endswith("ln_f.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def assert_same_model(ref_fn, hf_model):
+    """Logits within 1e-5 on the prompt and the same 20 greedy tokens."""
+    with torch.no_grad():
+        want, got = ref_fn(PROMPT), hf_model(PROMPT).logits
+        assert want.abs().max() > 1.0  # not a degenerate model
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        hf_fn = lambda ids: hf_model(ids).logits  # noqa: E731
+        assert refs.greedy(hf_fn, PROMPT) == refs.greedy(ref_fn, PROMPT)
+
+
+def assert_equal_sd(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
+        num_key_value_heads=NKV, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def meta_state_dict(seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: 0.3 * torch.randn(*s, generator=g)  # noqa: E731
+    hd = H // NH
+    sd = {"tok_embeddings.weight": r(V, H), "norm.weight": 1 + 0.1 * r(H), "output.weight": r(V, H)}
+    for i in range(L):
+        p = f"layers.{i}."
+        sd |= {p + "attention.wq.weight": r(NH * hd, H), p + "attention.wk.weight": r(NKV * hd, H),
+               p + "attention.wv.weight": r(NKV * hd, H), p + "attention.wo.weight": r(H, NH * hd),
+               p + "feed_forward.w1.weight": r(FF, H), p + "feed_forward.w3.weight": r(FF, H),
+               p + "feed_forward.w2.weight": r(H, FF), p + "attention_norm.weight": 1 + 0.1 * r(H),
+               p + "ffn_norm.weight": 1 + 0.1 * r(H)}  # fmt: skip
+    return sd
+
+
+def meta_shards(sd, n) -> list[dict[str, torch.Tensor]]:
+    """Split like Meta's model-parallel checkpoints (conversions.md: Q/K/V, w1, w3, output on
+    dim 0; wo, w2, tok_embeddings on dim 1; norms replicated)."""
+    dim1 = ("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")
+    out = [{} for _ in range(n)]
+    for k, v in sd.items():
+        if v.dim() == 1:
+            parts = [v.clone() for _ in range(n)]
+        else:
+            parts = v.chunk(n, 1 if k.endswith(dim1) else 0)
+        for s, t in zip(out, parts):
+            s[k] = t.clone()
+    return out
+
+
+PARAMS = {"dim": H, "n_layers": L, "n_heads": NH, "n_kv_heads": NKV, "vocab_size": V, "norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
+    sd = meta_state_dict()
+    src = tmp_path / "meta"
+    src.mkdir()
+    for i, part in enumerate(meta_shards(sd, shards)):
+        torch.save(part | {"rope.freqs": torch.zeros(4)}, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(PARAMS))
+    target = transformers.LlamaForCausalLM(llama_config())
+    rep = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=target)
+    assert isinstance(rep, ConversionReport) and rep.written and rep.shards == shards
+    assert rep.dropped == ["rope.freqs"] and rep.dims["n_heads"] == NH and rep.dims["n_kv_heads"] == NKV
+    assert {u.rule.split(" ")[0]: u.groups for u in rep.rules}["layers.{i}.attention.wq.weight"] == L
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()  # config.json written
+    assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
+    # back to Meta's names: bit-identical (one shard: the joined tensors)
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", model=hf)
+    assert_equal_sd(read(tmp_path / "back"), sd)
+    assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
+
+
+def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 1)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3", model=hf)
+    tt = read(tmp_path / "tt")
+    assert "layers.0.attention.wq.weight" in tt
+    assert_same_model(lambda ids: refs.meta_llama_logits(tt, NH, NKV, ids), hf)
+    checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-llama3-to-hf", model=hf)
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    fresh = transformers.LlamaForCausalLM(llama_config()).eval()
+    checkpoint.load(fresh, tmp_path / "back")
+    assert_same_model(lambda ids: refs.meta_llama_logits(tt, NH, NKV, ids), fresh)
+
+
+def qwen3_moe(seed=2):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=16, num_hidden_layers=L,
+        num_attention_heads=NH, num_key_value_heads=NKV, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    return randomize(transformers.Qwen3MoeForCausalLM(cfg), seed)
+
+
+def mixtral(seed=3):
+    cfg = transformers.MixtralConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
+        num_key_value_heads=NKV, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return randomize(transformers.MixtralForCausalLM(cfg), seed)
+
+
+@pytest.mark.parametrize("make", [qwen3_moe, mixtral], ids=["qwen3_moe", "mixtral"])
+def test_experts_to_fused_by_transformers_rules(tmp_path, make):
+    model = make()
+    model.save_pretrained(tmp_path / "hub")  # transformers writes the per-expert (hub) layout
+    hub = read(tmp_path / "hub")
+    per_expert = [k for k in hub if ".experts.3." in k]
+    assert per_expert and not any(k.endswith("gate_up_proj") for k in hub)
+    fresh = type(model)(model.config)
+    rep = checkpoint.migrate(tmp_path / "hub", tmp_path / "fused", recipe="experts-to-fused", model=fresh)
+    fused_rule = next(u for u in rep.rules if "gate_up_proj" in u.rule)
+    assert fused_rule.groups == L and fused_rule.sources == L * 4 * 2 and fused_rule.targets == L
+    checkpoint.load(fresh.eval(), tmp_path / "fused")
+    assert_same_model(lambda ids: model(ids).logits, fresh)
+    fused = read(tmp_path / "fused")
+    assert_equal_sd(fused, {k: v for k, v in model.state_dict().items()})
+    # back: fused -> per-expert, bit-identical to what save_pretrained wrote
+    checkpoint.migrate(tmp_path / "fused", tmp_path / "back", recipe="fused-to-experts", model=model)
+    assert_equal_sd(read(tmp_path / "back"), hub)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert_same_model(lambda ids: model(ids).logits, again)
+
+
+def test_torchtitan_moe_logits_and_round_trip(tmp_path):
+    model = qwen3_moe()
+    model.save_pretrained(tmp_path / "hub")
+    rep = checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe", model=model)
+    tt = read(tmp_path / "tt")
+    assert tt["layers.1.moe.experts.w1"].shape == (4, 16, H) and tt["layers.1.moe.experts.w2"].shape == (4, H, 16)
+    assert sum(u.groups for u in rep.rules if "experts" in u.rule) == 3 * L
+    cfg = model.config
+    assert_same_model(lambda ids: refs.torchtitan_qwen3_moe_logits(tt, NH, NKV, cfg.num_experts_per_tok, ids), model)
+    checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hub"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert_same_model(lambda ids: refs.torchtitan_qwen3_moe_logits(tt, NH, NKV, cfg.num_experts_per_tok, ids), again)
+
+
+def test_megatron_gpt_logits_and_round_trip(tmp_path):
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 4)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt", model=hf)
+    mg = read(tmp_path / "mg")
+    hd = H // NH
+    assert mg["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((NH + 2 * NKV) * hd, H)
+    assert mg["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * FF, H)
+    assert_same_model(lambda ids: refs.megatron_gpt_logits(mg, NH, NKV, ids), hf)
+    fresh = transformers.LlamaForCausalLM(llama_config())
+    checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=fresh)
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert_same_model(lambda ids: refs.megatron_gpt_logits(mg, NH, NKV, ids), again)
+
+
+def test_gpt2_conv1d_to_linear_logits_and_round_trip(tmp_path):
+    cfg = transformers.GPT2Config(n_embd=H, n_layer=L, n_head=NH, vocab_size=V, n_positions=64)
+    model = randomize(transformers.GPT2LMHeadModel(cfg), 5)
+    model.save_pretrained(tmp_path / "hf")  # lm_head tied to wte: stored once
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "lin", recipe="gpt2-conv1d-to-linear")
+    lin = read(tmp_path / "lin")
+    assert lin["transformer.h.0.attn.c_attn.weight"].shape == (3 * H, H)
+    assert_same_model(lambda ids: refs.gpt2_linear_logits(lin, NH, ids), model)
+    fresh = transformers.GPT2LMHeadModel(cfg)
+    checkpoint.migrate(tmp_path / "lin", tmp_path / "back", recipe="linear-to-gpt2-conv1d", model=fresh)
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    assert_same_model(lambda ids: refs.gpt2_linear_logits(lin, NH, ids), again)
+
+
+# -- refusals: named keys, nothing read before planning ends, nothing written ------------------------------
+def write_meta(path, sd, params=PARAMS):
+    path.mkdir()
+    torch.save(sd, path / "consolidated.00.pth")
+    (path / "params.json").write_text(json.dumps(params))
+    return path
+
+
+def no_reads(monkeypatch):
+    """Planning must decide from headers alone: any tensor read fails the test."""
+    from checkpoint.sources import Source
+
+    def boom(self, key):
+        raise AssertionError(f"{key!r} was read during planning")
+
+    monkeypatch.setattr(Source, "get", boom)
+
+
+def test_unmatched_and_shape_problems_stop_before_reading(tmp_path, monkeypatch):
+    sd = meta_state_dict()
+    sd["layers.0.attention.extra.weight"] = torch.zeros(2)
+    sd["layers.1.attention.wk.weight"] = torch.zeros(NKV * 8 + 2, H)  # not whole heads
+    src = write_meta(tmp_path / "meta", sd)
+    no_reads(monkeypatch)
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(src, tmp_path / "out", recipe="meta-llama-to-hf")
+    kinds = {p.kind: p.keys for p in e.value.report.problems}
+    assert kinds["unmatched"] == ["layers.0.attention.extra.weight"]
+    assert kinds["op"] == ["layers.1.attention.wk.weight"]
+    assert "layers.0.attention.extra.weight" in str(e.value) and not e.value.report.written
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_shape_and_missing_targets_named(tmp_path, monkeypatch):
+    sd = meta_state_dict()
+    del sd["layers.1.ffn_norm.weight"]
+    src = write_meta(tmp_path / "meta", sd)
+    cfg = llama_config()
+    cfg.intermediate_size = FF * 2
+    no_reads(monkeypatch)
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(src, tmp_path / "out", recipe="meta-llama-to-hf", model=transformers.LlamaForCausalLM(cfg))
+    kinds: dict[str, list[str]] = {}
+    for p in e.value.report.problems:
+        kinds.setdefault(p.kind, []).extend(p.keys)
+    assert kinds["missing"] == ["model.layers.1.post_attention_layernorm.weight"]
+    assert sorted(kinds["shape"]) == sorted(f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(L) for m in ("gate", "up", "down"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_expert_is_incomplete_not_dropped(tmp_path, monkeypatch):
+    model = qwen3_moe()
+    hub = {k: v for k, v in model.state_dict().items()}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hub = revert_weight_conversion(model, hub)
+    del hub["model.layers.1.mlp.experts.2.up_proj.weight"]
+    import safetensors.torch
+
+    (tmp_path / "hub").mkdir()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in hub.items()}, tmp_path / "hub" / "model.safetensors")
+    no_reads(monkeypatch)
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(tmp_path / "hub", tmp_path / "out", recipe="experts-to-fused", model=model)
+    (p,) = [p for p in e.value.report.problems if p.kind == "incomplete"]
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in p.keys and "indices [0, 1, 3]" in p.message
+    assert not (tmp_path / "out").exists()
+
+
+def test_untranslated_transformers_op_refused_by_name(tmp_path):
+    from transformers.core_model_loading import PermuteForRope
+
+    from checkpoint.convert import Recipe, Rule
+    from checkpoint.convert.catalog import open_catalog
+    from checkpoint.convert.plan import plan_conversion
+    from checkpoint.convert.transformers_rules import _translate_op
+
+    op = _translate_op(PermuteForRope())
+    src = write_meta(tmp_path / "meta", {"a.weight": torch.zeros(4, 4)})
+    for rec in (Recipe("x", "y", (Rule("a.weight", "b.weight", (op,)),)), Recipe("y", "x", (Rule("a.weight", "b.weight", (op.inverse(),)),))):
+        cat = open_catalog(src)
+        with pytest.raises(ConversionError, match="PermuteForRope"):
+            plan_conversion(cat, rec, {})
+        cat.close()
+    from transformers.core_model_loading import ConversionOps
+
+    class OneWay(ConversionOps):  # transformers' default reverse_op raises NotImplementedError
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            return input_dict
+
+    one_way = _translate_op(OneWay())
+    assert one_way.has_inverse is False and op.has_inverse is True  # 5.24's PermuteForRope has one
+    cat = open_catalog(src)
+    with pytest.raises(ConversionError, match="OneWay has no inverse"):
+        plan_conversion(cat, Recipe("y", "x", (Rule("a.weight", "b.weight", (one_way.inverse(),)),)), {})
+    cat.close()
+
+
+def test_ops_inverse_exact():
+    from checkpoint.convert import Chunk, Concat, FuseQKV, PermuteRope, SplitQKV, Stack, Transpose, Unstack
+
+    g = torch.Generator().manual_seed(0)
+    dims = {"n_heads": 4, "n_kv_heads": 2}
+    cases = [
+        (PermuteRope("n_heads"), [torch.randn(32, 6, generator=g)]),
+        (PermuteRope("n_kv_heads", to_half=False), [torch.randn(16, 6, generator=g)]),
+        (Transpose(0, 1), [torch.randn(3, 5, generator=g)]),
+        (Stack(0), [[torch.randn(3, 5, generator=g) for _ in range(4)]]),
+        (Unstack(1), [torch.randn(3, 4, 5, generator=g)]),
+        (Concat(1), [torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)]),
+        (FuseQKV(), [torch.randn(32, 6, generator=g), torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)]),
+        (FuseQKV(), [torch.randn(32, generator=g), torch.randn(16, generator=g), torch.randn(16, generator=g)]),
+        (SplitQKV(), [torch.randn(64, 6, generator=g)]),
+        (Chunk(0, 2), [torch.randn(8, 3, generator=g)]),
+    ]
+    for op, values in cases:
+        back = op.inverse()
+        if isinstance(back, Chunk):
+            back = Chunk(back.dim, len(values))
+        out = back.apply(op.apply(values, dims), dims)
+        flat = lambda vs: [t for v in vs for t in (v if isinstance(v, list) else [v])]  # noqa: E731
+        assert all(torch.equal(a, b) for a, b in zip(flat(out), flat(values), strict=True)), op
+        assert op.inverse().inverse() == (Chunk(op.dim) if isinstance(op, Chunk) else op)  # a Rule fills parts
+    # the permute is the documented one: head rows [r0, r1, r2, r3] -> [r0, r2, r1, r3]
+    rows = torch.arange(8.0).view(8, 1)
+    assert PermuteRope("n").apply([rows], {"n": 2})[0].flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    # unequal parts cannot be concatenated invertibly
+    with pytest.raises(ValueError, match="not invertible"):
+        Concat(0).apply([torch.zeros(2, 1), torch.zeros(3, 1)], {})
+
+
+def test_auto_picks_the_one_fitting_recipe(tmp_path):
+    model = qwen3_moe()
+    model.save_pretrained(tmp_path / "hub")
+    rep = checkpoint.migrate(tmp_path / "hub", tmp_path / "out", recipe="auto", model=model, dry_run=True)
+    assert rep.recipe == "experts-to-fused" and not rep.written
+    checkpoint.save(model, tmp_path / "fused")  # already the model's layout: no recipe changes it
+    with pytest.raises(RecipeError, match="no built-in recipe"):
+        checkpoint.migrate(tmp_path / "fused", tmp_path / "out2", recipe="auto", model=model)
+    with pytest.raises(RecipeError, match="needs model"):
+        checkpoint.migrate(tmp_path / "hub", tmp_path / "out3", recipe="auto")
+
+
+def test_cli_recipes_and_migrate_recipe(tmp_path, monkeypatch, capsys):
+    from checkpoint.cli.main import main
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("meta-llama-to-hf", "hf-to-megatron-gpt", "experts-to-fused", "linear-to-gpt2-conv1d"):
+        assert name in out
+    src = write_meta(tmp_path / "meta", meta_state_dict())
+    assert main(["migrate", str(src), str(tmp_path / "hf"), "--recipe", "meta-llama-to-hf"]) == 0
+    out = capsys.readouterr().out
+    assert f"{L:>5} x layers.{{i}}.attention.wq.weight -> model.layers.{{i}}.self_attn.q_proj.weight [PermuteRope" in out
+    assert main(["migrate", str(src), str(tmp_path / "x"), "--recipe", "no-such"]) == 2
+    assert "unknown recipe 'no-such'" in capsys.readouterr().err
+    rep = json.loads((tmp_path / "hf" / "conversion_report.json").read_text())
+    assert ConversionReport.model_validate(rep).written
+
+
+# -- Hugging Face round trip: save writes config.json ---------------------------------------------------
+def test_save_writes_config_so_from_pretrained_works(tmp_path):
+    model = randomize(transformers.LlamaForCausalLM(llama_config()), 6)
+    model.config.use_cache = False  # a runtime override (capture sets it): not written
+    checkpoint.save(model, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "use_cache" not in cfg
+    assert (tmp_path / "ck" / "generation_config.json").is_file()
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()
+    assert type(again) is transformers.LlamaForCausalLM and again.config.use_cache is True
+    assert_equal_sd(again.state_dict(), model.state_dict())
+    # and save_pretrained's output loads with checkpoint.load
+    model.save_pretrained(tmp_path / "sp")
+    fresh = transformers.LlamaForCausalLM(llama_config())
+    checkpoint.load(fresh, tmp_path / "sp")
+    assert_equal_sd(fresh.state_dict(), model.state_dict())
+
+
+def test_load_and_save_with_recipe(tmp_path):
+    sd = meta_state_dict(7)
+    src = write_meta(tmp_path / "meta", sd)
+    hf = transformers.LlamaForCausalLM(llama_config()).eval()
+    checkpoint.load(hf, src, recipe="meta-llama-to-hf")
+    assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
+    rep = checkpoint.save(hf, tmp_path / "tt", recipe="hf-to-torchtitan-llama3")
+    assert isinstance(rep, ConversionReport) and rep.written
+    assert_equal_sd(read(tmp_path / "tt"), sd)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
