@@ -90,14 +90,10 @@ def migrate(
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
     """
     if recipe is not None:  # checkpoint.convert plans and streams; written in save's format
-        from .save import _Part, _save_parts
-        from .storage.format import MODEL_PREFIX
+        from .save import converted_writer
 
-        def write(specs, fetch, extra):
-            _save_parts(os.fspath(dst), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
-
-        return run_recipe(src, dst, recipe, write=write, model=model, dims=dims, key=key, dry_run=dry_run,
-                          trusted_globals=trusted_globals, progress=progress)  # fmt: skip
+        return run_recipe(src, dst, recipe, write=converted_writer(dst, max_shard_size, overwrite), model=model,
+                          dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress)  # fmt: skip
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
     with external_errors(os.fspath(src), what="reading"):

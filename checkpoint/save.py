@@ -25,6 +25,7 @@ from fqn import FQNMap, FQNMapFile
 
 from . import _faults
 from .atomic import StagedCheckpoint
+from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .errors import CheckpointError, CheckpointWriteError
 from .progress import counted_fetches
@@ -55,6 +56,16 @@ class _Part:
     alias_groups: list[list[str]] = field(default_factory=list)
     fqn_map: FQNMapFile | None = None
     optimizer: OptimizerMeta | None = None
+
+
+def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -> Callable:
+    """``write(specs, fetch, extra_files)`` for :func:`checkpoint.convert.run_recipe`: the tensors
+    streamed into this format at ``path`` (one model part), committed atomically."""
+
+    def write(specs, fetch, extra) -> None:
+        _save_parts(os.fspath(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
+
+    return write
 
 
 def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
@@ -244,8 +255,6 @@ def save(
     """
     path = os.fspath(path)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
-        from .migrate import migrate
-
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -253,8 +262,8 @@ def save(
         parent = os.path.dirname(os.path.abspath(path))
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
-            return migrate(os.path.join(tmp, "ck"), path, recipe=recipe, model=obj, max_shard_size=max_shard_size,
-                           overwrite=overwrite, progress=progress)  # fmt: skip
+            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
+                              write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
     parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
