@@ -113,10 +113,9 @@ def torchtitan_qwen3_moe_logits(sd, n_heads, n_kv_heads, top_k, tokens, eps=1e-6
             w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(h)
         w1, w3, w2 = (sd[p + f"moe.experts.{n}"] for n in ("w1", "w3", "w2"))
-        for tok in range(b * t):
-            for j in range(top_k):
-                e = int(idx[tok, j])
-                out[tok] += w[tok, j] * swiglu(h[tok], w1[e], w3[e], w2[e])
+        for e in range(w1.shape[0]):  # each expert on the tokens routed to it, weighted
+            tok, j = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, w[tok, j, None] * swiglu(h[tok], w1[e], w3[e], w2[e]))
         x = x + out.view(b, t, d)
     return F.linear(rms(x, sd["norm.weight"], eps), sd["output.weight"])
 
