@@ -415,3 +415,28 @@ def test_load_and_save_with_recipe(tmp_path):
     assert isinstance(rep, ConversionReport) and rep.written
     assert_equal_sd(read(tmp_path / "tt"), sd)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
+
+
+def test_torchtitan_moe_router_bias_and_shared_experts_round_trip(tmp_path):
+    """DeepSeek-V3's MoE parts in torchtitan's names (expert_bias, shared experts): exact both ways."""
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(8)
+    tt = {"layers.1.moe.router.gate.weight": torch.randn(4, H, generator=g),
+          "layers.1.moe.expert_bias": torch.randn(4, generator=g),
+          "layers.1.moe.experts.w1": torch.randn(4, 16, H, generator=g),
+          "layers.1.moe.experts.w3": torch.randn(4, 16, H, generator=g),
+          "layers.1.moe.experts.w2": torch.randn(4, H, 16, generator=g),
+          "layers.1.moe.shared_experts.w1.weight": torch.randn(16, H, generator=g),
+          "layers.1.moe.shared_experts.w3.weight": torch.randn(16, H, generator=g),
+          "layers.1.moe.shared_experts.w2.weight": torch.randn(H, 16, generator=g),
+          "layers.0.feed_forward.w1.weight": torch.randn(FF, H, generator=g)}  # fmt: skip
+    safetensors.torch.save_file(tt, tmp_path / "tt.safetensors")
+    rep = checkpoint.migrate(tmp_path / "tt.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf")
+    hf = read(tmp_path / "hf")
+    assert torch.equal(hf["model.layers.1.mlp.gate.e_score_correction_bias"], tt["layers.1.moe.expert_bias"])
+    assert torch.equal(hf["model.layers.1.mlp.experts.3.down_proj.weight"], tt["layers.1.moe.experts.w2"][3])
+    assert torch.equal(hf["model.layers.1.mlp.shared_experts.up_proj.weight"], tt["layers.1.moe.shared_experts.w3.weight"])
+    assert len(hf) == 6 + 3 * 4 and sum(u.sources for u in rep.rules) == len(tt)
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")
+    assert_equal_sd(read(tmp_path / "back"), tt)

@@ -81,9 +81,6 @@ class Catalog:
     def nbytes(self, key: str) -> int:
         return sum(s.nbytes(key) for s in self.sources)
 
-    def file_of(self, key: str) -> str:
-        return ", ".join(s.path.name if not s.path.is_dir() else s.file_of(key) for s in self.sources)
-
     def close(self) -> None:
         for s in self.sources:
             s.close()
