@@ -460,23 +460,25 @@ register_command(
 register_command(
     Command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints", _diff_args, _diff)
 )
-register_command(
-    Command(
-        "recipes",
-        "list the built-in conversion recipes (migrate --recipe NAME)",
-        lambda p: importlib.import_module("checkpoint.cli.convert").recipes_args(p),
-        lambda a: importlib.import_module("checkpoint.cli.convert").run_recipes(a),
+
+
+def _lazy_command(name: str, help: str, module: str, add: str, run: str) -> None:
+    """A subcommand whose module is imported only when it is used (e.g. it pulls in transformers)."""
+    register_command(
+        Command(
+            name,
+            help,
+            lambda p: getattr(importlib.import_module(module), add)(p),
+            lambda a: getattr(importlib.import_module(module), run)(a),
+        )
     )
-)
-# demo: imported lazily (it pulls in transformers); see checkpoint/demo.py
-register_command(
-    Command(
-        "demo",
-        "the main job on a real model (all-MiniLM-L6-v2 or a built-in one), with a table of checks",
-        lambda p: importlib.import_module("checkpoint.cli.demo").add_arguments(p),
-        lambda a: importlib.import_module("checkpoint.cli.demo").run_demo(a),
-    )
-)
+
+
+_lazy_command("recipes", "list the built-in conversion recipes (migrate --recipe NAME)",
+              "checkpoint.cli.convert", "recipes_args", "run_recipes")  # fmt: skip
+# demo: see checkpoint/cli/demo.py
+_lazy_command("demo", "the main job on a real model (all-MiniLM-L6-v2 or a built-in one), with a table of checks",
+              "checkpoint.cli.demo", "add_arguments", "run_demo")  # fmt: skip
 
 
 # -- entry point -----------------------------------------------------------------------------------------
