@@ -440,3 +440,21 @@ def test_torchtitan_moe_router_bias_and_shared_experts_round_trip(tmp_path):
     assert len(hf) == 6 + 3 * 4 and sum(u.sources for u in rep.rules) == len(tt)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")
     assert_equal_sd(read(tmp_path / "back"), tt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool])
+def test_ops_every_dtype_bit_exact(dtype):
+    from checkpoint.convert import Chunk, Concat, FuseQKV, PermuteRope, SplitQKV, Stack, Unstack
+
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(8, 4, generator=g).to(dtype) for _ in range(2))
+    bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731 (fp8 has no torch.equal)
+    dims = {"n": 2, "n_heads": 2, "n_kv_heads": 1}
+    pairs = [
+        (Chunk(1, 2).apply(Concat(1).apply([x, y], dims), dims), [x, y]),
+        (Unstack(0).apply(Stack(0).apply([[x, y]], dims), dims)[0], [x, y]),
+        (PermuteRope("n", False).apply(PermuteRope("n").apply([x], dims), dims), [x]),
+        (SplitQKV().apply(FuseQKV().apply([x, y[:4], y[4:]], dims), dims), [x, y[:4], y[4:]]),
+    ]
+    for got, want in pairs:
+        assert all(a.dtype == dtype and torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
