@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .capture import Captured, capture
 from .data import InputSignature, local_inputs
 from .errors import StateError
+from .grad_reduce import Reduce, check_reduce
 from .mixed_precision import resolve_policy
 from .parallel_module import build_parallel_module
 from .placement import Plan, apply_overrides, default_plan, validate_placements
@@ -47,6 +48,13 @@ class AutoParallel:
     order of ``(args, kwargs)`` / of the output. Inputs are split on the batch (dim 0) only:
     ``Shard(0)`` or ``Replicate()`` per mesh dim (default ``Shard(0)`` on every mesh dim).
 
+    Gradients (``reduce``): ``"mean"`` (default) averages them over the data-parallel ranks, as
+    FSDP2 and DDP do (divided by the data-parallel world size, in ``reduce_dtype``, where FSDP2
+    divides: see :mod:`autoparallel.grad_reduce`): a per-rank mean loss (transformers'
+    ``out.loss``) then gives the gradient of the global batch's mean on 1, 2 or N ranks alike.
+    ``"sum"`` sums them, for a loss already normalised over the global batch (each rank's
+    ``loss_sum / global_tokens``).
+
     The model is captured for the per-rank (local) inputs: on entering the block for the default
     input placements, again in :meth:`apply_placement` if the constraints change the local shapes.
     The parallel module then computes data-parallel with FSDP semantics (see
@@ -58,7 +66,8 @@ class AutoParallel:
             ``use_cache=False``).
         autoparallel.errors.PlacementError: an input's batch is not divisible by the ranks
             splitting it.
-        ValueError: a mixed-precision ``reduce_dtype`` that is not a floating dtype.
+        ValueError: a mixed-precision ``reduce_dtype`` that is not a floating dtype; ``reduce``
+            neither ``"mean"`` nor ``"sum"`` (raised by the constructor).
     """
 
     def __init__(
@@ -67,7 +76,9 @@ class AutoParallel:
         input_fn: Callable[[], Any],
         mesh: DeviceMesh,
         mp_policy: MixedPrecisionPolicy | None = None,
+        reduce: Reduce = "mean",
     ):
+        self.reduce = check_reduce(reduce)
         self.model = model
         self.input_fn = input_fn
         self.mesh = mesh
@@ -159,4 +170,5 @@ class AutoParallel:
             self._inputs,
             self._outputs,
             self.mp_policy,
+            self.reduce,
         )

@@ -12,7 +12,8 @@ work is here and at the output boundary (see :mod:`autoparallel.parallel_module`
   starts, and each is waited on where the graph first uses one of its members (a marker node at
   each parameter's first use, :class:`BucketTape`), so it arrives while the graph computes with
   the earlier buckets. Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
-  ``reduce_dtype`` buffer and summed by one ``reduce_scatter_tensor``, issued as soon as the
+  ``reduce_dtype`` buffer and reduced (summed, or averaged as FSDP2 does:
+  :mod:`autoparallel.grad_reduce`) by one ``reduce_scatter_tensor``, issued as soon as the
   bucket's last gradient is complete (the marker's backward), so it runs while backward computes
   the earlier layers; all are waited on when autograd reaches the parameters, at the end of
   backward.
@@ -36,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .grad_reduce import GradReduce
+
 
 @dataclass(frozen=True)
 class GatherSpec:
@@ -43,8 +46,10 @@ class GatherSpec:
 
     ``compute_dtype``: dtype of the gathered tensor (the mixed-precision ``param_dtype`` for cast
     parameters, else the tensor's own); the all-gather moves this dtype. ``reduce_dtype``: dtype
-    the gradient is summed in across ranks. ``data_dims``: mesh dims over which ranks hold different
-    data (their gradients are summed); on the other mesh dims all ranks compute the same gradient.
+    the gradient is reduced in across ranks. ``data_dims``: mesh dims over which ranks hold different
+    data (their gradients are reduced); on the other mesh dims all ranks compute the same gradient.
+    ``grad_reduce``: how (sum, or FSDP2's mean over the data-parallel ranks; see
+    :mod:`autoparallel.grad_reduce`).
     """
 
     mesh: DeviceMesh
@@ -54,10 +59,12 @@ class GatherSpec:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_dims: tuple[int, ...]
+    grad_reduce: GradReduce = GradReduce()
 
     @property
     def grad_placements(self) -> tuple[Placement, ...]:
-        return tuple(Partial() if i in self.data_dims else Replicate() for i in range(self.mesh.ndim))
+        op = self.grad_reduce.op
+        return tuple(Partial(op) if i in self.data_dims else Replicate() for i in range(self.mesh.ndim))
 
 
 def _all_gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
@@ -70,8 +77,8 @@ def _all_gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """local shard -> full tensor in ``compute_dtype``; gradient -> summed over ``data_dims`` in
-    ``reduce_dtype`` and scattered to the shard's placements, in the shard's dtype."""
+    """local shard -> full tensor in ``compute_dtype``; gradient -> reduced over ``data_dims`` in
+    ``reduce_dtype`` (``grad_reduce``) and scattered to the shard's placements, in the shard's dtype."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:  # type: ignore[override]
@@ -82,14 +89,17 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         spec: GatherSpec = ctx.spec
-        grad = grad.to(spec.reduce_dtype)
         target = spec.placements
         src = spec.grad_placements
         if src != target:
+            # ``before`` divides in place: a copy (autograd's gradient is not ours) when it divides.
+            grad = spec.grad_reduce.before(grad.to(spec.reduce_dtype, copy=spec.grad_reduce.pre is not None))
             d = DTensor.from_local(
                 grad, spec.mesh, src, run_check=False, shape=spec.shape, stride=grad.stride()
             )
-            grad = d.redistribute(spec.mesh, target).to_local()
+            grad = spec.grad_reduce.after(d.redistribute(spec.mesh, target).to_local())
+        else:
+            grad = grad.to(spec.reduce_dtype)
         return grad.to(ctx.local_dtype), None
 
 
@@ -98,7 +108,8 @@ def gather_full(t: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
 
     ``t``: a DTensor on ``spec.mesh`` with ``spec.placements`` (or a plain tensor, returned cast).
     Differentiable when ``t`` requires grad: ``t.grad`` receives a DTensor with ``t``'s placements
-    and dtype holding the gradient summed over the ranks of ``spec.data_dims``.
+    and dtype holding the gradient reduced over the ranks of ``spec.data_dims`` (``spec.grad_reduce``:
+    summed or averaged).
     Collectives: one all-gather per sharded mesh dim in forward, one reduce-scatter / all-reduce
     per mesh dim in backward; none for a tensor replicated everywhere on a single data rank.
     """
@@ -138,7 +149,8 @@ class Bucket:
     padding of uneven shards lives only in the buffers). Forward: ``all_gather_into_tensor`` of the
     buffer in ``compute_dtype`` (``world * size`` elements), then one ``split_with_sizes_copy`` into
     the full tensors. Backward: ``_chunk_cat`` of the full gradients into a ``world x size`` buffer in
-    ``reduce_dtype``, one ``reduce_scatter_tensor`` (sum), each local gradient a view of the result.
+    ``reduce_dtype``, one ``reduce_scatter_tensor`` (sum or FSDP2's mean: ``grad_reduce``), each
+    local gradient a view of the result.
     """
 
     def __init__(self, fqns: list[str], specs: list[GatherSpec], local_dtype: torch.dtype):
@@ -147,6 +159,7 @@ class Bucket:
         self.mesh = spec.mesh
         self.compute_dtype = spec.compute_dtype
         self.reduce_dtype = spec.reduce_dtype
+        self.grad_reduce = spec.grad_reduce
         self.local_dtype = local_dtype
         self.placements = spec.placements
         group = spec.mesh.get_group(0)
@@ -215,14 +228,17 @@ class Bucket:
         torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=flat.view(self.world, self.size))
         if self.world == 1:
             return flat, flat
+        self.grad_reduce.before(flat)
         return flat, torch.ops._c10d_functional.reduce_scatter_tensor(
-            flat, "sum", self.world, self.group_name
+            flat, self.grad_reduce.op, self.world, self.group_name
         )
 
     def finish_reduce(self, work: InFlight) -> list[DTensor]:
-        """Wait for the reduce-scatter; each member's summed local gradient as a DTensor like the
+        """Wait for the reduce-scatter; each member's reduced local gradient as a DTensor like the
         parameter (a view of the output when ``reduce_dtype`` is the parameter's dtype)."""
         out = _wait(work, self.world)
+        if self.world > 1:
+            self.grad_reduce.after(out)
         grads = []
         for m in self.members:
             g = out.narrow(0, m.offset, m.numel).view(m.rows, *m.shape[1:]).narrow(0, 0, m.local_rows)
@@ -277,7 +293,7 @@ def make_buckets(
     open_: dict[tuple, tuple[list[str], list[GatherSpec], int]] = {}
     done: list[Bucket] = []
     for fqn, spec, local_dtype in members:
-        key = (id(spec.mesh), spec.compute_dtype, spec.reduce_dtype, local_dtype)
+        key = (id(spec.mesh), spec.compute_dtype, spec.reduce_dtype, spec.grad_reduce, local_dtype)
         world = spec.mesh.size()
         nbytes = world * -(-spec.shape[0] // world) * spec.shape[1:].numel() * spec.reduce_dtype.itemsize
         fqns, specs, size = open_.get(key, ([], [], 0))

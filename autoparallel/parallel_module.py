@@ -32,6 +32,7 @@ from .gather import (
     make_buckets,
     use_marker,
 )
+from .grad_reduce import check_reduce, grad_reduce
 from .graph_passes import retarget_devices, with_use_markers
 from .init_weights import wrap_init_weights
 from .mixed_precision import resolve_policy
@@ -108,6 +109,7 @@ def build_parallel_module(
     input_placements: Sequence[Placements] | None = None,
     output_placements: Sequence[Placements] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    reduce: str = "mean",
 ) -> nn.Module:
     """The parallel module of ``model`` (not mutated; its tensors are not copied).
 
@@ -124,9 +126,13 @@ def build_parallel_module(
     part of an input with ``input_placements[i]`` (``Shard(0)`` / ``Replicate()`` per mesh dim;
     default ``Shard(0)`` on every mesh dim). The graph runs on plain tensors: each parameter /
     buffer is all-gathered to its full value where forward starts (in the mixed-precision
-    ``param_dtype`` for cast parameters), and each gradient is summed over the mesh dims that
+    ``param_dtype`` for cast parameters), and each gradient is reduced over the mesh dims that
     split the data, in ``reduce_dtype``, and scattered back to the parameter's placements
-    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). ``Shard(0)`` parameters on a 1-D data
+    (``p.grad``: a DTensor like ``p``, in ``p``'s dtype). ``reduce="mean"`` (default) averages it
+    over the data-parallel ranks (the product of those mesh dims' sizes) where and as FSDP2 does
+    (:mod:`autoparallel.grad_reduce`): with a per-rank mean loss the gradient is that of the
+    global batch's mean, on any number of ranks. ``reduce="sum"`` sums it, for a loss already
+    normalised over the global batch (e.g. ``sum / global token count``). ``Shard(0)`` parameters on a 1-D data
     mesh do this in buckets (one ``all_gather_into_tensor`` and one ``reduce_scatter_tensor`` per
     bucket, the latter issued during backward as soon as the bucket's gradients are complete, so
     it overlaps the rest of backward); the module holds its own copy of the graph with a marker
@@ -147,12 +153,17 @@ def build_parallel_module(
     Raises:
         PlacementError: ``plan`` misses a tensor of the model; an input constraint is not
             ``Shard(0)`` / ``Replicate()``, or their number differs from the number of inputs.
+        ValueError: ``reduce`` is neither ``"mean"`` nor ``"sum"``.
         StateError: ``captured`` records no example inputs (not made by :func:`autoparallel.capture`).
     """
     if captured.inputs is None:
         raise StateError("this capture records no example inputs; capture it with autoparallel.capture")
+    check_reduce(reduce)
     in_placements = input_placements_of(input_placements, captured.inputs.n_tensors, mesh.ndim)
     dims = data_dims(in_placements, mesh.ndim)
+    dp_world = 1
+    for d in dims:
+        dp_world *= mesh.size(d)
     policy = resolve_policy(mp_policy)
     eager = eager_tensors(model)
     by_id: dict[int, torch.Tensor] = {}
@@ -169,14 +180,16 @@ def build_parallel_module(
         by_fqn[rec.fqn] = dt
         fqn_of_id[id(rec.tensor)] = rec.fqn
         cast = policy is not None and rec.fqn in captured.cast_fqns
+        reduce_dtype = policy.reduce_dtype if cast else dt.dtype
         gather[rec.fqn] = GatherSpec(
             mesh=mesh,
             placements=tuple(dt.placements),
             shape=dt.shape,
             stride=dt.stride(),
             compute_dtype=policy.param_dtype if cast else dt.dtype,
-            reduce_dtype=policy.reduce_dtype if cast else dt.dtype,
+            reduce_dtype=reduce_dtype,
             data_dims=dims,
+            grad_reduce=grad_reduce(reduce, reduce_dtype, dp_world),
         )
 
     # Share the tensors in the copy (no data copied), then swap them for DTensors slot by slot.

@@ -17,7 +17,9 @@ Run from anywhere: ``python examples/llama_train_resume.py [--steps 6] [--resume
 4. a new parallel module on ``--resume-world-size`` ranks resumes with ``load_latest`` (each rank
    reads only its slices; the scheduler is restored in place, the step comes back in the dict)
    and trains the remaining steps: its losses must match the uninterrupted run's (same global
-   batches; only reduction order differs).
+   batches; only reduction order differs). Each rank's loss is its own batch's mean (as
+   transformers' ``out.loss``); the parallel module averages the gradients over the ranks (as
+   FSDP2 does), so the update is the global batch's on every world size.
 
 Prints the tag count, the saved key names, the kept checkpoints, the longest time a save blocked
 training, and a table of losses per step.
@@ -131,20 +133,17 @@ def train(rank: int, world_size: int, steps: int, root: str, resume: bool, save_
     for step in range(first, steps):
         batch = tokens(step).chunk(world_size)[rank]
         logits = pmod(input_ids=batch).logits
-        n_targets = GLOBAL_BATCH * (SEQ - 1)
-        # Sum over this rank's tokens / global count: the summed gradients are the global mean's.
-        loss = (
-            torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, vocab).float(), batch[:, 1:].reshape(-1), reduction="sum"
-            )
-            / n_targets
+        # This rank's mean token loss (as transformers' ``out.loss``): the parallel module averages
+        # the gradients over the ranks (reduce="mean", as FSDP2), giving the global batch's mean's.
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab).float(), batch[:, 1:].reshape(-1)
         )
         loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
         out["losses"][step] = total.item()
         if not resume and step <= save_after:
             t = time.perf_counter()
@@ -158,22 +157,31 @@ def train(rank: int, world_size: int, steps: int, root: str, resume: bool, save_
     return out
 
 
-def run(steps: int = 6, save_after: int = 2, resume_world_size: int = 1, workdir: str | None = None) -> dict:
+def run(
+    steps: int = 6, save_after: int = 2, resume_world_size: int | tuple[int, ...] = 1, workdir: str | None = None
+) -> dict:
     """Train ``steps`` steps on 2 ranks (saving after step ``save_after``), then resume on
-    ``resume_world_size`` ranks. Returns ``{"tags", "state_dict_keys", "stored_keys",
-    "alias_groups", "loaded", "extra_loaded", "optimizer_loaded", "resumed_step", "kept",
-    "blocked_s", "staging_bytes", "uninterrupted": {step: loss}, "resumed": {step: loss},
-    "max_loss_diff", "checkpoint", "seconds": {phase: seconds}}``."""
+    ``resume_world_size`` ranks (each of several world sizes in turn, from the same checkpoint).
+    Returns ``{"tags", "state_dict_keys", "stored_keys", "alias_groups", "loaded", "extra_loaded",
+    "optimizer_loaded", "resumed_step", "kept", "blocked_s", "staging_bytes", "uninterrupted":
+    {step: loss}, "resumed": {step: loss}, "resumed_on": {world size: {step: loss}},
+    "max_loss_diff", "checkpoint", "seconds": {phase: seconds}}``; ``resumed`` and the load
+    figures are the first resume's, ``max_loss_diff`` is over all of them."""
+    worlds = (resume_world_size,) if isinstance(resume_world_size, int) else tuple(resume_world_size)
     workdir = workdir or tempfile.mkdtemp(prefix="llama-resume-")
     root = os.path.join(workdir, "checkpoints")
     t0 = time.perf_counter()
     first = run_ranks(train, 2, steps, root, False, save_after, backend="gloo", timeout=300)
-    t1 = time.perf_counter()
+    seconds = {"train 2 ranks": time.perf_counter() - t0}
     rest = list(range(save_after + 1, steps))
-    resumed = run_ranks(train, resume_world_size, steps, root, True, None, backend="gloo", timeout=300)
-    t2 = time.perf_counter()
+    resumed_on = {}
+    for w in worlds:
+        t = time.perf_counter()
+        resumed_on[w] = run_ranks(train, w, steps, root, True, None, backend="gloo", timeout=300)[0]
+        seconds[f"resume {w} ranks"] = time.perf_counter() - t
+    resumed = resumed_on[worlds[0]]
     ckpt = checkpoint.CheckpointManager(root).latest()
-    full, res = first[0]["losses"], resumed[0]["losses"]
+    full, res = first[0]["losses"], resumed["losses"]
     with checkpoint.open_checkpoint(ckpt) as reader:  # what is on disk: eager FQNs, tied alias recorded
         stored, aliases = sorted(reader.keys()), [list(g) for g in reader.alias_groups]
     return {
@@ -181,18 +189,19 @@ def run(steps: int = 6, save_after: int = 2, resume_world_size: int = 1, workdir
         "state_dict_keys": first[0]["saved_keys"],
         "stored_keys": stored,
         "alias_groups": aliases,
-        "loaded": resumed[0]["loaded"],
-        "extra_loaded": resumed[0]["extra_loaded"],
-        "optimizer_loaded": resumed[0]["optimizer_loaded"],
-        "resumed_step": resumed[0]["resumed_step"],
+        "loaded": resumed["loaded"],
+        "extra_loaded": resumed["extra_loaded"],
+        "optimizer_loaded": resumed["optimizer_loaded"],
+        "resumed_step": resumed["resumed_step"],
         "kept": first[0]["kept"],
         "blocked_s": max(r["blocked_s"] for r in first),
         "staging_bytes": first[0]["staging_bytes"],
         "uninterrupted": full,
         "resumed": res,
-        "max_loss_diff": max(abs(full[s] - res[s]) for s in rest),
+        "resumed_on": {w: r["losses"] for w, r in resumed_on.items()},
+        "max_loss_diff": max(abs(full[s] - r["losses"][s]) for r in resumed_on.values() for s in rest),
         "checkpoint": ckpt,
-        "seconds": {"train 2 ranks": t1 - t0, f"resume {resume_world_size} ranks": t2 - t1},
+        "seconds": seconds,
     }
 
 

@@ -12,7 +12,9 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,11 +108,15 @@ def hf_checks(rank: int, names: list[str], setups: list[tuple], tag: str) -> dic
             want, my_w = mine[: len(ref_out)], mine[len(ref_out) :]
             sum((y * w).sum() for y, w in zip(got, my_w)).backward()
             out_d = max(_rel(y, r.detach()) for y, r in zip(got, want))
+            # reduce="mean": the per-rank sums' gradients averaged over the data-parallel ranks.
+            dp = 1
+            for i, p in enumerate(in_pl):
+                dp *= mesh.size(i) if p.is_shard() else 1
             grad_d = 0.0
             for n, p in pmod.named_parameters():
                 if n in ref_grads:
                     assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
-                    grad_d = max(grad_d, _rel(p.grad.full_tensor(), ref_grads[n], floor))
+                    grad_d = max(grad_d, _rel(p.grad.full_tensor() * dp, ref_grads[n], floor))
                 else:
                     assert p.grad is None, n  # unused in the graph (BERT's pooler when not returned)
             assert out_d <= 1e-5 and grad_d <= 1e-5, (name, k, out_d, grad_d)
@@ -292,7 +298,8 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     ref_out, ref_unused = ref(ids)
     w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
     (ref_out * w).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    # Each rank's loss sums its part of the batch; reduce="mean" averages over the ranks.
+    ref_grads = {n: p.grad / world for n, p in ref.named_parameters() if p.grad is not None}
     assert set(ref_grads) == {"emb.weight", "a.weight", "a.bias", "b.weight", "c"}
     scale = max(g.abs().max().item() for g in ref_grads.values())
     diffs = []
@@ -336,7 +343,7 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
         out, _ = pmod(ids.chunk(world)[rank])
         (out * w.chunk(world)[rank]).sum().backward()
         bias_grad = pmod.a.bias.grad.clone()  # a plain tensor's gradient is this rank's batch's
-        dist.all_reduce(bias_grad)
+        dist.all_reduce(bias_grad, op=dist.ReduceOp.AVG)
         diffs.append(_rel(bias_grad, ref_grads["a.bias"], scale))
         diffs.append(_rel(pmod.a.weight.grad.full_tensor(), ref_grads["a.weight"], scale))
     assert max(diffs) <= 1e-5, diffs
@@ -359,3 +366,70 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
             "reduce_scatter_tensor",
         ]
     return {"diff": max(diffs), "fwd": len(fwd.calls), "bwd": len(bwd.calls)}
+
+
+GRAD_BATCH = 4  # global batch of the gradient-agreement check: split over 1, 2 or 4 ranks
+
+
+def grad_agreement_batch(cfg: TinyConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global ``(tokens, targets)`` of :func:`grad_agreement_checks` (the same in every world)."""
+    g = torch.Generator().manual_seed(21)
+    return (
+        torch.randint(0, cfg.vocab, (GRAD_BATCH, cfg.seq), generator=g),
+        torch.randint(0, cfg.vocab, (GRAD_BATCH, cfg.seq), generator=g),
+    )
+
+
+def grad_agreement_model() -> TinyTransformer:
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(n_layers=1))
+    model.init_weights()
+    return model
+
+
+def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over the given (this rank's) tokens, as transformers' ``out.loss``."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def grad_agreement_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """One step's full gradients on the same global batch, float32, from: the parallel module
+    (``reduce="mean"``, per-rank mean loss) with the default plan (bucketed path) and a mixed plan
+    (per-tensor path), the parallel module with ``reduce="sum"`` and a loss normalised over the
+    global batch, FSDP2 (``fully_shard`` per block and at the root, per-rank mean loss), and under
+    ``reduce_dtype=float16`` (FSDP2's pre / post division) the parallel module and FSDP2.
+    Returns ``{kind: {FQN: full gradient}}`` (the test compares them across world sizes)."""
+    world = mesh.size()
+    model = grad_agreement_model()
+    tokens, targets = grad_agreement_batch(model.cfg)
+    mine, my_targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+    out: dict = {}
+
+    def run(kind, module, loss_of):
+        loss_of(module(mine), my_targets).backward()
+        out[kind] = {n: _full_grad(p.grad) for n, p in module.named_parameters()}
+
+    def global_sum(logits, t):  # this rank's share of the global mean: summed, not averaged
+        return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), reduction="sum") / targets.numel()
+
+    fp16_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+    for kind, reduce, policy, loss_of in [
+        ("mean", "mean", None, mean_loss),
+        ("mean mixed plan", "mean", None, mean_loss),
+        ("sum", "sum", None, global_sum),
+        ("mean fp16 reduce", "mean", fp16_reduce, mean_loss),
+    ]:
+        with AutoParallel(model, lambda: tokens, mesh, mp_policy=policy, reduce=reduce) as autop:
+            plan = _mixed_plan(autop.fqn_map, mesh) if "mixed" in kind else autop.optimize_placement()
+            run(kind, autop.apply_placement(plan), loss_of)
+    for kind, policy in [("fsdp2", None), ("fsdp2 fp16 reduce", fp16_reduce)]:
+        fsdp = copy.deepcopy(model)
+        for block in fsdp.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+        fully_shard(fsdp, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+        run(kind, fsdp, mean_loss)
+    return out
+
+
+def _full_grad(g: torch.Tensor) -> torch.Tensor:
+    return g.full_tensor() if isinstance(g, DTensor) else g

@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -27,7 +26,18 @@ from autoparallel import (
     dtensor_init_context,
 )
 from checkpoint.ranks.launch import run_ranks
-from tests.autoparallel_checks import HF_MODELS, bucket_checks, hf_checks, mp_bytes_checks, uninit_checks
+from tests.autoparallel_checks import (
+    HF_MODELS,
+    _rel,
+    bucket_checks,
+    grad_agreement_batch,
+    grad_agreement_checks,
+    grad_agreement_model,
+    hf_checks,
+    mean_loss,
+    mp_bytes_checks,
+    uninit_checks,
+)
 from tests.models import TinyConfig, TinyTransformer, rope_tables
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -47,11 +57,6 @@ def _names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
         n for n, _ in model.named_buffers(remove_duplicate=False)
     ]
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    # Sum over the local batch / global token count: the per-rank losses add up to the eager loss.
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / n_tokens
 
 
 def _parallelize(model, mesh, batch, seq, mp_policy=None, overrides=None):
@@ -100,13 +105,13 @@ def _train_and_compare(rank, mesh, mp_policy, overrides, tol):
         g = torch.Generator().manual_seed(100 + step)
         tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
         targets = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
-        n = tokens.numel()
         out = pmod(tokens.chunk(world)[rank])
         ref_out = ref(tokens)
         torch.testing.assert_close(out.float(), ref_out.chunk(world)[rank].float(), **tol)
         out_d = max(out_d, (out.float() - ref_out.chunk(world)[rank].float()).abs().max().item())
-        _loss(out, targets.chunk(world)[rank], n).backward()
-        _loss(ref_out, targets, n).backward()
+        # Each rank's mean loss; reduce="mean" averages the gradients: the eager global mean's.
+        mean_loss(out, targets.chunk(world)[rank]).backward()
+        mean_loss(ref_out, targets).backward()
         for name, p in pmod.named_parameters():
             ref_name = (
                 name if name in ref_named else name.replace(".weight", ".parametrizations.weight.original")
@@ -301,6 +306,8 @@ def _ranks_main(rank, world, runs, hf):
             results[f"{key} mp"] = mp_bytes_checks(rank, mesh)
         if "bucket" in kinds:
             results[f"{key} bucket"] = bucket_checks(rank, mesh)
+        if "grads" in kinds:
+            results[f"{key} grads"] = grad_agreement_checks(rank, mesh)
     for g, (names, setups) in enumerate(hf):
         results.update(hf_checks(rank, names, [_setup(*s) for s in setups], f"hf{g}"))
     return results
@@ -330,9 +337,9 @@ HF_4 = [
 @pytest.mark.parametrize(
     "world,runs,hf",
     [
-        (1, [((1,), ("fp32", "bf16", "api", "bucket"))], HF_1),
-        (2, [((2,), (*ALL, "uninit", "mp", "bucket"))], HF_2),
-        (4, [((4,), ("fp32", "bucket")), ((2, 2), ALL)], HF_4),
+        (1, [((1,), ("fp32", "bf16", "api", "bucket", "grads"))], HF_1),
+        (2, [((2,), (*ALL, "uninit", "mp", "bucket", "grads"))], HF_2),
+        (4, [((4,), ("fp32", "bucket", "grads")), ((2, 2), ALL)], HF_4),
     ],
     ids=["1rank", "2ranks", "4ranks+2x2"],
 )
@@ -353,4 +360,39 @@ def test_parallel_module_matches_eager(world, runs, hf):
                 assert max(diffs.values()) <= 1e-5, (key, diffs)
             if key.split()[0] in HF_MODELS:  # (output, gradient) max |diff| / reference scale
                 assert max(diffs) <= 1e-5, (key, diffs)
+    grads = results[0].pop(f"{world} grads")
+    _check_grad_agreement(world, grads)
     print(world, results[0])
+
+
+_GRADS: dict[int, dict] = {}  # world size -> its spawn's gradients (grad_agreement_checks)
+
+
+def _check_grad_agreement(world: int, grads: dict) -> None:
+    """The same global batch's gradients: the parallel module (mean and sum) equal the eager global
+    mean's and FSDP2's within 1e-6 (relative to each tensor's max), in this world and across the
+    worlds run so far; under a float16 reduce_dtype the parallel module equals FSDP2's."""
+    ref = grad_agreement_model()
+    tokens, targets = grad_agreement_batch(ref.cfg)
+    mean_loss(ref(tokens), targets).backward()
+    eager = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(grads) == {"mean", "mean mixed plan", "sum", "mean fp16 reduce", "fsdp2", "fsdp2 fp16 reduce"}
+    table = {}
+    for kind, against in [
+        ("mean", "eager"),
+        ("mean mixed plan", "eager"),
+        ("sum", "eager"),
+        ("fsdp2", "eager"),
+        ("mean", "fsdp2"),
+        ("mean mixed plan", "fsdp2"),
+        ("mean fp16 reduce", "fsdp2 fp16 reduce"),
+    ]:
+        ref_grads = eager if against == "eager" else grads[against]
+        assert set(grads[kind]) == set(ref_grads), kind
+        table[f"{kind} vs {against}"] = max(_rel(g, ref_grads[n]) for n, g in grads[kind].items())
+    for other, theirs in _GRADS.items():  # earlier spawns (other world sizes)
+        for kind in ("mean", "mean mixed plan", "sum", "fsdp2"):
+            table[f"{kind} vs {other} rank(s)"] = max(_rel(g, theirs[kind][n]) for n, g in grads[kind].items())
+    _GRADS[world] = grads
+    print(f"gradient agreement, {world} rank(s):", table)
+    assert max(table.values()) <= 1e-6, table

@@ -53,7 +53,9 @@ def parallelize(model, mesh, overrides=None):
     from autoparallel import AutoParallel
 
     shard_all = tuple(Shard(0) for _ in range(mesh.ndim))
-    with AutoParallel(model, lambda: torch.randint(0, 32, (CFG_BATCH, model.cfg.seq)), mesh) as autop:
+    # loss_fn is normalised over the global batch already: gradients are summed, not averaged.
+    inputs = lambda: torch.randint(0, 32, (CFG_BATCH, model.cfg.seq))  # noqa: E731
+    with AutoParallel(model, inputs, mesh, reduce="sum") as autop:
         autop.add_input_constraints([shard_all])
         autop.add_output_constraints([shard_all])
         if overrides:

@@ -88,7 +88,9 @@ def test_llama_train_resume(tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
     ex = _example("llama_train_resume", monkeypatch)
-    r = ex.run(steps=5, save_after=2, resume_world_size=4, workdir=str(tmp_path))  # bf16, 2 -> 4 ranks
+    # bf16, 2 ranks -> resumed on 4, then on 1 (the same checkpoint). Each rank's loss is its mean
+    # (as out.loss): averaged gradients make every world size train like the uninterrupted run.
+    r = ex.run(steps=5, save_after=2, resume_world_size=(4, 1), workdir=str(tmp_path))
     cfg = ex.llama_config()
     assert r["tags"] == cfg.num_hidden_layers == 2  # one tag_activation_checkpoint per decoder layer
 
@@ -104,6 +106,11 @@ def test_llama_train_resume(tmp_path, monkeypatch):
 
     full, res = r["uninterrupted"], r["resumed"]
     assert sorted(full) == [0, 1, 2, 3, 4] and sorted(res) == [3, 4]
+    assert set(r["resumed_on"]) == {4, 1} and r["resumed_on"][4] == res
+    for w, losses in r["resumed_on"].items():  # within bf16 tolerance of the uninterrupted run
+        assert sorted(losses) == [3, 4], w
+        assert max(abs(losses[s] - full[s]) for s in losses) < ex.LOSS_TOL, (w, losses, full)
+        assert abs(losses[3] - full[3]) < 1e-4, (w, losses, full)
     assert abs(full[0] - math.log(cfg.vocab_size)) < 0.1  # init_weights ran: near-uniform logits
     assert full[4] < full[0]  # it trains
     # First resumed step: same weights, only the batch split differs (2 ranks -> 4).
