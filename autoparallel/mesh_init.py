@@ -30,7 +30,15 @@ float32 / bf16 / fp16 tensors, which run in float32 from exactly rounded ops onl
   L. Devroye, "Non-Uniform Random Variate Generation", 1986, II.2, inversion method);
 * ``exponential_(l)``: inverse CDF ``-ln(u) / l``; ``cauchy_``: ``median + sigma tan(pi (u - 1/2))``;
   ``geometric_(p)``: ``ceil(ln u / ln(1 - p))``; ``log_normal_``: ``exp`` of a normal;
-* ``bernoulli_(p)``: ``u < p``; ``random_(from, to)``: ``from + v mod (to - from)``, ``v`` 63 bits.
+* ``bernoulli_(p)``: ``u < p``; ``random_(from, to)``: ``from + v mod (to - from)``, ``v`` 63 bits
+  (64 for ranges above 2^63).
+
+Semantics are torch's (:mod:`autoparallel.fill_rules`): each fill first runs torch's own op on a
+1-element probe, so it refuses exactly what torch refuses (dtype, arguments), with torch's message;
+``uniform_`` returns [from, to) in the tensor's dtype (a value the cast rounds up to ``to`` becomes
+``from``, as torch's kernel does); ``random_`` takes torch's ranges (``random_()``: [0, 2^digits]
+on floating dtypes, [0, max] on integer ones; bounds moved inwards where a low-precision dtype
+cannot hold them).
 
 Fills that need the whole tensor (``nn.init.orthogonal_``, ``nn.init.sparse_``, or user code that
 builds a full tensor and copies / assigns it into a sharded DTensor) run on a full tensor made on
@@ -66,6 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from fqn import eager_tensors
 
+from .fill_rules import check_like_torch, half_open, random_kind, random_range, random_transform, uniform_bounds
 from .rng import fill_box, stream_id
 from .uninitialized import note_written
 
@@ -190,25 +199,11 @@ def _bind(func, args, kwargs) -> dict[str, Any]:
     return out
 
 
-def _random_range(dtype: torch.dtype, lo: int | None, hi: int | None) -> tuple[int, int]:
-    # torch.Tensor.random_ defaults: [0, 2^mantissa] for floating types, [0, max] for integers.
-    lo = 0 if lo is None else lo
-    if hi is None:
-        if dtype.is_floating_point:
-            hi = 2 ** (torch.finfo(dtype).nmant + 1) + 1
-        elif dtype == torch.bool:
-            hi = 2
-        else:
-            hi = torch.iinfo(dtype).max + 1
-    if not 0 < hi - lo <= 2**63:
-        raise ValueError(f"random_ range [{lo}, {hi}) is empty or wider than 2^63")
-    return lo, hi
-
-
 def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch.Tensor:
     """Fill ``dst`` (DTensor or plain) in place by the mesh-independent rule of ``op``."""
     name = state.name_for(dst)
     local, gshape, offset = _box(dst, name)
+    check_like_torch(op, local.dtype, a)  # torch's refusals (dtype, arguments) before any draw
     sid = state.stream(name, op, a.get("generator"))
     params: tuple[torch.Tensor, ...] = ()
     narrow = local.dtype in _NARROW  # float32 variates and transform, rounded on the write
@@ -218,7 +213,9 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
     elif op == "uniform_":
         lo, hi = a["from"], a["to"]
         kind = "uniform32" if narrow else "uniform53" if local.dtype == torch.float64 else "uniform"
-        tf = lambda v, p: v.mul_(hi - lo).add_(lo)  # noqa: E731
+        bounds, dt = uniform_bounds(local.dtype, lo, hi), local.dtype
+        # [from, to) in the tensor's dtype: a value the cast rounds up to ``to`` becomes ``from``.
+        tf = lambda v, p: half_open(v.mul_(hi - lo).add_(lo).to(dt), bounds)  # noqa: E731
     elif op == "bernoulli_":
         prob = a["p"]
         kind = "uniform"
@@ -228,8 +225,8 @@ def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch
         else:
             tf = lambda v, p: v < prob  # noqa: E731
     elif op == "random_":
-        lo, hi = _random_range(local.dtype, a.get("from"), a.get("to"))
-        kind, tf = "int63", lambda v, p: v.remainder_(hi - lo).add_(lo)
+        lo, span = random_range(local.dtype, a)
+        kind, tf = random_kind(span), random_transform(lo, span)
     elif op == "exponential_":
         lam = a["lambd"]
         kind, tf = "open", lambda v, p: v.log_().mul_(-1.0 / lam)

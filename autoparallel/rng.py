@@ -27,6 +27,7 @@ normal32    4   the same Box-Muller in float32 (float32 / bf16 / fp16 targets) f
                 sqrt`` only (below): ``u1 = (w0 + 1) 2^-32`` rounded to float32 (24 bits),
                 ``t = 2 pi (w1 - 2^31) 2^-32`` in [-pi, pi) (so ``z32 ~ -z`` of ``normal``)
 int63       2   int64 ``(w1 & 0x7fffffff) << 32 | w0`` in [0, 2^63)
+int64       2   int64 ``w1 << 32 | w0``: all 64 bits, two's complement (every int64 value)
 ========== === =================================================================================
 
 ``normal32`` without ``log`` / ``cos`` / ``sin``: the float32 bits of ``x = w0 + 1`` give
@@ -68,7 +69,16 @@ _INV32 = 2.0**-32
 _INV53 = 2.0**-53
 
 Word = torch.Tensor | int
-LANES = {"uniform": 4, "uniform32": 4, "uniform53": 2, "open": 4, "normal": 4, "normal32": 4, "int63": 2}
+LANES = {
+    "uniform": 4,
+    "uniform32": 4,
+    "uniform53": 2,
+    "open": 4,
+    "normal": 4,
+    "normal32": 4,
+    "int63": 2,
+    "int64": 2,
+}
 # Elements per piece computed at once: bounds the temporaries (~50 bytes an element, ~6 MiB) while
 # keeping the ~150 torch ops per piece large enough that per-op overhead stays small (2^17 measured
 # a little faster than 2^16 and 2^18 on a 1 MiB-L2 CPU); pieces never change values.
@@ -184,6 +194,10 @@ def _block_variates(kind: str, blocks: torch.Tensor, sid: tuple[int, int, int, i
             ],
             1,
         )
+    if kind == "int64":  # the shift wraps: bit 31 of w1 becomes the sign bit
+        return torch.stack(
+            [w[1].bitwise_left_shift_(32).bitwise_or_(w[0]), w[3].bitwise_left_shift_(32).bitwise_or_(w[2])], 1
+        )
     if kind == "normal":
         out = torch.empty(n, 2, 2, dtype=torch.float64, device=blocks.device)
         for i in (0, 2):
@@ -230,9 +244,9 @@ def fill_box(
     ``out``: any dtype / device / strides; written in place piece by piece (no full tensor, no
     float64 copy of the whole box). ``params``: tensors of ``out.shape`` (per-element arguments,
     e.g. Bernoulli probabilities), sliced like the variates. ``transform`` gets float64 (int64 for
-    ``int63``, float32 for ``normal32`` / ``uniform32``) variates of a piece, ``[n, V]`` (element
-    ``(i, lane)`` at global index ``V * block_i + lane``), and returns that piece's values, cast by
-    the write. Raises ValueError for an unknown ``kind``.
+    ``int63`` / ``int64``, float32 for ``normal32`` / ``uniform32``) variates of a piece, ``[n, V]`` (element
+    ``(i, lane)`` at global index ``V * block_i + lane``; int64 for ``int63`` / ``int64``), and
+    returns that piece's values, cast by the write. Raises ValueError for an unknown ``kind``.
     """
     local_shape = tuple(out.shape)
     if out.numel() == 0:

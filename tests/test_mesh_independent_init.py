@@ -42,12 +42,14 @@ def test_philox_known_answers(counter, key, expected):
     assert " ".join(f"{int(w):08x}" for w in words) == expected
 
 
-@pytest.mark.parametrize("kind", ["normal", "normal32", "uniform", "uniform32", "uniform53", "open", "int63"])
+@pytest.mark.parametrize(
+    "kind", ["normal", "normal32", "uniform", "uniform32", "uniform53", "open", "int63", "int64"]
+)
 def test_any_box_equals_the_slice_of_the_full_tensor(kind, monkeypatch):
     monkeypatch.setattr("autoparallel.rng.CHUNK", 64)  # several pieces and row batches
     sid = stream_id(7, "w", "op", 0)
     shape = (9, 13, 6)
-    dtype = torch.int64 if kind == "int63" else torch.float32 if kind.endswith("32") else torch.float64
+    dtype = torch.int64 if kind.startswith("int") else torch.float32 if kind.endswith("32") else torch.float64
     full = torch.empty(shape, dtype=dtype)
     fill_box(full, shape, (0, 0, 0), sid, kind, lambda v, p: v)
     for offset, local in [
