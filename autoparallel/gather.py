@@ -60,6 +60,7 @@ class GatherSpec:
     reduce_dtype: torch.dtype
     data_dims: tuple[int, ...]
     grad_reduce: GradReduce = GradReduce()
+    dtype: torch.dtype | None = None  # the stored tensor's dtype (None: not checked)
 
     @property
     def grad_placements(self) -> tuple[Placement, ...]:
@@ -180,9 +181,11 @@ class Bucket:
     def fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (the module's current state) still are the DTensor shards the bucket
         was built for; a reassigned tensor sends the bucket down the per-tensor path."""
-        for t, shape in zip(tensors, self.local_shapes):
+        for t, shape, m in zip(tensors, self.local_shapes, self.members):
             if not (
                 isinstance(t, DTensor)
+                and t.device_mesh is self.mesh
+                and t.shape == m.shape  # the global shape too: every rank takes the same path
                 and t._local_tensor.shape == shape
                 and t.dtype == self.local_dtype
                 and t.placements == self.placements

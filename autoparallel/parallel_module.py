@@ -34,6 +34,7 @@ from .gather import (
 )
 from .grad_reduce import check_reduce, grad_reduce
 from .graph_passes import retarget_devices, with_use_markers
+from .held_state import held_spec
 from .init_weights import wrap_init_weights
 from .mixed_precision import resolve_policy
 from .placement import Plan
@@ -145,7 +146,10 @@ def build_parallel_module(
     Forward raises :class:`autoparallel.errors.InputError` for inputs unlike the captured ones,
     :class:`autoparallel.errors.UninitializedStateError` after ``to_empty`` until the tensors it
     allocated are written (``init_weights``, ``checkpoint.load``, ``load_state_dict``), and
-    :class:`StateError` when a module's train / eval mode differs from the capture's.
+    :class:`StateError` when a module's train / eval mode differs from the capture's, or a tensor
+    it holds (a replaced parameter / buffer) has another global shape, dtype, device type or mesh
+    than the capture's, or a ``Partial`` placement; a DTensor replacement with other placements
+    is gathered by its own placements (:mod:`autoparallel.held_state`).
 
     ``captured`` can build any number of modules: its graph is rewritten in place for the mesh's
     device and shared (it holds no state at run time; the marked copy shares its submodules).
@@ -190,6 +194,7 @@ def build_parallel_module(
             reduce_dtype=reduce_dtype,
             data_dims=dims,
             grad_reduce=grad_reduce(reduce, reduce_dtype, dp_world),
+            dtype=dt.dtype,
         )
 
     # Share the tensors in the copy (no data copied), then swap them for DTensors slot by slot.
@@ -303,25 +308,29 @@ def _parallel_forward(self, *args, **kwargs):
 def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], BucketTape]:
     """``{graph attribute: value}`` and the call's :class:`BucketTape`: the buckets' members as
     placeholders from one autograd node that issues all their all-gathers (the graph's markers
-    take the full tensors from the tape), the other tensors gathered one by one."""
+    take the full tensors from the tape), the other tensors gathered one by one. Every tensor
+    gathered one by one is checked first (:func:`autoparallel.held_state.held_spec`), so a refusal
+    comes before any collective."""
     state: dict[str, torch.Tensor] = {}
     ready: list[Bucket] = []
     tensors: list[torch.Tensor] = []
+    one_by_one: list[str] = []
     for b in rt.buckets:
         ts = [rt.tensor(fqn) for fqn in b.fqns]
         if b.fits(ts):
             ready.append(b)
             tensors.extend(ts)
         else:  # a member was replaced by a tensor of another kind: gather it like any other
-            for fqn in b.fqns:
-                state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+            one_by_one.extend(b.fqns)
+    one_by_one.extend(fqn for fqn, _ in rt.single)
+    specs = {fqn: held_spec(fqn, rt.tensor(fqn), rt.gather[fqn]) for fqn in one_by_one}
     where = {rt.attr_of[fqn]: (i, k) for i, b in enumerate(ready) for k, fqn in enumerate(b.fqns)}
     tape = BucketTape(ready, where)
     if ready:
         for attr, full in zip(where, gather_buckets(tape, tensors)):
             state[attr] = full
-    for fqn, attr in rt.single:
-        state[attr] = gather_full(rt.tensor(fqn), rt.gather[fqn])
+    for fqn in one_by_one:
+        state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), specs[fqn])
     return state, tape
 
 

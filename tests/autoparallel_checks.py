@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -258,10 +258,11 @@ class _Uneven(torch.nn.Module):
         return self.b(h) @ self.c.t(), self.unused * 2
 
 
-def _bucket_pmods(model, mesh, ids, policy=None, caps=(None,)) -> list:
-    """One parallel module per bucket cap (``None``: the default), sharing one capture."""
+def _bucket_pmods(model, mesh, ids, policy=None, caps=(None,), reduce="sum") -> list:
+    """One parallel module per bucket cap (``None``: the default), sharing one capture. The bucket
+    checks' losses sum over the global batch (each rank its part): ``reduce="sum"`` by default."""
     pmods = []
-    with AutoParallel(model, lambda: ids, mesh, mp_policy=policy) as autop:
+    with AutoParallel(model, lambda: ids, mesh, mp_policy=policy, reduce=reduce) as autop:
         autop.set_placements({"b.weight": (Shard(1),), "c": (Replicate(),)})
         for cap in caps:
             default, gather.BUCKET_BYTES = gather.BUCKET_BYTES, cap or gather.BUCKET_BYTES
@@ -298,19 +299,22 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     ref_out, ref_unused = ref(ids)
     w = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
     (ref_out * w).sum().backward()
-    # Each rank's loss sums its part of the batch; reduce="mean" averages over the ranks.
-    ref_grads = {n: p.grad / world for n, p in ref.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
     assert set(ref_grads) == {"emb.weight", "a.weight", "a.bias", "b.weight", "c"}
     scale = max(g.abs().max().item() for g in ref_grads.values())
     diffs = []
     # The default cap (one bucket) and a 1-byte cap (a bucket per tensor, reduce-scatters issued
     # while backward runs, a bucket the loss never reaches).
+    # Each rank's loss sums its part of the global batch: reduce="sum" gives eager's gradients,
+    # reduce="mean" (uneven and empty shards, per-tensor members) eager's / world.
     one, each = _bucket_pmods(model, mesh, ids, caps=(None, 1))
-    for pmod in (one, each):
+    (mean,) = _bucket_pmods(model, mesh, ids, reduce="mean")
+    for pmod in (one, each, mean):
+        factor = 1 / world if pmod is mean else 1.0
         buckets = pmod._autoparallel.buckets
         fqns = sorted(fqn for b in buckets for fqn in b.fqns)
         assert fqns == ["a.bias", "a.weight", "emb.weight", "unused"], fqns
-        assert len(buckets) == (1 if pmod is one else 4)
+        assert len(buckets) == (4 if pmod is each else 1)
         assert sorted(fqn for fqn, _ in pmod._autoparallel.single) == ["b.weight", "c"]
         for accumulated in (1, 2):  # the second backward adds to the first's gradients
             out, unused = pmod(ids.chunk(world)[rank])
@@ -327,13 +331,13 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
                     continue
                 assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
                 assert p.grad.to_local().shape == p.to_local().shape, n
-                diffs.append(_rel(p.grad.full_tensor(), accumulated * ref_grads[n], scale))
+                diffs.append(_rel(p.grad.full_tensor(), accumulated * factor * ref_grads[n], scale * factor))
         pmod.zero_grad()
         pmod.a.bias.requires_grad_(False)
         out, _ = pmod(ids.chunk(world)[rank])
         (out * w.chunk(world)[rank]).sum().backward()
         assert pmod.a.bias.grad is None and pmod.emb.weight.grad is not None
-        diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), ref_grads["emb.weight"], scale))
+        diffs.append(_rel(pmod.emb.weight.grad.full_tensor(), factor * ref_grads["emb.weight"], scale * factor))
         with torch.no_grad():
             diffs.append(_rel(pmod(ids.chunk(world)[rank])[0], ref_out.chunk(world)[rank].detach()))
         # A member replaced by a plain parameter: its bucket goes down the per-tensor path (a plain
@@ -343,9 +347,9 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
         out, _ = pmod(ids.chunk(world)[rank])
         (out * w.chunk(world)[rank]).sum().backward()
         bias_grad = pmod.a.bias.grad.clone()  # a plain tensor's gradient is this rank's batch's
-        dist.all_reduce(bias_grad, op=dist.ReduceOp.AVG)
+        dist.all_reduce(bias_grad)  # (in either mode: a plain tensor is no DTensor to reduce)
         diffs.append(_rel(bias_grad, ref_grads["a.bias"], scale))
-        diffs.append(_rel(pmod.a.weight.grad.full_tensor(), ref_grads["a.weight"], scale))
+        diffs.append(_rel(pmod.a.weight.grad.full_tensor(), factor * ref_grads["a.weight"], scale * factor))
     assert max(diffs) <= 1e-5, diffs
 
     # Bytes and number of collectives under bf16 (gloo: only with more than one rank).
@@ -433,3 +437,69 @@ def grad_agreement_checks(rank: int, mesh: DeviceMesh) -> dict:
 
 def _full_grad(g: torch.Tensor) -> torch.Tensor:
     return g.full_tensor() if isinstance(g, DTensor) else g
+
+
+def replaced_param_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """A parameter replaced by a DTensor with other placements than the plan's (case A31) is
+    gathered by its own placements: forward and gradients equal eager with the new value, the
+    gradient in the new placements (both paths: a bucket member and a per-tensor one, under
+    ``reduce="sum"`` and ``"mean"``). A replacement the graph cannot take (global shape, dtype,
+    a Partial placement, not a tensor) is refused with a StateError naming its FQN before any
+    collective, the module unchanged."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    model = _Uneven()
+    ids = torch.randint(0, 9, (2 * world, 3), generator=torch.Generator().manual_seed(1))
+    w = torch.randn(2 * world, 3, 4, generator=torch.Generator().manual_seed(2))
+    new = {
+        "a.weight": torch.randn(5, 6, generator=torch.Generator().manual_seed(11)),  # plan: Shard(0), bucketed
+        "c": torch.randn(4, 6, generator=torch.Generator().manual_seed(12)),  # plan: Replicate, per tensor
+    }
+    ref = copy.deepcopy(model)
+    ref.a.weight = torch.nn.Parameter(new["a.weight"].clone())
+    ref.c = torch.nn.Parameter(new["c"].clone())
+    ref_out = ref(ids)[0]
+    (ref_out * w).sum().backward()
+    diffs = []
+    for reduce in ("sum", "mean"):
+        factor = 1 / world if reduce == "mean" else 1.0
+        (pmod,) = _bucket_pmods(model, mesh, ids, reduce=reduce)
+        for fqn, placements in (("a.weight", (Replicate(),)), ("c", (Shard(1),))):
+            mod, leaf = (pmod.a, "weight") if fqn == "a.weight" else (pmod, "c")
+            setattr(mod, leaf, torch.nn.Parameter(distribute_tensor(new[fqn].clone(), mesh, placements)))
+        out = pmod(ids.chunk(world)[rank])[0]
+        diffs.append(_rel(out, ref_out.chunk(world)[rank].detach()))
+        (out * w.chunk(world)[rank]).sum().backward()
+        for fqn, want in (("a.weight", (Replicate(),)), ("c", (Shard(1),)), ("emb.weight", (Shard(0),))):
+            p = pmod.get_parameter(fqn)
+            assert isinstance(p.grad, DTensor) and p.grad.placements == want, (fqn, p.grad)
+            ref_g = ref.get_parameter(fqn).grad
+            diffs.append(_rel(p.grad.full_tensor(), factor * ref_g, factor * ref_g.abs().max().item()))
+    assert max(diffs) <= 1e-5, diffs
+
+    # Refusals: named, before any collective, nothing changed.
+    from tests.snapshot import Snapshot
+
+    (pmod,) = _bucket_pmods(model, mesh, ids)
+    partial = DTensor.from_local(torch.zeros(4, 6), mesh, [Partial()], run_check=False)
+    bad = [
+        ("a.weight", torch.nn.Parameter(distribute_tensor(torch.zeros(5, 7), mesh, [Shard(0)])), r"shape \(5, 7\)"),
+        ("a.weight", torch.nn.Parameter(distribute_tensor(torch.zeros(5, 6).double(), mesh, [Replicate()])), "float64"),
+        ("c", torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16)), "bfloat16"),
+        ("c", torch.nn.Parameter(partial), "Partial"),
+    ]
+    for fqn, value, message in bad:
+        mod, leaf = (pmod.a, "weight") if fqn == "a.weight" else (pmod, "c")
+        kept = getattr(mod, leaf)
+        setattr(mod, leaf, value)
+        snap = Snapshot(pmod)
+        with _CountCollectives() as comm:
+            with pytest.raises(StateError, match=rf"'{fqn}'.*{message}"):
+                pmod(ids.chunk(world)[rank])
+        assert comm.calls == [], comm.calls
+        snap.assert_unchanged()
+        setattr(mod, leaf, kept)
+    pmod.c = None  # an unset parameter slot: refused by name too
+    with pytest.raises(StateError, match=r"'c' is NoneType, not a tensor"):
+        pmod(ids.chunk(world)[rank])
+    return {"diff": max(diffs), "refused": len(bad) + 1}

@@ -30,8 +30,8 @@ def tensor_facts(t: torch.Tensor) -> tuple:
         return (type(t).__name__, id(t), t.requires_grad)
     extra: tuple = ()
     if isinstance(t, DTensor):
-        extra = ("dtensor", tuple(t.shape), tuple(map(str, t.placements)), str(t.device_mesh))
-        t = t.to_local()
+        extra = ("dtensor", id(t), tuple(t.shape), tuple(map(str, t.placements)), str(t.device_mesh), t.requires_grad)
+        t = t._local_tensor  # the stored shard itself: to_local() makes a new view (another id) per call
     if t.layout != torch.strided:
         data = ("layout", str(t.layout), tensor_facts(t.to_dense()))
         return (type(t).__name__, id(t), t.dtype, str(t.device), tuple(t.shape), data, *extra)

@@ -36,6 +36,7 @@ from tests.autoparallel_checks import (
     hf_checks,
     mean_loss,
     mp_bytes_checks,
+    replaced_param_checks,
     uninit_checks,
 )
 from tests.models import TinyConfig, TinyTransformer, rope_tables
@@ -308,6 +309,8 @@ def _ranks_main(rank, world, runs, hf):
             results[f"{key} bucket"] = bucket_checks(rank, mesh)
         if "grads" in kinds:
             results[f"{key} grads"] = grad_agreement_checks(rank, mesh)
+        if "replaced" in kinds:
+            results[f"{key} replaced"] = replaced_param_checks(rank, mesh)
     for g, (names, setups) in enumerate(hf):
         results.update(hf_checks(rank, names, [_setup(*s) for s in setups], f"hf{g}"))
     return results
@@ -337,9 +340,9 @@ HF_4 = [
 @pytest.mark.parametrize(
     "world,runs,hf",
     [
-        (1, [((1,), ("fp32", "bf16", "api", "bucket", "grads"))], HF_1),
-        (2, [((2,), (*ALL, "uninit", "mp", "bucket", "grads"))], HF_2),
-        (4, [((4,), ("fp32", "bucket", "grads")), ((2, 2), ALL)], HF_4),
+        (1, [((1,), ("fp32", "bf16", "api", "bucket", "grads", "replaced"))], HF_1),
+        (2, [((2,), (*ALL, "uninit", "mp", "bucket", "grads", "replaced"))], HF_2),
+        (4, [((4,), ("fp32", "bucket", "grads", "replaced")), ((2, 2), ALL)], HF_4),
     ],
     ids=["1rank", "2ranks", "4ranks+2x2"],
 )
