@@ -104,7 +104,9 @@ class AutoParallel:
 
     def _capture(self) -> Captured:
         args, kwargs = self._local_inputs()
-        return capture(self.model, args, kwargs, self.mp_policy)
+        # On fake tensors of the mesh's device type: device-dependent code takes the branch the
+        # graph will run on, also for a meta model.
+        return capture(self.model, args, kwargs, self.mp_policy, device=self.mesh.device_type)
 
     @property
     def captured(self) -> Captured:

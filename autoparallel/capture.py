@@ -33,8 +33,8 @@ class Captured:
     ``gm``: the captured GraphModule, called as ``gm(*args, **kwargs)``; its attributes are named
     by the private copy's own FQNs (``lin.parametrizations.weight.original`` under mixed precision).
     ``fqn_map``: eager FQN <-> graph attribute names. ``attr_of``: ``{eager FQN: graph attribute}``
-    for every tensor the graph holds. ``device``: device the graph was traced on (``meta`` for a
-    meta model). ``n_casts``: number of cast parametrizations registered. ``cast_fqns``: eager
+    for every tensor the graph holds. ``device``: device the graph was traced for (its fake
+    tensors'). ``n_casts``: number of cast parametrizations registered. ``cast_fqns``: eager
     FQNs of the parameters every use of which the graph casts to ``param_dtype``. ``inputs``: the
     example inputs' structure, shapes, dtypes and constants. ``training``: each module's
     ``training`` flag at capture, in ``model.named_modules(remove_duplicate=False)`` order.
@@ -59,10 +59,46 @@ def model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def _to_device(tree: Any, device: torch.device | None) -> Any:
-    if device is None:
-        return tree
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device) if t.device != device else t, tree)
+def _to_fake(model: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
+    """Replace every parameter / buffer of ``model`` (in place) by an empty tensor on ``device``
+    (fake, under the caller's FakeTensorMode), one per tensor object: tied tensors stay tied
+    (``nn.Module.to_empty`` would untie them, making a new Parameter per owning module).
+    Returns ``{id(new tensor): the tensor it replaced}`` (see :func:`_restore_tensors`)."""
+    made: dict[int, torch.Tensor] = {}
+    was: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                if t is None:
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    new = torch.empty_like(t, device=device)
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    made[id(t)] = new
+                    was[id(new)] = t
+                store[key] = new
+    return was
+
+
+def _restore_tensors(gm: nn.Module, was: dict[int, torch.Tensor]) -> None:
+    """Put the tensors :func:`_to_fake` replaced back into ``gm`` (in place), so that the graph
+    module computes with the model's values when called directly (``meta`` ones stay meta)."""
+    for mod in gm.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in store.items():
+                if t is not None and id(t) in was:
+                    store[key] = was[id(t)]
+
+
+def capture_device(model: nn.Module, device: torch.device | str | None = None) -> torch.device:
+    """The device :func:`capture` traces for: ``device`` if given, else the model's, else (a meta
+    model, or one without tensors) torch's default device."""
+    if device is not None:
+        return torch.device(device)
+    found = model_device(model)
+    return found if found is not None and found.type != "meta" else torch.get_default_device()
 
 
 def capture(
@@ -70,27 +106,41 @@ def capture(
     args: tuple = (),
     kwargs: dict | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    device: torch.device | str | None = None,
 ) -> Captured:
-    """Capture ``model(*args, **kwargs)`` with strict dynamo, on a private deep copy.
+    """Capture ``model(*args, **kwargs)`` with strict dynamo, on a private deep copy whose
+    parameters and buffers are fake tensors on ``device`` (:func:`capture_device`; AutoParallel
+    passes its mesh's device type).
 
-    ``model`` is never mutated: the copy gets the mixed-precision casts
-    (:func:`autoparallel.mixed_precision.apply_mixed_precision`). Works on meta models (inputs are
-    moved to the model's device, so no real memory is used). ``args`` / ``kwargs`` may nest tuples,
-    lists and dicts of tensors (global shapes). The FQN map is built by tensor identity
-    (:meth:`fqn.FQNMap.from_capture`); its eager side never shows ``parametrizations.*.original``.
+    Device-faithful: the model runs at capture as it will run on ``device``, so code that
+    branches on the device (transformers' MoE ``histc`` on CPU, kernels chosen per device) takes
+    the branch of the device the graph runs on, also for a model built on meta; fake tensors hold
+    no memory. ``model`` is never mutated: the copy gets the mixed-precision casts
+    (:func:`autoparallel.mixed_precision.apply_mixed_precision`). ``args`` / ``kwargs`` may nest
+    tuples, lists and dicts of tensors (global shapes); they are faked on ``device`` too. The FQN
+    map is built by tensor identity (:meth:`fqn.FQNMap.from_capture`); its eager side never shows
+    ``parametrizations.*.original``.
 
     Raises:
         CaptureError: dynamo could not capture the model in one graph, or a graph tensor has no
             eager FQN.
     """
     from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export._trace import _restore_state_dict
 
     kwargs = kwargs or {}
     private = copy.deepcopy(model)
     n_casts = apply_mixed_precision(private, mp_policy)
-    device = model_device(private)
-    args, kwargs = _to_device((args, kwargs), device)
+    device = capture_device(private, device)
+    signature = InputSignature.of(args, kwargs)
+    # Non-fake inputs allowed: to_empty reads the meta / real tensors it replaces (shapes only).
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        was = _to_fake(private, device)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: fake_mode.from_tensor(t).to(device), (args, kwargs)
+        )
     try:
         gm = _dynamo_graph_capture_for_export(private)(*args, **kwargs)
     except Exception as e:  # dynamo raises many types; give one with the model's class
@@ -105,14 +155,15 @@ def capture(
         attr_of.setdefault(fqn_map.to_eager(name), name)
     cast_ids = _cast_parameter_ids(private)
     cast_fqns = frozenset(fqn for fqn, attr in attr_of.items() if id(_get_tensor(gm, attr)) in cast_ids)
+    _restore_tensors(gm, was)
     return Captured(
         gm,
         fqn_map,
         attr_of,
-        device or torch.get_default_device(),
+        device,
         n_casts,
         cast_fqns,
-        InputSignature.of(args, kwargs),
+        signature,
         tuple(m.training for _, m in model.named_modules(remove_duplicate=False)),
     )
 

@@ -503,3 +503,41 @@ def replaced_param_checks(rank: int, mesh: DeviceMesh) -> dict:
     with pytest.raises(StateError, match=r"'c' is NoneType, not a tensor"):
         pmod(ids.chunk(world)[rank])
     return {"diff": max(diffs), "refused": len(bad) + 1}
+
+
+def meta_moe_checks(rank: int, mesh: DeviceMesh) -> dict:
+    """transformers' Qwen3MoeForCausalLM built on meta, parallelized on ``mesh`` (captured on fake
+    tensors of the mesh's device type: the MoE block's device branch is the CPU one), loaded with
+    the eager model's values: logits and every gradient equal eager on the global batch (float32).
+    Returns ``{"out": rel diff, "grad": rel diff}``."""
+    from tests.models import hf_qwen3_moe
+
+    world = mesh.size()
+    torch.manual_seed(0)
+    eager = hf_qwen3_moe()
+    with torch.device("meta"):
+        meta = hf_qwen3_moe()
+    ids = torch.randint(0, 64, (2 * world, SEQ), generator=torch.Generator().manual_seed(4))
+    with AutoParallel(meta, lambda: {"args": (), "kwargs": {"input_ids": ids}}, mesh) as autop:
+        assert autop.captured.device == torch.device(mesh.device_type)
+        pmod = autop.apply_placement()
+    pmod.to_empty(device=mesh.device_type)
+    pmod.init_weights()  # the non-persistent rotary buffers
+    state = {**dict(pmod.named_parameters()), **dict(pmod.named_buffers())}
+    with torch.no_grad():
+        for name, t in [*eager.named_parameters(), *eager.named_buffers()]:
+            state[name].copy_(distribute_tensor(t.detach(), mesh, state[name].placements))
+    ref_logits = eager(input_ids=ids).logits
+    w = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(5))
+    (ref_logits * w).sum().backward()
+    logits = pmod(input_ids=ids.chunk(world)[rank]).logits
+    out_d = _rel(logits, ref_logits.chunk(world)[rank].detach())
+    (logits * w.chunk(world)[rank]).sum().backward()
+    ref_grads = {n: p.grad for n, p in eager.named_parameters()}
+    grad_d = 0.0
+    for n, p in pmod.named_parameters():
+        assert p.grad is not None and isinstance(p.grad, DTensor), n
+        # reduce="mean": each rank's summed loss -> eager's gradient / world
+        grad_d = max(grad_d, _rel(p.grad.full_tensor() * world, ref_grads[n], 1e-30))
+    assert out_d <= 1e-5 and grad_d <= 1e-5, (out_d, grad_d)
+    return {"out": out_d, "grad": grad_d}

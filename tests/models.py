@@ -238,3 +238,27 @@ def hf_gpt2(vocab: int = 64, hidden: int = 32, layers: int = 1):
             attn_pdrop=0.0,
         )
     )
+
+
+def hf_qwen3_moe(vocab: int = 64, hidden: int = 32, layers: int = 1):
+    """``Qwen3MoeForCausalLM``: the library's default config (routing, attention) apart from small
+    sizes (4 experts, 2 per token) and ``use_cache=False``. Its MoE block branches on the device
+    (``histc`` on CPU), so a graph captured on meta tensors would not run on CPU."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden // 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+    )

@@ -119,8 +119,9 @@ def test_capture_on_meta_uses_no_memory_and_keeps_model():
     before = _snapshot(model)
     cap = capture(model, (torch.randint(0, 32, (4, 8)),), mp_policy=BF16)
     _assert_unchanged(before, model)
-    assert cap.device == torch.device("meta")
-    assert all(t.is_meta for t in cap.gm.state_dict().values())
+    # Traced on fake tensors of the default device (cpu), not on meta: device-faithful branches.
+    assert cap.device == torch.device("cpu")
+    assert all(t.is_meta for t in cap.gm.state_dict().values())  # the graph holds the meta tensors
     assert _hop_count(cap.gm, TAG) == 2
 
 
@@ -215,11 +216,12 @@ def test_capture_failure_is_a_capture_error():
 
 
 class _FakeMesh:
-    """Only what the placement rules read: ``shape`` and ``ndim``."""
+    """Only what the placement rules and the capture read: ``shape``, ``ndim``, ``device_type``."""
 
     def __init__(self, *shape):
         self.shape = shape
         self.ndim = len(shape)
+        self.device_type = "cpu"
 
 
 def test_fsdp_rule_shards_dim0_when_it_covers_the_mesh():

@@ -35,6 +35,7 @@ from tests.autoparallel_checks import (
     grad_agreement_model,
     hf_checks,
     mean_loss,
+    meta_moe_checks,
     mp_bytes_checks,
     replaced_param_checks,
     uninit_checks,
@@ -311,6 +312,8 @@ def _ranks_main(rank, world, runs, hf):
             results[f"{key} grads"] = grad_agreement_checks(rank, mesh)
         if "replaced" in kinds:
             results[f"{key} replaced"] = replaced_param_checks(rank, mesh)
+        if "moe" in kinds:
+            results[f"{key} moe"] = meta_moe_checks(rank, mesh)
     for g, (names, setups) in enumerate(hf):
         results.update(hf_checks(rank, names, [_setup(*s) for s in setups], f"hf{g}"))
     return results
@@ -340,8 +343,8 @@ HF_4 = [
 @pytest.mark.parametrize(
     "world,runs,hf",
     [
-        (1, [((1,), ("fp32", "bf16", "api", "bucket", "grads", "replaced"))], HF_1),
-        (2, [((2,), (*ALL, "uninit", "mp", "bucket", "grads", "replaced"))], HF_2),
+        (1, [((1,), ("fp32", "bf16", "api", "bucket", "grads", "replaced", "moe"))], HF_1),
+        (2, [((2,), (*ALL, "uninit", "mp", "bucket", "grads", "replaced", "moe"))], HF_2),
         (4, [((4,), ("fp32", "bucket", "grads", "replaced")), ((2, 2), ALL)], HF_4),
     ],
     ids=["1rank", "2ranks", "4ranks+2x2"],
