@@ -90,13 +90,50 @@ def _graph_tensors(gm: torch.fx.GraphModule, example_inputs: Sequence | None):
                 yield node.name, t
 
 
+class _Received(Exception):
+    """Stops the call in :func:`graph_input_tensors` once the graph's inputs are known."""
+
+
+def graph_input_tensors(gm: torch.fx.GraphModule, args: tuple = (), kwargs: dict | None = None) -> tuple:
+    """The tensors the placeholders of ``gm`` receive when it is called as ``gm(*args, **kwargs)``,
+    in placeholder order, for a GraphModule from the public
+    ``torch._dynamo.functional_export.dynamo_graph_capture_for_export``: its parameters and
+    buffers are graph inputs, which its generated ``forward`` reads from the model through the
+    ``_dynamo_bytecode_flatten`` prologue, so they are the model's own tensor objects (identity).
+    The call stops right after the prologue: the graph itself does not run.
+
+    Raises:
+        ValueError: ``gm`` has no ``_dynamo_bytecode_flatten`` prologue (not that capture).
+    """
+    flatten = getattr(gm, "_dynamo_bytecode_flatten", None)
+    if flatten is None:
+        raise ValueError("graph module has no _dynamo_bytecode_flatten (not from dynamo_graph_capture_for_export)")
+    seen: list = []
+
+    def record(*a, **k):
+        seen.append(flatten(*a, **k))
+        raise _Received
+
+    gm._dynamo_bytecode_flatten = record
+    try:
+        gm(*args, **(kwargs or {}))
+    except _Received:
+        pass
+    finally:
+        gm._dynamo_bytecode_flatten = flatten
+    return tuple(seen[0]) if seen else ()
+
+
 def map_from_capture(
     model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Sequence | None = None
 ) -> FQNMap:
     """FQN map of ``gm`` captured from ``model``, keyed by tensor identity.
 
     Works for GraphModules from a ``torch.compile`` backend (pass the backend's
-    ``example_inputs``: they are the model's own tensors), from
+    ``example_inputs``: they are the model's own tensors; the same for the backend of
+    ``torch.compile(..., fullgraph=True).forward.aot_compile`` (``torch._dynamo.aot_compile``)),
+    from the public ``torch._dynamo.functional_export.dynamo_graph_capture_for_export`` (pass
+    ``example_inputs=graph_input_tensors(gm, args, kwargs)``: its state is graph inputs), from
     ``torch._dynamo.functional_export._dynamo_graph_capture_for_export`` (before and after
     ``torch.export._trace._restore_state_dict``) and from ``torch.export._trace._export_to_torch_ir``.
     Graph tensors that are not model state (user inputs, lifted constants) are ignored.
@@ -237,4 +274,4 @@ def fmap_aliases(fmap: FQNMap, fqn: str) -> list[str]:
     return list(fmap.record(fqn).aliases) if fqn in fmap else []
 
 
-__all__ = ["map_from_capture", "map_from_exported_program", "UnknownNameError"]
+__all__ = ["graph_input_tensors", "map_from_capture", "map_from_exported_program", "UnknownNameError"]

@@ -1,4 +1,10 @@
-"""The capture matrix (7 models x 6 paths), ground truth by tensor identity computed here.
+"""The capture matrix (7 models x 8 paths), ground truth by tensor identity computed here.
+
+Paths: ``torch.compile`` (backend inputs), the public
+``torch._dynamo.functional_export.dynamo_graph_capture_for_export`` (state as graph inputs) and
+precompile (``torch.compile(fullgraph=True).forward.aot_compile``, i.e. ``torch._dynamo.aot_compile``;
+backend inputs), the private dgc raw and after ``_restore_state_dict``, ``_export_to_torch_ir``
+and ``torch.export`` strict and non-strict.
 
 Each cell checks every captured name against the tensor the model really holds, the exact eager
 name set, shapes and dtypes, and that the registry invents no captured name. Collision cells show
@@ -14,7 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
-from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+from torch._dynamo.aot_compile_types import GraphModuleSerializableCallable
+from torch._dynamo.functional_export import _dynamo_graph_capture_for_export, dynamo_graph_capture_for_export
 from torch.export._trace import _export_to_torch_ir, _restore_state_dict
 from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +32,16 @@ from fqn import CaptureMismatchError, FQNMap
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 
-PATHS = ["compile", "dgc_raw", "dgc_restore", "torch_ir", "export_strict", "export_nonstrict"]
+PATHS = [
+    "compile",
+    "aot_compile",
+    "dgc_public",
+    "dgc_raw",
+    "dgc_restore",
+    "torch_ir",
+    "export_strict",
+    "export_nonstrict",
+]
 
 
 def _lin():
@@ -141,7 +157,12 @@ MODELS = {
     "kwargs_dict": (KwargsDict, lambda: (({"a": _x(), "b": _x()},), {"scale": torch.tensor(2.0)})),
 }
 # Cells where the path cannot capture the model in torch 2.13 (asserted, not skipped).
-RAISES = {("ac_function", "export_strict"), ("ac_wrapper", "export_strict")}
+RAISES = {
+    ("ac_function", "export_strict"): "_checkpoint_context_fn",
+    ("ac_wrapper", "export_strict"): "_checkpoint_context_fn",
+    # precompile pickles its guards' state, and a parametrized module pickles only as a state_dict
+    ("parametrized", "aot_compile"): "Serialization of parametrized modules",
+}
 
 # The eager FQN of a module-owned name, written out here (not computed by fqn).
 EAGER_SPELLING = {
@@ -191,14 +212,21 @@ def capture(model_name: str, path: str):
     model = cls()
     args, kwargs = make_inputs()
     torch._dynamo.reset()
-    if path == "compile":
+    if path in ("compile", "aot_compile"):
         seen = {}
 
         def backend(gm, example_inputs):
             seen["gm"], seen["inputs"] = gm, example_inputs
-            return gm.forward
+            if path == "compile":
+                return gm.forward
+            # precompile takes a serializable callable (serialized only when saved)
+            return GraphModuleSerializableCallable(gm)
 
-        torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        if path == "compile":
+            compiled(*args, **kwargs)
+        else:
+            compiled.forward.aot_compile((args, kwargs))
         gm, inputs = seen["gm"], seen["inputs"]
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         named = [(n.target, t) for n, t in zip(phs, inputs)] + [(n.name, t) for n, t in zip(phs, inputs)]
@@ -212,6 +240,13 @@ def capture(model_name: str, path: str):
             if isinstance(value, torch.Tensor):
                 named += [(spec.arg.name, value)]
         return model, FQNMap.from_exported_program(ep, model), _truth_by_identity(model, named), ep
+    if path == "dgc_public":
+        gm = dynamo_graph_capture_for_export(model)(*args, **kwargs)
+        inputs = fqn.capture.graph_input_tensors(gm, args, kwargs)
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        named = [(n.target, t) for n, t in zip(phs, inputs)] + [(n.name, t) for n, t in zip(phs, inputs)]
+        named += list(_graph_named_tensors(gm))
+        return model, FQNMap.from_capture(model, gm, inputs), _truth_by_identity(model, named), gm
     if path == "torch_ir":
         gm = _export_to_torch_ir(model, args, kwargs)
     else:
@@ -226,7 +261,7 @@ def capture(model_name: str, path: str):
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_capture_cell(model_name, path):
     if (model_name, path) in RAISES:
-        with pytest.raises(RuntimeError, match="_checkpoint_context_fn"):
+        with pytest.raises(RuntimeError, match=RAISES[model_name, path]):
             capture(model_name, path)
         return
     model, fmap, truth, captured = capture(model_name, path)
