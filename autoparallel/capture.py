@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn

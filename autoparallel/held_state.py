@@ -54,7 +54,9 @@ def held_spec(fqn: str, t: object, spec: GatherSpec) -> GatherSpec:
     if t.device_mesh != spec.mesh:
         raise StateError(f"{where} on another DeviceMesh {t.device_mesh}; the module's is {spec.mesh}")
     if any(p.is_partial() for p in t.placements):
-        raise StateError(f"{where} with placements {_placements(t.placements)}: Partial holds no value to gather")
+        raise StateError(
+            f"{where} with placements {_placements(t.placements)}: Partial holds no value to gather"
+        )
     if tuple(t.placements) == spec.placements and t.stride() == spec.stride:
         return spec
     return dataclasses.replace(spec, placements=tuple(t.placements), stride=t.stride())

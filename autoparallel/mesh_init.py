@@ -74,7 +74,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from fqn import eager_tensors
 
-from .fill_rules import check_like_torch, half_open, random_kind, random_range, random_transform, uniform_bounds
+from .fill_rules import (
+    check_like_torch,
+    half_open,
+    random_kind,
+    random_range,
+    random_transform,
+    uniform_bounds,
+)
 from .rng import fill_box, stream_id
 from .uninitialized import note_written
 
