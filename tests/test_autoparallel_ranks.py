@@ -295,26 +295,20 @@ def _ranks_main(rank, world, runs, hf):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         overrides = OVERRIDES_2D if len(shape) == 2 else (OVERRIDES_1D if world > 1 else None)
         key = "x".join(map(str, shape))
-        if "fp32" in kinds:
-            results[f"{key} fp32"] = _train_and_compare(rank, mesh, None, overrides, F32)
-        if "bf16" in kinds:
-            results[f"{key} bf16"] = _train_and_compare(rank, mesh, BF16, overrides, BF16_TOL)
-        if "init" in kinds:
-            results[f"{key} init"] = _init_checks(rank, mesh)
-        if "api" in kinds:
-            results[f"{key} api"] = _api_checks(rank, mesh)
-        if "uninit" in kinds:
-            results[f"{key} uninit"] = uninit_checks(rank, mesh)
-        if "mp" in kinds:
-            results[f"{key} mp"] = mp_bytes_checks(rank, mesh)
-        if "bucket" in kinds:
-            results[f"{key} bucket"] = bucket_checks(rank, mesh)
-        if "grads" in kinds:
-            results[f"{key} grads"] = grad_agreement_checks(rank, mesh)
-        if "replaced" in kinds:
-            results[f"{key} replaced"] = replaced_param_checks(rank, mesh)
-        if "moe" in kinds:
-            results[f"{key} moe"] = meta_moe_checks(rank, mesh)
+        checks = {
+            "fp32": lambda: _train_and_compare(rank, mesh, None, overrides, F32),
+            "bf16": lambda: _train_and_compare(rank, mesh, BF16, overrides, BF16_TOL),
+            "init": lambda: _init_checks(rank, mesh),
+            "api": lambda: _api_checks(rank, mesh),
+            "uninit": lambda: uninit_checks(rank, mesh),
+            "mp": lambda: mp_bytes_checks(rank, mesh),
+            "bucket": lambda: bucket_checks(rank, mesh),
+            "grads": lambda: grad_agreement_checks(rank, mesh),
+            "replaced": lambda: replaced_param_checks(rank, mesh),
+            "moe": lambda: meta_moe_checks(rank, mesh),
+        }
+        for kind in kinds:  # in the order listed
+            results[f"{key} {kind}"] = checks[kind]()
     for g, (names, setups) in enumerate(hf):
         results.update(hf_checks(rank, names, [_setup(*s) for s in setups], f"hf{g}"))
     return results
