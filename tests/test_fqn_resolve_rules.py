@@ -134,7 +134,7 @@ def test_resolve_agrees_with_identity_on_real_captures(path):
                 ambiguous += 1
                 continue
             assert eager_tensor[got] is eager_tensor[eager], (model_name, name, got, eager)
-    if path == "compile":
+    if path in ("compile", "aot_compile", "dgc_public"):
         # Placeholder names keep `_modules_` between segments: even the collisions are exact.
         assert ambiguous == 0
     else:

@@ -4,7 +4,8 @@ Run: ``python tests/bench/train_step.py [--pairs 7] [--profile]``. Two gloo rank
 train transformers' ``LlamaForCausalLM`` (hidden 256, 4 layers, seq 128, global batch 8, default
 attention) from the same weights: the parallel module (``AutoParallel``, default plan) and FSDP2
 (``fully_shard`` on every decoder layer and the root), both under
-``MixedPrecisionPolicy(param_dtype=bfloat16)`` (gradients reduced in float32). After 2 warm-up
+``MixedPrecisionPolicy(param_dtype=bfloat16)`` (gradients averaged over the ranks in float32 on both
+sides: ``reduce="mean"``, FSDP2's default). After 2 warm-up
 steps each, ``--pairs`` timed pairs alternate which side goes first; ``os.sync()`` and a barrier
 before every timed step. Prints each side's median step and range (max over ranks per step), the
 throughput ratio FSDP2 / parallel (>= 1.0 means the parallel module is at least as fast), capture
