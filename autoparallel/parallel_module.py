@@ -90,16 +90,43 @@ def _parallel_class(cls: type) -> type:
             "``nn.Module.to_empty``; forward then refuses the tensors it allocated until something writes "
             "them (``init_weights``, ``checkpoint.load``, any in-place write)."
         )
-        cached = type(
-            f"AutoParallel{cls.__name__}",
-            (cls,),
-            {"forward": _parallel_forward, "to_empty": to_empty, "__module__": cls.__module__},
-        )
+        # eager_class: what checkpoint writes as config.json's "architectures" (the eager class loads it)
+        attrs = {"forward": _parallel_forward, "to_empty": to_empty, "__module__": cls.__module__, "eager_class": cls}
+        if callable(getattr(cls, "save_pretrained", None)):  # a transformers PreTrainedModel
+            attrs["save_pretrained"] = _save_pretrained
+        cached = type(f"AutoParallel{cls.__name__}", (cls,), attrs)
         _CLASSES[cls] = cached
     return cached
 
 
 _CLASSES: dict[type, type] = {}
+
+
+def _save_pretrained(
+    self,
+    save_directory,
+    *,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    push_to_hub: bool = False,
+    **kwargs,
+) -> None:
+    """transformers' ``save_pretrained`` for the parallel module: call it on every rank. The
+    DTensor state is written by :func:`checkpoint.save` (each rank its own bytes, Hugging Face's
+    sharded safetensors layout, eager FQNs) with ``config.json`` / ``generation_config.json``, so
+    ``from_pretrained(save_directory)`` of the eager class loads it; an existing checkpoint there is
+    replaced (files it does not own stay), as ``save_pretrained`` does.
+
+    Raises ``TypeError`` naming the options it cannot honour (``safe_serialization=False``,
+    ``push_to_hub``, ``state_dict=``, ``variant=``, ...); else what :func:`checkpoint.save` raises."""
+    unsupported = sorted(kwargs) + (["safe_serialization=False"] if not safe_serialization else [])
+    unsupported += ["push_to_hub"] if push_to_hub else []
+    if unsupported:
+        raise TypeError(f"{type(self).__name__}.save_pretrained: not supported on the parallel module: {unsupported}")
+    # Function-local: autoparallel builds modules without needing checkpoint; saving is its job.
+    from checkpoint import save
+
+    save(self, save_directory, max_shard_size=max_shard_size, overwrite=True)
 
 
 def build_parallel_module(

@@ -5,6 +5,7 @@ never-initialized state, and the bytes mixed-precision collectives move."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -161,8 +162,9 @@ def uninit_checks(rank: int, mesh: DeviceMesh) -> bool:
     torch.manual_seed(0)
     eager = hf_llama()
     ckpt = os.path.join(tempfile.gettempdir(), f"fqnckpt-uninit-{os.getppid()}")
-    if rank == 0:
-        checkpoint.save(eager, ckpt, overwrite=True)
+    if rank == 0:  # transformers' own save_pretrained: checkpoint.load reads it into the parallel module
+        shutil.rmtree(ckpt, ignore_errors=True)
+        eager.save_pretrained(ckpt)
     dist.barrier()
     with torch.device("meta"):
         meta = hf_llama()
@@ -179,6 +181,18 @@ def uninit_checks(rank: int, mesh: DeviceMesh) -> bool:
     torch.testing.assert_close(
         pllama(input_ids=mine).logits, eager(input_ids=ids).logits.chunk(world)[rank], atol=1e-5, rtol=1e-5
     )
+    # save_pretrained on the parallel module (every rank): the eager class's from_pretrained reads it.
+    pretrained = ckpt + "-pretrained"
+    pllama.save_pretrained(pretrained, max_shard_size="100KB")
+    with pytest.raises(TypeError, match="safe_serialization=False"):
+        pllama.save_pretrained(pretrained, safe_serialization=False)
+    if rank == 0:
+        back = type(eager).from_pretrained(pretrained)
+        assert json.load(open(os.path.join(pretrained, "config.json")))["architectures"] == [type(eager).__name__]
+        torch.testing.assert_close(back(input_ids=ids).logits, eager(input_ids=ids).logits, atol=0, rtol=0)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(pretrained)
     # A graph captured in training mode refuses eval mode (its dropout is fixed at capture).
     pllama.eval()
     with pytest.raises(

@@ -23,13 +23,15 @@ def _config_owner(obj: Any) -> Any:
 
 def hf_config_files(obj: Any) -> dict[str, bytes]:
     """``{"config.json": ..., "generation_config.json": ...}`` for a transformers model (or a
-    wrapper of one); ``{}`` for anything else. ``architectures`` is the model's class name;
+    wrapper of one); ``{}`` for anything else. ``architectures`` is the model's class name (its
+    ``eager_class``'s for autoparallel's parallel module);
     :data:`RUNTIME_ONLY` keys are left out (transformers then uses its defaults)."""
     owner = _config_owner(obj)
     if owner is None:
         return {}
     cfg = copy.deepcopy(owner.config)
-    cfg.architectures = [type(owner).__name__]
+    # A parallel module's class subclasses the eager one and names it as ``eager_class``.
+    cfg.architectures = [getattr(type(owner), "eager_class", type(owner)).__name__]
     data = cfg.to_diff_dict()
     for k in RUNTIME_ONLY:
         data.pop(k, None)
