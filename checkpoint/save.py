@@ -341,7 +341,10 @@ def _save_distributed(
     for name in extra_files:
         _check_extra_name(name)
     if not dist.active():
-        raise RuntimeError("DTensor parameters need an initialized process group to save")
+        raise CheckpointError(
+            f"saving {path}: the state holds DTensors but no default process group is initialized "
+            "(torch.distributed.init_process_group, of any world size, one rank included)"
+        )
     rank, world = dist.rank(), dist.world_size()
     layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
     fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]

@@ -38,8 +38,10 @@ def _group() -> Any:
 
 
 def active() -> bool:
-    """True inside an initialized process group of more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True inside an initialized default process group, of any world size: a group of one rank
+    (``torchrun --nproc-per-node 1``, a 1-GPU FSDP2 run) is a world like any other, and every
+    collective here works on it."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

@@ -25,9 +25,12 @@ creates the group: a collective).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,6 +56,7 @@ class SaveFuture:
     def __init__(self, future: Future, path: str, staging_bytes: int, staged: threading.Event):
         self._future, self.path, self.staging_bytes = future, path, staging_bytes
         self._staged = staged
+        self.seen = False  # the outcome reached the caller (result() / exception() returned or raised)
 
     def staged(self) -> bool:
         """Whether every value of the snapshot is in the staging buffers (True at once unless
@@ -66,13 +70,17 @@ class SaveFuture:
 
     def result(self, timeout: float | None = None) -> IndexFile:
         """Block until committed (at most ``timeout`` seconds: ``TimeoutError``); re-raises the save's error."""
-        return self._future.result(timeout)
+        self._future.exception(timeout)  # TimeoutError: the outcome is not seen yet
+        self.seen = True
+        return self._future.result()
 
     def done(self) -> bool:
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        err = self._future.exception(timeout)
+        self.seen = True
+        return err
 
     def add_done_callback(self, fn) -> None:
         """``fn(self)`` once the save finished (in the background thread, or now if done)."""
@@ -159,17 +167,29 @@ def _updated_by(optimizer: torch.optim.Optimizer) -> set[tuple[str, int]]:
     return out
 
 
+def _watched(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose version counters show a write to ``t``: a DTensor and its local tensor
+    have one counter each (an in-place op on the DTensor bumps the wrapper's; a write through
+    ``to_local()`` / ``_local_tensor``, or their views, bumps only the local tensor's)."""
+    return [t, t._local_tensor] if isinstance(t, DTensor) else [t]
+
+
 @dataclasses.dataclass
 class _Copy:
-    """One tensor to stage: ``src`` into ``buf``; ``owner`` is the object writers bump the version
-    counter of (the DTensor itself for a shard: in-place ops on a DTensor leave its local tensor's
-    counter alone), ``version`` its counter at the call."""
+    """One tensor to stage: ``src`` into ``buf``; ``watch`` pairs each tensor a writer bumps the
+    version counter of (see :func:`_watched`) with its counter at the call."""
 
     key: tuple[str, str]
     buf: torch.Tensor
     src: torch.Tensor
-    owner: torch.Tensor
-    version: int
+    watch: list[tuple[torch.Tensor, int]]
+
+    def changed(self) -> bool:
+        return any(t._version != v for t, v in self.watch)
+
+
+def _copy_of(key: tuple[str, str], buf: torch.Tensor, src: torch.Tensor, owner: torch.Tensor) -> _Copy:
+    return _Copy(key, buf, src, [(w, w._version) for w in _watched(owner)])
 
 
 class AsyncSaver:
@@ -177,9 +197,11 @@ class AsyncSaver:
     :meth:`save` first waits for the previous one, whose buffers it reuses). Thread-safe."""
 
     def __init__(self) -> None:
+        _savers.add(self)
         self._pool = _StagingPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-async-save")
         self._pending: Future | None = None
+        self._last: SaveFuture | None = None
         self._hook: Any = None  # the optimizer step pre-hook of a background-staged save
         self._group: Any = None
         self._lock = threading.Lock()
@@ -218,13 +240,13 @@ class AsyncSaver:
             local = t.to_local()
             buf = self._pool.buffer(key, local)
             used.add(key)
-            copies.append(_Copy(key, buf, local, owner, owner._version))
+            copies.append(_copy_of(key, buf, local, owner))
             return DTensor.from_local(
                 buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
             )
         buf = self._pool.buffer(key, t)
         used.add(key)
-        copies.append(_Copy(key, buf, t, owner, owner._version))
+        copies.append(_copy_of(key, buf, t, owner))
         return buf
 
     def save(
@@ -294,7 +316,16 @@ class AsyncSaver:
                 after_commit, background_staging, deferred, staged_event,
             )  # fmt: skip
             self._pending = fut
-            return SaveFuture(fut, path, nbytes, staged_event)
+            self._last = SaveFuture(fut, path, nbytes, staged_event)
+            return self._last
+
+    def _finish_at_exit(self) -> tuple[str, BaseException | None]:
+        """Wait for the last save: (its path, its error if it failed and the caller never saw it)."""
+        last = self._last
+        if last is None:
+            return "", None
+        err = last._future.exception()
+        return last.path, None if last.seen else err
 
 
 def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
@@ -304,7 +335,7 @@ def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
     with torch.no_grad():
         for c in deferred:
             _copy(c.buf, c.src)
-            if c.owner._version != c.version:
+            if c.changed():
                 prefix, fqn = c.key
                 raise SnapshotChangedError(fqn if prefix == MODEL_PREFIX else f"{prefix} state {fqn}", path)
 
@@ -336,6 +367,44 @@ def _write(
         after_commit()
     return index
 
+
+# -- interpreter exit ------------------------------------------------------------------------------
+# A save in flight when the script ends must not be lost silently. Python joins the writer thread
+# at exit anyway, but by then concurrent.futures refuses new work (the writer's hashing pool), so
+# the save is finished first, from a threading exit hook: those run before threads are joined, in
+# reverse order of registration, so ours (registered after concurrent.futures' own, imported
+# above) runs before concurrent.futures shuts its pools. A failure is printed on stderr and makes
+# the exit status 1 (from a plain atexit hook registered at import: it runs after those registered
+# later; the status of a finished interpreter can only be changed by os._exit).
+_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_failed_at_exit: list[str] = []
+
+
+def _finish_saves_at_exit() -> None:
+    for saver in list(_savers):
+        path = "a checkpoint"
+        try:
+            path, err = saver._finish_at_exit()
+        except BaseException as e:  # noqa: BLE001 - e.g. KeyboardInterrupt while waiting
+            err = e
+        if err is not None:
+            msg = f"fqnckpt: async save of {path} in flight at interpreter exit failed: {type(err).__name__}: {err}"
+            print(msg, file=sys.stderr, flush=True)
+            _failed_at_exit.append(msg)
+
+
+def _exit_status() -> None:
+    if _failed_at_exit:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+                pass
+        os._exit(1)
+
+
+threading._register_atexit(_finish_saves_at_exit)
+atexit.register(_exit_status)
 
 _default: AsyncSaver | None = None
 _default_lock = threading.Lock()
