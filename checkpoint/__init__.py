@@ -38,7 +38,7 @@ from .save import save, save_streaming
 from .storage.format import IndexFile, parse_size
 from .storage.layout import TensorSpec
 from .storage.reader import CheckpointReader, StrayFileWarning, open_checkpoint
-from .training import CheckpointManager, SaveFuture, async_save
+from .training import CheckpointManager, ForeignEntryWarning, SaveFuture, async_save
 from .verify import verify
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "LoadReport",
     "VerifyReport",
     "StrayFileWarning",
+    "ForeignEntryWarning",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",

@@ -151,3 +151,58 @@ def test_kills_during_background_writes_leave_latest_complete(tmp_path):
         assert not [n for n in os.listdir(root) if n.startswith(".")], what
         seen.add(step)
     assert seen == {1, 2}
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` (relative path -> file bytes, None for a directory)."""
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for f in files:
+            p = os.path.join(dirpath, f)
+            out[os.path.relpath(p, root)] = Path(p).read_bytes()
+    return out
+
+
+def test_foreign_step_names_are_reported_never_used_or_removed(tmp_path):
+    """Only names the manager writes are steps: a foreign ``step-*`` entry (other spellings,
+    another digit set, a file, a symlink, a hidden entry with the manager's tag on a foreign name)
+    is reported, never loaded, never removed by retention."""
+    # Complete checkpoints under names the manager never writes, with higher steps than its own.
+    foreign_dirs = ["step-abc", "step-00x", "step-5.bak", "step-99", "step-000000099", "step-٠٠٠٠٠٠٩٩"]
+    for name in foreign_dirs:
+        checkpoint.save(_sd(99), tmp_path / name)
+    (tmp_path / "step-00000007").write_bytes(b"a file, not a directory")
+    checkpoint.save(_sd(98), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "step-00000098")
+    checkpoint.save(_sd(97), tmp_path / ".step-abc.fqnckpt-deleting-0")  # foreign: not ours to delete
+    before = _tree(tmp_path)
+    with pytest.warns(checkpoint.ForeignEntryWarning, match="step-abc") as rec:
+        mgr = CheckpointManager(tmp_path, keep_latest=1, async_save=False)
+    expected = sorted([*foreign_dirs, "step-00000007", "step-00000098"])
+    assert mgr.foreign_entries() == expected
+    assert all(n in str(rec[0].message) for n in expected)
+    assert _tree(tmp_path) == before  # the constructor's clean-up removed nothing foreign
+    assert mgr.steps() == [] and mgr.latest() is None
+    target = {"a.weight": torch.zeros(4, 3), "b.bias": torch.zeros(5)}
+    assert mgr.load_latest(target) is None and torch.count_nonzero(target["a.weight"]) == 0
+    mgr.save(1, _sd(1))
+    mgr.save(2, _sd(2))  # retention (keep 1) removes step 1 only
+    assert mgr.steps() == [2] and mgr.latest() == str(tmp_path / "step-00000002")
+    after = _tree(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert sorted(set(after) - set(before))[0].startswith("step-00000002")
+    assert not any(k.startswith("step-00000001") for k in after)
+    assert mgr.load_latest(target) == 2
+    assert torch.equal(target["a.weight"], _sd(2)["a.weight"])
+
+
+def test_parse_step_dir_name_round_trips():
+    from checkpoint.training.manager import parse_step_dir_name, step_dir_name
+
+    for step in (0, 7, 12345678, 123456789):
+        assert parse_step_dir_name(step_dir_name(step)) == step
+    for name in ("step-7", "step-000000007", "step-0000000x", "step-00000007.bak", "step-00000007 ",
+                 "Step-00000007", "step--0000007", "step-+0000007", "step-٠٠٠٠٠٠٠٧", "step-"):
+        assert parse_step_dir_name(name) is None, name

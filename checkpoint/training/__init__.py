@@ -2,6 +2,6 @@
 :class:`CheckpointManager` (numbered checkpoints with retention)."""
 
 from .async_save import AsyncSaver, SaveFuture, async_save
-from .manager import CheckpointManager
+from .manager import CheckpointManager, ForeignEntryWarning
 
-__all__ = ["async_save", "AsyncSaver", "SaveFuture", "CheckpointManager"]
+__all__ = ["async_save", "AsyncSaver", "SaveFuture", "CheckpointManager", "ForeignEntryWarning"]

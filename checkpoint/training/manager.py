@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -32,13 +33,38 @@ from ..ranks import dist
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
 from .async_save import AsyncSaver, SaveFuture
 
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# ASCII digits only (``\d`` also matches e.g. Arabic-Indic digits, which int() accepts).
+_STEP_DIR = re.compile(r"^step-([0-9]{8,})$")
 DELETING_TAG = ".fqnckpt-deleting-"
+_DELETING = re.compile(r"^\.(step-[0-9]{8,})" + re.escape(DELETING_TAG) + r"[0-9a-f]{32}$")
+_LEFTOVER = re.compile(r"^\.(step-[0-9]{8,})\.fqnckpt-")
+
+
+class ForeignEntryWarning(UserWarning):
+    """A ``step-*`` entry under a manager's root that the manager did not write (its name is not
+    one :func:`step_dir_name` gives, or it is not a plain directory): never read, never removed."""
 
 
 def step_dir_name(step: int) -> str:
     """``100`` -> ``step-00000100``."""
     return f"step-{step:08d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a directory name the manager writes, else None: ``step-00000100`` -> 100;
+    ``step-100``, ``step-000000100`` (another spelling of 100), ``step-abc``, ``step-5.bak`` -> None.
+    Strict, so one step has one name and a foreign directory is never taken for a step."""
+    m = _STEP_DIR.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None
+
+
+def _own_hidden(name: str, pattern: re.Pattern) -> bool:
+    """``name`` is one of the manager's hidden entries for a step it writes (pattern group 1)."""
+    m = pattern.match(name)
+    return m is not None and parse_step_dir_name(m.group(1)) is not None
 
 
 def is_complete(path: str) -> bool:
@@ -106,6 +132,14 @@ class CheckpointManager:
         os.makedirs(self.root, exist_ok=True)
         if dist.rank() == 0:
             self._remove_deleting()
+            foreign = self.foreign_entries()
+            if foreign:
+                warnings.warn(
+                    f"{self.root}: {foreign} are not step directories this manager writes "
+                    f"(step-NNNNNNNN, at least 8 digits); they are never loaded or removed",
+                    ForeignEntryWarning,
+                    stacklevel=2,
+                )
 
     # -- finding checkpoints -------------------------------------------------------------------
     def path(self, step: int) -> str:
@@ -113,12 +147,26 @@ class CheckpointManager:
         return os.path.join(self.root, step_dir_name(step))
 
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints under ``root``, ascending."""
+        """Steps of the complete checkpoints under ``root``, ascending: only directories named as
+        :func:`step_dir_name` names them (see :meth:`foreign_entries` for the rest)."""
         out = []
         for name in os.listdir(self.root):
-            m = _STEP_DIR.match(name)
-            if m and is_complete(os.path.join(self.root, name)):
-                out.append(int(m.group(1)))
+            step = parse_step_dir_name(name)
+            if step is not None and is_complete(os.path.join(self.root, name)):
+                out.append(step)
+        return sorted(out)
+
+    def foreign_entries(self) -> list[str]:
+        """Names under ``root`` starting ``step-`` that are not the manager's: another spelling
+        (``step-5``, ``step-abc``, ``step-00000005.bak``), or not a plain directory (a file or a
+        symlink named ``step-00000007``). Sorted; never loaded, never removed by retention."""
+        out = []
+        for name in os.listdir(self.root):
+            if not name.startswith("step-"):
+                continue
+            p = os.path.join(self.root, name)
+            if parse_step_dir_name(name) is None or os.path.islink(p) or not os.path.isdir(p):
+                out.append(name)
         return sorted(out)
 
     def latest(self) -> str | None:
@@ -238,14 +286,10 @@ class CheckpointManager:
         :func:`checkpoint.atomic.complete_interrupted`)."""
         interrupted = set()
         for name in os.listdir(self.root):
-            if name.startswith(".step-") and DELETING_TAG in name:
+            if _own_hidden(name, _DELETING):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            elif name.startswith(".step-") and atomic.is_leftover_name(
-                name
-            ):  # lock files of killed saves too
-                m = re.match(r"^\.(step-\d{8,})\.fqnckpt-", name)
-                if m:
-                    interrupted.add(os.path.join(self.root, m.group(1)))
+            elif atomic.is_leftover_name(name) and _own_hidden(name, _LEFTOVER):  # lock files of killed saves too
+                interrupted.add(os.path.join(self.root, _LEFTOVER.match(name).group(1)))
         for path in sorted(interrupted):
             with atomic.checkpoint_lock(path):
                 atomic.complete_interrupted(path)
