@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 import checkpoint
 from checkpoint import CheckpointExistsError
 from checkpoint.training.async_save import AsyncSaver
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(seed=0):
@@ -195,3 +198,52 @@ def test_background_staging_without_optimizer_stages_in_the_call(tmp_path):
     got = _model(1)
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(v, old[k]) for k, v in got.state_dict().items())
+
+
+_AT_EXIT = r'''
+import os, sys, torch, checkpoint
+root, mode = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+opt = torch.optim.Adam(m.parameters()); m(torch.randn(2, 256)).sum().backward(); opt.step()
+torch.save({k: v.clone() for k, v in m.state_dict().items()}, os.path.join(root, "want.pt"))
+mgr = checkpoint.CheckpointManager(os.path.join(root, "mgr"))
+mgr.save(1, m, opt, {"step": 1})        # in flight at exit: must commit
+os.makedirs(os.path.join(root, "taken"))
+fut = checkpoint.async_save(m, os.path.join(root, "taken"))  # fails: the path exists
+if mode == "seen":
+    try:
+        fut.result()
+    except checkpoint.CheckpointExistsError:
+        print("caller saw it")
+    checkpoint.async_save(m, os.path.join(root, "final"))    # in flight at exit: must commit
+print("end of script")
+'''
+
+
+@pytest.mark.parametrize("mode", ["unseen", "seen"])
+def test_saves_in_flight_at_exit_commit_and_an_unseen_failure_fails_the_process(tmp_path, mode):
+    """A script that ends without wait(): every save in flight commits before the process ends; a
+    failure the caller never saw is printed on stderr and makes the exit status 1 (a failure it
+    saw through result() does not)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path), mode], capture_output=True, text=True,
+                       timeout=300, env=env)  # fmt: skip
+    assert "end of script" in p.stdout
+    want = torch.load(tmp_path / "want.pt")
+    got = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    assert checkpoint.CheckpointManager(tmp_path / "mgr").load_latest(got) == 1
+    assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+    assert sorted(os.listdir(tmp_path / "taken")) == []  # the failed save wrote nothing there
+    if mode == "unseen":
+        assert p.returncode == 1, p.stderr
+        line = [ln for ln in p.stderr.splitlines() if ln.startswith("fqnckpt: async save")]
+        assert line and str(tmp_path / "taken") in line[0] and "CheckpointExistsError" in line[0]
+    else:
+        assert p.returncode == 0 and "caller saw it" in p.stdout and "fqnckpt:" not in p.stderr, p.stderr
+        final = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        checkpoint.load(final, tmp_path / "final")
+        assert all(torch.equal(v, want[k]) for k, v in final.state_dict().items())

@@ -447,9 +447,14 @@ def async_save(
     ``use_async_staging`` do. Contract: until ``SaveFuture.staged()``, those tensors may be
     written only through ``optimizer.step()``; call ``SaveFuture.wait_staged()`` before writing
     them otherwise. A write that breaks it and bumps the tensor's version counter (any in-place
-    op, ``load_state_dict``) fails the save with :class:`~checkpoint.SnapshotChangedError` naming
-    the tensor, nothing written; a write through ``.data`` bypasses the counter and cannot be
-    seen. Without ``optimizer`` the flag changes nothing.
+    op, ``load_state_dict``; for a DTensor, on the DTensor or on its local tensor through
+    ``to_local()`` / ``_local_tensor``) fails the save with :class:`~checkpoint.SnapshotChangedError`
+    naming the tensor, nothing written; a write through ``.data`` bypasses the counter and cannot
+    be seen. Without ``optimizer`` the flag changes nothing.
+
+    Interpreter exit: a save still in flight when the script ends is finished before the process
+    exits; if it fails and its error was never read (``result()`` / ``exception()``), the error is
+    printed on stderr and the exit status is 1.
 
     Staging memory: host bytes equal to the tensor bytes this rank writes (model + optimizer
     state), kept between saves (``checkpoint.training.async_save.default_saver().staging_bytes``).
