@@ -11,7 +11,6 @@ traceback (``FQNCKPT_TRACEBACK=1`` prints it, for bug reports).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import os
@@ -21,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import diff
+from .common import check_trust, emit, human, load_model, plural
 from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
@@ -49,22 +50,6 @@ def register_command(cmd: Command) -> Command:
     return cmd
 
 
-def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True, default=str) if args.json else text)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _plural(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
 # -- inspect ---------------------------------------------------------------------------------------------
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint file or directory (any supported format)")
@@ -79,7 +64,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from ..migrate import naming_schemes
     from ..sources import open_source
 
-    _check_trust(args)
+    check_trust(args)
     with open_source(args.path, key=args.key, trusted_globals=args.trust) as src:
         keys = src.keys()
         dtypes = Counter(str(src.spec(k).dtype).removeprefix("torch.") for k in keys)
@@ -121,7 +106,7 @@ def _inspect(args: argparse.Namespace) -> int:
             }
     lines = [
         f"{data['path']}: {src.format}" + (f" (container {src.container!r})" if src.container else ""),
-        f"  tensors: {len(keys)}, {_human(data['total_bytes'])} ({data['total_bytes']} bytes)",
+        f"  tensors: {len(keys)}, {human(data['total_bytes'])} ({data['total_bytes']} bytes)",
         f"  dtypes: {', '.join(f'{d} x{n}' for d, n in sorted(dtypes.items()))}",
         "  naming (tensors): "
         + (", ".join(f"{s} x{n}" for s, n in sorted(schemes.items())) or "plain eager names"),
@@ -131,18 +116,18 @@ def _inspect(args: argparse.Namespace) -> int:
             f"  wrapper segments (tensors): {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}"
         )
     lines.append("  files:")
-    lines += [f"    {f}: {v['tensors']} tensors, {_human(v['bytes'])}" for f, v in sorted(per_file.items())]
+    lines += [f"    {f}: {v['tensors']} tensors, {human(v['bytes'])}" for f, v in sorted(per_file.items())]
     if opt is not None:
         o = data["optimizer_state"]
         lines.append(f"  optimizer state: {o['tensors']} tensors for {o['params']} params, {o['param_groups']} "
-                     f"param groups, {_human(o['bytes'])}")  # fmt: skip
+                     f"param groups, {human(o['bytes'])}")  # fmt: skip
     if src.skipped:
         lines.append(f"  non-tensor entries skipped: {sorted(src.skipped)}")
     lines += [f"  note: {n}" for n in src.notes]
     if args.keys:
         lines.append("  keys:")
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]
-    _emit(args, data, "\n".join(lines))
+    emit(args, data, "\n".join(lines))
     return EXIT_OK
 
 
@@ -175,53 +160,6 @@ def _migrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="model dimension for --recipe")
 
 
-def load_model(spec: str):
-    """``"pkg.mod:factory"`` -> ``factory()`` (an ``nn.Module``). The current directory is importable.
-
-    Raises:
-        BadInput: malformed spec, import failure, or the callable does not return an ``nn.Module``.
-    """
-    import torch.nn as nn
-
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise BadInput(f"--model {spec!r} must be MODULE:CALLABLE", flag="--model")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise BadInput(f"--model {spec!r}: {e}", flag="--model") from None
-    except Exception as e:  # noqa: BLE001 - the module itself raises / does not parse: no traceback
-        raise BadInput(
-            f"--model {spec!r}: importing {mod_name} failed: {type(e).__name__}: {e}", flag="--model"
-        ) from None
-    try:
-        model = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
-    except Exception as e:  # noqa: BLE001 - e.g. a class that needs a config: say so, no traceback
-        raise BadInput(
-            f"--model {spec!r}: calling {attr}() failed: {type(e).__name__}: {e}", flag="--model"
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise BadInput(f"--model {spec!r} gave a {type(model).__name__}, not an nn.Module", flag="--model")
-    return model
-
-
-def _check_trust(args: argparse.Namespace) -> None:
-    """Each ``--trust MODULE.NAME`` must import (before any pickle is looked at)."""
-    from ..sources.readers import resolve_globals
-
-    for g in getattr(args, "trust", None) or []:
-        try:
-            resolve_globals([g])
-        except Exception:  # noqa: BLE001 - any import failure is the flag's fault
-            raise BadInput(
-                f"--trust {g!r}: cannot import it (give a class or function as MODULE.NAME)",
-                flag="--trust",
-                key=g,
-            ) from None
-
-
 def _check_migrate_flags(args: argparse.Namespace):
     """Validate the flags that need no checkpoint before anything is read: ``--rule``,
     ``--max-shard-size``, ``--fqn-map`` (returns the compiled rules and the loaded FQN map)."""
@@ -237,7 +175,7 @@ def _check_migrate_flags(args: argparse.Namespace):
         parse_size(args.max_shard_size)
     except ValueError as e:
         raise BadInput(str(e), flag="--max-shard-size") from None
-    _check_trust(args)
+    check_trust(args)
     fmap = None
     if args.fqn_map is not None:
         try:
@@ -294,7 +232,7 @@ def _migrate(args: argparse.Namespace) -> int:
     if report.ignorable:
         lines.append(f"  ignorable (non-persistent buffers, dropped): {report.ignorable}")
     lines += [f"  note: {n}" for n in report.notes]
-    _emit(args, report.model_dump(mode="json") | {"ok": report.ok}, "\n".join(lines))
+    emit(args, report.model_dump(mode="json") | {"ok": report.ok}, "\n".join(lines))
     return code
 
 
@@ -312,136 +250,12 @@ def _verify(args: argparse.Namespace) -> int:
         f"{'/'.join(algos) or 'digests'} checked" if rep.checksummed else "structure checked, not checksummed"
     )
     head = (
-        f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {_plural(rep.tensors, 'tensor')}, "
-        f"{_plural(len(rep.files), 'file')}, {what})"
+        f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {plural(rep.tensors, 'tensor')}, "
+        f"{plural(len(rep.files), 'file')}, {what})"
     )
     lines = [head] + [f"  problem: {p}" for p in rep.problems] + [f"  note: {n}" for n in rep.notes]
-    _emit(args, rep.model_dump(mode="json") | {"ok": rep.ok, "bad_files": rep.bad_files}, "\n".join(lines))
+    emit(args, rep.model_dump(mode="json") | {"ok": rep.ok, "bad_files": rep.bad_files}, "\n".join(lines))
     return EXIT_OK if rep.ok else EXIT_MISMATCH
-
-
-# -- diff ------------------------------------------------------------------------------------------------
-def _diff_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", help="first checkpoint (any supported format)")
-    p.add_argument("b", help="second checkpoint (any supported format)")
-    p.add_argument("--no-values", action="store_true", help="compare keys, shapes and dtypes only")
-    names = p.add_mutually_exclusive_group()
-    names.add_argument(
-        "--model",
-        metavar="MODULE:CALLABLE",
-        help="resolve both sides' keys to this model's eager FQNs first (as migrate --model does)",
-    )
-    names.add_argument(
-        "--canonical", action="store_true", help="strip wrapper segments (_orig_mod., module., ...) first"
-    )
-    p.add_argument(
-        "--trust", action="append", default=[], metavar="MODULE.NAME", help="trusted pickle global"
-    )
-
-
-def tensor_digest(t) -> str:
-    """sha256 of a tensor's bytes (C order); its dtype and shape are compared separately."""
-    import torch
-
-    t = t.detach().contiguous()
-    return hashlib.sha256(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"").hexdigest()
-
-
-def _diff_names(src, model, canonical: bool) -> tuple[dict[str, str], list[str]]:
-    """``{name compared: source key}`` and the keys that resolve to no name (with ``model``).
-    With ``model`` names go through ``migrate``'s resolution and end at the canonical FQN of
-    their tied group, so a side storing one alias matches a side storing another."""
-    from fqn import canonical_fqn, eager_tensors
-
-    keys = src.keys()
-    if model is None:
-        mapped = {k: canonical_fqn(k) if canonical else k for k in keys}
-        unresolved: list[str] = []
-    else:
-        from ..migrate import plan_names
-
-        specs = {k: (tuple(src.spec(k).shape), src.spec(k).dtype) for k in keys}
-        planned, bad = plan_names(keys, specs, model=model, fqn_map=None, rules=[])
-        canon = {n: t.fqn for t in eager_tensors(model) for n in t.names}
-        mapped = {k: canon.get(t, t) for k, (t, _) in planned.items()}
-        unresolved = sorted(u.source for u in bad)
-    out: dict[str, str] = {}
-    for k, name in mapped.items():
-        if name in out:  # two keys of one side name one tensor: compare the first, report the rest
-            unresolved.append(f"{k} (same tensor as {out[name]})")
-            continue
-        out[name] = k
-    return out, unresolved
-
-
-def _diff(args: argparse.Namespace) -> int:
-    from ..progress import progress_bar
-    from ..sources import open_source
-
-    _check_trust(args)
-    model = load_model(args.model) if args.model else None
-    with (
-        open_source(args.a, trusted_globals=args.trust) as a,
-        open_source(args.b, trusted_globals=args.trust) as b,
-    ):
-        na, bad_a = _diff_names(a, model, args.canonical)
-        nb, bad_b = _diff_names(b, model, args.canonical)
-        ka, kb = set(na), set(nb)
-        common = sorted(ka & kb)
-        shape = [k for k in common if tuple(a.spec(na[k]).shape) != tuple(b.spec(nb[k]).shape)]
-        dtype = [k for k in common if a.spec(na[k]).dtype != b.spec(nb[k]).dtype]
-        values: list[str] = []
-        same_meta = [k for k in common if k not in shape and k not in dtype]
-        if not args.no_values:
-            total = sum(a.nbytes(na[k]) for k in same_meta)
-            with progress_bar(total, "diff", None) as bar:
-                for k in same_meta:  # one tensor of each side in memory at a time
-                    if tensor_digest(a.get(na[k])) != tensor_digest(b.get(nb[k])):
-                        values.append(k)
-                    bar.update(a.nbytes(na[k]))
-    naming = (
-        f"eager FQNs of {args.model}"
-        if model is not None
-        else "canonical names"
-        if args.canonical
-        else "raw names"
-    )
-    data = {
-        "a": args.a,
-        "b": args.b,
-        "names": naming,
-        "common": len(common),
-        "only_in_a": sorted(ka - kb),
-        "only_in_b": sorted(kb - ka),
-        "unresolved_in_a": bad_a,
-        "unresolved_in_b": bad_b,
-        "shape_differs": shape,
-        "dtype_differs": dtype,
-        "value_differs": values,
-        "compared_values": not args.no_values,
-        "values_compared": 0 if args.no_values else len(same_meta),
-    }
-    fields = ("only_in_a", "only_in_b", "unresolved_in_a", "unresolved_in_b", "shape_differs", "dtype_differs",
-              "value_differs")  # fmt: skip
-    same = not any(data[f] for f in fields)
-    data["same"] = same
-    if args.no_values:
-        compared = "values not compared (--no-values): keys, shapes and dtypes only"
-    else:
-        compared = f"values compared by sha256 for {len(same_meta)} tensors"
-    lines = [
-        f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} "
-        f"({len(common)} common tensors by {naming}; {compared})"
-    ]
-    for f in fields:
-        if data[f]:
-            lines.append(f"  {f.replace('_', ' ')} ({len(data[f])}): {data[f][:20]}")
-    if not common and (ka or kb) and model is None and not args.canonical:
-        lines.append(
-            "  hint: --canonical strips wrapper segments; --model MODULE:CALLABLE resolves to eager FQNs"
-        )
-    _emit(args, data, "\n".join(lines))
-    return EXIT_OK if same else EXIT_MISMATCH
 
 
 register_command(
@@ -458,7 +272,12 @@ register_command(
     )
 )
 register_command(
-    Command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints", _diff_args, _diff)
+    Command(
+        "diff",
+        "compare keys, shapes, dtypes and values (by hash) of two checkpoints, part by part",
+        diff.add_arguments,
+        diff.run,
+    )
 )
 
 

@@ -94,6 +94,32 @@ def is_complete(path: str) -> bool:
     return True
 
 
+def list_steps(root: str) -> list[tuple[int, bool]]:
+    """``(step, complete)`` for each directory under ``root`` named as :func:`step_dir_name` names
+    it (a plain directory, not a symlink), ascending. Reads indexes only; changes nothing."""
+    out = []
+    for name in os.listdir(root):
+        step = parse_step_dir_name(name)
+        p = os.path.join(root, name)
+        if step is not None and os.path.isdir(p) and not os.path.islink(p):
+            out.append((step, is_complete(p)))
+    return sorted(out)
+
+
+def foreign_step_entries(root: str) -> list[str]:
+    """Names under ``root`` starting ``step-`` that a manager did not write: another spelling
+    (``step-5``, ``step-abc``, ``step-00000005.bak``), or not a plain directory (a file or a
+    symlink named ``step-00000007``). Sorted."""
+    out = []
+    for name in os.listdir(root):
+        if not name.startswith("step-"):
+            continue
+        p = os.path.join(root, name)
+        if parse_step_dir_name(name) is None or os.path.islink(p) or not os.path.isdir(p):
+            out.append(name)
+    return sorted(out)
+
+
 class CheckpointManager:
     """Save ``root/step-{step:08d}`` checkpoints, find the newest complete one, keep the newest few.
 
@@ -149,25 +175,11 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints under ``root``, ascending: only directories named as
         :func:`step_dir_name` names them (see :meth:`foreign_entries` for the rest)."""
-        out = []
-        for name in os.listdir(self.root):
-            step = parse_step_dir_name(name)
-            if step is not None and is_complete(os.path.join(self.root, name)):
-                out.append(step)
-        return sorted(out)
+        return [step for step, complete in list_steps(self.root) if complete]
 
     def foreign_entries(self) -> list[str]:
-        """Names under ``root`` starting ``step-`` that are not the manager's: another spelling
-        (``step-5``, ``step-abc``, ``step-00000005.bak``), or not a plain directory (a file or a
-        symlink named ``step-00000007``). Sorted; never loaded, never removed by retention."""
-        out = []
-        for name in os.listdir(self.root):
-            if not name.startswith("step-"):
-                continue
-            p = os.path.join(self.root, name)
-            if parse_step_dir_name(name) is None or os.path.islink(p) or not os.path.isdir(p):
-                out.append(name)
-        return sorted(out)
+        """See :func:`foreign_step_entries`: never loaded, never removed by retention."""
+        return foreign_step_entries(self.root)
 
     def latest(self) -> str | None:
         """Path of the newest (highest step) complete checkpoint, or None."""

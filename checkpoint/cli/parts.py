@@ -1,0 +1,111 @@
+"""What the CLI reads of a checkpoint fqnckpt wrote: its parts (model, optimizer, extra state),
+and the steps of a ``CheckpointManager`` root.
+
+A checkpoint of :func:`checkpoint.save` is a directory with ``model.safetensors.index.json``
+(and ``optimizer.safetensors.index.json`` / ``extra_state.json`` when saved with an optimizer /
+``extra_state``; names from :mod:`checkpoint.storage.format` and
+:mod:`checkpoint.training.extra_state`). Each index is a checkpoint of its own to the sources,
+so a part is opened through its index file, never by guessing among several.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, OptimizerMeta, index_name
+from .errors import BadInput
+
+PARTS = ("model", "optimizer", "extra_state")
+
+
+@dataclass
+class Parts:
+    """The parts of one fqnckpt checkpoint directory: index file paths (None when absent), the
+    extra-state file, the model's alias groups and the optimizer's metadata from the indexes."""
+
+    root: str
+    model: str
+    optimizer: str | None
+    extra_state: str | None
+    alias_groups: list[list[str]] = field(default_factory=list)
+    optimizer_meta: OptimizerMeta | None = None
+
+
+def _plain_file(path: str) -> bool:
+    return os.path.isfile(path) and not os.path.islink(path)
+
+
+def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
+    """The parts of the fqnckpt checkpoint at ``path`` (a directory holding fqnckpt's model index),
+    else None (any other format: the sources read it whole).
+
+    Raises:
+        CorruptCheckpointError: an index that does not parse (file named).
+    """
+    from ..storage.reader import read_index
+    from ..training.extra_state import EXTRA_STATE_FILE
+
+    root = os.fspath(path)
+    model = os.path.join(root, index_name(MODEL_PREFIX))
+    if not os.path.isdir(root) or not _plain_file(model):
+        return None
+    meta = read_index(model).metadata.fqnckpt
+    if meta is None:
+        return None  # a Hugging Face checkpoint: no parts of ours
+    opt = os.path.join(root, index_name(OPTIMIZER_PREFIX))
+    extra = os.path.join(root, EXTRA_STATE_FILE)
+    opt_meta = read_index(opt).metadata.fqnckpt if _plain_file(opt) else None
+    return Parts(
+        root,
+        model,
+        opt if _plain_file(opt) else None,
+        extra if _plain_file(extra) else None,
+        [list(g) for g in meta.alias_groups],
+        opt_meta.optimizer if opt_meta is not None else None,
+    )
+
+
+def part_index(parts: Parts, part: str, flag: str) -> str:
+    """The index file of ``part`` (``model`` / ``optimizer``).
+
+    Raises:
+        BadInput: the checkpoint has no such part (``flag`` named).
+    """
+    path = parts.model if part == "model" else parts.optimizer if part == "optimizer" else None
+    if path is None:
+        have = [p for p in PARTS if getattr(parts, p) is not None]
+        raise BadInput(f"{parts.root} has no {part} part (it has {have})", flag=flag, file=parts.root)
+    return path
+
+
+@dataclass
+class ManagerRoot:
+    """A ``CheckpointManager`` root: ``steps`` as ``(step, directory, complete)``; ``foreign``:
+    ``step-*`` entries no manager wrote (never loaded or removed by one)."""
+
+    root: str
+    steps: list[tuple[int, str, bool]]
+    foreign: list[str]
+
+    @property
+    def latest(self) -> str | None:
+        done = [d for _, d, ok in self.steps if ok]
+        return done[-1] if done else None
+
+
+def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
+    """``path`` as a manager root (a directory that is no checkpoint itself, with ``step-*``
+    entries), else None. Changes nothing (a manager's constructor would clean up leftovers)."""
+    root = os.fspath(path)
+    if not os.path.isdir(root) or os.path.isfile(os.path.join(root, index_name(MODEL_PREFIX))):
+        return None
+    if not any(n.startswith("step-") for n in os.listdir(root)):
+        return None
+    from ..training.manager import foreign_step_entries, list_steps, step_dir_name
+
+    steps = [(s, os.path.join(root, step_dir_name(s)), ok) for s, ok in list_steps(root)]
+    return ManagerRoot(root, steps, foreign_step_entries(root))
+
+
+__all__ = ["PARTS", "Parts", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root"]
