@@ -300,27 +300,29 @@ def _report(args: argparse.Namespace, model, results: dict[str, dict]) -> int:
                             "compared_values": not args.no_values, "parts": results}  # fmt: skip
     if "model" in results and "common" in results["model"]:
         data |= {k: v for k, v in results["model"].items() if k != "same"}  # the fields of one part
-    compared = (
-        "values not compared (--no-values): keys, shapes and dtypes only"
-        if args.no_values
-        else "values compared by sha256"
-    )
-    lines = [f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} (by {naming}; {compared})"]
+    m = results.get("model", {})
+    if args.no_values:
+        compared = "values not compared (--no-values): keys, shapes and dtypes only"
+    else:
+        compared = f"values compared by sha256 for {sum(r.get('values_compared', 0) for r in results.values())} tensors"
+    what = f"{m['common']} common tensors" if "common" in m else ", ".join(results) or "nothing"
+    lines = [f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} ({what} by {naming}; {compared})"]
     for part, r in results.items():
+        pad = "  " if part == "model" else "    "
         if "present_only_in" in r:
             lines.append(f"  {part}: only in {r['present_only_in']}")
             continue
-        lines.append(f"  {part}: {'same' if r['same'] else 'DIFFERENT'} ({r['common']} common, "
-                     f"{r['values_compared']} values compared)")  # fmt: skip
+        if part != "model":
+            lines.append(f"  {part}: {'same' if r['same'] else 'DIFFERENT'} ({r['common']} common, "
+                         f"{r['values_compared']} values compared)")  # fmt: skip
         for f in _FIELDS:
             if r[f]:
-                lines.append(f"    {f.replace('_', ' ')} ({len(r[f])}): {r[f][:20]}")
+                lines.append(f"{pad}{f.replace('_', ' ')} ({len(r[f])}): {r[f][:20]}")
         for tag in ("a", "b"):
             if r.get(f"tied_in_{tag}"):
-                lines.append(f"    one tensor under several names in {tag}: {r[f'tied_in_{tag}'][:5]}")
+                lines.append(f"{pad}one tensor under several names in {tag}: {r[f'tied_in_{tag}'][:5]}")
         if r.get("param_groups_differ"):
-            lines.append("    param groups differ (hyper-parameters or parameters)")
-    m = results.get("model", {})
+            lines.append(f"{pad}param groups differ (hyper-parameters or parameters)")
     if m.get("common") == 0 and (m.get("only_in_a") or m.get("only_in_b")) and model is None and not args.canonical:
         lines.append("  hint: --canonical strips wrapper segments; --model MODULE:CALLABLE resolves to eager FQNs")
     emit(args, data, "\n".join(lines))

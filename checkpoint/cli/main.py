@@ -22,6 +22,7 @@ from typing import Any
 
 from . import diff
 from .common import check_trust, emit, human, load_model, plural
+from .parts import extra_state_summary, fqnckpt_parts, manager_root, optimizer_summary, part_index
 from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
@@ -65,7 +66,17 @@ def _inspect(args: argparse.Namespace) -> int:
     from ..sources import open_source
 
     check_trust(args)
-    with open_source(args.path, key=args.key, trusted_globals=args.trust) as src:
+    root = manager_root(args.path)
+    if root is not None:
+        return _inspect_manager(args, root)
+    parts = fqnckpt_parts(args.path)
+    path, key = args.path, args.key
+    if parts is not None:  # one of fqnckpt's checkpoints: --key names a part, each part is shown
+        if key not in (None, "model", "optimizer"):
+            raise BadInput(f"--key {key!r}: {args.path} is an fqnckpt checkpoint; its parts are model and "
+                           "optimizer", flag="--key", file=args.path)  # fmt: skip
+        path, key = part_index(parts, key or "model", "--key"), None
+    with open_source(path, key=key, trusted_globals=args.trust) as src:
         keys = src.keys()
         dtypes = Counter(str(src.spec(k).dtype).removeprefix("torch.") for k in keys)
         # Counts are of tensors: a key with two wrapper segments is one tensor of naming "wrapper".
@@ -124,9 +135,47 @@ def _inspect(args: argparse.Namespace) -> int:
     if src.skipped:
         lines.append(f"  non-tensor entries skipped: {sorted(src.skipped)}")
     lines += [f"  note: {n}" for n in src.notes]
+    if parts is not None and args.key is None:
+        lines += _inspect_parts(parts, data)
     if args.keys:
         lines.append("  keys:")
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]
+    emit(args, data, "\n".join(lines))
+    return EXIT_OK
+
+
+def _inspect_parts(parts, data: dict) -> list[str]:
+    """``data["parts"]`` and the text lines for the optimizer and extra state of an fqnckpt checkpoint."""
+    opt, extra = optimizer_summary(parts), extra_state_summary(parts)
+    data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra}
+    lines = [f"  parts: model ({os.path.basename(parts.model)})"
+             + (f", optimizer ({opt['index']})" if opt else "") + (", extra state (extra_state.json)" if extra else "")]  # fmt: skip
+    if opt is not None:
+        lines.append(f"  optimizer: {opt['optimizer_class']}, {opt['tensors']} state tensors "
+                     f"({', '.join(opt['state_slots'])}) for {opt['params']} params, "
+                     f"{plural(len(opt['param_groups']), 'param group')}, {human(opt['bytes'])}")  # fmt: skip
+        for i, g in enumerate(opt["param_groups"]):
+            hyper = ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
+            lines.append(f"    group {i}: {g['params']} params; {hyper}")
+    if extra is not None:
+        lines.append(f"  extra state: {len(extra)} {'entry' if len(extra) == 1 else 'entries'}")
+        lines += [f"    {k}: {v}" for k, v in extra.items()]
+    return lines
+
+
+def _inspect_manager(args: argparse.Namespace, root) -> int:
+    """``inspect`` of a CheckpointManager root: its steps, the latest, and foreign entries."""
+    steps = [{"step": s, "path": d, "complete": ok} for s, d, ok in root.steps]
+    data = {"path": args.path, "format": "checkpoint-manager", "steps": steps, "latest": root.latest,
+            "foreign": root.foreign}  # fmt: skip
+    done = sum(ok for *_, ok in root.steps)
+    lines = [f"{args.path}: CheckpointManager root, {plural(len(steps), 'step')} ({done} complete); "
+             f"latest: {root.latest or 'none'}"]  # fmt: skip
+    lines += [f"  {os.path.basename(s['path'])}: {'complete' if s['complete'] else 'INCOMPLETE'}" for s in steps]
+    if root.foreign:
+        lines.append(f"  not steps (foreign names, never loaded or removed by the manager): {root.foreign}")
+    if root.latest:
+        lines.append(f"  inspect a step: fqnckpt inspect {root.latest}")
     emit(args, data, "\n".join(lines))
     return EXIT_OK
 

@@ -108,4 +108,70 @@ def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     return ManagerRoot(root, steps, foreign_step_entries(root))
 
 
-__all__ = ["PARTS", "Parts", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root"]
+
+
+def optimizer_summary(parts: Parts) -> dict | None:
+    """The optimizer part of ``parts`` for ``inspect``: class, param groups (hyper-parameters,
+    number of parameters), state tensors and bytes; None without one."""
+    if parts.optimizer is None:
+        return None
+    from ..sources import open_source
+
+    with open_source(parts.optimizer) as src:
+        keys = src.keys()
+        nbytes = sum(src.nbytes(k) for k in keys)
+        slots = sorted({k.rpartition(".")[2] for k in keys})
+    meta = parts.optimizer_meta
+    groups = [] if meta is None else [
+        {"params": len(g.params), **{k: _hyper(meta, k, v) for k, v in g.model_dump().items() if k != "params"}}
+        for g in meta.param_groups
+    ]  # fmt: skip
+    return {
+        "index": os.path.basename(parts.optimizer),
+        "optimizer_class": meta.optimizer_class if meta is not None else None,
+        "tensors": len(keys),
+        "bytes": nbytes,
+        "state_slots": slots,
+        "params": sum(g["params"] for g in groups),
+        "param_groups": groups,
+    }
+
+
+def _hyper(meta: OptimizerMeta, name: str, raw):
+    """A hyper-parameter as Python (encoding 2 tags tuples, None, inf / nan); raw if it holds a tensor."""
+    if meta.value_encoding != 2:
+        return raw
+    from ..optim import decode_value
+
+    try:
+        return decode_value(raw, name)
+    except Exception:  # noqa: BLE001 - a tensor by reference needs the shards: shown as stored
+        return raw
+
+
+def _describe(node) -> str:
+    if node.kind == "tensor":
+        return f"tensor {node.dtype} {tuple(node.shape)}"
+    if node.kind in ("list", "tuple", "dict"):
+        return f"{node.kind} of {len(node.items)}"
+    return node.kind
+
+
+def extra_state_summary(parts: Parts) -> dict | None:
+    """The extra state of ``parts`` for ``inspect``: each entry's kind (a stateful object's class).
+
+    Raises:
+        CorruptCheckpointError / ChecksumMismatchError: see ``read_extra_state_file``.
+    """
+    if parts.extra_state is None:
+        return None
+    from ..training.extra_state import read_extra_state_file
+
+    doc = read_extra_state_file(parts.root)
+    return {
+        name: f"stateful {e.class_name}" if e.stateful else _describe(e.value) for name, e in doc.entries.items()
+    }
+
+
+__all__ = ["PARTS", "Parts", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
+           "extra_state_summary"]  # fmt: skip
