@@ -102,3 +102,19 @@ class Snapshot:
     def assert_unchanged(self) -> None:
         diff = self.differences()
         assert not diff, "rejected operation changed its target:\n" + "\n".join(diff)
+
+
+def dir_snapshot(root) -> dict[str, bytes | None]:
+    """Every entry under directory ``root`` (relative path -> bytes; directories -> None), hidden
+    ones too: equal snapshots before and after mean nothing on disk changed."""
+    import os
+
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for f in files:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out

@@ -21,6 +21,7 @@ from checkpoint import CheckpointExistsError, CheckpointManager
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 import training_crash_worker as cw  # noqa: E402
+from tests.snapshot import dir_snapshot as _tree  # noqa: E402
 
 
 def _sd(step: int):
@@ -151,18 +152,6 @@ def test_kills_during_background_writes_leave_latest_complete(tmp_path):
         assert not [n for n in os.listdir(root) if n.startswith(".")], what
         seen.add(step)
     assert seen == {1, 2}
-
-
-def _tree(root: Path) -> dict[str, bytes | None]:
-    """Every entry under ``root`` (relative path -> file bytes, None for a directory)."""
-    out: dict[str, bytes | None] = {}
-    for dirpath, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
-        for f in files:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = Path(p).read_bytes()
-    return out
 
 
 def test_foreign_step_names_are_reported_never_used_or_removed(tmp_path):

@@ -18,19 +18,7 @@ import checkpoint
 from checkpoint import _faults, atomic
 from checkpoint.errors import InterruptedCommitError, UnsavableError, UnsavableTypeError
 from checkpoint.storage import limits
-
-
-def snapshot(root) -> dict[str, bytes | None]:
-    """Every entry under ``root`` (relative path -> bytes; directories -> None), hidden ones too."""
-    out: dict[str, bytes | None] = {}
-    for dirpath, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
+from tests.snapshot import dir_snapshot as snapshot
 
 
 def _values(path):
