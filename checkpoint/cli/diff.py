@@ -89,7 +89,7 @@ def _resolver(model, canonical: bool) -> Callable[[list[str], Any], tuple[dict[s
 
     if model is None:
         return lambda keys, src: ({k: canonical_fqn(k) if canonical else k for k in keys}, [])
-    from ..migrate import plan_names
+    from ..plan.names import plan_names
 
     canon = {n: t.fqn for t in eager_tensors(model) for n in t.names}
 
@@ -204,7 +204,7 @@ def _extra_state(parts: Parts | None) -> dict[str, str] | None:
     """``{entry name: canonical JSON of the entry}`` of fqnckpt's extra state, or None."""
     if parts is None or parts.extra_state is None:
         return None
-    from ..training.extra_state import read_extra_state_file
+    from ..storage.extra_state import read_extra_state_file
 
     doc = read_extra_state_file(parts.root)
     return {k: json.dumps(e.model_dump(mode="json"), sort_keys=True) for k, e in doc.entries.items()}

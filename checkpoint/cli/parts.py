@@ -43,8 +43,8 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
     Raises:
         CorruptCheckpointError: an index that does not parse (file named).
     """
+    from ..storage.extra_state import EXTRA_STATE_FILE
     from ..storage.reader import read_index
-    from ..training.extra_state import EXTRA_STATE_FILE
 
     root = os.fspath(path)
     model = os.path.join(root, index_name(MODEL_PREFIX))
@@ -165,7 +165,7 @@ def extra_state_summary(parts: Parts) -> dict | None:
     """
     if parts.extra_state is None:
         return None
-    from ..training.extra_state import read_extra_state_file
+    from ..storage.extra_state import read_extra_state_file
 
     doc = read_extra_state_file(parts.root)
     return {
