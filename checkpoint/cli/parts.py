@@ -100,8 +100,11 @@ def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     root = os.fspath(path)
     if not os.path.isdir(root) or os.path.isfile(os.path.join(root, index_name(MODEL_PREFIX))):
         return None
-    if not any(n.startswith("step-") for n in os.listdir(root)):
+    names = os.listdir(root)
+    if not any(n.startswith("step-") for n in names):
         return None
+    if any(n == ".metadata" or n.endswith((".safetensors", ".index.json", ".pt", ".pth", ".bin")) for n in names):
+        return None  # a checkpoint of another format that happens to hold a step-* entry
     from ..training.manager import foreign_step_entries, list_steps, step_dir_name
 
     steps = [(s, os.path.join(root, step_dir_name(s)), ok) for s, ok in list_steps(root)]
