@@ -288,6 +288,25 @@ class AmbiguousSourceError(CheckpointError, ValueError):
         super().__init__(f"{self.file}: {why}; choices for {choice_of}: {self.choices}")
 
 
+class DCPLoadError(CheckpointError, ValueError):
+    """A DCP checkpoint cannot be loaded as asked (``path`` names the DCP directory)."""
+
+    def __init__(self, path: str, why: str):
+        self.path = str(path)
+        super().__init__(f"DCP checkpoint {self.path}: {why}")
+
+
+class ExtraStateMismatchError(CheckpointError, TypeError):
+    """An ``extra_state`` entry of the checkpoint does not fit the caller's object: saved plain
+    vs. through ``state_dict()``, another class, other keys, or the object's own
+    ``load_state_dict`` refused it (tried on a copy, or undone). Raised before anything changed;
+    ``key`` names the entry, ``file`` the file it is stored in."""
+
+    def __init__(self, key: str, file: str, why: str):
+        self.key, self.file = key, str(file)
+        super().__init__(f"{self.file}: extra_state {key!r} {why}; nothing was loaded")
+
+
 class MigrationError(CheckpointError):
     """A migration stopped (unresolved / ambiguous / colliding / missing keys); ``report`` is the
     :class:`checkpoint.migrate.MigrationReport` explaining every decision. Nothing was written."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from .apply import apply_load
 from .atomic import read_view
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, DCPLoadError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
 from .plan.model import plan_load
@@ -29,6 +30,8 @@ from .ranks import dist
 from .reports import LoadReport
 from .state import object_state
 from .storage.reader import open_checkpoint
+from .sources.dcp import dcp_format, open_dcp
+from .sources.dcp_targets import DCPTargetReader
 
 
 def load(
@@ -126,45 +129,43 @@ def load(
             migrate(path, os.path.join(tmp, "ck"), recipe=recipe, model=obj, progress=progress)
             return load(obj, os.path.join(tmp, "ck"), strict=strict, optimizer=optimizer, dtype=dtype, verify=verify,
                         assign=assign, allow_lossy=allow_lossy, extra_state=extra_state, progress=progress)  # fmt: skip
-    from .sources.dcp import dcp_format  # a DCP directory is read through torch.distributed.checkpoint
-
-    if dcp_format(path):
-        from .plan.dcp import load_dcp
-
-        if assign or extra_state is not None:
-            from .plan.dcp import DCPLoadError
-
-            raise DCPLoadError(
-                os.fspath(path), "assign= and extra_state= are not read from DCP directly; migrate it first"
-            )
-        return load_dcp(
-            obj, path, strict=strict, optimizer=optimizer, dtype=dtype, verify=verify, allow_lossy=allow_lossy
-        )
     if dtype is not None:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError("dtype= needs an nn.Module")
         if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"dtype= must be a floating point or complex torch.dtype, got {dtype!r}")
+    fmt = dcp_format(path)
+    if fmt is not None and verify:
+        raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
     state = object_state(obj)
     collective = state.has_dtensor and dist.active()
     err: BaseException | None = None
+    agreed = False
     reader = plan = extra = None
+
+    def agree() -> None:
+        nonlocal agreed
+        if collective:
+            agreed = True  # a failure raised here was agreed already: not agreed twice below
+            dist.check_all(f"planning {path}", None)
+            agreed = False
+
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
         with read_view(path):
-            reader = open_checkpoint(path)
+            reader = open_target_reader(path, fmt)
             plan = plan_load(
-                obj, reader, path, strict=strict, optimizer=optimizer, dtype=dtype,
-                assign=assign, allow_lossy=allow_lossy, verify=verify, state=state,
+                obj, reader, f"DCP checkpoint {path}" if fmt else path, strict=strict, optimizer=optimizer, dtype=dtype,
+                assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
             )  # fmt: skip
             if extra_state is not None:
-                extra = plan_extra_state(reader.root if reader.index_path else None, extra_state, plan.report)
+                extra = plan_extra_state(reader, extra_state, plan.report, plan=plan, optimizer=optimizer)
                 if strict and not plan.report.ok:
                     raise CheckpointMismatchError(plan.report, path)
     except BaseException as e:  # noqa: BLE001 - agreed across ranks below
         err = e
     try:
-        if collective:
+        if collective and not agreed:
             dist.check_all(f"opening {path}", err)
         elif err is not None:
             raise err
@@ -184,6 +185,16 @@ def load(
         if reader is not None:
             reader.close()
     return plan.report
+
+
+def open_target_reader(path: str, fmt: str | None = None):
+    """The source stage of ``load``: a :class:`CheckpointReader` over an fqnckpt / Hugging Face
+    checkpoint (index, shards, one file, a hub-cache snapshot), or a
+    :class:`~checkpoint.sources.dcp_targets.DCPTargetReader` over a DCP directory (``fmt`` from
+    :func:`~checkpoint.sources.dcp.dcp_format`). Raises what they raise."""
+    if fmt is None:
+        return open_checkpoint(path)
+    return DCPTargetReader(open_dcp(Path(path), fmt))
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

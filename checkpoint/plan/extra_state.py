@@ -1,20 +1,42 @@
-"""The one extra-state planner: the checkpoint's ``extra_state.json`` matched with the caller's
-``extra_state`` (format: :mod:`checkpoint.storage.extra_state`), checked before anything changes."""
+"""The one extra-state planner: the checkpoint's extra state (``extra_state.json`` of an fqnckpt
+checkpoint, format :mod:`checkpoint.storage.extra_state`; the non-model entries of a DCP
+checkpoint such as torchtitan's ``lr_scheduler``, ``dataloader``, ``train_state``) matched with
+the caller's ``extra_state``, every check made before anything changes.
+
+For a stateful target (``state_dict`` / ``load_state_dict``): the stored entry must have been
+saved stateful, by the same class (fqnckpt records the class name), as a dict with the keys of the
+target's own ``state_dict()``; then the object's own ``load_state_dict`` is tried on a deep copy
+of it (sharing the model, optimizer and tensors it references, which it must not change), or,
+where the object cannot be copied, on the object itself with its ``state_dict()`` and
+attributes put back afterwards. Any refusal is :class:`ExtraStateMismatchError` naming the entry.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ExtraStateMismatchError
 from ..storage.extra_state import EXTRA_STATE_FILE, REPORT_PREFIX, _decode, is_stateful, read_extra_state_file
 
 
+@dataclass
+class StoredExtra:
+    """One stored extra-state entry: ``stateful`` (None where the format does not say, DCP),
+    ``class_name`` (None where not recorded), the decoded ``value``."""
+
+    stateful: bool | None
+    class_name: str | None
+    value: Any
+
+
 class ExtraStateRestore:
-    """Decoded entries ready to apply; built by :func:`plan_extra_state` before anything is mutated."""
+    """Checked entries ready to apply; built by :func:`plan_extra_state` before anything is mutated."""
 
     def __init__(self, target: MutableMapping[str, Any], values: dict[str, Any]):
         self.target, self.values = target, values
@@ -32,43 +54,124 @@ class ExtraStateRestore:
                 self.target[k] = v
 
 
+def _stored(reader: Any, where: str) -> dict[str, StoredExtra]:
+    """The extra state the checkpoint behind ``reader`` holds (empty for a single file)."""
+    entries = getattr(reader, "extra_entries", None)
+    if entries is not None:  # DCP: top-level entries that are not model or optimizer
+        return {k: StoredExtra(None, None, v) for k, v in entries().items()}
+    root = reader.root if getattr(reader, "index_path", None) else None
+    doc = read_extra_state_file(root) if root is not None else None
+    out = {}
+    for k, e in (doc.entries if doc is not None else {}).items():
+        try:
+            value = _decode(e.value, k)
+        except ValueError as err:
+            raise CorruptCheckpointError(where, f"extra_state {k!r}: {err}") from err
+        out[k] = StoredExtra(e.stateful, e.class_name, value)
+    return out
 
-def plan_extra_state(root: str | None, extra_state: MutableMapping[str, Any], report) -> ExtraStateRestore:
+
+def _shared(plan: Any, optimizer: Any) -> dict[int, Any]:
+    """deepcopy memo making a copy share what it must not duplicate or change."""
+    memo: dict[int, Any] = {}
+    for obj in (optimizer, *(a.entry.tensor for a in getattr(plan, "copies", ()))):
+        if obj is not None:
+            memo[id(obj)] = obj
+    return memo
+
+
+def _try_load(key: str, cur: Any, value: Any, where: str, memo: dict[int, Any]) -> None:
+    """Run ``cur.load_state_dict(value)`` where it changes nothing (see module docstring)."""
+    try:
+        trial = copy.deepcopy(cur, dict(memo))
+    except Exception:  # noqa: BLE001 - an object that cannot be copied: snapshot and restore
+        trial = None
+    if trial is not None:
+        try:
+            trial.load_state_dict(value)
+        except Exception as e:  # noqa: BLE001 - the object's own check refused the state
+            raise ExtraStateMismatchError(
+                key, where, f"was refused by {type(cur).__name__}.load_state_dict: {type(e).__name__}: {e}"
+            ) from e
+        return
+    before = copy.deepcopy(cur.state_dict())
+    attrs = dict(vars(cur)) if hasattr(cur, "__dict__") else None
+    try:
+        cur.load_state_dict(value)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    if attrs is not None:
+        vars(cur).clear()
+        vars(cur).update(attrs)
+    cur.load_state_dict(before)
+    if err is not None:
+        raise ExtraStateMismatchError(
+            key, where, f"was refused by {type(cur).__name__}.load_state_dict: {type(err).__name__}: {err}"
+        ) from err
+
+
+def plan_extra_state(
+    reader: Any,
+    extra_state: MutableMapping[str, Any],
+    report,
+    *,
+    plan: Any = None,
+    optimizer: Any = None,
+) -> ExtraStateRestore:
     """Match the checkpoint's extra state with the caller's ``extra_state``, record the result in
     ``report`` (``LoadReport``; entries are named ``extra_state.<key>`` in ``missing_keys``,
-    ``unexpected_keys`` and ``loaded_keys``) and decode what matches. Mutates nothing else.
+    ``unexpected_keys`` and ``loaded_keys``) and check what matches (see module docstring).
+    Mutates nothing.
 
-    ``root``: the checkpoint directory (None for a single-file checkpoint: nothing stored).
-    A stateful target must have been saved stateful, and a plain one plain.
+    ``reader``: the load's source (a :class:`~checkpoint.storage.reader.CheckpointReader`, whose
+    directory may hold ``extra_state.json``, or a DCP reader with ``extra_entries()``).
+    ``plan`` / ``optimizer``: what a trial copy shares instead of copying.
 
     Raises:
-        TypeError: ``extra_state`` is not a mutable mapping, or a stored entry's kind (saved through
-            ``state_dict()`` or plain) differs from the target's (names the key and file).
-        CorruptCheckpointError, ChecksumMismatchError: see :func:`read_extra_state_file`; also
-            undecodable data.
+        TypeError: ``extra_state`` is not a mutable mapping.
+        ExtraStateMismatchError: a stored entry's kind (stateful or plain), class, or keys differ
+            from the target's, or the target's ``load_state_dict`` refuses it (names key and file).
+        CorruptCheckpointError, ChecksumMismatchError: see
+            :func:`~checkpoint.storage.extra_state.read_extra_state_file`; also undecodable data.
     """
     if not isinstance(extra_state, MutableMapping):
         raise TypeError(f"extra_state must be a mutable mapping to fill, got {type(extra_state).__name__}")
-    doc = read_extra_state_file(root) if root is not None else None
-    stored = doc.entries if doc is not None else {}
+    where = os.path.join(reader.root or "", EXTRA_STATE_FILE) if not hasattr(reader, "extra_entries") else reader.root
+    stored = _stored(reader, where)
     values: dict[str, Any] = {}
-    path = os.path.join(root or "", EXTRA_STATE_FILE)
+    memo = _shared(plan, optimizer)
     for k, cur in extra_state.items():
         if k not in stored:
             report.missing_keys.append(REPORT_PREFIX + k)
             continue
         e = stored[k]
-        if e.stateful != is_stateful(cur):
+        stateful = is_stateful(cur)
+        if e.stateful is not None and e.stateful != stateful:
             saved = f"through state_dict() ({e.class_name})" if e.stateful else "as a plain value"
-            raise TypeError(
-                f"{path}: extra_state {k!r} was saved {saved}, but the target is a {type(cur).__name__}"
-            )
-        try:
-            values[k] = _decode(e.value, k)
-        except ValueError as err:
-            raise CorruptCheckpointError(path, f"extra_state {k!r}: {err}") from err
+            raise ExtraStateMismatchError(k, where, f"was saved {saved}, but the target is a {type(cur).__name__}")
+        if stateful:
+            if e.class_name is not None and e.class_name != type(cur).__name__:
+                raise ExtraStateMismatchError(
+                    k, where, f"was saved from a {e.class_name}, but the target is a {type(cur).__name__}"
+                )
+            if not isinstance(e.value, Mapping):
+                raise ExtraStateMismatchError(
+                    k, where, f"holds a {type(e.value).__name__}, not a state_dict for {type(cur).__name__}"
+                )
+            want = cur.state_dict()
+            if isinstance(want, Mapping) and set(want) != set(e.value):
+                raise ExtraStateMismatchError(
+                    k, where, f"has keys {sorted(map(str, e.value))} differ from the target's "
+                    f"state_dict() keys {sorted(map(str, want))}",
+                )  # fmt: skip
+            _try_load(k, cur, e.value, where, memo)
+        values[k] = e.value
         report.loaded_keys.append(REPORT_PREFIX + k)
     report.unexpected_keys.extend(REPORT_PREFIX + k for k in stored if k not in extra_state)
     for field in ("missing_keys", "unexpected_keys", "loaded_keys"):
         getattr(report, field).sort()
     return ExtraStateRestore(extra_state, values)
+
+
+__all__ = ["ExtraStateRestore", "StoredExtra", "plan_extra_state"]

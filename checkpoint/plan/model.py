@@ -7,7 +7,7 @@ Names (:mod:`.names`), shapes, dtype conversions and targets (:mod:`.values`), t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -26,8 +26,8 @@ from ..state import ModuleState, object_state
 from ..storage.format import OPTIMIZER_PREFIX, index_name
 from ..storage.reader import CheckpointReader, open_checkpoint
 from .actions import CopyAction, LoadPlan
-from .names import _match
-from .optimizer import plan_optimizer
+from .names import match_stored
+from .optimizer import plan_optimizer, saved_source_optimizer
 from .values import (
     _check_overlaps,
     _file,
@@ -64,18 +64,22 @@ def plan_load(
     allow_lossy: bool = False,
     verify: bool = False,
     state: ModuleState | None = None,
+    agree: Callable[[], None] | None = None,
 ) -> LoadPlan:
     """Every check of :func:`load`, reading only (headers, and tensor data where a check needs
     values: duplicate spellings, range-narrowing conversions, targets sharing memory, optimizer
     state). Changes nothing. ``state``: ``object_state(obj)`` if the caller has it already.
-    Raises what :func:`load` raises."""
+    ``reader``: a :class:`CheckpointReader`, or any reader of that interface (e.g.
+    :class:`checkpoint.sources.dcp_targets.DCPTargetReader`); one with ``prefetch`` reads every
+    block at once after the name checks, and ``agree()`` is called first (ranks agree on the
+    name checks before a collective read). Raises what :func:`load` raises."""
     state = state if state is not None else object_state(obj)
     model = obj if isinstance(obj, torch.nn.Module) else None
     if verify:
         reader.check_index_digest()
         for name in reader.files:
             reader.verify_file(name)
-    report, pairs = _match(reader, state, model, path)
+    report, pairs = match_stored(reader, state, model, path)
     copies: list[CopyAction] = []
     meta: list[str] = []
     for e, key in pairs:
@@ -129,6 +133,12 @@ def plan_load(
     if meta:
         raise MetaTargetError(meta, path)
 
+    prefetch = getattr(reader, "prefetch", None)
+    if prefetch is not None:  # the source reads every block at once (DCP: one collective read)
+        if agree is not None:
+            agree()  # every rank planned its names before a collective read
+        prefetch([(a.key, a.entry.tensor) for a in copies])
+
     def read(a: CopyAction) -> torch.Tensor:
         return _read_target_block(reader, a.key, a.entry.tensor)
 
@@ -143,9 +153,22 @@ def plan_load(
         _check_overlaps(cluster, read, path)
 
     plan = LoadPlan(report, copies)
-    if optimizer is not None:
-        if model is None:
-            raise TypeError("optimizer= needs the nn.Module (parameters are matched by identity)")
+    if optimizer is not None and model is None:
+        raise TypeError("optimizer= needs the nn.Module (parameters are matched by identity)")
+    info = getattr(reader, "optimizer_info", False)
+    if optimizer is not None and info is not False:  # optimizer state beside the model (DCP)
+        if info is None:
+            raise CheckpointNotFoundError(reader.root, "no optimizer state in this DCP checkpoint")
+
+        def fetch(pairs: list) -> None:
+            if agree is not None:
+                agree()  # every rank planned the model before a collective read
+            reader.prefetch(pairs)
+
+        aliases = {stored: target for target, stored in report.filled_from.items()}
+        saved = saved_source_optimizer(info, path)
+        plan.optimizer_state = plan_optimizer(optimizer, reader, state, saved, aliases, prefetch=fetch)
+    elif optimizer is not None:
         root = reader.root
         if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
             raise CheckpointNotFoundError(

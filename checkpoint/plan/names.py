@@ -209,14 +209,16 @@ def plan_names(
     return out, bad
 
 
-def _match(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module | None, path: str):
+def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module | None, path: str):
     """Checkpoint keys per target entry: (report, [(entry, key)]).
 
     A key stored under a name of the entry (or a spelling of it that the *model* resolves, e.g.
     ``_orig_mod.weight`` where the model says ``_orig_mod`` is a wrapper) fills it; when several
     do, their values must be equal (:func:`check_tied_values`). Only when none does, a stored key
     whose index alias group names the entry fills it (an alias group never overrides stored values).
-    Linear in the number of keys and entries.
+    Where the reader says its names come from another tool (``reader.resolve_names``, DCP), keys
+    still unmatched go through :func:`plan_names` against the model (container prefixes such as
+    ``model.``, flattened spellings). Linear in the number of keys and entries.
     """
     by_name = state.by_name()
     report = LoadReport(path=path)
@@ -243,6 +245,15 @@ def _match(reader: CheckpointReader, state: ModuleState, model: torch.nn.Module 
                 found = True
         if not found:
             unknown.append(key)
+    if unknown and model is not None and getattr(reader, "resolve_names", False):
+        # Names written by another tool (DCP): container prefixes, flattened spellings.
+        specs = {k: (tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in unknown}
+        planned, _bad = plan_names(unknown, specs, model=model, fqn_map=None, rules=())
+        for key, (target, _) in planned.items():
+            e = by_name.get(target)
+            if e is not None:
+                direct.setdefault(id(e), []).append(key)
+        unknown = [k for k in unknown if not (k in planned and planned[k][0] in by_name)]
     pairs: list[tuple[Entry, str]] = []
     for e in state.entries:
         keys = direct.get(id(e))

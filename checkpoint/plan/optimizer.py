@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError, CorruptCheckpointError, LoadError
 from ..optim import OptimizerMismatchError, _param_names, decode_value
 from ..ranks.shards import read_local
+from ..sources.base import OptimizerInfo
 from ..state import ModuleState
 from ..storage.reader import CheckpointReader
 from .values import guarded_get
@@ -35,8 +37,16 @@ def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch
 
 
 
-def _read_like_unguarded(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:
+def _read_like_unguarded(reader: Any, key: str, param: torch.Tensor) -> torch.Tensor:
     spec = reader.spec(key)
+    block = getattr(reader, "read_block", None)  # prefetched by the source (DCP)
+    if block is not None and (b := block(key, param)) is not None:
+        if isinstance(param, DTensor) and spec.shape == tuple(param.shape) and spec.shape:
+            return DTensor.from_local(
+                b.to(param.device), param.device_mesh, param.placements, run_check=False,
+                shape=param.shape, stride=param.stride(),
+            )  # fmt: skip
+        return b.to(param.to_local().device if isinstance(param, DTensor) else param.device)
     if isinstance(param, DTensor) and spec.shape == tuple(param.shape) and spec.shape:
         local = read_local(reader, key, param)
         return DTensor.from_local(
@@ -69,32 +79,31 @@ def _split_state_keys(keys: list[str], fqns: set[str]) -> dict[str, dict[str, st
 
 
 
-def plan_optimizer(
-    optimizer: torch.optim.Optimizer, reader: CheckpointReader, state: ModuleState
-) -> dict[str, Any]:
-    """Read and check everything needed to restore ``optimizer`` from an optimizer checkpoint
-    part, by FQN, without changing it: returns the ``state_dict`` to hand to
-    ``optimizer.load_state_dict`` (see :func:`apply_optimizer`).
+@dataclass
+class SavedOptimizer:
+    """A saved optimizer, whatever the format: ``groups`` as ``(FQNs, hyper-parameters)``;
+    ``tensors`` {FQN: {slot: source key}}; ``values`` {FQN: {slot: non-tensor value}};
+    ``scalars``: keys read back as Python numbers; ``where``: for messages."""
+
+    where: str
+    groups: list[tuple[list[str], dict[str, Any]]]
+    tensors: dict[str, dict[str, str]] = field(default_factory=dict)
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    scalars: set[str] = field(default_factory=set)
+
+
+def saved_fqnckpt_optimizer(reader: CheckpointReader) -> SavedOptimizer:
+    """The optimizer part of an fqnckpt checkpoint (format :mod:`checkpoint.optim`), decoded.
 
     Raises:
-        OptimizerMismatchError: no saved state, a target group whose FQN set no saved group has,
-            a saved group no target group takes, or a state entry of a parameter not in any group.
+        OptimizerMismatchError: the part holds no fqnckpt optimizer metadata.
         CorruptCheckpointError: a stored value does not follow the schema (names the index).
     """
     meta = reader.meta.optimizer if reader.meta else None
     where = reader.index_path or reader.root
     if meta is None:
         raise OptimizerMismatchError(f"{where} holds no fqnckpt optimizer metadata")
-    names = _param_names(optimizer, state)
-    by_name = state.by_name()
-
-    def canon(n: str) -> str:
-        return by_name[n].fqn if n in by_name else n
-
-    saved_groups = {frozenset(canon(n) for n in g.params): g for g in meta.param_groups}
-    saved_fqns = {n for g in meta.param_groups for n in g.params}
     refs: set[str] = set()
-    exact = meta.value_encoding >= 2
 
     def read_ref(key: str) -> torch.Tensor:
         if key not in reader:
@@ -102,55 +111,104 @@ def plan_optimizer(
         refs.add(key)
         return guarded_get(reader, key)
 
-    state_values = {
-        canon(fqn): {
-            name: decode_value(raw, f"{where} state {fqn!r} {name!r}", read_ref) for name, raw in d.items()
-        }
+    values = {
+        fqn: {name: decode_value(raw, f"{where} state {fqn!r} {name!r}", read_ref) for name, raw in d.items()}
         for fqn, d in meta.state_values.items()
     }
+    groups = []
+    for gi, g in enumerate(meta.param_groups):
+        raw = g.model_dump(exclude={"params"})
+        if meta.value_encoding >= 2:
+            raw = {k: decode_value(v, f"{where} param group {gi} {k!r}") for k, v in raw.items()}
+        groups.append((list(g.params), raw))  # encoding 1: JSON as written (tuples became lists)
+    saved_fqns = {n for g in meta.param_groups for n in g.params}
     keys = [k for k in reader.keys() if k not in refs]
-    per_param = {canon(f): d for f, d in _split_state_keys(keys, saved_fqns).items()}
+    return SavedOptimizer(where, groups, _split_state_keys(keys, saved_fqns), values, set(meta.python_scalars))
+
+
+def plan_optimizer(
+    optimizer: torch.optim.Optimizer,
+    reader: Any,
+    state: ModuleState,
+    saved: SavedOptimizer | None = None,
+    aliases: dict[str, str] | None = None,
+    prefetch: Any = None,
+) -> dict[str, Any]:
+    """Read and check everything needed to restore ``optimizer`` by FQN, without changing it:
+    returns the ``state_dict`` to hand to ``optimizer.load_state_dict``.
+
+    ``saved``: the saved optimizer (default: the fqnckpt optimizer part behind ``reader``, see
+    :func:`saved_fqnckpt_optimizer`); its state tensors are read through ``reader`` where each
+    parameter lives (this rank's slice of a DTensor). ``aliases``: saved FQN -> target FQN where
+    they differ (names the load resolved, e.g. a DCP container prefix). ``prefetch(pairs)``:
+    called once with every ``(key, parameter)`` before any state tensor is read (DCP reads them
+    in one collective ``dcp.load``).
+
+    Raises:
+        OptimizerMismatchError: no saved state, a target group whose FQN set no saved group has,
+            a saved group no target group takes, or a state entry of a parameter not in any group.
+        CorruptCheckpointError: a stored value does not follow the schema (names the index).
+    """
+    saved = saved if saved is not None else saved_fqnckpt_optimizer(reader)
+    where = saved.where
+    names = _param_names(optimizer, state)
+    by_name = state.by_name()
+    aliases = aliases or {}
+
+    def canon(n: str) -> str:
+        n = aliases.get(n, n)
+        return by_name[n].fqn if n in by_name else n
+
+    saved_groups = {frozenset(canon(n) for n in fqns): (fqns, hyper) for fqns, hyper in saved.groups}
+    state_values = {canon(f): d for f, d in saved.values.items()}
+    per_param = {canon(f): d for f, d in saved.tensors.items()}
 
     new_groups, new_state, used, idx = [], {}, set(), 0
+    reads: list[tuple[int, str, str, torch.Tensor]] = []
     for gi, group in enumerate(optimizer.param_groups):
         fqns = [names[id(p)] for p in group["params"]]
-        saved = saved_groups.get(frozenset(fqns))
-        if saved is None:
+        match = saved_groups.get(frozenset(fqns))
+        if match is None:
             raise OptimizerMismatchError(
                 f"{where}: optimizer group {gi} holds {sorted(fqns)[:5]} ({len(fqns)} params); "
-                f"no saved group has the same parameters (saved groups: {[len(g.params) for g in meta.param_groups]} params)"
+                f"no saved group has the same parameters (saved groups: {[len(g) for g, _ in saved.groups]} params)"
             )
-        used.add(id(saved))
-        raw = saved.model_dump(exclude={"params"})
-        if exact:
-            hyper = {k: decode_value(v, f"{where} param group {gi} {k!r}") for k, v in raw.items()}
-            for k, v in hyper.items():  # a tensor hyper-parameter goes where the target keeps it
-                cur = group.get(k)
-                if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
-                    hyper[k] = v.to(cur.device)
-        else:  # encoding 1: JSON as written (tuples became lists)
-            hyper = raw
-            for k, v in group.items():
-                if k != "params" and isinstance(v, tuple) and isinstance(hyper.get(k), list):
-                    hyper[k] = tuple(hyper[k])
+        used.add(id(match))
+        hyper = dict(match[1])
+        for k, cur in group.items():
+            v = hyper.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
+                hyper[k] = v.to(cur.device)  # a tensor hyper-parameter goes where the target keeps it
+            elif isinstance(cur, tuple) and isinstance(v, list):
+                hyper[k] = tuple(v)
         ids = []
         for p, fqn in zip(group["params"], fqns):
-            entries: dict[str, Any] = {}
             for name, key in per_param.get(fqn, {}).items():
-                v = _read_like(reader, key, p)
-                if key in meta.python_scalars:  # encoding 1
-                    v = v.item()
-                entries[name] = v
-            entries.update(state_values.get(fqn, {}))
-            if entries:
-                new_state[idx] = entries
+                reads.append((idx, name, key, p))
+            if per_param.get(fqn) or state_values.get(fqn):
+                new_state[idx] = dict(state_values.get(fqn, {}))
             ids.append(idx)
             idx += 1
         new_groups.append({**hyper, "params": ids})
-    unused = [sorted(g.params)[:5] for g in meta.param_groups if id(g) not in used]
+    unused = [sorted(g)[:5] for g, h in saved.groups if id(saved_groups.get(frozenset(canon(n) for n in g))) not in used]
     if unused:
         raise OptimizerMismatchError(
             f"{where}: saved param groups holding {unused} match no group of the target optimizer "
             "(their state would be dropped)"
         )
+    if prefetch is not None:
+        prefetch([(key, p) for _, _, key, p in reads])
+    for i, name, key, p in reads:
+        v = _read_like(reader, key, p)
+        new_state[i][name] = v.item() if key in saved.scalars else v  # scalars: encoding 1
     return {"state": new_state, "param_groups": new_groups}
+
+
+def saved_source_optimizer(info: OptimizerInfo, where: str) -> SavedOptimizer:
+    """A :class:`SavedOptimizer` from the optimizer state a migration source found (DCP's
+    ``get_state_dict`` layout, nested or flattened: state keyed by FQN)."""
+    groups = [([str(i) for i in ids], dict(h)) for ids, h in zip(info.group_ids, info.groups)]
+    tensors: dict[str, dict[str, str]] = {}
+    for key, (pid, slot) in info.state.items():
+        tensors.setdefault(str(pid), {})[slot] = key
+    return SavedOptimizer(where, groups, tensors, {}, set(info.scalars))

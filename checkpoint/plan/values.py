@@ -242,6 +242,9 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
     Raises:
         LoadError: safetensors / torch / the OS fail to read it (names key and file).
     """
+    block = getattr(reader, "read_block", None)  # prefetched by the source (DCP)
+    if block is not None and (b := block(key, t)) is not None:
+        return b
     try:
         if isinstance(t, DTensor) and t.dim():
             # Each rank reads only its blocks, whatever the placements (several for _StridedShard).

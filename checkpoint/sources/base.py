@@ -23,6 +23,10 @@ class SourceSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
 
 @dataclass
 class OptimizerInfo:

@@ -234,14 +234,58 @@ def _path_of(md: Any, key: str) -> tuple:
     return tuple(p) if p else (key,)
 
 
+# torchtitan's top-level entries beside the model and optimizer (components/checkpoint.py).
+EXTRA_KINDS = ("lr_scheduler", "dataloader", "train_state")
+
+
+def _opt_part(p: tuple) -> str | None:
+    """``"state"`` / ``"param_groups"`` when path ``p`` lies in an optimizer state_dict, nested
+    (``get_state_dict``: ``(c, "state", fqn, slot)``) or flattened (torchtitan,
+    ``flatten_optimizer_state_dict=True``: ``(c, "state.<fqn>.<slot>")``), else None."""
+    if len(p) >= 3 and p[1] in ("state", "param_groups"):
+        return p[1]
+    if len(p) == 2 and isinstance(p[1], str):
+        head = p[1].split(".", 1)[0]
+        if head in ("state", "param_groups") and p[1].count(".") >= 2:
+            return head
+    return None
+
+
+def _opt_split(p: tuple) -> tuple[str, str]:
+    """``(fqn, slot or hyper-parameter)`` of an optimizer path (see :func:`_opt_part`)."""
+    if len(p) >= 3:
+        return str(p[2]), ".".join(map(str, p[3:]))
+    fqn, _, name = p[1].split(".", 1)[1].rpartition(".")
+    return fqn, name
+
+
 def _optimizer_containers(md: Any) -> set[str]:
-    """Top-level containers shaped like ``get_optimizer_state_dict``: ``state`` + ``param_groups``."""
-    seen: dict[str, set[str]] = {}
+    """Top-level containers shaped like an optimizer state_dict: every entry under ``state`` or
+    ``param_groups`` (nested or flattened, :func:`_opt_part`), both present."""
+    seen: dict[str, set[str | None]] = {}
     for k in md.state_dict_metadata:
         p = _path_of(md, k)
-        if len(p) >= 3 and p[1] in ("state", "param_groups"):
-            seen.setdefault(str(p[0]), set()).add(p[1])
+        if len(p) >= 2:
+            seen.setdefault(str(p[0]), set()).add(_opt_part(p))
     return {c for c, parts in seen.items() if parts == {"state", "param_groups"}}
+
+
+def classify_entries(md: Any, model: str | None, optimizer: str | None) -> dict[str, str]:
+    """Kind of every top-level entry of a DCP checkpoint: ``model`` (the model container, or each
+    top-level tensor), ``optimizer``, torchtitan's :data:`EXTRA_KINDS`, else ``other``."""
+    out: dict[str, str] = {}
+    for k, m in md.state_dict_metadata.items():
+        p = _path_of(md, k)
+        top = str(p[0])
+        if top == optimizer:
+            out[top] = "optimizer"
+        elif top == model or (len(p) == 1 and hasattr(m, "chunks") and model is None):
+            out[top] = "model"
+        elif top in EXTRA_KINDS:
+            out[top] = top
+        else:
+            out.setdefault(top, "other")
+    return out
 
 
 def _per_file(md: Any, root: Path, path: Path) -> dict[str, dict[str, int]]:
@@ -288,7 +332,12 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     other = [k for k in md.state_dict_metadata if k not in tensor_set]
     top_level = any(len(_path_of(md, k)) == 1 for k in tensor_keys)
     containers = list(dict.fromkeys(str(_path_of(md, k)[0]) for k in tensor_keys if len(_path_of(md, k)) > 1))
-    model_like = [c for c in containers if c not in optim]
+    model_like = [c for c in containers if c not in optim and c not in EXTRA_KINDS]
+    if top_level and key is None and model_like:
+        raise AmbiguousSourceError(
+            str(path), model_like, "model tensors at the top level and other containers holding tensors "
+            "(not an optimizer, lr_scheduler, dataloader or train_state); pick the model with key=",
+        )  # fmt: skip
     if key is not None:
         if key not in containers:
             raise AmbiguousSourceError(
@@ -326,6 +375,7 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
         first_file.setdefault(idx.fqn, f)
         all_files.setdefault(idx.fqn, set()).add(f)
     opt_state: dict[str, tuple[str, str]] = {}
+    extra_tensors: list[str] = []
     left_out: list[str] = []
     skipped: dict[str, str] = {}
     separate = container is not None or top_level
@@ -333,13 +383,16 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
         m = md.state_dict_metadata[k]
         p = _path_of(md, k)
         if opt_name is not None and str(p[0]) == opt_name:
-            if len(p) < 4 or p[1] != "state":
+            if _opt_part(p) != "state" or (len(p) >= 3 and len(p) < 4):
                 raise CorruptCheckpointError(
                     str(path), f"DCP optimizer tensor {k!r} is not under 'state.<fqn>.<slot>'"
                 )
             name = k
-            opt_state[name] = (str(p[2]), ".".join(map(str, p[3:])))
+            opt_state[name] = _opt_split(p)
             (extra if separate else specs)[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
+        elif len(p) > 1 and str(p[0]) in EXTRA_KINDS and str(p[0]) != container:
+            extra_tensors.append(k)  # lr_scheduler / dataloader / train_state: extra state
+            continue
         elif container is not None and str(p[0]) != container:
             if len(p) > 1:
                 left_out.append(str(p[0]))
@@ -353,11 +406,21 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
             specs[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
         flat[name] = k
         file_of[name] = first_file.get(k, "")
-    pg_keys = [k for k in other if opt_name is not None and _path_of(md, k)[:2] == (opt_name, "param_groups")]
+    pg_keys = [
+        k for k in other if opt_name is not None and str(_path_of(md, k)[0]) == opt_name
+        and _opt_part(_path_of(md, k)) == "param_groups"
+    ]  # fmt: skip
     for k in other:
         if k not in pg_keys:
             skipped[k] = type(md.state_dict_metadata[k]).__name__
     dreader = _DCPReader(reader, {**specs, **extra}, flat, path, all_files)
+    dreader.md = md
+    dreader.kinds = classify_entries(md, container, opt_name)
+    dreader.extra_keys = {}  # top-level entry -> its DCP keys (not model, not optimizer)
+    for k in md.state_dict_metadata:
+        top = str(_path_of(md, k)[0])
+        if dreader.kinds.get(top) not in ("model", "optimizer"):
+            dreader.extra_keys.setdefault(top, []).append(k)
     info = None
     if opt_name is not None and read_optimizer:
         info = _optimizer_info(md, pg_keys, dreader, opt_state, path)
@@ -381,6 +444,9 @@ def _optimizer_info(
 ) -> OptimizerInfo:
     values = reader.read_bytes(pg_keys) if pg_keys else {}
     groups: dict[int, dict[str, Any]] = {}
+    if pg_keys and len(_path_of(md, pg_keys[0])) == 2:
+        groups = _flat_groups(md, pg_keys, values)
+        pg_keys = []
     for k in pg_keys:
         p = _path_of(md, k)
         if len(p) < 4:
@@ -409,6 +475,73 @@ def _optimizer_info(
                 str(path), f"DCP optimizer state {k!r}: {fqn!r} is in no param group"
             )
     return OptimizerInfo(ids, list(ids), hyper, group_ids, dict(state))
+
+
+def read_entries(src: Source, keys: dict[str, list[str]]) -> dict[str, Any]:
+    """``{top-level entry: value}`` for the DCP keys of each entry (``keys`` from
+    ``_DCPReader.extra_keys``), rebuilt along the saved paths (dict keys, list indices)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    r = src._reader
+    md = r.md
+    flat = [k for ks in keys.values() for k in ks]
+    tensors = [k for k in flat if isinstance(md.state_dict_metadata[k], TensorStorageMetadata)]
+    values: dict[str, Any] = r.read_bytes([k for k in flat if k not in set(tensors)]) if flat else {}
+    if tensors:
+        import torch.distributed.checkpoint as dcp
+
+        out = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
+               for k in tensors}  # fmt: skip
+        with dcp_errors(r.path, tensors, r.files_of(tensors)):
+            dcp.load(out, storage_reader=r.reader, planner=_planner(r.path), no_dist=True)
+        values.update(out)
+    result: dict[str, Any] = {}
+    for top, ks in keys.items():
+        for k in ks:
+            p = _path_of(md, k)
+            if len(p) == 1:
+                result[top] = values[k]
+                continue
+            cur = result.setdefault(top, {})
+            for seg, nxt in zip(p[1:-1], p[2:]):
+                cur = _child(cur, seg, [] if isinstance(nxt, int) else {})
+            _put(cur, p[-1], values[k])
+    return result
+
+
+def _child(cur: Any, seg: Any, empty: Any) -> Any:
+    if isinstance(cur, list):
+        while len(cur) <= seg:
+            cur.append(None)
+        if cur[seg] is None:
+            cur[seg] = empty
+        return cur[seg]
+    return cur.setdefault(seg, empty)
+
+
+def _put(cur: Any, seg: Any, value: Any) -> None:
+    if isinstance(cur, list):
+        while len(cur) <= seg:
+            cur.append(None)
+    cur[seg] = value
+
+
+def _flat_groups(md: Any, pg_keys: list[str], values: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Param groups of a flattened optimizer state_dict (``param_groups.<fqn>.<name>`` per
+    parameter, torch's ``_flatten_optim_state_dict``): parameters with equal hyper-parameters form
+    one group, in the order first seen."""
+    per_param: dict[str, dict[str, Any]] = {}
+    for k in pg_keys:
+        fqn, name = _opt_split(_path_of(md, k))
+        per_param.setdefault(fqn, {})[name] = values[k]
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():
+        g = next((g for g in groups if {n: v for n, v in g.items() if n != "params"} == hyper), None)
+        if g is None:
+            g = {**hyper, "params": []}
+            groups.append(g)
+        g["params"].append(fqn)
+    return dict(enumerate(groups))
 
 
 def dcp_format(path: str | os.PathLike) -> str | None:
