@@ -153,7 +153,7 @@ def load(
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
         with read_view(path):
-            reader = open_target_reader(path, fmt)
+            reader = open_target_reader(path, fmt, read_optimizer=optimizer is not None)
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else path, strict=strict, optimizer=optimizer, dtype=dtype,
                 assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
@@ -187,14 +187,15 @@ def load(
     return plan.report
 
 
-def open_target_reader(path: str, fmt: str | None = None):
+def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool = True):
     """The source stage of ``load``: a :class:`CheckpointReader` over an fqnckpt / Hugging Face
     checkpoint (index, shards, one file, a hub-cache snapshot), or a
     :class:`~checkpoint.sources.dcp_targets.DCPTargetReader` over a DCP directory (``fmt`` from
-    :func:`~checkpoint.sources.dcp.dcp_format`). Raises what they raise."""
+    :func:`~checkpoint.sources.dcp.dcp_format`; ``read_optimizer``: also read the optimizer's
+    param groups). Raises what they raise."""
     if fmt is None:
         return open_checkpoint(path)
-    return DCPTargetReader(open_dcp(Path(path), fmt))
+    return DCPTargetReader(open_dcp(Path(path), fmt, read_optimizer=read_optimizer))
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

@@ -33,11 +33,15 @@ from .migration_report import (
     Unresolved,
     read_report,
 )
-from .plan.migration import _file_of, _optimizer_meta, _plan_model, _plan_optimizer
+from .plan.migration import _file_of, _optimizer_meta, _plan_model, _plan_optimizer, carry_fqnckpt_optimizer
 from .plan.names import _load_fqn_map, compile_rules, naming_schemes, plan_names
 from .plan.values import check_tied_values
 from .progress import progress_bar
 from .sources import open_source
+from .sources.dcp import EXTRA_KINDS, read_entries
+from .storage.extra_state import EXTRA_STATE_FILE, extra_state_file_bytes, read_extra_state_file, snapshot_extra_state
+from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
+from .storage.reader import open_checkpoint
 from .tensor_checks import dtype_problem
 
 
@@ -96,8 +100,21 @@ def migrate(
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress)  # fmt: skip
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
-    with external_errors(os.fspath(src), what="reading"):
-        source = open_source(src, key=key, trusted_globals=trusted_globals)
+    src_path = Path(src)
+    opt_part = None
+    if src_path.is_dir() and (src_path / index_name(OPTIMIZER_PREFIX)).is_file():
+        # An fqnckpt checkpoint with optimizer state (e.g. a CheckpointManager step): the model
+        # part is the source, the optimizer part is carried over under the new names.
+        with external_errors(os.fspath(src), what="reading"):
+            opt_part = open_checkpoint(src_path, prefix=OPTIMIZER_PREFIX)
+        src_path = src_path / index_name(MODEL_PREFIX)
+    try:
+        with external_errors(os.fspath(src), what="reading"):
+            source = open_source(src_path if opt_part is not None else src, key=key, trusted_globals=trusted_globals)
+    except BaseException:
+        if opt_part is not None:
+            opt_part.close()
+        raise
     try:
         report = MigrationReport(
             source=str(src),
@@ -123,42 +140,97 @@ def migrate(
                 )
         if not report.ok and not allow_unresolved:
             raise MigrationError(report, report.problems())
-        for s in [
-            *plan.values(),
-            *opt_plan.values(),
-        ]:  # refused before anything is written, naming file and key
+        opt_meta = None
+        if opt_part is not None:
+            opt_plan, opt_meta = carry_fqnckpt_optimizer(opt_part, report.mapping)
+            report.notes.append(f"optimizer part {index_name(OPTIMIZER_PREFIX)} carried over by FQN")
+            report.optimizer_entries = [
+                KeyDecision.model_construct(
+                    source=s, target=t, decided_by=["fqnckpt optimizer part"] if s == t else ["renamed FQN"],
+                    shape=list(opt_part.spec(s).shape), dtype=str(opt_part.spec(s).dtype).removeprefix("torch."),
+                    file=opt_part.file_of(s),
+                )  # fmt: skip
+                for t, s in opt_plan.items()
+            ]
+        extra_files = _extra_state_files(source, opt_part, report)
+        opt_src = opt_part if opt_part is not None else source
+        for s in plan.values():  # refused before anything is written, naming file and key
             why = dtype_problem(source.spec(s).dtype)
             if why is not None:
                 raise UnsupportedTensorError(_file_of(source, s), s, why)
+        for s in opt_plan.values():
+            why = dtype_problem(opt_src.spec(s).dtype)
+            if why is not None:
+                raise UnsupportedTensorError(_file_of(source, s), s, why)
         report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
-            source.nbytes(s) for s in opt_plan.values()
+            opt_src.spec(s).nbytes for s in opt_plan.values()
         )
         for srcs in report.tied_sources:  # never let one alias silently stand for a different one
             check_tied_values(source, srcs, str(src))
-        opt_meta = _optimizer_meta(source, report, opt_plan) if info is not None and info.separate else None
+        if info is not None and info.separate:
+            opt_meta = _optimizer_meta(source, report, opt_plan)
         if dry_run:
             return report
-        _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta)
+        _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
+               opt_src, extra_files)  # fmt: skip
         return report
     finally:
         source.close()
+        if opt_part is not None:
+            opt_part.close()
+
+
+def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, bytes]:
+    """``extra_state.json`` for the migrated checkpoint: an fqnckpt source's own file, or the
+    DCP entries that are neither model nor optimizer (torchtitan's ``lr_scheduler``,
+    ``dataloader``, ``train_state``, top-level values), each classified in ``report.entry_kinds``.
+
+    Raises:
+        MigrationError: an entry has no exact encoding in extra state (names it).
+    """
+    root = Path(report.source)
+    if opt_part is not None or (root.is_dir() and (root / EXTRA_STATE_FILE).is_file()):
+        doc = read_extra_state_file(str(root))
+        if doc is None:
+            return {}
+        report.extra_state = sorted(doc.entries)
+        return extra_state_file_bytes(doc.entries)
+    kinds = getattr(source._reader, "kinds", None) if source.format.startswith("dcp") else None
+    if kinds is None:
+        return {}
+    report.entry_kinds = dict(sorted(kinds.items()))
+    keys = {t: ks for t, ks in source._reader.extra_keys.items() if t in kinds}
+    if not keys:
+        return {}
+    values = read_entries(source, keys)
+    try:
+        entries = snapshot_extra_state(values)
+    except (TypeError, ValueError) as e:
+        raise MigrationError(report, f"cannot place a DCP entry in extra state: {e}") from None
+    for k, e in entries.items():  # torchtitan saves these from Stateful objects (class not recorded)
+        if kinds.get(k) in EXTRA_KINDS and isinstance(values[k], dict):
+            entries[k] = e.model_copy(update={"stateful": True})
+    report.extra_state = sorted(entries)
+    return extra_state_file_bytes(entries)
 
 
 def _write(
-    source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None
+    source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None,
+    opt_src=None, extra_files=None,
 ) -> None:
     from .save import _Part, _save_parts
-    from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX
     from .storage.layout import TensorSpec, plan_layout
 
-    def specs_of(p: dict[str, str]) -> list[TensorSpec]:
-        return [TensorSpec(t, tuple(source.spec(s).shape), source.spec(s).dtype) for t, s in p.items()]
+    opt_src = opt_src if opt_src is not None else source
+
+    def specs_of(p: dict[str, str], src=source) -> list[TensorSpec]:
+        return [TensorSpec(t, tuple(src.spec(s).shape), src.spec(s).dtype) for t, s in p.items()]
 
     bar = progress_bar(report.total_bytes, "migrate", progress)
 
-    def fetcher(p: dict[str, str]):
+    def fetcher(p: dict[str, str], src=source):
         def fetch(spec) -> torch.Tensor:
-            t = source.get(p[spec.fqn])
+            t = src.get(p[spec.fqn])
             bar.update(t.nbytes)
             return t
 
@@ -176,7 +248,9 @@ def _write(
         )
     ]
     if opt_meta is not None:
-        parts.append(_Part(OPTIMIZER_PREFIX, specs_of(opt_plan), fetcher(opt_plan), optimizer=opt_meta))
+        parts.append(
+            _Part(OPTIMIZER_PREFIX, specs_of(opt_plan, opt_src), fetcher(opt_plan, opt_src), optimizer=opt_meta)
+        )
     if source.format.startswith("dcp"):  # DCP reads in batches along the order the writer asks
         order = []
         for part, p in zip(parts, (plan, opt_plan)):
@@ -184,7 +258,7 @@ def _write(
             order += [p[slot.spec.fqn] for f in layout.files for slot in f.slots]
         source.read_ahead(order)
     report.written = True
-    extra = {REPORT_NAME: report.model_dump_json(indent=2).encode()}
+    extra = {**(extra_files or {}), REPORT_NAME: report.model_dump_json(indent=2).encode()}
     if report.optimizer_param_groups is not None and opt_meta is None:
         import json
 

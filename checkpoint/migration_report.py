@@ -102,6 +102,10 @@ class MigrationReport(BaseModel):
     # written to optimizer-*.safetensors + optimizer.safetensors.index.json (checkpoint.optim format).
     optimizer_entries: list[KeyDecision] = Field(default_factory=list)
     total_bytes: int = 0
+    # DCP: kind of every top-level entry (model, optimizer, lr_scheduler, dataloader, train_state, other).
+    entry_kinds: dict[str, str] = Field(default_factory=dict)
+    # Keys written to extra_state.json (entries that are neither model nor optimizer).
+    extra_state: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -211,3 +211,46 @@ def _optimizer_meta(source: Source, report: MigrationReport, opt_plan: dict[str,
             report, f"optimizer param groups cannot be stored: {e.errors()[0]['msg']}"
         ) from None
     return OptimizerMeta(optimizer_class="unknown", param_groups=groups, python_scalars=scalars)
+
+
+def carry_fqnckpt_optimizer(opt_reader: Any, mapping: dict[str, str]) -> tuple[dict[str, str], OptimizerMeta]:
+    """The optimizer part of an fqnckpt checkpoint, carried into a migration: ``{new key: stored
+    key}`` and the index metadata, with every parameter FQN renamed by ``mapping`` (stored model
+    key -> eager key; unchanged where absent), ``$ref`` keys included.
+
+    Raises:
+        MigrationError-free: a part without fqnckpt optimizer metadata raises
+        :class:`~checkpoint.optim.OptimizerMismatchError` (names the index).
+    """
+    from ..optim import OptimizerMismatchError
+
+    meta = opt_reader.meta.optimizer if opt_reader.meta else None
+    if meta is None:
+        raise OptimizerMismatchError(f"{opt_reader.index_path} holds no fqnckpt optimizer metadata")
+    fqns = {n for g in meta.param_groups for n in g.params}
+    rename = {f"state.{f}.": f"state.{mapping.get(f, f)}." for f in fqns}
+
+    def new_key(key: str) -> str:
+        for old in sorted((o for o in rename if key.startswith(o)), key=len, reverse=True):
+            return rename[old] + key[len(old) :]
+        return key
+
+    def refs(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: (new_key(x) if k == "$ref" and isinstance(x, str) else refs(x)) for k, x in v.items()}
+        if isinstance(v, list):
+            return [refs(x) for x in v]
+        return v
+
+    plan = {new_key(k): k for k in opt_reader.keys()}
+    groups = [
+        ParamGroup(**{**g.model_dump(), "params": [mapping.get(n, n) for n in g.params]}) for g in meta.param_groups
+    ]
+    new = meta.model_copy(
+        update={
+            "param_groups": groups,
+            "python_scalars": [new_key(k) for k in meta.python_scalars],
+            "state_values": {mapping.get(f, f): refs(d) for f, d in meta.state_values.items()},
+        }
+    )
+    return plan, new

@@ -109,7 +109,7 @@ def _planner(path: str | os.PathLike):
         """``DefaultLoadPlanner`` unpickling non-tensor entries with ``weights_only=True``."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch_load(value, f"{self._path} entry {read_item.dest_index.fqn!r}")
+            obj = torch_load(value, f"DCP checkpoint {self._path} entry {read_item.dest_index.fqn!r}")
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
