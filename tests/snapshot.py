@@ -80,6 +80,8 @@ def facts_of(obj: object) -> dict[str, object]:
         return {f"key {k!r}": freeze(v) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         return {"tensor": freeze(obj)}
+    if callable(getattr(obj, "state_dict", None)):  # a stateful object (LR scheduler, dataloader)
+        return {"state_dict": freeze(obj.state_dict())}
     raise TypeError(f"cannot snapshot a {type(obj).__name__}")
 
 

@@ -147,7 +147,8 @@ def plan_extra_state(
             continue
         e = stored[k]
         stateful = is_stateful(cur)
-        if e.stateful is not None and e.stateful != stateful:
+        # A stateful entry of unknown class (migrated from DCP) may also fill a plain target.
+        if e.stateful is not None and e.stateful != stateful and not (e.stateful and e.class_name is None):
             saved = f"through state_dict() ({e.class_name})" if e.stateful else "as a plain value"
             raise ExtraStateMismatchError(k, where, f"was saved {saved}, but the target is a {type(cur).__name__}")
         if stateful:
