@@ -174,10 +174,43 @@ def _sharded_worker(rank, world, path):
             pl = [Shard(1)] if p.dim() == 2 else [Replicate()]
             mod.register_parameter(name, nn.Parameter(distribute_tensor(torch.zeros_like(p), mesh, pl)))
     rep = checkpoint.load(target, path)
-    return {
-        "loaded": rep.loaded_keys,
-        "full": {k: v.full_tensor() for k, v in target.state_dict().items()},
+    first = {
+        "full": {k: v.full_tensor().clone() for k, v in target.state_dict().items()},
         "local_shapes": {k: tuple(v.to_local().shape) for k, v in target.state_dict().items()},
+    }
+
+    # Optimizer state of Shard(0) DTensor parameters ({"model", "optim"}, get_state_dict) loaded
+    # into the Shard(1) / Replicate target's optimizer: DCP reshards it, the planner names it.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    src = Net()
+    for mod in (src.enc, src.head):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    for p in src.parameters():
+        p.grad = distribute_tensor(torch.full(p.shape, 0.5), mesh, [Shard(0)])
+    opt.step()
+    msd, osd = get_state_dict(src, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path + "_opt")
+    opt2 = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    rep2 = checkpoint.load(target, path + "_opt", optimizer=opt2)
+    names = dict(zip(target.parameters(), [n for n, _ in target.named_parameters()]))
+    return {
+        "opt_loaded": rep2.optimizer_loaded,
+        "opt_state": {
+            names[p]: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in s.items()}
+            for p, s in opt2.state.items()
+        },
+        "opt_placements": {names[p]: str(s["exp_avg"].placements) for p, s in opt2.state.items()},
+        "want_state": {
+            n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in opt.state[p].items()}
+            for n, p in src.named_parameters()
+        },
+        "loaded": rep.loaded_keys,
+        **first,
     }
 
 
@@ -189,6 +222,11 @@ def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     want = _snapshot(model)
     for r in res:
         assert r["loaded"] == sorted(want) and _same(r["full"], want)
+        assert r["opt_loaded"] and sorted(r["opt_state"]) == sorted(want)
+        for n, slots in r["want_state"].items():
+            assert sorted(slots) == ["exp_avg", "exp_avg_sq", "step"]
+            assert all(torch.equal(r["opt_state"][n][k], v) for k, v in slots.items())
+        assert r["opt_placements"]["enc.weight"] == "(Shard(dim=1),)"  # the target's placement
     assert res[0]["local_shapes"]["enc.weight"] == (8, 3)  # Shard(1) of (8, 6): its half only
 
     assert cli(["inspect", "--json", path]) == 0
