@@ -1,7 +1,9 @@
 """Training checkpoints: :func:`async_save`, the whole training state (``extra_state``) and
-:class:`CheckpointManager` (numbered checkpoints with retention)."""
+:class:`CheckpointManager` (numbered checkpoints with retention); :class:`ResumableSampler`
+(data order that resumes on any world size)."""
 
 from .async_save import AsyncSaver, SaveFuture, async_save
 from .manager import CheckpointManager, ForeignEntryWarning
+from .sampler import ResumableSampler
 
-__all__ = ["async_save", "AsyncSaver", "SaveFuture", "CheckpointManager", "ForeignEntryWarning"]
+__all__ = ["async_save", "AsyncSaver", "SaveFuture", "CheckpointManager", "ForeignEntryWarning", "ResumableSampler"]
