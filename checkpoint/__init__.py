@@ -38,7 +38,7 @@ from .save import save, save_streaming
 from .storage.format import IndexFile, parse_size
 from .storage.layout import TensorSpec
 from .storage.reader import CheckpointReader, StrayFileWarning, open_checkpoint
-from .training import CheckpointManager, ForeignEntryWarning, SaveFuture, async_save
+from .training import CheckpointManager, ForeignEntryWarning, PerRank, ResumableSampler, RNGState, SaveFuture, async_save
 from .verify import verify
 
 __all__ = [
@@ -47,6 +47,9 @@ __all__ = [
     "async_save",
     "SaveFuture",
     "CheckpointManager",
+    "PerRank",
+    "RNGState",
+    "ResumableSampler",
     "load",
     "verify",
     "migrate",

@@ -70,7 +70,9 @@ OWNED_NAMES = frozenset(
     + [f"{p}.safetensors" for p in PREFIXES]
     + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
 )
-_SHARD_NAME = re.compile(r"^(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors$")
+_SHARD_NAME = re.compile(
+    r"^(?:(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors|extra_state\.rank-\d{5}-of-\d{5}\.json)$"
+)  # shard files and per-rank extra state (checkpoint.storage.extra_state.rank_file_name)
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -42,6 +42,7 @@ from .storage.format import (
     OptimizerMeta,
     index_name,
 )
+from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
 
@@ -275,12 +276,10 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
     """What ``save`` writes: the parts, whether they hold DTensors, and the extra files (also used by
     :func:`checkpoint.training.async_save.async_save`, which stages the parts before writing)."""
     extra_files: dict[str, bytes] = {}
-    if extra_state is not None:
-        from .storage.extra_state import extra_state_file_bytes, snapshot_extra_state
-
-        extra_files = extra_state_file_bytes(snapshot_extra_state(extra_state))
-    extra_files.update(hf_config_files(obj))  # a transformers model: from_pretrained(dir) works
     state = object_state(obj)
+    if extra_state is not None:
+        extra_files = _extra_state_files(path, extra_state, state)
+    extra_files.update(hf_config_files(obj))  # a transformers model: from_pretrained(dir) works
     fmap = state.fqn_map.to_model() if state.fqn_map is not None else None
     parts_entries: list[tuple[str, list[Entry], list[list[str]], FQNMapFile | None, OptimizerMeta | None]] = [
         (MODEL_PREFIX, state.entries, state.alias_groups, fmap, None)
@@ -299,6 +298,20 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
     distributed = any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es)
     return parts, distributed, extra_files
+
+
+def _extra_state_files(path: str, extra_state, state) -> dict[str, bytes]:
+    """``extra_state.json`` (+ this rank's per-rank file, gathered to rank 0 by
+    :func:`_save_distributed`). Per-rank entries need a save on every rank: refused (ValueError
+    naming them) when one process saves for a world of several ranks."""
+    shared, mine = snapshot_extra_state_parts(extra_state)
+    rank, world = (dist.rank(), dist.world_size()) if dist.active() else (0, 1)
+    if mine and world > 1 and not any(isinstance(e.tensor, DTensor) for e in state.entries):
+        raise ValueError(
+            f"saving {path}: extra_state entries {sorted(mine)} are PerRank, but this save of a "
+            f"module without DTensors is one process's ({world} ranks): only rank {rank}'s values would be kept"
+        )
+    return extra_state_file_bytes(shared, mine, rank, world)
 
 
 # -- distributed ------------------------------------------------------------------------------
@@ -348,11 +361,19 @@ def _save_distributed(
     rank, world = dist.rank(), dist.world_size()
     layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
     fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
+    mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
+    extra_files = {n: d for n, d in extra_files.items() if n not in mine}
     extras = {name: hashlib.sha256(data).hexdigest() for name, data in extra_files.items()}
-    gathered = dist.all_gather_object((fingerprint, extras))  # one exchange for both checks
-    if len({hash(tuple(fp)) for fp, _ in gathered}) != 1:
+    # One exchange for the layout and extra-state checks; it also brings each rank's per-rank
+    # extra state (a few KB) to rank 0, which writes it with the rest.
+    gathered = dist.all_gather_object((fingerprint, extras, mine))
+    if len({hash(tuple(fp)) for fp, _, _ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
-    differ = [r for r, (_, e) in enumerate(gathered) if e != gathered[0][1]]
+    rank_files = {n: d for _, _, m in gathered for n, d in m.items()}
+    if rank_files and len(rank_files) != world:  # the same verdict on every rank
+        raise CheckpointError(f"saving {path}: PerRank extra_state passed on {len(rank_files)} of {world} ranks")
+    extra_files.update(rank_files if rank == 0 else {})
+    differ = [r for r, (_, e, _) in enumerate(gathered) if e != gathered[0][1]]
     if differ and rank == 0:
         # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
         # would come back as rank 0's on every rank.

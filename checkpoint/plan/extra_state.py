@@ -9,6 +9,10 @@ target's own ``state_dict()``; then the object's own ``load_state_dict`` is trie
 of it (sharing the model, optimizer and tensors it references, which it must not change), or,
 where the object cannot be copied, on the object itself with its ``state_dict()`` and
 attributes put back afterwards. Any refusal is :class:`ExtraStateMismatchError` naming the entry.
+
+A :class:`~checkpoint.storage.extra_state.PerRank` target takes this rank's saved value (same
+world size) or the value its ``reshard`` rule derives from every saved rank's (another world
+size; no rule: refused naming the entry); the checks above then apply to the wrapped object.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, ExtraStateMismatchError
-from ..storage.extra_state import EXTRA_STATE_FILE, REPORT_PREFIX, _decode, is_stateful, read_extra_state_file
+from ..ranks import dist
+from ..storage.extra_state import (
+    EXTRA_STATE_FILE,
+    REPORT_PREFIX,
+    PerRank,
+    _decode,
+    is_stateful,
+    rank_file_name,
+    read_extra_state_file,
+    read_rank_file,
+)
 
 
 @dataclass
@@ -46,12 +60,56 @@ class ExtraStateRestore:
         caller's dict. A tensor goes to the device of the tensor the dict held under its key."""
         for k, v in self.values.items():
             cur = self.target[k]
+            if isinstance(cur, PerRank):
+                if is_stateful(cur.value):
+                    cur.value.load_state_dict(v)
+                else:
+                    cur.value = v.to(cur.value.device) if _both_tensors(v, cur.value) else v
+                continue
             if is_stateful(cur):
                 cur.load_state_dict(v)
             else:
                 if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
                     v = v.to(cur.device)
                 self.target[k] = v
+
+
+def _both_tensors(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+
+
+def _decoded(e: Any, k: str, where: str) -> StoredExtra:
+    try:
+        value = _decode(e.value, k)
+    except ValueError as err:
+        raise CorruptCheckpointError(where, f"extra_state {k!r}: {err}") from err
+    return StoredExtra(e.stateful, e.class_name, value)
+
+
+def _per_rank_stored(reader: Any, k: str, target: PerRank) -> StoredExtra | None:
+    """This rank's value of per-rank entry ``k`` (re-derived by ``target.reshard`` when the
+    checkpoint was saved by another number of ranks); None where the checkpoint has none."""
+    root = reader.root if getattr(reader, "index_path", None) else None
+    doc = read_extra_state_file(root) if root is not None else None
+    if doc is None or doc.per_rank is None or k not in doc.per_rank.keys:
+        return None
+    rank, world = (dist.rank(), dist.world_size()) if dist.active() else (0, 1)
+    saved_world = doc.per_rank.world_size
+    if saved_world == world:
+        rf = read_rank_file(root, doc, rank)
+        return _decoded(rf.entries[k], k, os.path.join(root, rank_file_name(rank, world)))
+    if target.reshard is None:
+        raise ExtraStateMismatchError(
+            k, os.path.join(root, EXTRA_STATE_FILE),
+            f"was saved per rank by {saved_world} ranks and this world has {world}; "
+            f"PerRank({type(target.value).__name__}) has no reshard rule (PerRank(..., reshard=fn))",
+        )  # fmt: skip
+    saved = [
+        _decoded(read_rank_file(root, doc, r).entries[k], k, os.path.join(root, rank_file_name(r, saved_world)))
+        for r in range(saved_world)
+    ]
+    value = target.reshard([e.value for e in saved], rank, world)
+    return StoredExtra(saved[0].stateful, saved[0].class_name, value)
 
 
 def _stored(reader: Any, where: str) -> dict[str, StoredExtra]:
@@ -63,12 +121,14 @@ def _stored(reader: Any, where: str) -> dict[str, StoredExtra]:
     doc = read_extra_state_file(root) if root is not None else None
     out = {}
     for k, e in (doc.entries if doc is not None else {}).items():
-        try:
-            value = _decode(e.value, k)
-        except ValueError as err:
-            raise CorruptCheckpointError(where, f"extra_state {k!r}: {err}") from err
-        out[k] = StoredExtra(e.stateful, e.class_name, value)
+        out[k] = _decoded(e, k, where)
     return out
+
+
+def _per_rank_keys(reader: Any) -> list[str]:
+    root = reader.root if getattr(reader, "index_path", None) else None
+    doc = read_extra_state_file(root) if root is not None else None
+    return list(doc.per_rank.keys) if doc is not None and doc.per_rank is not None else []
 
 
 def _shared(plan: Any, optimizer: Any) -> dict[int, Any]:
@@ -141,11 +201,22 @@ def plan_extra_state(
     stored = _stored(reader, where)
     values: dict[str, Any] = {}
     memo = _shared(plan, optimizer)
-    for k, cur in extra_state.items():
-        if k not in stored:
+    per_rank_keys = _per_rank_keys(reader)
+    for k, target in extra_state.items():
+        if isinstance(target, PerRank):
+            if k in stored:
+                raise ExtraStateMismatchError(k, where, "was saved for every rank alike, but the target is PerRank")
+            e = _per_rank_stored(reader, k, target)
+            cur = target.value
+        elif k in per_rank_keys:
+            raise ExtraStateMismatchError(
+                k, where, f"was saved per rank (PerRank), but the target is a {type(target).__name__}"
+            )
+        else:
+            e, cur = stored.get(k), target
+        if e is None:
             report.missing_keys.append(REPORT_PREFIX + k)
             continue
-        e = stored[k]
         stateful = is_stateful(cur)
         # A stateful entry of unknown class (migrated from DCP) may also fill a plain target.
         if e.stateful is not None and e.stateful != stateful and not (e.stateful and e.class_name is None):
@@ -169,7 +240,7 @@ def plan_extra_state(
             _try_load(k, cur, e.value, where, memo)
         values[k] = e.value
         report.loaded_keys.append(REPORT_PREFIX + k)
-    report.unexpected_keys.extend(REPORT_PREFIX + k for k in stored if k not in extra_state)
+    report.unexpected_keys.extend(REPORT_PREFIX + k for k in (*stored, *per_rank_keys) if k not in extra_state)
     for field in ("missing_keys", "unexpected_keys", "loaded_keys"):
         getattr(report, field).sort()
     return ExtraStateRestore(extra_state, values)

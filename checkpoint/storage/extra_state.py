@@ -11,8 +11,12 @@ Each entry of the caller's ``Mapping[str, Any]`` is either
   int keys) of these; on load the caller's dict gets the saved value under the same key.
 
 On many ranks the file holds rank 0's entries (written once, like the index); a save whose
-ranks pass different extra state warns, naming the ranks (per-rank values such as the RNG states
-of ranks seeded apart would come back as rank 0's everywhere).
+ranks pass different extra state warns, naming the ranks. Values that belong to one rank (RNG
+states of ranks seeded apart, a rank's own data position) are wrapped in :class:`PerRank`: every
+rank's value is saved, in ``extra_state.rank-RRRRR-of-WWWWW.json`` (same schema, one file a rank,
+listed with the world size in ``extra_state.json``'s ``per_rank``), and restored on the same rank.
+On another world size, an entry is re-derived by its ``reshard`` rule from every saved rank's
+value, or the load stops naming it (:mod:`checkpoint.plan.extra_state`).
 
 The file follows the pydantic schema :class:`ExtraStateFile`. Tensors are written inline
 (base64 of their row-major bytes, safetensors dtype names) because extra state is small (an RNG
@@ -28,7 +32,8 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import torch
@@ -111,15 +116,59 @@ class ExtraStateEntry(BaseModel):
     value: Node
 
 
+class PerRankFiles(BaseModel):
+    """``extra_state.json``'s list of per-rank entries: ``keys`` saved by each of ``world_size``
+    ranks, rank ``r``'s in :func:`rank_file_name` ``(r, world_size)`` (a file with its own digest
+    and its rank, so a flipped byte or a file of another rank is caught)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    world_size: Annotated[int, Field(ge=1)]
+    keys: list[StrictStr]
+
+
 class ExtraStateFile(BaseModel):
-    """``extra_state.json``. ``sha256``: hex digest of the canonical JSON of ``entries``."""
+    """``extra_state.json`` (and a rank's ``extra_state.rank-RRRRR-of-WWWWW.json``, which has
+    ``rank`` set and no ``per_rank``). ``sha256``: hex digest of the canonical JSON of ``entries``
+    (with ``per_rank`` and ``rank`` where set)."""
 
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["fqnckpt-extra-state"] = "fqnckpt-extra-state"
     version: Literal[1] = 1
     entries: dict[str, ExtraStateEntry]
+    per_rank: PerRankFiles | None = None
+    rank: Annotated[int, Field(ge=0)] | None = None
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+RANK_FILE_RE = re.compile(r"^extra_state\.rank-(\d{5})-of-(\d{5})\.json$")
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    """``extra_state.rank-00001-of-00004.json``: rank 1's per-rank entries of a 4-rank save."""
+    return f"extra_state.rank-{rank:05d}-of-{world_size:05d}.json"
+
+
+class PerRank:
+    """Marks an ``extra_state`` entry as one rank's own: ``PerRank(obj)`` where ``obj`` is a
+    stateful object (``state_dict`` / ``load_state_dict``) or a plain value (read back from
+    ``.value`` after a load).
+
+    ``reshard(saved, rank, world_size) -> value``: how a world of another size gets its values,
+    from ``saved`` (every saved rank's value, by rank); defaults to ``obj.reshard`` when ``obj``
+    has one (e.g. :class:`checkpoint.training.RNGState`). Without a rule, a load on another world
+    size raises :class:`~checkpoint.errors.ExtraStateMismatchError` naming the entry.
+    """
+
+    def __init__(self, value: Any, reshard: Callable[[list[Any], int, int], Any] | None = None):
+        if isinstance(value, PerRank):
+            raise TypeError("PerRank(PerRank(...)): wrap the value once")
+        self.value = value
+        self.reshard = reshard if reshard is not None else getattr(value, "reshard", None)
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
 
 
 def is_stateful(v: object) -> bool:
@@ -195,11 +244,20 @@ def _decode(n: _Node, where: str) -> Any:
     raise AssertionError(type(n))
 
 
-def _digest(entries: Mapping[str, ExtraStateEntry]) -> str:
-    canon = json.dumps(
-        {k: e.model_dump(mode="json") for k, e in entries.items()}, sort_keys=True, separators=(",", ":")
-    )
+def _digest(
+    entries: Mapping[str, ExtraStateEntry], per_rank: PerRankFiles | None = None, rank: int | None = None
+) -> str:
+    doc: dict[str, Any] = {k: e.model_dump(mode="json") for k, e in entries.items()}
+    if per_rank is not None or rank is not None:  # files without them keep their earlier digest
+        doc = {"entries": doc, "per_rank": per_rank.model_dump(mode="json") if per_rank else None, "rank": rank}
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _entry(k: str, v: Any) -> ExtraStateEntry:
+    if is_stateful(v):
+        return ExtraStateEntry(stateful=True, class_name=type(v).__name__, value=_encode(v.state_dict(), k))
+    return ExtraStateEntry(stateful=False, value=_encode(v, k))
 
 
 def snapshot_extra_state(extra_state: Mapping[str, Any]) -> dict[str, ExtraStateEntry]:
@@ -212,23 +270,49 @@ def snapshot_extra_state(extra_state: Mapping[str, Any]) -> dict[str, ExtraState
     """
     if not isinstance(extra_state, Mapping):
         raise TypeError(f"extra_state must be a Mapping[str, Any], got {type(extra_state).__name__}")
-    out: dict[str, ExtraStateEntry] = {}
+    shared, _ = snapshot_extra_state_parts(extra_state)
+    return shared
+
+
+def snapshot_extra_state_parts(
+    extra_state: Mapping[str, Any],
+) -> tuple[dict[str, ExtraStateEntry], dict[str, ExtraStateEntry]]:
+    """:func:`snapshot_extra_state` split in two: the shared entries and this rank's
+    :class:`PerRank` entries (unwrapped). Raises as :func:`snapshot_extra_state`."""
+    if not isinstance(extra_state, Mapping):
+        raise TypeError(f"extra_state must be a Mapping[str, Any], got {type(extra_state).__name__}")
+    shared: dict[str, ExtraStateEntry] = {}
+    mine: dict[str, ExtraStateEntry] = {}
     for k, v in extra_state.items():
         if not isinstance(k, str) or not k:
             raise TypeError(f"extra_state key {k!r} is not a non-empty str")
-        if is_stateful(v):
-            out[k] = ExtraStateEntry(
-                stateful=True, class_name=type(v).__name__, value=_encode(v.state_dict(), k)
-            )
+        if isinstance(v, PerRank):
+            mine[k] = _entry(k, v.value)
         else:
-            out[k] = ExtraStateEntry(stateful=False, value=_encode(v, k))
-    return out
+            shared[k] = _entry(k, v)
+    return shared, mine
 
 
-def extra_state_file_bytes(entries: Mapping[str, ExtraStateEntry]) -> dict[str, bytes]:
-    """``{"extra_state.json": bytes}`` for ``save``'s ``extra_files`` (written in the staging dir)."""
-    doc = ExtraStateFile(entries=dict(entries), sha256=_digest(entries))
-    return {EXTRA_STATE_FILE: (doc.model_dump_json(indent=1) + "\n").encode()}
+def _file_bytes(doc: ExtraStateFile) -> bytes:
+    return (doc.model_dump_json(indent=1) + "\n").encode()
+
+
+def extra_state_file_bytes(
+    entries: Mapping[str, ExtraStateEntry],
+    per_rank: Mapping[str, ExtraStateEntry] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, bytes]:
+    """``{"extra_state.json": bytes}`` for ``save``'s ``extra_files`` (written in the staging dir),
+    plus this rank's per-rank file when ``per_rank`` holds entries. ``extra_state.json`` is the same
+    on every rank that passes the same entries; a distributed save gathers the rank files to rank 0."""
+    if not per_rank:
+        doc = ExtraStateFile(entries=dict(entries), sha256=_digest(entries))
+        return {EXTRA_STATE_FILE: _file_bytes(doc)}
+    info = PerRankFiles(world_size=world_size, keys=sorted(per_rank))
+    doc = ExtraStateFile(entries=dict(entries), per_rank=info, sha256=_digest(entries, info))
+    mine = ExtraStateFile(entries=dict(per_rank), rank=rank, sha256=_digest(per_rank, None, rank))
+    return {EXTRA_STATE_FILE: _file_bytes(doc), rank_file_name(rank, world_size): _file_bytes(mine)}
 
 
 def read_extra_state_file(root: str) -> ExtraStateFile | None:
@@ -247,9 +331,37 @@ def read_extra_state_file(root: str) -> ExtraStateFile | None:
         doc = ExtraStateFile.model_validate_json(raw)
     except (ValidationError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(path, f"does not follow the extra_state schema: {e}") from e
-    actual = _digest(doc.entries)
+    actual = _digest(doc.entries, doc.per_rank, doc.rank)
     if actual != doc.sha256:
         raise ChecksumMismatchError(path, doc.sha256, actual)
+    if doc.rank is not None:
+        raise CorruptCheckpointError(path, "is not a checkpoint's extra_state.json (rank / per_rank fields)")
     return doc
+
+
+def read_rank_file(root: str, doc: ExtraStateFile, rank: int) -> ExtraStateFile:
+    """Rank ``rank``'s per-rank file listed by ``doc`` (``root``'s ``extra_state.json``), checked.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, a link, not the schema, or for another rank
+            or other keys than ``extra_state.json`` lists.
+        ChecksumMismatchError: its ``sha256`` differs from its entries' digest.
+    """
+    assert doc.per_rank is not None and 0 <= rank < doc.per_rank.world_size
+    path = os.path.join(root, rank_file_name(rank, doc.per_rank.world_size))
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise CorruptCheckpointError(path, "is listed in extra_state.json but missing (or a link)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        rf = ExtraStateFile.model_validate_json(raw)
+    except (ValidationError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(path, f"does not follow the extra_state schema: {e}") from e
+    actual = _digest(rf.entries, rf.per_rank, rf.rank)
+    if actual != rf.sha256:
+        raise ChecksumMismatchError(path, rf.sha256, actual)
+    if rf.rank != rank or rf.per_rank is not None or sorted(rf.entries) != sorted(doc.per_rank.keys):
+        raise CorruptCheckpointError(path, f"is not rank {rank}'s per-rank file of this checkpoint")
+    return rf
 
 

@@ -26,12 +26,15 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
+from torch.distributed.tensor import DTensor
 
 from .. import _faults, atomic
 from ..atomic import fsync_path
 from ..ranks import dist
+from ..storage.extra_state import PerRank, read_extra_state_file
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
 from .async_save import AsyncSaver, SaveFuture
+from .rng_state import RNGState
 
 # ASCII digits only (``\d`` also matches e.g. Arabic-Indic digits, which int() accepts).
 _STEP_DIR = re.compile(r"^step-([0-9]{8,})$")
@@ -94,6 +97,18 @@ def is_complete(path: str) -> bool:
     return True
 
 
+RNG_KEY = "fqnckpt.rng"  # the manager's per-rank RNG entry in extra_state
+
+
+def _per_rank_savable(module: Any) -> bool:
+    """Whether a save of ``module`` runs on every rank (so every rank's per-rank state is kept):
+    one rank in all, or DTensors in the state (saved collectively)."""
+    if not dist.active() or dist.world_size() == 1:
+        return True
+    tensors = module.values() if isinstance(module, Mapping) else module.state_dict().values()
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
 def list_steps(root: str) -> list[tuple[int, bool]]:
     """``(step, complete)`` for each directory under ``root`` named as :func:`step_dir_name` names
     it (a plain directory, not a symlink), ascending. Reads indexes only; changes nothing."""
@@ -130,6 +145,12 @@ class CheckpointManager:
     ``background_staging``: passed to :func:`checkpoint.async_save` (the optimizer's tensors are
     copied while the next forward / backward runs; its next ``step()`` waits for the copy; read
     the contract there).
+    ``rng_state``: also save each rank's random generators (torch CPU, the accelerator's, Python
+    ``random``, numpy: :class:`~checkpoint.training.rng_state.RNGState`) as the per-rank extra
+    state entry ``"fqnckpt.rng"``, and restore them in :meth:`load_latest` (on the same rank; on
+    another world size re-derived per rank by :meth:`RNGState.reshard`). Skipped for a save of a
+    module without DTensors on several ranks (one process saves it: other ranks' states cannot be
+    kept) and, on load, for checkpoints that hold none.
 
     On many ranks create it and call every method on every rank; rank 0 removes old checkpoints.
 
@@ -144,6 +165,7 @@ class CheckpointManager:
         keep_latest: int | None = None,
         async_save: bool = True,
         background_staging: bool = False,
+        rng_state: bool = True,
     ):
         if keep_latest is not None and (
             isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1
@@ -153,6 +175,7 @@ class CheckpointManager:
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
         self.background_staging = background_staging
+        self.rng_state = rng_state
         self._future: SaveFuture | None = None
         self.last_report = None  # LoadReport of the last load_latest
         os.makedirs(self.root, exist_ok=True)
@@ -209,6 +232,8 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
         path = self.path(step)
+        if self.rng_state and RNG_KEY not in (extra_state or {}) and _per_rank_savable(module):
+            extra_state = {**(extra_state or {}), RNG_KEY: PerRank(RNGState())}
         kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
         if self._saver is None:
             from ..save import save
@@ -260,9 +285,20 @@ class CheckpointManager:
             step = dist.broadcast_object(step)
         if step is None:
             return None
-        self.last_report = load(
-            module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs
-        )
+        added = False
+        if self.rng_state and (extra_state is None or RNG_KEY not in extra_state):
+            doc = read_extra_state_file(self.path(step))
+            if doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys:
+                extra_state = {} if extra_state is None else extra_state
+                extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
+                added = True
+        try:
+            self.last_report = load(
+                module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs
+            )
+        finally:
+            if added:
+                del extra_state[RNG_KEY]
         return step
 
     # -- retention ------------------------------------------------------------------------------
