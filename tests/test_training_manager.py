@@ -50,7 +50,8 @@ def test_retention_keeps_the_newest_and_load_latest_restores(tmp_path, use_async
     assert sorted(os.listdir(tmp_path)) == ["step-00000030", "step-00000040"]
     assert mgr.latest() == str(tmp_path / "step-00000040") and mgr.steps() == [30, 40]
     assert sorted(os.listdir(tmp_path / "step-00000040")) == [
-        "extra_state.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+        "extra_state.json", "extra_state.rank-00000-of-00001.json",  # the manager's per-rank RNG states
+        "model-00001-of-00001.safetensors", "model.safetensors.index.json",
     ]  # fmt: skip
     target, extra = {k: torch.zeros_like(v) for k, v in sd.items()}, {"step": None}
     assert CheckpointManager(tmp_path).load_latest(target, extra_state=extra) == 40
