@@ -1,7 +1,8 @@
 """Exact resume on any number of ranks (issue 21), with the parallel module and with FSDP2 in the
 same spawns: a 2-rank run with dropout over a shuffled dataset (:class:`ResumableSampler`) saves
 through :class:`CheckpointManager` (model, AdamW, LR scheduler, sampler; each rank's RNG states by
-default), is killed with SIGKILL two steps later, and resumes:
+default) at step K, trains on (the uninterrupted run), and is killed with SIGKILL; then it resumes
+from the step-K checkpoint:
 
 - on 2 ranks, dropout drawn from each rank's own torch RNG: losses bit-identical to the
   uninterrupted run (every rank's RNG state came back to that rank);
@@ -21,7 +22,7 @@ import torch
 
 from checkpoint.ranks.launch import RankFailedError, run_ranks
 
-N, GLOBAL_BATCH, STEPS, K, KILL_AT = 24, 8, 8, 4, 6  # 3 steps an epoch; saved mid-epoch 1, killed in epoch 2
+N, GLOBAL_BATCH, STEPS, K = 24, 8, 8, 4  # 3 steps an epoch; saved mid-epoch 1
 P = 0.3  # dropout probability
 KINDS = ("pmod", "fsdp2")
 TOL = 1e-2  # bf16 tolerance, relative
@@ -34,6 +35,10 @@ class Net(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(6, 16)
         self.b = torch.nn.Linear(16, 3)
+
+    def init_weights(self):
+        self.a.reset_parameters()
+        self.b.reset_parameters()
 
     def forward(self, x, mask):
         return self.b(torch.nn.functional.gelu(self.a(x)) * mask / (1 - P))
@@ -50,6 +55,9 @@ def _sample_masks(idx, epoch):
     ).float()
 
 
+_CAPTURED: dict = {}
+
+
 def _build(kind, mesh, world):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -61,13 +69,16 @@ def _build(kind, mesh, world):
         model = Net()
         fully_shard(model, mesh=mesh)
         return model
-    with torch.device("meta"):
-        model = Net()
-    example = (torch.zeros(GLOBAL_BATCH, 6), torch.ones(GLOBAL_BATCH, 16))
-    with AutoParallel(model, lambda: example, mesh) as autop:
+    if world not in _CAPTURED:  # one capture a process, a fresh parallel module a training
+        with torch.device("meta"):
+            model = Net()
+        example = (torch.zeros(GLOBAL_BATCH, 6), torch.ones(GLOBAL_BATCH, 16))
+        autop = AutoParallel(model, lambda: example, mesh).__enter__()
         autop.add_input_constraints([(Shard(0),), (Shard(0),)])
         autop.add_output_constraints([(Shard(0),)])
-        pmod = autop.apply_placement(autop.optimize_placement())
+        _CAPTURED[world] = (autop, autop.optimize_placement())
+    autop, plan = _CAPTURED[world]
+    pmod = autop.apply_placement(plan)
     pmod.to_empty(device="cpu")
     pmod.init_weights()
     return pmod
@@ -93,7 +104,11 @@ def _run(rank, world, root, kind, mode, dropout, mesh):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     sampler = ResumableSampler(N, seed=11, rank=rank, world_size=world)
-    loader = torch.utils.data.DataLoader(range(N), batch_size=GLOBAL_BATCH // world, sampler=sampler)
+    # The loader's own generator: each new DataLoader iterator draws a base seed, which would
+    # otherwise come from the global RNG and shift the dropout stream of a resumed run.
+    loader = torch.utils.data.DataLoader(
+        range(N), batch_size=GLOBAL_BATCH // world, sampler=sampler, generator=torch.Generator()
+    )
     mgr = CheckpointManager(os.path.join(root, f"{kind}-{dropout}"), async_save=True)
     state = {"step": -1, "sched": sched, "sampler": sampler}
     step = 0
@@ -114,36 +129,39 @@ def _run(rank, world, root, kind, mode, dropout, mesh):
             dist.all_reduce(total)  # the global batch's mean loss: comparable across world sizes
             losses[step] = (total / GLOBAL_BATCH).item()
             seen[step] = (epoch, sorted(i for part in _gather(idx.tolist(), world) for i in part))
-            if step == K and mode != "resume":
+            if step == K and mode == "killed":
                 state["step"] = step
                 mgr.save(step, model, opt, state)
             step += 1
-            if step == STEPS or (mode == "killed" and step > KILL_AT):
+            if step == STEPS:
                 break
-        if mode == "killed" and step > KILL_AT:
-            break
     mgr.wait()
     return losses, seen
 
 
 def _train(rank, world, root, mode, dropouts):
-    """mode: "full" (all steps, saving at K), "killed" (saving at K, stopped after KILL_AT; the
-    process is then SIGKILLed), "resume" (from the latest checkpoint to the end)."""
+    """mode "killed": all steps, saving at K; rank 0 writes the losses to ``root/uninterrupted.pt``,
+    then every rank is SIGKILLed (no exit hook, nothing flushed). "resume": from the latest
+    checkpoint to the end; returns the losses."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     out = {(kind, d): _run(rank, world, root, kind, mode, d, mesh) for kind in KINDS for d in dropouts}
     if mode == "killed":
-        os.kill(os.getpid(), signal.SIGKILL)  # nothing flushed, nothing returned
+        if rank == 0:
+            torch.save(out, os.path.join(root, "uninterrupted.pt"))
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
     return out
 
 
 @pytest.mark.slow
 def test_resume_on_2_1_4_ranks_pmod_and_fsdp2(tmp_path):
-    full_root, root = str(tmp_path / "full"), str(tmp_path / "run")
-    full = run_ranks(_train, 2, full_root, "full", ("rank", "sample"), backend="gloo", timeout=300)[0]
+    root = str(tmp_path)
     with pytest.raises(RankFailedError):
         run_ranks(_train, 2, root, "killed", ("rank", "sample"), backend="gloo", timeout=300)
+    full = torch.load(os.path.join(root, "uninterrupted.pt"))
     table = {}
     # Same world size, per-rank torch RNG dropout: bit-identical.
     same = run_ranks(_train, 2, root, "resume", ("rank",), backend="gloo", timeout=300)[0]
