@@ -39,7 +39,13 @@ from .plan.values import check_tied_values
 from .progress import progress_bar
 from .sources import open_source
 from .sources.dcp import EXTRA_KINDS, read_entries
-from .storage.extra_state import EXTRA_STATE_FILE, extra_state_file_bytes, read_extra_state_file, snapshot_extra_state
+from .storage.extra_state import (
+    EXTRA_STATE_FILE,
+    checked_extra_state_files,
+    extra_state_file_bytes,
+    read_extra_state_file,
+    snapshot_extra_state,
+)
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage.reader import open_checkpoint
 from .tensor_checks import dtype_problem
@@ -193,8 +199,8 @@ def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, b
         doc = read_extra_state_file(str(root))
         if doc is None:
             return {}
-        report.extra_state = sorted(doc.entries)
-        return extra_state_file_bytes(doc.entries)
+        report.extra_state = sorted([*doc.entries, *(doc.per_rank.keys if doc.per_rank else ())])
+        return checked_extra_state_files(str(root))  # per-rank files too, as they are
     kinds = getattr(source._reader, "kinds", None) if source.format.startswith("dcp") else None
     if kinds is None:
         return {}

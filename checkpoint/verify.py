@@ -9,6 +9,7 @@ import struct
 from .atomic import read_view
 from .errors import CheckpointError, CheckpointNotFoundError, external_errors
 from .reports import FileCheck, VerifyReport
+from .storage.extra_state import checked_extra_state_files
 from .storage.format import OPTIMIZER_PREFIX, index_name
 from .storage.reader import CheckpointReader, check_file, open_checkpoint
 
@@ -101,7 +102,8 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     fqnckpt / Hugging Face layout (index or one ``model.safetensors``; the optimizer part too):
     every file's header, offsets and dtypes, the index against the files (every indexed tensor
     in its file, no duplicates, sizes, ``total_size``), the index's own digest, and each file's
-    byte size and digests against ``metadata.fqnckpt.files`` (format version 2: xxh3-128 of the
+    byte size and digests against ``metadata.fqnckpt.files``, ``extra_state.json`` and every
+    per-rank extra-state file it lists (schema, digest, rank) (format version 2: xxh3-128 of the
     header and of each tensor, see :mod:`checkpoint.storage.digest`; version 1: sha256 per file). An index without that block (e.g. transformers'
     ``save_pretrained``) is checked for structure, with a note that it is not checksummed. Any
     other format fqnckpt reads (``torch.save`` pickles, DCP) has no checksums: every tensor is
@@ -142,6 +144,11 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
             try:
                 with reader:
                     _check_part(reader, report, bar)
+            except (CheckpointError, OSError) as e:
+                report.problems.append(f"{type(e).__name__}: {e}")
+        if readers:
+            try:  # extra_state.json's digest and every per-rank file it lists
+                checked_extra_state_files(path)
             except (CheckpointError, OSError) as e:
                 report.problems.append(f"{type(e).__name__}: {e}")
     return report

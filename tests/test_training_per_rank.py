@@ -126,3 +126,29 @@ def test_rng_state_through_extra_state_roundtrip(tmp_path):
     torch.manual_seed(4)
     checkpoint.load(_model(), tmp_path / "ck", extra_state={"rng": PerRank(RNGState())})
     assert torch.rand(2).tolist() == expect
+
+
+def test_verify_migrate_and_manager_see_per_rank_files(tmp_path):
+    ck = tmp_path / "ck"
+    checkpoint.save(_model(), ck, extra_state={"pos": PerRank(Pos(7)), "step": 3})
+    assert checkpoint.verify(ck).ok
+    # migrate keeps every part of the extra state, per-rank files included
+    checkpoint.migrate(ck, tmp_path / "mig")
+    target = {"pos": PerRank(Pos()), "step": 0}
+    checkpoint.load(_model(), tmp_path / "mig", extra_state=target)
+    assert target["pos"].value.at == 7 and target["step"] == 3
+    shared, rank_file = ck / "extra_state.json", ck / "extra_state.rank-00000-of-00001.json"
+    good = rank_file.read_bytes()
+    for broken in (lambda: rank_file.write_bytes(good.replace(b'"value": 7', b'"value": 8')), rank_file.unlink):
+        broken()
+        problems = checkpoint.verify(ck).problems
+        assert len(problems) == 1 and "extra_state.rank-00000-of-00001.json" in problems[0], problems
+        rank_file.write_bytes(good)
+    shared.write_text(shared.read_text().replace('"value": 3', '"value": 4'))
+    assert "extra_state.json" in " ".join(checkpoint.verify(ck).problems)
+    # a manager step whose listed rank file is missing is not complete
+    mgr = checkpoint.CheckpointManager(tmp_path / "run", async_save=False)
+    mgr.save(1, _model())
+    mgr.save(2, _model())
+    os.unlink(os.path.join(mgr.path(2), "extra_state.rank-00000-of-00001.json"))
+    assert mgr.steps() == [1] and mgr.latest() == mgr.path(1)

@@ -73,14 +73,15 @@ def test_ragged_tail_pads_or_drops_like_distributed_sampler():
 
 def test_load_state_dict_refuses_another_run():
     st = ResumableSampler(8, seed=1, rank=0, world_size=1).state_dict()
-    for key, bad in (("seed", 2), ("num_samples", 9), ("shuffle", False), ("drop_last", True)):
+    for key, bad in (("seed", 2), ("seed", True), ("num_samples", 9), ("shuffle", False), ("shuffle", 1),
+                     ("drop_last", True)):
         s = ResumableSampler(8, seed=1, rank=0, world_size=1)
         before = s.state_dict()
         with pytest.raises(ValueError, match=key):
             s.load_state_dict({**st, key: bad})
         assert s.state_dict() == before
     s = ResumableSampler(8, seed=1, rank=0, world_size=1)
-    for bad in ({**st, "consumed": -1}, {**st, "consumed": 99}, {**st, "epoch": "x"}):
+    for bad in ({**st, "consumed": -1}, {**st, "consumed": 99}, {**st, "epoch": "x"}, {**st, "consumed": True}):
         with pytest.raises(ValueError):
             s.load_state_dict(bad)
 

@@ -365,3 +365,23 @@ def read_rank_file(root: str, doc: ExtraStateFile, rank: int) -> ExtraStateFile:
     return rf
 
 
+def checked_extra_state_files(root: str) -> dict[str, bytes]:
+    """The extra-state files of the checkpoint at ``root`` as they are (``extra_state.json`` and
+    every per-rank file it lists), each checked, for a copy into another checkpoint (``migrate``)
+    or a check (``verify``); ``{}`` when it has none.
+
+    Raises what :func:`read_extra_state_file` and :func:`read_rank_file` raise."""
+    doc = read_extra_state_file(root)
+    if doc is None:
+        return {}
+    names = [EXTRA_STATE_FILE]
+    if doc.per_rank is not None:
+        for r in range(doc.per_rank.world_size):
+            read_rank_file(root, doc, r)
+            names.append(rank_file_name(r, doc.per_rank.world_size))
+    out = {}
+    for name in names:
+        with open(os.path.join(root, name), "rb") as f:
+            out[name] = f.read()
+    return out
+

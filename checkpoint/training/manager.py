@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 from .. import _faults, atomic
 from ..atomic import fsync_path
 from ..ranks import dist
-from ..storage.extra_state import PerRank, read_extra_state_file
+from ..errors import CheckpointError
+from ..storage.extra_state import PerRank, rank_file_name, read_extra_state_file
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
 from .async_save import AsyncSaver, SaveFuture
 from .rng_state import RNGState
@@ -71,8 +72,9 @@ def _own_hidden(name: str, pattern: re.Pattern) -> bool:
 
 
 def is_complete(path: str) -> bool:
-    """A committed checkpoint directory: its model index (and optimizer index, if any) parses, and
-    every shard file it names exists with the byte size recorded. No data is read."""
+    """A committed checkpoint directory: its model index (and optimizer index, if any) parses,
+    every shard file it names exists with the byte size recorded, and so does every per-rank
+    extra-state file its ``extra_state.json`` lists. No tensor data is read."""
     if not os.path.isdir(path) or os.path.islink(path):
         return False
     model_index = os.path.join(path, index_name(MODEL_PREFIX))
@@ -94,6 +96,13 @@ def is_complete(path: str) -> bool:
                 return False
             if meta is not None and name in meta.files and os.path.getsize(fp) != meta.files[name].size:
                 return False
+    try:  # every per-rank extra-state file extra_state.json lists (a corrupt file: load names it)
+        doc = read_extra_state_file(path)
+    except CheckpointError:
+        return True
+    if doc is not None and doc.per_rank is not None:
+        w = doc.per_rank.world_size
+        return all(os.path.isfile(os.path.join(path, rank_file_name(r, w))) for r in range(w))
     return True
 
 

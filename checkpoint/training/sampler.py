@@ -164,17 +164,18 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "num_samples", "shuffle", "drop_last"):
-            if state.get(key) != getattr(self, key):
+            # type too: True == 1 in Python, but a bool seed or an int shuffle is another run's state
+            if type(state.get(key)) is not type(getattr(self, key)) or state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"ResumableSampler.load_state_dict: {key} is {state.get(key)!r} in the saved state, "
                     f"{getattr(self, key)!r} here; another run's order cannot be continued"
                 )
         epoch, consumed = state.get("epoch"), state.get("consumed")
-        if not isinstance(epoch, int) or epoch < 0:
+        if type(epoch) is not int or epoch < 0:
             raise ValueError(f"ResumableSampler.load_state_dict: epoch {epoch!r} is not an int >= 0")
         saved_world = state.get("world_size", 1)
-        if not isinstance(saved_world, int) or saved_world < 1:
+        if type(saved_world) is not int or saved_world < 1:
             raise ValueError(f"ResumableSampler.load_state_dict: world_size {saved_world!r} is not an int >= 1")
-        if not isinstance(consumed, int) or not 0 <= consumed < self.num_samples + saved_world:
+        if type(consumed) is not int or not 0 <= consumed < self.num_samples + saved_world:
             raise ValueError(f"ResumableSampler.load_state_dict: consumed {consumed!r} is outside the epoch")
         self.epoch, self.consumed = epoch, min(consumed, self.num_samples)
