@@ -157,7 +157,8 @@ class CheckpointManager:
     ``rng_state``: also save each rank's random generators (torch CPU, the accelerator's, Python
     ``random``, numpy: :class:`~checkpoint.training.rng_state.RNGState`) as the per-rank extra
     state entry ``"fqnckpt.rng"``, and restore them in :meth:`load_latest` (on the same rank; on
-    another world size re-derived per rank by :meth:`RNGState.reshard`). Skipped for a save of a
+    another world size re-derived per rank by :meth:`RNGState.reshard`) when it is given an
+    ``extra_state`` dict (``None`` reads no extra state). Skipped for a save of a
     module without DTensors on several ranks (one process saves it: other ranks' states cannot be
     kept) and, on load, for checkpoints that hold none.
 
@@ -295,10 +296,10 @@ class CheckpointManager:
         if step is None:
             return None
         added = False
-        if self.rng_state and (extra_state is None or RNG_KEY not in extra_state):
+        # extra_state=None reads no extra state at all (load's rule), RNG states included.
+        if self.rng_state and extra_state is not None and RNG_KEY not in extra_state:
             doc = read_extra_state_file(self.path(step))
             if doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys:
-                extra_state = {} if extra_state is None else extra_state
                 extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
                 added = True
         try:
