@@ -409,9 +409,4 @@ def test_one_rank_is_a_world(tmp_path):
     """Build, init, forward, backward, save, load and async save on a 1-rank mesh in a 1-rank world."""
     (result,) = run_ranks(_one_rank_main, 1, str(tmp_path), backend="gloo", timeout=300)
     assert result["grad"] <= 1e-6
-    if result["save"] == "A27":
-        pytest.skip(
-            "checkpoint.save refuses DTensors on a 1-rank process group (shared case A27, fixed in "
-            "checkpoint/ by another change); build, init, forward, backward and load passed"
-        )
     assert result["save"] == "ok"

@@ -102,7 +102,9 @@ def test_llama_train_resume(tmp_path, monkeypatch):
     assert r["loaded"] == len(eager_keys) - 1 and r["optimizer_loaded"]
     # The manager kept the 2 newest of steps 0..2 and resumed from step 2 with its extra state.
     assert r["kept"] == ["step-00000001", "step-00000002"] and r["resumed_step"] == 2
-    assert r["extra_loaded"] == ["extra_state.lr_scheduler", "extra_state.rng", "extra_state.step"]
+    assert r["extra_loaded"] == [  # the manager adds each rank's RNG states
+        "extra_state.fqnckpt.rng", "extra_state.lr_scheduler", "extra_state.rng", "extra_state.step",
+    ]
 
     full, res = r["uninterrupted"], r["resumed"]
     assert sorted(full) == [0, 1, 2, 3, 4] and sorted(res) == [3, 4]
