@@ -184,6 +184,7 @@ def uninit_checks(rank: int, mesh: DeviceMesh) -> bool:
     # save_pretrained on the parallel module (every rank): the eager class's from_pretrained reads it.
     pretrained = ckpt + "-pretrained"
     pllama.save_pretrained(pretrained, max_shard_size="100KB")
+    dist.barrier()  # gloo's barrier also waits for every collective still in flight on this group
     with pytest.raises(TypeError, match="safe_serialization=False"):
         pllama.save_pretrained(pretrained, safe_serialization=False)
     if rank == 0:

@@ -181,9 +181,10 @@ def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
     mgr.save(3, model, optimizer=opt, extra_state={"sched": sched})
     mgr.wait()
     rep = checkpoint.migrate(mgr.path(3), tmp_path / "out")
-    assert len(rep.optimizer_entries) == 3 * len(model.state_dict()) and rep.extra_state == ["sched"]
+    assert len(rep.optimizer_entries) == 3 * len(model.state_dict()) and rep.extra_state == ["fqnckpt.rng", "sched"]
     m2, o2, s2 = _fresh()
-    checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state={"sched": s2})
+    rng = checkpoint.PerRank(checkpoint.RNGState())  # carried over with the rest of the extra state
+    checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state={"sched": s2, "fqnckpt.rng": rng})
     assert _same_state(o2.state_dict(), opt.state_dict()) and s2.last_epoch == 2
 
 
