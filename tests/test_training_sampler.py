@@ -82,8 +82,10 @@ def test_load_state_dict_refuses_another_run():
         assert s.state_dict() == before
     s = ResumableSampler(8, seed=1, rank=0, world_size=1)
     for bad in ({**st, "consumed": -1}, {**st, "consumed": 99}, {**st, "epoch": "x"}, {**st, "consumed": True}):
+        before = s.state_dict()
         with pytest.raises(ValueError):
             s.load_state_dict(bad)
+        assert s.state_dict() == before  # a refused state changes nothing
 
 
 class _Ids(Dataset):
