@@ -7,6 +7,7 @@ sends its return value (must be picklable) back to the parent. Written by hand b
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -37,6 +38,7 @@ def default_backend() -> str:
 
 
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue):
+    faulthandler.enable()  # a rank killed by a signal (abort, segfault) prints every thread's stack
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
