@@ -277,6 +277,42 @@ def test_model_shape_and_missing_targets_named(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_key_missing_from_one_layer_refused_without_model(tmp_path, monkeypatch):
+    """Without model= nothing compares the targets with a module: a layer with fewer keys than
+    another, or a layer index absent (params.json's n_layers), stops the plan, naming the keys."""
+    sd = meta_state_dict()
+    del sd["layers.1.attention.wk.weight"]
+    src = write_meta(tmp_path / "meta", sd)
+    no_reads(monkeypatch)
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(src, tmp_path / "out", recipe="meta-llama-to-hf")
+    (p,) = e.value.report.problems
+    assert (p.kind, p.keys) == ("incomplete", ["layers.1.attention.wk.weight"])
+    assert not (tmp_path / "out").exists()
+    # A whole layer gone: n_layers from params.json says 3.
+    sd = meta_state_dict()
+    src = write_meta(tmp_path / "meta3", sd, {**PARAMS, "n_layers": L + 1})
+    with pytest.raises(ConversionError, match=rf"expected 0..{L}; absent \[{L}\]") as e:
+        checkpoint.migrate(src, tmp_path / "out", recipe="meta-llama-to-hf")
+    assert [p.keys for p in e.value.report.problems] == [[f"layers.{L}"]]
+    assert not (tmp_path / "out").exists()
+
+
+def test_layer_rule_passes_dense_and_moe_layers():
+    """Layers of two kinds (dense and MoE, as DeepSeek-V3's first_k_dense_replace) differ by
+    disjoint keys: no problem; one MoE layer short of an expert's key is named."""
+    from checkpoint.convert.layers import layer_problems
+
+    attn = ["self_attn.q_proj.weight", "self_attn.o_proj.weight", "input_layernorm.weight"]
+    dense = attn + ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    moe = attn + ["mlp.gate.weight"] + [f"mlp.experts.{e}.{w}.weight" for e in range(3) for w in ("w1", "w2")]
+    keys = [f"model.layers.0.{k}" for k in dense] + [f"model.layers.{i}.{k}" for i in (1, 2) for k in moe]
+    assert layer_problems(keys + ["model.norm.weight", "lm_head.weight"], {"n_layers": 3}) == []
+    short = [k for k in keys if k != "model.layers.2.mlp.experts.1.w2.weight"]
+    (p,) = layer_problems(short, {})
+    assert p.keys == ["model.layers.2.mlp.experts.1.w2.weight"] and "model.layers.2 lacks 1 key" in p.message
+
+
 def test_missing_expert_is_incomplete_not_dropped(tmp_path, monkeypatch):
     model = qwen3_moe()
     hub = {k: v for k, v in model.state_dict().items()}

@@ -20,6 +20,7 @@ from fqn import TensorKind, eager_tensors
 
 from ..storage.layout import TensorSpec
 from .catalog import Catalog
+from .layers import layer_problems
 from .ops import JoinShards, OpError, Value
 from .report import ConversionError, ConversionReport, GroupEntry, Problem, RuleUse
 from .rules import Pattern, Recipe, Rule
@@ -200,6 +201,10 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             continue
         g.members[pi][index] = key
     report.unchanged = sorted(unchanged.values())
+    if model is None:  # with a model, _check_model compares the targets with it exactly
+        dropped = set(report.dropped)
+        kept = [n for n, k in renamed.items() if k not in dropped]
+        problems.extend(layer_problems(kept, dims))
     # Complete groups only; then shapes from the ops run on meta tensors.
     owner: dict[str, str] = {tgt: src for tgt, src in unchanged.items()}
     meta_results: dict[tuple, list[Value]] = {}
