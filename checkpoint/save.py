@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -246,7 +247,9 @@ def save(
 
     ``recipe``: write another layout (``fqnckpt recipes``, e.g. ``hf-to-torchtitan-llama3``): saved
     as usual into a temporary directory beside ``path``, then converted by
-    :mod:`checkpoint.convert`; returns its ``ConversionReport``. One process only (no DTensors).
+    :mod:`checkpoint.convert`; returns its ``ConversionReport``. With DTensors (call on every rank)
+    each rank saves its own bytes as usual and rank 0 alone converts, streamed (memory: one rule
+    group, e.g. one layer's experts); every rank returns the report.
 
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
@@ -258,18 +261,42 @@ def save(
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("save(recipe=...) runs in one process: save, then migrate(recipe=) on one rank")
-        parent = os.path.dirname(os.path.abspath(path))
-        with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
-            save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
-            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
-                              write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
+        return _save_with_recipe(obj, path, recipe, max_shard_size, overwrite, progress)
     parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
             return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
         return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+
+
+def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bool, progress):
+    """``save(obj, path, recipe=...)``: saved in fqnckpt's layout into a temporary directory beside
+    ``path`` (the destination's filesystem, which every rank of a distributed save writes), then
+    converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
+    the report or raises (rank 0's own error; :class:`RankAgreementError` on the others)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    distributed = _prepare(path, obj, None, None)[1]
+    if not distributed:
+        with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
+            save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
+            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
+                              write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
+    tmp = dist.broadcast_object(tempfile.mkdtemp(prefix=".fqnckpt-convert-", dir=parent) if dist.rank() == 0 else None)
+    try:
+        save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
+        report, error = None, None
+        if dist.rank() == 0:
+            try:
+                report = run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
+                                    write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - every rank raises it (check_all)
+                error = e
+        dist.check_all(f"save(recipe={recipe!r}) converting on rank 0", error)
+        return dist.broadcast_object(report)
+    finally:
+        dist.barrier()  # every rank is done with tmp before rank 0 removes it
+        if dist.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:

@@ -192,6 +192,9 @@ def _interop(mesh, path, hf_path):
     fully_shard(model, mesh=mesh)
     rep = checkpoint.load(model, hf_path)
     assert rep.ok and model.model.embed_tokens.weight.placements[0].is_shard()
+    # save(recipe=) of the DTensor model: every rank saves its bytes, rank 0 converts; all get the report.
+    conv = checkpoint.save(model, hf_path + "-torchtitan", recipe="hf-to-torchtitan-llama3")
+    assert conv.written and conv.recipe == "hf-to-torchtitan-llama3"
     with torch.no_grad():
         out["logits"] = model(TOKENS).logits.tolist()  # tensors do not survive the rank's exit
     return out
@@ -304,6 +307,12 @@ def test_dtensor_2_and_4_ranks_and_resume(tmp_path):
         assert torch.equal(
             torch.tensor(logits), hf_logits
         )  # HF checkpoint -> 2-rank parallel module: identical output
+    # The 2-rank save(recipe=) equals the one-process conversion of the same weights, bit for bit.
+    checkpoint.save(hf, tmp_path / "tt-one", recipe="hf-to-torchtitan-llama3")
+    with open_checkpoint(tmp_path / "hf-torchtitan") as a, open_checkpoint(tmp_path / "tt-one") as b:
+        assert a.keys() == b.keys() and "layers.0.attention.wq.weight" in a.keys()
+        assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
     first = [sum(x) for x in zip(*(r["losses"] for r in res2))]
     ref = _eager_reference()
     assert max(abs(a - b) for a, b in zip(first, ref[:3])) < 1e-6
