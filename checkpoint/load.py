@@ -11,7 +11,6 @@ of its local shards (``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -96,8 +95,11 @@ def load(
     ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
     shown after 1 s).
 
-    ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): it is first converted by
-    :mod:`checkpoint.convert` (checked against ``obj``) into a temporary checkpoint, then loaded.
+    ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): converted while loading
+    (:mod:`checkpoint.convert.reader`; planned and checked against ``obj`` before a tensor is read,
+    no temporary files), then checked and copied like any source. Each rank computes the targets
+    it holds from their own source tensors (one rule group at a time) and keeps its block.
+    Model tensors only: ``TypeError`` with ``optimizer=``, ``extra_state=`` or ``verify=True``.
 
     Raises (all before anything is changed):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
@@ -122,19 +124,15 @@ def load(
     copying (nothing checkable is left to that phase).
     """
     path = os.fspath(path)
-    if recipe is not None:  # convert into a temporary checkpoint, then load it as usual
-        from .migrate import migrate
-
-        with tempfile.TemporaryDirectory(prefix="fqnckpt-convert-") as tmp:
-            migrate(path, os.path.join(tmp, "ck"), recipe=recipe, model=obj, progress=progress)
-            return load(obj, os.path.join(tmp, "ck"), strict=strict, optimizer=optimizer, dtype=dtype, verify=verify,
-                        assign=assign, allow_lossy=allow_lossy, extra_state=extra_state, progress=progress)  # fmt: skip
+    if recipe is not None and (optimizer is not None or verify or extra_state is not None):
+        raise TypeError("load(recipe=...) reads model tensors only (no optimizer=, extra_state=, verify=): "
+                        "the optimizer and extra state of another layout are not converted")  # fmt: skip
     if dtype is not None:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError("dtype= needs an nn.Module")
         if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"dtype= must be a floating point or complex torch.dtype, got {dtype!r}")
-    fmt = dcp_format(path)
+    fmt = dcp_format(path) if recipe is None else None
     if fmt is not None and verify:
         raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
     state = object_state(obj)
@@ -153,7 +151,7 @@ def load(
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
         with read_view(path):
-            reader = open_target_reader(path, fmt, read_optimizer=optimizer is not None)
+            reader = open_target_reader(path, fmt, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else path, strict=strict, optimizer=optimizer, dtype=dtype,
                 assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
@@ -187,12 +185,20 @@ def load(
     return plan.report
 
 
-def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool = True):
+def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool = True,
+                       recipe: str | None = None, model: Any = None):  # fmt: skip
     """The source stage of ``load``: a :class:`CheckpointReader` over an fqnckpt / Hugging Face
-    checkpoint (index, shards, one file, a hub-cache snapshot), or a
+    checkpoint (index, shards, one file, a hub-cache snapshot), a
     :class:`~checkpoint.sources.dcp_targets.DCPTargetReader` over a DCP directory (``fmt`` from
     :func:`~checkpoint.sources.dcp.dcp_format`; ``read_optimizer``: also read the optimizer's
-    param groups). Raises what they raise."""
+    param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
+    the checked conversion of any source format (planned against ``model``). Raises what they
+    raise (a conversion: RecipeError / ConversionError before any tensor is read)."""
+    if recipe is not None:
+        from .convert import open_conversion
+        from .convert.reader import ConvertedReader
+
+        return ConvertedReader(open_conversion(path, recipe, model=model if isinstance(model, torch.nn.Module) else None))
     if fmt is None:
         return open_checkpoint(path)
     return DCPTargetReader(open_dcp(Path(path), fmt, read_optimizer=read_optimizer))

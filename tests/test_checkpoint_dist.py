@@ -195,6 +195,13 @@ def _interop(mesh, path, hf_path):
     # save(recipe=) of the DTensor model: every rank saves its bytes, rank 0 converts; all get the report.
     conv = checkpoint.save(model, hf_path + "-torchtitan", recipe="hf-to-torchtitan-llama3")
     assert conv.written and conv.recipe == "hf-to-torchtitan-llama3"
+    # ... and load(recipe=) converts it back while loading into another sharded model.
+    back = tiny_llama(5)
+    fully_shard(back, mesh=mesh)
+    rep = checkpoint.load(back, hf_path + "-torchtitan", recipe="torchtitan-llama3-to-hf")
+    assert rep.ok and rep.loaded_keys
+    with torch.no_grad():
+        assert torch.equal(back(TOKENS).logits, model(TOKENS).logits)
     with torch.no_grad():
         out["logits"] = model(TOKENS).logits.tolist()  # tensors do not survive the rank's exit
     return out

@@ -441,11 +441,33 @@ def test_save_writes_config_so_from_pretrained_works(tmp_path):
     assert_equal_sd(fresh.state_dict(), model.state_dict())
 
 
-def test_load_and_save_with_recipe(tmp_path):
+def test_load_and_save_with_recipe(tmp_path, monkeypatch):
+    import tempfile
+
+    from tests.snapshot import Snapshot
+
     sd = meta_state_dict(7)
     src = write_meta(tmp_path / "meta", sd)
     hf = transformers.LlamaForCausalLM(llama_config()).eval()
+    # Converted while loading, through the load pipeline's checks: no temporary checkpoint, and
+    # a value float16 cannot hold is refused with the model left as it was.
+    def no_temp(*a, **k):
+        raise AssertionError("load(recipe=) made a temporary directory")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temp)
+    big = dict(sd)
+    big["layers.1.attention.wo.weight"] = sd["layers.1.attention.wo.weight"].clone()
+    big["layers.1.attention.wo.weight"][0, 0] = 1e6
+    write_meta(tmp_path / "big", big)
+    half = transformers.LlamaForCausalLM(llama_config()).half()
+    snap = Snapshot(half)
+    with pytest.raises(checkpoint.LossyConversionError, match="model.layers.1.self_attn.o_proj.weight"):
+        checkpoint.load(half, tmp_path / "big", recipe="meta-llama-to-hf")
+    snap.assert_unchanged()
+    with pytest.raises(TypeError, match="model tensors only"):
+        checkpoint.load(hf, src, recipe="meta-llama-to-hf", verify=True)
     checkpoint.load(hf, src, recipe="meta-llama-to-hf")
+    monkeypatch.undo()
     assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
     rep = checkpoint.save(hf, tmp_path / "tt", recipe="hf-to-torchtitan-llama3")
     assert isinstance(rep, ConversionReport) and rep.written
