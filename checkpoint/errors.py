@@ -309,7 +309,7 @@ class ExtraStateMismatchError(CheckpointError, TypeError):
 
 class MigrationError(CheckpointError):
     """A migration stopped (unresolved / ambiguous / colliding / missing keys); ``report`` is the
-    :class:`checkpoint.migrate.MigrationReport` explaining every decision. Nothing was written."""
+    :class:`checkpoint.MigrationReport` explaining every decision. Nothing was written."""
 
     def __init__(self, report: Any, why: str):
         self.report = report

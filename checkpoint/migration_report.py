@@ -1,7 +1,7 @@
 """``migration_report.json``: the pydantic schema of what :func:`checkpoint.migrate` decided.
 
 Data passed between the planning stage (:mod:`checkpoint.plan.migration`, which fills it) and the
-entry point (:mod:`checkpoint.migrate`, which writes it): it sits below both.
+entry point (:mod:`checkpoint.migrating`, which writes it): it sits below both.
 """
 
 from __future__ import annotations

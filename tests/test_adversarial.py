@@ -223,7 +223,7 @@ def test_empty_state_dict_round_trips(tmp_path):
 )
 def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
     """Both entries became one tensor name and the first was silently dropped."""
-    from checkpoint.migrate import migrate
+    from checkpoint.migrating import migrate
 
     src = tmp_path / "m.pt"
     torch.save(obj, src)
@@ -236,7 +236,7 @@ def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
 def test_complex64_checkpoint_inspect_and_migrate(tmp_path, capsys):
     """fqnckpt saves complex64 (C64) but its source reader did not know the dtype, so its own
     checkpoints could not be inspected, diffed or migrated."""
-    from checkpoint.migrate import migrate
+    from checkpoint.migrating import migrate
 
     c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)
     checkpoint.save({"c": c, "w": torch.arange(2.0)}, tmp_path / "ck")

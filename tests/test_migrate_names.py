@@ -13,7 +13,7 @@ from torch.nn.utils import weight_norm as legacy_weight_norm
 from torch.nn.utils.parametrizations import weight_norm as param_weight_norm
 
 from checkpoint.errors import MigrationError, TiedValuesMismatchError
-from checkpoint.migrate import REPORT_NAME, migrate, read_report
+from checkpoint.migrating import REPORT_NAME, migrate, read_report
 from checkpoint.storage.reader import open_checkpoint
 from fqn import FQNMap
 from tests.models import Base, WithHead

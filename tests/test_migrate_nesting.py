@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import checkpoint
 from checkpoint.errors import AmbiguousSourceError, MigrationError
-from checkpoint.migrate import migrate
+from checkpoint.migrating import migrate
 
 
 def _keys_and_values(dst) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from checkpoint.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from checkpoint.migrate import migrate, read_report
+from checkpoint.migrating import migrate, read_report
 from checkpoint.sources import open_source, sniff
 from checkpoint.storage.reader import open_checkpoint
 

@@ -31,7 +31,7 @@ from checkpoint import (
     UnsafePathError,
 )
 from checkpoint.errors import UnsafePickleError, UnsupportedFormatError
-from checkpoint.migrate import migrate
+from checkpoint.migrating import migrate
 from tests.snapshot import Snapshot
 
 INDEX = "model.safetensors.index.json"

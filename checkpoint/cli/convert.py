@@ -45,7 +45,7 @@ def run_migrate(args: argparse.Namespace, model) -> int:
     """``migrate --recipe``: plan (checked), write, print the rules applied and how often."""
     from ..convert import ConversionError, RecipeError
     from ..errors import CheckpointExistsError
-    from ..migrate import migrate
+    from ..migrating import migrate
 
     if args.rule or args.fqn_map:
         raise BadInput("--recipe does the renaming itself: drop --rule / --fqn-map", flag="--recipe")

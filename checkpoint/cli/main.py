@@ -62,7 +62,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ..migrate import naming_schemes
+    from ..migrating import naming_schemes
     from ..sources import open_source
 
     check_trust(args)
@@ -213,7 +213,7 @@ def _check_migrate_flags(args: argparse.Namespace):
     """Validate the flags that need no checkpoint before anything is read: ``--rule``,
     ``--max-shard-size``, ``--fqn-map`` (returns the compiled rules and the loaded FQN map)."""
     from ..errors import CheckpointError
-    from ..migrate import _load_fqn_map, compile_rules
+    from ..migrating import _load_fqn_map, compile_rules
     from ..storage.format import parse_size
 
     try:
@@ -236,7 +236,7 @@ def _check_migrate_flags(args: argparse.Namespace):
 
 def _migrate(args: argparse.Namespace) -> int:
     from ..errors import CheckpointExistsError, MigrationError
-    from ..migrate import migrate
+    from ..migrating import migrate
 
     rules, fmap = _check_migrate_flags(args)
     model = load_model(args.model) if args.model else None

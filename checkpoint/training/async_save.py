@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..save import _prepare, _save_distributed, _save_parts
+from ..saving import _prepare, _save_distributed, _save_parts
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
 

@@ -246,7 +246,7 @@ class CheckpointManager:
             extra_state = {**(extra_state or {}), RNG_KEY: PerRank(RNGState())}
         kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
         if self._saver is None:
-            from ..save import save
+            from ..saving import save
 
             save(module, path, **kw)
             self._retain(step)
@@ -286,7 +286,7 @@ class CheckpointManager:
 
         Raises: what :func:`checkpoint.load` raises.
         """
-        from ..load import load
+        from ..loading import load
 
         self.wait()
         steps = self.steps()

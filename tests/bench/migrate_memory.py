@@ -20,8 +20,8 @@ import tempfile
 CHILD = r"""
 import json, resource, sys
 import torch
-import checkpoint.migrate, checkpoint.save  # imports first: the baseline excludes them
-from checkpoint.migrate import migrate
+import checkpoint.migrating, checkpoint.saving  # imports first: the baseline excludes them
+from checkpoint.migrating import migrate
 
 def status_kib(field):
     with open("/proc/self/status") as f:

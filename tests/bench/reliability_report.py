@@ -51,7 +51,7 @@ def pickle_trial(root: Path, seed: int, t: cw.Tally) -> None:
 
     import checkpoint
     from checkpoint.errors import UnsafePickleError
-    from checkpoint.migrate import migrate
+    from checkpoint.migrating import migrate
 
     d = root / f"pickle-{seed}"
     d.mkdir(parents=True)

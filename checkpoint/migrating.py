@@ -100,7 +100,7 @@ def migrate(
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
     """
     if recipe is not None:  # checkpoint.convert plans and streams; written in save's format
-        from .save import converted_writer
+        from .saving import converted_writer
 
         return run_recipe(src, dst, recipe, write=converted_writer(dst, max_shard_size, overwrite), model=model,
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress)  # fmt: skip
@@ -224,7 +224,7 @@ def _write(
     source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None,
     opt_src=None, extra_files=None,
 ) -> None:
-    from .save import _Part, _save_parts
+    from .saving import _Part, _save_parts
     from .storage.layout import TensorSpec, plan_layout
 
     opt_src = opt_src if opt_src is not None else source
