@@ -26,6 +26,21 @@ def test_run_ranks_reports_failing_rank():
         run_ranks(_boom, 2, backend="gloo", timeout=60)
 
 
+def _abort(rank, world_size):
+    if rank == 0:
+        import os
+
+        os.abort()
+    return rank
+
+
+def test_rank_killed_by_a_signal_is_named_with_its_signal(capfd):
+    with pytest.raises(RankFailedError, match=r"died without a result: \[\(0, -6\)\]") as e:
+        run_ranks(_abort, 1, backend="gloo", timeout=60)
+    assert e.value.signals == {0: 6} and not RankFailedError("x").signals
+    assert "Fatal Python error: Aborted" in capfd.readouterr().err  # faulthandler: the rank's stack
+
+
 def _tensor_result(rank, world_size):
     return {"rank": rank, "t": torch.full((3,), float(rank))}
 

@@ -22,7 +22,14 @@ import torch.multiprocessing as mp
 
 
 class RankFailedError(RuntimeError):
-    """A spawned rank raised, died, or did not finish within the timeout (seconds)."""
+    """A spawned rank raised, died, or did not finish within the timeout (seconds).
+
+    ``signals``: ``{rank: signal number}`` of ranks killed by a signal (abort, segfault) before
+    sending a result; empty when every rank exited or raised."""
+
+    def __init__(self, message: str, signals: dict[int, int] | None = None):
+        super().__init__(message)
+        self.signals = dict(signals or {})
 
 
 def free_port() -> int:
@@ -106,7 +113,10 @@ def run_ranks(
                     time.sleep(0.2)
                     if queue.empty():
                         dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                        raise RankFailedError(f"rank(s) died without a result: {dead}")
+                        raise RankFailedError(
+                            f"rank(s) died without a result: {dead}",
+                            {i: -code for i, code in dead if code is not None and code < 0},
+                        )
                 time.sleep(0.02)
                 continue
             rank, ok, payload = queue.get()
