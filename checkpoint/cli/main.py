@@ -16,13 +16,13 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import diff
+# Only light modules at the top: --version / --help must not import torch (issue 22, item 5); each
+# command imports what it needs when it runs.
 from .common import check_trust, emit, human, load_model, plural
-from .parts import extra_state_summary, fqnckpt_parts, manager_root, optimizer_summary, part_index
 from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
@@ -62,8 +62,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ..migrating import naming_schemes
+    from ..plan.schemes import naming_schemes
     from ..sources import open_source
+    from .parts import fqnckpt_parts, manager_root, part_index
 
     check_trust(args)
     root = manager_root(args.path)
@@ -146,6 +147,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _inspect_parts(parts, data: dict) -> list[str]:
     """``data["parts"]`` and the text lines for the optimizer and extra state of an fqnckpt checkpoint."""
+    from .parts import extra_state_summary, optimizer_summary
+
     opt, extra = optimizer_summary(parts), extra_state_summary(parts)
     data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra}
     lines = [f"  parts: model ({os.path.basename(parts.model)})"
@@ -320,14 +323,6 @@ register_command(
         "verify", "check a checkpoint's structure, and its checksums where recorded", _verify_args, _verify
     )
 )
-register_command(
-    Command(
-        "diff",
-        "compare keys, shapes, dtypes and values (by hash) of two checkpoints, part by part",
-        diff.add_arguments,
-        diff.run,
-    )
-)
 
 
 def _lazy_command(name: str, help: str, module: str, add: str, run: str) -> None:
@@ -341,6 +336,9 @@ def _lazy_command(name: str, help: str, module: str, add: str, run: str) -> None
         )
     )
 
+
+_lazy_command("diff", "compare keys, shapes, dtypes and values (by hash) of two checkpoints, part by part",
+              "checkpoint.cli.diff", "add_arguments", "run")  # fmt: skip
 
 _lazy_command("recipes", "list the built-in conversion recipes (migrate --recipe NAME)",
               "checkpoint.cli.convert", "recipes_args", "run_recipes")  # fmt: skip
@@ -364,8 +362,11 @@ def version() -> str:
     return f"fqnckpt {v('fqnckpt')} (torch {v('torch')}, python {sys.version.split()[0]})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with one subparser per registered :class:`Command`."""
+def build_parser(arguments_for: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The argparse parser with one subparser per registered :class:`Command`.
+
+    ``arguments_for``: the commands whose options are declared (default: all). ``main`` passes only
+    the command on the line, so ``--help`` / ``--version`` import no command's module."""
     parser = Parser(
         prog="fqnckpt",
         description="PyTorch checkpoints in eager FQNs",
@@ -378,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for cmd in _COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if arguments_for is not None and cmd.name not in arguments_for:
+            continue
         # SUPPRESS: the subcommand's default must not undo a --json given before it.
         p.add_argument(
             "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
@@ -397,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
     command = next((a for a in argv if a in _COMMANDS), "")
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(arguments_for={command}).parse_args(argv)
     except UsageError as e:
         return report_error(e, argparse.Namespace(), command or "", as_json)
     try:

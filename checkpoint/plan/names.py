@@ -27,35 +27,8 @@ from ..migration_report import Unresolved
 from ..reports import LoadReport
 from ..state import Entry, ModuleState
 from ..storage.reader import CheckpointReader
+from .schemes import naming_schemes  # noqa: F401 - re-exported (checkpoint.migrating)
 from .values import check_tied_values
-
-
-_DYNAMO = re.compile(r"^(L_+self_|l_+self_|L_+s_|self_+modules|getattr_|l__self___)|___dict_____modules")
-
-
-
-_EXPORT = re.compile(r"^[pbc]_[A-Za-z0-9_]+$")
-
-
-
-def naming_schemes(name: str) -> list[str]:
-    """Naming kinds a key shows: ``wrapper:<segment>``, ``dynamo``, ``export``,
-    ``parametrization``, ``weight_norm_legacy``, ``fsdp1_flat_param``; ``[]`` for a plain name.
-    Heuristic, for reports and ``fqnckpt inspect`` only; never used to decide a name."""
-    segs = name.split(".")
-    out = [f"wrapper:{s}" for s in dict.fromkeys(segs) if s in WRAPPER_SEGMENTS]
-    if _DYNAMO.search(name):
-        out.append("dynamo")
-    elif "." not in name and _EXPORT.match(name):
-        out.append("export")
-    if "parametrizations" in segs:
-        out.append("parametrization")
-    if segs[-1] in ("weight_g", "weight_v"):
-        out.append("weight_norm_legacy")
-    if "_flat_param" in segs or "flat_param" in segs:
-        out.append("fsdp1_flat_param")
-    return out
-
 
 
 def compile_rules(rules: Iterable[tuple[str, str] | str]) -> list[tuple[str, re.Pattern, str]]:
@@ -85,7 +58,6 @@ def compile_rules(rules: Iterable[tuple[str, str] | str]) -> list[tuple[str, re.
     return out
 
 
-
 def _apply_rules(name: str, rules: Sequence[tuple[str, re.Pattern, str]]) -> tuple[str, list[str]]:
     used = []
     for pat, rx, repl in rules:
@@ -95,7 +67,6 @@ def _apply_rules(name: str, rules: Sequence[tuple[str, re.Pattern, str]]) -> tup
             used.append(f"rule {pat!r}")
             name = new
     return name, used
-
 
 
 def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
@@ -109,7 +80,6 @@ def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
         raise CorruptCheckpointError(str(fqn_map), f"not an FQN map JSON: {where}: {err['msg']}") from None
     except OSError as e:  # missing, a directory, unreadable: ours, naming the file
         raise CorruptCheckpointError(str(fqn_map), f"cannot read the FQN map: {e.strerror or e}") from None
-
 
 
 def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str, str], list[Unresolved]]:
@@ -137,7 +107,6 @@ def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str
     return found, bad
 
 
-
 def _resolve_label(before: str, after: str) -> str:
     kinds = naming_schemes(before)
     if "dynamo" in kinds or "export" in kinds:
@@ -151,7 +120,6 @@ def _resolve_label(before: str, after: str) -> str:
     if after.endswith(before) or before.endswith(after):
         return "fqn.resolve: container prefix"
     return "fqn.resolve"
-
 
 
 def plan_names(
