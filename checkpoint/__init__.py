@@ -59,6 +59,7 @@ _LAZY = {
     "RNGState": "training",
     "SaveFuture": "training",
     "async_save": "training",
+    "prepare_async_save": "training",
     "verify": "verify",
 }
 
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager names
         RNGState,
         SaveFuture,
         async_save,
+        prepare_async_save,
     )
     from .verify import verify
 
@@ -108,6 +110,7 @@ __all__ = [
     "save",
     "save_streaming",
     "async_save",
+    "prepare_async_save",
     "SaveFuture",
     "CheckpointManager",
     "PerRank",

@@ -116,6 +116,29 @@ def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp
         assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
 
 
+def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tmp_path):
+    saver = AsyncSaver()
+    model, opt = _trained()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match="'a'"):
+        saver.prepare({"a": 1.0})
+    assert saver.staging_bytes == 0
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert saver.prepare(model, optimizer=opt) == saver.staging_bytes == nbytes
+    assert all(not b.any() for b in saver._pool.buffers.values())  # written (touched), not only reserved
+    assert os.listdir(tmp_path) == []  # nothing written
+    ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
+    saver.save(model, tmp_path / "a", optimizer=opt).result()
+    assert {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs  # the first save allocated nothing
+    got = _model(1)
+    checkpoint.load(got, tmp_path / "a")
+    assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+    mgr = checkpoint.CheckpointManager(tmp_path / "m")
+    assert mgr.prepare(model, opt) == mgr.staging_bytes == nbytes
+    assert checkpoint.CheckpointManager(tmp_path / "s", async_save=False).prepare(model, opt) == 0
+
+
 class _HeldStaging:
     """Hold the background copy of a ``background_staging`` save until ``release()``, so a test
     sees deterministically what happens before the snapshot is staged."""

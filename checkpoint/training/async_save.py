@@ -249,6 +249,48 @@ class AsyncSaver:
         copies.append(_copy_of(key, buf, t, owner))
         return buf
 
+    def _stage_parts(self, parts, distributed: bool, max_shard_size) -> tuple[list, list[_Copy], set]:
+        """The parts with each tensor this rank writes swapped for its staging buffer (allocated or
+        reused here), the copies still to make, and the buffer keys used."""
+        used: set = set()
+        copies: list[_Copy] = []
+        staged = []
+        skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() else set()
+        for part in parts:
+            by_fqn = {
+                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
+                for s in part.specs
+            }
+            staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
+        return staged, copies, used
+
+    def prepare(
+        self,
+        obj: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        max_shard_size: int | str = "5GB",
+    ) -> int:
+        """Allocate and touch the staging buffers the first :meth:`save` of ``obj`` (and
+        ``optimizer``) needs, so that save blocks no longer than later ones (fresh host memory
+        costs a page fault per 4 KiB page on its first write; pinned memory a ``cudaHostAlloc``).
+        Also creates the background process group on many ranks: call it on every rank. Nothing is
+        copied or written; a later save whose names, shapes or dtypes differ allocates the
+        difference itself. Returns the staging bytes held (as :attr:`staging_bytes`).
+
+        Raises: what :meth:`save` raises before writing (``TypeError`` / ``ValueError``)."""
+        parse_size(max_shard_size)
+        with self._lock:
+            self.wait()
+            parts, distributed, _ = _prepare("(prepare)", obj, optimizer, None)
+            with torch.no_grad():
+                _, copies, _ = self._stage_parts(parts, distributed, max_shard_size)
+                for c in copies:
+                    c.buf.view(-1).view(torch.uint8).zero_() if c.buf.numel() else None
+            if distributed and dist.active():
+                self._background_group()
+        return self.staging_bytes
+
     def save(
         self,
         obj: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -271,17 +313,8 @@ class AsyncSaver:
                 self._hook.remove()
                 self._hook = None
             parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
-            used: set = set()
-            copies: list[_Copy] = []
-            staged = []
-            skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() else set()
             with torch.no_grad():
-                for part in parts:
-                    by_fqn = {
-                        s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
-                        for s in part.specs
-                    }
-                    staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
+                staged, copies, used = self._stage_parts(parts, distributed, max_shard_size)
                 deferred: list[_Copy] = []
                 if background_staging and optimizer is not None:
                     # Host tensors only optimizer.step() writes are copied by the background thread;
@@ -417,6 +450,20 @@ def default_saver() -> AsyncSaver:
         if _default is None:
             _default = AsyncSaver()
         return _default
+
+
+def prepare_async_save(
+    module_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_shard_size: int | str = "5GB",
+) -> int:
+    """Allocate and touch the staging memory of the first :func:`async_save` of this state up
+    front (:meth:`AsyncSaver.prepare` of :func:`default_saver`), so that call blocks no longer
+    than later ones. Returns the staging bytes held. On many ranks call it on every rank.
+
+    Raises: what ``async_save`` raises before staging (``TypeError`` / ``ValueError``)."""
+    return default_saver().prepare(module_or_state, optimizer=optimizer, max_shard_size=max_shard_size)
 
 
 def async_save(

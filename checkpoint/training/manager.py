@@ -260,6 +260,23 @@ class CheckpointManager:
         )
         return self._future
 
+    def prepare(
+        self,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        max_shard_size: int | str = "5GB",
+    ) -> int:
+        """Allocate and touch the staging memory the first async :meth:`save` of ``module`` (+
+        ``optimizer``) needs, so it blocks no longer than later saves (see
+        :meth:`AsyncSaver.prepare`); returns the staging bytes (0 without ``async_save``, a no-op).
+        On many ranks call it on every rank.
+
+        Raises: what :meth:`save` raises before staging (``TypeError`` / ``ValueError``)."""
+        if self._saver is None:
+            return 0
+        return self._saver.prepare(module, optimizer=optimizer, max_shard_size=max_shard_size)
+
     def wait(self) -> None:
         """Block until the save in flight has committed (and retention ran); re-raise its error."""
         fut, self._future = self._future, None

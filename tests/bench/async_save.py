@@ -2,6 +2,7 @@
 ``checkpoint.save`` of the same state measured in the same run (not collected by pytest).
 
     python tests/bench/async_save.py [--mib 512] [--pairs 7] [--batch 64] [--dir /tmp/fqnckpt-async-bench]
+                                     [--first-only] [--first-mib 128] [--first-rounds 3]
 
 Goal (issue 14): the ``async_save`` call blocks <= 10% of a synchronous save of a 512 MiB state.
 The state is a module of 16 float32 ``Linear(4096, n)`` layers and its AdamW state (parameters,
@@ -22,14 +23,21 @@ writing compete with that compute for cores and memory bandwidth, in both modes.
 The async sides' background writes are waited for (untimed) before the next side. One warm-up save
 of each kind first allocates the staging buffers (later saves reuse them). Prints medians and
 ranges of each time and of the per-round ratios to ``save``, and the staging memory.
+
+First save (issue 22, item 4: the first call blocks <= 2x a later one): each round runs, in a
+fresh process (fresh host memory), ``async_save`` calls of one saver: the first, then 3 later
+ones, for three sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, and a
+``CheckpointManager`` with ``prepare`` first. ``--first-only`` runs only this part.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -63,17 +71,93 @@ def make_state(total_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return model, opt
 
 
+def _first_child(mode: str, mib: float, root: str) -> None:
+    """One process: time the first and 3 later async saves of one saver (``mode``: ``plain``,
+    ``prepare``, ``manager``); prints one JSON line."""
+    model, opt = make_state(int(mib * 2**20))
+    out: dict = {"mode": mode}
+    if mode == "manager":
+        mgr = checkpoint.CheckpointManager(root, keep_latest=1)
+        t = time.perf_counter()
+        mgr.prepare(model, opt)
+        out["prepare"] = time.perf_counter() - t
+
+        def call(i):
+            mgr.save(i, model, opt)
+            return mgr.wait
+    else:
+        saver = AsyncSaver()
+        if mode == "prepare":
+            t = time.perf_counter()
+            saver.prepare(model, optimizer=opt)
+            out["prepare"] = time.perf_counter() - t
+
+        def call(i):
+            fut = saver.save(model, os.path.join(root, f"ck{i}"), optimizer=opt, overwrite=True)
+            return fut.result
+    times = []
+    for i in range(4):
+        os.sync()
+        t = time.perf_counter()
+        done = call(i)
+        times.append(time.perf_counter() - t)
+        done()  # untimed: the write must not overlap the next call
+    out["first"], out["later"] = times[0], statistics.median(times[1:])
+    print(json.dumps(out))
+
+
+def first_vs_later(mib: float, n_rounds: int, root: str) -> None:
+    modes = ["plain", "prepare", "manager"]
+    res: dict[str, list[dict]] = {m: [] for m in modes}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    load = os.getloadavg()[0]
+    for i in range(n_rounds):
+        for k in range(len(modes)):
+            mode = modes[(i + k) % len(modes)]
+            d = os.path.join(root, f"first-{mode}")
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+            argv = [sys.executable, __file__, "--_child", mode, "--mib", str(mib), "--dir", d]
+            line = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+            res[mode].append(json.loads(line.strip().splitlines()[-1]))
+            shutil.rmtree(d, ignore_errors=True)
+    print(f"first async save vs later ones ({mib:g} MiB, {n_rounds} fresh processes per side, rotating; "
+          f"load average {load:.2f} -> {os.getloadavg()[0]:.2f})")  # fmt: skip
+    for mode, rs in res.items():
+        r = [x["first"] / x["later"] for x in rs]
+        prep = [x["prepare"] for x in rs if "prepare" in x]
+        goal = "" if mode == "plain" else f" (goal <= 2: {'met' if statistics.median(r) <= 2 else 'NOT met'})"
+        print(f"  {mode:<8} first {statistics.median([x['first'] for x in rs]) * 1e3:7.1f} ms, later "
+              f"{statistics.median([x['later'] for x in rs]) * 1e3:7.1f} ms; first/later {statistics.median(r):.2f}x "
+              f"[range {min(r):.2f}-{max(r):.2f}]{goal}"
+              + (f"; prepare {statistics.median(prep) * 1e3:.1f} ms" if prep else ""))  # fmt: skip
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=512)
     p.add_argument("--pairs", type=int, default=7, help="rounds (each runs every side once)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dir", default="/tmp/fqnckpt-async-bench")
+    p.add_argument("--first-only", action="store_true", help="only the first-save comparison")
+    p.add_argument("--first-rounds", type=int, default=3, help="fresh processes per first-save side")
+    p.add_argument("--first-mib", type=float, default=128, help="state size of the first-save part")
+    p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a._child:
+        _first_child(a._child, a.first_mib, a.dir)
+        return 0
     if a.pairs < 5:
         p.error("--pairs must be >= 5")
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
+    if a.first_only:
+        first_vs_later(a.first_mib, a.first_rounds, a.dir)
+        shutil.rmtree(a.dir, ignore_errors=True)
+        return 0
     model, opt = make_state(int(a.mib * 2**20))
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     size += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
@@ -163,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  wait before optimizer.step():      {fmt('bg_wait')}")
     print(f"  loop extra (call+fwd/bwd+wait - fwd/bwd): {fmt('bg_extra')};  / save: {fmt('bg_extra', True)}")
     print("goal: the call blocks <= 0.10 of save")
+    first_vs_later(a.first_mib, a.first_rounds, a.dir)
     shutil.rmtree(a.dir, ignore_errors=True)
     return 0
 
