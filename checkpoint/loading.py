@@ -31,8 +31,10 @@ from .state import object_state
 from .storage.reader import open_checkpoint
 from .sources.dcp import dcp_format, open_dcp
 from .sources.dcp_targets import DCPTargetReader
+from .gc_pause import gc_paused
 
 
+@gc_paused
 def load(
     obj: torch.nn.Module | Mapping[str, torch.Tensor],
     path: str | os.PathLike,

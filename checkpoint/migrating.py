@@ -49,8 +49,10 @@ from .storage.extra_state import (
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage.reader import open_checkpoint
 from .tensor_checks import dtype_problem
+from .gc_pause import gc_paused
 
 
+@gc_paused
 def migrate(
     src: str | os.PathLike,
     dst: str | os.PathLike,

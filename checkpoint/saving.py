@@ -46,6 +46,7 @@ from .storage.format import (
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
+from .gc_pause import gc_paused
 
 
 @dataclass
@@ -170,6 +171,7 @@ def _save_parts(
     return indexes
 
 
+@gc_paused
 def save_streaming(
     path: str | os.PathLike,
     specs: Sequence[TensorSpec],
@@ -212,6 +214,7 @@ def save_streaming(
     return _save_parts(os.fspath(path), [part], max_shard_size, overwrite, extra_files or {})[0]
 
 
+@gc_paused
 def save(
     obj: torch.nn.Module | Mapping[str, torch.Tensor],
     path: str | os.PathLike,

@@ -43,6 +43,7 @@ from .format import (
     index_name,
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
+from .pread import pread_into
 from .writer import sha256_file, stats, tensor_bytes
 
 _LFS_MAGIC = b"version https://git-lfs"
@@ -277,7 +278,7 @@ class CheckpointReader:
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         """Read tensor ``key`` straight into ``out`` when ``out`` is a contiguous CPU tensor of the
-        stored shape and dtype (one ``preadv``, no intermediate tensor); False otherwise (then use
+        stored shape and dtype (``preadv``, no intermediate tensor: :func:`~.pread.pread_into`); False otherwise (then use
         :meth:`get`). Byte ranges come from the header ``safe_open`` validated: safetensors has no
         API to read into existing memory, and ``get_tensor`` costs ~100 us per tensor.
         """
@@ -303,16 +304,8 @@ class CheckpointReader:
             fd = self._fds[name] = os.open(
                 os.path.join(self.root, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
             )
-        view = tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
-        done = 0
-        while done < e - b:
-            n = os.preadv(fd, [view[done:]], b + done)
-            if n <= 0:
-                raise CorruptCheckpointError(
-                    os.path.join(self.root, name), f"tensor {key!r}: file ends early"
-                )
-            done += n
-        stats.bytes_read += done
+        # out's own memory (contiguous CPU: no copy); large tensors read by a few threads (see pread)
+        stats.bytes_read += pread_into(fd, tensor_bytes(out), b, self.root, name, key)
         return True
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:

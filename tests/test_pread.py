@@ -1,0 +1,43 @@
+"""``checkpoint.storage.pread``: a large tensor read in pieces by several threads is byte-exact,
+and a file that ends early names the file and the tensor (pieces shrunk so tensors stay small)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.errors import CorruptCheckpointError
+from checkpoint.storage import pread
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(pread, "PIECE", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+
+
+def test_pieces_in_threads_load_exact_values(tmp_path, small_pieces):
+    g = torch.Generator().manual_seed(0)
+    sd = {"big": torch.randn(10_001, generator=g), "odd": torch.randn(3, 2047, generator=g),
+          "small": torch.arange(5, dtype=torch.int64), "bf": torch.randn(9000, generator=g).bfloat16()}  # fmt: skip
+    checkpoint.save(sd, tmp_path / "ck")
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(got, tmp_path / "ck")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+def test_a_file_ending_early_names_file_and_tensor(tmp_path, small_pieces):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    out = bytearray(3 * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pread.pread_into(fd, memoryview(out)[:8192], 100, str(tmp_path), "short.bin", "w") == 8192
+        assert bytes(out[:8192]) == path.read_bytes()[100:8292]
+        with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*'w'.*ends early"):
+            pread.pread_into(fd, memoryview(out), 0, str(tmp_path), "short.bin", "w")
+    finally:
+        os.close(fd)
