@@ -188,7 +188,9 @@ def serve() -> None:
     import torch  # noqa: F401 - warm imports shared by every forked child
 
     import checkpoint  # noqa: F401
+    import checkpoint.loading  # noqa: F401 - `import checkpoint` alone imports them on first use
     import checkpoint.ranks.launch  # noqa: F401
+    import checkpoint.saving  # noqa: F401
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
     reaped: dict[int, int] = {}

@@ -87,5 +87,7 @@ if __name__ == "__main__":
     import torch  # noqa: F401  - imported once, before forking
 
     import checkpoint  # noqa: F401
+    import checkpoint.loading  # noqa: F401 - `import checkpoint` alone imports them on first use
+    import checkpoint.training  # noqa: F401
 
     print(json.dumps(main(json.loads(sys.argv[1]))))
