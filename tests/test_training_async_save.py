@@ -126,7 +126,8 @@ def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tm
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     assert saver.prepare(model, optimizer=opt) == saver.staging_bytes == nbytes
-    assert all(not b.any() for b in saver._pool.buffers.values())  # written (touched), not only reserved
+    sources = {("model", k): v for k, v in model.state_dict().items()}
+    assert all(torch.equal(saver._pool.buffers[k], v) for k, v in sources.items())  # written, not only reserved
     assert os.listdir(tmp_path) == []  # nothing written
     ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
     saver.save(model, tmp_path / "a", optimizer=opt).result()

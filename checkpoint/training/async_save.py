@@ -274,9 +274,9 @@ class AsyncSaver:
         """Allocate and touch the staging buffers the first :meth:`save` of ``obj`` (and
         ``optimizer``) needs, so that save blocks no longer than later ones (fresh host memory
         costs a page fault per 4 KiB page on its first write; pinned memory a ``cudaHostAlloc``).
-        Also creates the background process group on many ranks: call it on every rank. Nothing is
-        copied or written; a later save whose names, shapes or dtypes differ allocates the
-        difference itself. Returns the staging bytes held (as :attr:`staging_bytes`).
+        Also creates the background process group on many ranks (call it on every rank) and the
+        writer thread. The buffers receive a copy of the current values (nothing is written to
+        disk); a later save whose names, shapes or dtypes differ allocates the difference itself. Returns the staging bytes held (as :attr:`staging_bytes`).
 
         Raises: what :meth:`save` raises before writing (``TypeError`` / ``ValueError``)."""
         parse_size(max_shard_size)
@@ -285,10 +285,13 @@ class AsyncSaver:
             parts, distributed, _ = _prepare("(prepare)", obj, optimizer, None)
             with torch.no_grad():
                 _, copies, _ = self._stage_parts(parts, distributed, max_shard_size)
-                for c in copies:
-                    c.buf.view(-1).view(torch.uint8).zero_() if c.buf.numel() else None
+                for c in copies:  # the copy a save makes: touches every page by the same code path
+                    _copy(c.buf, c.src)
+                if any(c.src.device.type == "cuda" for c in copies):
+                    torch.cuda.synchronize()
             if distributed and dist.active():
                 self._background_group()
+            self._executor.submit(int).result()  # the writer thread exists before the first save
         return self.staging_bytes
 
     def save(
