@@ -362,6 +362,18 @@ def version() -> str:
     return f"fqnckpt {v('fqnckpt')} (torch {v('torch')}, python {sys.version.split()[0]})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the distributions' metadata is read only when asked (~0.1 s of imports)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        help = help or "show program's version number and exit"
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser(arguments_for: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The argparse parser with one subparser per registered :class:`Command`.
 
@@ -372,7 +384,7 @@ def build_parser(arguments_for: Collection[str] | None = None) -> argparse.Argum
         description="PyTorch checkpoints in eager FQNs",
         epilog="exit codes: 0 ok, 1 a check found a mismatch, 2 bad input. 'fqnckpt COMMAND --help' for options.",
     )
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument(
         "--json", action="store_true", default=False, help="machine-readable output on stdout"
     )
