@@ -1,12 +1,13 @@
 """``pread_into``: fill a writable buffer from a file range with ``os.preadv``, large ranges split
 over a few threads.
 
-Why preadv in threads (measured by tests/bench/checkpoint_bench.py and issue 22 on a 2-core
-machine, tmpfs, 256 MiB): ``preadv`` copies page-cache pages straight into the target (one copy,
-no intermediate tensor) and releases the GIL, so threads overlap their kernel copies: 1 thread
-2.2-2.9 GB/s, 2-4 threads in 32 MiB pieces 2.3-3.3 GB/s, against 1.4-2.5 GB/s for ``mmap`` +
-``copy_`` (``MAP_POPULATE`` or not: a page fault, or a page-table fill, per 4 KiB page before the
-copy). Small ranges stay on the calling thread: handing a piece to a thread costs ~20 us.
+Why preadv in threads (measured by tests/bench/checkpoint_bench.py, issue 22, on a 2-core machine,
+tmpfs): ``preadv`` copies page-cache pages straight into the target (one copy, no intermediate
+tensor) and releases the GIL, so threads overlap their kernel copies. 256 MiB at load average 4:
+1 thread 2.2-2.9 GB/s, 2-4 threads 2.3-3.3 GB/s, against 1.4-2.5 GB/s for ``mmap`` + ``copy_``
+(``MAP_POPULATE`` or not: a page fault, or a page-table fill, per 4 KiB page before the copy).
+Quiet machine, 16 MiB tensors: 2.96 GB/s with 16 MiB pieces (read inline), 2.6-3.7 GB/s with
+4 MiB pieces. Small ranges stay on the calling thread: handing a piece to a thread costs ~20 us.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CorruptCheckpointError
 
-PIECE = 16 << 20  # bytes per thread task; ranges under 2 pieces are read inline
+PIECE = 4 << 20  # bytes per thread task; ranges under 2 pieces are read inline
 _MAX_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
