@@ -1,5 +1,6 @@
-"""``checkpoint.storage.pread``: a large tensor read in pieces by several threads is byte-exact,
-and a file that ends early names the file and the tensor (pieces shrunk so tensors stay small)."""
+"""Load speed paths: ``checkpoint.storage.pread`` (a large tensor read in pieces by several threads
+is byte-exact; a file that ends early names the file and the tensor; pieces shrunk so tensors stay
+small) and the GC pause of load / save (off while planning, restored after, also on error)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,27 @@ def test_a_file_ending_early_names_file_and_tensor(tmp_path, small_pieces):
             pread.pread_into(fd, memoryview(out), 0, str(tmp_path), "short.bin", "w")
     finally:
         os.close(fd)
+
+
+def test_load_and_save_pause_the_gc_and_restore_it_even_on_error(tmp_path, monkeypatch):
+    import gc
+
+    import checkpoint.loading
+
+    seen = []
+    real = checkpoint.loading.plan_load
+    monkeypatch.setattr(
+        checkpoint.loading, "plan_load", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1]
+    )
+    checkpoint.save({"w": torch.ones(3)}, tmp_path / "ck")
+    assert gc.isenabled()
+    checkpoint.load({"w": torch.zeros(3)}, tmp_path / "ck")
+    with pytest.raises(checkpoint.CheckpointMismatchError):
+        checkpoint.load({"v": torch.zeros(3)}, tmp_path / "ck")
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()  # a caller that disabled it keeps it disabled
+    try:
+        checkpoint.load({"w": torch.zeros(3)}, tmp_path / "ck")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
