@@ -32,6 +32,7 @@ from .errors import (
     UnsavableError,
     UnsavableTypeError,
     UnsupportedTensorError,
+    UnsupportedStorageError,
     UnwritableTargetError,
 )
 # Everything but the errors is imported on first use (PEP 562): ``import checkpoint`` (and the CLI's
@@ -51,7 +52,7 @@ _LAZY = {
     "TensorSpec": "storage.layout",
     "CheckpointReader": "storage.reader",
     "StrayFileWarning": "storage.reader",
-    "open_checkpoint": "storage.reader",
+    "open_checkpoint": "storage.opening",
     "CheckpointManager": "training",
     "ForeignEntryWarning": "training",
     "PerRank": "training",
@@ -70,7 +71,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager names
     from .saving import save, save_streaming
     from .storage.format import IndexFile, parse_size
     from .storage.layout import TensorSpec
-    from .storage.reader import CheckpointReader, StrayFileWarning, open_checkpoint
+    from .storage.opening import open_checkpoint
+    from .storage.reader import CheckpointReader, StrayFileWarning
     from .training import (
         CheckpointManager,
         ForeignEntryWarning,
@@ -148,6 +150,7 @@ __all__ = [
     "InterruptedCommitError",
     "MetaTargetError",
     "UnwritableTargetError",
+    "UnsupportedStorageError",
     "OverlappingTargetsError",
     "LossyConversionError",
     "LoadError",

@@ -21,6 +21,8 @@ Point names, in the order a save reaches them:
 - ``after_first_move``: existing directory only: one new file renamed into place, the rest not.
 - ``before_cleanup``: existing directory only: every file moved, stale files removed; the commit
   directory not yet removed.
+- ``after_part_upload``: object storage (:mod:`checkpoint.storage.objstore`): one part of an
+  object (or a whole small object) was sent; the model index (the commit) not yet written.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ POINTS = (
     "after_commit_rename",
     "after_first_move",
     "before_cleanup",
+    "after_part_upload",
 )
 
 

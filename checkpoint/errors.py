@@ -390,3 +390,17 @@ def error_fields(e: BaseException) -> dict[str, Any]:
 def _head(keys: list[str], n: int = 10) -> str:
     more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
     return f"{keys[:n]}{more}"
+
+
+class UnsupportedStorageError(CheckpointError, ValueError):
+    """A URL (``scheme://...``) whose scheme no installed fsspec backend serves (or fsspec itself
+    is missing). URLs are never taken as local paths; ``scheme`` names it, the message names the
+    extra to install."""
+
+    def __init__(self, url: str, scheme: str, why: str = ""):
+        self.url, self.scheme = str(url), scheme
+        extra = f" ({why})" if why else ""
+        super().__init__(
+            f"{self.url}: no storage backend for {scheme!r}://{extra}; install it with "
+            "`pip install fqnckpt[s3]` (fsspec + s3fs) or the fsspec backend package for that scheme"
+        )

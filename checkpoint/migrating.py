@@ -12,7 +12,7 @@ ambiguous, colliding or unknown keys stop the migration with the report unless
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ from .storage.extra_state import (
     snapshot_extra_state,
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
+from .storage.location import is_remote, resolve
+from .storage.urls import is_url
 from .storage.reader import open_checkpoint
 from .tensor_checks import dtype_problem
 from .gc_pause import gc_paused
@@ -69,6 +71,7 @@ def migrate(
     progress: bool | None = None,
     recipe: str | None = None,
     dims: dict[str, int] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> MigrationReport:
     """Rewrite the checkpoint at ``src`` under eager FQNs into ``dst`` (``checkpoint.save`` format).
 
@@ -76,7 +79,10 @@ def migrate(
         src: any format :func:`checkpoint.sources.open_source` reads (torch pickles, safetensors
             file / shards / index, DCP directory, DCP per-rank safetensors shards).
         dst: output directory (HF layout: ``model-0000k-of-0000n.safetensors`` + index, hashed,
-            written atomically) with ``migration_report.json`` inside.
+            written atomically) with ``migration_report.json`` inside. ``src`` / ``dst`` may be
+            URLs (``s3://...``, through fsspec; ``storage_options`` go to its filesystem); a URL
+            source is read as fqnckpt / Hugging Face safetensors, model tensors only (its
+            optimizer and extra state are not carried).
         model: the target eager model: names are resolved against its real FQNs / shapes / dtypes
             and the result must load strictly into it (checked from headers before writing).
         fqn_map: an :class:`fqn.FQNMap` (or its JSON file) recorded at capture time.
@@ -101,11 +107,14 @@ def migrate(
         UnsafePickleError, AmbiguousSourceError, CorruptCheckpointError, ...: from reading ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
     """
+    if recipe is not None and is_url(src):
+        raise NotImplementedError(f"migrate(recipe=...) from {src}: recipes read local paths; copy it first")
     if recipe is not None:  # checkpoint.convert plans and streams; written in save's format
         from .saving import converted_writer
 
         return run_recipe(src, dst, recipe, write=converted_writer(dst, max_shard_size, overwrite), model=model,
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress)  # fmt: skip
+    dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)
     src_path = Path(src)
@@ -179,7 +188,7 @@ def migrate(
             opt_meta = _optimizer_meta(source, report, opt_plan)
         if dry_run:
             return report
-        _write(source, plan, Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
+        _write(source, plan, dst if is_remote(dst) else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
                opt_src, extra_files)  # fmt: skip
         return report
     finally:
@@ -272,7 +281,7 @@ def _write(
 
         extra[OPTIMIZER_GROUPS_NAME] = json.dumps(report.optimizer_param_groups, indent=2).encode()
     try:
-        _save_parts(os.fspath(dst), parts, max_shard_size, overwrite, extra)
+        _save_parts(dst if is_remote(dst) else os.fspath(dst), parts, max_shard_size, overwrite, extra)
     except BaseException:
         report.written = False
         raise

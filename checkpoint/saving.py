@@ -45,6 +45,7 @@ from .storage.format import (
 )
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
+from .storage.location import is_remote, resolve
 from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
 from .gc_pause import gc_paused
 
@@ -66,7 +67,7 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
     streamed into this format at ``path`` (one model part), committed atomically."""
 
     def write(specs, fetch, extra) -> None:
-        _save_parts(os.fspath(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
+        _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
 
     return write
 
@@ -142,6 +143,10 @@ def _save_parts(
     for name in extra_files:
         _check_extra_name(name)
     layouts = _plan_checked(path, parts, max_shard_size)
+    if is_remote(path):  # an ObjectStore: committed without rename (checkpoint.storage.remote_save)
+        from .storage.remote_save import save_remote
+
+        return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_checked, False)
     indexes: list[IndexFile] = []
     try:
         with (
@@ -182,6 +187,7 @@ def save_streaming(
     alias_groups: Sequence[Sequence[str]] = (),
     fqn_map: FQNMap | FQNMapFile | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> IndexFile:
     """Save tensors one at a time, single process: plan the layout from ``specs`` only, then call
     ``fetch(spec)`` for each tensor (in file / byte order), write it and drop it. Peak memory is
@@ -191,7 +197,8 @@ def save_streaming(
     plain tensor of exactly that shape and dtype (any device). ``max_shard_size``: bytes of tensor
     data per file (int, or ``"5GB"`` = 5*10**9, ``"2GiB"`` = 2*2**30). ``alias_groups``: tied names,
     canonical (stored) name first. ``extra_files``: ``{file name: bytes}`` written into the
-    checkpoint directory (e.g. ``migration_report.json``) inside the same atomic commit.
+    checkpoint directory (e.g. ``migration_report.json``) inside the same atomic commit. ``path``
+    may be a URL, as for :func:`save` (``storage_options`` go to the fsspec filesystem).
 
     Writes ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` (HF layout),
     atomically (see :mod:`checkpoint.atomic`). ``overwrite=True`` replaces only the files the
@@ -211,7 +218,7 @@ def save_streaming(
     if isinstance(fqn_map, FQNMap):
         fqn_map = fqn_map.to_model()
     part = _Part(MODEL_PREFIX, list(specs), fetch, [list(g) for g in alias_groups], fqn_map)
-    return _save_parts(os.fspath(path), [part], max_shard_size, overwrite, extra_files or {})[0]
+    return _save_parts(resolve(path, storage_options), [part], max_shard_size, overwrite, extra_files or {})[0]
 
 
 @gc_paused
@@ -225,6 +232,8 @@ def save(
     extra_state: Mapping[str, Any] | None = None,
     progress: bool | None = None,
     recipe: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    transfer: Any = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -254,13 +263,25 @@ def save(
     each rank saves its own bytes as usual and rank 0 alone converts, streamed (memory: one rule
     group, e.g. one layer's experts); every rank returns the report.
 
+    ``path`` may be a URL (``s3://bucket/run/step-100``, ``memory://...``, ``file://...``): written
+    through fsspec, committed without rename, each rank uploading its own files in bounded
+    multipart uploads (:mod:`checkpoint.storage.remote_commit`, :mod:`checkpoint.storage.remote_save`).
+    ``storage_options`` go to the fsspec filesystem (s3fs: ``endpoint_url``, ``key``, ``secret``,
+    ...); ``transfer``: a :class:`checkpoint.storage.objstore.TransferConfig` (part size, parts in
+    flight, retries). A URL whose scheme has no installed backend raises
+    :class:`~checkpoint.errors.UnsupportedStorageError` (``pip install fqnckpt[s3]``); a URL is
+    never taken as a local path. Failed requests are retried with backoff, then
+    :class:`~checkpoint.errors.CheckpointWriteError` (the previous checkpoint stays readable).
+
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
     naming the key for a non-tensor value; on ranks whose peers failed,
     :class:`~checkpoint.errors.RankAgreementError`.
     """
-    path = os.fspath(path)
+    path = resolve(path, storage_options, transfer)
+    if recipe is not None and is_remote(path):
+        raise NotImplementedError(f"save(recipe=...) to {path}: save to a local path, then copy")
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
@@ -412,6 +433,10 @@ def _save_distributed(
             "saved and every rank gets it back on load",
             stacklevel=2,
         )
+    if is_remote(path):  # an ObjectStore: committed without rename (checkpoint.storage.remote_save)
+        from .storage.remote_save import save_remote
+
+        return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_any, True)
     files = [(lay, f) for lay in layouts for f in lay.files]
 
     staged: StagedCheckpoint | None = None

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 from .atomic import read_view
 from .errors import CheckpointError, CheckpointNotFoundError, external_errors
 from .reports import FileCheck, VerifyReport
 from .storage.extra_state import checked_extra_state_files
 from .storage.format import OPTIMIZER_PREFIX, index_name
-from .storage.reader import CheckpointReader, check_file, open_checkpoint
-
-
-def _header_total(path: str) -> int:
-    # The header is already validated by safe_open; read its offsets to sum the data bytes.
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        head = json.loads(f.read(n))
-    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__")
+from .storage.location import is_remote, resolve
+from .storage.opening import open_checkpoint
+from .storage.reader import CheckpointReader
 
 
 def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> None:
@@ -32,9 +24,8 @@ def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> Non
         report.problems.append(problem)
     for name in reader.files:
         p = os.path.join(reader.root, name)
-        src = reader.held_path(name)  # the file opened, even if a save replaced it since
         rec = meta.files.get(name) if meta else None
-        check = check_file(src, rec)
+        check = reader.check_file(name)
         if bar is not None:
             bar.update(check.size)
         fc = FileCheck(
@@ -47,7 +38,7 @@ def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> Non
             report.problems.append(
                 f"{p}: {check.algorithm} {check.digest} differs from the index's {rec.digest}: {check.problem}"
             )
-        total += _header_total(src)
+        total += reader.header_total(name)
     for k in reader.keys():  # every dtype known (headers and offsets were checked on open)
         reader.spec(k)
     report.tensors += len(reader.keys())
@@ -96,7 +87,9 @@ def _check_source(path: str, report: VerifyReport, bar) -> None:
         )
 
 
-def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike, *, progress: bool | None = None, storage_options: dict | None = None
+) -> VerifyReport:
     """Check a checkpoint: structure always, checksums where the index records them.
 
     fqnckpt / Hugging Face layout (index or one ``model.safetensors``; the optimizer part too):
@@ -109,7 +102,9 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     other format fqnckpt reads (``torch.save`` pickles, DCP) has no checksums: every tensor is
     read and checked against its recorded shape and dtype.
 
-    ``progress``: tqdm bar on stderr (``None``: only when stderr is a terminal, after 1 s).
+    ``progress``: tqdm bar on stderr (``None``: only when stderr is a terminal, after 1 s; none
+    for a URL). A URL (``s3://...``) is checked through fsspec, every object named by its one model
+    index read in ranged pieces; ``storage_options`` go to the fsspec filesystem.
 
     Each problem is text naming its file (``report.ok`` is False; a flipped byte shows as a digest
     mismatch naming the header or tensors changed, a truncated shard as an invalid header); facts such as "not checksummed" go to
@@ -123,7 +118,10 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
     """
     from .progress import progress_bar
 
-    path = os.path.abspath(os.fspath(path))
+    where = resolve(path, storage_options)
+    if is_remote(where):
+        return _verify_remote(where)
+    path = os.path.abspath(where)
     report = VerifyReport(path=path)
     prefixes = ["model"]
     if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
@@ -140,17 +138,46 @@ def verify(path: str | os.PathLike, *, progress: bool | None = None) -> VerifyRe
                     _check_source_or_raise(path, report, bar)
                 except (CheckpointError, OSError) as e:
                     report.problems.append(f"{type(e).__name__}: {e}")
-        for reader in readers:
-            try:
-                with reader:
-                    _check_part(reader, report, bar)
-            except (CheckpointError, OSError) as e:
-                report.problems.append(f"{type(e).__name__}: {e}")
         if readers:
-            try:  # extra_state.json's digest and every per-rank file it lists
-                checked_extra_state_files(path)
-            except (CheckpointError, OSError) as e:
-                report.problems.append(f"{type(e).__name__}: {e}")
+            _check_readers(readers, path, report, bar)
+    return report
+
+
+def _check_readers(readers: list[CheckpointReader], root: str, report: VerifyReport, bar) -> None:
+    """Check every opened part, then ``extra_state.json``'s digest and every per-rank file it lists."""
+    for reader in readers:
+        try:
+            with reader:
+                _check_part(reader, report, bar)
+        except (CheckpointError, OSError) as e:
+            report.problems.append(f"{type(e).__name__}: {e}")
+    try:
+        checked_extra_state_files(root)
+    except (CheckpointError, OSError) as e:
+        report.problems.append(f"{type(e).__name__}: {e}")
+
+
+def _verify_remote(store) -> VerifyReport:
+    """:func:`verify` of a checkpoint on object storage: every part and file its one model index
+    names (read in ranged pieces), and the extra-state files."""
+    from .storage.remote_reader import remote_view
+
+    report = VerifyReport(path=str(store))
+    with external_errors(str(store), what="verifying"), remote_view(store):
+        try:
+            readers = [open_checkpoint(store)]
+        except CheckpointNotFoundError:
+            raise
+        except (CheckpointError, OSError) as e:
+            report.problems.append(f"{type(e).__name__}: {e}")
+            return report
+        try:
+            opt = readers[0].open_part(OPTIMIZER_PREFIX)
+            if opt is not None:
+                readers.append(opt)
+        except (CheckpointError, OSError) as e:
+            report.problems.append(f"{type(e).__name__}: {e}")
+        _check_readers(readers, str(store), report, None)
     return report
 
 

@@ -6,7 +6,6 @@ Names (:mod:`.names`), shapes, dtype conversions and targets (:mod:`.values`), t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
@@ -24,7 +23,7 @@ from ..errors import (
 from ..reports import DtypeConversion, ShapeMismatch
 from ..state import ModuleState, object_state
 from ..storage.format import OPTIMIZER_PREFIX, index_name
-from ..storage.reader import CheckpointReader, open_checkpoint
+from ..storage.reader import CheckpointReader
 from .actions import CopyAction, LoadPlan
 from .names import match_stored
 from .optimizer import plan_optimizer, saved_source_optimizer
@@ -169,12 +168,12 @@ def plan_load(
         saved = saved_source_optimizer(info, path)
         plan.optimizer_state = plan_optimizer(optimizer, reader, state, saved, aliases, prefetch=fetch)
     elif optimizer is not None:
-        root = reader.root
-        if not os.path.isfile(os.path.join(root, index_name(OPTIMIZER_PREFIX))):
+        opt = reader.open_part(OPTIMIZER_PREFIX)
+        if opt is None:
             raise CheckpointNotFoundError(
-                root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
+                reader.root, f"no {index_name(OPTIMIZER_PREFIX)} (saved without optimizer=?)"
             )
-        with open_checkpoint(root, prefix=OPTIMIZER_PREFIX) as opt_reader:
+        with opt as opt_reader:
             if verify:
                 opt_reader.check_index_digest()
             for name in opt_reader.files if verify else ():

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AmbiguousSourceError
+from ..storage.urls import is_url
 from .base import FORMATS, OptimizerInfo, Source, SourceSpec
 from .dcp import open_dcp
 from .pickle_files import open_pickle, resolve_globals, unsafe_globals
@@ -63,6 +64,12 @@ def open_source(
         CorruptCheckpointError, MissingShardError, TensorNotInShardError,
         DuplicateTensorError, UnsupportedFormatError: a malformed checkpoint (file and key named).
     """
+    if is_url(path):  # never a local path: object storage through fsspec (safetensors layouts)
+        from .remote import open_remote_source
+
+        if key is not None:
+            raise AmbiguousSourceError(str(path), [], f"key={key!r} applies to pickles and DCP only")
+        return open_remote_source(path)
     p = Path(path)
     fmt = sniff(p)
     if fmt in ("torch-zip", "torch-legacy"):

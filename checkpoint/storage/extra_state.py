@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
+from .urls import is_url
 
 EXTRA_STATE_FILE = "extra_state.json"
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
@@ -323,10 +324,9 @@ def read_extra_state_file(root: str) -> ExtraStateFile | None:
         ChecksumMismatchError: ``sha256`` differs from the entries' digest.
     """
     path = os.path.join(root, EXTRA_STATE_FILE)
-    if not os.path.isfile(path) or os.path.islink(path):
+    raw = _member_bytes(root, EXTRA_STATE_FILE)
+    if raw is None:
         return None
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
         doc = ExtraStateFile.model_validate_json(raw)
     except (ValidationError, ValueError, RecursionError) as e:
@@ -349,10 +349,9 @@ def read_rank_file(root: str, doc: ExtraStateFile, rank: int) -> ExtraStateFile:
     """
     assert doc.per_rank is not None and 0 <= rank < doc.per_rank.world_size
     path = os.path.join(root, rank_file_name(rank, doc.per_rank.world_size))
-    if not os.path.isfile(path) or os.path.islink(path):
+    raw = _member_bytes(root, rank_file_name(rank, doc.per_rank.world_size))
+    if raw is None:
         raise CorruptCheckpointError(path, "is listed in extra_state.json but missing (or a link)")
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
         rf = ExtraStateFile.model_validate_json(raw)
     except (ValidationError, ValueError, RecursionError) as e:
@@ -379,9 +378,23 @@ def checked_extra_state_files(root: str) -> dict[str, bytes]:
         for r in range(doc.per_rank.world_size):
             read_rank_file(root, doc, r)
             names.append(rank_file_name(r, doc.per_rank.world_size))
-    out = {}
-    for name in names:
-        with open(os.path.join(root, name), "rb") as f:
-            out[name] = f.read()
-    return out
+    return {name: _member_bytes(root, name) for name in names}
+
+
+def _member_bytes(root: str, name: str) -> bytes | None:
+    """Bytes of file ``name`` of the checkpoint at ``root``; None when absent (or a symlink).
+    A URL is read from the checkpoint this thread holds open (its model index names the object:
+    :func:`checkpoint.storage.remote_reader.remote_view`)."""
+    if is_url(root):
+        from .remote_reader import current_view
+
+        view = current_view(root)
+        if view is None:
+            raise RuntimeError(f"reading {root}/{name} outside remote_view({root!r})")
+        return view.member_bytes(name)
+    path = os.path.join(root, name)
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 

@@ -33,6 +33,7 @@ from ..errors import (
 )
 from . import digest as _digest
 from . import paths
+from .urls import is_url
 from .format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
@@ -165,6 +166,11 @@ def read_index(path: str) -> IndexFile:
     """
     with open(path, "rb") as f:
         raw = f.read()
+    return parse_index_bytes(raw, path)
+
+
+def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
+    """:func:`read_index` of bytes already read (``path`` names them in errors)."""
     if raw.startswith(_LFS_MAGIC):
         raise CorruptCheckpointError(path, "is a git-lfs pointer file, not the index: run `git lfs pull`")
     try:
@@ -205,6 +211,11 @@ def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCh
             problem = "corrupted data"
         return FileDigestCheck(size, "sha256", d, {}, problem)
     size, header, tensors = _digest.hash_file(path)
+    return compare_record(rec, size, header, tensors)
+
+
+def compare_record(rec: FileRecordV2, size: int, header: str, tensors: dict[str, str]) -> FileDigestCheck:
+    """Compare a file's measured size and format-version-2 digests with its index record."""
     d = _digest.combine(header, tensors.values())
     why = []
     if size != rec.size:
@@ -354,8 +365,7 @@ class CheckpointReader:
         if meta is None and self.index_path is not None:
             # A foreign index has no fqnckpt block; ours with a damaged key ("metadata", "fqnckpt")
             # would pass as foreign: both names and the digest field are in every index we write.
-            with open(self.index_path, "rb") as f:
-                raw = f.read()
+            raw = self._index_bytes()
             if b'"fqnckpt"' in raw or _digest.INDEX_FIELD.encode() in raw:
                 return f"{self.index_path}: fqnckpt's index metadata is damaged (the fqnckpt block does not parse)"
             return None
@@ -363,14 +373,36 @@ class CheckpointReader:
             return None
         if meta.index_xxh3_128 is None:
             return f"{self.index_path}: format version 2 index without {_digest.INDEX_FIELD}"
-        with open(self.index_path, "rb") as f:
-            raw = f.read()
+        raw = self._index_bytes()
         got = _digest.index_digest_of(raw, meta.index_xxh3_128)
         if got != meta.index_xxh3_128:
             return f"{self.index_path}: index bytes changed ({_digest.INDEX_FIELD} {got} != recorded {meta.index_xxh3_128})"
         return None
 
+    def check_file(self, name: str) -> FileDigestCheck:
+        """:func:`check_file` of shard ``name`` against its index record (one read of the file)."""
+        rec = self.meta.files.get(name) if self.meta else None
+        return check_file(self.held_path(name), rec)
+
+    def header_total(self, name: str) -> int:
+        """Data bytes of every tensor in shard ``name``'s header (validated on open)."""
+        with open(self.held_path(name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            head = json.loads(f.read(n))
+        return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__")
+
+    def open_part(self, prefix: str) -> CheckpointReader | None:
+        """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
+        none. Raises what :func:`open_checkpoint` raises."""
+        if not os.path.isfile(os.path.join(self.root, index_name(prefix))):
+            return None
+        return open_checkpoint(self.root, prefix=prefix)
+
     # -- plumbing -----------------------------------------------------------------------------
+    def _index_bytes(self) -> bytes:
+        with open(self.index_path, "rb") as f:
+            return f.read()
+
     def held_path(self, name: str) -> str:
         """A path reading the very file opened with this checkpoint, even after a later save
         replaced it (commits rename new files in; the opened inode stays): ``/proc/self/fd/N``
@@ -482,7 +514,8 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
 
     ``path`` is a directory with ``<prefix>.safetensors.index.json`` (authoritative), a directory
     with a single ``<prefix>.safetensors`` and no index (HF's layout for small models), or one
-    ``.safetensors`` file. ``prefix`` is ``"model"`` or ``"optimizer"``.
+    ``.safetensors`` file. ``prefix`` is ``"model"`` or ``"optimizer"``. Local paths only: URLs
+    go through :func:`checkpoint.storage.opening.open_checkpoint` (``checkpoint.open_checkpoint``).
 
     Raises:
         CheckpointNotFoundError: nothing loadable at ``path``.
@@ -494,11 +527,16 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
             an fqnckpt index's ``metadata.total_size`` differs from the indexed tensors' bytes.
         InterruptedCommitError: a save was killed mid-commit and this process cannot complete it.
+        TypeError: ``path`` is a URL (see above).
 
     Concurrent saves: the reader sees the checkpoint before or after any ``save(overwrite=True)``
     running at the same time, whole, never a mix (see :func:`checkpoint.atomic.read_view`; wrap
     several ``open_checkpoint`` calls in one ``read_view`` to get the same checkpoint for each).
     """
+    if is_url(path) or not isinstance(path, (str, os.PathLike)):  # never taken as a local path
+        raise TypeError(
+            f"{path}: a URL; open it with checkpoint.open_checkpoint (checkpoint.storage.opening)"
+        )
     path = os.path.abspath(os.fspath(path))
     # One checkpoint, whole: every file is opened inside one read view (no commit runs meanwhile;
     # see checkpoint.atomic), and a reader keeps the files it opened.

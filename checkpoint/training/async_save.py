@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..errors import SnapshotChangedError
 from ..ranks import dist
 from ..saving import _prepare, _save_distributed, _save_parts
+from ..storage.location import is_remote, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
 
@@ -224,7 +225,9 @@ class AsyncSaver:
             self._group = tdist.new_group(backend="gloo")  # collective: every rank is in this call
         return self._group
 
-    def _stage_tensor(self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set) -> Any:
+    def _stage_tensor(
+        self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set, every_dtensor: bool = False
+    ) -> Any:
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             return t  # refused by the writer with save's own message, through result()
         if key in skip and not isinstance(t, DTensor):
@@ -235,7 +238,7 @@ class AsyncSaver:
                 t = t.redistribute(
                     t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
                 )
-            if not _writes(t):
+            if not every_dtensor and not _writes(t):
                 return t  # never read by this rank's writer: nothing to snapshot
             local = t.to_local()
             buf = self._pool.buffer(key, local)
@@ -249,16 +252,18 @@ class AsyncSaver:
         copies.append(_copy_of(key, buf, t, owner))
         return buf
 
-    def _stage_parts(self, parts, distributed: bool, max_shard_size) -> tuple[list, list[_Copy], set]:
+    def _stage_parts(self, parts, distributed: bool, max_shard_size, remote: bool = False) -> tuple[list, list[_Copy], set]:
         """The parts with each tensor this rank writes swapped for its staging buffer (allocated or
-        reused here), the copies still to make, and the buffer keys used."""
+        reused here), the copies still to make, and the buffer keys used. Object storage
+        (``remote``): a file's rank writes every tensor of it and DTensors are gathered from every
+        rank (:mod:`checkpoint.storage.remote_save`), so everything is staged."""
         used: set = set()
         copies: list[_Copy] = []
         staged = []
-        skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() else set()
+        skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() and not remote else set()
         for part in parts:
             by_fqn = {
-                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
+                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip, remote)
                 for s in part.specs
             }
             staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
@@ -305,10 +310,13 @@ class AsyncSaver:
         overwrite: bool = False,
         background_staging: bool = False,
         after_commit: Callable[[], None] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        transfer: Any = None,
     ) -> SaveFuture:
         """See :func:`async_save`. ``after_commit``: run in the background thread once the checkpoint
         is committed (its error becomes the future's; used for the manager's retention)."""
-        path = os.fspath(path)
+        path = resolve(path, storage_options, transfer)
+        remote = is_remote(path)
         parse_size(max_shard_size)  # a bad size fails here, not in the background
         with self._lock:
             self.wait()
@@ -317,7 +325,7 @@ class AsyncSaver:
                 self._hook = None
             parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
             with torch.no_grad():
-                staged, copies, used = self._stage_parts(parts, distributed, max_shard_size)
+                staged, copies, used = self._stage_parts(parts, distributed, max_shard_size, remote)
                 deferred: list[_Copy] = []
                 if background_staging and optimizer is not None:
                     # Host tensors only optimizer.step() writes are copied by the background thread;
@@ -478,13 +486,15 @@ def async_save(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     background_staging: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    transfer: Any = None,
 ) -> SaveFuture:
     """:func:`checkpoint.save` in the background: returns once a snapshot of the values at the call
     is staged in host memory, so the caller may update parameters, optimizer state and the objects
     in ``extra_state`` right away. Writing, hashing and the atomic commit run in a background
     thread; the checkpoint is the one ``save`` would have written from the values at the call.
 
-    Arguments as :func:`checkpoint.save`. If a previous ``async_save`` of this process is still
+    Arguments as :func:`checkpoint.save` (URLs and ``storage_options`` / ``transfer`` included). If a previous ``async_save`` of this process is still
     writing, this call first waits for it (its staging buffers are reused). On many ranks call it on
     every rank (see the module docstring for how ranks talk).
 
@@ -525,4 +535,6 @@ def async_save(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         background_staging=background_staging,
+        storage_options=storage_options,
+        transfer=transfer,
     )

@@ -8,6 +8,11 @@ Retention removes a checkpoint by first renaming it to a hidden ``.step-X.fqnckp
 (atomic, so it disappears whole), then deleting that; leftovers of a killed removal are deleted
 by the next manager on rank 0.
 
+Under a URL root (``s3://bucket/run``, ``memory://...``; ``storage_options`` go to fsspec) a step
+is the object prefix ``root/step-00000100/``, committed by its model index written last
+(:mod:`checkpoint.storage.remote_commit`); retention deletes a step's model index first, then the
+objects it owned.
+
 Fault points (``checkpoint._faults``) of the manager, for crash tests:
 ``manager_before_retention`` (committed, nothing removed) and ``manager_after_retention_rename``
 (one old checkpoint renamed aside, not yet deleted).
@@ -34,6 +39,8 @@ from ..ranks import dist
 from ..errors import CheckpointError
 from ..storage.extra_state import PerRank, rank_file_name, read_extra_state_file
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
+from ..storage.location import is_remote, resolve
+from ..storage.remote_commit import is_committed, remove_checkpoint
 from .async_save import AsyncSaver, SaveFuture
 from .rng_state import RNGState
 
@@ -162,10 +169,16 @@ class CheckpointManager:
     module without DTensors on several ranks (one process saves it: other ranks' states cannot be
     kept) and, on load, for checkpoints that hold none.
 
+    ``root`` may be a URL (``s3://bucket/run``, ``memory://...``): steps are object prefixes
+    committed by their model index (see the module docstring); ``storage_options`` go to the
+    fsspec filesystem, ``transfer`` (:class:`~checkpoint.storage.objstore.TransferConfig`) sets
+    upload part size, parts in flight and retries.
+
     On many ranks create it and call every method on every rank; rank 0 removes old checkpoints.
 
     Raises:
         ValueError: ``keep_latest`` is not None or an int >= 1.
+        UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
     """
 
     def __init__(
@@ -176,21 +189,27 @@ class CheckpointManager:
         async_save: bool = True,
         background_staging: bool = False,
         rng_state: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        transfer: Any = None,
     ):
         if keep_latest is not None and (
             isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1
         ):
             raise ValueError(f"keep_latest must be None or an int >= 1, got {keep_latest!r}")
-        self.root = os.path.abspath(os.fspath(root))
+        where = resolve(root, storage_options, transfer)
+        self._store = where if is_remote(where) else None  # object storage (s3://...): see module docstring
+        self.root = str(where) if self._store is not None else os.path.abspath(where)
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
         self.background_staging = background_staging
         self.rng_state = rng_state
         self._future: SaveFuture | None = None
         self.last_report = None  # LoadReport of the last load_latest
-        os.makedirs(self.root, exist_ok=True)
+        if self._store is None:
+            os.makedirs(self.root, exist_ok=True)
         if dist.rank() == 0:
-            self._remove_deleting()
+            if self._store is None:
+                self._remove_deleting()
             foreign = self.foreign_entries()
             if foreign:
                 warnings.warn(
@@ -202,16 +221,33 @@ class CheckpointManager:
 
     # -- finding checkpoints -------------------------------------------------------------------
     def path(self, step: int) -> str:
-        """Where step ``step`` is (or would be) saved."""
+        """Where step ``step`` is (or would be) saved (a URL under an ``s3://`` root)."""
+        if self._store is not None:
+            return f"{self.root}/{step_dir_name(step)}"
         return os.path.join(self.root, step_dir_name(step))
+
+    def _where(self, step: int) -> Any:
+        """Where :func:`checkpoint.save` / :func:`checkpoint.load` take step ``step``."""
+        return self._store.child(step_dir_name(step)) if self._store is not None else self.path(step)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints under ``root``, ascending: only directories named as
         :func:`step_dir_name` names them (see :meth:`foreign_entries` for the rest)."""
+        if self._store is not None:
+            return [
+                step for name, (kind, _) in sorted(self._store.listing().items())
+                if kind == "directory" and (step := parse_step_dir_name(name)) is not None
+                and is_committed(self._store.child(name))
+            ]  # fmt: skip
         return [step for step, complete in list_steps(self.root) if complete]
 
     def foreign_entries(self) -> list[str]:
         """See :func:`foreign_step_entries`: never loaded, never removed by retention."""
+        if self._store is not None:
+            return sorted(
+                n for n, (kind, _) in self._store.listing().items()
+                if n.startswith("step-") and (parse_step_dir_name(n) is None or kind != "directory")
+            )  # fmt: skip
         return foreign_step_entries(self.root)
 
     def latest(self) -> str | None:
@@ -241,7 +277,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
-        path = self.path(step)
+        path = self._where(step)
         if self.rng_state and RNG_KEY not in (extra_state or {}) and _per_rank_savable(module):
             extra_state = {**(extra_state or {}), RNG_KEY: PerRank(RNGState())}
         kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
@@ -312,21 +348,30 @@ class CheckpointManager:
             step = dist.broadcast_object(step)
         if step is None:
             return None
-        added = False
-        # extra_state=None reads no extra state at all (load's rule), RNG states included.
-        if self.rng_state and extra_state is not None and RNG_KEY not in extra_state:
-            doc = read_extra_state_file(self.path(step))
-            if doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys:
-                extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
-                added = True
-        try:
-            self.last_report = load(
-                module, self.path(step), optimizer=optimizer, extra_state=extra_state, **load_kwargs
-            )
-        finally:
-            if added:
-                del extra_state[RNG_KEY]
+        where = self._where(step)
+        with self._view(where):  # one save read whole (object storage: one model index)
+            added = False
+            # extra_state=None reads no extra state at all (load's rule), RNG states included.
+            if self.rng_state and extra_state is not None and RNG_KEY not in extra_state:
+                doc = read_extra_state_file(self.path(step))
+                if doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys:
+                    extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
+                    added = True
+            try:
+                self.last_report = load(
+                    module, where, optimizer=optimizer, extra_state=extra_state, **load_kwargs
+                )
+            finally:
+                if added:
+                    del extra_state[RNG_KEY]
         return step
+
+    def _view(self, where: Any):
+        if self._store is None:
+            return contextlib.nullcontext()
+        from ..storage.remote_reader import remote_view
+
+        return remote_view(where)
 
     # -- retention ------------------------------------------------------------------------------
     def _retain(self, written: int) -> None:
@@ -339,6 +384,9 @@ class CheckpointManager:
             keep.add(steps[-1])
         for step in steps:
             if step in keep:
+                continue
+            if self._store is not None:  # the index first: from then on no reader takes it
+                remove_checkpoint(self._where(step))
                 continue
             path = self.path(step)
             aside = os.path.join(self.root, f".{step_dir_name(step)}{DELETING_TAG}{uuid.uuid4().hex}")

@@ -1,0 +1,48 @@
+"""A checkpoint on object storage (``s3://``, ``memory://``, ...) as a migration
+:class:`~checkpoint.sources.base.Source`: the fqnckpt / Hugging Face layout read through
+:mod:`checkpoint.storage.remote_reader` (ranged reads; one model index read once). Other formats
+(pickles, DCP) are read from local paths only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+import torch
+
+from ..errors import external_errors
+from ..storage.location import resolve
+from ..storage.remote_reader import RemoteCheckpointReader, open_remote_checkpoint, remote_view
+from .base import Source, SourceSpec
+
+
+class RemoteSource(Source):
+    """A :class:`Source` whose files are objects under ``url`` (messages name the URL)."""
+
+    url: str = ""
+
+    def get(self, key: str) -> torch.Tensor:
+        self._lookup(key)
+        with external_errors(f"{self.url}/{self.file_of(key)}", key, "reading"):
+            return self._reader.get(key)
+
+
+def open_remote_source(url: Any, storage_options: Mapping | None = None) -> RemoteSource:
+    """The model part of the checkpoint at URL ``url`` as a :class:`Source`.
+
+    Raises what :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raises, and
+    :class:`~checkpoint.errors.UnsupportedStorageError` for a scheme without a backend."""
+    store = resolve(url, storage_options)
+    with remote_view(store) as view:
+        reader: RemoteCheckpointReader = open_remote_checkpoint(view)
+    specs = {k: SourceSpec(k, tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in reader.keys()}
+    file_of = {k: reader.file_of(k) for k in reader.keys()}
+    src = RemoteSource(PurePosixPath(store.url), "fqnckpt" if reader.meta else "safetensors-sharded",
+                       list(reader.files), specs, file_of, reader)  # fmt: skip
+    src.url = store.url
+    src.notes.append(f"read the objects named by {store.url}/model.safetensors.index.json only")
+    return src
+
+
+__all__ = ["RemoteSource", "open_remote_source"]

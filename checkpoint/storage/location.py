@@ -1,0 +1,42 @@
+"""Where a checkpoint lives: a local path (today's code path, untouched: fsspec is not imported)
+or an :class:`~checkpoint.storage.objstore.ObjectStore` for a URL. Entry points call
+:func:`resolve` once and branch on :func:`is_remote`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .urls import is_url
+
+
+def is_remote(where: Any) -> bool:
+    """True for an ObjectStore (a resolved URL)."""
+    return not isinstance(where, (str, bytes, os.PathLike))
+
+
+def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = None) -> Any:
+    """``path`` as the local path string it is, or the ObjectStore of a URL (``s3://``,
+    ``memory://``, ``file://``, ...; ``storage_options`` / ``transfer`` apply to it only). An
+    ObjectStore is returned as is.
+
+    Raises:
+        UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
+        TypeError: ``storage_options`` / ``transfer`` given with a local path.
+    """
+    if is_remote(path):
+        return path
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if not is_url(p):
+        if storage_options or transfer is not None:
+            raise TypeError(f"storage_options / transfer apply to URLs (s3://...), not to the local path {p!r}")
+        return p
+    from .objstore import open_store
+
+    return open_store(p, storage_options, transfer)
+
+
+__all__ = ["resolve", "is_remote"]

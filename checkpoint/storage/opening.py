@@ -1,0 +1,34 @@
+"""``open_checkpoint`` for any location: a local path (:mod:`checkpoint.storage.reader`) or a URL
+through fsspec (:mod:`checkpoint.storage.remote_reader`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import reader
+from .format import MODEL_PREFIX
+from .location import is_remote, resolve
+from .remote_reader import open_remote_checkpoint, remote_view
+
+
+def open_checkpoint(
+    path: str | os.PathLike | Any, prefix: str = MODEL_PREFIX, storage_options: Mapping[str, Any] | None = None
+) -> reader.CheckpointReader:
+    """Open and validate a checkpoint (see :func:`checkpoint.storage.reader.open_checkpoint`).
+    A URL (``s3://...``, ``memory://...``) is read through fsspec with ranged reads, every part
+    from the one model index fetched (``storage_options`` go to the fsspec filesystem).
+
+    Raises what :func:`checkpoint.storage.reader.open_checkpoint` and
+    :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raise;
+    :class:`~checkpoint.errors.UnsupportedStorageError` for a scheme without a backend.
+    """
+    where = resolve(path, storage_options)
+    if is_remote(where):
+        with remote_view(where) as view:
+            return open_remote_checkpoint(view, prefix)
+    return reader.open_checkpoint(where, prefix)
+
+
+__all__ = ["open_checkpoint"]

@@ -1,0 +1,396 @@
+"""Read a checkpoint on object storage (see :mod:`checkpoint.storage.remote_commit`) with ranged
+reads only: per shard object one GET of its header, then per tensor (or per rank's slice of it)
+only its byte ranges.
+
+One checkpoint, whole: a :class:`RemoteView` fetches the model index (the commit marker) once;
+the optimizer part and the extra-state files are the objects that index names, so a reader
+never mixes two saves. Everything is checked before any tensor is returned, as for a local
+checkpoint (:mod:`checkpoint.storage.reader`): named objects exist with the recorded sizes,
+headers are valid, the index matches them.
+
+Headers are validated by safetensors itself: its Python API validates a header only through
+``safe_open`` (a local path, memory-mapped) or ``deserialize`` (the whole file's bytes), so the
+fetched header bytes are placed in a sparse local file of the object's size (no data bytes
+stored or fetched) and opened with ``safe_open``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..errors import (
+    ChecksumMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoadError,
+    MissingShardError,
+)
+from . import digest as _digest
+from . import paths
+from .format import MODEL_PREFIX, FileRecordV2, index_name
+from .layout import ST_TO_DTYPE
+from .objstore import ObjectStore
+from .reader import (
+    CheckpointReader,
+    FileDigestCheck,
+    _check_total_size,
+    compare_record,
+    open_safetensors_with_header,
+    parse_index_bytes,
+)
+from .remote_commit import MODEL_INDEX
+from .writer import block_runs, stats, tensor_bytes
+
+_HEAD_GUESS = 64 << 10  # first ranged GET per shard: the header of most files fits
+_VERIFY_CHUNK = 16 << 20
+_READ_AHEAD = 64 << 20  # bytes fetched ahead at once (RemoteCheckpointReader.expect)
+_RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
+
+_views = threading.local()
+
+
+class RemoteView:
+    """One committed checkpoint on ``store``: its model index fetched once (``index_raw`` is None
+    when there is none), and the objects it names."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self.index_raw = store.get(MODEL_INDEX)
+        self.index = parse_index_bytes(self.index_raw, store.url_of(MODEL_INDEX)) if self.index_raw else None
+        meta = self.index.metadata.fqnckpt if self.index is not None else None
+        self.objects = dict(meta.objects) if meta is not None and meta.objects is not None else None
+        self._cache: dict[str, bytes | None] = {}
+
+    def object_of(self, name: str) -> str | None:
+        """The object holding file ``name`` of this checkpoint (None: this save has none)."""
+        if name == MODEL_INDEX:
+            return name if self.index_raw is not None else None
+        if self.objects is not None:  # fqnckpt's object-store save: only what the index names
+            return self.objects.get(name)
+        return name  # written by another tool under plain names
+
+    def member_bytes(self, name: str) -> bytes | None:
+        """Bytes of file ``name`` of this checkpoint, None when it has none (fetched once)."""
+        if name not in self._cache:
+            obj = self.object_of(name)
+            if obj is not None:
+                paths.check_name(self.store.url, obj)
+            self._cache[name] = self.store.get(obj) if obj is not None else None
+        return self._cache[name]
+
+
+@contextlib.contextmanager
+def remote_view(store: ObjectStore) -> Iterator[RemoteView]:
+    """Hold one :class:`RemoteView` of ``store`` for this thread (nested blocks on the same URL
+    share it): every part read inside belongs to the same save."""
+    held: dict[str, RemoteView] = _views.__dict__.setdefault("held", {})
+    if store.url in held:
+        yield held[store.url]
+        return
+    view = held[store.url] = RemoteView(store)
+    try:
+        yield view
+    finally:
+        del held[store.url]
+
+
+def current_view(url: str) -> RemoteView | None:
+    """The view of ``url`` this thread holds (see :func:`remote_view`), if any."""
+    return getattr(_views, "held", {}).get(url.rstrip("/"))
+
+
+def _validate_header(where: str, head_bytes: bytes, size: int, tmpdir: str) -> dict:
+    """safetensors' own validation of a header (see module docstring); returns the parsed header."""
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=tmpdir)
+    try:
+        try:
+            os.write(fd, head_bytes)
+            os.ftruncate(fd, size)  # sparse: no data bytes on disk
+        finally:
+            os.close(fd)
+        try:
+            handle, head = open_safetensors_with_header(tmp)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(where, str(e).split(": ", 1)[-1].replace(tmp, where), e.key) from None
+        del handle
+        return head
+    finally:
+        os.unlink(tmp)
+
+
+class RemoteCheckpointReader(CheckpointReader):
+    """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
+    a ranged GET (``root`` is the checkpoint's URL)."""
+
+    def __init__(self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int]):
+        store = view.store
+        super().__init__(store.url, index, store.url_of(index_name_) if index_name_ else None, key_file)
+        self.view, self.store, self._sizes = view, store, sizes
+        self.index_raw = b""  # the index object's bytes (set by open_remote_checkpoint)
+        self._totals: dict[str, int] = {}  # data bytes per shard header (verify)
+        self._heads: dict[str, bytes] = {}  # first bytes of each shard, fetched together
+        self._tmp = tempfile.TemporaryDirectory(prefix="fqnckpt-remote-")
+
+    # -- headers --------------------------------------------------------------------------------
+    def _open_file(self, name: str):
+        size = self._sizes[name]
+        where = self.store.url_of(name)
+        first = self._heads.pop(name, None)
+        if first is None:
+            first = self.store.get_range(name, 0, min(size, _HEAD_GUESS))
+        if len(first) < 8:
+            raise CorruptCheckpointError(where, f"not a valid safetensors file: {size} bytes")
+        (n,) = struct.unpack("<Q", first[:8])
+        if 8 + n > size:
+            raise CorruptCheckpointError(where, f"not a valid safetensors file: header of {n} bytes in {size}")
+        head_bytes = first[: 8 + n] if 8 + n <= len(first) else first + self.store.get_range(name, len(first), 8 + n)
+        head = _validate_header(where, head_bytes, size, self._tmp.name)
+        self._totals[name] = sum(
+            v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__"
+        )
+        return None, head, 8 + n
+
+    # -- data -----------------------------------------------------------------------------------
+    def _span(self, key: str) -> tuple[str, int, int, tuple[int, ...], torch.dtype]:
+        name = self._key_file[self._known(key)]
+        b, e = self._spans[key]
+        shape, st = self._specs[key]
+        if st not in ST_TO_DTYPE:
+            raise CorruptCheckpointError(self.store.url_of(name), f"tensor {key!r} has unsupported dtype {st!r}")
+        return name, b, e, shape, ST_TO_DTYPE[st]
+
+    def get(self, key: str) -> torch.Tensor:
+        name, b, e, shape, dtype = self._span(key)
+        out = torch.empty(shape, dtype=dtype)
+        self._fill(tensor_bytes(out), name, [(b, e)], key)
+        return out
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        known = self._specs.get(key)
+        if (
+            known is None or key not in self._key_file or out.device.type != "cpu"
+            or tuple(out.shape) != tuple(known[0]) or ST_TO_DTYPE.get(known[1]) != out.dtype
+            or not out.is_contiguous() or out.is_conj() or out.is_neg()
+        ):  # fmt: skip
+            return False
+        name, b, e, _, _ = self._span(key)
+        self._fill(tensor_bytes(out), name, [(b, e)], key)
+        return True
+
+    def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
+        """Only the bytes of block ``tensor[slices]`` (step-1 slices), as few ranged GETs as the
+        block's contiguous runs need (one covering GET when that reads at most twice the bytes)."""
+        name, b, _, shape, dtype = self._span(key)
+        if not shape:
+            return self.get(key)
+        starts, lens = [], []
+        for s, dim in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape):
+            lo, hi, step = s.indices(dim)
+            if step != 1:
+                return self.get(key)[tuple(slices)]
+            starts.append(lo)
+            lens.append(max(hi - lo, 0))
+        out = torch.empty(lens, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        item = dtype.itemsize
+        runs = list(block_runs(shape, lens, starts))
+        spans = [(b + g * item, b + (g + n) * item) for g, _, n in runs]
+        self._fill(tensor_bytes(out), name, spans, key)
+        return out
+
+    def _fill(self, dst: memoryview, name: str, spans: list[tuple[int, int]], key: str) -> None:
+        """Bytes ``spans`` of object ``name``, concatenated, into ``dst`` (a read failing for
+        good is a LoadError naming tensor ``key``)."""
+        try:
+            self._fill_spans(dst, name, spans)
+        except LoadError as e:
+            raise LoadError(key, e.file, str(e).split(" failed: ", 1)[-1]) from None
+
+    def expect(self, keys: Sequence[str]) -> None:
+        """Hint: whole tensors ``keys`` will be read in this order. They are then fetched ahead,
+        a batch of at most 64 MiB at a time, in ranged GETs of adjacent tensors (up to 16 MiB
+        each) sent concurrently: fewer, larger requests, memory bounded by the batch."""
+        self._ahead = [(self._key_file[k], *self._spans[k]) for k in keys if k in self._spans and k in self._key_file]
+        self._ahead_at = {span: i for i, span in enumerate(self._ahead)}
+        self._cache: dict[tuple[str, int, int], memoryview] = {}
+
+    def _read_ahead(self, i: int) -> None:
+        batch, total = [], 0
+        for span in self._ahead[i:]:
+            size = span[2] - span[1]
+            if batch and total + size > _READ_AHEAD:
+                break
+            if span not in self._cache:
+                batch.append(span)
+                total += size
+        ranges: list[list] = []  # [name, lo, hi, [spans]]
+        for span in sorted(batch):
+            name, b, e = span
+            last = ranges[-1] if ranges else None
+            if last is not None and last[0] == name and last[2] == b and e - last[1] <= _RANGE_MAX:
+                last[2] = e
+                last[3].append(span)
+            else:
+                ranges.append([name, b, e, [span]])
+        for (name, lo, hi, spans), data in zip(ranges, self.store.get_many([(n, lo, hi) for n, lo, hi, _ in ranges])):
+            if len(data) != hi - lo:
+                raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {hi - lo} bytes at {lo})")
+            view = memoryview(data)
+            for span in spans:
+                self._cache[span] = view[span[1] - lo : span[2] - lo]
+
+    def _fill_spans(self, dst: memoryview, name: str, spans: list[tuple[int, int]]) -> None:
+        need = sum(e - b for b, e in spans)
+        if need == 0:
+            return
+        ahead = getattr(self, "_ahead_at", {})
+        if len(spans) == 1 and (name, *spans[0]) in ahead:  # expected: served from the read-ahead
+            span = (name, *spans[0])
+            if span not in self._cache:
+                self._read_ahead(ahead[span])
+            dst[:need] = self._cache.pop(span)
+            stats.bytes_read += need
+            return
+        lo, hi = spans[0][0], spans[-1][1]
+        if len(spans) == 1 or hi - lo <= 2 * need:
+            data = self.store.get_range(name, lo, hi)
+            if len(data) != hi - lo:
+                raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {hi - lo} bytes at {lo})")
+            at = 0
+            for b, e in spans:
+                dst[at : at + e - b] = memoryview(data)[b - lo : e - lo]
+                at += e - b
+        else:
+            at = 0
+            for (b, e), data in zip(spans, self.store.get_ranges(name, spans)):
+                dst[at : at + e - b] = data
+                at += e - b
+        stats.bytes_read += need
+
+    # -- integrity ------------------------------------------------------------------------------
+    def verify_file(self, name: str) -> str:
+        if name not in self.files:
+            raise KeyError(f"{name!r} is not a file of {self.root}; files: {self.files}")
+        rec = self.meta.files.get(name) if self.meta else None
+        check = self._hash_object(name, rec)
+        if check.problem is not None:
+            raise ChecksumMismatchError(self.store.url_of(name), rec.digest if rec else "", f"{check.digest} ({check.problem})")
+        return check.digest
+
+    def check_file(self, name: str) -> FileDigestCheck:
+        return self._hash_object(name, self.meta.files.get(name) if self.meta else None)
+
+    def header_total(self, name: str) -> int:
+        return self._totals[name]
+
+    def _hash_object(self, name: str, rec) -> FileDigestCheck:
+        """Format-version-2 digests of object ``name``, read in ranged pieces of 16 MiB."""
+        size = self._sizes[name]
+        (n,) = struct.unpack("<Q", self.store.get_range(name, 0, 8))
+        header = _digest.hexdigest(self.store.get_range(name, 0, 8 + n))
+        spans = sorted(
+            (b, e, k) for k, (b, e) in self._spans.items() if self._key_file.get(k) == name
+        )
+        tensors = {}
+        for b, e, k in spans:
+            h = _digest.new()
+            for lo in range(b, e, _VERIFY_CHUNK):
+                h.update(self.store.get_range(name, lo, min(e, lo + _VERIFY_CHUNK)))
+            tensors[k] = h.hexdigest()
+        if not isinstance(rec, FileRecordV2):  # written by another tool: nothing to compare with
+            return FileDigestCheck(size, "xxh3_128", _digest.combine(header, tensors.values()), tensors, None)
+        return compare_record(rec, size, header, tensors)
+
+    def _index_bytes(self) -> bytes:
+        return self.index_raw
+
+    def open_part(self, prefix: str) -> CheckpointReader | None:
+        if self.view.object_of(index_name(prefix)) is None or self.view.member_bytes(index_name(prefix)) is None:
+            return None
+        return open_remote_checkpoint(self.view, prefix)
+
+    def held_path(self, name: str) -> str:
+        return self.store.url_of(name)
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    def __del__(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"RemoteCheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
+
+
+def open_remote_checkpoint(view: RemoteView, prefix: str = MODEL_PREFIX) -> RemoteCheckpointReader:
+    """Open and validate part ``prefix`` of the checkpoint of ``view`` (errors as
+    :func:`checkpoint.storage.reader.open_checkpoint`, naming URLs).
+
+    Raises:
+        CheckpointNotFoundError: no model index (nothing committed there) and no single
+            ``<prefix>.safetensors``.
+        MissingShardError: objects the index names are absent (e.g. deleted by a newer save).
+    """
+    store = view.store
+    name = index_name(prefix)
+    obj = view.object_of(name)
+    raw = view.member_bytes(name) if obj is not None else None
+    if raw is None:
+        listing = store.listing()
+        sizes = {n: size for n, (kind, size) in listing.items() if kind != "directory"}
+        single = f"{prefix}.safetensors"
+        if view.index_raw is None and single in sizes:
+            reader = RemoteCheckpointReader(view, None, None, {}, sizes)
+            _, head, _ = reader._open_file(single)
+            reader._key_file = {k: single for k in head if k != "__metadata__"}
+            reader.files = [single]
+            reader._load_headers()
+            return reader
+        why = f"no {name}" + (" (a save that never committed, or not a checkpoint)" if prefix == MODEL_PREFIX else "")
+        raise CheckpointNotFoundError(store.url, why)
+    index = parse_index_bytes(raw, store.url_of(obj))
+    files = index.files()
+    for f in files:
+        paths.check_name(store.url, f)
+    meta = index.metadata.fqnckpt
+    if meta is not None and set(meta.files) != set(files):
+        raise CorruptCheckpointError(
+            store.url_of(obj), f"metadata.fqnckpt.files {sorted(meta.files)} differ from the weight_map's files {files}"
+        )
+    heads: dict[str, bytes] = {}
+    if meta is not None:  # sizes recorded: every shard's first bytes in one concurrent batch
+        sizes = {f: meta.files[f].size for f in files}
+        try:
+            got = store.get_many([(f, 0, min(sizes[f], _HEAD_GUESS)) for f in files])
+        except FileNotFoundError:
+            got = None
+        if got is None:
+            listing = store.listing()
+            raise MissingShardError(store.url, [f for f in files if f not in listing] or files, name)
+        heads = dict(zip(files, got))
+        short = [f for f in files if len(heads[f]) < min(sizes[f], _HEAD_GUESS)]
+        if short:
+            raise CorruptCheckpointError(store.url_of(short[0]), f"is shorter than the {sizes[short[0]]} bytes the index records")
+    else:  # written by another tool: sizes from a listing
+        listing = store.listing()
+        sizes = {n: size for n, (kind, size) in listing.items() if kind != "directory"}
+        missing = [f for f in files if f not in sizes]
+        if missing:
+            raise MissingShardError(store.url, missing, name)
+    reader = RemoteCheckpointReader(view, index, obj, dict(index.weight_map), sizes)
+    reader.index_raw = raw
+    reader._heads = heads
+    reader._load_headers()
+    _check_total_size(reader)
+    return reader
+
+
+__all__ = ["RemoteView", "RemoteCheckpointReader", "remote_view", "current_view", "open_remote_checkpoint"]

@@ -1,0 +1,189 @@
+"""Write a planned checkpoint to object storage, committed without rename
+(:mod:`checkpoint.storage.remote_commit`): one process, or every rank of a distributed save.
+
+Each shard file is uploaded by one rank (file ``j`` by rank ``j % world_size``), front to back
+through a bounded multipart upload (:class:`~checkpoint.storage.objstore.ObjectWriter`); its
+xxh3-128 digests are computed on the way, so nothing is read back. A DTensor's bytes reach the
+file's rank through ``DTensor.full_tensor()`` (all ranks of its mesh take part, one tensor at a
+time): an object cannot be written in byte ranges by several processes (S3 parts are at least
+5 MiB), so the shared-file scheme of local saves does not carry over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import _faults
+from ..errors import CheckpointError, CheckpointWriteError
+from ..ranks import dist
+from . import digest
+from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
+from .layout import FilePlan, Layout, TensorSlot
+from .objstore import ObjectStore, ObjectWriter
+from .remote_commit import MODEL_INDEX, RemoteCommit, stored_name
+from .writer import check_matches, stats, tensor_bytes
+
+# Files of a save renamed per save (readers find them through the model index); other extra
+# files (Hugging Face's config.json, ...) keep their names: transformers opens them by name.
+_TOKENED_FILES = ("extra_state.", "migration_report.json")
+
+
+class _ShardUpload:
+    """One shard file streamed front to back into an :class:`ObjectWriter`, hashed on the way."""
+
+    def __init__(self, writer: ObjectWriter, plan: FilePlan):
+        self.w, self.plan = writer, plan
+        self.header = digest.hexdigest(plan.header)
+        self.tensors: dict[str, str] = {}
+        self.w.write(plan.header)
+        self.pos = plan.data_start
+
+    def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
+        check_matches(slot, tensor)
+        if slot.begin != self.pos:
+            raise RuntimeError(f"{self.plan.name}: {slot.spec.fqn!r} planned at byte {slot.begin}, stream at {self.pos}")
+        data = tensor_bytes(tensor)
+        h = digest.new()
+        for lo in range(0, len(data), digest.CHUNK):
+            piece = data[lo : lo + digest.CHUNK]
+            h.update(piece)
+            self.w.write(piece)
+        self.tensors[slot.spec.fqn] = h.hexdigest()
+        self.pos += len(data)
+        stats.bytes_written += len(data)
+        _faults.fault_point("after_tensor_write")
+
+    def finish(self) -> FileRecordV2:
+        if self.pos != self.plan.size:
+            raise RuntimeError(f"{self.plan.name}: {self.plan.size - self.pos} bytes not written")
+        self.w.close()
+        return FileRecordV2(
+            size=self.plan.size,
+            digest=digest.combine(self.header, self.tensors.values()),
+            header=self.header,
+            tensors=self.tensors,
+        )
+
+
+def _object_name(name: str, token: str) -> str:
+    return stored_name(name, token) if name.endswith(".safetensors") or name.startswith(_TOKENED_FILES) else name
+
+
+def _renamed(index: IndexFile, token: str) -> IndexFile:
+    """``index`` naming the save's objects instead of the planned file names."""
+    index.weight_map = {k: stored_name(v, token) for k, v in index.weight_map.items()}
+    meta = index.metadata.fqnckpt
+    if meta is not None:
+        meta.files = {stored_name(n, token): r for n, r in meta.files.items()}
+    return index
+
+
+def _wrap(store: ObjectStore, e: BaseException, rank: int | None) -> BaseException:
+    if isinstance(e, CheckpointError) or not isinstance(e, OSError):
+        return e
+    return CheckpointWriteError(store.url, f"{type(e).__name__}: {store.scrub(str(e))}", rank)
+
+
+def save_remote(
+    store: ObjectStore,
+    parts: Sequence[Any],
+    layouts: Sequence[Layout],
+    overwrite: bool,
+    extra_files: Mapping[str, bytes],
+    make_index: Callable[[Any, Layout, dict[str, FileRecordV2]], IndexFile],
+    fetch: Callable[[Any, Any], torch.Tensor],
+    distributed: bool,
+) -> list[IndexFile]:
+    """Upload ``parts`` as planned in ``layouts`` and commit (see module docstring).
+    ``extra_files``: rank 0's are written (``{name: bytes}``). ``make_index(part, layout,
+    records)``: the part's index; ``fetch(part, spec)``: the tensor of ``spec``.
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is False.
+        CheckpointWriteError: a request failed for good (after the retries); whatever was
+            committed there before is intact and readable.
+        RankAgreementError: another rank failed (distributed).
+    """
+    rank, world = (dist.rank(), dist.world_size()) if distributed else (0, 1)
+    commit, token, err = None, None, None
+    if rank == 0:
+        try:
+            commit = RemoteCommit(store, overwrite)
+            token = commit.token
+        except BaseException as e:  # noqa: BLE001 - agreed below
+            err = _wrap(store, e, 0 if distributed else None)
+    if distributed:
+        dist.check_all(f"preparing {store.url}", err)
+        token = dist.broadcast_object(token)
+    elif err is not None:
+        raise err
+    files = [(part, lay, f) for part, lay in zip(parts, layouts) for f in lay.files]
+    records: dict[str, FileRecordV2] = {}
+    err = None
+    try:
+        for j, (part, _lay, f) in enumerate(files):
+            mine = j % world == rank
+            up = _ShardUpload(store.open_writer(stored_name(f.name, token), f.size), f) if mine else None
+            try:
+                for slot in f.slots:
+                    t = fetch(part, slot.spec)
+                    if isinstance(t, DTensor):
+                        t = t.full_tensor()  # collective: every rank of the mesh, in file order
+                    if up is not None:
+                        up.write(slot, t)
+                    del t
+                if up is not None:
+                    records[f.name] = up.finish()
+                    up = None
+            finally:
+                if up is not None:
+                    up.w.abort()
+    except BaseException as e:  # noqa: BLE001
+        err = _wrap(store, e, rank if distributed else None)
+    if distributed:
+        dist.check_all(f"writing {store.url}", err)
+        for d in dist.all_gather_object(records):
+            records.update(d)
+    elif err is not None:
+        raise err
+    indexes = [
+        _renamed(make_index(part, lay, {f.name: records[f.name] for f in lay.files}), token)
+        for part, lay in zip(parts, layouts)
+    ]
+    err = None
+    if rank == 0:
+        try:
+            _faults.fault_point("after_data_written")
+            objects: dict[str, str] = {}
+            for name, data in extra_files.items():
+                objects[name] = _object_name(name, token)
+                store.put(objects[name], bytes(data))
+            model_index = None
+            for part, idx in zip(parts, indexes):
+                if part.prefix == MODEL_PREFIX:
+                    model_index = idx
+                    continue
+                name = index_name(part.prefix)
+                objects[name] = stored_name(name, token)
+                store.put(objects[name], idx.to_json_bytes())
+            assert model_index is not None and model_index.metadata.fqnckpt is not None
+            model_index.metadata.fqnckpt.objects = objects
+            owned = {MODEL_INDEX, *objects.values()}
+            owned.update(stored_name(f.name, token) for _, _, f in files)
+            _faults.fault_point("before_index_write")
+            commit.commit(model_index.to_json_bytes(), owned)
+            _faults.fault_point("after_index_write")
+        except BaseException as e:  # noqa: BLE001
+            err = _wrap(store, e, 0 if distributed else None)
+    if distributed:
+        dist.check_all(f"committing {store.url}", err)
+    elif err is not None:
+        raise err
+    return indexes
+
+
+__all__ = ["save_remote"]

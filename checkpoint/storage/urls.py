@@ -1,0 +1,41 @@
+"""Which paths are URLs (``scheme://...``: ``s3://``, ``memory://``, ``file://``, ...) and how they
+are shown in messages. No fsspec import here: plain local paths never load it.
+
+A URL is never taken as a local path: every entry point resolves it through
+:func:`checkpoint.storage.location.resolve` (fsspec), or refuses it with
+:class:`~checkpoint.errors.UnsupportedStorageError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# RFC 3986 scheme, then "://". One letter before ":" is a Windows drive ("C:\\..."), never a URL.
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
+
+
+def url_scheme(path: object) -> str | None:
+    """The lower-cased scheme of a ``scheme://...`` string or PathLike, else None."""
+    if not isinstance(path, str):
+        if not isinstance(path, os.PathLike):
+            return None
+        path = os.fspath(path)
+        if not isinstance(path, str):
+            return None
+    m = _URL.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` (see :func:`url_scheme`)."""
+    return url_scheme(path) is not None
+
+
+def redact_url(url: str) -> str:
+    """``url`` without a ``user:secret@`` part (credentials never reach a message)."""
+    return _USERINFO.sub(r"\1", url)
+
+
+__all__ = ["url_scheme", "is_url", "redact_url"]

@@ -1,0 +1,376 @@
+"""Checkpoints on object storage through fsspec, against a real S3 endpoint started here (moto's
+server mode on 127.0.0.1, behind :class:`tests.s3_server.FaultProxy` for injected 5xx and
+throttling) and ``memory://``: commit without rename (the model index last), ranged reads,
+bounded multipart uploads, retries, a kill during upload, the manager's retention, a 2-rank save
+with a resharded load (one spawn), and URLs never taken as local paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+import checkpoint  # noqa: E402
+from checkpoint import CheckpointManager  # noqa: E402
+from checkpoint.errors import (  # noqa: E402
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    LoadError,
+    MissingShardError,
+    UnsupportedStorageError,
+)
+from checkpoint.ranks.launch import run_ranks  # noqa: E402
+from checkpoint.storage.objstore import TransferConfig, stats  # noqa: E402
+from tests.s3_server import SECRET, FaultProxy, make_bucket, start_moto, storage_options  # noqa: E402
+
+FAST = TransferConfig(part_size=5 << 20, parts_in_flight=2, retries=3, backoff_s=0.01, max_backoff_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server, port = start_moto()
+    make_bucket(port, "bkt")
+    proxy = FaultProxy(port)
+    yield {"port": port, "opts": storage_options(port), "proxy": proxy, "popts": storage_options(proxy.port)}
+    proxy.stop()
+    server.stop()
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+
+def _objects(url_root: str, opts=None) -> list[str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url_root, **(opts or {}))
+    fs.invalidate_cache()
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+# -- URLs are never local paths ------------------------------------------------------------------
+
+
+def test_unknown_scheme_refused_everywhere_nothing_written_locally(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    m = _model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    calls = [
+        lambda: checkpoint.save(m, "nosuchfs://b/run/ck"),
+        lambda: checkpoint.load(m, "nosuchfs://b/run/ck"),
+        lambda: checkpoint.verify("nosuchfs://b/run/ck"),
+        lambda: checkpoint.open_checkpoint("nosuchfs://b/run/ck"),
+        lambda: CheckpointManager("nosuchfs://b/run"),
+        lambda: checkpoint.async_save(m, "nosuchfs://b/run/ck"),
+        lambda: checkpoint.migrate(str(tmp_path / "x"), "nosuchfs://b/run/ck"),
+    ]
+    for call in calls:
+        with pytest.raises(UnsupportedStorageError) as e:
+            call()
+        assert e.value.scheme == "nosuchfs"
+        assert "'nosuchfs'://" in str(e.value) and "pip install fqnckpt[s3]" in str(e.value)
+    assert os.listdir(tmp_path) == []  # no "nosuchfs:" directory, nothing at all
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_memory_save_load_overwrite_deletes_only_owned_objects():
+    url = "memory://t1/run/ck"
+    m, m2 = _model(0), _model(1)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    first = checkpoint.save(m, url, optimizer=opt, extra_state={"step": 7}, max_shard_size=64)
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file("/t1/run/ck/notes.txt", b"mine")  # not fqnckpt's
+    objs = _objects(url)
+    token = first.weight_map["0.weight"].split(".")[1]
+    with checkpoint.open_checkpoint(url) as r:
+        named = set(r.files) | set(r.meta.objects.values())
+        with r.open_part("optimizer") as o:
+            named |= set(o.files)
+    assert set(objs) == named | {"model.safetensors.index.json", "notes.txt"}
+    assert {o for o in objs if token not in o} == {"model.safetensors.index.json", "notes.txt"}
+    assert set(r.meta.objects) == {"extra_state.json", "optimizer.safetensors.index.json"}
+    assert len(r.files) > 1 and len(o.files) > 1
+    opt2 = torch.optim.Adam(m2.parameters())
+    m2(torch.randn(2, 6)).sum().backward()
+    opt2.step()
+    extra = {"step": 0}
+    report = checkpoint.load(m2, url, optimizer=opt2, extra_state=extra, verify=True)
+    assert report.ok and report.optimizer_loaded and extra == {"step": 7}
+    _same(m, m2)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[i]["exp_avg_sq"], s2[i]["exp_avg_sq"]) for i in s1)
+
+    with pytest.raises(CheckpointExistsError):
+        checkpoint.save(m2, url)
+    assert _objects(url) == objs  # refused: nothing changed
+    second = checkpoint.save(m2, url, overwrite=True)
+    token2 = second.weight_map["0.weight"].split(".")[1]
+    assert _objects(url) == sorted(["model.safetensors.index.json", f"model-00001-of-00001.{token2}.safetensors", "notes.txt"])
+    assert checkpoint.verify(url).ok
+
+
+def test_file_url_goes_through_the_object_protocol(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    m, m2 = _model(7), _model(8)
+    idx = checkpoint.save(m, f"file://{tmp_path}/ck")
+    token = idx.weight_map["0.weight"].split(".")[1]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no "file:" directory
+    assert sorted(os.listdir(tmp_path / "ck")) == ["model-00001-of-00001." + token + ".safetensors", "model.safetensors.index.json"]
+    assert checkpoint.load(m2, f"file://{tmp_path}/ck").ok
+    _same(m, m2)
+
+
+def test_commit_marker_index_last_and_missing_objects(s3):
+    url, opts = "s3://bkt/marker/ck", s3["opts"]
+    m = _model(2)
+    checkpoint.save(m, url, storage_options=opts)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    index = json.loads(fs.cat_file("bkt/marker/ck/model.safetensors.index.json"))
+    shard = next(iter(index["metadata"]["fqnckpt"]["files"]))
+    # An index naming an absent object: refused before any tensor changes.
+    fs.rm_file(f"bkt/marker/ck/{shard}")
+    target = _model(3)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(MissingShardError) as e:
+        checkpoint.load(target, url, storage_options=opts)
+    assert shard in str(e.value)
+    _same_values(target, before)
+    # Objects without an index are no checkpoint.
+    fs.rm_file("bkt/marker/ck/model.safetensors.index.json")
+    fs.pipe_file("bkt/marker/ck/model-00001-of-00001.0123456789ab.safetensors", b"x" * 64)
+    with pytest.raises(CheckpointNotFoundError):
+        checkpoint.load(target, url, storage_options=opts)
+    _same_values(target, before)
+    assert CheckpointManager("s3://bkt/marker", storage_options=opts).steps() == []
+
+
+def _same_values(m, before) -> None:
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_multipart_bounded_memory_and_ranged_reads(s3):
+    url, opts = "s3://bkt/big/ck", s3["opts"]
+    w = torch.arange(11 * (1 << 18), dtype=torch.float32).reshape(-1, 1024)  # 11 MiB
+    stats.reset()
+    checkpoint.save({"w": w, "b": torch.ones(3)}, url, storage_options=opts, transfer=FAST)
+    assert stats.parts == 3  # 5 + 5 + ~1 MiB
+    assert 0 < stats.peak_buffered <= FAST.part_size * FAST.parts_in_flight
+    stats.reset()
+    with checkpoint.open_checkpoint(url, storage_options=opts) as r:
+        headers = stats.bytes_read
+        rows = r.get_slice("w", [slice(100, 164)])  # one rank's Shard(0) block: its bytes only
+        assert torch.equal(rows, w[100:164])
+        assert stats.bytes_read - headers == 64 * 1024 * 4
+        cols = r.get_slice("w", [slice(0, 4), slice(8, 16)])
+        assert torch.equal(cols, w[0:4, 8:16])
+    target = {"w": torch.zeros_like(w), "b": torch.zeros(3)}
+    assert checkpoint.load(target, url, storage_options=opts, verify=True).ok
+    assert torch.equal(target["w"], w) and torch.equal(target["b"], torch.ones(3))
+
+
+def test_injected_5xx_and_throttling_retried_then_named_errors(s3):
+    proxy, opts = s3["proxy"], s3["popts"]
+    url = "s3://bkt/faults/ck"
+    m = _model(4)
+    proxy.clear()
+    proxy.add("PUT", "partNumber=1", 503, times=2)  # throttled (SlowDown)
+    proxy.add("PUT", "partNumber=2", 500, times=1)  # InternalError
+    proxy.add("PUT", "model.safetensors.index.json", 500, times=2)  # the commit PUT
+    big = {"w": torch.randn(1 << 20, 3), "b": torch.ones(2)}  # 12 MiB: 3 parts
+    stats.reset()
+    checkpoint.save(big, url, storage_options=opts, transfer=FAST)
+    assert proxy.hits[("PUT", "partNumber=1")] == 2 and proxy.hits[("PUT", "partNumber=2")] == 1
+    assert proxy.hits[("PUT", "model.safetensors.index.json")] == 2
+    assert stats.retries >= 3  # each 500 is one of fqnckpt's retries (s3fs itself retries SlowDown)
+    proxy.add("GET", "-of-", 500, times=2)  # ranged GETs fail twice, then succeed
+    target = {"w": torch.zeros(1 << 20, 3), "b": torch.zeros(2)}
+    assert checkpoint.load(target, url, storage_options=opts).ok
+    assert torch.equal(target["w"], big["w"])
+    assert proxy.hits[("GET", "-of-")] == 2
+
+    # Failing for good: bounded attempts, a named error without credentials, the previous
+    # checkpoint intact and readable.
+    proxy.clear()
+    proxy.add("PUT", "model.safetensors.index.json", 500, times=None)
+    with pytest.raises(CheckpointWriteError) as e:
+        checkpoint.save(m, url, overwrite=True, storage_options=opts, transfer=FAST)
+    assert proxy.hits[("PUT", "model.safetensors.index.json")] == FAST.retries + 1
+    assert "after 4 attempts" in str(e.value) and SECRET not in str(e.value) and SECRET not in repr(e.value)
+    assert e.value.__cause__ is None or SECRET not in str(e.value.__cause__)
+    proxy.clear()
+    target = {"w": torch.zeros(1 << 20, 3), "b": torch.zeros(2)}
+    assert checkpoint.load(target, url, storage_options=opts).ok and torch.equal(target["w"], big["w"])
+    proxy.add("GET", "-of-", 500, times=None)
+    before = target["w"].clone()
+    with pytest.raises(LoadError) as e:
+        checkpoint.load({"w": target["w"], "b": target["b"]}, url, storage_options=opts, transfer=FAST)
+    assert "model-00001-of-00001." in e.value.file and "after 4 attempts" in str(e.value)  # its header GET
+    assert SECRET not in str(e.value) and torch.equal(target["w"], before)
+    report = checkpoint.verify(url, storage_options=opts)
+    assert not report.ok and all(SECRET not in p for p in report.problems)
+    proxy.clear()
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, sys, torch
+    import checkpoint
+    checkpoint.save({"x": torch.ones(3)}, sys.argv[2])          # a local path: fsspec stays unloaded
+    checkpoint.load({"x": torch.zeros(3)}, sys.argv[2])
+    assert "fsspec" not in sys.modules and "s3fs" not in sys.modules, "fsspec imported on the local path"
+    print("LOCAL-OK", flush=True)
+    from checkpoint.storage.objstore import TransferConfig
+    opts = {"endpoint_url": sys.argv[1], "key": "k", "secret": "s"}
+    os.environ["FQNCKPT_FAULT_POINT"] = "after_part_upload"
+    big = {"w": torch.full((1 << 20, 3), 2.0), "b": torch.ones(2)}
+    checkpoint.save(big, "s3://bkt/killed/ck", overwrite=True, storage_options=opts,
+                    transfer=TransferConfig(part_size=5 << 20, parts_in_flight=1))
+    print("NOT KILLED", flush=True)
+    """
+)
+
+
+def test_kill_during_upload_keeps_previous_checkpoint(s3, tmp_path):
+    opts, url = s3["opts"], "s3://bkt/killed/ck"
+    old = {"w": torch.full((1 << 20, 3), 1.0), "b": torch.zeros(2)}
+    checkpoint.save(old, url, storage_options=opts)
+    before = _objects(url, opts)
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED, opts["endpoint_url"], str(tmp_path / "local")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert "LOCAL-OK" in p.stdout, p.stderr
+    assert p.returncode == -9 and "NOT KILLED" not in p.stdout, p.stderr
+    assert _objects(url, opts) == before  # killed mid multipart upload: no new object at all
+    target = {"w": torch.zeros(1 << 20, 3), "b": torch.ones(2)}
+    assert checkpoint.load(target, url, storage_options=opts, verify=True).ok
+    assert torch.equal(target["w"], old["w"]) and torch.equal(target["b"], old["b"])
+
+
+# -- the manager -----------------------------------------------------------------------------------
+
+
+def test_manager_retention_and_resume_on_s3(s3):
+    opts, root = s3["opts"], "s3://bkt/mgr"
+    import s3fs
+
+    s3fs.S3FileSystem(**opts).pipe_file("bkt/mgr/step-notes.txt", b"foreign")
+    with pytest.warns(checkpoint.ForeignEntryWarning, match="step-notes.txt"):
+        mgr = CheckpointManager(root, keep_latest=2, storage_options=opts)
+    m = _model(5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for step in (1, 2, 3):
+        m(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        mgr.save(step, m, opt, extra_state={"step": step})
+    mgr.wait()
+    assert mgr.steps() == [2, 3] and mgr.latest() == "s3://bkt/mgr/step-00000003"
+    assert mgr.foreign_entries() == ["step-notes.txt"]
+    objs = _objects(root, opts)
+    assert not any(o.startswith("step-00000001/") for o in objs)  # every object of step 1 deleted
+    assert "step-notes.txt" in objs
+    m2, extra = _model(6), {"step": None}
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    with pytest.warns(checkpoint.ForeignEntryWarning):
+        resumed = CheckpointManager(root, storage_options=opts)
+    assert resumed.load_latest(m2, opt2, extra_state=extra) == 3 and extra == {"step": 3}
+    _same(m, m2)
+    assert all(
+        torch.equal(opt.state_dict()["state"][i]["momentum_buffer"], opt2.state_dict()["state"][i]["momentum_buffer"])
+        for i in range(4)
+    )
+
+
+# -- two ranks: one spawn, a resharded load --------------------------------------------------------
+
+
+def _full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {"w": torch.randn(8, 6, generator=g), "v": torch.randn(4, 10, generator=g), "count": torch.arange(5)}
+
+
+def _two_rank_main(rank, world, endpoint):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import time
+
+    t0 = time.perf_counter()
+    opts = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full_state()
+    state = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "v": distribute_tensor(full["v"], mesh, [Shard(1)]),
+        "count": full["count"].clone(),
+    }
+    stats.reset()
+    mgr = CheckpointManager("s3://bkt/ranks", storage_options=opts, rng_state=False)
+    mgr.save(4, state, max_shard_size=100)  # async by default
+    mgr.wait()
+    t1 = time.perf_counter()
+    uploaded = stats.objects
+    # Resharded load on the same 2 ranks: other placements.
+    target = {
+        "w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)]),
+        "v": distribute_tensor(torch.zeros(4, 10), mesh, [Shard(0)]),
+        "count": torch.zeros(5, dtype=torch.int64),
+    }
+    stats.reset()
+    assert mgr.load_latest(target) == 4
+    return {
+        "uploaded": uploaded,
+        "w": target["w"].to_local().clone(),
+        "v": target["v"].to_local().clone(),
+        "count": target["count"].clone(),
+        "read": stats.bytes_read,
+        "t": (t1 - t0, time.perf_counter() - t1),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(s3):
+    return run_ranks(_two_rank_main, 2, f"http://127.0.0.1:{s3['port']}", backend="gloo", timeout=120)
+
+
+def test_two_rank_save_each_rank_uploads_and_resharded_load(two_ranks, s3):
+    full = _full_state()
+    for rank, res in enumerate(two_ranks):
+        assert res["uploaded"] >= 1  # each rank uploaded its own shard files
+        assert torch.equal(res["w"], full["w"][:, 3 * rank : 3 * rank + 3])
+        assert torch.equal(res["v"], full["v"][2 * rank : 2 * rank + 2])
+        assert torch.equal(res["count"], full["count"])
+    # One process (world of one) reads the 2-rank checkpoint whole.
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    assert checkpoint.load(target, "s3://bkt/ranks/step-00000004", storage_options=s3["opts"], verify=True).ok
+    for k in full:
+        assert torch.equal(target[k], full[k]), k
+    index = json.loads(
+        __import__("s3fs").S3FileSystem(**s3["opts"]).cat_file("bkt/ranks/step-00000004/model.safetensors.index.json")
+    )
+    assert len(set(index["weight_map"].values())) >= 2  # several files, spread over the ranks
