@@ -45,8 +45,8 @@ POINTS = (
     "after_commit_rename",
     "after_first_move",
     "before_cleanup",
-    "after_part_upload",
 )
+REMOTE_POINTS = ("after_part_upload",)  # saves to object storage only (tests/test_storage_s3.py)
 
 
 def fault_point(name: str) -> None:

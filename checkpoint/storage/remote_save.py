@@ -6,7 +6,9 @@ through a bounded multipart upload (:class:`~checkpoint.storage.objstore.ObjectW
 xxh3-128 digests are computed on the way, so nothing is read back. A DTensor's bytes reach the
 file's rank through ``DTensor.full_tensor()`` (all ranks of its mesh take part, one tensor at a
 time): an object cannot be written in byte ranges by several processes (S3 parts are at least
-5 MiB), so the shared-file scheme of local saves does not carry over.
+5 MiB), so the shared-file scheme of local saves does not carry over. ``async_save`` gathers in
+its call instead (:func:`checkpoint.training.async_save._gathered_for_files`), so the background
+thread runs no collective on the DTensors' groups.
 """
 
 from __future__ import annotations
@@ -130,11 +132,15 @@ def save_remote(
             up = _ShardUpload(store.open_writer(stored_name(f.name, token), f.size), f) if mine else None
             try:
                 for slot in f.slots:
+                    if up is None:  # another rank's file: only a DTensor's gather needs this rank
+                        t = part.fetch(slot.spec)
+                        if isinstance(t, DTensor):
+                            t.full_tensor()  # collective: every rank of the mesh, in file order
+                        continue
                     t = fetch(part, slot.spec)
                     if isinstance(t, DTensor):
-                        t = t.full_tensor()  # collective: every rank of the mesh, in file order
-                    if up is not None:
-                        up.write(slot, t)
+                        t = t.full_tensor()
+                    up.write(slot, t)
                     del t
                 if up is not None:
                     records[f.name] = up.finish()

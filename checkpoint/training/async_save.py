@@ -128,18 +128,40 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=src.device.type == "cuda")
 
 
-def _plain_written_elsewhere(parts, max_shard_size) -> set[tuple[str, str]]:
+def _plain_written_elsewhere(parts, max_shard_size, by_file: bool = False) -> set[tuple[str, str]]:
     """(prefix, FQN) of the slots another rank writes if their tensor is plain: ``save`` gives the
-    k-th slot of a part's layout to rank ``k % world size``."""
+    k-th slot of a part's layout to rank ``k % world size``; on object storage (``by_file``) the
+    j-th file of all parts to rank ``j % world size`` (:mod:`checkpoint.storage.remote_save`)."""
     out = set()
     rank, world = dist.rank(), dist.world_size()
+    j = 0
     for part in parts:
         k = 0
         for f in plan_layout(part.specs, max_shard_size, part.prefix).files:
             for slot in f.slots:
-                if k % world != rank:
+                if (j if by_file else k) % world != rank:
                     out.add((part.prefix, slot.spec.fqn))
                 k += 1
+            j += 1
+    return out
+
+
+def _gathered_for_files(parts, max_shard_size, elsewhere: set[tuple[str, str]]) -> list:
+    """Object storage: each file is uploaded by one rank from whole tensors, so every DTensor is
+    gathered now (``full_tensor()``, one tensor at a time in file order, on the caller's thread:
+    the background thread must not run collectives on the DTensors' groups while training does)
+    and kept only by the rank uploading its file (host bytes about the tensors of this rank's
+    files); the others keep ``None``, never read."""
+    out = []
+    for part in parts:
+        kept: dict[str, Any] = {}
+        for f in plan_layout(part.specs, max_shard_size, part.prefix).files:
+            for slot in f.slots:
+                t = part.fetch(slot.spec)
+                if isinstance(t, DTensor):
+                    t = t.full_tensor()
+                kept[slot.spec.fqn] = None if (part.prefix, slot.spec.fqn) in elsewhere else t
+        out.append(dataclasses.replace(part, fetch=lambda s, d=kept: d[s.fqn]))
     return out
 
 
@@ -225,9 +247,7 @@ class AsyncSaver:
             self._group = tdist.new_group(backend="gloo")  # collective: every rank is in this call
         return self._group
 
-    def _stage_tensor(
-        self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set, every_dtensor: bool = False
-    ) -> Any:
+    def _stage_tensor(self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set) -> Any:
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             return t  # refused by the writer with save's own message, through result()
         if key in skip and not isinstance(t, DTensor):
@@ -238,7 +258,7 @@ class AsyncSaver:
                 t = t.redistribute(
                     t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
                 )
-            if not every_dtensor and not _writes(t):
+            if not _writes(t):
                 return t  # never read by this rank's writer: nothing to snapshot
             local = t.to_local()
             buf = self._pool.buffer(key, local)
@@ -255,15 +275,19 @@ class AsyncSaver:
     def _stage_parts(self, parts, distributed: bool, max_shard_size, remote: bool = False) -> tuple[list, list[_Copy], set]:
         """The parts with each tensor this rank writes swapped for its staging buffer (allocated or
         reused here), the copies still to make, and the buffer keys used. Object storage
-        (``remote``): a file's rank writes every tensor of it and DTensors are gathered from every
-        rank (:mod:`checkpoint.storage.remote_save`), so everything is staged."""
+        (``remote``): each file is uploaded by one rank from whole tensors, so DTensors are gathered
+        here, on the caller's thread (see :func:`_gathered_for_files`)."""
         used: set = set()
         copies: list[_Copy] = []
         staged = []
-        skip = _plain_written_elsewhere(parts, max_shard_size) if distributed and dist.active() and not remote else set()
+        skip: set = set()
+        if distributed and dist.active():
+            skip = _plain_written_elsewhere(parts, max_shard_size, remote)
+            if remote:
+                parts = _gathered_for_files(parts, max_shard_size, skip)
         for part in parts:
             by_fqn = {
-                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip, remote)
+                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
                 for s in part.specs
             }
             staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
