@@ -374,3 +374,23 @@ def test_two_rank_save_each_rank_uploads_and_resharded_load(two_ranks, s3):
         __import__("s3fs").S3FileSystem(**s3["opts"]).cat_file("bkt/ranks/step-00000004/model.safetensors.index.json")
     )
     assert len(set(index["weight_map"].values())) >= 2  # several files, spread over the ranks
+
+
+def test_cli_inspect_verify_diff_on_s3_through_fsspec_config(s3, monkeypatch, capsys):
+    import fsspec.config
+
+    from checkpoint.cli import main as cli_main
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3["opts"]))  # what FSSPEC_S3_* env vars set
+    url = "s3://bkt/cli/ck"
+    checkpoint.save(_model(9), url, storage_options=s3["opts"])
+    capsys.readouterr()
+    assert cli_main(["inspect", url, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["format"] == "fqnckpt" and data["tensors"] == 4
+    assert cli_main(["verify", url]) == 0 and "OK" in capsys.readouterr().out
+    checkpoint.save(_model(10), "s3://bkt/cli/other", storage_options=s3["opts"])
+    capsys.readouterr()
+    assert cli_main(["diff", url, "s3://bkt/cli/other"]) == 1  # same keys, other values
+    out = capsys.readouterr().out
+    assert "differ" in out and SECRET not in out
