@@ -279,7 +279,10 @@ def test_manager_retention_and_resume_on_s3(s3):
     opts, root = s3["opts"], "s3://bkt/mgr"
     import s3fs
 
-    s3fs.S3FileSystem(**opts).pipe_file("bkt/mgr/step-notes.txt", b"foreign")
+    fs = s3fs.S3FileSystem(**opts)
+    fs.pipe_file("bkt/mgr/step-notes.txt", b"foreign")
+    fs.pipe_file("bkt/mgr/step-00000000/model-00001-of-00001.0123456789ab.safetensors", b"killed save")
+    fs.pipe_file("bkt/mgr/step-00000000/mine.txt", b"not fqnckpt's")
     with pytest.warns(checkpoint.ForeignEntryWarning, match="step-notes.txt"):
         mgr = CheckpointManager(root, keep_latest=2, storage_options=opts)
     m = _model(5)
@@ -293,7 +296,8 @@ def test_manager_retention_and_resume_on_s3(s3):
     assert mgr.foreign_entries() == ["step-notes.txt"]
     objs = _objects(root, opts)
     assert not any(o.startswith("step-00000001/") for o in objs)  # every object of step 1 deleted
-    assert "step-notes.txt" in objs
+    assert "step-notes.txt" in objs and "step-00000000/mine.txt" in objs  # foreign objects stay
+    assert not any(o.startswith("step-00000000/model-") for o in objs)  # a killed save's leftover goes
     m2, extra = _model(6), {"step": None}
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     with pytest.warns(checkpoint.ForeignEntryWarning):

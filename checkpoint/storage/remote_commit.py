@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import re
 import uuid
+import warnings
 
 from pydantic import ValidationError
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError
 from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
 from .objstore import ObjectStore
 
@@ -103,11 +104,18 @@ class RemoteCommit:
         owned and leftovers of killed saves."""
         old = owned_objects(self.store, self.previous)
         self.store.put(MODEL_INDEX, index_bytes)
-        stale = old - new_owned - {MODEL_INDEX}
-        leftovers = {
-            n for n in self.store.listing() if (t := token_of(n)) is not None and t != self.token
-        }
-        self.store.delete(sorted(stale | (leftovers - new_owned)))
+        try:  # committed: a failure from here on leaves only unnamed objects, never a bad checkpoint
+            stale = old - new_owned - {MODEL_INDEX}
+            leftovers = {
+                n for n in self.store.listing() if (t := token_of(n)) is not None and t != self.token
+            }
+            self.store.delete(sorted(stale | (leftovers - new_owned)))
+        except (OSError, CheckpointError) as e:
+            warnings.warn(
+                f"{self.store.url}: committed, but removing the replaced objects failed ({e}); "
+                "the next save there removes them",
+                stacklevel=2,
+            )
 
 
 __all__ = ["RemoteCommit", "owned_objects", "stored_name", "token_of", "parse_index", "MODEL_INDEX"]

@@ -382,11 +382,17 @@ class CheckpointManager:
         keep = set(steps[-self.keep_latest :]) | {written}
         if steps:
             keep.add(steps[-1])
+        if self._store is not None:  # also older step prefixes without a committed index: leftovers
+            listed = [parse_step_dir_name(n) for n, (kind, _) in self._store.listing().items() if kind == "directory"]
+            steps = sorted(set(steps) | {s for s in listed if s is not None and s < written})
         for step in steps:
             if step in keep:
                 continue
             if self._store is not None:  # the index first: from then on no reader takes it
-                remove_checkpoint(self._where(step))
+                try:
+                    remove_checkpoint(self._where(step))
+                except (OSError, CheckpointError) as e:  # the new step is committed: not its failure
+                    warnings.warn(f"{self.path(step)}: retention could not remove it ({e}); retried after the next save", stacklevel=2)
                 continue
             path = self.path(step)
             aside = os.path.join(self.root, f".{step_dir_name(step)}{DELETING_TAG}{uuid.uuid4().hex}")
