@@ -73,6 +73,6 @@ def test_lazy_package_names_resolve_to_their_modules():
     for name in checkpoint.__all__:
         assert getattr(checkpoint, name).__name__ == name
     assert set(checkpoint.__all__) <= set(dir(checkpoint))
-    assert checkpoint.storage.reader.open_checkpoint is checkpoint.open_checkpoint  # submodule fallback
+    assert checkpoint.storage.opening.open_checkpoint is checkpoint.open_checkpoint  # submodule fallback (URLs and paths)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         checkpoint.nope  # noqa: B018
