@@ -11,7 +11,6 @@ of its local shards (``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -30,10 +29,9 @@ from .ranks import dist
 from .reports import LoadReport
 from .state import object_state
 from .storage.location import is_remote, resolve
-from .storage.opening import open_checkpoint
-from .sources.dcp import dcp_format, open_dcp
-from .sources.dcp_targets import DCPTargetReader
 from .gc_pause import gc_paused
+from .sources.dcp import dcp_format
+from .sources.targets import open_target_reader as open_source_target
 
 
 @gc_paused
@@ -86,8 +84,17 @@ def load(
     (torch's ``load_state_dict(assign=True)``); the optimizer's param groups then hold the new
     parameters. Needed for meta targets, which hold no data to copy into.
 
+    A ``torch.save`` pickle (a state_dict, ``{"model": ..., "optimizer": ...}``, a compiled /
+    DDP module's state_dict) goes through the same stages (:mod:`checkpoint.sources.targets`):
+    unpickled only by torch's ``weights_only`` unpickler after the exact-global scan
+    (:class:`UnsafePickleError` naming the global and the file), then the same name, shape and
+    dtype checks; ``verify=True`` is refused (no checksums).
+
     ``optimizer``: also restore it from ``optimizer.safetensors.index.json``, by FQN, values
-    exact (see :mod:`checkpoint.optim`). ``verify``: first check the index's own digest and
+    exact (see :mod:`checkpoint.optim`); from a DCP checkpoint's or a pickle's optimizer
+    state_dict (a pickle's integer ids are matched by position, as
+    ``torch.optim.Optimizer.load_state_dict`` does, unless it carries ``param_names``). Another
+    optimizer class's state is refused (:func:`checkpoint.plan.optimizer.plan_optimizer`). ``verify``: first check the index's own digest and
     re-hash every file read against the index's ``metadata.fqnckpt.files`` record (size; xxh3-128
     of header and each tensor, or sha256 for format version 1: safetensors itself has no checksum,
     so a flipped data byte otherwise loads silently); costs one extra read of the files.
@@ -214,11 +221,10 @@ def _view(path):
 
 def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool = True,
                        recipe: str | None = None, model: Any = None):  # fmt: skip
-    """The source stage of ``load``: a :class:`CheckpointReader` over an fqnckpt / Hugging Face
-    checkpoint (index, shards, one file, a hub-cache snapshot), a
-    :class:`~checkpoint.sources.dcp_targets.DCPTargetReader` over a DCP directory (``fmt`` from
-    :func:`~checkpoint.sources.dcp.dcp_format`; ``read_optimizer``: also read the optimizer's
-    param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
+    """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an
+    fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle; ``fmt`` is
+    unused there: the format is sniffed; ``read_optimizer``: also read DCP's optimizer param
+    groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
     the checked conversion of any source format (planned against ``model``). Raises what they
     raise (a conversion: RecipeError / ConversionError before any tensor is read)."""
     if recipe is not None:
@@ -226,9 +232,7 @@ def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool =
         from .convert.reader import ConvertedReader
 
         return ConvertedReader(open_conversion(path, recipe, model=model if isinstance(model, torch.nn.Module) else None))
-    if fmt is None:
-        return open_checkpoint(path)
-    return DCPTargetReader(open_dcp(Path(path), fmt, read_optimizer=read_optimizer))
+    return open_source_target(path, read_optimizer=read_optimizer)
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from .atomic import read_view
-from .errors import CheckpointError, CheckpointNotFoundError, external_errors
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, external_errors
+from .plan.values import guarded_get
 from .reports import FileCheck, VerifyReport
 from .storage.extra_state import checked_extra_state_files
 from .storage.format import OPTIMIZER_PREFIX, index_name
@@ -62,7 +63,8 @@ def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> Non
 
 def _check_source(path: str, report: VerifyReport, bar) -> None:
     """Any other format :func:`checkpoint.sources.open_source` reads (pickle, DCP, ...): no
-    checksums exist, so every tensor is read and checked against its recorded shape and dtype."""
+    checksums exist, so every tensor is read and checked against its recorded shape and dtype
+    by :func:`checkpoint.plan.values.guarded_get`, the check every load and migration makes."""
     from .sources import open_source
 
     with external_errors(path, what="reading"), open_source(path) as src:
@@ -70,15 +72,11 @@ def _check_source(path: str, report: VerifyReport, bar) -> None:
         report.checksummed = False
         bar.reset(total=src.total_bytes())
         for k in src.keys():
-            spec = src.spec(k)
-            t = src.get(k)
-            if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
-                report.problems.append(
-                    f"{src.path / src.file_of(k) if src.path.is_dir() else src.path}: tensor {k!r} reads as "
-                    f"{tuple(t.shape)} {t.dtype}, recorded {tuple(spec.shape)} {spec.dtype}"
-                )
+            try:  # the plan stage's read check (load and migrate make the same)
+                guarded_get(src, k)
+            except CorruptCheckpointError as e:
+                report.problems.append(str(e))
             bar.update(src.nbytes(k))
-            del t
         report.tensors = len(src.keys())
         report.total_size = src.total_bytes()
         report.files = []

@@ -155,17 +155,18 @@ def plan_load(
     if optimizer is not None and model is None:
         raise TypeError("optimizer= needs the nn.Module (parameters are matched by identity)")
     info = getattr(reader, "optimizer_info", False)
-    if optimizer is not None and info is not False:  # optimizer state beside the model (DCP)
+    if optimizer is not None and info is not False:  # optimizer state beside the model (DCP, pickle)
         if info is None:
-            raise CheckpointNotFoundError(reader.root, "no optimizer state in this DCP checkpoint")
+            raise CheckpointNotFoundError(reader.where, f"no optimizer state in this {reader.kind}")
 
         def fetch(pairs: list) -> None:
             if agree is not None:
                 agree()  # every rank planned the model before a collective read
-            reader.prefetch(pairs)
+            if prefetch is not None:
+                prefetch(pairs)
 
         aliases = {stored: target for target, stored in report.filled_from.items()}
-        saved = saved_source_optimizer(info, path)
+        saved = saved_source_optimizer(info, path, optimizer, state)
         plan.optimizer_state = plan_optimizer(optimizer, reader, state, saved, aliases, prefetch=fetch)
     elif optimizer is not None:
         opt = reader.open_part(OPTIMIZER_PREFIX)

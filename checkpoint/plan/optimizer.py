@@ -204,11 +204,35 @@ def plan_optimizer(
     return {"state": new_state, "param_groups": new_groups}
 
 
-def saved_source_optimizer(info: OptimizerInfo, where: str) -> SavedOptimizer:
-    """A :class:`SavedOptimizer` from the optimizer state a migration source found (DCP's
-    ``get_state_dict`` layout, nested or flattened: state keyed by FQN)."""
-    groups = [([str(i) for i in ids], dict(h)) for ids, h in zip(info.group_ids, info.groups)]
+def saved_source_optimizer(
+    info: OptimizerInfo, where: str, optimizer: torch.optim.Optimizer | None = None, state: ModuleState | None = None
+) -> SavedOptimizer:
+    """A :class:`SavedOptimizer` from the optimizer state a source found: DCP's
+    ``get_state_dict`` layout (nested or flattened: state keyed by FQN), or a ``torch.optim``
+    state_dict (a pickle) keyed by integer ids. Integer ids are named by the source's
+    ``param_names`` where it carries them, else by position against ``optimizer`` (group ``i``'s
+    ``j``-th id is the target's group ``i``'s ``j``-th parameter, the rule of
+    ``torch.optim.Optimizer.load_state_dict``).
+
+    Raises:
+        OptimizerMismatchError: positional ids and the group count or sizes differ from the target's.
+    """
+    fqn_of: dict[Any, str] = {}
+    if info.param_names is not None:
+        fqn_of = dict(zip(info.param_ids, info.param_names))
+    elif optimizer is not None and info.param_ids and not all(isinstance(i, str) for i in info.param_ids):
+        names = _param_names(optimizer, state)
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        saved_sizes = [len(ids) for ids in info.group_ids]
+        if sizes != saved_sizes:
+            raise OptimizerMismatchError(
+                f"{where}: the saved optimizer state is keyed by position and its param groups hold "
+                f"{saved_sizes} params, the target optimizer's {sizes}: the order cannot name them"
+            )
+        for ids, g in zip(info.group_ids, optimizer.param_groups):
+            fqn_of.update((i, names[id(p)]) for i, p in zip(ids, g["params"]))
+    groups = [([fqn_of.get(i, str(i)) for i in ids], dict(h)) for ids, h in zip(info.group_ids, info.groups)]
     tensors: dict[str, dict[str, str]] = {}
     for key, (pid, slot) in info.state.items():
-        tensors.setdefault(str(pid), {})[slot] = key
+        tensors.setdefault(fqn_of.get(pid, str(pid)), {})[slot] = key
     return SavedOptimizer(where, groups, tensors, {}, set(info.scalars))

@@ -12,7 +12,13 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import CheckpointError, LoadError, OverlappingTargetsError, TiedValuesMismatchError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LoadError,
+    OverlappingTargetsError,
+    TiedValuesMismatchError,
+)
 from ..ranks import shards
 from ..storage.reader import CheckpointReader
 from .actions import CopyAction
@@ -39,15 +45,30 @@ def check_tied_values(reader, stored: list[str], path: str) -> None:
 
 
 def guarded_get(reader, key: str) -> torch.Tensor:
-    """``reader.get(key)``; a failure of safetensors / torch / the OS becomes a :class:`LoadError`
-    naming the key and its file."""
+    """``reader.get(key)``, checked against the shape and dtype the header / metadata recorded
+    (:func:`read_problem`), for every source and entry point (``load``, ``migrate``, ``verify``).
+
+    Raises:
+        LoadError: safetensors / torch / the OS fail to read it (names key and file).
+        CorruptCheckpointError: it reads as another shape or dtype than recorded (names key and file).
+    """
     try:
-        return reader.get(key)
+        t = reader.get(key)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        root = getattr(reader, "root", "")
-        raise LoadError(key, os.path.join(root, reader.file_of(key)), f"{type(e).__name__}: {e}") from e
+        raise LoadError(key, _file(reader, key), f"{type(e).__name__}: {e}") from e
+    why = read_problem(reader.spec(key), t)
+    if why is not None:
+        raise CorruptCheckpointError(_file(reader, key), f"tensor {key!r} {why}")
+    return t
+
+
+def read_problem(spec, t: torch.Tensor) -> str | None:
+    """Why tensor ``t`` as read does not match ``spec`` (its recorded shape and dtype), or None."""
+    if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+        return f"reads as {tuple(t.shape)} {t.dtype}, recorded {tuple(spec.shape)} {spec.dtype}"
+    return None
 
 
 
@@ -232,7 +253,10 @@ def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
 
 def _file(reader: CheckpointReader, key: str) -> str:
     """Path of the file holding ``key``, for messages."""
-    return os.path.join(reader.root, reader.file_of(key))
+    path = getattr(reader, "path", None)  # a migration Source: path is the file or the directory
+    if path is not None and not os.path.isdir(path):
+        return str(path)
+    return os.path.join(str(path) if path is not None else getattr(reader, "root", ""), reader.file_of(key))
 
 
 
@@ -249,7 +273,7 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
         if isinstance(t, DTensor) and t.dim():
             # Each rank reads only its blocks, whatever the placements (several for _StridedShard).
             return shards.read_local(reader, key, t)
-        return reader.get(key)
+        return guarded_get(reader, key)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed

@@ -19,45 +19,20 @@ from torch.distributed.tensor import DTensor
 from ..ranks import dist
 from .base import Source
 from .dcp import _planner, dcp_errors, read_entries
+from .target_reader import SourceTargetReader
 
 
-class DCPTargetReader:
-    """``keys`` / ``spec`` / ``get`` / ``file_of`` over the model tensors of a DCP :class:`Source`,
-    plus :meth:`prefetch` / :meth:`read_block` (see module docstring). No checksums, no alias
-    groups (DCP stores neither)."""
+class DCPTargetReader(SourceTargetReader):
+    """:class:`~.target_reader.SourceTargetReader` over a DCP :class:`Source`, plus :meth:`prefetch`
+    / :meth:`read_block` (see module docstring). No checksums, no alias groups (DCP stores
+    neither)."""
 
-    index_path = None
-    meta = None
-    alias_groups: list[list[str]] = []
-    resolve_names = True  # names written by another tool: resolved against the model
+    kind = "DCP checkpoint"
 
     def __init__(self, source: Source):
-        self.source = source
+        super().__init__(source)
         self.root = str(source.path)
-        self.files = list(source.files)
         self._bufs: dict[str, torch.Tensor] = {}
-
-    def keys(self) -> list[str]:
-        return self.source.keys()
-
-    def spec(self, key: str):
-        return self.source.spec(key)
-
-    def __contains__(self, key: str) -> bool:
-        try:
-            self.source.spec(key)
-        except KeyError:
-            return False
-        return True
-
-    def file_of(self, key: str) -> str:
-        return self.source.file_of(key)
-
-    def get(self, key: str) -> torch.Tensor:
-        return self.source.get(key)
-
-    def read_into(self, key: str, t: torch.Tensor) -> bool:
-        return False
 
     def prefetch(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """Read every ``(key, target)`` in one ``dcp.load`` (see module docstring).
@@ -84,11 +59,6 @@ class DCPTargetReader:
                      no_dist=not collective)  # fmt: skip
         self._bufs.update({k: bufs[flat[k]] for k, _ in pairs})
 
-    @property
-    def optimizer_info(self):
-        """The optimizer state found beside the model (:class:`~.base.OptimizerInfo`), or None."""
-        return self.source.optimizer
-
     def entry_kinds(self) -> dict[str, str]:
         """Kind of every top-level entry (see :func:`~.dcp.classify_entries`)."""
         return dict(self.source._reader.kinds)
@@ -106,18 +76,9 @@ class DCPTargetReader:
             return None
         return b.to_local() if isinstance(b, DTensor) else b
 
-    def check_index_digest(self) -> None:  # pragma: no cover - load refuses verify= for DCP first
-        raise AssertionError("DCP stores no checksums")
-
     def close(self) -> None:
         self._bufs = {}
-        self.source.close()
-
-    def __enter__(self) -> DCPTargetReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
 
 
 __all__ = ["DCPTargetReader"]

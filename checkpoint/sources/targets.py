@@ -1,0 +1,77 @@
+"""The source stage of ``load``: any checkpoint as the reader :func:`checkpoint.plan.model.plan_load`
+plans against (the interface of :class:`checkpoint.storage.reader.CheckpointReader` that
+planning and applying use).
+
+* fqnckpt / Hugging Face checkpoints (index, shards, one ``.safetensors`` file, a hub-cache
+  snapshot): :func:`checkpoint.storage.reader.open_checkpoint`.
+* DCP directories: :class:`~.dcp_targets.DCPTargetReader`.
+* ``torch.save`` pickles (zip or legacy; a state_dict, ``{"model": ..., "optimizer": ...}``, a
+  compiled / DDP module's state_dict): :class:`~.target_reader.SourceTargetReader` over
+  :func:`~.pickle_files.open_pickle`, unpickled only by torch's ``weights_only`` unpickler after
+  the exact-global scan (:mod:`.unpickle`). Names, values and the optimizer are then planned by
+  the same modules as for every other source.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import CheckpointError, UnsupportedFormatError
+from ..storage.location import is_remote
+from ..storage.opening import open_checkpoint
+from .dcp import dcp_format, open_dcp
+from .dcp_targets import DCPTargetReader
+from .pickle_files import open_pickle
+from .readers import DEFAULT_MMAP_WINDOW
+from .sniffing import pickle_files, sniff
+from .target_reader import SourceTargetReader
+
+
+def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True):
+    """The reader ``load`` plans against for the checkpoint at ``path`` (see module docstring);
+    ``read_optimizer``: also read a DCP checkpoint's optimizer param groups.
+
+    Raises what :func:`~checkpoint.storage.reader.open_checkpoint`, :func:`~.dcp.open_dcp` and
+    :func:`~.pickle_files.open_pickle` raise; UnsupportedFormatError for a pickle that holds
+    an optimizer state_dict alone (no model)."""
+
+    if is_remote(path):  # a URL: fqnckpt / Hugging Face layouts through fsspec
+        return open_checkpoint(path)
+    path = os.fspath(path)
+    fmt = dcp_format(path)
+    if fmt is not None:
+        return DCPTargetReader(open_dcp(Path(path), fmt, read_optimizer=read_optimizer))
+    pickled = pickle_path(path)
+    if pickled is None:
+        return open_checkpoint(path)
+
+    src = open_pickle(pickled[0], pickled[1], None, (), DEFAULT_MMAP_WINDOW)
+    if src.optimizer is not None and not src.optimizer.separate:
+        src.close()
+        raise UnsupportedFormatError(
+            str(path), "holds an optimizer state_dict, not a model: pass it with the model "
+            "({'model': ..., 'optimizer': ...}) or load it with torch.optim's load_state_dict",
+        )  # fmt: skip
+    return SourceTargetReader(src)
+
+
+def pickle_path(path: str) -> tuple[Path, str] | None:
+    """``(file, format)`` when ``path`` is a ``torch.save`` pickle (or a directory holding only
+    one, beside no safetensors / index), else None."""
+
+    p = Path(path)
+    if not (p.is_file() or p.is_dir()):
+        return None
+    try:
+        fmt = sniff(p)
+    except CheckpointError:
+        return None  # open_checkpoint names the problem its own way
+    if fmt not in ("torch-zip", "torch-legacy"):
+        return None
+    if p.is_dir():
+        p = pickle_files(p)[0]
+    return p, fmt
+
+
+__all__ = ["open_target_reader", "pickle_path"]
