@@ -17,6 +17,7 @@ from ..ranks.shards import read_local
 from ..sources.base import OptimizerInfo
 from ..state import ModuleState
 from ..storage.reader import CheckpointReader
+from .optimizer_kind import StateKeyProbe, group_keys_problem, state_keys_problem
 from .values import guarded_get
 
 
@@ -83,13 +84,15 @@ def _split_state_keys(keys: list[str], fqns: set[str]) -> dict[str, dict[str, st
 class SavedOptimizer:
     """A saved optimizer, whatever the format: ``groups`` as ``(FQNs, hyper-parameters)``;
     ``tensors`` {FQN: {slot: source key}}; ``values`` {FQN: {slot: non-tensor value}};
-    ``scalars``: keys read back as Python numbers; ``where``: for messages."""
+    ``scalars``: keys read back as Python numbers; ``where``: for messages; ``class_name``: the
+    saved optimizer's class where the format records it (fqnckpt), else None."""
 
     where: str
     groups: list[tuple[list[str], dict[str, Any]]]
     tensors: dict[str, dict[str, str]] = field(default_factory=dict)
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
     scalars: set[str] = field(default_factory=set)
+    class_name: str | None = None
 
 
 def saved_fqnckpt_optimizer(reader: CheckpointReader) -> SavedOptimizer:
@@ -123,7 +126,9 @@ def saved_fqnckpt_optimizer(reader: CheckpointReader) -> SavedOptimizer:
         groups.append((list(g.params), raw))  # encoding 1: JSON as written (tuples became lists)
     saved_fqns = {n for g in meta.param_groups for n in g.params}
     keys = [k for k in reader.keys() if k not in refs]
-    return SavedOptimizer(where, groups, _split_state_keys(keys, saved_fqns), values, set(meta.python_scalars))
+    return SavedOptimizer(
+        where, groups, _split_state_keys(keys, saved_fqns), values, set(meta.python_scalars), meta.optimizer_class
+    )
 
 
 def plan_optimizer(
@@ -146,7 +151,9 @@ def plan_optimizer(
 
     Raises:
         OptimizerMismatchError: no saved state, a target group whose FQN set no saved group has,
-            a saved group no target group takes, or a state entry of a parameter not in any group.
+            a saved group no target group takes, a state entry of a parameter not in any group,
+            or state of another optimizer kind (param-group keys or a parameter's state keys
+            differ from the target class's own: :mod:`.optimizer_kind`, names class and key).
         CorruptCheckpointError: a stored value does not follow the schema (names the index).
     """
     saved = saved if saved is not None else saved_fqnckpt_optimizer(reader)
@@ -163,6 +170,7 @@ def plan_optimizer(
     state_values = {canon(f): d for f, d in saved.values.items()}
     per_param = {canon(f): d for f, d in saved.tensors.items()}
 
+    probe = StateKeyProbe(optimizer)
     new_groups, new_state, used, idx = [], {}, set(), 0
     reads: list[tuple[int, str, str, torch.Tensor]] = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -174,6 +182,9 @@ def plan_optimizer(
                 f"no saved group has the same parameters (saved groups: {[len(g) for g, _ in saved.groups]} params)"
             )
         used.add(id(match))
+        why = group_keys_problem(optimizer, gi, group, match[1], saved.class_name)
+        if why is not None:
+            raise OptimizerMismatchError(f"{where}: {why}")
         hyper = dict(match[1])
         for k, cur in group.items():
             v = hyper.get(k)
@@ -183,6 +194,11 @@ def plan_optimizer(
                 hyper[k] = tuple(v)
         ids = []
         for p, fqn in zip(group["params"], fqns):
+            held = set(per_param.get(fqn, {})) | set(state_values.get(fqn, {}))
+            want = probe.keys(gi, match[1], p.dim()) if held else None
+            why = state_keys_problem(optimizer, fqn, held, want, saved.class_name)
+            if why is not None:
+                raise OptimizerMismatchError(f"{where}: {why}")
             for name, key in per_param.get(fqn, {}).items():
                 reads.append((idx, name, key, p))
             if per_param.get(fqn) or state_values.get(fqn):

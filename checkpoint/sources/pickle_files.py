@@ -280,9 +280,10 @@ class _PickleReader:
                 _flatten(cont, "", tensors, skipped, self.path, optimizers)
             if self.container is not None and self.key is None and isinstance(obj, Mapping):
                 # An optimizer beside the auto-picked model container ({"model", "optimizer"}).
-                for k, v in obj.items():
-                    if str(k) != self.container and _is_optimizer_sd(v) and _has_tensors(v):
-                        optimizers[str(k)] = v
+                beside = {str(k): v for k, v in obj.items() if str(k) != self.container and _is_optimizer_sd(v)}
+                held = {k: v for k, v in beside.items() if _has_tensors(v)}
+                # One without tensors (SGD without momentum) is the optimizer when it is the only one.
+                optimizers.update(held if held or len(beside) != 1 else beside)
             if len(optimizers) > 1:
                 raise AmbiguousSourceError(
                     str(self.path), sorted(optimizers), "several optimizer state_dicts hold tensors; pick one "
