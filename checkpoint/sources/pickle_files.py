@@ -68,28 +68,52 @@ def _legacy_globals(path: Path) -> set[tuple[str, str]]:
     return found
 
 
+def _zip_globals(path: Path) -> set[tuple[str, str]]:
+    """``(module, name)`` of every global in a ``torch.save`` zip's ``data.pkl`` (every opcode
+    :func:`~.unpickle.scan_globals` knows, INST / OBJ / STACK_GLOBAL / EXT included), or an
+    empty set when the archive cannot be read (the caller reports the damage)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith("data.pkl")]
+            return set().union(*(scan_globals(z.read(n)) for n in names)) if names else set()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return set()
+
+
 def unsafe_globals(path: str | os.PathLike, trusted: Iterable[Any] = ()) -> list[str]:
     """Globals of a ``torch.save`` file outside the ``weights_only`` safe set and ``trusted``,
-    found by disassembling the pickle (nothing runs). Sorted ``module.name`` strings."""
+    found by disassembling the pickle (nothing runs). Sorted ``module.name`` strings.
+
+    Raises:
+        CorruptCheckpointError: the file cannot be disassembled and names no unsafe global."""
     objs = resolve_globals(trusted)
     p = Path(path)
     with torch.serialization.safe_globals(objs):
+        from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
+
+        safe = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
         if sniff_file(p) == "torch-zip":
             try:
                 return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
             except Exception as e:  # noqa: BLE001 - torch's zip reader / pickle scan on damaged bytes
+                # torch's scan stops at opcodes it does not take (INST, OBJ, EXT1/2/4): ours names them
+                bad = _unsafe(_zip_globals(p), safe)
+                if bad:
+                    return bad
                 raise CorruptCheckpointError(
                     str(p),
                     f"not a valid torch.save zip archive: {type(e).__name__}: {' '.join(str(e).split())}",
                 ) from None
-        from torch import _weights_only_unpickler as wou  # the safe set torch itself applies
+    return _unsafe(_legacy_globals(p), safe)
 
-        safe = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
-    # Exact pairs: torch's table is keyed "module.name"; a dotted name is never in it.
+
+def _unsafe(found: Iterable[tuple[str, str]], safe: set[str]) -> list[str]:
+    # Exact pairs: torch's table is keyed "module.name"; a dotted name is never in it. torch.*
+    # rebuild functions pass here: torch.load(weights_only=True) checks them against its table.
     return sorted(
-        f"{m}.{n}"
-        for m, n in _legacy_globals(p)
-        if "." in n or (f"{m}.{n}" not in safe and m != "torch" and not m.startswith("torch."))
+        f"{m}.{n}" for m, n in found if "." in n or (f"{m}.{n}" not in safe and m != "torch" and not m.startswith("torch."))
     )
 
 

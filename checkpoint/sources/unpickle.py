@@ -3,12 +3,14 @@
 * DCP ``.metadata`` (a plain pickle ``weights_only`` cannot parse; torch's own reader calls
   ``pickle.load``): :class:`ExactUnpickler` over :func:`dcp_metadata_globals`. Every opcode that
   reaches a global (``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` / ``NEWOBJ`` / ``REDUCE`` on
-  what those pushed, ``EXT1/2/4`` through the copyreg registry) goes through ``find_class``
-  (CPython ``_pickle``), which resolves only an exact pair from a prebuilt table: nothing is
-  imported or looked up by name, so a dotted name such as ``os.system`` inside an allowed module
-  (which ``pickle`` resolves for protocol 4) never resolves.
-* ``torch.save`` files and DCP's non-tensor entries: torch's ``weights_only`` unpickler (it
-  accepts only ``GLOBAL`` and looks the exact ``module.name`` string up in its table), plus the
+  what those pushed) goes through ``find_class`` (CPython ``_pickle``), which resolves only an
+  exact pair from a prebuilt table: nothing is imported or looked up by name, so a dotted name
+  such as ``os.system`` inside an allowed module (which ``pickle`` resolves for protocol 4)
+  never resolves. ``EXT1/2/4`` (copyreg extension codes) are refused before unpickling: CPython
+  serves a code it met before from its cache without calling ``find_class``.
+* ``torch.save`` files and DCP's non-tensor entries: torch's ``weights_only`` unpickler (of the
+  opcodes reaching a global it accepts ``GLOBAL`` alone, looking the exact ``module.name`` string
+  up in its table; ``STACK_GLOBAL`` and ``EXT1/2/4`` are unsupported operands to it), plus the
   caller's ``trusted_globals`` through ``torch.serialization.safe_globals`` (:func:`torch_load`).
 
 A refusal is :class:`~checkpoint.errors.UnsafePickleError` naming the global and the file.
@@ -90,14 +92,23 @@ class ExactUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(f: BinaryIO, file: str) -> Any:
-    """Unpickle a DCP ``.metadata`` stream with :class:`ExactUnpickler`.
+    """Unpickle a DCP ``.metadata`` stream with :class:`ExactUnpickler`, after refusing every
+    ``EXT1`` / ``EXT2`` / ``EXT4`` opcode (copyreg extension codes: CPython resolves a code it
+    has met before from ``copyreg._extension_cache``, bypassing ``find_class``).
 
     Raises:
         UnsafePickleError: a global outside :func:`dcp_metadata_globals` (names it and ``file``).
         CorruptCheckpointError: any other unpickling failure (a damaged file).
     """
+    data = f.read()
     try:
-        return ExactUnpickler(f, dcp_metadata_globals(), file).load()
+        ext = extension_globals(data)
+    except ValueError as e:
+        raise CorruptCheckpointError(file, f"unreadable DCP metadata: {e}") from None
+    if ext:  # resolved from copyreg's cache without find_class once any unpickler has met the code
+        raise UnsafePickleError(file, ext)
+    try:
+        return ExactUnpickler(io.BytesIO(data), dcp_metadata_globals(), file).load()
     except UnsafePickleError:
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
@@ -159,10 +170,30 @@ def _refused_globals(f: Any, trusted: Iterable[Any]) -> list[str]:
 _STRINGS = ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING", "STRING")
 
 
+_EXT = ("EXT1", "EXT2", "EXT4")
+
+
+def _extension(code: int) -> tuple[str, str]:
+    """The global copyreg's extension registry gives ``code`` (what ``EXT1/2/4`` would load), or
+    a stand-in naming the code when none is registered (nothing is looked up by name)."""
+    import copyreg
+
+    return copyreg._inverted_registry.get(code, ("copyreg-extension", f"code-{code}"))
+
+
+def extension_globals(f: BinaryIO | bytes) -> list[str]:
+    """``module.name`` of every ``EXT1`` / ``EXT2`` / ``EXT4`` opcode of one pickle (see
+    :func:`_extension`), read with ``pickletools``. Raises ValueError on a malformed pickle."""
+    import pickletools
+
+    return sorted({".".join(_extension(arg)) for op, arg, _ in pickletools.genops(f) if op.name in _EXT})
+
+
 def scan_globals(f: BinaryIO | bytes) -> set[tuple[str, str]]:
     """``(module, name)`` of every global one pickle reaches (``GLOBAL``, ``INST``,
-    ``STACK_GLOBAL`` with its two strings, through the memo too), read with ``pickletools``:
-    nothing runs. Raises ValueError on a truncated or malformed pickle."""
+    ``STACK_GLOBAL`` with its two strings, through the memo too; ``EXT1/2/4`` by the copyreg
+    registry), read with ``pickletools``: nothing runs. Raises ValueError on a truncated or
+    malformed pickle."""
     import pickletools
 
     found: set[tuple[str, str]] = set()
@@ -175,6 +206,9 @@ def scan_globals(f: BinaryIO | bytes) -> set[tuple[str, str]]:
         elif name in ("GLOBAL", "INST"):
             mod, _, n = arg.partition(" ")
             found.add((mod, n))
+            stack.append(None)
+        elif name in _EXT:
+            found.add(_extension(arg))
             stack.append(None)
         elif name == "STACK_GLOBAL":
             mod, n = (stack[-2], stack[-1]) if len(stack) >= 2 else (None, None)
@@ -189,4 +223,6 @@ def scan_globals(f: BinaryIO | bytes) -> set[tuple[str, str]]:
         else:
             stack.append(None)
     return found
-__all__ = ["ExactUnpickler", "dcp_metadata_globals", "load_dcp_metadata", "scan_globals", "torch_load"]
+__all__ = [
+    "ExactUnpickler", "dcp_metadata_globals", "extension_globals", "load_dcp_metadata", "scan_globals", "torch_load",
+]  # fmt: skip
