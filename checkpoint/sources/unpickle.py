@@ -75,10 +75,17 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
 class ExactUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` resolving only the exact ``(module, name)`` pairs of ``allowed``
     (a dict pair -> object); anything else, dotted names included, is
-    :class:`UnsafePickleError` naming ``file`` and the global. Persistent ids are refused."""
+    :class:`UnsafePickleError` naming ``file`` and the global. Persistent ids are refused, and
+    so is any ``EXT1`` / ``EXT2`` / ``EXT4`` opcode, on construction (the stream is read and
+    scanned first: CPython serves an extension code it met before from copyreg's cache,
+    bypassing ``find_class``). Raises ValueError on a malformed pickle."""
 
     def __init__(self, f: BinaryIO, allowed: dict[tuple[str, str], Any], file: str):
-        super().__init__(f)
+        data = f.read()
+        ext = extension_globals(data)  # ValueError on a malformed pickle
+        if ext:  # served from copyreg's cache without find_class once any unpickler met the code
+            raise UnsafePickleError(str(file), ext)
+        super().__init__(io.BytesIO(data))
         self._allowed, self._file = allowed, str(file)
 
     def find_class(self, module: str, name: str) -> Any:
@@ -92,23 +99,14 @@ class ExactUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(f: BinaryIO, file: str) -> Any:
-    """Unpickle a DCP ``.metadata`` stream with :class:`ExactUnpickler`, after refusing every
-    ``EXT1`` / ``EXT2`` / ``EXT4`` opcode (copyreg extension codes: CPython resolves a code it
-    has met before from ``copyreg._extension_cache``, bypassing ``find_class``).
+    """Unpickle a DCP ``.metadata`` stream with :class:`ExactUnpickler`.
 
     Raises:
         UnsafePickleError: a global outside :func:`dcp_metadata_globals` (names it and ``file``).
         CorruptCheckpointError: any other unpickling failure (a damaged file).
     """
-    data = f.read()
     try:
-        ext = extension_globals(data)
-    except ValueError as e:
-        raise CorruptCheckpointError(file, f"unreadable DCP metadata: {e}") from None
-    if ext:  # resolved from copyreg's cache without find_class once any unpickler has met the code
-        raise UnsafePickleError(file, ext)
-    try:
-        return ExactUnpickler(io.BytesIO(data), dcp_metadata_globals(), file).load()
+        return ExactUnpickler(f, dcp_metadata_globals(), file).load()
     except UnsafePickleError:
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
