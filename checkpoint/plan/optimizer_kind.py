@@ -25,9 +25,10 @@ own class makes, not with a list of class names:
   than hyper-parameters, sparse-gradient optimizers): then the group keys alone decide.
 
 Adam and AdamW (torch 2.x: ``AdamW`` is ``Adam`` with ``decoupled_weight_decay=True``) have the
-same group and state keys: one's state loads into the other, and the group takes the saved
-``decoupled_weight_decay``, so the restored optimizer steps by the saved run's update rule, as
-``torch.optim`` itself does when given that state_dict.
+same group and state keys: one's state loads into the other (decided: they are one algorithm with
+a flag). The flag then follows torch's own rule, as ``load_state_dict`` of that state_dict
+would leave it: an ``AdamW`` always keeps ``decoupled_weight_decay=True`` (its ``__setstate__``
+sets it), an ``Adam`` takes the saved value.
 """
 
 from __future__ import annotations
