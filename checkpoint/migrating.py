@@ -33,18 +33,17 @@ from .migration_report import (
     Unresolved,
     read_report,
 )
+from .plan.extra_state import source_extra_state
 from .plan.migration import _file_of, _optimizer_meta, _plan_model, _plan_optimizer, carry_fqnckpt_optimizer
 from .plan.names import _load_fqn_map, compile_rules, naming_schemes, plan_names
 from .plan.values import check_tied_values
 from .progress import progress_bar
 from .sources import open_source
-from .sources.dcp import EXTRA_KINDS, read_entries
 from .storage.extra_state import (
     EXTRA_STATE_FILE,
     checked_extra_state_files,
     extra_state_file_bytes,
     read_extra_state_file,
-    snapshot_extra_state,
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage.location import is_remote, resolve
@@ -212,21 +211,15 @@ def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, b
             return {}
         report.extra_state = sorted([*doc.entries, *(doc.per_rank.keys if doc.per_rank else ())])
         return checked_extra_state_files(str(root))  # per-rank files too, as they are
-    kinds = getattr(source._reader, "kinds", None) if source.format.startswith("dcp") else None
-    if kinds is None:
+    if not source.format.startswith("dcp"):
         return {}
-    report.entry_kinds = dict(sorted(kinds.items()))
-    keys = {t: ks for t, ks in source._reader.extra_keys.items() if t in kinds}
-    if not keys:
-        return {}
-    values = read_entries(source, keys)
+    report.entry_kinds = dict(sorted(source._reader.kinds.items()))
     try:
-        entries = snapshot_extra_state(values)
+        entries = source_extra_state(source)
     except (TypeError, ValueError) as e:
         raise MigrationError(report, f"cannot place a DCP entry in extra state: {e}") from None
-    for k, e in entries.items():  # torchtitan saves these from Stateful objects (class not recorded)
-        if kinds.get(k) in EXTRA_KINDS and isinstance(values[k], dict):
-            entries[k] = e.model_copy(update={"stateful": True})
+    if not entries:
+        return {}
     report.extra_state = sorted(entries)
     return extra_state_file_bytes(entries)
 

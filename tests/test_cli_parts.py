@@ -57,7 +57,8 @@ def test_inspect_shows_every_part_and_a_manager_roots_steps(manager_root, capsys
     assert o["state_slots"] == ["exp_avg", "exp_avg_sq", "step"]
     assert o["bytes"] == 2 * (12 + 4 + 4 + 4) * 4 + 4 * 4  # exp_avg + exp_avg_sq, 4 float32 steps
     assert o["param_groups"][0]["lr"] == 0.5 and o["param_groups"][0]["betas"] == [0.9, 0.999]
-    assert info["parts"]["extra_state"] == {"step": "int", "note": "str"}
+    # the manager's per-rank RNG entry is shown with its rank (extra_state.rank-00000-of-00001.json)
+    assert info["parts"]["extra_state"] == {"step": "int", "note": "str", "fqnckpt.rng [rank 0 of 1]": "stateful RNGState"}
     rc, out, _ = cli(capsys, "inspect", step)
     assert "optimizer: AdamW, 12 state tensors (exp_avg, exp_avg_sq, step) for 4 params" in out
     assert "lr=0.5" in out and "extra state: 2 entries" in out and "step: int" in out
@@ -94,7 +95,7 @@ def test_diff_part_model_optimizer_extra_state(manager_root, capsys, tmp_path):
     assert o["param_groups_compared"] and o["param_groups_differ"]
     rc, out, _ = cli(capsys, "diff", a, b, "--part", "extra_state", "--json")
     e = json.loads(out)["parts"]["extra_state"]
-    assert rc == 1 and e["value_differs"] == ["step"] and e["common"] == 2
+    assert rc == 1 and e["value_differs"] == ["step"] and e["common"] == 3  # step, note, fqnckpt.rng [rank 0 of 1]
     rc, out, _ = cli(capsys, "diff", a, b)  # default: every part
     assert rc == 1 and "optimizer: DIFFERENT" in out and "extra_state: DIFFERENT" in out
     assert cli(capsys, "diff", a, a)[0] == 0

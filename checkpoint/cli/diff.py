@@ -22,7 +22,7 @@ from typing import Any
 
 from .common import check_trust, emit, load_model
 from .errors import BadInput
-from .parts import Parts, fqnckpt_parts, part_index
+from .parts import Parts, extra_state_entries, fqnckpt_parts, part_index
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
 _FIELDS = ("only_in_a", "only_in_b", "unresolved_in_a", "unresolved_in_b", "conflicting_in_a",
@@ -200,14 +200,14 @@ def _groups_json(parts: Parts | None, src, fqn_name: Callable[[str], str]) -> st
     return json.dumps({"groups": opt.groups}, sort_keys=True, default=repr)
 
 
-def _extra_state(parts: Parts | None) -> dict[str, str] | None:
-    """``{entry name: canonical JSON of the entry}`` of fqnckpt's extra state, or None."""
-    if parts is None or parts.extra_state is None:
+def _extra_state(parts: Parts | None, src) -> dict[str, str] | None:
+    """``{entry name: canonical JSON of the entry}`` of a checkpoint's extra state (shared and
+    per-rank entries of fqnckpt's, a DCP checkpoint's non-model entries: one classification,
+    :func:`~.parts.extra_state_entries`), or None."""
+    entries = extra_state_entries(parts, src)
+    if entries is None:
         return None
-    from ..storage.extra_state import read_extra_state_file
-
-    doc = read_extra_state_file(parts.root)
-    return {k: json.dumps(e.model_dump(mode="json"), sort_keys=True) for k, e in doc.entries.items()}
+    return {k: json.dumps(e.model_dump(mode="json"), sort_keys=True) for k, e in entries.items()}
 
 
 def _compare_extra(a: dict[str, str], b: dict[str, str]) -> dict:
@@ -280,12 +280,12 @@ def run(args: argparse.Namespace) -> int:
             r["param_groups_compared"] = ga is not None and gb is not None and (pa is None) == (pb is None)
             r["param_groups_differ"] = r["param_groups_compared"] and ga != gb
             r["same"] = r["same"] and not r["param_groups_differ"]
-    if "extra_state" in wanted:
-        ea, eb = _extra_state(pa), _extra_state(pb)
-        if ea is not None and eb is not None:
-            results["extra_state"] = _compare_extra(ea, eb)
-        elif ea is not None or eb is not None:
-            results["extra_state"] = _absent("a" if ea is not None else "b")
+        if "extra_state" in wanted:
+            ea, eb = _extra_state(pa, ma), _extra_state(pb, mb)
+            if ea is not None and eb is not None:
+                results["extra_state"] = _compare_extra(ea, eb)
+            elif ea is not None or eb is not None:
+                results["extra_state"] = _absent("a" if ea is not None else "b")
     if args.part != "all" and args.part not in results:
         raise BadInput(f"neither {args.a} nor {args.b} has a {args.part} part", flag="--part")
     return _report(args, model, results)

@@ -112,6 +112,7 @@ def _inspect(args: argparse.Namespace) -> int:
             if opt is not None
             else None,
         }
+        src_extra = extra_state_summary(None, src) if parts is None else None
         if args.keys:
             data["keys"] = {
                 k: {"shape": list(src.spec(k).shape), "dtype": str(src.spec(k).dtype)} for k in keys
@@ -138,6 +139,10 @@ def _inspect(args: argparse.Namespace) -> int:
     lines += [f"  note: {n}" for n in src.notes]
     if parts is not None and args.key is None:
         lines += _inspect_parts(parts, data)
+    elif src_extra:
+        data["extra_state"] = src_extra
+        lines.append(f"  extra state: {len(src_extra)} {'entry' if len(src_extra) == 1 else 'entries'}")
+        lines += [f"    {k}: {v}" for k, v in src_extra.items()]
     if args.keys:
         lines.append("  keys:")
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]

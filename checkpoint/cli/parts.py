@@ -160,21 +160,54 @@ def _describe(node) -> str:
     return node.kind
 
 
-def extra_state_summary(parts: Parts) -> dict | None:
-    """The extra state of ``parts`` for ``inspect``: each entry's kind (a stateful object's class).
+def rank_entry_name(key: str, rank: int, world_size: int) -> str:
+    """How ``inspect`` and ``diff`` name rank ``rank``'s value of per-rank entry ``key``."""
+    return f"{key} [rank {rank} of {world_size}]"
+
+
+def extra_state_entries(parts: Parts | None, src=None) -> dict | None:
+    """Every extra-state entry of a checkpoint as ``{name: ExtraStateEntry}``, read the one way
+    for every source: an fqnckpt checkpoint's ``extra_state.json`` and each per-rank file it
+    lists (``extra_state.rank-RRRRR-of-WWWWW.json``, entries named by :func:`rank_entry_name`),
+    or the entries of a migration source that are extra state (DCP:
+    :func:`checkpoint.plan.extra_state.source_extra_state`, as ``migrate`` writes them). None
+    when it holds none.
 
     Raises:
-        CorruptCheckpointError / ChecksumMismatchError: see ``read_extra_state_file``.
+        CorruptCheckpointError / ChecksumMismatchError: see ``read_extra_state_file`` /
+            ``read_rank_file``; TypeError / ValueError: a DCP entry with no exact encoding.
     """
+    if parts is None:
+        if src is None or not getattr(src, "extra_state", None):
+            return None
+        from ..plan.extra_state import source_extra_state
+
+        return source_extra_state(src)
     if parts.extra_state is None:
         return None
-    from ..storage.extra_state import read_extra_state_file
+    from ..storage.extra_state import read_extra_state_file, read_rank_file
 
     doc = read_extra_state_file(parts.root)
+    out = dict(doc.entries)
+    if doc.per_rank is not None:
+        w = doc.per_rank.world_size
+        for r in range(w):
+            for k, e in read_rank_file(parts.root, doc, r).entries.items():
+                out[rank_entry_name(k, r, w)] = e
+    return out
+
+
+def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
+    """The extra state for ``inspect`` (see :func:`extra_state_entries`): each entry's kind (a
+    stateful object's class, where recorded)."""
+    entries = extra_state_entries(parts, src)
+    if entries is None:
+        return None
     return {
-        name: f"stateful {e.class_name}" if e.stateful else _describe(e.value) for name, e in doc.entries.items()
+        name: (f"stateful {e.class_name}" if e.class_name else "stateful") if e.stateful else _describe(e.value)
+        for name, e in entries.items()
     }
 
 
 __all__ = ["PARTS", "Parts", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
-           "extra_state_summary"]  # fmt: skip
+           "extra_state_entries", "extra_state_summary", "rank_entry_name"]  # fmt: skip

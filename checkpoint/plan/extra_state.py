@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, ExtraStateMismatchError
 from ..ranks import dist
+from ..sources.dcp import EXTRA_KINDS, read_entries
 from ..storage.extra_state import (
     EXTRA_STATE_FILE,
     REPORT_PREFIX,
@@ -34,8 +35,10 @@ from ..storage.extra_state import (
     _decode,
     is_stateful,
     rank_file_name,
+    ExtraStateEntry,
     read_extra_state_file,
     read_rank_file,
+    snapshot_extra_state,
 )
 
 
@@ -247,3 +250,25 @@ def plan_extra_state(
 
 
 __all__ = ["ExtraStateRestore", "StoredExtra", "plan_extra_state"]
+
+
+def source_extra_state(source: Any) -> dict[str, ExtraStateEntry]:
+    """The extra state of a migration source (a DCP checkpoint's entries that are neither model
+    nor optimizer, ``source.extra_state``), encoded as ``extra_state.json`` holds it: torchtitan's
+    :data:`~checkpoint.sources.dcp.EXTRA_KINDS` saved as dicts are marked stateful (torchtitan
+    saves them from ``Stateful`` objects; the class is not recorded). ``{}`` for a source
+    without. ``migrate`` writes these entries; ``fqnckpt diff`` compares them with a migrated
+    checkpoint's, so equal content compares equal.
+
+    Raises:
+        TypeError / ValueError: an entry has no exact encoding in extra state (names it).
+    """
+    if not source.extra_state:
+        return {}
+    keys = {t: ks for t, ks in source._reader.extra_keys.items() if t in source.extra_state}
+    values = read_entries(source, keys)
+    entries = snapshot_extra_state(values)
+    for k, e in entries.items():
+        if source.extra_state.get(k) in EXTRA_KINDS and isinstance(values[k], dict):
+            entries[k] = e.model_copy(update={"stateful": True})
+    return entries

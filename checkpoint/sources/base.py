@@ -60,7 +60,9 @@ class Source:
     is a directory); ``skipped`` maps non-tensor entries to their type name (never a tensor);
     ``notes`` are facts a user should know (e.g. "legacy pickle: loaded fully"); ``container`` the
     key chosen inside a pickle / DCP state_dict; ``optimizer`` is set when an optimizer state_dict
-    was found (the chosen container, or one beside it: see :class:`OptimizerInfo`).
+    was found (the chosen container, or one beside it: see :class:`OptimizerInfo`);
+    ``extra_state`` names the entries that are extra state, never model tensors or skipped
+    (DCP's non-model, non-optimizer entries, by kind: :func:`checkpoint.sources.dcp.classify_entries`).
     ``spec`` / ``get`` / ``file_of`` also answer for the optimizer's state keys.
     """
 
@@ -78,6 +80,8 @@ class Source:
     _extra_specs: dict[str, SourceSpec] = field(default_factory=dict)
     # True per-file figures when one tensor spans several files (DCP): file -> (tensors, bytes).
     _per_file: dict[str, dict[str, int]] | None = None
+    # Top-level entries that are extra state (DCP: torchtitan's lr_scheduler, ...) -> their kind.
+    extra_state: dict[str, str] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         """Model tensor keys in source order (optimizer state kept apart is in ``optimizer.state``)."""

@@ -410,9 +410,6 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
         k for k in other if opt_name is not None and str(_path_of(md, k)[0]) == opt_name
         and _opt_part(_path_of(md, k)) == "param_groups"
     ]  # fmt: skip
-    for k in other:
-        if k not in pg_keys:
-            skipped[k] = type(md.state_dict_metadata[k]).__name__
     dreader = _DCPReader(reader, {**specs, **extra}, flat, path, all_files)
     dreader.md = md
     dreader.kinds = classify_entries(md, container, opt_name)
@@ -421,6 +418,10 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
         top = str(_path_of(md, k)[0])
         if dreader.kinds.get(top) not in ("model", "optimizer"):
             dreader.extra_keys.setdefault(top, []).append(k)
+    in_extra = {k for ks in dreader.extra_keys.values() for k in ks}
+    for k in other:  # non-tensor entries of the model / optimizer containers (extra state is read)
+        if k not in pg_keys and k not in in_extra:
+            skipped[k] = type(md.state_dict_metadata[k]).__name__
     info = None
     if opt_name is not None and read_optimizer:
         info = _optimizer_info(md, pg_keys, dreader, opt_state, path)
@@ -428,12 +429,18 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     files = sorted(set(first_file.values()))
     src = Source(path, fmt, files, specs, file_of, dreader, skipped, [], container, info, extra,
                  _per_file(md, root, path))  # fmt: skip
+    src.extra_state = {t: dreader.kinds[t] for t in dreader.extra_keys}
     if container is not None and key is None:
         src.notes.append(f"picked DCP container {container!r}, the only one holding model tensors")
     if left_out:
         src.notes.append(f"DCP containers not migrated (key={key!r} chose one): {sorted(set(left_out))}")
     if info is not None and separate:
         src.notes.append(f"optimizer state {opt_name!r} (keyed by FQN): written to the optimizer files")
+    if src.extra_state:
+        src.notes.append(
+            f"entries {sorted(src.extra_state)} are extra state: migrated to extra_state.json, "
+            "restored by load(extra_state=...)"
+        )
     if skipped:
         src.notes.append(f"{len(skipped)} non-tensor DCP entries are not migrated")
     return src
