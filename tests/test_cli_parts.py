@@ -61,7 +61,7 @@ def test_inspect_shows_every_part_and_a_manager_roots_steps(manager_root, capsys
     assert info["parts"]["extra_state"] == {"step": "int", "note": "str", "fqnckpt.rng [rank 0 of 1]": "stateful RNGState"}
     rc, out, _ = cli(capsys, "inspect", step)
     assert "optimizer: AdamW, 12 state tensors (exp_avg, exp_avg_sq, step) for 4 params" in out
-    assert "lr=0.5" in out and "extra state: 2 entries" in out and "step: int" in out
+    assert "lr=0.5" in out and "extra state: 3 entries" in out and "step: int" in out
 
     rc, out, _ = cli(capsys, "inspect", step, "--key", "optimizer", "--keys", "--json")
     keys = json.loads(out)["keys"]
