@@ -11,20 +11,12 @@ import pytest
 import torch
 import torch.nn as nn
 from snapshot import Snapshot
+from test_trust_pipeline import Net
+from test_trust_pipeline import _same_state as _same
 
 import checkpoint
 from checkpoint.errors import CheckpointMismatchError, LossyConversionError, UnsupportedFormatError
 from checkpoint.optim import OptimizerMismatchError
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(3, 4)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.enc(x)))
 
 
 def _trained(cls=torch.optim.AdamW, sched=False, **kw):
@@ -39,16 +31,6 @@ def _trained(cls=torch.optim.AdamW, sched=False, **kw):
             s.step()
         o.zero_grad()
     return m, o
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 # -- item 1: torch.save pickles through load -------------------------------------------------------
