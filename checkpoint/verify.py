@@ -70,15 +70,17 @@ def _check_source(path: str, report: VerifyReport, bar) -> None:
     with external_errors(path, what="reading"), open_source(path) as src:
         report.format = src.format
         report.checksummed = False
-        bar.reset(total=src.total_bytes())
-        for k in src.keys():
+        bar.reset(total=src.total_bytes() + src.optimizer_bytes())
+        opt = src.optimizer
+        keys = [*src.keys(), *(opt.state if opt is not None and opt.separate else ())]  # optimizer beside
+        for k in keys:
             try:  # the plan stage's read check (load and migrate make the same)
                 guarded_get(src, k)
             except CorruptCheckpointError as e:
                 report.problems.append(str(e))
             bar.update(src.nbytes(k))
-        report.tensors = len(src.keys())
-        report.total_size = src.total_bytes()
+        report.tensors = len(keys)
+        report.total_size = src.total_bytes() + src.optimizer_bytes()
         report.files = []
         report.notes.append(
             f"{path}: format {src.format} carries no checksums: structure checked, every tensor read"

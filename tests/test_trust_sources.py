@@ -115,6 +115,10 @@ def test_verify_reads_through_the_plan_stage_check(tmp_path, monkeypatch):
 
     torch.save({"w": torch.ones(2, 2)}, tmp_path / "v.pt")
     assert checkpoint.verify(tmp_path / "v.pt").ok
+    m, o = _trained()
+    torch.save({"model": m.state_dict(), "optimizer": o.state_dict()}, tmp_path / "mo.pt")
+    rep = checkpoint.verify(tmp_path / "mo.pt")  # the optimizer beside the model is read too
+    assert rep.ok and rep.tensors == 4 + 4 * 3 and rep.total_size == 4 * (12 + 4 + 8 + 2) * 3 + 4 * 4
     real = Source.get
     monkeypatch.setattr(Source, "get", lambda self, k: real(self, k).to(torch.float64))
     rep = checkpoint.verify(tmp_path / "v.pt")
