@@ -188,6 +188,13 @@ def _interop(mesh, path, hf_path):
         f"dcp:{k}": bool(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, ref[k]))
         for k, v in sd.items()
     }
+    # A torch.save pickle into DTensors of every placement: the same pipeline, this rank's blocks.
+    pt = f"{path}.rank{mesh.get_rank()}.pt"
+    torch.save(ref, pt)
+    target = _dtensors(mesh, LOAD_1D, zero=True)
+    assert checkpoint.load(target, pt).ok
+    out.update({f"pickle:{k}": bool(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, ref[k]))
+                for k, v in target.items()})  # fmt: skip
     model = tiny_llama(1)
     fully_shard(model, mesh=mesh)
     rep = checkpoint.load(model, hf_path)
@@ -238,7 +245,7 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
     }
     if resume_first:  # the 2-rank spawn also runs the interop checks
         extra = _interop(mesh, path, hf_path)
-        ok.update({k: v for k, v in extra.items() if k.startswith("dcp:")})
+        ok.update({k: v for k, v in extra.items() if k.startswith(("dcp:", "pickle:"))})
         losses = (losses, extra["logits"])
     return {
         "written": written,
@@ -259,7 +266,9 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
     ref = reference_tensors()
     for r in res:
         dcp_keys = [k for k in ref if not _strided(LOAD_1D.get(k, "R"))]
-        want = {k: True for k in ref} | ({f"dcp:{k}": True for k in dcp_keys} if resume_first else {})
+        want = {k: True for k in ref} | (
+            {f"dcp:{k}": True for k in dcp_keys} | {f"pickle:{k}": True for k in ref} if resume_first else {}
+        )
         assert r["ok"] == want, r["ok"]
         assert r["loaded"] == sorted(ref)
     assert res[0]["again"] == "CheckpointExistsError"

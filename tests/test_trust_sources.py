@@ -183,12 +183,15 @@ def test_per_param_state_keys_of_the_target_kind(tmp_path):
 
 @pytest.mark.parametrize("sched_saved, sched_target", [(True, False), (False, True), (True, True)])
 def test_scheduler_initial_lr_is_not_another_kind(tmp_path, sched_saved, sched_target):
+    """``initial_lr`` (an LR scheduler's) on either side, and a user's key in the target group,
+    are no sign of another optimizer kind."""
     m, o = _trained(torch.optim.AdamW, sched=sched_saved)
     for path in _save_both(tmp_path, m, o):
         m2 = Net()
         o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
         if sched_target:
             torch.optim.lr_scheduler.LambdaLR(o2, lambda e: 0.5**e)
+        o2.param_groups[0]["tag"] = "a user's own key"  # not a hyper-parameter of AdamW: no refusal
         checkpoint.load(m2, path, optimizer=o2)
         assert _same(o2.state_dict()["state"], o.state_dict()["state"])
         assert o2.param_groups[0]["lr"] == o.param_groups[0]["lr"]

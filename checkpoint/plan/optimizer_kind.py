@@ -6,8 +6,8 @@ read into or written to the optimizer, for every source (fqnckpt, DCP, pickle).
 keeps the foreign hyper-parameters. The rule here compares the saved state with what the target's
 own class makes, not with a list of class names:
 
-* **Param-group keys.** The saved group must hold every key of the target group (SGD's
-  ``momentum`` / ``dampening``, Adam's ``betas`` / ``eps``), up to :data:`VERSION_KEYS` (keys whose
+* **Param-group keys.** The saved group must hold every hyper-parameter of the target's class
+  (``optimizer.defaults``: SGD's ``momentum`` / ``dampening``, Adam's ``betas`` / ``eps``), up to :data:`VERSION_KEYS` (keys whose
   presence differs between torch versions or that torch's own helpers add: ``initial_lr`` from LR
   schedulers, ``differentiable``, ``foreach``, ``fused``, ``capturable``, ``maximize``,
   ``decoupled_weight_decay``) and up to the keys the target class's own ``__setstate__`` fills in
@@ -75,9 +75,11 @@ def _filled_by_setstate(optimizer: torch.optim.Optimizer, hyper: dict[str, Any])
 def group_keys_problem(
     optimizer: torch.optim.Optimizer, gi: int, target: dict[str, Any], saved: dict[str, Any], saved_class: str | None
 ) -> str | None:
-    """Why saved group ``saved`` (hyper-parameters) cannot be target group ``gi``, or None."""
+    """Why saved group ``saved`` (hyper-parameters) cannot be target group ``gi``, or None.
+    The keys the target needs are its class's hyper-parameters (``optimizer.defaults``, the
+    constructor's), not keys a user added to the target's group."""
     have = set(saved) - _NOT_HYPER
-    want = set(target) - _NOT_HYPER
+    want = (set(optimizer.defaults) & set(target)) - _NOT_HYPER
     missing = sorted(want - have - VERSION_KEYS - (_filled_by_setstate(optimizer, saved) if want - have else set()))
     if not missing:
         return None
