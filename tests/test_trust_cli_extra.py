@@ -97,3 +97,18 @@ def test_inspect_and_diff_show_per_rank_entries(tmp_path, capsys):
     assert rc == 1 and es["value_differs"] == ["n [rank 0 of 1]"] and es["common"] == 2
     rc, data = _json(capsys, ["diff", str(tmp_path / "a"), str(tmp_path / "a")])
     assert rc == 0 and data["parts"]["extra_state"]["common"] == 2
+
+
+def test_a_dcp_entry_extra_state_cannot_hold_is_named(tmp_path, capsys):
+    """What migrate stops on (an entry with no exact encoding) inspect shows and diff names."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**Net().state_dict(), "dataloader": {"blob": b"\x00"}}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    rc, data = _json(capsys, ["inspect", str(tmp_path / "d")])
+    assert rc == 0 and "bytes" in data["extra_state"]["(unreadable)"]
+    capsys.readouterr()
+    assert cli(["diff", str(tmp_path / "d"), str(tmp_path / "d")]) == 2
+    assert "dataloader" in capsys.readouterr().err
+    assert cli(["diff", str(tmp_path / "d"), str(tmp_path / "d"), "--part", "model"]) == 0

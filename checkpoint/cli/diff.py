@@ -204,7 +204,11 @@ def _extra_state(parts: Parts | None, src) -> dict[str, str] | None:
     """``{entry name: canonical JSON of the entry}`` of a checkpoint's extra state (shared and
     per-rank entries of fqnckpt's, a DCP checkpoint's non-model entries: one classification,
     :func:`~.parts.extra_state_entries`), or None."""
-    entries = extra_state_entries(parts, src)
+    try:
+        entries = extra_state_entries(parts, src)
+    except (TypeError, ValueError) as e:  # a DCP entry extra state cannot hold
+        raise BadInput(f"{src.path}: {e}; compare the other parts with --part model / optimizer",
+                       file=str(src.path)) from None  # fmt: skip
     if entries is None:
         return None
     return {k: json.dumps(e.model_dump(mode="json"), sort_keys=True) for k, e in entries.items()}

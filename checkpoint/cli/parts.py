@@ -200,7 +200,12 @@ def extra_state_entries(parts: Parts | None, src=None) -> dict | None:
 def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
     """The extra state for ``inspect`` (see :func:`extra_state_entries`): each entry's kind (a
     stateful object's class, where recorded)."""
-    entries = extra_state_entries(parts, src)
+    try:
+        entries = extra_state_entries(parts, src)
+    except (TypeError, ValueError) as e:  # a DCP entry extra state cannot hold (migrate stops on it too)
+        if parts is not None:
+            raise
+        return {"(unreadable)": f"not storable as extra state: {e}"}
     if entries is None:
         return None
     return {
