@@ -15,7 +15,7 @@ from test_trust_pipeline import Net
 from test_trust_pipeline import _same_state as _same
 
 import checkpoint
-from checkpoint.errors import CheckpointMismatchError, LossyConversionError, UnsupportedFormatError
+from checkpoint.errors import CheckpointMismatchError, CheckpointNotFoundError, LossyConversionError, UnsupportedFormatError
 from checkpoint.optim import OptimizerMismatchError
 
 
@@ -89,6 +89,10 @@ def test_pickle_load_makes_the_safetensors_value_checks(tmp_path):
     _refused(tmp_path, {"weight": torch.ones(2, 2)}, lin, CheckpointMismatchError, "missing")
     _refused(tmp_path, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, lin, UnsupportedFormatError,
              "no checksums", verify=True)  # fmt: skip
+    _refused(tmp_path, torch.optim.SGD(lin.parameters(), lr=0.1).state_dict(), lin, UnsupportedFormatError,
+             "optimizer state_dict, not a model")  # fmt: skip
+    _refused(tmp_path, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, lin, CheckpointNotFoundError,
+             "no optimizer state in this checkpoint", optimizer=torch.optim.SGD(lin.parameters(), lr=0.1))  # fmt: skip
     # the same conversion within range loads and is reported, as for safetensors
     f = tmp_path / "ok.pt"
     torch.save({"weight": torch.full((2, 2), 3.0, dtype=torch.float64), "bias": torch.zeros(2)}, f)
