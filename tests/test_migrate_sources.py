@@ -139,7 +139,13 @@ def test_dcp_directory_and_hf_rank_shards(tmp_path):
         )
     assert sniff(tmp_path / "dcp") == "dcp"
     report = migrate(tmp_path / "dcp", tmp_path / "o1", model=None)
-    assert report.skipped == {"step": "BytesStorageMetadata"}
+    # A top-level value beside the model is extra state (not "skipped"): it is migrated.
+    assert report.skipped == {} and report.extra_state == ["step"] and report.entry_kinds["step"] == "other"
+    extra = {"step": None}
+    import checkpoint
+
+    checkpoint.load({k: torch.empty_like(v) for k, v in sd.items()}, tmp_path / "o1", extra_state=extra)
+    assert extra == {"step": 7}
     # The only container holding tensors is picked, as for a pickle; its keys are the source keys.
     assert report.container == "model" and report.mapping == {k: k for k in sd}
     _assert_migrated(tmp_path / "o1", sd)
