@@ -64,7 +64,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from ..plan.schemes import naming_schemes
     from ..sources import open_source
-    from .parts import fqnckpt_parts, manager_root, part_index
+    from .parts import extra_state_summary, fqnckpt_parts, manager_root, part_index
 
     check_trust(args)
     root = manager_root(args.path)
