@@ -61,7 +61,7 @@ _LAZY = {
     "SaveFuture": "training",
     "async_save": "training",
     "prepare_async_save": "training",
-    "verify": "verify",
+    "verify": "verifying",
 }
 
 if TYPE_CHECKING:  # static checkers and IDEs see the eager names
@@ -83,7 +83,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager names
         async_save,
         prepare_async_save,
     )
-    from .verify import verify
+    from .verifying import verify
 
 
 def __getattr__(name: str) -> Any:

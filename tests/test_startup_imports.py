@@ -60,7 +60,20 @@ def test_version_and_help_import_no_torch_and_inspect_no_distributed(tmp_path):
     assert "torch" in seen["inspect"]  # the probe saw the module it was meant to see
 
 
+def test_no_public_name_is_also_a_submodule():
+    """Importing a submodule binds it on the package: a submodule named like a public function
+    (``checkpoint/verify.py`` beside ``checkpoint.verify``) would replace the function for every
+    caller once anything imported the module."""
+    import pkgutil
+
+    import checkpoint
+
+    subpackages = {m.name for m in pkgutil.iter_modules(checkpoint.__path__)}
+    assert subpackages & set(checkpoint.__all__) == set()
+
+
 def test_lazy_package_names_resolve_to_their_modules():
+    import checkpoint.cli.main  # noqa: F401 - the CLI imports the implementing modules itself
     import checkpoint.loading
     import checkpoint.migrating
     import checkpoint.saving

@@ -299,7 +299,7 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ..verify import verify
+    from ..verifying import verify
 
     rep = verify(args.path, progress=None)
     algos = sorted({f.algorithm for f in rep.files if f.expected_digest is not None})
