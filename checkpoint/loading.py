@@ -173,7 +173,7 @@ def load(
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
         with _view(path):
-            reader = open_target_reader(path, fmt, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
+            reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else str(path), strict=strict, optimizer=optimizer, dtype=dtype,
                 assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
@@ -219,12 +219,10 @@ def _view(path):
     return read_view(path)
 
 
-def open_target_reader(path: str, fmt: str | None = None, read_optimizer: bool = True,
-                       recipe: str | None = None, model: Any = None):  # fmt: skip
+def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None):
     """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an
-    fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle; ``fmt`` is
-    unused there: the format is sniffed; ``read_optimizer``: also read DCP's optimizer param
-    groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
+    fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle, the format
+    sniffed; ``read_optimizer``: also read DCP's optimizer param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
     the checked conversion of any source format (planned against ``model``). Raises what they
     raise (a conversion: RecipeError / ConversionError before any tensor is read)."""
     if recipe is not None:
