@@ -196,6 +196,37 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
 
 
+def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
+    """load(recipe=)'s reader: a rename, one expert of a stacked tensor and some experts of a
+    stack are read as blocks (no group computed whole); the values equal the whole conversion's."""
+    from checkpoint.convert import open_conversion
+    from checkpoint.convert.plan import ConversionPlan
+    from checkpoint.convert.reader import ConvertedReader
+
+    model = qwen3_moe()
+    model.save_pretrained(tmp_path / "hub")
+    checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe", model=model)
+    whole = {"tt": read(tmp_path / "tt"), "hub": read(tmp_path / "hub")}
+
+    def no_whole_group(self, group):
+        raise AssertionError(f"group {group.rule.describe()} computed whole")
+
+    cases = [
+        ("tt", "torchtitan-moe-to-hf", "model.layers.1.mlp.experts.2.up_proj.weight", (slice(3, 9),)),  # Unstack
+        ("tt", "torchtitan-moe-to-hf", "model.layers.0.self_attn.v_proj.weight", (slice(2, 6), slice(1, 4))),  # rename
+        ("hub", "hf-to-torchtitan-moe", "layers.1.moe.experts.w2", (slice(1, 3), slice(0, 5))),  # Stack
+    ]
+    for src, recipe, key, sl in cases:
+        with ConvertedReader(open_conversion(tmp_path / src, recipe, model=model if src == "tt" else None)) as r:
+            full = r.get(key)  # computed through the group, before the block reads are pinned
+            r._kept.clear()
+            monkeypatch.setattr(ConversionPlan, "compute", no_whole_group)
+            block = r.get_slice(key, sl)
+            monkeypatch.undo()
+        assert torch.equal(block, full[sl]), key
+    assert torch.equal(block, whole["tt"]["layers.1.moe.experts.w2"][1:3, 0:5])
+
+
 def test_megatron_gpt_logits_and_round_trip(tmp_path):
     hf = randomize(transformers.LlamaForCausalLM(llama_config()), 4)
     checkpoint.save(hf, tmp_path / "hf")

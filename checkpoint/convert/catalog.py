@@ -78,6 +78,10 @@ class Catalog:
     def get(self, key: str, shard: int = 0) -> torch.Tensor:
         return self.sources[shard].get(key)
 
+    def get_slice(self, key: str, slices, shard: int = 0) -> torch.Tensor:
+        """Block ``tensor[slices]`` of ``key`` in one shard (only its bytes where the format allows)."""
+        return self.sources[shard].get_slice(key, slices)
+
     def nbytes(self, key: str) -> int:
         return sum(s.nbytes(key) for s in self.sources)
 

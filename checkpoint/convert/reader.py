@@ -4,10 +4,11 @@ with no temporary checkpoint.
 
 Each target is computed by its rule group from the group's source tensors only (memory: one group,
 e.g. one layer's experts); the outputs of the last :data:`GROUPS_KEPT` groups are kept, because the
-value checks and the copies ask for the same targets one after the other. ``get_slice`` takes the
-block a rank holds from the computed target, so every rank reads the sources of the targets it
-holds and nothing else (no rank reads another layer's tensors). The target is computed whole
-before slicing: a rule's ops (row permutes per head, stacks, fused splits) need whole tensors.
+value checks and the copies ask for the same targets one after the other. A rank holding a block
+of a target (a DTensor shard) reads only that block where the rule allows it (renames, one expert
+of a stacked tensor, some experts of a stack: :meth:`ConvertedReader.get_slice`); for the other
+ops (row permutes per head, fused splits, joins of model-parallel shards) the target is computed
+whole from its group's sources and cut, so a rank still reads no tensor its targets do not need.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ..storage.layout import TensorSpec
+from .ops import Stack, Unstack
 from .plan import ConversionPlan
 
 GROUPS_KEPT = 2
@@ -75,7 +77,33 @@ class ConvertedReader:
         return out[key]
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
-        return self.get(key)[tuple(slices)]
+        """Block ``target[slices]``. Read alone from the source where the rule allows it: a
+        target the rule only renames (its block is the source's block), one expert of a stacked
+        source (``Unstack``: a block of the source's row), a block of stacked experts (``Stack``:
+        only the experts in ``slices[0]``, each only its block). Otherwise the target is computed
+        whole by its group and cut."""
+        slices = tuple(slices)
+        plan, cat = self.plan, self.plan.catalog
+        gi = plan._group_of.get(key)
+        kept = self._kept.get(gi if gi is not None else key)
+        if kept is not None:  # computed already (the checks and the copies read it in turn)
+            return kept[key][slices]
+        if cat.shards == 1:
+            if gi is None:
+                return cat.get_slice(plan.unchanged[key], slices)
+            g = plan.groups[gi]
+            ops, pats = g.rule.ops, g.rule.source_patterns
+            if len(pats) == 1 and len(g.rule.target_patterns) == 1:
+                members = g.members[0]
+                if not ops and pats[0].gathered is None:
+                    return cat.get_slice(members[None], slices)
+                if ops == (Unstack(0),) and pats[0].gathered is None and g.rule.target_patterns[0].gathered is not None:
+                    e = g.targets.index(key)
+                    return cat.get_slice(members[None], (slice(e, e + 1), *slices))[0]
+                if ops == (Stack(0),) and pats[0].gathered is not None and slices:
+                    experts = range(len(members))[slices[0]]
+                    return torch.stack([cat.get_slice(members[e], slices[1:]) for e in experts], 0)
+        return self.get(key)[slices]
 
     def check_index_digest(self) -> None:  # pragma: no cover - load refuses verify= with a recipe
         raise AssertionError("a conversion has no index digest")

@@ -115,6 +115,18 @@ class Source:
         with external_errors(str(file), key, "reading"):  # torch / safetensors / OS errors named
             return self._reader.get(key)
 
+    def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
+        """The block ``tensor[slices]`` of ``key`` (one ``slice`` per leading dim): read alone
+        where the format allows it (safetensors: only the block's bytes), else cut from the
+        whole tensor."""
+        self._lookup(key)
+        file = self.path / self.file_of(key) if self.path.is_dir() else self.path
+        block = getattr(self._reader, "get_slice", None)
+        with external_errors(str(file), key, "reading"):
+            if block is not None:
+                return block(key, tuple(slices))
+            return self._reader.get(key)[tuple(slices)]
+
     def read_ahead(self, keys: Sequence[str]) -> None:
         """Hint: ``get`` will be called for ``keys`` in this order (lets DCP read them in batches)."""
         hint = getattr(self._reader, "read_ahead", None)

@@ -90,14 +90,25 @@ class _FileReader:
         except Exception as e:  # noqa: BLE001 - validated before; a changed file is named
             raise CorruptCheckpointError(str(self.root / name), f"cannot re-open: {e}") from None
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str) -> tuple[str, Any]:
         name = self.files[key]
         h = self.handles.get(name)
         if h is None or self.touched.get(name, 0) > self.limit[name]:
             self.handles[name] = None  # drop the old mapping before mapping again
             h = self.handles[name] = self._reopen(name)
             self.touched[name] = 0
+        return name, h
+
+    def get(self, key: str) -> torch.Tensor:
+        name, h = self._handle(key)
         t = h.get_tensor(key).contiguous()
+        self.touched[name] = self.touched.get(name, 0) + t.nbytes
+        return t
+
+    def get_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """Only the bytes of ``tensor[slices]`` (safetensors' ``get_slice``)."""
+        name, h = self._handle(key)
+        t = h.get_slice(key)[slices].contiguous() if slices else h.get_tensor(key).contiguous()
         self.touched[name] = self.touched.get(name, 0) + t.nbytes
         return t
 
