@@ -51,9 +51,9 @@ class SourceTargetReader:
         return self.source.get(key)
 
     def get_slice(self, key: str, slices) -> torch.Tensor:
-        """The block ``tensor[slices]`` of ``key`` (a DTensor target's local shard): the source
-        holds the whole tensor (a pickle is mapped, not read, until touched)."""
-        return self.source.get(key)[tuple(slices)]
+        """The block ``tensor[slices]`` of ``key`` (a DTensor target's local shard), through
+        :meth:`~.base.Source.get_slice` (a pickle is mapped, not read, until touched)."""
+        return self.source.get_slice(key, slices)
 
     def read_into(self, key: str, t: torch.Tensor) -> bool:
         return False
