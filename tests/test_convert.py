@@ -197,8 +197,9 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
 
 
 def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
-    """load(recipe=)'s reader: a rename, one expert of a stacked tensor and some experts of a
-    stack are read as blocks (no group computed whole); the values equal the whole conversion's."""
+    """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack
+    and whole heads of a RoPE row permute are read as blocks (no group computed whole); the values
+    equal the whole conversion's. A block cutting a head is computed whole and cut."""
     from checkpoint.convert import open_conversion
     from checkpoint.convert.plan import ConversionPlan
     from checkpoint.convert.reader import ConvertedReader
@@ -206,7 +207,6 @@ def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatc
     model = qwen3_moe()
     model.save_pretrained(tmp_path / "hub")
     checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe", model=model)
-    whole = {"tt": read(tmp_path / "tt"), "hub": read(tmp_path / "hub")}
 
     def no_whole_group(self, group):
         raise AssertionError(f"group {group.rule.describe()} computed whole")
@@ -216,15 +216,30 @@ def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatc
         ("tt", "torchtitan-moe-to-hf", "model.layers.0.self_attn.v_proj.weight", (slice(2, 6), slice(1, 4))),  # rename
         ("hub", "hf-to-torchtitan-moe", "layers.1.moe.experts.w2", (slice(1, 3), slice(0, 5))),  # Stack
     ]
-    for src, recipe, key, sl in cases:
-        with ConvertedReader(open_conversion(tmp_path / src, recipe, model=model if src == "tt" else None)) as r:
+    src = {"tt": tmp_path / "tt", "hub": tmp_path / "hub", "meta": write_meta(tmp_path / "meta", meta_state_dict(5))}
+    llama = transformers.LlamaForCausalLM(llama_config())
+    cases += [  # Meta's interleaved RoPE rows: whole heads are permuted alone
+        ("meta", "meta-llama-to-hf", "model.layers.1.self_attn.q_proj.weight", (slice(8, 24), slice(0, 7))),  # heads 1-2 of 4
+        ("meta", "meta-llama-to-hf", "model.layers.0.self_attn.k_proj.weight", (slice(0, 8),)),  # K head 0 of 2
+    ]
+    for name, recipe, key, sl in cases:
+        target = {"tt": model, "meta": llama}.get(name)
+        with ConvertedReader(open_conversion(src[name], recipe, model=target)) as r:
             full = r.get(key)  # computed through the group, before the block reads are pinned
+            if name == "meta":
+                assert type(r.plan.groups[r.plan._group_of[key]].rule.ops[0]).__name__ == "PermuteRope"
             r._kept.clear()
             monkeypatch.setattr(ConversionPlan, "compute", no_whole_group)
             block = r.get_slice(key, sl)
             monkeypatch.undo()
         assert torch.equal(block, full[sl]), key
-    assert torch.equal(block, whole["tt"]["layers.1.moe.experts.w2"][1:3, 0:5])
+    # A block cutting a head (rows 4..12 of 8-row heads): computed whole, then cut.
+    key = "model.layers.1.self_attn.q_proj.weight"
+    with ConvertedReader(open_conversion(src["meta"], "meta-llama-to-hf", model=llama)) as r:
+        full = r.get(key)
+        r._kept.clear()
+        assert torch.equal(r.get_slice(key, (slice(4, 12),)), full[4:12])
+        assert len(r._kept) == 1  # its group was computed
 
 
 def test_megatron_gpt_logits_and_round_trip(tmp_path):

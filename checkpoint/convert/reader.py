@@ -6,8 +6,9 @@ Each target is computed by its rule group from the group's source tensors only (
 e.g. one layer's experts); the outputs of the last :data:`GROUPS_KEPT` groups are kept, because the
 value checks and the copies ask for the same targets one after the other. A rank holding a block
 of a target (a DTensor shard) reads only that block where the rule allows it (renames, one expert
-of a stacked tensor, some experts of a stack: :meth:`ConvertedReader.get_slice`); for the other
-ops (row permutes per head, fused splits, joins of model-parallel shards) the target is computed
+of a stacked tensor, some experts of a stack, whole heads of a RoPE row permute:
+:meth:`ConvertedReader.get_slice`); for the other ops (fused splits, transformers' fused experts,
+joins of model-parallel shards, a block cutting a head) the target is computed
 whole from its group's sources and cut, so a rank still reads no tensor its targets do not need.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ..storage.layout import TensorSpec
-from .ops import Stack, Unstack
+from .ops import PermuteRope, Stack, Unstack
 from .plan import ConversionPlan
 
 GROUPS_KEPT = 2
@@ -80,8 +81,8 @@ class ConvertedReader:
         """Block ``target[slices]``. Read alone from the source where the rule allows it: a
         target the rule only renames (its block is the source's block), one expert of a stacked
         source (``Unstack``: a block of the source's row), a block of stacked experts (``Stack``:
-        only the experts in ``slices[0]``, each only its block). Otherwise the target is computed
-        whole by its group and cut."""
+        only the experts in ``slices[0]``, each only its block), whole heads of a RoPE row permute.
+        Otherwise the target is computed whole by its group and cut."""
         slices = tuple(slices)
         plan, cat = self.plan, self.plan.catalog
         gi = plan._group_of.get(key)
@@ -103,7 +104,26 @@ class ConvertedReader:
                 if ops == (Stack(0),) and pats[0].gathered is not None and slices:
                     experts = range(len(members))[slices[0]]
                     return torch.stack([cat.get_slice(members[e], slices[1:]) for e in experts], 0)
+                if len(ops) == 1 and isinstance(ops[0], PermuteRope) and pats[0].gathered is None and slices:
+                    block = self._whole_heads(key, ops[0], members[None], slices)
+                    if block is not None:
+                        return block
         return self.get(key)[slices]
+
+    def _whole_heads(self, key: str, op: PermuteRope, src: str, slices: tuple) -> torch.Tensor | None:
+        """Rows ``slices[0]`` of a RoPE-permuted target when they are whole heads (a ``Shard(0)``
+        block of Q or K on a world size dividing the heads): the permute acts within each head,
+        so the block is the permute of the same source rows. None when the rows cut a head."""
+        n = self.plan.dims.get(op.heads)
+        rows = self._specs[key].shape[0]
+        if not n or rows % n:
+            return None
+        hd = rows // n
+        a, b, step = slices[0].indices(rows)
+        if step != 1 or a % hd or b % hd or b <= a:
+            return None
+        part = self.plan.catalog.get_slice(src, (slice(a, b), *slices[1:]))
+        return op.apply([part], {**self.plan.dims, op.heads: (b - a) // hd})[0]
 
     def check_index_digest(self) -> None:  # pragma: no cover - load refuses verify= with a recipe
         raise AssertionError("a conversion has no index digest")
