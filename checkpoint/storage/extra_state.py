@@ -327,6 +327,19 @@ def read_extra_state_file(root: str) -> ExtraStateFile | None:
     raw = _member_bytes(root, EXTRA_STATE_FILE)
     if raw is None:
         return None
+    doc = _parse_checked(path, raw)
+    if doc.rank is not None:
+        raise CorruptCheckpointError(path, "is not a checkpoint's extra_state.json (rank / per_rank fields)")
+    return doc
+
+
+def _parse_checked(path: str, raw: bytes) -> ExtraStateFile:
+    """``raw`` (the bytes of file ``path``) parsed by the schema and its ``sha256`` checked.
+
+    Raises:
+        CorruptCheckpointError: not JSON or not the schema.
+        ChecksumMismatchError: ``sha256`` differs from the entries' digest.
+    """
     try:
         doc = ExtraStateFile.model_validate_json(raw)
     except (ValidationError, ValueError, RecursionError) as e:
@@ -334,8 +347,6 @@ def read_extra_state_file(root: str) -> ExtraStateFile | None:
     actual = _digest(doc.entries, doc.per_rank, doc.rank)
     if actual != doc.sha256:
         raise ChecksumMismatchError(path, doc.sha256, actual)
-    if doc.rank is not None:
-        raise CorruptCheckpointError(path, "is not a checkpoint's extra_state.json (rank / per_rank fields)")
     return doc
 
 
@@ -352,13 +363,7 @@ def read_rank_file(root: str, doc: ExtraStateFile, rank: int) -> ExtraStateFile:
     raw = _member_bytes(root, rank_file_name(rank, doc.per_rank.world_size))
     if raw is None:
         raise CorruptCheckpointError(path, "is listed in extra_state.json but missing (or a link)")
-    try:
-        rf = ExtraStateFile.model_validate_json(raw)
-    except (ValidationError, ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(path, f"does not follow the extra_state schema: {e}") from e
-    actual = _digest(rf.entries, rf.per_rank, rf.rank)
-    if actual != rf.sha256:
-        raise ChecksumMismatchError(path, rf.sha256, actual)
+    rf = _parse_checked(path, raw)
     if rf.rank != rank or rf.per_rank is not None or sorted(rf.entries) != sorted(doc.per_rank.keys):
         raise CorruptCheckpointError(path, f"is not rank {rank}'s per-rank file of this checkpoint")
     return rf
