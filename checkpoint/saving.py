@@ -299,7 +299,7 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
     the report or raises (rank 0's own error; :class:`RankAgreementError` on the others)."""
     parent = os.path.dirname(os.path.abspath(path))
-    distributed = _prepare(path, obj, None, None)[1]
+    distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
