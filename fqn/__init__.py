@@ -3,18 +3,36 @@
 Pure naming: no module here imports torch's distributed package.
 """
 
-from .eager import EagerTensor, TensorKind, eager_tensors, is_transparent_parametrization
-from .errors import (
-    AmbiguousFQNError,
-    CaptureMismatchError,
-    FlatParamError,
-    FQNCollisionError,
-    FQNError,
-    UnknownNameError,
-)
-from .registry import FQN_MAP_SCHEMA_VERSION, FQNMap, FQNMapFile, Provenance, TensorRecord, dtype_name
-from .resolve import NameMatch, Resolution, match_names, resolve, resolve_report
-from .rules import WRAPPER_SEGMENTS, canonical_fqn, flatten_name, is_wrapper_module
+import importlib
+
+# Names are imported from their module on first use (PEP 562), so that the torch-free modules
+# (``fqn.schema``, ``fqn.segments``) import without torch: ``fqnckpt inspect`` reads FQN maps
+# without it.
+_WHERE = {
+    "eager": ("EagerTensor", "eager_tensors", "is_transparent_parametrization"),
+    "errors": ("AmbiguousFQNError", "CaptureMismatchError", "FlatParamError", "FQNCollisionError", "FQNError",
+               "UnknownNameError"),
+    "registry": ("FQNMap", "dtype_name"),
+    "schema": ("FQN_MAP_SCHEMA_VERSION", "FQNMapFile", "Provenance", "TensorKind", "TensorRecord"),
+    "resolve": ("NameMatch", "Resolution", "match_names", "resolve", "resolve_report"),
+    "rules": ("canonical_fqn", "flatten_name", "is_wrapper_module"),
+    "segments": ("WRAPPER_SEGMENTS",),
+}  # fmt: skip
+_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name: str):
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fqn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "FQNMap",

@@ -10,19 +10,12 @@ adds (marked ``_fqnckpt_transparent = True``, e.g. the mixed-precision cast) is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 import torch.nn as nn
 
 from .rules import canonical_fqn
-
-
-class TensorKind(str, Enum):
-    parameter = "parameter"
-    persistent_buffer = "persistent_buffer"
-    non_persistent_buffer = "non_persistent_buffer"
-    constant = "constant"
+from .schema import TensorKind
 
 
 @dataclass

@@ -3,59 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from enum import Enum
-from typing import Literal
-
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field
 
-from .eager import TensorKind, eager_tensors
+from .eager import eager_tensors
 from .errors import CaptureMismatchError, FQNCollisionError, UnknownNameError
-
-FQN_MAP_SCHEMA_VERSION = 1
-
-
-class Provenance(str, Enum):
-    """What decided a record's captured names."""
-
-    identity = "identity"  # same tensor object seen in the graph and in the model
-    export_signature = "export_signature"  # ExportedProgram.graph_signature.input_specs
-    rule = "rule"  # a string rule (wrapper segments, parametrizations)
-    user = "user"  # given by the caller
-
-
-class TensorRecord(BaseModel):
-    """One tensor (parameter, buffer or lifted constant).
-
-    ``fqn`` is the canonical eager FQN, ``aliases`` the other eager FQNs of the same tensor (tied
-    weights), ``captured`` every name a capture gave it (graph attribute / get_attr target,
-    placeholder target, FX node name, export placeholder). ``shape`` in elements, ``dtype`` as
-    ``str(torch.dtype)`` without the ``torch.`` prefix (``"float32"``).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    fqn: str
-    aliases: list[str] = Field(default_factory=list)
-    captured: list[str] = Field(default_factory=list)
-    kind: TensorKind
-    shape: list[int]
-    dtype: str
-    provenance: Provenance
-
-    @property
-    def eager_names(self) -> list[str]:
-        return [self.fqn, *self.aliases]
-
-
-class FQNMapFile(BaseModel):
-    """On-disk form of an :class:`FQNMap` (JSON). ``version`` is the schema version."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    version: Literal[1] = FQN_MAP_SCHEMA_VERSION
-    records: list[TensorRecord]
+# The on-disk schemas live in .schema (no torch import: the CLI reads them without torch).
+from .schema import FQNMapFile, Provenance, TensorRecord
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,20 +13,9 @@ import torch.nn as nn
 
 from .errors import FlatParamError
 
-WRAPPER_SEGMENTS = frozenset({"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-# Class names of torch's pure wrappers, matched by name so this layer imports nothing distributed.
-WRAPPER_CLASSES = frozenset(
-    {
-        "OptimizedModule",
-        "DataParallel",
-        "DistributedDataParallel",
-        "FullyShardedDataParallel",
-        "CheckpointWrapper",
-        "OffloadWrapper",
-        "ActivationWrapper",
-    }
-)
-FLAT_PARAM_SEGMENTS = frozenset({"_flat_param", "flat_param"})
+# The names live in .segments (no torch import: ``fqnckpt inspect`` counts them without torch).
+from .segments import FLAT_PARAM_SEGMENTS, WRAPPER_CLASSES, WRAPPER_SEGMENTS
+
 _NON_ALNUM = re.compile(r"[^a-zA-Z0-9]+")
 
 

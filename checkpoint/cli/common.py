@@ -63,9 +63,12 @@ def load_model(spec: str):
 
 def check_trust(args: argparse.Namespace) -> None:
     """Each ``--trust MODULE.NAME`` must import (before any pickle is looked at)."""
+    trusted = getattr(args, "trust", None) or []
+    if not trusted:
+        return  # the readers import torch: not for a safetensors inspect
     from ..sources.readers import resolve_globals
 
-    for g in getattr(args, "trust", None) or []:
+    for g in trusted:
         try:
             resolve_globals([g])
         except Exception:  # noqa: BLE001 - any import failure is the flag's fault

@@ -63,8 +63,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..plan.schemes import naming_schemes
-    from ..sources import open_source
-    from .parts import extra_state_summary, fqnckpt_parts, manager_root, part_index
+    from .parts import extra_state_summary, fqnckpt_parts, manager_root, open_inspected, part_index
 
     check_trust(args)
     root = manager_root(args.path)
@@ -77,7 +76,7 @@ def _inspect(args: argparse.Namespace) -> int:
             raise BadInput(f"--key {key!r}: {args.path} is an fqnckpt checkpoint; its parts are model and "
                            "optimizer", flag="--key", file=args.path)  # fmt: skip
         path, key = part_index(parts, key or "model", "--key"), None
-    with open_source(path, key=key, trusted_globals=args.trust) as src:
+    with open_inspected(path, key=key, trusted=args.trust) as src:
         keys = src.keys()
         dtypes = Counter(str(src.spec(k).dtype).removeprefix("torch.") for k in keys)
         # Counts are of tensors: a key with two wrapper segments is one tensor of naming "wrapper".

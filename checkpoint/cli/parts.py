@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, OptimizerMeta, index_name
+from ..storage.format import EXTRA_STATE_FILE, MODEL_PREFIX, OPTIMIZER_PREFIX, OptimizerMeta, index_name
 from .errors import BadInput
 
 PARTS = ("model", "optimizer", "extra_state")
@@ -32,6 +33,23 @@ class Parts:
     optimizer_meta: OptimizerMeta | None = None
 
 
+def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: list[str] | None = None):
+    """The :class:`~checkpoint.sources.base.Source` ``inspect`` reads: a safetensors checkpoint
+    (one file, or shards with or without an index) opened for its headers only, without
+    importing torch (``import torch`` takes seconds; issue 22); any other format (pickles, DCP,
+    URLs) through ``open_source``. Same keys, specs, files, notes and errors either way."""
+    from ..sources.sniffing import sniff
+    from ..storage.urls import is_url
+
+    if key is None and not trusted and not is_url(path) and sniff(path) in ("safetensors", "safetensors-sharded"):
+        from ..sources.st_headers import open_safetensors_headers
+
+        return open_safetensors_headers(Path(path))
+    from ..sources import open_source
+
+    return open_source(path, key=key, trusted_globals=trusted or ())
+
+
 def _plain_file(path: str) -> bool:
     return os.path.isfile(path) and not os.path.islink(path)
 
@@ -43,8 +61,7 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
     Raises:
         CorruptCheckpointError: an index that does not parse (file named).
     """
-    from ..storage.extra_state import EXTRA_STATE_FILE
-    from ..storage.reader import read_index
+    from ..storage.st_header import read_index  # torch-free (inspect)
 
     root = os.fspath(path)
     model = os.path.join(root, index_name(MODEL_PREFIX))
@@ -118,9 +135,7 @@ def optimizer_summary(parts: Parts) -> dict | None:
     number of parameters), state tensors and bytes; None without one."""
     if parts.optimizer is None:
         return None
-    from ..sources import open_source
-
-    with open_source(parts.optimizer) as src:
+    with open_inspected(parts.optimizer) as src:
         keys = src.keys()
         nbytes = sum(src.nbytes(k) for k in keys)
         slots = sorted({k.rpartition(".")[2] for k in keys})
@@ -214,5 +229,5 @@ def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
     }
 
 
-__all__ = ["PARTS", "Parts", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
+__all__ = ["PARTS", "Parts", "open_inspected", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
            "extra_state_entries", "extra_state_summary", "rank_entry_name"]  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from fqn.rules import WRAPPER_SEGMENTS
+from fqn.segments import WRAPPER_SEGMENTS
 
 _DYNAMO = re.compile(r"^(L_+self_|l_+self_|L_+s_|self_+modules|getattr_|l__self___)|___dict_____modules")
 _EXPORT = re.compile(r"^[pbc]_[A-Za-z0-9_]+$")

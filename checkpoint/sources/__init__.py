@@ -1,6 +1,10 @@
-"""Migration sources: readers for every checkpoint format fqnckpt migrates from (see ``readers``)."""
+"""Migration sources: readers for every checkpoint format fqnckpt migrates from (see ``readers``).
 
-from .readers import FORMATS, OptimizerInfo, Source, SourceSpec, open_source, opened, sniff, unsafe_globals
+Names are imported from ``readers`` on first use (PEP 562): the readers import torch, and the
+torch-free modules here (``sniffing``, ``base``, ``st_headers``) serve ``fqnckpt inspect`` of a
+safetensors checkpoint without it."""
+
+import importlib
 
 __all__ = [
     "FORMATS",
@@ -12,3 +16,15 @@ __all__ = [
     "sniff",
     "unsafe_globals",
 ]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".readers", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

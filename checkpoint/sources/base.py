@@ -7,17 +7,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import external_errors
+
+if TYPE_CHECKING:  # no torch import at run time: inspect of safetensors builds Sources without it
+    import torch
 
 FORMATS = ("torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "dcp", "dcp-hf-sharded")
 
 
 class SourceSpec(NamedTuple):
-    """Shape (elements) and dtype of one source tensor; ``fqn`` is the source key."""
+    """Shape (elements) and dtype of one source tensor; ``fqn`` is the source key. ``dtype`` is a
+    ``torch.dtype``, or a :class:`checkpoint.sources.st_headers.HeaderDType` in a source opened
+    for headers only (same ``str`` and ``itemsize``)."""
 
     fqn: str
     shape: tuple[int, ...]

@@ -14,53 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import safe_open
 
-from ..errors import (
-    AmbiguousSourceError,
-    CorruptCheckpointError,
-    DuplicateTensorError,
-    MissingShardError,
-    TensorNotInShardError,
-)
-from ..storage import paths
+from ..errors import CorruptCheckpointError
 from ..storage.layout import ST_TO_DTYPE
-from ..storage.reader import open_safetensors
-from .base import Source, SourceSpec
-from .sniffing import index_files, sniff_file, st_files
+from .base import Source
+from .st_headers import HFIndex, scan_safetensors
 
 DEFAULT_WINDOW = 16 << 20
 # Bytes read through one handle per header byte before it is re-opened (re-parse <= 1/64 of reads).
 _WINDOW_PER_HEADER_BYTE = 64
-
-
-class HFIndex(BaseModel):
-    """HF sharded-checkpoint index (``model.safetensors.index.json``): ``weight_map`` key -> file."""
-
-    model_config = ConfigDict(extra="allow")
-
-    metadata: dict[str, Any] = {}
-    weight_map: dict[str, str]
-
-
-def _st_dtype(name: str, path: Path, key: str) -> torch.dtype:
-    # The writer's own table, so every dtype fqnckpt saves (C64, FNUZ float8s too) reads back.
-    try:
-        return ST_TO_DTYPE[name]
-    except KeyError:
-        raise CorruptCheckpointError(
-            str(path), f"tensor {key!r} has dtype {name} torch cannot hold"
-        ) from None
-
-
-def _open(path: Path):
-    try:
-        return open_safetensors(str(path))
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors / OS errors become ours, naming the file
-        raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
 
 
 def _header_len(path: Path) -> int:
@@ -119,70 +82,16 @@ class _FileReader:
         self.fds = {}
 
 
-def _header(path: Path) -> tuple[dict[str, SourceSpec], Any]:
-    h = _open(path)
-    out = {}
-    for k in h.keys():
-        sl = h.get_slice(k)
-        out[k] = SourceSpec(k, tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), path, k))
-    return out, h
-
-
 def open_safetensors_source(path: Path, window: int = DEFAULT_WINDOW) -> Source:
     """A :class:`Source` over one safetensors file, an index file, or a directory of shards.
 
-    Raises:
-        AmbiguousSourceError: several ``*.index.json`` files in the directory.
-        CorruptCheckpointError: an invalid index or header (file named).
-        MissingShardError: the index names files missing on disk.
-        UnsafePathError: an index entry is not a plain file name, or a symlink leads outside.
-        TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
-        DuplicateTensorError: without an index, one tensor in two files.
+    Raises what :func:`~checkpoint.sources.st_headers.scan_safetensors` raises (the one walk over
+    index and headers, shared with ``fqnckpt inspect``'s torch-free path).
     """
-    if path.is_file() and sniff_file(path) == "safetensors":
-        specs, h = _header(path)
-        files = dict.fromkeys(specs, path.name)
-        return Source(path, "safetensors", [path.name], specs, files,
-                      _FileReader(path.parent, files, {path.name: h}, window))  # fmt: skip
-    root, index_file = (path.parent, path) if path.is_file() else (path, None)
-    if index_file is None:
-        idx = index_files(root)
-        if len(idx) > 1:
-            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
-        index_file = idx[0] if idx else None
-    specs: dict[str, SourceSpec] = {}
-    file_of: dict[str, str] = {}
-    handles: dict[str, Any] = {}
-    if index_file is not None:
-        try:
-            index = HFIndex.model_validate_json(index_file.read_bytes())
-        except ValidationError as e:
-            raise CorruptCheckpointError(str(index_file), f"invalid index: {e.errors()[0]['msg']}") from None
-        files = sorted(set(index.weight_map.values()))
-        missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
-        if missing:
-            raise MissingShardError(str(root), missing, index_file.name)
-        headers = {}
-        for f in files:
-            headers[f], handles[f] = _header(root / f)
-        for key, f in index.weight_map.items():
-            if key not in headers[f]:
-                found = next((g for g, h in headers.items() if key in h), None)
-                raise TensorNotInShardError(key, f, found)
-            specs[key], file_of[key] = headers[f][key], f
-    else:  # shards without an index: every *.safetensors file, each key in exactly one
-        files = [f.name for f in st_files(root)]
-        for f in files:
-            header, handles[f] = _header(root / f)
-            for key, s in header.items():
-                if key in file_of:
-                    raise DuplicateTensorError(key, [file_of[key], f])
-                specs[key], file_of[key] = s, f
-    src = Source(
-        root, "safetensors-sharded", files, specs, file_of, _FileReader(root, file_of, handles, window)
-    )
-    if index_file is not None:
-        src.notes.append(f"read the files named by {index_file.name} only")
+    s = scan_safetensors(path, ST_TO_DTYPE, "pt")
+    reader = _FileReader(s.root, s.file_of, s.handles, window)
+    src = Source(path if s.format == "safetensors" else s.root, s.format, s.files, s.specs, s.file_of, reader)
+    src.notes.extend(s.notes)
     return src
 
 

@@ -41,9 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
+from .format import EXTRA_STATE_FILE
 from .urls import is_url
 
-EXTRA_STATE_FILE = "extra_state.json"
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
 _MAX_DEPTH = 64
 

@@ -26,6 +26,7 @@ from . import digest as _digest
 FORMAT_VERSION = 2
 MODEL_PREFIX = "model"
 OPTIMIZER_PREFIX = "optimizer"
+EXTRA_STATE_FILE = "extra_state.json"  # schema: checkpoint.storage.extra_state
 
 
 def index_name(prefix: str = MODEL_PREFIX) -> str:

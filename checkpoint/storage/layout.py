@@ -24,16 +24,10 @@ from functools import cached_property
 import torch
 
 from .format import MODEL_PREFIX, parse_size
+from .st_header import ST_DTYPES
 
-# safetensors dtype strings (safetensors/src/tensor.rs ``Dtype``).
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}  # fmt: skip
+# safetensors dtype strings, from the torch-free table of checkpoint.storage.st_header.
+DTYPE_TO_ST: dict[torch.dtype, str] = {getattr(torch, name): st for st, (name, _) in ST_DTYPES.items()}
 ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 HEADER_METADATA = {"format": "pt"}
 

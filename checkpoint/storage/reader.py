@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import struct
 import warnings
 from collections.abc import Sequence
 
 import torch
-from pydantic import ValidationError
-from safetensors import SafetensorError, safe_open
 
 from .. import atomic
 from ..errors import (
@@ -45,24 +42,12 @@ from .format import (
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from .pread import pread_into
+# Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
+from .st_header import open_safetensors_with_header, read_index
 from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
-
-_LFS_MAGIC = b"version https://git-lfs"
-
 
 class StrayFileWarning(UserWarning):
     """A ``.safetensors`` file in the checkpoint directory is not named by the index (not read)."""
-
-
-def _lfs_hint(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return ""
-    if head.startswith(_LFS_MAGIC):
-        return " - this is a git-lfs pointer file, not the data: run `git lfs pull` (or download the file)"
-    return ""
 
 
 def _safe_member(root: str, entry: str) -> str:
@@ -70,44 +55,6 @@ def _safe_member(root: str, entry: str) -> str:
     :mod:`checkpoint.storage.paths` (plain file names; symlinks only into the checkpoint directory
     or, for a hub-cache snapshot, into its cached repository)."""
     return paths.member(root, entry)
-
-
-def _header_problem(path: str) -> str:
-    """The tensor at fault in a header safetensors rejected, for the message (safetensors' own
-    errors often do not name it): the spec's rules checked in order; '' if none is found."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            head = json.loads(f.read(n)) if n <= size - 8 else None
-    except (OSError, struct.error, ValueError, RecursionError):  # deeply nested JSON
-        return ""
-    if not isinstance(head, dict):
-        return ""
-    spans, data_len = [], size - 8 - n
-    for key, v in head.items():
-        if key == "__metadata__":
-            continue
-        try:
-            st, shape, (b, e) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            return f"; tensor {key!r} has a malformed entry"
-        if st not in ST_TO_DTYPE:
-            return f"; tensor {key!r} has dtype {st!r} unknown to fqnckpt"
-        nbytes = math.prod(shape) * torch.empty((), dtype=ST_TO_DTYPE[st]).element_size()
-        if any(d < 0 for d in shape) or nbytes >= 2**64:
-            return f"; tensor {key!r}: shape {shape} overflows"
-        if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data_len):
-            return f"; tensor {key!r}: data_offsets {[b, e]} out of range (data is {data_len} bytes)"
-        if e - b != nbytes:
-            return f"; tensor {key!r}: data_offsets span {e - b} bytes, shape {shape} {st} needs {nbytes}"
-        spans.append((b, e, key))
-    pos = 0
-    for b, e, key in sorted(spans):
-        if b != pos:
-            return f"; tensor {key!r}: data_offsets {[b, e]} {'overlap' if b < pos else 'leave a hole before'} byte {pos}"
-        pos = e
-    return ""
 
 
 def open_safetensors(path: str):
@@ -119,68 +66,6 @@ def open_safetensors(path: str):
             where it can, and Git LFS pointers), or the header repeats a tensor name.
     """
     return open_safetensors_with_header(path)[0]
-
-
-def open_safetensors_with_header(path: str) -> tuple[object, dict]:
-    """:func:`open_safetensors` and the parsed JSON header (validated by ``safe_open``), so that
-    shapes and dtypes of 10^5 tensors come from one ``json.loads`` instead of a call per tensor."""
-    try:
-        handle = safe_open(path, framework="pt")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptCheckpointError(
-            path,
-            f"not a valid safetensors file (bad or truncated header or offsets): {e}"
-            f"{_header_problem(path)}{_lfs_hint(path)}",
-        ) from e
-    with open(path, "rb") as f:  # safe_open has validated the length already
-        (n,) = struct.unpack("<Q", f.read(8))
-        raw = f.read(n)
-    head = json.loads(raw)
-    _check_unique_header_keys(path, raw, head)
-    return handle, head
-
-
-def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
-    # Fast path: every tensor entry has exactly one "data_offsets" key (safe_open checked), and the
-    # quoted word cannot occur inside an escaped name, so as many occurrences as distinct tensors
-    # means no name repeats. Otherwise (a repeat, or the word in __metadata__) the exact check runs.
-    if raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
-        return
-
-    def pairs(items):
-        seen = set()
-        for k, _ in items:
-            if k in seen:
-                raise CorruptCheckpointError(path, f"header names tensor {k!r} twice")
-            seen.add(k)
-        return dict(items)
-
-    json.loads(raw, object_pairs_hook=pairs)
-
-
-def read_index(path: str) -> IndexFile:
-    """Parse and validate an index file.
-
-    Raises:
-        CorruptCheckpointError: not JSON, a git-lfs pointer, or not the HF index schema.
-    """
-    with open(path, "rb") as f:
-        raw = f.read()
-    return parse_index_bytes(raw, path)
-
-
-def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
-    """:func:`read_index` of bytes already read (``path`` names them in errors)."""
-    if raw.startswith(_LFS_MAGIC):
-        raise CorruptCheckpointError(path, "is a git-lfs pointer file, not the index: run `git lfs pull`")
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting
-        raise CorruptCheckpointError(path, f"index is not JSON: {e}") from e
-    try:
-        return IndexFile.model_validate(data)
-    except ValidationError as e:
-        raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
 class FileDigestCheck:

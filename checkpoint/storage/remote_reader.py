@@ -42,10 +42,9 @@ from .reader import (
     FileDigestCheck,
     _check_total_size,
     compare_record,
-    open_safetensors_with_header,
-    parse_index_bytes,
 )
 from .remote_commit import MODEL_INDEX
+from .st_header import open_safetensors_with_header, parse_index_bytes
 from .writer import block_runs, stats, tensor_bytes
 
 _HEAD_GUESS = 64 << 10  # first ranged GET per shard: the header of most files fits

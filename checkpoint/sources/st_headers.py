@@ -1,0 +1,168 @@
+"""The headers of a safetensors source (one file, or shards with or without a ``*.index.json``):
+keys, shapes, dtypes and which file holds each key, parsed and validated once, without torch.
+
+:func:`scan_safetensors` is the one walk over files, index and headers, with every check of the
+source; :mod:`checkpoint.sources.safetensors_files` runs it with ``framework="pt"`` and torch
+dtypes for reading, :func:`open_safetensors_headers` with ``framework="numpy"`` and
+:class:`HeaderDType` for ``fqnckpt inspect`` (``import torch`` costs seconds; issue 22). Both give
+the same specs, errors and notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import (
+    AmbiguousSourceError,
+    CorruptCheckpointError,
+    DuplicateTensorError,
+    MissingShardError,
+    TensorNotInShardError,
+)
+from ..storage import paths
+from ..storage.st_header import ST_DTYPES, open_safetensors_with_header
+from .base import Source, SourceSpec
+from .sniffing import index_files, sniff_file, st_files
+
+
+class HFIndex(BaseModel):
+    """HF sharded-checkpoint index (``model.safetensors.index.json``): ``weight_map`` key -> file."""
+
+    model_config = ConfigDict(extra="allow")
+
+    metadata: dict[str, Any] = {}
+    weight_map: dict[str, str]
+
+
+class HeaderDType(NamedTuple):
+    """A safetensors dtype under torch's name, without torch: ``str()`` is ``"torch.<name>"`` and
+    ``itemsize`` the bytes per element, as for the ``torch.dtype`` it stands for."""
+
+    name: str
+    itemsize: int
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+HEADER_DTYPES = {st: HeaderDType(name, size) for st, (name, size) in ST_DTYPES.items()}
+
+
+def _open(path: Path, framework: str):
+    try:
+        return open_safetensors_with_header(str(path), framework)[0]
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors / OS errors become ours, naming the file
+        raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
+
+
+def _header(path: Path, dtypes: dict[str, Any], framework: str) -> tuple[dict[str, SourceSpec], Any]:
+    h = _open(path, framework)
+    out = {}
+    for k in h.keys():
+        sl = h.get_slice(k)
+        st = sl.get_dtype()
+        if st not in dtypes:  # the writer's own table: every dtype fqnckpt saves reads back
+            raise CorruptCheckpointError(str(path), f"tensor {k!r} has dtype {st} torch cannot hold")
+        out[k] = SourceSpec(k, tuple(sl.get_shape()), dtypes[st])
+    return out, h
+
+
+@dataclass
+class SafetensorsScan:
+    """What :func:`scan_safetensors` found: ``handles`` are the ``safe_open`` handles (file -> handle)."""
+
+    root: Path
+    format: str
+    files: list[str]
+    specs: dict[str, SourceSpec]
+    file_of: dict[str, str]
+    handles: dict[str, Any]
+    notes: list[str]
+
+
+def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> SafetensorsScan:
+    """Headers of one safetensors file, an index file, or a directory of shards; ``dtypes`` maps
+    safetensors dtype names to the dtype objects of the specs.
+
+    Raises:
+        AmbiguousSourceError: several ``*.index.json`` files in the directory.
+        CorruptCheckpointError: an invalid index or header (file named).
+        MissingShardError: the index names files missing on disk.
+        UnsafePathError: an index entry is not a plain file name, or a symlink leads outside.
+        TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
+        DuplicateTensorError: without an index, one tensor in two files.
+    """
+    if path.is_file() and sniff_file(path) == "safetensors":
+        specs, h = _header(path, dtypes, framework)
+        return SafetensorsScan(path.parent, "safetensors", [path.name], specs, dict.fromkeys(specs, path.name),
+                               {path.name: h}, [])  # fmt: skip
+    root, index_file = (path.parent, path) if path.is_file() else (path, None)
+    if index_file is None:
+        idx = index_files(root)
+        if len(idx) > 1:
+            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
+        index_file = idx[0] if idx else None
+    specs: dict[str, SourceSpec] = {}
+    file_of: dict[str, str] = {}
+    handles: dict[str, Any] = {}
+    if index_file is not None:
+        try:
+            index = HFIndex.model_validate_json(index_file.read_bytes())
+        except ValidationError as e:
+            raise CorruptCheckpointError(str(index_file), f"invalid index: {e.errors()[0]['msg']}") from None
+        files = sorted(set(index.weight_map.values()))
+        missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
+        if missing:
+            raise MissingShardError(str(root), missing, index_file.name)
+        headers = {}
+        for f in files:
+            headers[f], handles[f] = _header(root / f, dtypes, framework)
+        for key, f in index.weight_map.items():
+            if key not in headers[f]:
+                found = next((g for g, h in headers.items() if key in h), None)
+                raise TensorNotInShardError(key, f, found)
+            specs[key], file_of[key] = headers[f][key], f
+    else:  # shards without an index: every *.safetensors file, each key in exactly one
+        files = [f.name for f in st_files(root)]
+        for f in files:
+            header, handles[f] = _header(root / f, dtypes, framework)
+            for key, s in header.items():
+                if key in file_of:
+                    raise DuplicateTensorError(key, [file_of[key], f])
+                specs[key], file_of[key] = s, f
+    notes = [f"read the files named by {index_file.name} only"] if index_file is not None else []
+    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes)
+
+
+class _HeadersOnly:
+    """The reader of a headers-only :class:`Source`: no tensor data (that needs torch)."""
+
+    def __init__(self, handles: dict[str, Any]):
+        self.handles = handles
+
+    def get(self, key: str):
+        raise TypeError(f"{key!r}: this source was opened for its headers only (open_source reads data)")
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+def open_safetensors_headers(path: Path) -> Source:
+    """A :class:`Source` over the headers of a safetensors checkpoint, without importing torch:
+    keys, specs (dtypes as :class:`HeaderDType`), files and notes exactly as
+    ``open_source(path)`` gives them; ``get`` raises ``TypeError``. Raises what
+    :func:`scan_safetensors` raises."""
+    s = scan_safetensors(path, HEADER_DTYPES, "numpy")
+    src = Source(s.root if s.format != "safetensors" else path, s.format, s.files, s.specs, s.file_of,
+                 _HeadersOnly(s.handles))  # fmt: skip
+    src.notes.extend(s.notes)
+    return src
+
+
+__all__ = ["HFIndex", "HeaderDType", "HEADER_DTYPES", "SafetensorsScan", "scan_safetensors", "open_safetensors_headers"]

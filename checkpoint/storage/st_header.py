@@ -1,0 +1,155 @@
+"""The torch-free half of reading safetensors checkpoints: safetensors' dtype names, a header
+parsed and validated by ``safetensors.safe_open`` (any framework) and the index file parsed
+through its pydantic schema (:mod:`checkpoint.storage.format`).
+
+Nothing here imports torch, so ``fqnckpt inspect`` of a safetensors checkpoint starts in well
+under a second (``import torch`` alone takes seconds on a small machine; issue 22).
+:mod:`checkpoint.storage.reader` builds the data path on top of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CorruptCheckpointError
+from .format import IndexFile
+
+# safetensors dtype strings (safetensors/src/tensor.rs ``Dtype``) -> (torch dtype attribute, bytes
+# per element); checkpoint.storage.layout builds its torch.dtype tables from this one.
+ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "C64": ("complex64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+}  # fmt: skip
+
+_LFS_MAGIC = b"version https://git-lfs"
+
+
+def _lfs_hint(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return ""
+    if head.startswith(_LFS_MAGIC):
+        return " - this is a git-lfs pointer file, not the data: run `git lfs pull` (or download the file)"
+    return ""
+
+
+def _header_problem(path: str) -> str:
+    """The tensor at fault in a header safetensors rejected, for the message (safetensors' own
+    errors often do not name it): the spec's rules checked in order; '' if none is found."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            head = json.loads(f.read(n)) if n <= size - 8 else None
+    except (OSError, struct.error, ValueError, RecursionError):  # deeply nested JSON
+        return ""
+    if not isinstance(head, dict):
+        return ""
+    spans, data_len = [], size - 8 - n
+    for key, v in head.items():
+        if key == "__metadata__":
+            continue
+        try:
+            st, shape, (b, e) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            return f"; tensor {key!r} has a malformed entry"
+        if st not in ST_DTYPES:
+            return f"; tensor {key!r} has dtype {st!r} unknown to fqnckpt"
+        nbytes = math.prod(shape) * ST_DTYPES[st][1]
+        if any(d < 0 for d in shape) or nbytes >= 2**64:
+            return f"; tensor {key!r}: shape {shape} overflows"
+        if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data_len):
+            return f"; tensor {key!r}: data_offsets {[b, e]} out of range (data is {data_len} bytes)"
+        if e - b != nbytes:
+            return f"; tensor {key!r}: data_offsets span {e - b} bytes, shape {shape} {st} needs {nbytes}"
+        spans.append((b, e, key))
+    pos = 0
+    for b, e, key in sorted(spans):
+        if b != pos:
+            return f"; tensor {key!r}: data_offsets {[b, e]} {'overlap' if b < pos else 'leave a hole before'} byte {pos}"
+        pos = e
+    return ""
+
+
+def open_safetensors_with_header(path: str, framework: str = "pt") -> tuple[object, dict]:
+    """``safetensors.safe_open(path, framework=framework)`` plus the one check it lacks (a tensor
+    name twice in the JSON header), and the parsed JSON header, so that shapes and dtypes of 10^5
+    tensors come from one ``json.loads`` instead of a call per tensor. ``framework="numpy"`` parses
+    and validates the same header without importing torch (``fqnckpt inspect``).
+
+    Raises:
+        CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
+            where it can, and Git LFS pointers), or the header repeats a tensor name.
+    """
+    try:
+        handle = safe_open(path, framework=framework)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            path,
+            f"not a valid safetensors file (bad or truncated header or offsets): {e}"
+            f"{_header_problem(path)}{_lfs_hint(path)}",
+        ) from e
+    with open(path, "rb") as f:  # safe_open has validated the length already
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+    head = json.loads(raw)
+    _check_unique_header_keys(path, raw, head)
+    return handle, head
+
+
+def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
+    # Fast path: every tensor entry has exactly one "data_offsets" key (safe_open checked), and the
+    # quoted word cannot occur inside an escaped name, so as many occurrences as distinct tensors
+    # means no name repeats. Otherwise (a repeat, or the word in __metadata__) the exact check runs.
+    if raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
+        return
+
+    def pairs(items):
+        seen = set()
+        for k, _ in items:
+            if k in seen:
+                raise CorruptCheckpointError(path, f"header names tensor {k!r} twice")
+            seen.add(k)
+        return dict(items)
+
+    json.loads(raw, object_pairs_hook=pairs)
+
+
+def read_index(path: str) -> IndexFile:
+    """Parse and validate an index file.
+
+    Raises:
+        CorruptCheckpointError: not JSON, a git-lfs pointer, or not the HF index schema.
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    return parse_index_bytes(raw, path)
+
+
+def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
+    """:func:`read_index` of bytes already read (``path`` names them in errors)."""
+    if raw.startswith(_LFS_MAGIC):
+        raise CorruptCheckpointError(path, "is a git-lfs pointer file, not the index: run `git lfs pull`")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting
+        raise CorruptCheckpointError(path, f"index is not JSON: {e}") from e
+    try:
+        return IndexFile.model_validate(data)
+    except ValidationError as e:
+        raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
+
+
+__all__ = ["ST_DTYPES", "open_safetensors_with_header", "parse_index_bytes", "read_index"]
