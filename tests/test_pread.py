@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint.errors import CorruptCheckpointError
+from checkpoint.errors import CorruptCheckpointError, LoadError
 from checkpoint.storage import pread
 
 
@@ -40,6 +40,63 @@ def test_a_file_ending_early_names_file_and_tensor(tmp_path, small_pieces):
         assert bytes(out[:8192]) == path.read_bytes()[100:8292]
         with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*'w'.*ends early"):
             pread.pread_into(fd, memoryview(out), 0, str(tmp_path), "short.bin", "w")
+    finally:
+        os.close(fd)
+
+
+def test_adjacent_small_tensors_are_read_by_one_preadv_per_run(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t.{i}": torch.randn(3, 5, generator=g).to([torch.float32, torch.bfloat16, torch.int8][i % 3])
+          for i in range(300)}  # fmt: skip
+    sd["empty"] = torch.zeros(0, 4)
+    checkpoint.save(sd, tmp_path / "ck", max_shard_size=4000)  # several shard files
+    files = len(list((tmp_path / "ck").glob("*.safetensors")))
+    calls, real = [], os.preadv
+
+    def short_preadv(fd, bufs, offset):  # at most 1,000 bytes a call: runs resume mid-buffer
+        calls.append(len(bufs))
+        want, out = 1000, []
+        for b in bufs:
+            out.append(memoryview(b)[: min(len(b), want)])
+            want -= len(out[-1])
+            if not want:
+                break
+        return real(fd, out, offset)
+
+    got = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    checkpoint.load(got, tmp_path / "ck")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert len(calls) == files and sum(calls) == 300  # one call per file, every tensor in it
+    calls.clear()
+    got = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    checkpoint.load(got, tmp_path / "ck")
+    assert all(torch.equal(got[k], v) for k, v in sd.items()) and len(calls) > files
+
+
+def test_a_run_ending_early_names_the_first_tensor_not_read(tmp_path, monkeypatch):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(250)))
+    a, b, c = bytearray(100), bytearray(100), bytearray(100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pread.pread_run(fd, [memoryview(a), memoryview(b)], ["a", "b"], 10, str(tmp_path), "short.bin") == 200
+        assert bytes(a) + bytes(b) == path.read_bytes()[10:210]
+        with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*'c'.*ends early"):
+            pread.pread_run(fd, [memoryview(a), memoryview(b), memoryview(c)], ["a", "b", "c"], 0,
+                            str(tmp_path), "short.bin")  # fmt: skip
+        calls = []
+
+        def failing(fd, bufs, off):  # the second call fails: the tensor it was filling is named
+            if calls:
+                raise OSError(5, "simulated EIO")
+            calls.append(1)
+            return os.pread(fd, 50, off) and 150  # claims a and half of b
+
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(LoadError, match=r"short\.bin: loading 'b' failed: OSError.*simulated EIO"):
+            pread.pread_run(fd, [memoryview(a), memoryview(b)], ["a", "b"], 0, str(tmp_path), "short.bin")
     finally:
         os.close(fd)
 

@@ -235,19 +235,19 @@ def test_error_from_torch_while_copying_is_ours_naming_key_and_file(tmp_path, mo
             raise RuntimeError("simulated read failure")
         return real(self, key)
 
-    real_into = CheckpointReader.read_into
+    real_view = CheckpointReader._target_view
 
-    def broken_into(self, key, out):
+    def broken_view(self, key, out):
         if key == "b":
             raise OSError("simulated pread failure")
-        return real_into(self, key, out)
+        return real_view(self, key, out)
 
-    # Both read paths: through safetensors (get) and straight into the target (read_into).
-    for attr, fn in (("get", broken), ("read_into", broken_into)):
+    # Both read paths: through safetensors (get) and straight into the target (read_many).
+    for attr, fn in (("get", broken), ("_target_view", broken_view)):
         with monkeypatch.context() as m:
             m.setattr(CheckpointReader, attr, fn)
             if attr == "get":
-                m.setattr(CheckpointReader, "read_into", lambda self, key, out: False)
+                m.setattr(CheckpointReader, "_target_view", lambda self, key, out: None)
             with pytest.raises(LoadError, match="simulated") as ei:
                 checkpoint.load(Net(), d)
             assert ei.value.key == "b" and ei.value.file.endswith(".safetensors") and str(d) in ei.value.file

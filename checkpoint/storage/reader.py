@@ -21,6 +21,8 @@ import torch
 
 from .. import atomic
 from ..errors import (
+    CheckpointError,
+    LoadError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -41,7 +43,8 @@ from .format import (
     index_name,
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
-from .pread import pread_into
+from . import pread as _pread
+from .pread import pread_into, pread_run
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
 from .st_header import open_safetensors_with_header, read_index
 from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
@@ -172,16 +175,13 @@ class CheckpointReader:
         stats.bytes_read += t.numel() * t.element_size()
         return t
 
-    def read_into(self, key: str, out: torch.Tensor) -> bool:
-        """Read tensor ``key`` straight into ``out`` when ``out`` is a contiguous CPU tensor of the
-        stored shape and dtype (``preadv``, no intermediate tensor: :func:`~.pread.pread_into`);
-        False otherwise (then use :meth:`get`). Byte ranges come from the header ``safe_open`` validated: safetensors has no
-        API to read into existing memory, and ``get_tensor`` costs ~100 us per tensor.
-        """
-        span, known = self._spans.get(key), self._specs.get(key)
+    def _target_view(self, key: str, out: torch.Tensor) -> memoryview | None:
+        """``out``'s own bytes when tensor ``key`` can be read straight into it (a contiguous CPU
+        tensor of the stored shape and dtype), else None."""
+        known = self._specs.get(key)
         if (
-            span is None
-            or known is None
+            known is None
+            or key not in self._spans
             or key not in self._key_file
             or out.device.type != "cpu"
             or DTYPE_TO_ST.get(out.dtype) != known[1]
@@ -190,25 +190,69 @@ class CheckpointReader:
             or out.is_conj()
             or out.is_neg()
         ):
-            return False
-        b, e = span
-        if e == b:
-            return True
-        name = self._key_file[key]
+            return None
+        # Checked above (contiguous CPU, not conj / neg): the numpy view needs no more torch calls,
+        # a few microseconds per tensor saved where checkpoints hold 10^4-10^5 of them.
+        if out.dtype in _NUMPY_DTYPES and out.numel():
+            return memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
+        return tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
+
+    def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
         if fd is None:
             fd = self._fds[name] = os.open(
                 os.path.join(self.root, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
             )
-        # Checked above (contiguous CPU, not conj / neg): the numpy view needs no more torch calls,
-        # a few microseconds per tensor saved where checkpoints hold 10^4-10^5 of them.
-        if out.dtype in _NUMPY_DTYPES:
-            view = memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
-            stats.bytes_read += pread_into(fd, view, b, self.root, name, key)
-            return True
-        # out's own memory (contiguous CPU: no copy); large tensors read by a few threads (see pread)
-        stats.bytes_read += pread_into(fd, tensor_bytes(out), b, self.root, name, key)
-        return True
+        return fd
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Read tensor ``key`` straight into ``out`` when ``out`` is a contiguous CPU tensor of the
+        stored shape and dtype (``preadv``, no intermediate tensor: :func:`~.pread.pread_into`);
+        False otherwise (then use :meth:`get`). Byte ranges come from the header ``safe_open`` validated: safetensors has no
+        API to read into existing memory, and ``get_tensor`` costs ~100 us per tensor.
+        """
+        return self.read_many([(key, out)])[0]
+
+    def read_many(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
+        """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. Tensors
+        adjacent in a file are read by one ``preadv`` into all their targets (:func:`~.pread.pread_run`),
+        large ones in pieces on a few threads (:func:`~.pread.pread_into`).
+
+        Raises:
+            CorruptCheckpointError: a file ends early (file and tensor named).
+            LoadError: torch or the OS fails on a tensor (key and file named).
+        """
+        done = [False] * len(pairs)
+        large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
+        small: dict[str, list[tuple[int, int, memoryview, str]]] = {}
+        for i, (key, out) in enumerate(pairs):
+            try:
+                view = self._target_view(key, out)
+                if view is None:
+                    continue
+                done[i] = True
+                b, e = self._spans[key]
+                name = self._key_file[key]
+                if e - b >= large:  # large tensors read by a few threads (see pread)
+                    stats.bytes_read += pread_into(self._fd(name), view, b, self.root, name, key)
+                elif e > b:
+                    small.setdefault(name, []).append((b, e, view, key))
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
+                where = os.path.join(self.root, self._key_file.get(key, ""))
+                raise LoadError(key, where, f"{type(e).__name__}: {e}") from e
+        for name, items in small.items():
+            fd = self._fd(name)
+            items.sort(key=lambda x: x[0])
+            start = 0
+            for j in range(1, len(items) + 1):  # runs of adjacent tensors, `large` bytes at most
+                if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
+                    continue
+                run = items[start:j]
+                stats.bytes_read += pread_run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name)
+                start = j
+        return done
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk."""
