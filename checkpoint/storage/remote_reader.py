@@ -171,6 +171,9 @@ class RemoteCheckpointReader(CheckpointReader):
         self._fill(tensor_bytes(out), name, [(b, e)], key)
         return out
 
+    # Not the local batched preadv of CheckpointReader: each tensor goes through read_into (ranged GETs).
+    read_many = None
+
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         known = self._specs.get(key)
         if (
