@@ -17,8 +17,8 @@ the page cache (caches are not dropped on a shared machine): it measures the sof
 Every load side copies into the same warm tensors (no lazy mapping is left unread). The load average is printed per case (the
 machine may be shared). ``--dist`` adds the 2-rank comparison with DCP's HF writer / reader and
 per-rank load ratios (each rank's own bytes vs its ``safe_open`` + ``copy_`` of its slice);
-``--cold`` a cold-cache load on disk (page cache dropped, or ``POSIX_FADV_DONTNEED``, before every
-step) against a raw sequential read of the same files.
+``--cold`` a cold-cache load on disk (``POSIX_FADV_DONTNEED`` on the files before every step, or
+the whole page cache dropped with ``--drop-caches``) against a raw sequential read of the same files.
 """
 
 from __future__ import annotations
@@ -189,17 +189,19 @@ def bench_case(
             os.remove(p)
 
 
-def drop_cache(paths: list[str]) -> str:
-    """Evict ``paths`` from the page cache: ``/proc/sys/vm/drop_caches`` where writable, else
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` per file (after a sync: dirty pages are not evicted).
+def drop_cache(paths: list[str], whole_machine: bool = False) -> str:
+    """Evict ``paths`` from the page cache: ``posix_fadvise(POSIX_FADV_DONTNEED)`` per file (after
+    a sync: dirty pages are not evicted), or with ``whole_machine`` ``/proc/sys/vm/drop_caches``
+    where writable (it evicts every process's files: not on a shared machine by default).
     Returns the method used."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    if whole_machine:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "drop_caches"
+        except OSError:
+            pass
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -209,7 +211,7 @@ def drop_cache(paths: list[str]) -> str:
     return "posix_fadvise(DONTNEED)"
 
 
-def bench_cold(name: str, sd: dict[str, torch.Tensor], root: str, pairs: int) -> None:
+def bench_cold(name: str, sd: dict[str, torch.Tensor], root: str, pairs: int, whole_machine: bool = False) -> None:
     """Load with a cold page cache (evicted before every timed step) against a raw sequential
     read of the same files (8 MiB ``readinto`` calls into one buffer): issue 22's goal >= 0.9x."""
     ours = os.path.join(root, f"cold-{name}")
@@ -232,7 +234,7 @@ def bench_cold(name: str, sd: dict[str, torch.Tensor], root: str, pairs: int) ->
     method = ""
     for i in range(pairs):
         for n in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-            method = drop_cache(files)
+            method = drop_cache(files, whole_machine)
             t = time.perf_counter()
             sides[n]()
             times[n].append(time.perf_counter() - t)
@@ -351,6 +353,7 @@ def main() -> None:
     ap.add_argument("--disk", default="/tmp/fqnckpt-bench", help="a directory on a real disk ('' to skip)")
     ap.add_argument("--dist", action="store_true", help="also the 2-rank comparison with DCP")
     ap.add_argument("--cold", action="store_true", help="also the cold-cache load on disk vs a raw read")
+    ap.add_argument("--drop-caches", action="store_true", help="--cold evicts with drop_caches (whole machine)")
     args = ap.parse_args()
     pairs = max(3, args.pairs)
     large, many = (64 << 20, 2_000) if args.quick else (512 << 20, 20_000) if args.full else (128 << 20, 5_000)
@@ -367,7 +370,7 @@ def main() -> None:
             if "many" in cases:
                 bench_case("many", make_many(many), root, medium, pairs, {"save_st": 0.8, "load_st": 0.8})
         if args.cold and args.disk:
-            bench_cold("large", make_large(large), args.disk, pairs)
+            bench_cold("large", make_large(large), args.disk, pairs, args.drop_caches)
         fqn_map_bytes(many)
         print(f"peak RSS: {peak_rss_mb():.0f} MB")
         if args.dist:

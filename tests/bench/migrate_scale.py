@@ -6,7 +6,8 @@ Each pair times both sides, alternating which goes first; ``os.sync()`` before e
 Prints per-side medians and ranges and the median and range of the per-pair ratios. Sources:
 ``safetensors`` (one file), ``dcp`` (the same tensors written by ``dcp.save``; the reference
 stays the safetensors copy, and DCP's own ``dcp.load`` of the same tensors is timed beside it:
-DCP unpickles every tensor, a cost any reader going through its FileSystemReader pays).
+DCP unpickles every tensor, a cost any reader going through its FileSystemReader pays; and
+``dcp.load`` + ``checkpoint.save``, which writes and fsyncs as ``migrate`` does: like with like).
 
     python tests/bench/migrate_scale.py [--tensors 20000] [--shape 64 32] [--pairs 5]
         [--sources safetensors,dcp] [--dir DIR ...]
@@ -71,6 +72,14 @@ def dcp_read(src: str, out: dict[str, torch.Tensor]) -> None:
         dcp.load({"model": out}, checkpoint_id=src, no_dist=True)
 
 
+def dcp_read_and_save(src: str, out: dict[str, torch.Tensor], dst: str) -> None:
+    """Like with like for ``migrate`` (which reads, writes and fsyncs): ``dcp.load`` and then
+    ``checkpoint.save`` (fsyncs every file) of the same tensors."""
+    dcp_read(src, out)
+    checkpoint.save(out, dst)
+    shutil.rmtree(dst)
+
+
 def migration(src: str, dst: str) -> None:
     checkpoint.migrate(src, dst)
     shutil.rmtree(dst)
@@ -85,7 +94,7 @@ def run(d: str, kind: str, n: int, shape: tuple[int, ...], pairs: int) -> None:
     try:
         st_src = make_source(work, "safetensors", n, shape)
         src = st_src if kind == "safetensors" else make_source(work, kind, n, shape)
-        ref_t, mig_t, ratios, dcp_t, dcp_ratios, load_ratios = [], [], [], [], [], []
+        ref_t, mig_t, ratios, dcp_t, dcp_ratios, load_ratios, rw_ratios = [], [], [], [], [], [], []
         out = {k: torch.zeros(shape) for k in load_file(st_src)}  # the same warm targets for both readers
         for i in range(pairs):
             sides = [
@@ -95,6 +104,7 @@ def run(d: str, kind: str, n: int, shape: tuple[int, ...], pairs: int) -> None:
             if kind == "dcp":
                 sides.append(("dcp", lambda: dcp_read(src, out)))
                 sides.append(("load", lambda: checkpoint.load(out, src)))
+                sides.append(("dcp+save", lambda: dcp_read_and_save(src, out, os.path.join(work, "rw"))))
             sides = sides[i % len(sides) :] + sides[: i % len(sides)]  # rotate who goes first
             got = {name: timed(fn) for name, fn in sides}
             ref_t.append(got["ref"])
@@ -104,6 +114,7 @@ def run(d: str, kind: str, n: int, shape: tuple[int, ...], pairs: int) -> None:
                 dcp_t.append(got["dcp"])
                 dcp_ratios.append(got["dcp"] / got["mig"])
                 load_ratios.append(got["dcp"] / got["load"])
+                rw_ratios.append(got["dcp+save"] / got["mig"])
         mb = n * torch.Size(shape).numel() * 4 / 1e6
         print(f"[{d}] source {kind}: {n} tensors of {tuple(shape)} float32 ({mb:.0f} MB), {pairs} pairs")
         print(f"  safetensors load_file + save_file: {fmt(ref_t)} s")
@@ -113,6 +124,8 @@ def run(d: str, kind: str, n: int, shape: tuple[int, ...], pairs: int) -> None:
             print(f"  dcp.load of the same tensors:      {fmt(dcp_t)} s")
             print(f"  dcp.load / migrate (speed):        {fmt(dcp_ratios)} x  (goal >= 1.0)")
             print(f"  dcp.load / checkpoint.load into the same tensors: {fmt(load_ratios)} x  (goal >= 1.0)")
+            print(f"  (dcp.load + checkpoint.save) / migrate, like with like (both write and fsync): "
+                  f"{fmt(rw_ratios)} x  (goal >= 1.0)")  # fmt: skip
         print(f"  load average {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
