@@ -25,9 +25,11 @@ def __getattr__(name: str):
     mod = _MODULE_OF.get(name)
     if mod is None:
         raise AttributeError(f"module 'fqn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(f".{mod}", __name__)
+    # Bind every name of the module at once: importing fqn.resolve binds the submodule under the
+    # name of its function ``resolve``, which must win, as it did with eager imports.
+    globals().update({n: getattr(module, n) for n in _WHERE[mod]})
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
