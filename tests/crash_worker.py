@@ -154,7 +154,8 @@ def _child(job: dict) -> int:
     if job["mode"] == "ranks":
         from checkpoint.ranks.launch import run_ranks
 
-        res = run_ranks(_rank_save, 2, job, backend="gloo", timeout=job.get("timeout", 60))
+        # A fork of the warm zygote child: no per-rank imports (the driver kills this whole group).
+        res = run_ranks(_rank_save, 2, job, backend="gloo", timeout=job.get("timeout", 60), start_method="fork")
         result = {"ranks": res}
     else:
         sd = values(job.get("tag", "new"), job["seed"], "single")

@@ -49,3 +49,28 @@ def test_run_ranks_returns_tensors_after_ranks_exit():
     out = run_ranks(_tensor_result, 2, backend="gloo", timeout=60)
     assert [o["rank"] for o in out] == [0, 1]
     assert torch.equal(out[1]["t"], torch.ones(3))
+
+
+def _env_and_print(rank, world_size):
+    import os
+    import sys
+
+    print(f"rank {rank} says hello", flush=True)
+    return os.environ.get("FQNCKPT_TEST_ENV"), sys.modules.get("torch.distributed.checkpoint") is not None
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_get_the_callers_environment_and_stdout(method, monkeypatch, capfd):
+    run_ranks(_allreduce, 1, backend="gloo", timeout=60, start_method=method)  # server already up
+    monkeypatch.setenv("FQNCKPT_TEST_ENV", f"set after the server started ({method})")
+    out = run_ranks(_env_and_print, 2, backend="gloo", timeout=60, start_method=method)
+    assert [o[0] for o in out] == [f"set after the server started ({method})"] * 2
+    if method == "forkserver":  # preloaded by the server, so every rank has it already
+        assert all(o[1] for o in out)
+    text = capfd.readouterr().out
+    assert "rank 0 says hello" in text and "rank 1 says hello" in text  # this test's stdout
+
+
+def test_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method 'thread'"):
+        run_ranks(_allreduce, 1, start_method="thread")
