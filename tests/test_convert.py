@@ -65,18 +65,18 @@ def assert_equal_sd(a: dict, b: dict):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def llama_config():
+def llama_config(vocab=V):
     return transformers.LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
+        vocab_size=vocab, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
         num_key_value_heads=NKV, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
 
 
-def meta_state_dict(seed=0) -> dict[str, torch.Tensor]:
+def meta_state_dict(seed=0, vocab=V) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: 0.3 * torch.randn(*s, generator=g)  # noqa: E731
     hd = H // NH
-    sd = {"tok_embeddings.weight": r(V, H), "norm.weight": 1 + 0.1 * r(H), "output.weight": r(V, H)}
+    sd = {"tok_embeddings.weight": r(vocab, H), "norm.weight": 1 + 0.1 * r(H), "output.weight": r(vocab, H)}
     for i in range(L):
         p = f"layers.{i}."
         sd |= {p + "attention.wq.weight": r(NH * hd, H), p + "attention.wk.weight": r(NKV * hd, H),
@@ -124,6 +124,86 @@ def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", model=hf)
     assert_equal_sd(read(tmp_path / "back"), sd)
     assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
+
+
+def join_meta_shards(parts) -> dict[str, torch.Tensor]:
+    """The test's own join of Meta shards (inverse of meta_shards)."""
+    dim1 = ("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")
+    return {k: parts[0][k] if v.dim() == 1 else torch.cat([p[k] for p in parts], 1 if k.endswith(dim1) else 0)
+            for k, v in parts[0].items()}  # fmt: skip
+
+
+def load_meta_dir(path) -> list[dict[str, torch.Tensor]]:
+    names = sorted(p.name for p in path.glob("consolidated.*.pth"))
+    assert names == [f"consolidated.{i:02d}.pth" for i in range(len(names))]
+    return [torch.load(path / n, weights_only=True) for n in names]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
+    """hf-to-meta-llama writes Meta's own files: consolidated.NN.pth (plain dicts, own storages)
+    and params.json; Meta -> HF -> Meta with the same shards is bit-identical, file by file."""
+    from checkpoint.convert.catalog import MetaParams, meta_ffn_dim
+
+    sd = meta_state_dict(9, vocab=V + 1)  # an even vocabulary: Meta's output splits on it
+    params = PARAMS | {"vocab_size": V + 1}
+    src = tmp_path / "meta"
+    src.mkdir()
+    parts = meta_shards(sd, shards)
+    for i, part in enumerate(parts):
+        torch.save(part | {"rope.freqs": torch.zeros(4)}, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(params))
+    hf = transformers.LlamaForCausalLM(llama_config(V + 1)).eval()
+    checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=hf)
+    checkpoint.load(hf, tmp_path / "hf")
+    # No model: dims and params.json come from the HF dir's config.json.
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", dims={"shards": shards})
+    assert rep.written and rep.dims["n_kv_heads"] == NKV
+    back = load_meta_dir(tmp_path / "back")
+    assert len(back) == shards
+    for got, want in zip(back, parts, strict=True):
+        assert_equal_sd(got, want)
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in got.values())  # cloned, no base
+    got = MetaParams.model_validate_json((tmp_path / "back" / "params.json").read_bytes())
+    assert got.model_dump(include=set(params)) == params
+    assert meta_ffn_dim(got.dim, got.multiple_of, got.ffn_dim_multiplier) == FF
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back), NH, NKV, ids), hf)
+
+
+def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path):
+    from checkpoint.cli.main import main
+
+    hf = randomize(transformers.LlamaForCausalLM(llama_config(64)), 10)
+    checkpoint.save(hf, tmp_path / "hf")  # config.json beside the shards
+    assert main(["migrate", str(tmp_path / "hf"), str(tmp_path / "meta"), "--recipe", "hf-to-meta-llama", "--dim", "shards=2"]) == 0
+    parts = load_meta_dir(tmp_path / "meta")
+    assert len(parts) == 2 and parts[0]["layers.0.attention.wk.weight"].shape == (NKV * 8 // 2, H)
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts), NH, NKV, ids), hf)
+    # 4 shards cannot hold whole K/V heads (n_kv_heads=2): refused by key, nothing written.
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(tmp_path / "hf", tmp_path / "four", recipe="hf-to-meta-llama", dims={"shards": 4})
+    bad = {k for p in e.value.report.problems for k in p.keys}
+    assert bad == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(L) for p in "kv"}
+    assert "n_kv_heads=2 heads do not split in 4 shards" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # A write failing on the second shard commits nothing (staged, then removed).
+    real_save = torch.save
+
+    def fail_second(obj, f, *a, **k):
+        if str(f).endswith("consolidated.01.pth"):
+            raise OSError("disk full")
+        return real_save(obj, f, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", fail_second)
+        with pytest.raises(OSError, match="disk full"):
+            checkpoint.migrate(tmp_path / "hf", tmp_path / "half", recipe="hf-to-meta-llama", dims={"shards": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # Overwriting a 2-shard Meta dir with one shard leaves no stale consolidated.01.pth.
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == ["consolidated.00.pth", "conversion_report.json", "params.json"]
+    assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts))
 
 
 def test_torchtitan_llama3_round_trip_from_hf(tmp_path):

@@ -14,13 +14,15 @@ import torch
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files
-from .catalog import PARAMS_NAME, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
+from .catalog import PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
 from .rules import Recipe
 
-Writer = Callable[[Sequence[TensorSpec], Callable[[TensorSpec], torch.Tensor], Mapping[str, bytes]], Any]
+# write(specs, fetch, extra_files, layout): layout is the recipe's ``writes`` ("meta": Meta's
+# consolidated.NN.pth files, else safetensors); the caller's writer picks the files by it.
+Writer = Callable[[Sequence[TensorSpec], Callable[[TensorSpec], torch.Tensor], Mapping[str, bytes], str | None], Any]
 
 
 def _auto(catalog, model, dims, source: str) -> ConversionPlan:
@@ -50,23 +52,28 @@ def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any 
                     dims: Mapping[str, int] | None = None, key: str | None = None,
                     trusted_globals: Iterable[Any] = ()) -> ConversionPlan:  # fmt: skip
     """Plan converting the checkpoint at ``src`` with ``recipe`` (a name from ``fqnckpt recipes``,
-    ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` beside ``src``, then the
-    ``model``'s config, then ``dims``; several Meta shards set ``dims["shards"]``.
+    ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` (or else transformers'
+    ``config.json``) beside ``src``, then the ``model``'s config, then ``dims``; several Meta
+    shards read set ``dims["shards"]``, and ``dims["shards"]`` is how many a Meta target gets.
 
     The returned plan keeps the source open: call ``plan.catalog.close()`` when done.
 
     Raises:
-        RecipeError: unknown recipe, one that needs ``model=``, or ``auto`` with none / several fits.
+        RecipeError: unknown recipe, one that needs ``model=``, ``auto`` with none / several fits,
+            or a Meta target whose ``params.json`` dims are not known (named).
         ConversionError: the plan's checks failed (see :func:`plan_conversion`); nothing was read.
     """
     catalog = open_catalog(src, trusted_globals=trusted_globals, key=key)
     try:
-        d = resolve_dims(params_dims(catalog.params), model_dims(model), dims)
+        d = resolve_dims(params_dims(catalog.params), hf_dims(catalog.hf_config), model_dims(model), dims)
         if catalog.shards > 1:
             d["shards"] = catalog.shards
         if recipe == "auto":
             return _auto(catalog, model, d, str(src))
         rec = get_recipe(recipe, model)
+        missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
+        if missing:
+            raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
         return plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
     except BaseException:
         catalog.close()
@@ -75,14 +82,13 @@ def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any 
 
 def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     """Files written beside the tensors: the report, and ``config.json`` (+ ``generation_config.json``)
-    for a Hugging Face target model, or ``params.json`` for Meta's layout."""
+    for a Hugging Face target model, or ``params.json`` for Meta's layout (from the model's config
+    or the source's ``config.json``)."""
     out = {CONVERSION_REPORT_NAME: plan.report.model_dump_json(indent=2).encode()}
-    if model is None or getattr(model, "config", None) is None:
-        return out
-    if plan.recipe.writes in ("hf", "hf-model"):
+    if plan.recipe.writes == "meta":
+        out[PARAMS_NAME] = write_params_json(plan.dims, hf_config_of(model) or plan.catalog.hf_config)
+    elif plan.recipe.writes in ("hf", "hf-model") and model is not None:
         out.update(hf_config_files(model))
-    elif plan.recipe.writes == "meta":
-        out[PARAMS_NAME] = write_params_json(plan.dims, model)
     return out
 
 
@@ -113,7 +119,7 @@ def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Rec
             return t
 
         try:
-            write(plan.specs, fetch, side_files(plan, model))
+            write(plan.specs, fetch, side_files(plan, model), plan.recipe.writes)
         except BaseException:
             report.written = False
             raise

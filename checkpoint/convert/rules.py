@@ -93,7 +93,8 @@ class Rule:
     """Source patterns -> ``ops`` -> target patterns (one value per pattern, in order).
 
     ``shard_dim`` says how a tensor split over model-parallel shards (Meta ``consolidated.NN.pth``)
-    is joined before the ops: the dim to concatenate, ``None`` for a replicated tensor. A
+    is joined before the ops (read) or split after them (written): the dim to concatenate, ``None``
+    for a replicated tensor; ``shard_heads`` the head count each shard holds whole pieces of. A
     :class:`~checkpoint.convert.ops.Chunk` with ``parts=0`` is given the count it must produce.
 
     Raises:
@@ -105,6 +106,7 @@ class Rule:
     targets: tuple[str, ...]
     ops: tuple[Op, ...] = ()
     shard_dim: int | None = 0
+    shard_heads: str | None = None
 
     def __post_init__(self) -> None:
         for k in ("sources", "targets"):
@@ -160,7 +162,7 @@ class Rule:
             return _PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}{m.group(2)}}}", text)
 
         new_sources = tuple(with_regex(t) for t in self.targets)
-        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim)
+        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim, self.shard_heads)
 
     def describe(self) -> str:
         ops = ", ".join(op.describe() for op in self.ops)
