@@ -276,6 +276,60 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
 
 
+def deepseek_v3(q_lora_rank, seed=11):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=NH, num_key_value_heads=NH, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        experts_implementation="batched_mm",
+    )  # fmt: skip
+    model = randomize(transformers.DeepseekV3ForCausalLM(cfg), seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a buffer: randomize() leaves it zero, which would hide a dropped bias
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def torchtitan_deepseek_v3_keys(n_layers, q_lora: bool) -> set[str]:
+    """torchtitan's DeepSeek-V3 names (deepseek_v3 state_dict_adapter from_hf_map), layer 0 dense."""
+    attn = ["wq_a.weight", "q_norm.weight", "wq_b.weight"] if q_lora else ["wq.weight"]
+    attn += ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
+    moe = ["moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight", "moe.expert_bias"]
+    moe += [f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
+    keys = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    for i in range(n_layers):
+        keys |= {f"layers.{i}.attention.{a}" for a in attn} | {f"layers.{i}.{n}_norm.weight" for n in ("attention", "ffn")}
+        keys |= {f"layers.{i}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")} if i == 0 else {f"layers.{i}.{k}" for k in moe}
+    return keys
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["wq_a_q_norm_wq_b", "wq"])
+def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank):
+    """DeepSeek-V3 (MLA attention, dense first layer, shared experts, expert bias) through the same
+    recipe as Qwen3: HF -> torchtitan has exactly torchtitan's names; torchtitan -> HF gives the
+    model's logits and greedy tokens (from_pretrained fuses the experts); HF -> tt -> HF bit-exact."""
+    model = deepseek_v3(q_lora_rank)
+    model.save_pretrained(tmp_path / "hub")  # per-expert keys, as on the hub
+    hub = read(tmp_path / "hub")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub
+    checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    tt = read(tmp_path / "tt")
+    assert set(tt) == torchtitan_deepseek_v3_keys(3, q_lora_rank is not None)
+    assert tt["layers.2.moe.experts.w2"].shape == (4, H, 16) and tt["layers.2.moe.expert_bias"].abs().sum() > 0
+    if q_lora_rank:  # the MLA q_norm is DeepSeek's q_a_layernorm, not Qwen3's per-head q_norm
+        assert torch.equal(tt["layers.1.attention.q_norm.weight"], hub["model.layers.1.self_attn.q_a_layernorm.weight"])
+    rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
+    assert sum(u.sources for u in rep.rules) == len(tt)
+    assert_equal_sd(read(tmp_path / "back"), hub)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
+    assert type(fresh) is transformers.DeepseekV3ForCausalLM
+    assert_same_model(lambda ids: model(ids).logits, fresh)
+    assert_equal_sd(fresh.state_dict(), model.state_dict())
+
+
 def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
     """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack
     and whole heads of a RoPE row permute are read as blocks (no group computed whole); the values

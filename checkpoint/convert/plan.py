@@ -180,6 +180,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     groups: dict[tuple, Group] = {}
     unchanged: dict[str, str] = {}
     renamed: dict[str, str] = {}
+    present = {_apply_renames(k, recipe.pre) for k in catalog.keys()}  # for Rule.when_present / when_absent
     for key in catalog.keys():
         name = _apply_renames(key, recipe.pre)
         if name in renamed:
@@ -193,7 +194,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         for ri, rule in enumerate(recipe.rules):
             for pi, pat in enumerate(rule.source_patterns):
                 vals = pat.match(name)
-                if vals is not None:
+                if vals is not None and rule.applies(vals, present):
                     hits.append((ri, pi, pat, vals))
         if len(hits) > 1:
             problems.append(Problem(kind="ambiguous", keys=[key], message=f"{key!r} matches {len(hits)} rules: {[recipe.rules[h[0]].describe() for h in hits]}"))

@@ -97,6 +97,12 @@ class Rule:
     for a replicated tensor; ``shard_heads`` the head count each shard holds whole pieces of. A
     :class:`~checkpoint.convert.ops.Chunk` with ``parts=0`` is given the count it must produce.
 
+    ``when_present`` / ``when_absent``: a source key pattern (formatted with the match's
+    placeholders) that must be / must not be in the source for the rule to take a key; they tell
+    apart two layouts sharing a name (torchtitan's ``attention.q_norm`` is Qwen3's per-head Q norm,
+    but DeepSeek-V3's ``q_a_layernorm`` when ``attention.wq_a`` is there). The inverse has none:
+    its sources are the other layout's distinct names (a key matching two rules is still refused).
+
     Raises:
         ValueError: the ops do not turn ``len(sources)`` values into ``len(targets)``, or the
             target patterns use a placeholder the sources do not bind.
@@ -107,6 +113,8 @@ class Rule:
     ops: tuple[Op, ...] = ()
     shard_dim: int | None = 0
     shard_heads: str | None = None
+    when_present: str | None = None
+    when_absent: str | None = None
 
     def __post_init__(self) -> None:
         for k in ("sources", "targets"):
@@ -132,6 +140,12 @@ class Rule:
             unbound = set(p.names) - bound - {p.gathered}
             if unbound:
                 raise ValueError(f"rule {self.describe()}: target {p.text!r} uses {sorted(unbound)} the sources do not bind")
+
+    def applies(self, values: dict[str, str], present: set[str] | frozenset[str]) -> bool:
+        """Whether a match with ``values`` is taken, given the source's keys ``present``."""
+        if self.when_present is not None and Pattern(self.when_present).format(values) not in present:
+            return False
+        return self.when_absent is None or Pattern(self.when_absent).format(values) not in present
 
     @cached_property
     def source_patterns(self) -> tuple[Pattern, ...]:
