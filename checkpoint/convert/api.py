@@ -48,13 +48,15 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
     return fits[0][1]
 
 
-def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any = None,
+def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                     dims: Mapping[str, int] | None = None, key: str | None = None,
-                    trusted_globals: Iterable[Any] = ()) -> ConversionPlan:  # fmt: skip
+                    trusted_globals: Iterable[Any] = (), storage_options: Mapping | None = None) -> ConversionPlan:  # fmt: skip
     """Plan converting the checkpoint at ``src`` with ``recipe`` (a name from ``fqnckpt recipes``,
     ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` (or else transformers'
     ``config.json``) beside ``src``, then the ``model``'s config, then ``dims``; several Meta
     shards read set ``dims["shards"]``, and ``dims["shards"]`` is how many a Meta target gets.
+    ``src`` may be a URL (``s3://...``; ``storage_options`` for its filesystem) or an object store:
+    read through the remote source stage (:func:`~checkpoint.convert.catalog.open_catalog`).
 
     The returned plan keeps the source open: call ``plan.catalog.close()`` when done.
 
@@ -63,7 +65,8 @@ def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any 
             or a Meta target whose ``params.json`` dims are not known (named).
         ConversionError: the plan's checks failed (see :func:`plan_conversion`); nothing was read.
     """
-    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key)
+    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
+    src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
         d = resolve_dims(params_dims(catalog.params), hf_dims(catalog.hf_config), model_dims(model), dims)
         if catalog.shards > 1:
@@ -92,9 +95,10 @@ def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     return out
 
 
-def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
+def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
                model: Any = None, dims: Mapping[str, int] | None = None, key: str | None = None,
-               dry_run: bool = False, trusted_globals: Iterable[Any] = (), progress: bool | None = None) -> ConversionReport:  # fmt: skip
+               dry_run: bool = False, trusted_globals: Iterable[Any] = (), progress: bool | None = None,
+               storage_options: Mapping | None = None) -> ConversionReport:  # fmt: skip
     """Plan, then (unless ``dry_run``) stream every target through ``write(specs, fetch, extra_files)``.
 
     Returns:
@@ -103,13 +107,14 @@ def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Rec
     Raises:
         RecipeError, ConversionError: as :func:`open_conversion`; plus whatever ``write`` raises.
     """
-    plan = open_conversion(src, recipe, model=model, dims=dims, key=key, trusted_globals=trusted_globals)
+    plan = open_conversion(src, recipe, model=model, dims=dims, key=key, trusted_globals=trusted_globals,
+                           storage_options=storage_options)  # fmt: skip
     try:
         report = plan.report
         if dry_run:
             report.dry_run = True
             return report
-        report.destination = os.fspath(dst)
+        report.destination = getattr(dst, "url", None) or os.fspath(dst)
         report.written = True
         bar = progress_bar(report.total_bytes, "convert", progress)
 

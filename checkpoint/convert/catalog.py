@@ -13,14 +13,16 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import CorruptCheckpointError, external_errors
+from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
+from ..storage.location import is_remote, resolve
+from ..storage.urls import is_url
 
 PARAMS_NAME = "params.json"
 HF_CONFIG_NAME = "config.json"
@@ -75,7 +77,7 @@ class Catalog:
         CorruptCheckpointError: shards with different keys or dtypes (the file is named).
     """
 
-    def __init__(self, path: Path, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None):
+    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None):
         self.path = path
         self.sources = sources
         self.params = params
@@ -123,40 +125,77 @@ def _beside(p: Path, name: str) -> Path:
     return p / name if p.is_dir() else p.parent / name
 
 
-def _read_params(p: Path) -> MetaParams | None:
-    f = _beside(p, PARAMS_NAME)
-    if not f.is_file():
-        return None
+def _parse_params(data: bytes, where: str) -> MetaParams:
     try:
-        return MetaParams.model_validate_json(f.read_bytes())
+        return MetaParams.model_validate_json(data)
     except ValidationError as e:
         err = e.errors()[0]
-        raise CorruptCheckpointError(str(f), f"not a Meta params.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise CorruptCheckpointError(where, f"not a Meta params.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-def _read_hf_config(p: Path) -> HFTextConfig | None:
-    f = _beside(p, HF_CONFIG_NAME)
-    if not f.is_file():
-        return None
+def _parse_hf_config(data: bytes, where: str) -> HFTextConfig:
     try:
-        data = json.loads(f.read_bytes())
-        if not isinstance(data, dict):
+        parsed = json.loads(data)
+        if not isinstance(parsed, dict):
             raise ValueError("not a JSON object")
-        return HFTextConfig.of(data)
+        return HFTextConfig.of(parsed)
     except (ValueError, ValidationError) as e:
-        raise CorruptCheckpointError(str(f), f"not a transformers config.json: {str(e).splitlines()[0]}") from None
+        raise CorruptCheckpointError(where, f"not a transformers config.json: {str(e).splitlines()[0]}") from None
 
 
-def open_catalog(path: str | os.PathLike, *, trusted_globals: Iterable[Any] = (), key: str | None = None) -> Catalog:
+def _side_configs(read) -> tuple[MetaParams | None, HFTextConfig | None]:
+    """``params.json`` (Meta) or else ``config.json`` (transformers) beside the source;
+    ``read(name) -> (bytes | None, where)``."""
+    data, where = read(PARAMS_NAME)
+    if data is not None:
+        return _parse_params(data, where), None
+    data, where = read(HF_CONFIG_NAME)
+    return None, (_parse_hf_config(data, where) if data is not None else None)
+
+
+def _local_file(p: Path):
+    def read(name: str) -> tuple[bytes | None, str]:
+        f = _beside(p, name)
+        return (f.read_bytes() if f.is_file() else None), str(f)
+
+    return read
+
+
+def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> Catalog:
+    """A checkpoint on object storage: its model part through the remote source stage
+    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read), and
+    ``params.json`` / ``config.json`` from the same committed view."""
+    from ..sources.remote import open_remote_source  # fsspec is optional
+    from ..storage.remote_reader import remote_view
+
+    if key is not None:
+        raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
+    store = resolve(url, storage_options)
+    with remote_view(store) as view:
+        src = open_remote_source(store)
+        try:
+            params, hf_config = _side_configs(lambda n: (view.member_bytes(n), store.url_of(n)))
+        except BaseException:
+            src.close()
+            raise
+    return Catalog(PurePosixPath(store.url), [src], params, hf_config)
+
+
+def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | None = None,
+                 storage_options: Mapping | None = None) -> Catalog:  # fmt: skip
     """Open ``path``: a directory of ``consolidated.NN.pth`` shards (numbered 0..n-1, no gap), or
-    any single source :func:`checkpoint.sources.open_source` reads.
+    any single source :func:`checkpoint.sources.open_source` reads; a URL (``s3://...``, or a
+    resolved object store) through the remote source stage (fqnckpt / Hugging Face safetensors;
+    ``storage_options`` go to its filesystem).
 
     Raises:
         CorruptCheckpointError: shard numbers with a gap, shards that disagree, a bad params.json.
         and whatever :func:`open_source` raises for each file.
     """
+    if is_url(path) or is_remote(path):
+        return _open_remote(path, storage_options, key)
     p = Path(path)
-    params = _read_params(p)
+    params, hf_config = _side_configs(_local_file(p))
     shard_files = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _SHARD.match(f.name))) if p.is_dir() else []
     opened: list[Source] = []
     try:
@@ -169,7 +208,7 @@ def open_catalog(path: str | os.PathLike, *, trusted_globals: Iterable[Any] = ()
         else:
             with external_errors(os.fspath(p), what="reading"):
                 opened.append(open_source(p, key=key, trusted_globals=trusted_globals))
-        return Catalog(p, opened, params, _read_hf_config(p) if params is None else None)
+        return Catalog(p, opened, params, hf_config)
     except BaseException:
         for s in opened:
             s.close()
