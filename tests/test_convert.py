@@ -331,9 +331,10 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank):
 
 
 def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
-    """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack
-    and whole heads of a RoPE row permute are read as blocks (no group computed whole); the values
-    equal the whole conversion's. A block cutting a head is computed whole and cut."""
+    """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack or
+    of transformers' fused gate_up_proj, whole heads of a RoPE row permute and whole KV groups of
+    Megatron's fused QKV are read as blocks (no group computed whole); the values equal the whole
+    conversion's. A block cutting a head is computed whole and cut."""
     from checkpoint.convert import open_conversion
     from checkpoint.convert.plan import ConversionPlan
     from checkpoint.convert.reader import ConvertedReader
@@ -356,8 +357,22 @@ def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatc
         ("meta", "meta-llama-to-hf", "model.layers.1.self_attn.q_proj.weight", (slice(8, 24), slice(0, 7))),  # heads 1-2 of 4
         ("meta", "meta-llama-to-hf", "model.layers.0.self_attn.k_proj.weight", (slice(0, 8),)),  # K head 0 of 2
     ]
+    # transformers' fused experts (Stack + Concat): only experts 1-2 read; Megatron's fused QKV:
+    # the rows of whole KV groups (group 1 of 2) read and split alone.
+    fresh = type(model)(model.config)
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 12)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt", model=hf)
+    src["mg"] = tmp_path / "mg"
+    cases += [
+        ("hub", "experts-to-fused", "model.layers.1.mlp.experts.gate_up_proj", (slice(1, 3),)),
+        ("hub", "experts-to-fused", "model.layers.0.mlp.experts.gate_up_proj", (slice(2, 4), slice(0, 32), slice(3, 9))),
+        ("mg", "megatron-gpt-to-hf", "model.layers.1.self_attn.q_proj.weight", (slice(16, 32),)),
+        ("mg", "megatron-gpt-to-hf", "model.layers.0.self_attn.k_proj.weight", (slice(8, 16), slice(2, 5))),
+        ("mg", "megatron-gpt-to-hf", "model.layers.0.self_attn.v_proj.weight", (slice(0, 8),)),
+    ]
     for name, recipe, key, sl in cases:
-        target = {"tt": model, "meta": llama}.get(name)
+        target = {"tt": model, "meta": llama, "hub": fresh, "mg": hf}.get(name)
         with ConvertedReader(open_conversion(src[name], recipe, model=target)) as r:
             full = r.get(key)  # computed through the group, before the block reads are pinned
             if name == "meta":
