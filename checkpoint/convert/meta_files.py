@@ -41,8 +41,9 @@ def write_meta_checkpoint(path: str | os.PathLike, specs: Sequence[TensorSpec], 
     ``consolidated.NN.pth`` files plus the ``extra`` files (``params.json``, the report) at ``path``.
 
     Every tensor is cloned into its own storage (a shard's piece of a joined tensor is a view; saved
-    as is, its whole base would be pickled). Memory: one shard's tensors (``torch.save`` pickles a
-    whole dict) plus the other shards' pieces of the rule group being computed.
+    as is, its whole base would be pickled). Memory: up to the whole checkpoint, since each rule
+    group yields every shard's piece at once and ``torch.save`` pickles a whole dict per file: the
+    other shards' pieces wait (in the plan) until their file is written.
 
     Raises:
         CheckpointExistsError: ``path`` exists and ``overwrite`` is False (or is not a checkpoint).
