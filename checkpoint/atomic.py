@@ -71,8 +71,10 @@ OWNED_NAMES = frozenset(
     + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
 )
 _SHARD_NAME = re.compile(
-    r"^(?:(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors|extra_state\.rank-\d{5}-of-\d{5}\.json)$"
-)  # shard files and per-rank extra state (checkpoint.storage.extra_state.rank_file_name)
+    r"^(?:(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors|extra_state\.rank-\d{5}-of-\d{5}\.json"
+    r"|consolidated\.\d{2,}\.pth)$"
+)  # shard files, per-rank extra state (checkpoint.storage.extra_state.rank_file_name), Meta's
+# model-parallel shards (checkpoint.convert.meta_files)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -92,9 +94,10 @@ def is_leftover_name(name: str) -> bool:
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A directory holding an index or a single ``model.safetensors``."""
-    return os.path.isfile(os.path.join(path, index_name(MODEL_PREFIX))) or os.path.isfile(
-        os.path.join(path, f"{MODEL_PREFIX}.safetensors")
+    """A directory holding an index, a single ``model.safetensors`` or Meta's first shard."""
+    return any(
+        os.path.isfile(os.path.join(path, n))
+        for n in (index_name(MODEL_PREFIX), f"{MODEL_PREFIX}.safetensors", "consolidated.00.pth")
     )
 
 

@@ -144,8 +144,6 @@ def load(
     """
     path = resolve(path, storage_options, transfer)
     remote = is_remote(path)
-    if recipe is not None and remote:
-        raise NotImplementedError(f"load(recipe=...) from {path}: migrate it to a local path first")
     if recipe is not None and (optimizer is not None or verify or extra_state is not None):
         raise TypeError("load(recipe=...) reads model tensors only (no optimizer=, extra_state=, verify=): "
                         "the optimizer and extra state of another layout are not converted")  # fmt: skip

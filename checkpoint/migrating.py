@@ -106,13 +106,15 @@ def migrate(
         UnsafePickleError, AmbiguousSourceError, CorruptCheckpointError, ...: from reading ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
     """
-    if recipe is not None and is_url(src):
-        raise NotImplementedError(f"migrate(recipe=...) from {src}: recipes read local paths; copy it first")
-    if recipe is not None:  # checkpoint.convert plans and streams; written in save's format
+    if recipe is not None:  # checkpoint.convert plans and streams (a URL source too); written in save's format
         from .saving import converted_writer
 
-        return run_recipe(src, dst, recipe, write=converted_writer(dst, max_shard_size, overwrite), model=model,
-                          dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress)  # fmt: skip
+        if storage_options and not (is_url(src) or is_url(dst)):
+            resolve(dst, storage_options)  # the TypeError naming the local path
+        out = resolve(dst, storage_options if is_url(dst) else None)
+        return run_recipe(src, out, recipe, write=converted_writer(out, max_shard_size, overwrite), model=model,
+                          dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
+                          storage_options=storage_options if is_url(src) else None)  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
     fmap = _load_fqn_map(fqn_map)
     compiled = compile_rules(rules)

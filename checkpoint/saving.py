@@ -28,6 +28,7 @@ from . import _faults
 from .atomic import StagedCheckpoint
 from .convert import run_recipe
 from .convert.hf_files import hf_config_files
+from .convert.meta_files import write_meta_checkpoint
 from .errors import CheckpointError, CheckpointWriteError
 from .progress import counted_fetches
 from .ranks import dist, shards
@@ -63,10 +64,16 @@ class _Part:
 
 
 def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -> Callable:
-    """``write(specs, fetch, extra_files)`` for :func:`checkpoint.convert.run_recipe`: the tensors
-    streamed into this format at ``path`` (one model part), committed atomically."""
+    """``write(specs, fetch, extra_files, layout)`` for :func:`checkpoint.convert.run_recipe`: the
+    tensors streamed into this format at ``path`` (one model part), or for ``layout="meta"`` into
+    Meta's ``consolidated.NN.pth`` files; committed atomically either way."""
 
-    def write(specs, fetch, extra) -> None:
+    def write(specs, fetch, extra, layout=None) -> None:
+        if layout == "meta":
+            if is_remote(resolve(path)):
+                raise NotImplementedError(f"Meta's consolidated.NN.pth files are written to local paths only, not {path}")
+            write_meta_checkpoint(resolve(path), specs, fetch, extra, overwrite)
+            return
         _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
 
     return write

@@ -211,7 +211,67 @@ def _interop(mesh, path, hf_path):
         assert torch.equal(back(TOKENS).logits, model(TOKENS).logits)
     with torch.no_grad():
         out["logits"] = model(TOKENS).logits.tolist()  # tensors do not survive the rank's exit
+    out.update(_converted_blocks(mesh, hf_path))
     return out
+
+
+def _convert_models():
+    """A Qwen3-MoE (4 experts) and a Llama with 2 KV groups: on 2 ranks, fully_shard gives each
+    rank 2 experts of the fused gate_up_proj / down_proj and 1 KV group of q / k / v (Shard(0))."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+    gqa = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(7)
+    return Qwen3MoeForCausalLM(moe).eval(), LlamaForCausalLM(gqa).eval()
+
+
+def _converted_blocks(mesh, hf_path) -> dict[str, bool]:
+    """load(recipe=) into fully_shard-ed models reads a rank's blocks only: its experts' per-expert
+    keys (experts-to-fused) and the fused linear_qkv rows of its KV group (megatron-gpt-to-hf)."""
+    from unittest import mock
+
+    from torch.distributed.fsdp import fully_shard
+
+    from checkpoint.convert.catalog import Catalog
+
+    rank, out = mesh.get_rank(), {}
+    reads: list[tuple[str, tuple]] = []
+    get, get_slice = Catalog.get, Catalog.get_slice
+
+    def counted_get(self, key, shard=0):
+        reads.append((key, ()))
+        return get(self, key, shard)
+
+    def counted_slice(self, key, slices, shard=0):
+        reads.append((key, tuple(sl.indices(self.specs(key)[shard].shape[d])[:2] for d, sl in enumerate(slices))))
+        return get_slice(self, key, slices, shard)
+
+    for name, recipe, src in (("moe", "experts-to-fused", hf_path + "-moe"), ("mg", "megatron-gpt-to-hf", hf_path + "-mg")):
+        ref = _convert_models()[name == "mg"]
+        checkpoint.load(ref, src, recipe=recipe)  # the one-process conversion: the values wanted
+        model = _convert_models()[name == "mg"]
+        fully_shard(model, mesh=mesh)
+        reads.clear()
+        with mock.patch.object(Catalog, "get", counted_get), mock.patch.object(Catalog, "get_slice", counted_slice):
+            assert checkpoint.load(model, src, recipe=recipe).ok
+        want = ref.state_dict()
+        out[f"convert:{name}-values"] = all(torch.equal(v.full_tensor(), want[k]) for k, v in model.state_dict().items())
+        if name == "moe":  # experts 2r, 2r+1 only, each key read as a whole expert block
+            experts = {k for k, _ in reads if ".experts." in k}
+            mine = {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(2) for e in (2 * rank, 2 * rank + 1)
+                    for p in ("gate", "up", "down")}  # fmt: skip
+            out["convert:moe-experts-read"] = experts == mine
+        else:  # rows of this rank's KV group: (2 q heads + k + v) * head_dim 4 = 16 of the 32 rows
+            qkv = {sl for k, sl in reads if k.endswith("linear_qkv.weight")}
+            out["convert:mg-rows-read"] = qkv == {((16 * rank, 16 * rank + 16), (0, 16))}
+    return out
+
+
+CONVERT_CHECKS = ("convert:moe-values", "convert:moe-experts-read", "convert:mg-values", "convert:mg-rows-read")
 
 
 def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume_first, hf_path=None):
@@ -245,7 +305,7 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
     }
     if resume_first:  # the 2-rank spawn also runs the interop checks
         extra = _interop(mesh, path, hf_path)
-        ok.update({k: v for k, v in extra.items() if k.startswith(("dcp:", "pickle:"))})
+        ok.update({k: v for k, v in extra.items() if k.startswith(("dcp:", "pickle:", "convert:"))})
         losses = (losses, extra["logits"])
     return {
         "written": written,
@@ -267,8 +327,9 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
     for r in res:
         dcp_keys = [k for k in ref if not _strided(LOAD_1D.get(k, "R"))]
         want = {k: True for k in ref} | (
-            {f"dcp:{k}": True for k in dcp_keys} | {f"pickle:{k}": True for k in ref} if resume_first else {}
-        )
+            {f"dcp:{k}": True for k in dcp_keys} | {f"pickle:{k}": True for k in ref} | dict.fromkeys(CONVERT_CHECKS, True)
+            if resume_first else {}
+        )  # fmt: skip
         assert r["ok"] == want, r["ok"]
         assert r["loaded"] == sorted(ref)
     assert res[0]["again"] == "CheckpointExistsError"
@@ -313,6 +374,10 @@ def test_dtensor_2_and_4_ranks_and_resume(tmp_path):
     resume = str(tmp_path / "resume")
     hf = tiny_llama(0)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="8KB")
+    moe, gqa = _convert_models()  # the sources of the ranks' load(recipe=) block checks
+    moe.save_pretrained(tmp_path / "hf-moe")  # per-expert keys, as on the hub
+    checkpoint.save(gqa, tmp_path / "gqa")
+    checkpoint.migrate(tmp_path / "gqa", tmp_path / "hf-mg", recipe="hf-to-megatron-gpt", model=gqa)
     with torch.no_grad():
         hf_logits = hf(TOKENS).logits
     # 2 ranks, 1-D mesh: DTensor checks, interop, resume phase 1 (train 3 steps, save model + optimizer).

@@ -65,18 +65,18 @@ def assert_equal_sd(a: dict, b: dict):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def llama_config():
+def llama_config(vocab=V):
     return transformers.LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
+        vocab_size=vocab, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
         num_key_value_heads=NKV, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
 
 
-def meta_state_dict(seed=0) -> dict[str, torch.Tensor]:
+def meta_state_dict(seed=0, vocab=V) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: 0.3 * torch.randn(*s, generator=g)  # noqa: E731
     hd = H // NH
-    sd = {"tok_embeddings.weight": r(V, H), "norm.weight": 1 + 0.1 * r(H), "output.weight": r(V, H)}
+    sd = {"tok_embeddings.weight": r(vocab, H), "norm.weight": 1 + 0.1 * r(H), "output.weight": r(vocab, H)}
     for i in range(L):
         p = f"layers.{i}."
         sd |= {p + "attention.wq.weight": r(NH * hd, H), p + "attention.wk.weight": r(NKV * hd, H),
@@ -124,6 +124,86 @@ def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", model=hf)
     assert_equal_sd(read(tmp_path / "back"), sd)
     assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
+
+
+def join_meta_shards(parts) -> dict[str, torch.Tensor]:
+    """The test's own join of Meta shards (inverse of meta_shards)."""
+    dim1 = ("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")
+    return {k: parts[0][k] if v.dim() == 1 else torch.cat([p[k] for p in parts], 1 if k.endswith(dim1) else 0)
+            for k, v in parts[0].items()}  # fmt: skip
+
+
+def load_meta_dir(path) -> list[dict[str, torch.Tensor]]:
+    names = sorted(p.name for p in path.glob("consolidated.*.pth"))
+    assert names == [f"consolidated.{i:02d}.pth" for i in range(len(names))]
+    return [torch.load(path / n, weights_only=True) for n in names]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
+    """hf-to-meta-llama writes Meta's own files: consolidated.NN.pth (plain dicts, own storages)
+    and params.json; Meta -> HF -> Meta with the same shards is bit-identical, file by file."""
+    from checkpoint.convert.catalog import MetaParams, meta_ffn_dim
+
+    sd = meta_state_dict(9, vocab=V + 1)  # an even vocabulary: Meta's output splits on it
+    params = PARAMS | {"vocab_size": V + 1}
+    src = tmp_path / "meta"
+    src.mkdir()
+    parts = meta_shards(sd, shards)
+    for i, part in enumerate(parts):
+        torch.save(part | {"rope.freqs": torch.zeros(4)}, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(params))
+    hf = transformers.LlamaForCausalLM(llama_config(V + 1)).eval()
+    checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=hf)
+    checkpoint.load(hf, tmp_path / "hf")
+    # No model: dims and params.json come from the HF dir's config.json.
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", dims={"shards": shards})
+    assert rep.written and rep.dims["n_kv_heads"] == NKV
+    back = load_meta_dir(tmp_path / "back")
+    assert len(back) == shards
+    for got, want in zip(back, parts, strict=True):
+        assert_equal_sd(got, want)
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in got.values())  # cloned, no base
+    got = MetaParams.model_validate_json((tmp_path / "back" / "params.json").read_bytes())
+    assert got.model_dump(include=set(params)) == params
+    assert meta_ffn_dim(got.dim, got.multiple_of, got.ffn_dim_multiplier) == FF
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back), NH, NKV, ids), hf)
+
+
+def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path):
+    from checkpoint.cli.main import main
+
+    hf = randomize(transformers.LlamaForCausalLM(llama_config(64)), 10)
+    checkpoint.save(hf, tmp_path / "hf")  # config.json beside the shards
+    assert main(["migrate", str(tmp_path / "hf"), str(tmp_path / "meta"), "--recipe", "hf-to-meta-llama", "--dim", "shards=2"]) == 0
+    parts = load_meta_dir(tmp_path / "meta")
+    assert len(parts) == 2 and parts[0]["layers.0.attention.wk.weight"].shape == (NKV * 8 // 2, H)
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts), NH, NKV, ids), hf)
+    # 4 shards cannot hold whole K/V heads (n_kv_heads=2): refused by key, nothing written.
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConversionError) as e:
+        checkpoint.migrate(tmp_path / "hf", tmp_path / "four", recipe="hf-to-meta-llama", dims={"shards": 4})
+    bad = {k for p in e.value.report.problems for k in p.keys}
+    assert bad == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(L) for p in "kv"}
+    assert "n_kv_heads=2 heads do not split in 4 shards" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # A write failing on the second shard commits nothing (staged, then removed).
+    real_save = torch.save
+
+    def fail_second(obj, f, *a, **k):
+        if str(f).endswith("consolidated.01.pth"):
+            raise OSError("disk full")
+        return real_save(obj, f, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", fail_second)
+        with pytest.raises(OSError, match="disk full"):
+            checkpoint.migrate(tmp_path / "hf", tmp_path / "half", recipe="hf-to-meta-llama", dims={"shards": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # Overwriting a 2-shard Meta dir with one shard leaves no stale consolidated.01.pth.
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == ["consolidated.00.pth", "conversion_report.json", "params.json"]
+    assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts))
 
 
 def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
@@ -196,10 +276,65 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
 
 
+def deepseek_v3(q_lora_rank, seed=11):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=NH, num_key_value_heads=NH, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        experts_implementation="batched_mm",
+    )  # fmt: skip
+    model = randomize(transformers.DeepseekV3ForCausalLM(cfg), seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a buffer: randomize() leaves it zero, which would hide a dropped bias
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def torchtitan_deepseek_v3_keys(n_layers, q_lora: bool) -> set[str]:
+    """torchtitan's DeepSeek-V3 names (deepseek_v3 state_dict_adapter from_hf_map), layer 0 dense."""
+    attn = ["wq_a.weight", "q_norm.weight", "wq_b.weight"] if q_lora else ["wq.weight"]
+    attn += ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
+    moe = ["moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight", "moe.expert_bias"]
+    moe += [f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
+    keys = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    for i in range(n_layers):
+        keys |= {f"layers.{i}.attention.{a}" for a in attn} | {f"layers.{i}.{n}_norm.weight" for n in ("attention", "ffn")}
+        keys |= {f"layers.{i}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")} if i == 0 else {f"layers.{i}.{k}" for k in moe}
+    return keys
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["wq_a_q_norm_wq_b", "wq"])
+def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank):
+    """DeepSeek-V3 (MLA attention, dense first layer, shared experts, expert bias) through the same
+    recipe as Qwen3: HF -> torchtitan has exactly torchtitan's names; torchtitan -> HF gives the
+    model's logits and greedy tokens (from_pretrained fuses the experts); HF -> tt -> HF bit-exact."""
+    model = deepseek_v3(q_lora_rank)
+    model.save_pretrained(tmp_path / "hub")  # per-expert keys, as on the hub
+    hub = read(tmp_path / "hub")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub
+    checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    tt = read(tmp_path / "tt")
+    assert set(tt) == torchtitan_deepseek_v3_keys(3, q_lora_rank is not None)
+    assert tt["layers.2.moe.experts.w2"].shape == (4, H, 16) and tt["layers.2.moe.expert_bias"].abs().sum() > 0
+    if q_lora_rank:  # the MLA q_norm is DeepSeek's q_a_layernorm, not Qwen3's per-head q_norm
+        assert torch.equal(tt["layers.1.attention.q_norm.weight"], hub["model.layers.1.self_attn.q_a_layernorm.weight"])
+    rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
+    assert sum(u.sources for u in rep.rules) == len(tt)
+    assert_equal_sd(read(tmp_path / "back"), hub)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
+    assert type(fresh) is transformers.DeepseekV3ForCausalLM
+    assert_same_model(lambda ids: model(ids).logits, fresh)
+    assert_equal_sd(fresh.state_dict(), model.state_dict())
+
+
 def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
-    """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack
-    and whole heads of a RoPE row permute are read as blocks (no group computed whole); the values
-    equal the whole conversion's. A block cutting a head is computed whole and cut."""
+    """load(recipe=)'s reader: a rename, one expert of a stacked tensor, some experts of a stack or
+    of transformers' fused gate_up_proj, whole heads of a RoPE row permute and whole KV groups of
+    Megatron's fused QKV are read as blocks (no group computed whole); the values equal the whole
+    conversion's. A block cutting a head is computed whole and cut."""
     from checkpoint.convert import open_conversion
     from checkpoint.convert.plan import ConversionPlan
     from checkpoint.convert.reader import ConvertedReader
@@ -222,8 +357,22 @@ def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatc
         ("meta", "meta-llama-to-hf", "model.layers.1.self_attn.q_proj.weight", (slice(8, 24), slice(0, 7))),  # heads 1-2 of 4
         ("meta", "meta-llama-to-hf", "model.layers.0.self_attn.k_proj.weight", (slice(0, 8),)),  # K head 0 of 2
     ]
+    # transformers' fused experts (Stack + Concat): only experts 1-2 read; Megatron's fused QKV:
+    # the rows of whole KV groups (group 1 of 2) read and split alone.
+    fresh = type(model)(model.config)
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 12)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt", model=hf)
+    src["mg"] = tmp_path / "mg"
+    cases += [
+        ("hub", "experts-to-fused", "model.layers.1.mlp.experts.gate_up_proj", (slice(1, 3),)),
+        ("hub", "experts-to-fused", "model.layers.0.mlp.experts.gate_up_proj", (slice(2, 4), slice(0, 32), slice(3, 9))),
+        ("mg", "megatron-gpt-to-hf", "model.layers.1.self_attn.q_proj.weight", (slice(16, 32),)),
+        ("mg", "megatron-gpt-to-hf", "model.layers.0.self_attn.k_proj.weight", (slice(8, 16), slice(2, 5))),
+        ("mg", "megatron-gpt-to-hf", "model.layers.0.self_attn.v_proj.weight", (slice(0, 8),)),
+    ]
     for name, recipe, key, sl in cases:
-        target = {"tt": model, "meta": llama}.get(name)
+        target = {"tt": model, "meta": llama, "hub": fresh, "mg": hf}.get(name)
         with ConvertedReader(open_conversion(src[name], recipe, model=target)) as r:
             full = r.get(key)  # computed through the group, before the block reads are pinned
             if name == "meta":

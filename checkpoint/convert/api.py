@@ -14,13 +14,15 @@ import torch
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files
-from .catalog import PARAMS_NAME, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
+from .catalog import PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
 from .rules import Recipe
 
-Writer = Callable[[Sequence[TensorSpec], Callable[[TensorSpec], torch.Tensor], Mapping[str, bytes]], Any]
+# write(specs, fetch, extra_files, layout): layout is the recipe's ``writes`` ("meta": Meta's
+# consolidated.NN.pth files, else safetensors); the caller's writer picks the files by it.
+Writer = Callable[[Sequence[TensorSpec], Callable[[TensorSpec], torch.Tensor], Mapping[str, bytes], str | None], Any]
 
 
 def _auto(catalog, model, dims, source: str) -> ConversionPlan:
@@ -46,27 +48,35 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
     return fits[0][1]
 
 
-def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any = None,
+def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                     dims: Mapping[str, int] | None = None, key: str | None = None,
-                    trusted_globals: Iterable[Any] = ()) -> ConversionPlan:  # fmt: skip
+                    trusted_globals: Iterable[Any] = (), storage_options: Mapping | None = None) -> ConversionPlan:  # fmt: skip
     """Plan converting the checkpoint at ``src`` with ``recipe`` (a name from ``fqnckpt recipes``,
-    ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` beside ``src``, then the
-    ``model``'s config, then ``dims``; several Meta shards set ``dims["shards"]``.
+    ``"auto"``, or a :class:`Recipe`). Dims come from ``params.json`` (or else transformers'
+    ``config.json``) beside ``src``, then the ``model``'s config, then ``dims``; several Meta
+    shards read set ``dims["shards"]``, and ``dims["shards"]`` is how many a Meta target gets.
+    ``src`` may be a URL (``s3://...``; ``storage_options`` for its filesystem) or an object store:
+    read through the remote source stage (:func:`~checkpoint.convert.catalog.open_catalog`).
 
     The returned plan keeps the source open: call ``plan.catalog.close()`` when done.
 
     Raises:
-        RecipeError: unknown recipe, one that needs ``model=``, or ``auto`` with none / several fits.
+        RecipeError: unknown recipe, one that needs ``model=``, ``auto`` with none / several fits,
+            or a Meta target whose ``params.json`` dims are not known (named).
         ConversionError: the plan's checks failed (see :func:`plan_conversion`); nothing was read.
     """
-    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key)
+    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
+    src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
-        d = resolve_dims(params_dims(catalog.params), model_dims(model), dims)
+        d = resolve_dims(params_dims(catalog.params), hf_dims(catalog.hf_config), model_dims(model), dims)
         if catalog.shards > 1:
             d["shards"] = catalog.shards
         if recipe == "auto":
             return _auto(catalog, model, d, str(src))
         rec = get_recipe(recipe, model)
+        missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
+        if missing:
+            raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
         return plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
     except BaseException:
         catalog.close()
@@ -75,20 +85,20 @@ def open_conversion(src: str | os.PathLike, recipe: str | Recipe, *, model: Any 
 
 def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     """Files written beside the tensors: the report, and ``config.json`` (+ ``generation_config.json``)
-    for a Hugging Face target model, or ``params.json`` for Meta's layout."""
+    for a Hugging Face target model, or ``params.json`` for Meta's layout (from the model's config
+    or the source's ``config.json``)."""
     out = {CONVERSION_REPORT_NAME: plan.report.model_dump_json(indent=2).encode()}
-    if model is None or getattr(model, "config", None) is None:
-        return out
-    if plan.recipe.writes in ("hf", "hf-model"):
+    if plan.recipe.writes == "meta":
+        out[PARAMS_NAME] = write_params_json(plan.dims, hf_config_of(model) or plan.catalog.hf_config)
+    elif plan.recipe.writes in ("hf", "hf-model") and model is not None:
         out.update(hf_config_files(model))
-    elif plan.recipe.writes == "meta":
-        out[PARAMS_NAME] = write_params_json(plan.dims, model)
     return out
 
 
-def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
+def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
                model: Any = None, dims: Mapping[str, int] | None = None, key: str | None = None,
-               dry_run: bool = False, trusted_globals: Iterable[Any] = (), progress: bool | None = None) -> ConversionReport:  # fmt: skip
+               dry_run: bool = False, trusted_globals: Iterable[Any] = (), progress: bool | None = None,
+               storage_options: Mapping | None = None) -> ConversionReport:  # fmt: skip
     """Plan, then (unless ``dry_run``) stream every target through ``write(specs, fetch, extra_files)``.
 
     Returns:
@@ -97,13 +107,14 @@ def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Rec
     Raises:
         RecipeError, ConversionError: as :func:`open_conversion`; plus whatever ``write`` raises.
     """
-    plan = open_conversion(src, recipe, model=model, dims=dims, key=key, trusted_globals=trusted_globals)
+    plan = open_conversion(src, recipe, model=model, dims=dims, key=key, trusted_globals=trusted_globals,
+                           storage_options=storage_options)  # fmt: skip
     try:
         report = plan.report
         if dry_run:
             report.dry_run = True
             return report
-        report.destination = os.fspath(dst)
+        report.destination = getattr(dst, "url", None) or os.fspath(dst)
         report.written = True
         bar = progress_bar(report.total_bytes, "convert", progress)
 
@@ -113,7 +124,7 @@ def run_recipe(src: str | os.PathLike, dst: str | os.PathLike, recipe: str | Rec
             return t
 
         try:
-            write(plan.specs, fetch, side_files(plan, model))
+            write(plan.specs, fetch, side_files(plan, model), plan.recipe.writes)
         except BaseException:
             report.written = False
             raise

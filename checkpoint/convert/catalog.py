@@ -13,21 +13,26 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import CorruptCheckpointError, external_errors
+from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
+from ..storage.location import is_remote, resolve
+from ..storage.urls import is_url
 
 PARAMS_NAME = "params.json"
+HF_CONFIG_NAME = "config.json"
+PARAMS_DIMS = ("dim", "n_layers", "n_heads", "n_kv_heads")  # what params.json needs
 _SHARD = re.compile(r"^consolidated\.(\d+)\.pth$")
 
 
 class MetaParams(BaseModel):
-    """Meta's ``params.json`` (fields fqnckpt uses; others are kept)."""
+    """Meta's ``params.json`` (fields fqnckpt uses; others are kept). ``multiple_of`` and
+    ``ffn_dim_multiplier`` give the MLP width as Meta's ``FeedForward`` computes it."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -38,6 +43,31 @@ class MetaParams(BaseModel):
     vocab_size: int | None = None
     norm_eps: float | None = None
     rope_theta: float | None = None
+    multiple_of: int | None = None
+    ffn_dim_multiplier: float | None = None
+
+
+class HFTextConfig(BaseModel):
+    """The fields of a transformers ``config.json`` (its ``text_config`` for a multimodal model)
+    that give a conversion its dims and Meta's ``params.json``; others are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    hidden_size: int | None = None
+    head_dim: int | None = None
+    num_hidden_layers: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_parameters: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> HFTextConfig:
+        text = data.get("text_config")
+        return cls.model_validate(text if isinstance(text, Mapping) else data)
 
 
 class Catalog:
@@ -47,10 +77,11 @@ class Catalog:
         CorruptCheckpointError: shards with different keys or dtypes (the file is named).
     """
 
-    def __init__(self, path: Path, sources: list[Source], params: MetaParams | None):
+    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None):
         self.path = path
         self.sources = sources
         self.params = params
+        self.hf_config = hf_config
         first = sources[0]
         self._keys = first.keys()
         for s in sources[1:]:
@@ -90,27 +121,81 @@ class Catalog:
             s.close()
 
 
-def _read_params(p: Path) -> MetaParams | None:
-    f = p / PARAMS_NAME if p.is_dir() else p.parent / PARAMS_NAME
-    if not f.is_file():
-        return None
+def _beside(p: Path, name: str) -> Path:
+    return p / name if p.is_dir() else p.parent / name
+
+
+def _parse_params(data: bytes, where: str) -> MetaParams:
     try:
-        return MetaParams.model_validate_json(f.read_bytes())
+        return MetaParams.model_validate_json(data)
     except ValidationError as e:
         err = e.errors()[0]
-        raise CorruptCheckpointError(str(f), f"not a Meta params.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise CorruptCheckpointError(where, f"not a Meta params.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-def open_catalog(path: str | os.PathLike, *, trusted_globals: Iterable[Any] = (), key: str | None = None) -> Catalog:
+def _parse_hf_config(data: bytes, where: str) -> HFTextConfig:
+    try:
+        parsed = json.loads(data)
+        if not isinstance(parsed, dict):
+            raise ValueError("not a JSON object")
+        return HFTextConfig.of(parsed)
+    except (ValueError, ValidationError) as e:
+        raise CorruptCheckpointError(where, f"not a transformers config.json: {str(e).splitlines()[0]}") from None
+
+
+def _side_configs(read) -> tuple[MetaParams | None, HFTextConfig | None]:
+    """``params.json`` (Meta) or else ``config.json`` (transformers) beside the source;
+    ``read(name) -> (bytes | None, where)``."""
+    data, where = read(PARAMS_NAME)
+    if data is not None:
+        return _parse_params(data, where), None
+    data, where = read(HF_CONFIG_NAME)
+    return None, (_parse_hf_config(data, where) if data is not None else None)
+
+
+def _local_file(p: Path):
+    def read(name: str) -> tuple[bytes | None, str]:
+        f = _beside(p, name)
+        return (f.read_bytes() if f.is_file() else None), str(f)
+
+    return read
+
+
+def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> Catalog:
+    """A checkpoint on object storage: its model part through the remote source stage
+    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read), and
+    ``params.json`` / ``config.json`` from the same committed view."""
+    from ..sources.remote import open_remote_source  # fsspec is optional
+    from ..storage.remote_reader import remote_view
+
+    if key is not None:
+        raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
+    store = resolve(url, storage_options)
+    with remote_view(store) as view:
+        src = open_remote_source(store)
+        try:
+            params, hf_config = _side_configs(lambda n: (view.member_bytes(n), store.url_of(n)))
+        except BaseException:
+            src.close()
+            raise
+    return Catalog(PurePosixPath(store.url), [src], params, hf_config)
+
+
+def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | None = None,
+                 storage_options: Mapping | None = None) -> Catalog:  # fmt: skip
     """Open ``path``: a directory of ``consolidated.NN.pth`` shards (numbered 0..n-1, no gap), or
-    any single source :func:`checkpoint.sources.open_source` reads.
+    any single source :func:`checkpoint.sources.open_source` reads; a URL (``s3://...``, or a
+    resolved object store) through the remote source stage (fqnckpt / Hugging Face safetensors;
+    ``storage_options`` go to its filesystem).
 
     Raises:
         CorruptCheckpointError: shard numbers with a gap, shards that disagree, a bad params.json.
         and whatever :func:`open_source` raises for each file.
     """
+    if is_url(path) or is_remote(path):
+        return _open_remote(path, storage_options, key)
     p = Path(path)
-    params = _read_params(p)
+    params, hf_config = _side_configs(_local_file(p))
     shard_files = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _SHARD.match(f.name))) if p.is_dir() else []
     opened: list[Source] = []
     try:
@@ -123,29 +208,42 @@ def open_catalog(path: str | os.PathLike, *, trusted_globals: Iterable[Any] = ()
         else:
             with external_errors(os.fspath(p), what="reading"):
                 opened.append(open_source(p, key=key, trusted_globals=trusted_globals))
-        return Catalog(p, opened, params)
+        return Catalog(p, opened, params, hf_config)
     except BaseException:
         for s in opened:
             s.close()
         raise
 
 
-def model_dims(model: Any) -> dict[str, int]:
-    """``n_heads`` / ``n_kv_heads`` / ``dim`` / ``head_dim`` from a ``PreTrainedModel``'s text config."""
+def hf_config_of(model: Any) -> HFTextConfig | None:
+    """The :class:`HFTextConfig` of a ``PreTrainedModel`` (its text config); None without one."""
     cfg = getattr(model, "config", None)
-    if cfg is None:
-        return {}
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return None
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
+    # getattr follows the config's attribute_map (GPT-2's n_head is num_attention_heads)
+    return HFTextConfig.model_validate({f: getattr(cfg, f, None) for f in HFTextConfig.model_fields})
+
+
+def hf_dims(cfg: HFTextConfig | None) -> dict[str, int]:
+    """``n_heads`` / ``n_kv_heads`` / ``dim`` / ``head_dim`` / ``n_layers`` from a transformers config."""
+    if cfg is None:
+        return {}
     out: dict[str, int] = {}
     for ours, theirs in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
                          ("dim", "hidden_size"), ("head_dim", "head_dim"), ("n_layers", "num_hidden_layers")):  # fmt: skip
-        v = getattr(cfg, theirs, None)
+        v = getattr(cfg, theirs)
         if isinstance(v, int):
             out[ours] = v
     if "n_heads" in out:
         out.setdefault("n_kv_heads", out["n_heads"])
     return out
+
+
+def model_dims(model: Any) -> dict[str, int]:
+    """:func:`hf_dims` of a ``PreTrainedModel``'s text config ({} for another module)."""
+    return hf_dims(hf_config_of(model))
 
 
 def params_dims(params: MetaParams | None) -> dict[str, int]:
@@ -164,14 +262,44 @@ def resolve_dims(*sources: Mapping[str, int] | None) -> dict[str, int]:
     return out
 
 
-def write_params_json(dims: Mapping[str, int], model: Any) -> bytes:
-    """Meta ``params.json`` for an HF Llama-family ``model`` (dims plus norm_eps / rope_theta / vocab)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    out = {"dim": dims["dim"], "n_layers": dims["n_layers"], "n_heads": dims["n_heads"], "n_kv_heads": dims["n_kv_heads"],
-           "vocab_size": cfg.vocab_size, "norm_eps": getattr(cfg, "rms_norm_eps", None),
-           "rope_theta": rope.get("rope_theta", getattr(cfg, "rope_theta", None))}  # fmt: skip
-    return json.dumps(out, indent=2).encode()
+def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta ``FeedForward``'s hidden width: ``int(2 * 4 * dim / 3)``, times the multiplier, rounded
+    up to a multiple of ``multiple_of`` (transformers ``convert_llama_weights_to_hf.compute_intermediate_size``)."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-__all__ = ["Catalog", "MetaParams", "open_catalog", "model_dims", "params_dims", "resolve_dims", "PARAMS_NAME"]
+def _ffn_params(dim: int, ffn: int) -> dict[str, Any]:
+    """``multiple_of`` (+ ``ffn_dim_multiplier``) that give ``ffn`` back by :func:`meta_ffn_dim`:
+    the largest power of two up to 1024 alone if it does, else with the multiplier; {} if none does."""
+    powers = [m for m in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if ffn % m == 0]
+    for m in powers:
+        if meta_ffn_dim(dim, m, None) == ffn:
+            return {"multiple_of": m}
+    for m in powers:
+        mult = ffn / int(2 * 4 * dim / 3)
+        for cand in (round(mult, 6), mult, mult + 1e-9):
+            if meta_ffn_dim(dim, m, cand) == ffn:
+                return {"multiple_of": m, "ffn_dim_multiplier": cand}
+    return {}
+
+
+def write_params_json(dims: Mapping[str, int], cfg: HFTextConfig | None) -> bytes:
+    """Meta ``params.json`` from the dims and (where given) an HF Llama-family config: ``dim``,
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``norm_eps``, ``rope_theta`` and the
+    ``multiple_of`` / ``ffn_dim_multiplier`` that give back ``intermediate_size``. Fields the
+    config does not give are left out; :class:`MetaParams` reads the file back. ``dims`` must
+    hold :data:`PARAMS_DIMS` (checked when the conversion is opened)."""
+    out: dict[str, Any] = {k: int(dims[k]) for k in PARAMS_DIMS}
+    if cfg is not None:
+        rope = cfg.rope_parameters or {}
+        out.update(vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps, rope_theta=rope.get("rope_theta", cfg.rope_theta))
+        if cfg.intermediate_size:
+            out.update(_ffn_params(out["dim"], cfg.intermediate_size))
+    return json.dumps({k: v for k, v in out.items() if v is not None}, indent=2).encode()
+
+
+__all__ = ["Catalog", "MetaParams", "HFTextConfig", "open_catalog", "hf_config_of", "hf_dims", "model_dims", "params_dims",
+           "resolve_dims", "write_params_json", "meta_ffn_dim", "PARAMS_NAME", "HF_CONFIG_NAME"]

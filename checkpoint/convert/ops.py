@@ -229,9 +229,11 @@ class SplitQKV(Op):
 class JoinShards(Op):
     """Each list value (one tensor per model-parallel shard, Meta ``consolidated.NN.pth`` order)
     -> ``torch.cat(shards, dim)``; ``dim=None`` for a replicated tensor (norms): the shards must be
-    equal (``torch.equal``) and one is kept."""
+    equal (``torch.equal``) and one is kept. ``heads`` names the head count a shard must hold whole
+    pieces of (Q: ``n_heads``; K / V: ``n_kv_heads``), checked by the inverse split."""
 
     dim: int | None = 0
+    heads: str | None = None
 
     def apply(self, values, dims):
         out = []
@@ -246,31 +248,39 @@ class JoinShards(Op):
         return out
 
     def inverse(self):
-        return SplitShards(self.dim)
+        return SplitShards(self.dim, self.heads)
 
 
 @dataclass(frozen=True)
 class SplitShards(Op):
-    """Each tensor -> ``dims["shards"]`` model-parallel pieces along ``dim`` (copies when
-    ``dim=None``); inverse of :class:`JoinShards`."""
+    """Each tensor -> ``dims["shards"]`` model-parallel pieces along ``dim`` (the same tensor for
+    each when ``dim=None``); inverse of :class:`JoinShards`. With ``heads``, every shard must get
+    whole heads (``dims[heads]`` divisible by the shard count), as Meta's model parallelism splits
+    Q / K / V by heads.
+
+    Raises:
+        OpError: the size along ``dim`` or the head count does not divide by the shard count."""
 
     dim: int | None = 0
+    heads: str | None = None
 
     def apply(self, values, dims):
         n = _dim(dims, "shards", self)
+        if self.heads is not None and self.dim is not None and _dim(dims, self.heads, self) % n:
+            raise OpError(f"{self.describe()}: {self.heads}={dims[self.heads]} heads do not split in {n} shards")
         out = []
         for v in values:
             t = _tensor(v, self)
             if self.dim is None:
                 out.append([t] * n)
             elif t.shape[self.dim] % n:
-                raise OpError(f"{self.describe()}: size {t.shape[self.dim]} does not split in {n} shards")
+                raise OpError(f"{self.describe()}: size {t.shape[self.dim]} along dim {self.dim} of shape {list(t.shape)} does not split in {n} shards")
             else:
-                out.append([c.contiguous() for c in t.chunk(n, self.dim)])
+                out.append(list(t.chunk(n, self.dim)))  # views: the writer clones each
         return out
 
     def inverse(self):
-        return JoinShards(self.dim)
+        return JoinShards(self.dim, self.heads)
 
 
 __all__ = ["JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "FuseQKV", "SplitQKV"]

@@ -21,7 +21,9 @@ from fqn import TensorKind, eager_tensors
 from ..storage.layout import TensorSpec
 from .catalog import Catalog
 from .layers import layer_problems
-from .ops import JoinShards, OpError, Value
+from .recipes import RecipeError
+from .meta_files import shard_target
+from .ops import JoinShards, OpError, SplitShards, Value
 from .report import ConversionError, ConversionReport, GroupEntry, Problem, RuleUse
 from .rules import Pattern, Recipe, Rule
 
@@ -41,8 +43,17 @@ class Group:
         return [m[i] for m in self.members for i in sorted(m, key=lambda x: -1 if x is None else x)]
 
 
-def _ops(rule: Rule, shards: int) -> tuple:
-    return ((JoinShards(rule.shard_dim),) if shards > 1 else ()) + rule.ops
+def _ops(rule: Rule, shards: int, out_shards: int = 1) -> tuple:
+    """The rule's ops, after joining the source's model-parallel shards and before splitting
+    into the target's (Meta ``consolidated.NN.pth``)."""
+    join = (JoinShards(rule.shard_dim, rule.shard_heads),) if shards > 1 else ()
+    split = (SplitShards(rule.shard_dim, rule.shard_heads),) if out_shards > 1 else ()
+    return join + rule.ops + split
+
+
+def writes_shards(recipe: Recipe, dims: Mapping[str, int]) -> int:
+    """How many model-parallel shards the target gets: ``dims["shards"]`` for Meta's layout, else 1."""
+    return int(dims.get("shards", 1)) if recipe.writes == "meta" else 1
 
 
 def _inputs(group: Group, shards: int, read) -> list[Value]:
@@ -57,11 +68,14 @@ def _inputs(group: Group, shards: int, read) -> list[Value]:
     return out
 
 
-def _outputs(group: Group, values: list[Value]) -> list[tuple[str, torch.Tensor]]:
-    """Name the op results after the target patterns (a gathered target takes a list)."""
+def _outputs(group: Group, values: list[Value], out_shards: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """Name the op results after the target patterns (a gathered target takes a list; with
+    ``out_shards`` > 1 each target is a list of shards, named by :func:`shard_target`)."""
     out = []
     for pat, v in zip(group.rule.target_patterns, values):
-        if pat.gathered is None:
+        if out_shards > 1:
+            out += [(shard_target(s, pat.format(group.values)), t) for s, t in enumerate(v)]
+        elif pat.gathered is None:
             if isinstance(v, list):
                 raise OpError(f"target {pat.text!r} is one tensor but the ops made a list of {len(v)}")
             out.append((pat.format(group.values), v))
@@ -72,7 +86,7 @@ def _outputs(group: Group, values: list[Value]) -> list[tuple[str, torch.Tensor]
     return out
 
 
-def _meta_apply(group: Group, catalog: Catalog, shards: int, dims: Mapping[str, int]) -> list[Value]:
+def _meta_apply(group: Group, catalog: Catalog, shards: int, dims: Mapping[str, int], out_shards: int) -> list[Value]:
     """The group's ops on meta tensors: output shapes and dtypes, no data read."""
 
     def meta(key: str, shard: int) -> torch.Tensor:
@@ -80,7 +94,7 @@ def _meta_apply(group: Group, catalog: Catalog, shards: int, dims: Mapping[str, 
         return torch.empty(s.shape, dtype=s.dtype, device="meta")
 
     values = _inputs(group, shards, meta)
-    for op in _ops(group.rule, shards):
+    for op in _ops(group.rule, shards, out_shards):
         if isinstance(op, JoinShards) and op.dim is None:  # equality is checked on the data
             values = [v[0] if isinstance(v, list) else v for v in values]
             continue
@@ -103,6 +117,7 @@ class ConversionPlan:
                  unchanged: dict[str, str], report: ConversionReport):  # fmt: skip
         self.catalog, self.recipe, self.dims = catalog, recipe, dims
         self.groups, self.unchanged, self.report = groups, unchanged, report
+        self.out_shards = writes_shards(recipe, dims)
         self._group_of: dict[str, int] = {}
         self.specs: list[TensorSpec] = []
         for gi, g in enumerate(groups):
@@ -118,9 +133,9 @@ class ConversionPlan:
         """Read the group's source tensors and apply its ops: ``[(target, tensor)]``."""
         shards = self.catalog.shards
         values = _inputs(group, shards, self.catalog.get)
-        for op in _ops(group.rule, shards):
+        for op in _ops(group.rule, shards, self.out_shards):
             values = op.apply(values, self.dims)
-        return [(_apply_renames(n, self.recipe.post), t) for n, t in _outputs(group, values)]
+        return [(_apply_renames(n, self.recipe.post), t) for n, t in _outputs(group, values, self.out_shards)]
 
     def fetch(self, spec: TensorSpec) -> torch.Tensor:
         name = spec.fqn
@@ -155,7 +170,9 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             shaped targets. ``.report.problems`` names every key; nothing was read or written.
     """
     dims = dict(dims)
-    shards = catalog.shards
+    shards, out_shards = catalog.shards, writes_shards(recipe, dims)
+    if out_shards > 1 and (recipe.passthrough or recipe.post):
+        raise RecipeError(f"recipe {recipe.name!r}: model-parallel shards need every key named by a rule (no passthrough)")
     report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
                               shards=shards, dims=dims, rules=[RuleUse(rule=r.describe()) for r in recipe.rules])  # fmt: skip
     problems = report.problems
@@ -163,6 +180,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     groups: dict[tuple, Group] = {}
     unchanged: dict[str, str] = {}
     renamed: dict[str, str] = {}
+    present = {_apply_renames(k, recipe.pre) for k in catalog.keys()}  # for Rule.when_present / when_absent
     for key in catalog.keys():
         name = _apply_renames(key, recipe.pre)
         if name in renamed:
@@ -176,7 +194,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         for ri, rule in enumerate(recipe.rules):
             for pi, pat in enumerate(rule.source_patterns):
                 vals = pat.match(name)
-                if vals is not None:
+                if vals is not None and rule.applies(vals, present):
                     hits.append((ri, pi, pat, vals))
         if len(hits) > 1:
             problems.append(Problem(kind="ambiguous", keys=[key], message=f"{key!r} matches {len(hits)} rules: {[recipe.rules[h[0]].describe() for h in hits]}"))
@@ -227,8 +245,8 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             sig = (g.rule_index, tuple((len(m), *(tuple(s.shape) + (s.dtype,) for k in m.values() for s in catalog.specs(k))) for m in g.members))
             values = meta_results.get(sig)
             if values is None:
-                values = meta_results[sig] = _meta_apply(g, catalog, shards, dims)
-            outs = _outputs(g, values)
+                values = meta_results[sig] = _meta_apply(g, catalog, shards, dims, out_shards)
+            outs = _outputs(g, values, out_shards)
         except (OpError, RuntimeError, ValueError) as e:
             problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
             continue

@@ -6,9 +6,10 @@ Each target is computed by its rule group from the group's source tensors only (
 e.g. one layer's experts); the outputs of the last :data:`GROUPS_KEPT` groups are kept, because the
 value checks and the copies ask for the same targets one after the other. A rank holding a block
 of a target (a DTensor shard) reads only that block where the rule allows it (renames, one expert
-of a stacked tensor, some experts of a stack, whole heads of a RoPE row permute:
-:meth:`ConvertedReader.get_slice`); for the other ops (fused splits, transformers' fused experts,
-joins of model-parallel shards, a block cutting a head) the target is computed
+of a stacked tensor, some experts of a stack or of transformers' fused ``gate_up_proj``, whole
+heads of a RoPE row permute, whole KV groups of a fused QKV: :meth:`ConvertedReader.get_slice`);
+for the other ops (gate/up chunks, joins of model-parallel shards, a block cutting a head or a
+group) the target is computed
 whole from its group's sources and cut, so a rank still reads no tensor its targets do not need.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..storage.layout import TensorSpec
-from .ops import PermuteRope, Stack, Unstack
+from .ops import Concat, PermuteRope, SplitQKV, Stack, Unstack
 from .plan import ConversionPlan
 
 GROUPS_KEPT = 2
@@ -81,8 +82,10 @@ class ConvertedReader:
         """Block ``target[slices]``. Read alone from the source where the rule allows it: a
         target the rule only renames (its block is the source's block), one expert of a stacked
         source (``Unstack``: a block of the source's row), a block of stacked experts (``Stack``:
-        only the experts in ``slices[0]``, each only its block), whole heads of a RoPE row permute.
-        Otherwise the target is computed whole by its group and cut."""
+        only the experts in ``slices[0]``, each only its block; the same under transformers' fused
+        ``gate_up_proj`` concatenation), whole heads of a RoPE row permute, whole KV groups of q /
+        k / v split from Megatron's ``linear_qkv``. Otherwise the target is computed whole by its
+        group and cut."""
         slices = tuple(slices)
         plan, cat = self.plan, self.plan.catalog
         gi = plan._group_of.get(key)
@@ -101,14 +104,57 @@ class ConvertedReader:
                 if ops == (Unstack(0),) and pats[0].gathered is None and g.rule.target_patterns[0].gathered is not None:
                     e = g.targets.index(key)
                     return cat.get_slice(members[None], (slice(e, e + 1), *slices))[0]
-                if ops == (Stack(0),) and pats[0].gathered is not None and slices:
-                    experts = range(len(members))[slices[0]]
-                    return torch.stack([cat.get_slice(members[e], slices[1:]) for e in experts], 0)
                 if len(ops) == 1 and isinstance(ops[0], PermuteRope) and pats[0].gathered is None and slices:
                     block = self._whole_heads(key, ops[0], members[None], slices)
                     if block is not None:
                         return block
+            if len(g.rule.target_patterns) == 1 and slices and all(p.gathered is not None for p in pats):
+                block = self._some_experts(key, g, slices)
+                if block is not None:
+                    return block
+            if ops and isinstance(ops[0], SplitQKV) and len(ops) == 1 and pats[0].gathered is None and slices:
+                block = self._whole_groups(key, g, ops[0], slices)
+                if block is not None:
+                    return block
         return self.get(key)[slices]
+
+    def _some_experts(self, key: str, g, slices: tuple) -> torch.Tensor | None:
+        """A block of stacked experts (``Stack(0)``, then any ``Concat`` along a later dim, as
+        transformers' fused ``gate_up_proj``): only the experts in ``slices[0]`` are read, each only
+        its block; the concatenated dims must be whole in ``slices``. None when the ops differ."""
+        ops = g.rule.ops
+        if not ops or ops[0] != Stack(0) or not all(isinstance(op, Concat) and op.dim >= 1 for op in ops[1:]):
+            return None
+        shape = self._specs[key].shape
+        whole = {op.dim for op in ops[1:]}
+        if any(d < len(slices) and slices[d].indices(shape[d]) != (0, shape[d], 1) for d in whole):
+            return None
+        src = tuple(slice(None) if d + 1 in whole else sl for d, sl in enumerate(slices[1:]))
+        experts = range(len(g.members[0]))[slices[0]]
+        values = [[self.plan.catalog.get_slice(m[e], src) for e in experts] for m in g.members]
+        for op in ops:
+            values = op.apply(values, self.plan.dims)
+        return values[0]
+
+    def _whole_groups(self, key: str, g, op: SplitQKV, slices: tuple) -> torch.Tensor | None:
+        """Rows ``slices[0]`` of q, k or v split from a grouped-query fused tensor (Megatron
+        ``linear_qkv``) when they are whole KV groups (a ``Shard(0)`` block on a world size
+        dividing the groups): those groups' rows of the fused tensor are contiguous, read alone
+        and split. None when the rows cut a group."""
+        h, kv = self.plan.dims.get(op.heads), self.plan.dims.get(op.kv_heads)
+        if not h or not kv or h % kv:
+            return None
+        src = g.members[0][None]
+        fused_rows = self.plan.catalog.specs(src)[0].shape[0]
+        hd, per = fused_rows // (h + 2 * kv), h // kv
+        which = g.targets.index(key)  # q, k, v
+        group_rows = (per if which == 0 else 1) * hd
+        a, b, step = slices[0].indices(self._specs[key].shape[0])
+        if step != 1 or b <= a or a % group_rows or b % group_rows:
+            return None
+        g0, g1 = a // group_rows, b // group_rows
+        part = self.plan.catalog.get_slice(src, (slice(g0 * (per + 2) * hd, g1 * (per + 2) * hd), *slices[1:]))
+        return op.apply([part], {**self.plan.dims, op.heads: (g1 - g0) * per, op.kv_heads: g1 - g0})[which]
 
     def _whole_heads(self, key: str, op: PermuteRope, src: str, slices: tuple) -> torch.Tensor | None:
         """Rows ``slices[0]`` of a RoPE-permuted target when they are whole heads (a ``Shard(0)``

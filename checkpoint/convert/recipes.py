@@ -26,9 +26,9 @@ def _llama_body(permute: bool) -> tuple[Rule, ...]:
         R("tok_embeddings.weight", "model.embed_tokens.weight", shard_dim=1),
         R("norm.weight", "model.norm.weight", shard_dim=None),
         R("output.weight", "lm_head.weight", shard_dim=0),
-        R("layers.{i}.attention.wq.weight", f"{_L}.self_attn.q_proj.weight", q, shard_dim=0),
-        R("layers.{i}.attention.wk.weight", f"{_L}.self_attn.k_proj.weight", k, shard_dim=0),
-        R("layers.{i}.attention.wv.weight", f"{_L}.self_attn.v_proj.weight", shard_dim=0),
+        R("layers.{i}.attention.wq.weight", f"{_L}.self_attn.q_proj.weight", q, shard_heads="n_heads"),
+        R("layers.{i}.attention.wk.weight", f"{_L}.self_attn.k_proj.weight", k, shard_heads="n_kv_heads"),
+        R("layers.{i}.attention.wv.weight", f"{_L}.self_attn.v_proj.weight", shard_heads="n_kv_heads"),
         R("layers.{i}.attention.wo.weight", f"{_L}.self_attn.o_proj.weight", shard_dim=1),
         R("layers.{i}.attention_norm.weight", f"{_L}.input_layernorm.weight", shard_dim=None),
         R("layers.{i}.ffn_norm.weight", f"{_L}.post_attention_layernorm.weight", shard_dim=None),
@@ -54,11 +54,21 @@ TORCHTITAN_LLAMA3 = Recipe(
     writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted",
 )  # fmt: skip
 
+_WQ_A = "layers.{i}.attention.wq_a.weight"
 TORCHTITAN_MOE = Recipe(
     "torchtitan-moe-to-hf", "hf-to-torchtitan-moe",
     _llama_body(False) + _dense_mlp() + (
-        R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_norm.weight"),
+        # Qwen3: per-head Q / K norms
+        R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_norm.weight", when_absent=_WQ_A),
         R("layers.{i}.attention.k_norm.weight", f"{_L}.self_attn.k_norm.weight"),
+        # DeepSeek-V3 multi-head latent attention (torchtitan deepseek_v3 state_dict_adapter:
+        # renames only, no row permute; wq alone when q_lora_rank is 0, else wq_a / q_norm / wq_b)
+        R(_WQ_A, f"{_L}.self_attn.q_a_proj.weight"),
+        R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_a_layernorm.weight", when_present=_WQ_A),
+        R("layers.{i}.attention.wq_b.weight", f"{_L}.self_attn.q_b_proj.weight"),
+        R("layers.{i}.attention.wkv_a.weight", f"{_L}.self_attn.kv_a_proj_with_mqa.weight"),
+        R("layers.{i}.attention.kv_norm.weight", f"{_L}.self_attn.kv_a_layernorm.weight"),
+        R("layers.{i}.attention.wkv_b.weight", f"{_L}.self_attn.kv_b_proj.weight"),
         R("layers.{i}.moe.router.gate.weight", f"{_L}.mlp.gate.weight"),
         R("layers.{i}.moe.expert_bias", f"{_L}.mlp.gate.e_score_correction_bias"),
         R("layers.{i}.moe.experts.w1", f"{_L}.mlp.experts.{{*e}}.gate_proj.weight", (Unstack(0),)),

@@ -93,8 +93,15 @@ class Rule:
     """Source patterns -> ``ops`` -> target patterns (one value per pattern, in order).
 
     ``shard_dim`` says how a tensor split over model-parallel shards (Meta ``consolidated.NN.pth``)
-    is joined before the ops: the dim to concatenate, ``None`` for a replicated tensor. A
+    is joined before the ops (read) or split after them (written): the dim to concatenate, ``None``
+    for a replicated tensor; ``shard_heads`` the head count each shard holds whole pieces of. A
     :class:`~checkpoint.convert.ops.Chunk` with ``parts=0`` is given the count it must produce.
+
+    ``when_present`` / ``when_absent``: a source key pattern (formatted with the match's
+    placeholders) that must be / must not be in the source for the rule to take a key; they tell
+    apart two layouts sharing a name (torchtitan's ``attention.q_norm`` is Qwen3's per-head Q norm,
+    but DeepSeek-V3's ``q_a_layernorm`` when ``attention.wq_a`` is there). The inverse has none:
+    its sources are the other layout's distinct names (a key matching two rules is still refused).
 
     Raises:
         ValueError: the ops do not turn ``len(sources)`` values into ``len(targets)``, or the
@@ -105,6 +112,9 @@ class Rule:
     targets: tuple[str, ...]
     ops: tuple[Op, ...] = ()
     shard_dim: int | None = 0
+    shard_heads: str | None = None
+    when_present: str | None = None
+    when_absent: str | None = None
 
     def __post_init__(self) -> None:
         for k in ("sources", "targets"):
@@ -130,6 +140,12 @@ class Rule:
             unbound = set(p.names) - bound - {p.gathered}
             if unbound:
                 raise ValueError(f"rule {self.describe()}: target {p.text!r} uses {sorted(unbound)} the sources do not bind")
+
+    def applies(self, values: dict[str, str], present: set[str] | frozenset[str]) -> bool:
+        """Whether a match with ``values`` is taken, given the source's keys ``present``."""
+        if self.when_present is not None and Pattern(self.when_present).format(values) not in present:
+            return False
+        return self.when_absent is None or Pattern(self.when_absent).format(values) not in present
 
     @cached_property
     def source_patterns(self) -> tuple[Pattern, ...]:
@@ -160,7 +176,7 @@ class Rule:
             return _PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}{m.group(2)}}}", text)
 
         new_sources = tuple(with_regex(t) for t in self.targets)
-        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim)
+        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim, self.shard_heads)
 
     def describe(self) -> str:
         ops = ", ".join(op.describe() for op in self.ops)

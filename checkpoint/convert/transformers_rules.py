@@ -82,6 +82,19 @@ class TransformersRename:
         return repr(self.forward)
 
 
+def _eager_model(model: Any) -> Any:
+    """``model``, or for a wrapper class (``fully_shard``'s ``FSDP<Name>``, a parallel module's
+    subclass) a meta-device instance of the transformers class it derives from: transformers looks
+    the mapping up by class name and, not finding ``FSDP<Name>``, would scope its rules."""
+    eager = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    if eager is type(model):
+        return model
+    import torch
+
+    with torch.device("meta"):
+        return eager(model.config)
+
+
 def experts_recipe(model: Any) -> Recipe:
     """``experts-to-fused`` for ``model`` (a transformers ``PreTrainedModel``).
 
@@ -96,6 +109,7 @@ def experts_recipe(model: Any) -> Recipe:
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"experts-to-fused takes its rules from a transformers PreTrainedModel, got {type(model).__name__}")
+    model = _eager_model(model)
     own = {repr(t) for t in get_model_conversion_mapping(model, add_legacy=False)}
     pre, rules = [], []
     for t in get_model_conversion_mapping(model, add_legacy=True):

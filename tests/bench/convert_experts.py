@@ -2,7 +2,8 @@
 same bytes (not collected by pytest). Goal (issue 24): time <= 3x the reference, peak tensor
 memory <= 2x the largest layer's experts.
 
-Each round runs both in the same process, alternating; prints median and range of the ratio.
+Each round runs both in the same process, their order alternating between rounds; prints median
+and range of the ratio and the machine's load average.
 Memory: an upper bound of the tensor bytes the conversion holds at once (the group's inputs, every
 op's outputs as if all stayed alive, plus outputs kept for the writer), over one layer's expert
 bytes; and the peak RSS growth of a fresh subprocess doing the migration, beside the same figure
@@ -46,7 +47,7 @@ class Counted:  # every op's outputs counted as if all stayed alive: an upper bo
         held["group"] += nbytes(out)
         return out
 orig_ops, orig_compute = plan_mod._ops, plan_mod.ConversionPlan.compute
-plan_mod._ops = lambda rule, shards: tuple(Counted(op) for op in orig_ops(rule, shards))
+plan_mod._ops = lambda rule, *shards: tuple(Counted(op) for op in orig_ops(rule, *shards))
 def compute(self, g):
     held["group"] = sum(self.catalog.nbytes(k) for k in g.source_keys())  # the inputs read
     out = orig_compute(self, g)
@@ -107,16 +108,25 @@ def main() -> None:
         save_file({k: v.contiguous() for k, v in hub.items()}, src)
         del sd, hub
         print(f"{len(load_file(src))} tensors, {total / 2**20:.1f} MiB, one layer's experts {layer_experts / 2**20:.2f} MiB")
-        ratios = []
-        for r in range(a.rounds):
+        def reference(r: int) -> float:
             t0 = time.perf_counter()
             save_file(load_file(src), os.path.join(d, f"ref{r}.safetensors"))
-            ref = time.perf_counter() - t0
+            return time.perf_counter() - t0
+
+        def convert(r: int) -> float:
             t0 = time.perf_counter()
             checkpoint.migrate(src, os.path.join(d, f"out{r}"), recipe="experts-to-fused", model=model)
-            ours = time.perf_counter() - t0
+            return time.perf_counter() - t0
+
+        ratios = []
+        for r in range(a.rounds):  # alternated order: neither side always runs on a warm cache
+            if r % 2 == 0:
+                ref, ours = reference(r), convert(r)
+            else:
+                ours, ref = convert(r), reference(r)
             ratios.append(ours / ref)
             print(f"round {r}: safetensors load_file+save_file {ref:.2f} s, experts-to-fused {ours:.2f} s, ratio {ours / ref:.2f}")
+        print(f"load average (1, 5, 15 min) after the rounds: {os.getloadavg()}")
         print(f"time ratio vs load_file+save_file: median {statistics.median(ratios):.2f} "
               f"(range {min(ratios):.2f}-{max(ratios):.2f}; goal <= 3)")  # fmt: skip
         out = subprocess.run([sys.executable, "-c", CHILD, src, os.path.join(d, "mem"), json.dumps(cfgd)],
