@@ -71,7 +71,9 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
     def write(specs, fetch, extra, layout=None) -> None:
         if layout == "meta":
             if is_remote(resolve(path)):
-                raise NotImplementedError(f"Meta's consolidated.NN.pth files are written to local paths only, not {path}")
+                raise CheckpointWriteError(
+                    str(path), "Meta's consolidated.NN.pth files are written to local paths only (save locally, then upload)"
+                )
             write_meta_checkpoint(resolve(path), specs, fetch, extra, overwrite)
             return
         _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)

@@ -428,6 +428,9 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     assert stats.bytes_read >= rep.total_bytes
     _same(fresh, hf)  # the RoPE permute undone: the original tensors, bit for bit
     fs, root = fsspec.core.url_to_fs("s3://bkt/conv/tt", **opts)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="local paths only"):  # Meta's .pth files
+        checkpoint.migrate("s3://bkt/conv/hf", "s3://bkt/conv/meta", recipe="hf-to-meta-llama", storage_options=opts)
+    assert not fs.exists("bkt/conv/meta")
     shard = next(p for p in fs.find(root) if p.endswith(".safetensors"))
     fs.rm_file(shard)
     target = transformers.LlamaForCausalLM(cfg)
