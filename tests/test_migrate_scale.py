@@ -15,12 +15,13 @@ import checkpoint
 from checkpoint.sources import dcp as dcp_source
 from checkpoint.sources import open_source
 from checkpoint.sources import safetensors_files as st_source
+from checkpoint.sources import st_headers
 
 
 def test_one_header_parse_per_file(tmp_path, monkeypatch):
     opened: list[str] = []
-    real_open, real_reopen = st_source._open, st_source._FileReader._reopen
-    monkeypatch.setattr(st_source, "_open", lambda p: opened.append(p.name) or real_open(p))
+    real_open, real_reopen = st_headers._open, st_source._FileReader._reopen
+    monkeypatch.setattr(st_headers, "_open", lambda p, fw: opened.append(p.name) or real_open(p, fw))
     monkeypatch.setattr(
         st_source._FileReader, "_reopen", lambda self, n: opened.append("re:" + n) or real_reopen(self, n)
     )
