@@ -608,9 +608,15 @@ def test_cli_recipes_and_migrate_recipe(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     for name in ("meta-llama-to-hf", "hf-to-megatron-gpt", "experts-to-fused", "linear-to-gpt2-conv1d"):
         assert name in out
-    src = write_meta(tmp_path / "meta", meta_state_dict())
+    sd = meta_state_dict()
+    src = write_meta(tmp_path / "meta", sd)
     assert main(["migrate", str(src), str(tmp_path / "hf"), "--recipe", "meta-llama-to-hf"]) == 0
     out = capsys.readouterr().out
+    # No --model: config.json comes from params.json and the tensors' shapes, so from_pretrained
+    # gives Meta's own logits with no file written by hand.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf) is transformers.LlamaForCausalLM and hf.config.intermediate_size == sd["layers.0.feed_forward.w1.weight"].shape[0]
+    assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
     assert f"{L:>5} x layers.{{i}}.attention.wq.weight -> model.layers.{{i}}.self_attn.q_proj.weight [PermuteRope" in out
     assert main(["migrate", str(src), str(tmp_path / "x"), "--recipe", "no-such"]) == 2
     assert "unknown recipe 'no-such'" in capsys.readouterr().err

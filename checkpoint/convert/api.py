@@ -13,8 +13,8 @@ import torch
 
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
-from .hf_files import hf_config_files
-from .catalog import PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
+from .hf_files import hf_config_files, llama_config_from_meta
+from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
@@ -92,7 +92,18 @@ def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
         out[PARAMS_NAME] = write_params_json(plan.dims, hf_config_of(model) or plan.catalog.hf_config)
     elif plan.recipe.writes in ("hf", "hf-model") and model is not None:
         out.update(hf_config_files(model))
+    elif plan.recipe.writes == "hf-model" and plan.catalog.params is not None:  # Meta -> HF, no model
+        out[HF_CONFIG_NAME] = _meta_llama_config(plan)
     return out
+
+
+def _meta_llama_config(plan: ConversionPlan) -> bytes:
+    specs = {s.fqn: s for s in plan.specs}
+    embed, gate = specs.get("model.embed_tokens.weight"), specs.get("model.layers.0.mlp.gate_proj.weight")
+    if embed is None or gate is None:
+        raise ConversionError(plan.report, "no model.embed_tokens / layer-0 gate_proj to size config.json from: pass model=")
+    dtype = str(embed.dtype).removeprefix("torch.")
+    return llama_config_from_meta(plan.catalog.params.model_dump(), gate.shape[0], embed.shape[0], dtype)
 
 
 def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,

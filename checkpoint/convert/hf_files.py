@@ -42,4 +42,35 @@ def hf_config_files(obj: Any) -> dict[str, bytes]:
     return out
 
 
-__all__ = ["hf_config_files", "RUNTIME_ONLY"]
+def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str) -> bytes:
+    """``config.json`` of the HF ``LlamaForCausalLM`` that Meta's ``params.json`` describes, for
+    a conversion with no target model (``fqnckpt migrate meta/ out --recipe meta-llama-to-hf``).
+
+    Fields as transformers' ``convert_llama_weights_to_hf.write_model`` sets them: hidden size,
+    heads, KV heads, layers, ``norm_eps``, ``rope_theta`` and, for ``use_scaled_rope`` (Llama 3.1),
+    the ``llama3`` RoPE scaling (factor 8, low / high frequency factors 1 / 4, 8192 original
+    positions). ``intermediate_size`` and ``vocab_size`` come from the converted tensors' shapes
+    (``gate_proj`` rows, ``embed_tokens`` rows), ``dtype`` (e.g. ``"bfloat16"``) from their dtype;
+    the rest is left to transformers' defaults."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(params.get("rope_theta") or 10000.0)}
+    if params.get("use_scaled_rope"):
+        rope.update(rope_type="llama3", factor=float(params.get("rope_scaling_factor") or 8.0), low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)  # fmt: skip
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": int(params["dim"]),
+        "intermediate_size": int(intermediate_size),
+        "num_attention_heads": int(params["n_heads"]),
+        "num_key_value_heads": int(params.get("n_kv_heads") or params["n_heads"]),
+        "num_hidden_layers": int(params["n_layers"]),
+        "rms_norm_eps": float(params.get("norm_eps") or 1e-5),
+        "vocab_size": int(vocab_size),
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+    }
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+
+__all__ = ["hf_config_files", "llama_config_from_meta", "RUNTIME_ONLY"]
