@@ -259,6 +259,13 @@ def test_experts_to_fused_by_transformers_rules(tmp_path, make):
     assert_equal_sd(read(tmp_path / "back"), hub)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # config.json written
     assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
+    # One command, no --model: the recipe takes its rules from the model the hub's own config.json
+    # describes (built on the meta device); config.json is written beside the fused tensors.
+    from checkpoint.cli.main import main
+
+    assert main(["migrate", str(tmp_path / "hub"), str(tmp_path / "cli"), "--recipe", "experts-to-fused"]) == 0
+    assert_equal_sd(read(tmp_path / "cli"), fused)
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["architectures"] == [type(model).__name__]
 
 
 def test_torchtitan_moe_logits_and_round_trip(tmp_path):

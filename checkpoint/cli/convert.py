@@ -25,7 +25,7 @@ def run_recipes(args: argparse.Namespace) -> int:
         return EXIT_OK
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        need = "  (needs --model)" if r["needs_model"] else ""
+        need = "  (needs --model or the source's config.json)" if r["needs_model"] else ""
         print(f"{r['name']:<{width}}  inverse {r['inverse']:<{width}}  {r['summary']}{need}")
     return EXIT_OK
 

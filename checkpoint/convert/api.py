@@ -13,7 +13,7 @@ import torch
 
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
-from .hf_files import hf_config_files, llama_config_from_meta
+from .hf_files import hf_config_files, llama_config_from_meta, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
@@ -68,6 +68,12 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
     catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
     src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
+        entry = RECIPES.get(recipe) if isinstance(recipe, str) else None
+        if model is None and entry is not None and entry.needs_model and catalog.hf_config is not None:
+            try:  # the source's own config.json describes the model the recipe needs
+                model = meta_model_from_config(catalog.hf_config.whole, f"{src}: config.json")
+            except ValueError as e:
+                raise RecipeError(f"recipe {recipe!r} takes its rules from the target model: pass model= (--model); {e}") from None
         d = resolve_dims(params_dims(catalog.params), hf_dims(catalog.hf_config), model_dims(model), dims)
         if catalog.shards > 1:
             d["shards"] = catalog.shards
@@ -77,7 +83,9 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
         missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
         if missing:
             raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
-        return plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+        plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+        plan.source_model = model
+        return plan
     except BaseException:
         catalog.close()
         raise
@@ -135,7 +143,7 @@ def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write:
             return t
 
         try:
-            write(plan.specs, fetch, side_files(plan, model), plan.recipe.writes)
+            write(plan.specs, fetch, side_files(plan, model if model is not None else plan.source_model), plan.recipe.writes)
         except BaseException:
             report.written = False
             raise

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
@@ -63,11 +63,19 @@ class HFTextConfig(BaseModel):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
     rope_parameters: dict[str, Any] | None = None
+    _whole: dict[str, Any] = PrivateAttr(default_factory=dict)  # the whole file (model_type, ...)
 
     @classmethod
     def of(cls, data: Mapping[str, Any]) -> HFTextConfig:
         text = data.get("text_config")
-        return cls.model_validate(text if isinstance(text, Mapping) else data)
+        out = cls.model_validate(text if isinstance(text, Mapping) else data)
+        out._whole = dict(data)
+        return out
+
+    @property
+    def whole(self) -> dict[str, Any]:
+        """The whole ``config.json`` (not only its text part)."""
+        return dict(self._whole)
 
 
 class Catalog:

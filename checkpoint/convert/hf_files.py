@@ -42,6 +42,29 @@ def hf_config_files(obj: Any) -> dict[str, bytes]:
     return out
 
 
+def meta_model_from_config(config: dict[str, Any], where: str) -> Any:
+    """The transformers model a ``config.json`` describes, built on the meta device (no memory,
+    no weights read): what a recipe that takes its rules and targets from a model uses when the
+    source carries its own config (``fqnckpt migrate hub/ out --recipe experts-to-fused``).
+    ``AutoModelForCausalLM.from_config`` (``trust_remote_code`` stays off: no code from the file).
+
+    Raises:
+        ValueError: transformers is not installed, or it has no causal-LM class for the config
+            (``where`` and ``model_type`` named).
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ValueError(f"{where}: building the model from config.json needs transformers installed") from None
+    try:
+        cfg = transformers.AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: no transformers causal-LM for model_type {config.get('model_type')!r}: {e}") from None
+
+
 def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str) -> bytes:
     """``config.json`` of the HF ``LlamaForCausalLM`` that Meta's ``params.json`` describes, for
     a conversion with no target model (``fqnckpt migrate meta/ out --recipe meta-llama-to-hf``).
@@ -73,4 +96,4 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
-__all__ = ["hf_config_files", "llama_config_from_meta", "RUNTIME_ONLY"]
+__all__ = ["hf_config_files", "llama_config_from_meta", "meta_model_from_config", "RUNTIME_ONLY"]
