@@ -1,6 +1,7 @@
 """Reference forwards for layouts whose model code is not installed (Meta / torchtitan Llama,
-torchtitan Qwen3 MoE, Megatron GPT, GPT-2 with nn.Linear weights), written from the formulas in
-../shared/reference/conversions.md, independent of checkpoint.convert. float32, no cache."""
+torchtitan Qwen3 MoE, torchtitan DeepSeek-V3, Megatron GPT, GPT-2 with nn.Linear weights), written
+from the formulas in ../shared/reference/conversions.md and the torchtitan sources cited below,
+independent of checkpoint.convert. float32, no cache."""
 
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ def rope_half(x, theta):
 
 
 def attend(q, k, v):
-    """Causal grouped-query attention; q (B, T, H, hd), k / v (B, T, G, hd) -> (B, T, H*hd)."""
+    """Causal grouped-query attention scaled by 1/sqrt(q's head dim); q / k (B, T, H or G, hd),
+    v (B, T, G, v_hd) -> (B, T, H*v_hd)."""
     b, t, h, hd = q.shape
     rep = h // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, t, h * hd)
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(b, t, -1)
 
 
 def swiglu(x, w1, w3, w2):
@@ -111,12 +113,75 @@ def torchtitan_qwen3_moe_logits(sd, n_heads, n_kv_heads, top_k, tokens, eps=1e-6
         w, idx = probs.topk(top_k, -1)
         if norm_topk:
             w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(h)
-        w1, w3, w2 = (sd[p + f"moe.experts.{n}"] for n in ("w1", "w3", "w2"))
-        for e in range(w1.shape[0]):  # each expert on the tokens routed to it, weighted
-            tok, j = (idx == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, w[tok, j, None] * swiglu(h[tok], w1[e], w3[e], w2[e]))
-        x = x + out.view(b, t, d)
+        x = x + routed_experts(sd, p, h, w, idx).view(b, t, d)
+    return F.linear(rms(x, sd["norm.weight"], eps), sd["output.weight"])
+
+
+def routed_experts(sd, p, h, w, idx):
+    """Stacked experts ``{p}moe.experts.w1/w3`` [E, F, D], ``w2`` [E, D, F] on tokens h (N, D):
+    each expert's SwiGLU on the tokens routed to it (idx (N, K)), times its weight w (N, K), summed."""
+    out = torch.zeros_like(h)
+    w1, w3, w2 = (sd[p + f"moe.experts.{n}"] for n in ("w1", "w3", "w2"))
+    for e in range(w1.shape[0]):
+        tok, j = (idx == e).nonzero(as_tuple=True)
+        out.index_add_(0, tok, w[tok, j, None] * swiglu(h[tok], w1[e], w3[e], w2[e]))
+    return out
+
+
+def deepseek_v3_route(logits, bias, top_k, n_group, topk_group, route_scale, norm_topk=True):
+    """DeepSeek-V3 routing (torchtitan ``TokenChoiceTopKRouter`` with ``score_func="sigmoid"``):
+    sigmoid scores; ``bias`` (expert_bias) added for the choice only; the ``topk_group`` groups with
+    the largest sum of their top-2 biased scores kept; top-k of those; weights are the unbiased
+    scores, renormalised (+1e-20) when ``norm_topk``, times ``route_scale``. -> weights, ids (N, K)."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    grouped = choice.unflatten(-1, (n_group, -1))
+    keep = grouped.topk(2, -1).values.sum(-1).topk(topk_group, -1).indices
+    mask = torch.ones(grouped.shape[:2], dtype=torch.bool).scatter_(-1, keep, False)
+    idx = grouped.masked_fill(mask[..., None], float("-inf")).flatten(-2).topk(top_k, -1).indices
+    w = scores.gather(-1, idx)
+    if norm_topk:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * route_scale, idx
+
+
+def deepseek_v3_torchtitan_logits(sd, n_heads, rope_dim, top_k, n_group, topk_group, route_scale, tokens,
+                                  norm_topk=True, eps=1e-6, theta=10000.0):  # fmt: skip
+    """torchtitan DeepSeek-V3 (``torchtitan/models/deepseek_v3/model.py`` ``Attention``, b5bcd76):
+    multi-head latent attention with ``wq`` or ``wq_a`` -> ``q_norm`` -> ``wq_b``; ``wkv_a`` gives
+    the compressed kv (``kv_norm``, then ``wkv_b`` -> per head [k_nope; v]) and one shared k_pe;
+    RoPE (``ComplexRoPE``: adjacent pairs) on the last ``rope_dim`` of each q head and on k_pe;
+    softmax scale 1/sqrt(qk_head_dim) (no YaRN). Layers without ``moe.*`` keys are dense
+    (``feed_forward``); MoE layers route by :func:`deepseek_v3_route` and add the shared experts."""
+    x = sd["tok_embeddings.weight"][tokens]
+    b, t, d = x.shape
+    n_layers = len({k.split(".")[1] for k in sd if k.startswith("layers.")})
+    for i in range(n_layers):
+        p = f"layers.{i}.attention."
+        h = rms(x, sd[f"layers.{i}.attention_norm.weight"], eps)
+        if p + "wq.weight" in sd:
+            q = F.linear(h, sd[p + "wq.weight"])
+        else:
+            q = F.linear(rms(F.linear(h, sd[p + "wq_a.weight"]), sd[p + "q_norm.weight"], eps), sd[p + "wq_b.weight"])
+        q = q.view(b, t, n_heads, -1)
+        q = torch.cat([q[..., :-rope_dim], rope_interleaved(q[..., -rope_dim:], theta)], -1)
+        kv_rank = sd[p + "kv_norm.weight"].shape[0]
+        ckv, k_pe = F.linear(h, sd[p + "wkv_a.weight"]).split([kv_rank, rope_dim], -1)
+        k_pe = rope_interleaved(k_pe[:, :, None, :], theta)  # one head, shared by all
+        kv = F.linear(rms(ckv, sd[p + "kv_norm.weight"], eps), sd[p + "wkv_b.weight"]).view(b, t, n_heads, -1)
+        nope = q.shape[-1] - rope_dim
+        k = torch.cat([kv[..., :nope], k_pe.expand(b, t, n_heads, rope_dim)], -1)
+        x = x + F.linear(attend(q, k, kv[..., nope:]), sd[p + "wo.weight"])
+        p = f"layers.{i}."
+        h = rms(x, sd[p + "ffn_norm.weight"], eps)
+        if p + "moe.router.gate.weight" not in sd:
+            x = x + swiglu(h, *(sd[p + f"feed_forward.{n}.weight"] for n in ("w1", "w3", "w2")))
+            continue
+        h = h.reshape(b * t, d)
+        w, idx = deepseek_v3_route(F.linear(h, sd[p + "moe.router.gate.weight"]), sd[p + "moe.expert_bias"],
+                                   top_k, n_group, topk_group, route_scale, norm_topk)  # fmt: skip
+        shared = swiglu(h, *(sd[p + f"moe.shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")))
+        x = x + (routed_experts(sd, p, h, w, idx) + shared).view(b, t, d)
     return F.linear(rms(x, sd["norm.weight"], eps), sd["output.weight"])
 
 

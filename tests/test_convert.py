@@ -283,13 +283,15 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
 
 
-def deepseek_v3(q_lora_rank, seed=11):
+def deepseek_v3(q_lora_rank, rope_interleave=True, seed=11):
+    """Routing exercised for real: 8 experts in 4 groups, the 2 best groups kept, top 3 of their 4
+    experts, routed_scaling_factor 2.5, and a non-zero e_score_correction_bias."""
     cfg = transformers.DeepseekV3Config(
         vocab_size=V, hidden_size=H, intermediate_size=FF, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=NH, num_key_value_heads=NH, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-        experts_implementation="batched_mm",
+        num_attention_heads=NH, num_key_value_heads=NH, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=q_lora_rank,
+        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=False, experts_implementation="batched_mm", rope_interleave=rope_interleave,
     )  # fmt: skip
     model = randomize(transformers.DeepseekV3ForCausalLM(cfg), seed)
     g = torch.Generator().manual_seed(seed)
@@ -313,21 +315,37 @@ def torchtitan_deepseek_v3_keys(n_layers, q_lora: bool) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["wq_a_q_norm_wq_b", "wq"])
-def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, rope_interleave", [(16, True), (None, True), (16, False)],
+                         ids=["wq_a_q_norm_wq_b", "wq", "rope_half_split"])  # fmt: skip
+def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_interleave):
     """DeepSeek-V3 (MLA attention, dense first layer, shared experts, expert bias) through the same
-    recipe as Qwen3: HF -> torchtitan has exactly torchtitan's names; torchtitan -> HF gives the
-    model's logits and greedy tokens (from_pretrained fuses the experts); HF -> tt -> HF bit-exact."""
-    model = deepseek_v3(q_lora_rank)
+    recipe as Qwen3: HF -> torchtitan has exactly torchtitan's names and, run by a reference forward
+    of torchtitan's model, the HF model's logits and greedy tokens; torchtitan -> HF gives them too
+    (from_pretrained fuses the experts); HF -> tt -> HF bit-exact. With ``rope_interleave: false``
+    HF rotates halves where torchtitan rotates pairs: the RoPE rows are permuted both ways."""
+    model = deepseek_v3(q_lora_rank, rope_interleave)
     model.save_pretrained(tmp_path / "hub")  # per-expert keys, as on the hub
     hub = read(tmp_path / "hub")
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub
     checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
     tt = read(tmp_path / "tt")
     assert set(tt) == torchtitan_deepseek_v3_keys(3, q_lora_rank is not None)
-    assert tt["layers.2.moe.experts.w2"].shape == (4, H, 16) and tt["layers.2.moe.expert_bias"].abs().sum() > 0
+    assert tt["layers.2.moe.experts.w2"].shape == (8, H, 16) and tt["layers.2.moe.expert_bias"].abs().sum() > 0
+    cfg = model.config
+
+    def titan(ids, sd=tt, topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor):
+        return refs.deepseek_v3_torchtitan_logits(sd, NH, cfg.qk_rope_head_dim, cfg.num_experts_per_tok, cfg.n_group,
+                                                  topk_group, scale, ids, eps=cfg.rms_norm_eps)  # fmt: skip
+
+    assert_same_model(titan, model)
+    with torch.no_grad():  # each routing feature changes the logits, so the match above depends on it
+        unbiased = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in tt.items()}
+        for other in (titan(PROMPT, sd=unbiased), titan(PROMPT, topk_group=cfg.n_group), titan(PROMPT, scale=1.0)):
+            assert (other - titan(PROMPT)).abs().max() > 0.1
     if q_lora_rank:  # the MLA q_norm is DeepSeek's q_a_layernorm, not Qwen3's per-head q_norm
         assert torch.equal(tt["layers.1.attention.q_norm.weight"], hub["model.layers.1.self_attn.q_a_layernorm.weight"])
+        moved = not torch.equal(tt["layers.1.attention.wq_b.weight"], hub["model.layers.1.self_attn.q_b_proj.weight"])
+        assert moved == (not rope_interleave)
     rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
     assert sum(u.sources for u in rep.rules) == len(tt)
     assert_equal_sd(read(tmp_path / "back"), hub)

@@ -13,7 +13,7 @@ Never imports ``checkpoint.load`` / ``migrate`` / ``save``: the caller passes th
 """
 
 from .api import open_conversion, recipe_table, run_recipe, side_files
-from .ops import Chunk, Concat, FuseQKV, JoinShards, Op, OpError, PermuteRope, SplitQKV, SplitShards, Stack, Transpose, Unstack
+from .ops import Chunk, Concat, FuseQKV, JoinShards, Op, OpError, PermuteRope, PermuteRopeTail, SplitQKV, SplitShards, Stack, Transpose, Unstack
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
@@ -23,5 +23,5 @@ __all__ = [
     "open_conversion", "run_recipe", "side_files", "recipe_table", "plan_conversion", "ConversionPlan",
     "get_recipe", "RECIPES", "RecipeError", "ConversionError", "ConversionReport", "CONVERSION_REPORT_NAME",
     "Pattern", "Rule", "Recipe", "Op", "OpError", "Transpose", "Stack", "Unstack", "Concat", "Chunk",
-    "PermuteRope", "FuseQKV", "SplitQKV", "JoinShards", "SplitShards",
+    "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV", "JoinShards", "SplitShards",
 ]  # fmt: skip

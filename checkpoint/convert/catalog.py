@@ -63,6 +63,8 @@ class HFTextConfig(BaseModel):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
     rope_parameters: dict[str, Any] | None = None
+    qk_rope_head_dim: int | None = None  # DeepSeek-V3 MLA
+    rope_interleave: bool | None = None
     _whole: dict[str, Any] = PrivateAttr(default_factory=dict)  # the whole file (model_type, ...)
 
     @classmethod
@@ -235,12 +237,14 @@ def hf_config_of(model: Any) -> HFTextConfig | None:
 
 
 def hf_dims(cfg: HFTextConfig | None) -> dict[str, int]:
-    """``n_heads`` / ``n_kv_heads`` / ``dim`` / ``head_dim`` / ``n_layers`` from a transformers config."""
+    """``n_heads`` / ``n_kv_heads`` / ``dim`` / ``head_dim`` / ``n_layers`` (and DeepSeek-V3's
+    ``qk_rope_head_dim`` / ``rope_interleave`` as 0 or 1) from a transformers config."""
     if cfg is None:
         return {}
     out: dict[str, int] = {}
     for ours, theirs in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
-                         ("dim", "hidden_size"), ("head_dim", "head_dim"), ("n_layers", "num_hidden_layers")):  # fmt: skip
+                         ("dim", "hidden_size"), ("head_dim", "head_dim"), ("n_layers", "num_hidden_layers"),
+                         ("qk_rope_head_dim", "qk_rope_head_dim"), ("rope_interleave", "rope_interleave")):  # fmt: skip
         v = getattr(cfg, theirs)
         if isinstance(v, int):
             out[ours] = v

@@ -34,6 +34,10 @@ class Op:
     def inverse(self) -> Op:
         raise NotImplementedError
 
+    def is_identity(self, dims: Mapping[str, int]) -> bool:
+        """True where ``apply`` returns its values unchanged under ``dims`` (read as a rename)."""
+        return False
+
     def describe(self) -> str:
         return repr(self)
 
@@ -176,6 +180,45 @@ class PermuteRope(Op):
 
 
 @dataclass(frozen=True)
+class PermuteRopeTail(Op):
+    """DeepSeek-V3 MLA: the last ``dims["qk_rope_head_dim"]`` rows of each of ``dims[heads]`` row
+    blocks (one block when ``heads`` is None: ``wkv_a``, whose k_pe rows follow the compressed kv)
+    go from interleaved RoPE pairs (torchtitan ``ComplexRoPE``) to half-split (HF ``rotate_half``)
+    when ``to_half``, else back. Only when ``dims["rope_interleave"] == 0`` (an HF config with
+    ``rope_interleave: false``); otherwise, as for transformers' default ``true`` (DeepSeek's
+    published layout, which HF rotates as pairs), the rows already match and are left as they are.
+
+    Raises:
+        OpError: rows not ``heads`` blocks each holding at least ``qk_rope_head_dim`` (even) rows."""
+
+    heads: str | None = "n_heads"
+    to_half: bool = True
+
+    def is_identity(self, dims):
+        return dims.get("rope_interleave", 1) != 0
+
+    def apply(self, values, dims):
+        if self.is_identity(dims):
+            return values
+        r = _dim(dims, "qk_rope_head_dim", self)
+        n = 1 if self.heads is None else _dim(dims, self.heads, self)
+
+        def permute(t: torch.Tensor) -> torch.Tensor:
+            rows, rest = t.shape[0], tuple(t.shape[1:])
+            if rows % n or r % 2 or rows // n < r:
+                raise OpError(f"{self.describe()}: {rows} rows are not {n} blocks ending in {r} (even) RoPE rows")
+            blocks = t.reshape(n, rows // n, *rest)
+            pair = (r // 2, 2) if self.to_half else (2, r // 2)
+            tail = blocks[:, -r:].reshape(n, *pair, *rest).transpose(1, 2).reshape(n, r, *rest)
+            return torch.cat([blocks[:, :-r], tail], 1).reshape(rows, *rest).contiguous()
+
+        return [permute(_tensor(v, self)) for v in values]
+
+    def inverse(self):
+        return PermuteRopeTail(self.heads, not self.to_half)
+
+
+@dataclass(frozen=True)
 class FuseQKV(Op):
     """q, k, v -> the grouped-query fused tensor of Megatron / torchtitan: per KV group g the rows
     ``[q heads of g (H/G); k_g; v_g]``, shape ``((H + 2G) * head_dim, *rest)``. 1-D biases too."""
@@ -283,4 +326,4 @@ class SplitShards(Op):
         return JoinShards(self.dim, self.heads)
 
 
-__all__ = ["JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "FuseQKV", "SplitQKV"]
+__all__ = ["JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]

@@ -96,7 +96,7 @@ class ConvertedReader:
             if gi is None:
                 return cat.get_slice(plan.unchanged[key], slices)
             g = plan.groups[gi]
-            ops, pats = g.rule.ops, g.rule.source_patterns
+            ops, pats = tuple(op for op in g.rule.ops if not op.is_identity(plan.dims)), g.rule.source_patterns
             if len(pats) == 1 and len(g.rule.target_patterns) == 1:
                 members = g.members[0]
                 if not ops and pats[0].gathered is None:

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .ops import Chunk, PermuteRope, SplitQKV, Transpose, Unstack
+from .ops import Chunk, PermuteRope, PermuteRopeTail, SplitQKV, Transpose, Unstack
 from .rules import Recipe, Rule
 
 R = Rule
 _L = "model.layers.{i}"
 
 
-def _llama_body(permute: bool) -> tuple[Rule, ...]:
-    q = (PermuteRope("n_heads"),) if permute else ()
+def _llama_body(permute: bool, q_tail: bool = False) -> tuple[Rule, ...]:
+    q = (PermuteRope("n_heads"),) if permute else (PermuteRopeTail("n_heads"),) if q_tail else ()
     k = (PermuteRope("n_kv_heads"),) if permute else ()
     return (
         R("tok_embeddings.weight", "model.embed_tokens.weight", shard_dim=1),
@@ -57,16 +57,19 @@ TORCHTITAN_LLAMA3 = Recipe(
 _WQ_A = "layers.{i}.attention.wq_a.weight"
 TORCHTITAN_MOE = Recipe(
     "torchtitan-moe-to-hf", "hf-to-torchtitan-moe",
-    _llama_body(False) + _dense_mlp() + (
+    _llama_body(False, q_tail=True) + _dense_mlp() + (
         # Qwen3: per-head Q / K norms
         R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_norm.weight", when_absent=_WQ_A),
         R("layers.{i}.attention.k_norm.weight", f"{_L}.self_attn.k_norm.weight"),
         # DeepSeek-V3 multi-head latent attention (torchtitan deepseek_v3 state_dict_adapter:
-        # renames only, no row permute; wq alone when q_lora_rank is 0, else wq_a / q_norm / wq_b)
+        # renames only; wq alone when q_lora_rank is 0, else wq_a / q_norm / wq_b). torchtitan
+        # rotates adjacent pairs (ComplexRoPE), as HF does under rope_interleave (its default); an
+        # HF config with rope_interleave false rotates halves: then the RoPE rows of wq / wq_b
+        # (per head) and of wkv_a (k_pe) are permuted, which torchtitan's adapter does not do.
         R(_WQ_A, f"{_L}.self_attn.q_a_proj.weight"),
         R("layers.{i}.attention.q_norm.weight", f"{_L}.self_attn.q_a_layernorm.weight", when_present=_WQ_A),
-        R("layers.{i}.attention.wq_b.weight", f"{_L}.self_attn.q_b_proj.weight"),
-        R("layers.{i}.attention.wkv_a.weight", f"{_L}.self_attn.kv_a_proj_with_mqa.weight"),
+        R("layers.{i}.attention.wq_b.weight", f"{_L}.self_attn.q_b_proj.weight", (PermuteRopeTail("n_heads"),)),
+        R("layers.{i}.attention.wkv_a.weight", f"{_L}.self_attn.kv_a_proj_with_mqa.weight", (PermuteRopeTail(None),)),
         R("layers.{i}.attention.kv_norm.weight", f"{_L}.self_attn.kv_a_layernorm.weight"),
         R("layers.{i}.attention.wkv_b.weight", f"{_L}.self_attn.kv_b_proj.weight"),
         R("layers.{i}.moe.router.gate.weight", f"{_L}.mlp.gate.weight"),
