@@ -74,3 +74,32 @@ def test_ranks_get_the_callers_environment_and_stdout(method, monkeypatch, capfd
 def test_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start_method 'thread'"):
         run_ranks(_allreduce, 1, start_method="thread")
+
+
+def _exit_without_result(rank, world_size):
+    import os
+
+    os._exit(0)  # skips the launcher's reporting, as a library calling os._exit would
+
+
+def test_rank_that_exits_0_without_a_result_is_reported_not_waited_for():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"died without a result: \[\(0, 0\)\]") as e:
+        run_ranks(_exit_without_result, 1, backend="gloo", timeout=120)
+    assert time.monotonic() - t0 < 60 and e.value.signals == {}
+
+
+class _FailsToUnpickle:
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def _unloadable_result(rank, world_size):
+    return _FailsToUnpickle()
+
+
+def test_result_that_cannot_be_unpickled_names_its_rank():
+    with pytest.raises(RankFailedError, match=r"(?s)rank 0: its result could not be unpickled.*ValueError"):
+        run_ranks(_unloadable_result, 1, backend="gloo", timeout=60)

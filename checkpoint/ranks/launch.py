@@ -140,7 +140,8 @@ def run_ranks(
     caller's ``os.environ`` as it is at this call, whatever the method.
 
     Raises:
-        RankFailedError: a rank raised (its traceback is in the message), exited, or timed out.
+        RankFailedError: a rank raised (its traceback is in the message), exited without a result
+            (any exit code), timed out, or sent a result that does not unpickle here.
         ValueError: an unknown ``start_method``.
     """
     backend = backend or default_backend()
@@ -161,29 +162,37 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world_size:
+        while len(reported) < world_size:
             if time.monotonic() > deadline:
                 raise RankFailedError(
                     f"ranks did not finish within {timeout:.0f} s (world size {world_size})"
                 )
             if queue.empty():
-                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                # A rank writes its report before it exits (SimpleQueue.put is a blocking pipe
+                # write), so one that exited, even with code 0 (os._exit), and sent nothing never will.
+                silent = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in reported]
+                if silent:
                     time.sleep(0.2)
                     if queue.empty():
-                        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        dead = [(i, procs[i].exitcode) for i in silent]
                         raise RankFailedError(
                             f"rank(s) died without a result: {dead}",
-                            {i: -code for i, code in dead if code is not None and code < 0},
+                            {i: -code for i, code in dead if code < 0},
                         )
                 time.sleep(0.02)
                 continue
             rank, ok, payload = queue.get()
-            if ok:
-                results[rank] = pickle.loads(payload)  # our own child's result, not a file
-            else:
+            reported.add(rank)
+            if not ok:
                 errors.append(f"rank {rank}:\n{payload}")
+                continue
+            try:
+                results[rank] = pickle.loads(payload)  # our own child's result, not a file
+            except Exception as e:  # noqa: BLE001 - e.g. a class whose __reduce__ fails here
+                errors.append(f"rank {rank}: its result could not be unpickled here: {type(e).__name__}: {e}")
         if errors:
             raise RankFailedError("\n".join(errors))
     finally:
