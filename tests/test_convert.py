@@ -742,3 +742,34 @@ def test_ops_every_dtype_bit_exact(dtype):
     ]
     for got, want in pairs:
         assert all(a.dtype == dtype and torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # transformers has no causal LM for t5, so its auto_map is the only way to build one: code
+        # shipped in the checkpoint (transformers would prompt, and run it on "y")
+        {"model_type": "t5", "auto_map": {"AutoConfig": "evil.Cfg", "AutoModelForCausalLM": "evil.Evil"}},
+        {"model_type": "t5", "auto_map": {"AutoModelForCausalLM": "attacker/evil--evil.Evil"}},
+        {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 0, "num_hidden_layers": 1},
+        {"model_type": "llama", "hidden_size": "8"},
+    ],
+    ids=["local-auto-map", "hub-auto-map", "zero-heads", "wrong-type"],
+)
+def test_model_from_source_config_never_runs_checkpoint_code_and_names_config(tmp_path, monkeypatch, config):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    import safetensors.torch
+
+    safetensors.torch.save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(2, 2)}, str(hub / "model.safetensors"))
+    (hub / "config.json").write_text(json.dumps({**config, "_name_or_path": str(hub)}))
+    marker = tmp_path / "ran"
+    (hub / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Cfg: pass\nclass Evil: pass\n")
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(RecipeError, match=r"experts-to-fused.*hub: config\.json"):
+        checkpoint.migrate(hub, tmp_path / "out", recipe="experts-to-fused")
+    assert not marker.exists() and asked == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -46,23 +46,27 @@ def meta_model_from_config(config: dict[str, Any], where: str) -> Any:
     """The transformers model a ``config.json`` describes, built on the meta device (no memory,
     no weights read): what a recipe that takes its rules and targets from a model uses when the
     source carries its own config (``fqnckpt migrate hub/ out --recipe experts-to-fused``).
-    ``AutoModelForCausalLM.from_config`` (``trust_remote_code`` stays off: no code from the file).
+    ``AutoModelForCausalLM.from_config`` of transformers' own classes only: ``auto_map`` (code
+    shipped with the checkpoint or named on the hub) is dropped and ``trust_remote_code=False``,
+    so nothing from the file is imported and transformers never prompts for it.
 
     Raises:
-        ValueError: transformers is not installed, or it has no causal-LM class for the config
-            (``where`` and ``model_type`` named).
+        ValueError: transformers is not installed, or it cannot build a causal LM from the config
+            (no class of its own for ``model_type``, or fields it rejects; ``where`` named).
     """
     try:
         import torch
         import transformers
     except ImportError:
         raise ValueError(f"{where}: building the model from config.json needs transformers installed") from None
+    own = {k: v for k, v in config.items() if k != "auto_map"}
     try:
-        cfg = transformers.AutoConfig.for_model(**config)
+        cfg = transformers.AutoConfig.for_model(**own)
         with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(cfg)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: no transformers causal-LM for model_type {config.get('model_type')!r}: {e}") from None
+            return transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any field of the file may break the build: bad input, named
+        raise ValueError(f"{where}: no transformers causal-LM for model_type {config.get('model_type')!r}: "
+                         f"{type(e).__name__}: {e}") from None  # fmt: skip
 
 
 def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str) -> bytes:
