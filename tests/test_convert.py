@@ -773,3 +773,16 @@ def test_model_from_source_config_never_runs_checkpoint_code_and_names_config(tm
         checkpoint.migrate(hub, tmp_path / "out", recipe="experts-to-fused")
     assert not marker.exists() and asked == []
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("bad", [{"n_heads": 0}, {"n_kv_heads": -2}, {"use_scaled_rope": True, "rope_scaling_factor": "big"}])
+def test_meta_params_out_of_range_is_corrupt_params_json_before_writing(tmp_path, bad):
+    from checkpoint.errors import CorruptCheckpointError
+
+    src = tmp_path / "meta"
+    src.mkdir()
+    torch.save(meta_state_dict(), src / "consolidated.00.pth")
+    (src / "params.json").write_text(json.dumps({**PARAMS, **bad}))
+    with pytest.raises(CorruptCheckpointError, match=rf"params\.json: not a Meta params\.json: {next(iter(bad.keys() - {'use_scaled_rope'}))}"):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta"]

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
@@ -36,15 +36,17 @@ class MetaParams(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int | None = None
+    dim: PositiveInt
+    n_layers: PositiveInt
+    n_heads: PositiveInt
+    n_kv_heads: PositiveInt | None = None
     vocab_size: int | None = None
     norm_eps: float | None = None
     rope_theta: float | None = None
-    multiple_of: int | None = None
+    multiple_of: PositiveInt | None = None
     ffn_dim_multiplier: float | None = None
+    use_scaled_rope: bool | None = None  # Llama 3.1's RoPE scaling (config.json from params.json)
+    rope_scaling_factor: PositiveFloat | None = None
 
 
 class HFTextConfig(BaseModel):
