@@ -786,3 +786,28 @@ def test_meta_params_out_of_range_is_corrupt_params_json_before_writing(tmp_path
     with pytest.raises(CorruptCheckpointError, match=rf"params\.json: not a Meta params\.json: {next(iter(bad.keys() - {'use_scaled_rope'}))}"):
         checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta"]
+
+
+def test_meta_without_model_checks_params_json_against_the_tensors(tmp_path):
+    """No model to check against: a 2-shard Meta checkpoint missing its last shard (it looks like a
+    whole 1-shard one), or a params.json with the wrong n_heads, is refused naming the mismatch,
+    nothing written; shards < 1 for Meta's layout is refused."""
+    sd = meta_state_dict()
+    src = tmp_path / "meta"
+    src.mkdir()
+    first, _ = meta_shards(sd, 2)
+    torch.save(first, src / "consolidated.00.pth")  # consolidated.01.pth lost
+    (src / "params.json").write_text(json.dumps(PARAMS))
+    with pytest.raises(ConversionError, match="params.json does not describe the tensors.*embed_tokens"):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    assert not (tmp_path / "hf").exists()
+    wrong = write_meta(tmp_path / "wrong", sd, PARAMS | {"n_heads": NH * 2})  # head_dim halves: K rows disagree
+    with pytest.raises(ConversionError, match="k_proj.weight is"):
+        checkpoint.migrate(wrong, tmp_path / "hf2", recipe="meta-llama-to-hf")
+    assert not (tmp_path / "hf2").exists()
+    good = write_meta(tmp_path / "good", sd)
+    checkpoint.migrate(good, tmp_path / "hf3", recipe="meta-llama-to-hf")
+    for n in (0, -1):
+        with pytest.raises(RecipeError, match=f"shards={n}"):
+            checkpoint.migrate(tmp_path / "hf3", tmp_path / "m", recipe="hf-to-meta-llama", dims={"shards": n})
+    assert not (tmp_path / "m").exists()

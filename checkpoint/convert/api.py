@@ -110,8 +110,22 @@ def _meta_llama_config(plan: ConversionPlan) -> bytes:
     embed, gate = specs.get("model.embed_tokens.weight"), specs.get("model.layers.0.mlp.gate_proj.weight")
     if embed is None or gate is None:
         raise ConversionError(plan.report, "no model.embed_tokens / layer-0 gate_proj to size config.json from: pass model=")
+    params = plan.catalog.params
+    # No model to check the targets against: params.json must describe the tensors (a missing last
+    # shard or a wrong n_heads otherwise gives a config.json that does not fit them).
+    head_dim = params.dim // params.n_heads
+    n_kv = params.n_kv_heads or params.n_heads
+    layers = sum(1 for f in specs if f.startswith("model.layers.") and f.endswith(".self_attn.q_proj.weight"))
+    want = {"model.embed_tokens.weight": (embed.shape[0], params.dim),
+            "model.layers.0.self_attn.q_proj.weight": (params.n_heads * head_dim, params.dim),
+            "model.layers.0.self_attn.k_proj.weight": (n_kv * head_dim, params.dim)}  # fmt: skip
+    bad = [f"{k} is {tuple(specs[k].shape)}, params.json gives {w}" for k, w in want.items() if k in specs and tuple(specs[k].shape) != w]
+    if layers != params.n_layers:
+        bad.append(f"{layers} layers converted, params.json gives n_layers={params.n_layers}")
+    if bad:
+        raise ConversionError(plan.report, f"params.json does not describe the tensors (a shard missing?): {'; '.join(bad)}")
     dtype = str(embed.dtype).removeprefix("torch.")
-    return llama_config_from_meta(plan.catalog.params.model_dump(), gate.shape[0], embed.shape[0], dtype)
+    return llama_config_from_meta(params.model_dump(), gate.shape[0], embed.shape[0], dtype)
 
 
 def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,

@@ -172,6 +172,8 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     """
     dims = dict(dims)
     shards, out_shards = catalog.shards, writes_shards(recipe, dims)
+    if out_shards < 1:
+        raise RecipeError(f"recipe {recipe.name!r}: shards={out_shards}; Meta's layout has 1 or more consolidated.NN.pth files")
     if out_shards > 1 and (recipe.passthrough or recipe.post):
         raise RecipeError(f"recipe {recipe.name!r}: model-parallel shards need every key named by a rule (no passthrough)")
     report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
