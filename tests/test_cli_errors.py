@@ -84,7 +84,7 @@ def test_malformed_pickle_is_one_line_and_one_json_object(tmp_path, capsys, name
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])
 def test_dtype_safetensors_cannot_hold_is_refused_before_writing(tmp_path, capsys, dtype):
     src = tmp_path / "c.pt"
     torch.save({"ok": torch.ones(2), "w": torch.zeros(3, dtype=dtype)}, src)

@@ -143,7 +143,7 @@ def test_diff_treats_the_names_of_one_tied_tensor_as_one(tmp_path, capsys, monke
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.float8_e4m3fn,
-          torch.float8_e5m2, torch.complex64]  # fmt: skip
+          torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.complex64]  # fmt: skip
 
 
 def _every_dtype(bump: str | None = None) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ ST_DTYPES: dict[str, tuple[str, int]] = {
     "BOOL": ("bool", 1), "C64": ("complex64", 8),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # MX block scales (DeepSeek FP4 experts); safetensors >= 0.6
 }  # fmt: skip
 
 _LFS_MAGIC = b"version https://git-lfs"
