@@ -14,6 +14,7 @@ from .errors import CheckpointError, LoadError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.model import _owner_slot
 from .plan.values import _file, _read_target_block
+from .ranks import shards
 from .reports import LoadReport
 from .state import object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
@@ -85,15 +86,40 @@ def apply_load(
 
 def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
     """The copies read straight into their targets by one ``reader.read_many`` (readers that
-    have it: adjacent tensors in one ``preadv``, issue 22); ids of the copies done."""
+    have it: adjacent tensors in one ``preadv``, issue 22); ids of the copies done. A DTensor
+    target's local shard is read block by block where each block is one contiguous byte range of
+    the file (a ``Shard(0)`` row block is): one copy, page cache -> local shard, instead of
+    ``get_slice`` into a new tensor and ``copy_`` into the shard (issue 22: 0.52x of safetensors)."""
     read_many = getattr(reader, "read_many", None)
-    todo = [a for a in copies if not a.assign and not isinstance(a.entry.tensor, DTensor)]
-    if read_many is None or not todo:
+    if read_many is None:
         return set()
-    done = read_many([(a.key, a.entry.tensor) for a in todo])  # its errors name key and file
-    out = {id(a) for a, ok in zip(todo, done) if ok}
+    items: list[tuple] = []
+    owner: list[CopyAction] = []
+    for a in copies:
+        t = a.entry.tensor
+        if a.assign:
+            continue
+        if not isinstance(t, DTensor):
+            items.append((a.key, t))
+            owner.append(a)
+            continue
+        if not t.dim() or a.dtype != a.stored_dtype:
+            continue
+        try:
+            blocks = list(shards.local_blocks(t))
+        except Exception:  # noqa: BLE001 - the block read below names it (key, file)
+            continue
+        local = t._local_tensor
+        for lsl, gsl in blocks:
+            items.append((a.key, local[lsl], gsl))
+            owner.append(a)
+    if not items:
+        return set()
+    done = read_many(items)  # its errors name key and file
+    missed = {id(a) for a, ok in zip(owner, done) if not ok}
+    out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
-        for a in todo:
+        for a in copies:
             if id(a) in out:
                 on_copy(a.key)  # progress
     return out

@@ -75,6 +75,34 @@ def test_adjacent_small_tensors_are_read_by_one_preadv_per_run(tmp_path, monkeyp
     assert all(torch.equal(got[k], v) for k, v in sd.items()) and len(calls) > files
 
 
+def test_a_block_that_is_one_byte_range_is_read_straight_into_its_target(tmp_path):
+    """read_many's (key, out, slices) form (a DTensor's local blocks): row blocks, one row of a
+    column block, blocks of 0 rows; other blocks, strided slices and other dtypes are refused."""
+    g = torch.Generator().manual_seed(2)
+    sd = {"m": torch.randn(6, 4, 3, generator=g), "v": torch.arange(10, dtype=torch.int16),
+          "bf": torch.randn(5, 8, generator=g).bfloat16()}  # fmt: skip
+    checkpoint.save(sd, tmp_path / "ck")
+    cases = [
+        ("m", (slice(2, 5), slice(0, 4), slice(0, 3)), True),  # rows 2-4, whole rows
+        ("m", (slice(3, 4), slice(1, 3), slice(0, 3)), True),  # one row: a run of its columns
+        ("m", (slice(3, 4), slice(2, 3), slice(1, 2)), True),  # one element
+        ("m", (slice(4, 4), slice(0, 4), slice(0, 3)), True),  # no rows: nothing to read
+        ("m", (slice(0, 2), slice(0, 2), slice(0, 3)), False),  # two rows of half columns
+        ("m", (slice(0, 6), slice(0, 4), slice(0, 2)), False),  # a column block
+        ("m", (slice(0, 6, 2), slice(0, 4), slice(0, 3)), False),  # strided
+        ("v", (slice(7, 10),), True),
+        ("bf", (slice(1, 3), slice(0, 8)), True),
+    ]
+    with checkpoint.open_checkpoint(tmp_path / "ck") as rd:
+        outs = [torch.full_like(sd[k][sl], 9) for k, sl, _ in cases]
+        done = rd.read_many([(k, o, sl) for (k, sl, _), o in zip(cases, outs)])
+        assert done == [ok for _, _, ok in cases]
+        for (k, sl, ok), o in zip(cases, outs):
+            assert torch.equal(o, sd[k][sl] if ok else torch.full_like(o, 9)), (k, sl)
+        wrong = torch.zeros(3, 4, 3, dtype=torch.float64)  # another dtype: not read, untouched
+        assert rd.read_many([("m", wrong, cases[0][1])]) == [False] and not wrong.any()
+
+
 def test_a_run_ending_early_names_the_first_tensor_not_read(tmp_path, monkeypatch):
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(range(250)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 import warnings
@@ -175,9 +176,9 @@ class CheckpointReader:
         stats.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _target_view(self, key: str, out: torch.Tensor) -> memoryview | None:
-        """``out``'s own bytes when tensor ``key`` can be read straight into it (a contiguous CPU
-        tensor of the stored shape and dtype), else None."""
+    def _target_view(self, key: str, out: torch.Tensor, shape: tuple[int, ...] | None = None) -> memoryview | None:
+        """``out``'s own bytes when tensor ``key`` (or its block of ``shape``) can be read straight
+        into it (a contiguous CPU tensor of that shape and the stored dtype), else None."""
         known = self._specs.get(key)
         if (
             known is None
@@ -185,7 +186,7 @@ class CheckpointReader:
             or key not in self._key_file
             or out.device.type != "cpu"
             or DTYPE_TO_ST.get(out.dtype) != known[1]
-            or out.shape != known[0]
+            or out.shape != (known[0] if shape is None else shape)
             or not out.is_contiguous()
             or out.is_conj()
             or out.is_neg()
@@ -196,6 +197,34 @@ class CheckpointReader:
         if out.dtype in _NUMPY_DTYPES and out.numel():
             return memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
         return tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
+
+    def _block_span(self, key: str, slices: Sequence[slice]) -> tuple[tuple[int, ...], int, int] | None:
+        """``(block shape, begin, end)``: the absolute byte range of block ``tensor[slices]`` of
+        ``key`` (step-1 slices, one per dim) when it is one contiguous range of the file, else
+        None. Row-major: it is when every dim after some dim j is whole and every dim before j
+        has length 1 (e.g. a ``Shard(0)`` row block)."""
+        shape, st = self._specs[key]
+        if len(slices) != len(shape) or not shape:
+            return None
+        bounds = []
+        for s, n in zip(slices, shape):
+            lo, hi, step = s.indices(n)
+            if step != 1:
+                return None
+            bounds.append((lo, max(lo, hi)))
+        lens = tuple(hi - lo for lo, hi in bounds)
+        j = len(shape) - 1
+        while j > 0 and lens[j] == shape[j]:
+            j -= 1  # trailing whole dims
+        if any(n != 1 for n in lens[:j]):
+            return None
+        b, e = self._spans[key]
+        item = (e - b) // max(1, math.prod(shape)) if e > b else 0
+        start, stride = 0, item
+        for (lo, _), n in zip(reversed(bounds), reversed(shape)):
+            start += lo * stride
+            stride *= n
+        return lens, b + start, b + start + math.prod(lens) * item
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -213,10 +242,13 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
-    def read_many(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
-        """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. Tensors
-        adjacent in a file are read by one ``preadv`` into all their targets (:func:`~.pread.pread_run`),
-        large ones in pieces on a few threads (:func:`~.pread.pread_into`).
+    def read_many(self, pairs: Sequence[tuple]) -> list[bool]:
+        """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
+        ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
+        DTensor's local shard, or a block of it) when that block is one contiguous range of the
+        file (:meth:`_block_span`; a ``Shard(0)`` row block is). Tensors adjacent in a file are
+        read by one ``preadv`` into all their targets (:func:`~.pread.pread_run`), large ones in
+        pieces on a few threads (:func:`~.pread.pread_into`).
 
         Raises:
             CorruptCheckpointError: a file ends early (file and tensor named).
@@ -225,13 +257,21 @@ class CheckpointReader:
         done = [False] * len(pairs)
         large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
         small: dict[str, list[tuple[int, int, memoryview, str]]] = {}
-        for i, (key, out) in enumerate(pairs):
+        for i, pair in enumerate(pairs):
+            key, out = pair[0], pair[1]
             try:
-                view = self._target_view(key, out)
+                if len(pair) > 2:  # a block of the tensor
+                    span = self._block_span(self._known(key), pair[2]) if key in self._spans else None
+                    if span is None:
+                        continue
+                    shape, b, e = span
+                    view = self._target_view(key, out, shape)
+                else:
+                    view = self._target_view(key, out)
+                    b, e = self._spans[key] if view is not None else (0, 0)
                 if view is None:
                     continue
                 done[i] = True
-                b, e = self._spans[key]
                 name = self._key_file[key]
                 if e - b >= large:  # large tensors read by a few threads (see pread)
                     stats.bytes_read += pread_into(self._fd(name), view, b, self.root, name, key)
