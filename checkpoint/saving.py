@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,14 +157,11 @@ def _save_parts(
         return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_checked, False)
     indexes: list[IndexFile] = []
     try:
-        with (
-            StagedCheckpoint(path, overwrite) as st,
-            ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-hash") as pool,
-        ):
+        with StagedCheckpoint(path, overwrite) as st:
             for part, layout in zip(parts, layouts):
                 records: dict[str, FileRecordV2] = {}
                 for fplan in layout.files:
-                    w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan, pool)
+                    w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan)
                     try:
                         _faults.fault_point("after_file_create")
                         for slot in fplan.slots:

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,19 +213,23 @@ class SequentialFileWriter:
     """Writes one shard file front to back from a single process, computing the format-version-2
     digests on the way (see :mod:`checkpoint.storage.digest`); the file is never read back.
 
-    Each large tensor is hashed and written in ``digest.CHUNK`` pieces; with a ``pool`` (one thread)
-    a piece is hashed there while ``pwrite`` copies it, otherwise just before (then it is read from
-    cache the second time). Small tensors are
-    copied into one staging buffer and written with one ``pwrite`` per buffer instead of one
-    syscall each (a checkpoint with 10^5 small tensors would otherwise spend its time in syscalls).
-    Call :meth:`write` for each slot in byte order, then :meth:`finish`.
+    Each large tensor is written and hashed in :attr:`HASH_PIECE` pieces: ``pwrite`` copies a
+    piece, then it is hashed while it is still in this core's cache. Small tensors are copied into
+    one staging buffer and written with one ``pwrite`` per buffer instead of one syscall each (a
+    checkpoint with 10^5 small tensors would otherwise spend its time in syscalls). Call
+    :meth:`write` for each slot in byte order, then :meth:`finish`.
     """
 
     SMALL = 1 << 20  # tensors below this many bytes go through the staging buffer
     BUFFER = 8 << 20
+    # Hash right after pwrite, from cache (issue 22, tests/bench/checkpoint_bench.py, 128 MiB on
+    # tmpfs, 2 busy cores, CPU time median of 20): 256 KiB pieces cost +3% over the bare pwrite,
+    # 8 MiB pieces hashed on a second thread while pwrite copies them +13% (the hash reads them
+    # from memory again; the thread only helps when a core is idle).
+    HASH_PIECE = 256 << 10
 
-    def __init__(self, path: str, plan: FilePlan, pool: ThreadPoolExecutor | None = None):
-        self.path, self.plan, self._pool = path, plan, pool
+    def __init__(self, path: str, plan: FilePlan):
+        self.path, self.plan = path, plan
         self.header_digest = digest.hexdigest(plan.header)
         self.tensor_digests: dict[str, str] = {}
         self._next = 0
@@ -253,19 +256,11 @@ class SequentialFileWriter:
         else:
             self._flush()
             h = digest.new()
-            for lo in range(0, n, digest.CHUNK):
-                piece = data[lo : lo + digest.CHUNK]
-                if self._pool is None:
-                    h.update(piece)
-                    pwrite_all(self.fd, piece, slot.begin + lo)
-                    continue
-                # xxhash releases the GIL: the piece is hashed on another core while pwrite copies
-                # it (both read it from the shared cache); pieces are hashed in order.
-                fut = self._pool.submit(h.update, piece)
-                try:
-                    pwrite_all(self.fd, piece, slot.begin + lo)
-                finally:
-                    fut.result()
+            step = self.HASH_PIECE
+            for lo in range(0, n, step):
+                piece = data[lo : lo + step]
+                pwrite_all(self.fd, piece, slot.begin + lo)
+                h.update(piece)
             self.tensor_digests[slot.spec.fqn] = h.hexdigest()
         self._next += 1
 

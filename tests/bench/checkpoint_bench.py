@@ -36,6 +36,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
+# The package imports its operations on first use (torch.distributed.tensor: 1-2 s here); import
+# them before timing, as safetensors is, or the first round of each side times an import.
+import checkpoint.loading  # noqa: E402,F401
+import checkpoint.saving  # noqa: E402,F401
 from checkpoint.storage.format import index_name  # noqa: E402
 from checkpoint.storage.writer import pwrite_all, stats, tensor_bytes  # noqa: E402
 
