@@ -63,8 +63,13 @@ def _counting(fetch: Callable, bar: tqdm) -> Callable:
 
 
 @contextlib.contextmanager
-def copy_progress(reader: Any, copies: Any, progress: bool | None) -> Iterator[Callable[[str], None]]:
-    """``load``'s hook: yields ``on_copy(key)``, called before each tensor is copied."""
+def copy_progress(reader: Any, copies: Any, progress: bool | None) -> Iterator[Callable[[str], None] | None]:
+    """``load``'s hook: yields ``on_copy(key)``, called before each tensor is copied, or None
+    when no bar is shown (nothing to do per tensor: loads of 10^4-10^5 tensors)."""
+    show = _rank0(progress)
+    if not progress_enabled(show):
+        yield None
+        return
     sizes = {a.key: reader.spec(a.key).nbytes for a in copies}  # load's CopyActions
-    with progress_bar(sum(sizes.values()), "load", _rank0(progress)) as bar:
+    with progress_bar(sum(sizes.values()), "load", show) as bar:
         yield lambda key: bar.update(sizes[key])

@@ -95,12 +95,15 @@ def alias_key(t: torch.Tensor) -> tuple | None:
     read the same values in every case (aliases); any difference makes them distinct tensors.
     None for empty or non-strided tensors (nothing to share; sparse ones are refused by
     ``TensorSpec.of``)."""
-    if t.numel() == 0 or t.layout != torch.strided:
+    if t.layout != torch.strided or t.numel() == 0:
         return None
-    base = t._local_tensor if isinstance(t, DTensor) else t
-    extra = (tuple(t.placements), tuple(t.shape)) if isinstance(t, DTensor) else ()
+    if isinstance(t, DTensor):
+        base, extra = t._local_tensor, (tuple(t.placements), tuple(t.shape))
+    else:
+        base, extra = t, ()
+    # torch.device and torch.Size hash and compare by value (str(device) costs ~1 us a tensor).
     return (
-        base.data_ptr(), tuple(base.shape), tuple(base.stride()), base.dtype, str(base.device),
+        base.data_ptr(), base.shape, base.stride(), base.dtype, base.device,
         base.is_conj(), base.is_neg(), *extra,
     )  # fmt: skip
 

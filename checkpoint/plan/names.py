@@ -226,9 +226,10 @@ def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.M
     for e in state.entries:
         keys = direct.get(id(e))
         if keys:
-            order = {n: i for i, n in enumerate(e.names)}
-            keys.sort(key=lambda k: (order.get(k, len(order)), k))  # the entry's own names first
-            check_tied_values(reader, keys, path)
+            if len(keys) > 1:
+                order = {n: i for i, n in enumerate(e.names)}
+                keys.sort(key=lambda k: (order.get(k, len(order)), k))  # the entry's own names first
+                check_tied_values(reader, keys, path)
             key = keys[0]
         else:
             key = via_group.get(id(e))

@@ -184,7 +184,7 @@ class CheckpointReader:
             known is None
             or key not in self._spans
             or key not in self._key_file
-            or out.device.type != "cpu"
+            or not out.is_cpu  # (device.type costs ~0.8 us a tensor)
             or DTYPE_TO_ST.get(out.dtype) != known[1]
             or out.shape != (known[0] if shape is None else shape)
             or not out.is_contiguous()
