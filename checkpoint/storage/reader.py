@@ -428,26 +428,29 @@ class CheckpointReader:
 
     def _load_headers(self) -> None:
         """Open every named file, check the index against the headers (before any data is read)."""
-        in_file: dict[str, list[str]] = {}
+        in_file: dict[str, str] = {}  # tensor -> the first file whose header has it
+        dups: dict[str, list[str]] = {}
+        specs, spans = self._specs, self._spans
         for name in self.files:
             h, head, data_start = self._open_file(name)
-            for k, v in head.items():
+            for k, v in head.items():  # one pass, few lookups: headers hold 10^4-10^5 tensors
                 if k == "__metadata__":
                     continue
-                in_file.setdefault(k, []).append(name)
-                if k not in self._specs:
-                    self._specs[k] = (tuple(v["shape"]), v["dtype"])
-                    b, e = v["data_offsets"]
-                    self._spans[k] = (data_start + b, data_start + e)
-        for k, names in in_file.items():
-            if len(names) > 1:
-                raise DuplicateTensorError(k, names)
+                first = in_file.setdefault(k, name)
+                if first != name:
+                    dups.setdefault(k, [first]).append(name)
+                    continue
+                specs[k] = (tuple(v["shape"]), v["dtype"])
+                b, e = v["data_offsets"]
+                spans[k] = (data_start + b, data_start + e)
+        if dups:
+            k = next(k for k in in_file if k in dups)
+            raise DuplicateTensorError(k, dups[k])
         for k, name in self._key_file.items():
-            if name not in in_file.get(k, ()):
-                other = in_file.get(k, [None])[0]
-                raise TensorNotInShardError(k, name, other)
-        extra = sorted(set(in_file) - set(self._key_file))
-        if extra:
+            if in_file.get(k) != name:
+                raise TensorNotInShardError(k, name, in_file.get(k))
+        if len(in_file) > len(self._key_file):  # every indexed tensor was found above
+            extra = sorted(set(in_file) - set(self._key_file))
             warnings.warn(
                 f"{self.root}: tensors {extra[:10]} are in shard headers but not in the index; ignored",
                 StrayFileWarning,
