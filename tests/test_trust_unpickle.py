@@ -172,3 +172,39 @@ def test_optimizer_pickle_payload_refused(tmp_path, opcode):
     snap = _refused_by_load_and_migrate(tmp_path, f, opcode, key="optimizer")
     assert not marker.exists()
     snap.assert_unchanged()
+
+
+def test_dcp_metadata_without_copyreg_extensions_skips_the_scan_and_still_refuses_ext(tmp_path, monkeypatch):
+    """No extension registered or cached (the usual process): a DCP load runs no opcode scan
+    (issue 22: a pure-Python pass over every opcode), and an EXT opcode still fails as an
+    UnsafePickleError naming the code and the file, its payload never run."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.sources import unpickle
+
+    for code, mod, name in _EXTS.values():  # back to a process with none (restored for the fixture)
+        copyreg.remove_extension(mod, name, code)
+    try:
+        assert not unpickle._extensions_known()
+        scans, real = [], unpickle.extension_globals
+        monkeypatch.setattr(unpickle, "extension_globals", lambda data: scans.append(1) or real(data))
+        d = tmp_path / "dcp"
+        src = Net()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(src.state_dict(), checkpoint_id=str(d), no_dist=True)
+        target = Net()
+        assert checkpoint.load(target, d).ok and scans == []
+        assert torch.equal(target.lin.weight, src.lin.weight)
+        marker = tmp_path / "MARKER"
+        for opcode in ("EXT1", "EXT2", "EXT4"):
+            (d / ".metadata").write_bytes(b"\x80\x02" + _bodies(marker, _DCP_OK)[opcode] + b".")
+            snap = Snapshot(target)
+            with pytest.raises(UnsafePickleError, match=r"\.metadata") as e:
+                checkpoint.load(target, d)
+            assert e.value.globals == [f"copyreg-extension.code-{_CODES[opcode]}"], e.value.globals
+            snap.assert_unchanged()
+        assert len(scans) == 3 and not marker.exists()
+    finally:
+        for code, mod, name in _EXTS.values():
+            copyreg.add_extension(mod, name, code)

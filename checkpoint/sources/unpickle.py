@@ -76,17 +76,38 @@ class ExactUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` resolving only the exact ``(module, name)`` pairs of ``allowed``
     (a dict pair -> object); anything else, dotted names included, is
     :class:`UnsafePickleError` naming ``file`` and the global. Persistent ids are refused, and
-    so is any ``EXT1`` / ``EXT2`` / ``EXT4`` opcode, on construction (the stream is read and
-    scanned first: CPython serves an extension code it met before from copyreg's cache,
-    bypassing ``find_class``). Raises ValueError on a malformed pickle."""
+    so is any ``EXT1`` / ``EXT2`` / ``EXT4`` opcode: CPython serves an extension code it met
+    before from copyreg's cache, bypassing ``find_class``. So where copyreg has any extension
+    registered or cached, the stream is scanned for those opcodes on construction; where it has
+    none (the usual case), no EXT opcode can load (CPython raises "unregistered extension
+    code"), and the scan, a pure-Python pass over every opcode (~0.1 s per 1,000 DCP tensors),
+    runs only when loading fails, to name the opcode. Raises ValueError on a malformed pickle."""
 
     def __init__(self, f: BinaryIO, allowed: dict[tuple[str, str], Any], file: str):
         data = f.read()
-        ext = extension_globals(data)  # ValueError on a malformed pickle
-        if ext:  # served from copyreg's cache without find_class once any unpickler met the code
-            raise UnsafePickleError(str(file), ext)
+        self._data: bytes | None = data
+        if _extensions_known():
+            ext = extension_globals(data)  # ValueError on a malformed pickle
+            if ext:  # served from copyreg's cache without find_class once any unpickler met the code
+                raise UnsafePickleError(str(file), ext)
+            self._data = None  # scanned
         super().__init__(io.BytesIO(data))
         self._allowed, self._file = allowed, str(file)
+
+    def load(self) -> Any:
+        try:
+            return super().load()
+        except UnsafePickleError:
+            raise
+        except Exception:
+            if self._data is not None:  # not scanned: an EXT opcode is named as before
+                try:
+                    ext = extension_globals(self._data)
+                except ValueError:
+                    ext = []
+                if ext:
+                    raise UnsafePickleError(self._file, ext) from None
+            raise
 
     def find_class(self, module: str, name: str) -> Any:
         obj = self._allowed.get((module, name))
@@ -96,6 +117,14 @@ class ExactUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(self._file, [], why=f"persistent id {pid!r} is not allowed here")
+
+
+def _extensions_known() -> bool:
+    """Whether copyreg has any extension code registered or cached (then an EXT opcode could
+    load something)."""
+    import copyreg
+
+    return bool(copyreg._extension_registry or copyreg._inverted_registry or copyreg._extension_cache)
 
 
 def load_dcp_metadata(f: BinaryIO, file: str) -> Any:
