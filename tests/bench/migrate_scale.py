@@ -32,6 +32,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
+# The package imports its operations on first use; import them before timing (as checkpoint_bench).
+import checkpoint.loading  # noqa: E402,F401
+import checkpoint.migrating  # noqa: E402,F401
+import checkpoint.saving  # noqa: E402,F401
 
 
 def make_source(d: str, kind: str, n: int, shape: tuple[int, ...]) -> str:
