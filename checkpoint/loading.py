@@ -5,7 +5,8 @@ The entry point of the load pipeline: source (:mod:`checkpoint.storage.reader`, 
 (:mod:`checkpoint.plan.values`) -> apply (:mod:`checkpoint.apply`). Two phases, so that a
 rejected load changes nothing: :func:`plan_load` makes every check and returns a
 :class:`LoadPlan`; :func:`apply_load` then only reads and writes. Each rank reads only the slices
-of its local shards (``safe_open(...).get_slice``), so loading reshards.
+of its local shards (``preadv`` straight into the local shard where its block is one byte range
+of the file, else ``safe_open(...).get_slice``), so loading reshards.
 """
 
 from __future__ import annotations
