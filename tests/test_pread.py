@@ -95,8 +95,11 @@ def test_a_block_that_is_one_byte_range_is_read_straight_into_its_target(tmp_pat
     ]
     with checkpoint.open_checkpoint(tmp_path / "ck") as rd:
         outs = [torch.full_like(sd[k][sl], 9) for k, sl, _ in cases]
+        before = [o._version for o in outs]
         done = rd.read_many([(k, o, sl) for (k, sl, _), o in zip(cases, outs)])
         assert done == [ok for _, _, ok in cases]
+        # Written behind torch's back, counted as copy_ would be (autograd / never-written checks).
+        assert [o._version > v for o, v in zip(outs, before)] == done
         for (k, sl, ok), o in zip(cases, outs):
             assert torch.equal(o, sd[k][sl] if ok else torch.full_like(o, 9)), (k, sl)
         wrong = torch.zeros(3, 4, 3, dtype=torch.float64)  # another dtype: not read, untouched

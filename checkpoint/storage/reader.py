@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import atomic
 from ..errors import (
@@ -255,43 +256,48 @@ class CheckpointReader:
             LoadError: torch or the OS fails on a tensor (key and file named).
         """
         done = [False] * len(pairs)
-        large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
-        small: dict[str, list[tuple[int, int, memoryview, str]]] = {}
-        for i, pair in enumerate(pairs):
-            key, out = pair[0], pair[1]
-            try:
-                if len(pair) > 2:  # a block of the tensor
-                    span = self._block_span(self._known(key), pair[2]) if key in self._spans else None
-                    if span is None:
+        try:
+            large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
+            small: dict[str, list[tuple[int, int, memoryview, str]]] = {}
+            for i, pair in enumerate(pairs):
+                key, out = pair[0], pair[1]
+                try:
+                    if len(pair) > 2:  # a block of the tensor
+                        span = self._block_span(self._known(key), pair[2]) if key in self._spans else None
+                        if span is None:
+                            continue
+                        shape, b, e = span
+                        view = self._target_view(key, out, shape)
+                    else:
+                        view = self._target_view(key, out)
+                        b, e = self._spans[key] if view is not None else (0, 0)
+                    if view is None:
                         continue
-                    shape, b, e = span
-                    view = self._target_view(key, out, shape)
-                else:
-                    view = self._target_view(key, out)
-                    b, e = self._spans[key] if view is not None else (0, 0)
-                if view is None:
-                    continue
-                done[i] = True
-                name = self._key_file[key]
-                if e - b >= large:  # large tensors read by a few threads (see pread)
-                    stats.bytes_read += pread_into(self._fd(name), view, b, self.root, name, key)
-                elif e > b:
-                    small.setdefault(name, []).append((b, e, view, key))
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
-                where = os.path.join(self.root, self._key_file.get(key, ""))
-                raise LoadError(key, where, f"{type(e).__name__}: {e}") from e
-        for name, items in small.items():
-            fd = self._fd(name)
-            items.sort(key=lambda x: x[0])
-            start = 0
-            for j in range(1, len(items) + 1):  # runs of adjacent tensors, `large` bytes at most
-                if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
-                    continue
-                run = items[start:j]
-                stats.bytes_read += pread_run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name)
-                start = j
+                    done[i] = True
+                    name = self._key_file[key]
+                    if e - b >= large:  # large tensors read by a few threads (see pread)
+                        stats.bytes_read += pread_into(self._fd(name), view, b, self.root, name, key)
+                    elif e > b:
+                        small.setdefault(name, []).append((b, e, view, key))
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
+                    where = os.path.join(self.root, self._key_file.get(key, ""))
+                    raise LoadError(key, where, f"{type(e).__name__}: {e}") from e
+            for name, items in small.items():
+                fd = self._fd(name)
+                items.sort(key=lambda x: x[0])
+                start = 0
+                for j in range(1, len(items) + 1):  # runs of adjacent tensors, `large` bytes at most
+                    if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
+                        continue
+                    run = items[start:j]
+                    stats.bytes_read += pread_run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name)
+                    start = j
+        finally:
+            # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
+            # (autograd's saved-tensor check, and autoparallel's never-written check, read them).
+            increment_version([p[1] for p, ok in zip(pairs, done) if ok])
         return done
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..errors import (
     ChecksumMismatchError,
@@ -183,7 +184,10 @@ class RemoteCheckpointReader(CheckpointReader):
         ):  # fmt: skip
             return False
         name, b, e, _, _ = self._span(key)
-        self._fill(tensor_bytes(out), name, [(b, e)], key)
+        try:
+            self._fill(tensor_bytes(out), name, [(b, e)], key)
+        finally:
+            increment_version(out)  # written behind torch's back, as copy_ would count it
         return True
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
