@@ -23,6 +23,15 @@ import sys
 import tempfile
 import time
 
+SAMPLER = r"""
+import threading
+anon = {"base": kib("RssAnon"), "peak": 0, "run": True}
+def _sample():  # anonymous memory only: the file pages safetensors maps are the page cache's
+    while anon["run"]:
+        anon["peak"] = max(anon["peak"], kib("RssAnon"))
+        threading.Event().wait(0.002)
+threading.Thread(target=_sample, daemon=True).start()
+"""
 CHILD = r"""
 import json, resource, sys
 import torch, transformers
@@ -55,13 +64,7 @@ def compute(self, g):
     held["peak"] = max(held["peak"], cached + held["group"])
     return out
 plan_mod.ConversionPlan.compute = compute
-import threading
-anon = {"base": kib("RssAnon"), "peak": 0, "run": True}
-def _sample():  # anonymous memory only: the file pages safetensors maps are the page cache's
-    while anon["run"]:
-        anon["peak"] = max(anon["peak"], kib("RssAnon"))
-        threading.Event().wait(0.002)
-threading.Thread(target=_sample, daemon=True).start()
+SAMPLER
 checkpoint.migrate(sys.argv[1], sys.argv[2] + ".warm", recipe="experts-to-fused", model=model)  # lazy imports, caches
 import gc; gc.collect()
 anon["base"] = anon["peak"] = kib("RssAnon")
@@ -80,13 +83,7 @@ def kib(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith(field))
 
-import threading
-anon = {"base": kib("RssAnon"), "peak": 0, "run": True}
-def _sample():  # anonymous memory only: the file pages safetensors maps are the page cache's
-    while anon["run"]:
-        anon["peak"] = max(anon["peak"], kib("RssAnon"))
-        threading.Event().wait(0.002)
-threading.Thread(target=_sample, daemon=True).start()
+SAMPLER
 checkpoint.migrate(sys.argv[1], sys.argv[2] + ".warm", rules=[("^model", "model")])  # lazy imports, caches
 import gc; gc.collect()
 anon["base"] = anon["peak"] = kib("RssAnon")
@@ -151,10 +148,10 @@ def main() -> None:
         print(f"load average (1, 5, 15 min) after the rounds: {os.getloadavg()}")
         print(f"time ratio vs load_file+save_file: median {statistics.median(ratios):.2f} "
               f"(range {min(ratios):.2f}-{max(ratios):.2f}; goal <= 3)")  # fmt: skip
-        out = subprocess.run([sys.executable, "-c", CHILD, src, os.path.join(d, "mem"), json.dumps(cfgd)],
+        out = subprocess.run([sys.executable, "-c", CHILD.replace("SAMPLER\n", SAMPLER), src, os.path.join(d, "mem"), json.dumps(cfgd)],
                              capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
         m = json.loads(out.stdout.strip().splitlines()[-1])
-        out = subprocess.run([sys.executable, "-c", PLAIN, src, os.path.join(d, "plain")],
+        out = subprocess.run([sys.executable, "-c", PLAIN.replace("SAMPLER\n", SAMPLER), src, os.path.join(d, "plain")],
                              capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
         plain = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"tensors held by the conversion (upper bound): {m['held_peak'] / layer_experts:.2f}x one layer's experts (goal <= 2)")
