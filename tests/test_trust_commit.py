@@ -313,7 +313,7 @@ def test_load_with_optimizer_reads_one_checkpoint(tmp_path):
     def read():
         net, opt = _opt_pair(0)
         checkpoint.load(net, path, optimizer=opt)
-        got["w"] = {float(p.flatten()[0]) for p in net.parameters()}
+        got["w"] = {float(p.detach().flatten()[0]) for p in net.parameters()}
         got["m"] = {float(s["momentum_buffer"].flatten()[0]) for s in opt.state.values()}
 
     try:
