@@ -170,7 +170,7 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
     assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back), NH, NKV, ids), hf)
 
 
-def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path):
+def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     from checkpoint.cli.main import main
 
     hf = randomize(transformers.LlamaForCausalLM(llama_config(64)), 10)
@@ -179,6 +179,13 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path):
     parts = load_meta_dir(tmp_path / "meta")
     assert len(parts) == 2 and parts[0]["layers.0.attention.wk.weight"].shape == (NKV * 8 // 2, H)
     assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts), NH, NKV, ids), hf)
+    assert not (tmp_path / "meta" / ".spill").exists()  # the writer's spill files are gone
+    # inspect / verify of the shard directory say what it is and how to read it (exit 2)
+    for cmd in ("inspect", "verify"):
+        capsys.readouterr()
+        assert main([cmd, str(tmp_path / "meta")]) == 2
+        err = capsys.readouterr().err
+        assert "Meta model-parallel shards" in err and "--recipe meta-llama-to-hf" in err, err
     # 4 shards cannot hold whole K/V heads (n_kv_heads=2): refused by key, nothing written.
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ConversionError) as e:

@@ -5,6 +5,8 @@ Files found inside a directory pass the one symlink rule (:mod:`checkpoint.stora
 
 from __future__ import annotations
 
+import re
+
 import os
 from pathlib import Path
 
@@ -121,12 +123,10 @@ def sniff(path: str | os.PathLike) -> str:
     if len(pickles) == 1:
         return sniff_file(pickles[0])
     if pickles:  # never pick one silently: list them
-        raise AmbiguousSourceError(
-            str(p),
-            [f.name for f in pickles],
-            "several pickle files, name one of them as the path",
-            "the path",
-        )
+        meta = all(re.fullmatch(r"consolidated\.\d{2,}\.pth", f.name) for f in pickles)
+        why = ("Meta model-parallel shards: name one of them as the path, or join them with "
+               "`migrate --recipe meta-llama-to-hf`" if meta else "several pickle files, name one of them as the path")  # fmt: skip
+        raise AmbiguousSourceError(str(p), [f.name for f in pickles], why, "the path")
     raise CheckpointNotFoundError(str(p), "no .metadata, *.safetensors, index or single pickle file in it")
 
 
