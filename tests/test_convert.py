@@ -818,3 +818,16 @@ def test_meta_without_model_checks_params_json_against_the_tensors(tmp_path):
         with pytest.raises(RecipeError, match=f"shards={n}"):
             checkpoint.migrate(tmp_path / "hf3", tmp_path / "m", recipe="hf-to-meta-llama", dims={"shards": n})
     assert not (tmp_path / "m").exists()
+
+
+def test_recipe_that_changes_nothing_and_unused_shards_are_refused(tmp_path):
+    """experts-to-fused on a dense Llama converts nothing: refused (no-op) rather than a copy that
+    looks like a conversion; --dim shards for a layout without shards is refused; nothing written."""
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 3)
+    checkpoint.save(hf, tmp_path / "hf")
+    with pytest.raises(ConversionError, match="nothing would change") as e:
+        checkpoint.migrate(tmp_path / "hf", tmp_path / "x", recipe="experts-to-fused")
+    assert [p.kind for p in e.value.report.problems] == ["no-op"]
+    with pytest.raises(RecipeError, match="shards=2 applies to Meta's layout only"):
+        checkpoint.migrate(tmp_path / "hf", tmp_path / "y", recipe="hf-to-torchtitan-llama3", dims={"shards": 2})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

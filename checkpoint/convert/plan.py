@@ -174,6 +174,8 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     shards, out_shards = catalog.shards, writes_shards(recipe, dims)
     if out_shards < 1:
         raise RecipeError(f"recipe {recipe.name!r}: shards={out_shards}; Meta's layout has 1 or more consolidated.NN.pth files")
+    if "meta" not in (recipe.reads, recipe.writes) and int(dims.get("shards", 1)) != 1:
+        raise RecipeError(f"recipe {recipe.name!r}: shards={dims['shards']} applies to Meta's layout only (hf-to-meta-llama)")
     if out_shards > 1 and (recipe.passthrough or recipe.post):
         raise RecipeError(f"recipe {recipe.name!r}: model-parallel shards need every key named by a rule (no passthrough)")
     report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
@@ -262,6 +264,10 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             g.targets.append(tgt)
             g.specs.append(TensorSpec(tgt, tuple(t.shape), t.dtype))
         ok_groups.append(g)
+    if not ok_groups and not problems and all(t == s for t, s in unchanged.items()):
+        problems.append(Problem(kind="no-op", keys=[], message=(
+            f"no rule of {recipe.name!r} matches a key of the source: nothing would change (already in "
+            "the target layout, or another recipe is meant: `fqnckpt recipes`)")))  # fmt: skip
     if model is not None:
         _check_model(model, ok_groups, unchanged, catalog, problems)
     for g in ok_groups:

@@ -38,7 +38,7 @@ class Problem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["unmatched", "ambiguous", "incomplete", "shape", "collision", "missing", "unexpected", "op"]
+    kind: Literal["unmatched", "ambiguous", "incomplete", "shape", "collision", "missing", "unexpected", "op", "no-op"]
     keys: list[str]
     message: str
 
