@@ -805,8 +805,9 @@ def test_meta_without_model_checks_params_json_against_the_tensors(tmp_path):
     first, _ = meta_shards(sd, 2)
     torch.save(first, src / "consolidated.00.pth")  # consolidated.01.pth lost
     (src / "params.json").write_text(json.dumps(PARAMS))
-    with pytest.raises(ConversionError, match="params.json does not describe the tensors.*embed_tokens"):
-        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    for dry in (True, False):  # found while planning: a dry run says so too
+        with pytest.raises(ConversionError, match="params.json does not describe the tensors.*embed_tokens"):
+            checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", dry_run=dry)
     assert not (tmp_path / "hf").exists()
     wrong = write_meta(tmp_path / "wrong", sd, PARAMS | {"n_heads": NH * 2})  # head_dim halves: K rows disagree
     with pytest.raises(ConversionError, match="k_proj.weight is"):

@@ -78,13 +78,16 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
         if catalog.shards > 1:
             d["shards"] = catalog.shards
         if recipe == "auto":
-            return _auto(catalog, model, d, str(src))
-        rec = get_recipe(recipe, model)
-        missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
-        if missing:
-            raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
-        plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
-        plan.source_model = model
+            plan = _auto(catalog, model, d, str(src))
+        else:
+            rec = get_recipe(recipe, model)
+            missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
+            if missing:
+                raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
+            plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+        plan.model = model
+        if plan.recipe.writes == "hf-model" and model is None and catalog.params is not None:
+            _check_meta_params(plan)  # no model to check the targets against (dry runs too)
         return plan
     except BaseException:
         catalog.close()
@@ -105,14 +108,22 @@ def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     return out
 
 
-def _meta_llama_config(plan: ConversionPlan) -> bytes:
+def _meta_llama_specs(plan: ConversionPlan) -> tuple[dict[str, TensorSpec], TensorSpec, TensorSpec]:
     specs = {s.fqn: s for s in plan.specs}
     embed, gate = specs.get("model.embed_tokens.weight"), specs.get("model.layers.0.mlp.gate_proj.weight")
     if embed is None or gate is None:
         raise ConversionError(plan.report, "no model.embed_tokens / layer-0 gate_proj to size config.json from: pass model=")
+    return specs, embed, gate
+
+
+def _check_meta_params(plan: ConversionPlan) -> None:
+    """``params.json`` must describe the converted tensors (a missing last shard or a wrong
+    ``n_heads`` otherwise gives a ``config.json`` that does not fit them).
+
+    Raises:
+        ConversionError: naming each shape or the layer count that disagrees; nothing written."""
+    specs, embed, _ = _meta_llama_specs(plan)
     params = plan.catalog.params
-    # No model to check the targets against: params.json must describe the tensors (a missing last
-    # shard or a wrong n_heads otherwise gives a config.json that does not fit them).
     head_dim = params.dim // params.n_heads
     n_kv = params.n_kv_heads or params.n_heads
     layers = sum(1 for f in specs if f.startswith("model.layers.") and f.endswith(".self_attn.q_proj.weight"))
@@ -124,8 +135,12 @@ def _meta_llama_config(plan: ConversionPlan) -> bytes:
         bad.append(f"{layers} layers converted, params.json gives n_layers={params.n_layers}")
     if bad:
         raise ConversionError(plan.report, f"params.json does not describe the tensors (a shard missing?): {'; '.join(bad)}")
+
+
+def _meta_llama_config(plan: ConversionPlan) -> bytes:
+    _, embed, gate = _meta_llama_specs(plan)
     dtype = str(embed.dtype).removeprefix("torch.")
-    return llama_config_from_meta(params.model_dump(), gate.shape[0], embed.shape[0], dtype)
+    return llama_config_from_meta(plan.catalog.params.model_dump(), gate.shape[0], embed.shape[0], dtype)
 
 
 def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write: Writer,
@@ -157,7 +172,7 @@ def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write:
             return t
 
         try:
-            write(plan.specs, fetch, side_files(plan, model if model is not None else plan.source_model), plan.recipe.writes)
+            write(plan.specs, fetch, side_files(plan, plan.model), plan.recipe.writes)
         except BaseException:
             report.written = False
             raise

@@ -118,7 +118,7 @@ class ConversionPlan:
         self.catalog, self.recipe, self.dims = catalog, recipe, dims
         self.groups, self.unchanged, self.report = groups, unchanged, report
         self.out_shards = writes_shards(recipe, dims)
-        self.source_model: Any = None  # a model built from the source's config.json (api.open_conversion)
+        self.model: Any = None  # the target model: given, or built from the source's config.json (api.open_conversion)
         self._group_of: dict[str, int] = {}
         self.specs: list[TensorSpec] = []
         for gi, g in enumerate(groups):
