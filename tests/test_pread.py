@@ -1,10 +1,12 @@
-"""Load speed paths: ``checkpoint.storage.pread`` (a large tensor read in pieces by several threads
-is byte-exact; a file that ends early names the file and the tensor; pieces shrunk so tensors stay
-small) and the GC pause of load / save (off while planning, restored after, also on error)."""
+"""Load and save speed paths: ``checkpoint.storage.pread`` (the pieces of every tensor of a load
+shared by the calling thread and pool threads, byte-exact; a file that ends early names the file
+and the tensor; pieces shrunk so tensors stay small), the writer's hash thread and writeback
+starts, and the GC pause of load / save (off while planning, restored after, also on error)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -28,6 +30,70 @@ def test_pieces_in_threads_load_exact_values(tmp_path, small_pieces):
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_path, small_pieces, monkeypatch):
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w.{i}": torch.randn(3000 + i, generator=g) for i in range(4)}  # 3 pieces or more each
+    sd["tiny"] = torch.arange(3, dtype=torch.int8)
+    checkpoint.save(sd, tmp_path / "ck")
+    readers, real = [], os.preadv
+
+    def preadv(fd, bufs, off):  # the calling thread is slow: pool threads must take pieces meanwhile
+        readers.append(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.02)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(got, tmp_path / "ck")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert len(readers) >= 12 and threading.main_thread().name in readers
+    assert any(n.startswith("fqnckpt-read") for n in readers)  # one queue for the whole load
+
+
+def test_a_piece_failing_on_a_pool_thread_names_its_tensor_and_file(tmp_path, small_pieces):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16384 bytes
+    ok, short = bytearray(8192), bytearray(12288)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        runs = [pread.Run(fd, [memoryview(ok)], ["ok"], 0, str(tmp_path), "short.bin"),
+                pread.Run(fd, [memoryview(short)], ["short"], 8192, str(tmp_path), "short.bin")]  # fmt: skip
+        with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*'short'.*ends early"):
+            pread.read_runs(runs)
+        assert pread.read_runs(runs[:1]) == 8192 and bytes(ok) == path.read_bytes()[:8192]
+    finally:
+        os.close(fd)
+
+
+def test_save_hashes_beside_the_write_and_starts_writeback_on_disks(tmp_path, monkeypatch):
+    from checkpoint.storage import writeback, writer
+
+    g = torch.Generator().manual_seed(4)
+    sd = {"big": torch.randn(3 << 20, generator=g), "small": torch.randn(7, generator=g),
+          "mid": torch.randn(600_000, generator=g).bfloat16()}  # fmt: skip
+    started = []
+    monkeypatch.setattr(writeback, "available", lambda: True)
+    monkeypatch.setattr(writeback, "start_writeback", lambda fd, off, n: started.append((off, n)))
+    monkeypatch.setattr(writer, "_in_memory_fs", lambda d: False)  # as on a disk
+    checkpoint.save(sd, tmp_path / "disk")
+    size = os.path.getsize(tmp_path / "disk" / "model-00001-of-00001.safetensors")
+    assert started and started[0][0] == 0 and all(n >= writer.SequentialFileWriter.WRITEBACK for _, n in started)
+    assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:])) and sum(n for _, n in started) <= size
+    started.clear()
+    monkeypatch.setattr(writer, "_in_memory_fs", lambda d: True)  # tmpfs: nothing to write back
+    monkeypatch.setattr(writer, "_cpus", lambda: 1)  # one CPU: hashed on the writing thread
+    checkpoint.save(sd, tmp_path / "mem")
+    assert started == []
+    # Both saves hold the same bytes and the same digests (the thread's equal the inline ones).
+    a, b = (checkpoint.open_checkpoint(tmp_path / n) for n in ("disk", "mem"))
+    assert a.meta.files == b.meta.files
+    assert (tmp_path / "disk" / "model-00001-of-00001.safetensors").read_bytes() == (tmp_path / "mem" / "model-00001-of-00001.safetensors").read_bytes()
+    checkpoint.verify(tmp_path / "disk")
 
 
 def test_a_file_ending_early_names_file_and_tensor(tmp_path, small_pieces):

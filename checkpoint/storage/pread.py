@@ -1,29 +1,35 @@
-"""``pread_into``: fill a writable buffer from a file range with ``os.preadv``, large ranges split
-over a few threads.
+"""Reads of file ranges straight into writable buffers with ``os.preadv``: one call per run of
+adjacent targets, large ranges cut into pieces, every piece of a load spread over a few threads.
 
-Why preadv in threads (measured by tests/bench/checkpoint_bench.py, issue 22, on a 2-core machine,
-tmpfs): ``preadv`` copies page-cache pages straight into the target (one copy, no intermediate
-tensor) and releases the GIL, so threads overlap their kernel copies. 256 MiB at load average 4:
-1 thread 2.2-2.9 GB/s, 2-4 threads 2.3-3.3 GB/s, against 1.4-2.5 GB/s for ``mmap`` + ``copy_``
-(``MAP_POPULATE`` or not: a page fault, or a page-table fill, per 4 KiB page before the copy).
-Quiet machine, 16 MiB tensors: 2.96 GB/s with 16 MiB pieces (read inline), 2.6-3.7 GB/s with
-4 MiB pieces. Small ranges stay on the calling thread: handing a piece to a thread costs ~20 us.
+Why preadv in threads (measured by tests/bench/checkpoint_bench.py and a side-by-side script,
+issue 22, 2-core machine, kernel 6.18, 128 MiB in 8 tensors, quiet machine, median of 9):
+``preadv`` copies page-cache pages straight into the target (one copy, no intermediate tensor)
+and releases the GIL, so threads overlap their kernel copies. On ext4 (large folios) 4 MiB pieces
+of all tensors shared by the calling thread and one pool thread read 9.3 GB/s [7.6-9.5] against
+8.0 GB/s for a 2-thread in-memory copy; the same pieces waited for tensor by tensor, with the
+calling thread idle, 5.3 GB/s; 1, 2 or 16 MiB pieces 8.3-8.8 GB/s; a third thread on 2 cores
+8.7 GB/s. On tmpfs (4 KiB pages) the same read 5.7 GB/s [5.0-6.3], the kernel's per-page copy
+path: ``mmap`` + ``copy_`` 3.9 GB/s there (a fault per page; ``MAP_POPULATE`` 2.7 GB/s).
+Small loads stay on the calling thread: handing a piece to a thread costs ~20 us.
 
-Many small tensors (:func:`pread_run`): tensors adjacent in a file are read by one ``preadv``
-into all their targets (up to ``IOV_MAX`` buffers): 20,000 tensors of 8 KiB took 20,000 calls,
-now ~20 (issue 22: per-tensor Python and syscall overhead dominated such loads).
+Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their targets
+(up to ``IOV_MAX`` buffers): 20,000 tensors of 8 KiB took 20,000 calls, now ~20 (issue 22:
+per-tensor Python and syscall overhead dominated such loads).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, LoadError
 
-PIECE = 4 << 20  # bytes per thread task; ranges under 2 pieces are read inline
-_MAX_THREADS = 4
+PIECE = 4 << 20  # bytes per thread task; loads under 2 pieces are read inline
+_MAX_THREADS = 4  # threads reading, the calling one included
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv (Linux: 1024)
 
 _pool: ThreadPoolExecutor | None = None
@@ -49,38 +55,83 @@ def _shared_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _read_exact(fd: int, view: memoryview, offset: int, root: str, name: str, key: str) -> int:
-    done, size = 0, len(view)
-    while done < size:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CorruptCheckpointError(os.path.join(root, name), f"tensor {key!r}: file ends early")
-        done += n
-    return done
-
-
 def pread_into(fd: int, view: memoryview, offset: int, root: str, name: str, key: str) -> int:
     """Read ``len(view)`` bytes of ``fd`` (file ``name`` under ``root``) at ``offset`` into
-    ``view`` (a flat byte view) for tensor ``key``; returns the bytes read.
+    ``view`` (a flat byte view) for tensor ``key``; returns the bytes read (:func:`read_runs`
+    of one run).
 
     Raises:
         CorruptCheckpointError: the file ends before the range does (names file and ``key``).
-        OSError: the read fails.
+        LoadError: the read fails (names ``key`` and the file).
     """
-    size = len(view)
-    if size < 2 * PIECE or _THREADS == 1:
-        return _read_exact(fd, view, offset, root, name, key)
-    pool = _shared_pool()
-    futures = [
-        pool.submit(_read_exact, fd, view[a : a + PIECE], offset + a, root, name, key)
-        for a in range(0, size, PIECE)
-    ]
-    # Every piece is waited for before any error leaves: no thread writes into the target afterwards.
-    errors = [f.exception() for f in futures]
-    err = next((e for e in errors if e is not None), None)
-    if err is not None:
-        raise err
-    return size
+    return read_runs([Run(fd, [view], [key], offset, root, name)])
+
+
+@dataclass(frozen=True)
+class Run:
+    """Targets ``views`` (flat byte views of tensors ``keys``) filled from consecutive bytes of
+    ``fd`` (file ``name`` under ``root``) from ``offset`` on, in file order."""
+
+    fd: int
+    views: list[memoryview]
+    keys: list[str]
+    offset: int
+    root: str
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.views)
+
+
+def _pieces(runs: Sequence[Run]) -> list[Run]:
+    """``runs`` with every target of :data:`PIECE` * 2 bytes or more cut into ``PIECE`` runs."""
+    out: list[Run] = []
+    for r in runs:
+        if len(r.views) == 1 and len(r.views[0]) >= 2 * PIECE:
+            v = r.views[0]
+            out.extend(Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name) for a in range(0, len(v), PIECE))
+        else:
+            out.append(r)
+    return out
+
+
+def read_runs(runs: Sequence[Run]) -> int:
+    """Fill every run's targets (:func:`pread_run` each); returns the bytes read. Large targets
+    are cut into :data:`PIECE` pieces, and when the runs hold 2 pieces or more they are shared by
+    the calling thread and up to ``_THREADS - 1`` pool threads, each taking the next piece from
+    one queue (no wait per tensor: see the module docstring). Every thread has stopped before
+    this returns or raises, so nothing writes into a target afterwards.
+
+    Raises:
+        CorruptCheckpointError: a file ends early (the first error met; names file and tensor).
+        LoadError: a read fails (names tensor and file).
+    """
+    total = sum(r.nbytes for r in runs)
+    if total < 2 * PIECE or _THREADS == 1:
+        return sum(pread_run(r.fd, r.views, r.keys, r.offset, r.root, r.name) for r in runs)
+    jobs = _pieces(runs)
+    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while not errors:
+            j = next(counter)
+            if j >= len(jobs):
+                return
+            r = jobs[j]
+            try:
+                pread_run(r.fd, r.views, r.keys, r.offset, r.root, r.name)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
+                errors.append(e)
+
+    helpers = [_shared_pool().submit(work) for _ in range(min(_THREADS, len(jobs)) - 1)]
+    work()
+    for f in helpers:
+        f.result()
+    if errors:
+        raise errors[0]
+    return total
 
 
 def pread_run(fd: int, views: list[memoryview], keys: list[str], offset: int, root: str, name: str) -> int:

@@ -46,7 +46,7 @@ from .format import (
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from . import pread as _pread
-from .pread import pread_into, pread_run
+from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
 from .st_header import open_safetensors_with_header, read_index
 from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
@@ -237,7 +237,7 @@ class CheckpointReader:
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         """Read tensor ``key`` straight into ``out`` when ``out`` is a contiguous CPU tensor of the
-        stored shape and dtype (``preadv``, no intermediate tensor: :func:`~.pread.pread_into`);
+        stored shape and dtype (``preadv``, no intermediate tensor: :func:`~.pread.read_runs`);
         False otherwise (then use :meth:`get`). Byte ranges come from the header ``safe_open`` validated: safetensors has no
         API to read into existing memory, and ``get_tensor`` costs ~100 us per tensor.
         """
@@ -248,8 +248,8 @@ class CheckpointReader:
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
         DTensor's local shard, or a block of it) when that block is one contiguous range of the
         file (:meth:`_block_span`; a ``Shard(0)`` row block is). Tensors adjacent in a file are
-        read by one ``preadv`` into all their targets (:func:`~.pread.pread_run`), large ones in
-        pieces on a few threads (:func:`~.pread.pread_into`).
+        read by one ``preadv`` into all their targets, large ones in pieces, and all of the
+        runs and pieces of the call shared by a few threads (:func:`~.pread.read_runs`).
 
         Raises:
             CorruptCheckpointError: a file ends early (file and tensor named).
@@ -259,6 +259,7 @@ class CheckpointReader:
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str]]] = {}
+            runs: list[_pread.Run] = []
             for i, pair in enumerate(pairs):
                 key, out = pair[0], pair[1]
                 try:
@@ -275,8 +276,8 @@ class CheckpointReader:
                         continue
                     done[i] = True
                     name = self._key_file[key]
-                    if e - b >= large:  # large tensors read by a few threads (see pread)
-                        stats.bytes_read += pread_into(self._fd(name), view, b, self.root, name, key)
+                    if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
+                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name))
                     elif e > b:
                         small.setdefault(name, []).append((b, e, view, key))
                 except CheckpointError:
@@ -292,8 +293,9 @@ class CheckpointReader:
                     if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
                         continue
                     run = items[start:j]
-                    stats.bytes_read += pread_run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name)
+                    runs.append(_pread.Run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name))
                     start = j
+            stats.bytes_read += read_runs(runs)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
             # (autograd's saved-tensor check, and autoparallel's never-written check, read them).

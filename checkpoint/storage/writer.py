@@ -8,17 +8,18 @@ process (tests and the benchmark use it to prove each byte is written once).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .. import _faults
-from . import digest
+from . import digest, writeback
 from .format import FileRecordV2
 from .layout import FilePlan, TensorSlot
 
@@ -77,16 +78,22 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     stats.bytes_written += n
 
 
+_IN_MEMORY: dict[int, bool] = {}  # per st_dev (one filesystem): mountinfo is slow to parse
+
+
 def _in_memory_fs(directory: str) -> bool:
     """True when ``directory`` is on tmpfs / ramfs (from /proc/self/mountinfo; False if unknown)."""
     try:
-        return _in_memory_dev(os.stat(directory).st_dev, directory)
+        dev = os.stat(directory).st_dev
     except OSError:
         return False
+    known = _IN_MEMORY.get(dev)
+    if known is None:
+        known = _IN_MEMORY[dev] = _in_memory_dev(directory)
+    return known
 
 
-@functools.lru_cache(maxsize=64)
-def _in_memory_dev(dev: int, directory: str) -> bool:  # cached per device: mountinfo is slow to parse
+def _in_memory_dev(directory: str) -> bool:
     try:
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split(" - ") for line in f]
@@ -209,35 +216,67 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor | None:
+    """The one thread that hashes large tensors beside the writing thread; None on one CPU."""
+    global _hash_pool
+    if _cpus() < 2:
+        return None
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-hash")
+        return _hash_pool
+
+
+def _digest_of(data: memoryview) -> str:
+    return digest.hexdigest(data)  # xxhash releases the GIL: runs beside the pwrite of `data`
+
+
 class SequentialFileWriter:
     """Writes one shard file front to back from a single process, computing the format-version-2
     digests on the way (see :mod:`checkpoint.storage.digest`); the file is never read back.
 
-    Each large tensor is written and hashed in :attr:`HASH_PIECE` pieces: ``pwrite`` copies a
-    piece, then it is hashed while it is still in this core's cache. Small tensors are copied into
-    one staging buffer and written with one ``pwrite`` per buffer instead of one syscall each (a
-    checkpoint with 10^5 small tensors would otherwise spend its time in syscalls). Call
-    :meth:`write` for each slot in byte order, then :meth:`finish`.
+    A large tensor is hashed on a second thread while ``pwrite`` copies it into the file (both
+    read the tensor's memory; neither waits for the other), and on a real disk the kernel is told
+    to start writing back every :attr:`WRITEBACK` bytes (:mod:`checkpoint.storage.writeback`), so
+    the device works while later bytes are copied. Small tensors are copied into one staging
+    buffer and written with one ``pwrite`` per buffer instead of one syscall each (a checkpoint
+    with 10^5 small tensors would otherwise spend its time in syscalls). Call :meth:`write` for
+    each slot in byte order, then :meth:`finish`.
     """
 
     SMALL = 1 << 20  # tensors below this many bytes go through the staging buffer
     BUFFER = 8 << 20
-    # Hash right after pwrite, from cache (issue 22, tests/bench/checkpoint_bench.py, 128 MiB on
-    # tmpfs, 2 busy cores, CPU time median of 20): 256 KiB pieces cost +3% over the bare pwrite,
-    # 8 MiB pieces hashed on a second thread while pwrite copies them +13% (the hash reads them
-    # from memory again; the thread only helps when a core is idle).
-    HASH_PIECE = 256 << 10
+    # Measured by tests/bench/checkpoint_bench.py (issue 22, 128 MiB in 8 tensors, 2 cores, quiet):
+    # hashed on the writing thread right after each 256 KiB pwrite (from cache) the save was
+    # 0.82-0.94x of save_file on tmpfs, the hash's whole cost on the critical path; on a second
+    # thread it overlaps the copy into the file. One CPU: hashed on the writing thread.
+    PIECE = 8 << 20  # bytes per pwrite of a large tensor
+    WRITEBACK = 8 << 20  # bytes written between two writeback starts (real disks only)
 
     def __init__(self, path: str, plan: FilePlan):
         self.path, self.plan = path, plan
         self.header_digest = digest.hexdigest(plan.header)
         self.tensor_digests: dict[str, str] = {}
         self._next = 0
-        self._buf = bytearray(self.BUFFER)
-        self._buf_view = memoryview(self._buf)
+        # Sized to the plan's small tensors: zero-filling 8 MiB costs ~1 ms a file when none are small.
+        small = sum(x.end - x.begin for x in plan.slots if x.end - x.begin < self.SMALL)
+        self._buf_view = memoryview(bytearray(min(self.BUFFER, small)))
         self._buf_len = 0
         self._buf_at = plan.data_start  # file offset of the staging buffer's first byte
         self.fd = create_shard_file(path, plan)
+        self._writeback = writeback.available() and not _in_memory_fs(os.path.dirname(os.path.abspath(path)))
+        self._started = 0  # writeback started for bytes [0, _started)
 
     def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
         if slot is not self.plan.slots[self._next]:
@@ -246,7 +285,7 @@ class SequentialFileWriter:
         data = tensor_bytes(tensor)
         n = len(data)
         if n < self.SMALL:
-            if self._buf_len + n > self.BUFFER:
+            if self._buf_len + n > len(self._buf_view):
                 self._flush()
             if self._buf_len == 0:
                 self._buf_at = slot.begin
@@ -255,18 +294,28 @@ class SequentialFileWriter:
             self._buf_len += n
         else:
             self._flush()
-            h = digest.new()
-            step = self.HASH_PIECE
-            for lo in range(0, n, step):
-                piece = data[lo : lo + step]
-                pwrite_all(self.fd, piece, slot.begin + lo)
-                h.update(piece)
-            self.tensor_digests[slot.spec.fqn] = h.hexdigest()
+            pool = _hasher()
+            hashed = pool.submit(_digest_of, data) if pool is not None else None
+            try:
+                for lo in range(0, n, self.PIECE):
+                    pwrite_all(self.fd, data[lo : lo + self.PIECE], slot.begin + lo)
+                    self._wrote(slot.begin + min(n, lo + self.PIECE))
+            finally:
+                if hashed is not None:  # waited for even when a write fails: done with `data`
+                    wait([hashed])
+            self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else _digest_of(data)
         self._next += 1
+
+    def _wrote(self, end: int) -> None:
+        """Bytes up to file offset ``end`` are written: start their writeback every WRITEBACK bytes."""
+        if self._writeback and end - self._started >= self.WRITEBACK:
+            writeback.start_writeback(self.fd, self._started, end - self._started)
+            self._started = end
 
     def _flush(self) -> None:
         if self._buf_len:
             pwrite_all(self.fd, self._buf_view[: self._buf_len], self._buf_at)
+            self._wrote(self._buf_at + self._buf_len)
             self._buf_len = 0
 
     def finish(self) -> FileRecordV2:

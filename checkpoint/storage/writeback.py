@@ -1,0 +1,52 @@
+"""Start the kernel's writeback of a file range just written, so the disk works while later
+bytes are still being copied and the closing ``fsync`` has less left to flush.
+
+Why by hand: Python's ``os`` has no ``sync_file_range`` (Linux, glibc >= 2.6), so it is called
+through ``ctypes``; ``posix_fadvise(POSIX_FADV_DONTNEED)`` also starts writeback but then drops
+the clean pages from the cache, which a load right after the save would miss. Measured by
+tests/bench/checkpoint_bench.py (issue 22, 128 MiB on ext4, fsync before the save returns):
+writeback started every 8 MiB made the save 1.25x [1.15-2.19] of ``save_file`` + fsync, against
+1.06x [0.91-1.92] without. It only starts writeback (``SYNC_FILE_RANGE_WRITE``, no wait); the
+``fsync`` at the end is still what makes the bytes durable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
+_call = None
+
+
+def _load():
+    global _call
+    if _call is None:
+        _call = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _call = fn
+            except (OSError, AttributeError):  # no libc symbol: writeback starts at fsync
+                pass
+    return _call
+
+
+def available() -> bool:
+    """True where :func:`start_writeback` does something (Linux with glibc's ``sync_file_range``)."""
+    return bool(_load())
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing bytes ``[offset, offset + nbytes)`` of ``fd`` (bytes) to
+    the device, without waiting. Never raises: a failure only means the bytes are written at the
+    closing ``fsync`` instead (which reports real I/O errors)."""
+    fn = _load()
+    if fn and nbytes > 0:
+        fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+__all__ = ["available", "start_writeback"]
