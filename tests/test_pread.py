@@ -41,7 +41,9 @@ def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_pa
     checkpoint.save(sd, tmp_path / "ck")
     readers, real = [], os.preadv
 
-    def preadv(fd, bufs, off):  # the calling thread is slow: pool threads must take pieces meanwhile
+    def preadv(fd, bufs, off, *flags):  # the calling thread is slow: pool threads take pieces meanwhile
+        if flags:  # the page-cache probe
+            return real(fd, bufs, off, *flags)
         readers.append(threading.current_thread().name)
         if threading.current_thread() is threading.main_thread():
             time.sleep(0.02)
@@ -53,6 +55,30 @@ def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_pa
     assert all(torch.equal(got[k], v) for k, v in sd.items())
     assert len(readers) >= 12 and threading.main_thread().name in readers
     assert any(n.startswith("fqnckpt-read") for n in readers)  # one queue for the whole load
+
+
+def test_bytes_not_in_the_page_cache_are_read_by_one_thread_in_file_order(tmp_path, small_pieces, monkeypatch):
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w.{i}": torch.randn(3000 + i, generator=g) for i in range(4)}
+    checkpoint.save(sd, tmp_path / "ck")
+    reads, probes, real = [], [], os.preadv
+
+    def preadv(fd, bufs, off, *flags):
+        if flags:  # RWF_NOWAIT: as when the page is still on the device
+            probes.append(off)
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        reads.append((threading.current_thread().name, off))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dict(reversed(got.items())), tmp_path / "ck")  # asked for in another order
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    assert len(probes) == 1 and len(reads) >= 12
+    assert {n for n, _ in reads} == {threading.main_thread().name}
+    assert [o for _, o in reads] == sorted(o for _, o in reads)  # one stream, readahead works
 
 
 def test_a_piece_failing_on_a_pool_thread_names_its_tensor_and_file(tmp_path, small_pieces):
@@ -130,7 +156,7 @@ def test_adjacent_small_tensors_are_read_by_one_preadv_per_run(tmp_path, monkeyp
         return real(fd, out, offset)
 
     got = {k: torch.full_like(v, 7) for k, v in sd.items()}
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, *f: calls.append(len(bufs)) or real(fd, bufs, off, *f))
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], v) for k, v in sd.items())
     assert len(calls) == files and sum(calls) == 300  # one call per file, every tensor in it

@@ -77,6 +77,13 @@ def touch(sd) -> float:
     return float(sum(v.float().sum() for v in sd.values()))
 
 
+def warm(sd) -> None:
+    """Write every page of the destinations: a fresh ``empty_like`` maps the zero page until
+    written, so reading it is not enough and the first side to write would pay the page faults."""
+    for v in sd.values():
+        v.fill_(0)
+
+
 def rounds(sides: dict, pairs: int, clear=()) -> dict[str, list[float]]:
     """Time each side ``pairs`` times; round i starts at side i (rotating order). Before each timed
     step the paths in ``clear`` are removed (every side writes new files: freeing the old pages is
@@ -164,7 +171,7 @@ def bench_case(
           f"; index {index_bytes} bytes = {index_bytes / len(sd):.0f} bytes/tensor")  # fmt: skip
 
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
-    touch(dst)  # first touch of fresh memory is slow: warm the destinations
+    warm(dst)  # first touch of fresh memory is slow: warm the destinations
     flat_src = torch.cat([v.reshape(-1).view(torch.uint8) for v in sd.values()])
     flat_dst = torch.empty_like(flat_src)
     flat_dst.fill_(0)
@@ -223,7 +230,7 @@ def bench_cold(name: str, sd: dict[str, torch.Tensor], root: str, pairs: int, wh
     files = sorted(os.path.join(ours, f) for f in os.listdir(ours) if f.endswith(".safetensors"))
     size = sum(os.path.getsize(f) for f in files)
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
-    touch(dst)
+    warm(dst)
     buf = bytearray(8 << 20)
 
     def raw_read():
