@@ -246,3 +246,36 @@ def test_load_and_save_pause_the_gc_and_restore_it_even_on_error(tmp_path, monke
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_saves_and_loads_with_its_own_threads(tmp_path):
+    """The read and hash pools are per process: a child forked after the parent used them (crash
+    trials fork ranks) gets new ones instead of waiting forever on threads it does not have."""
+    import signal
+
+    sd = {"a": torch.randn(3 << 20)}  # large: hashed on the hash thread, read in pieces
+    checkpoint.save(sd, tmp_path / "ck")
+    got = {"a": torch.zeros(3 << 20)}
+    checkpoint.load(got, tmp_path / "ck")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            torch.set_num_threads(1)  # torch's own intra-op pool is not fork-safe either
+            checkpoint.save(sd, tmp_path / "ck", overwrite=True)
+            back = {"a": torch.zeros(3 << 20)}
+            checkpoint.load(back, tmp_path / "ck")
+            code = 0 if torch.equal(back["a"], sd["a"]) else 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in save / load")

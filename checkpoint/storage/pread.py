@@ -12,11 +12,13 @@ calling thread idle, 5.3 GB/s; 1, 2 or 16 MiB pieces 8.3-8.8 GB/s; a third threa
 path: ``mmap`` + ``copy_`` 3.9 GB/s there (a fault per page; ``MAP_POPULATE`` 2.7 GB/s).
 Small loads stay on the calling thread: handing a piece to a thread costs ~20 us.
 
-Cold cache (same script, ``--cold``; ext4 on a virtio disk, 128 MiB): pieces shared by 2 threads
-on one file read 0.54x [0.40-1.48] of one sequential ``readinto`` stream (the interleaved offsets
-defeat the kernel's readahead; ``POSIX_FADV_WILLNEED`` first: 0.59x), one thread in file order
-1.0-1.26x. So a few pieces are first read with ``RWF_NOWAIT`` (page cache only): when one would
-wait for the device the load is read sequentially instead.
+Cold cache (side-by-side script, ext4 on a virtio disk, 128 MiB, page cache evicted before each
+step): pieces shared by 2 threads on one file read 0.54x [0.40-1.48] of one sequential
+``readinto`` stream (the interleaved offsets defeat the kernel's readahead; ``POSIX_FADV_WILLNEED``
+first: 0.59x), one thread in file order 1.0-1.26x. So one byte at up to 8 places of the load is
+first read with ``RWF_NOWAIT`` (page cache only): when one would wait for the device, the load is
+read by the calling thread in file order (``checkpoint_bench.py --cold``: 0.99x [0.91-1.34] of the
+raw sequential read at 512 MiB).
 
 Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their targets
 (up to ``IOV_MAX`` buffers): 20,000 tensors of 8 KiB took 20,000 calls, now ~20 (issue 22:
@@ -59,6 +61,15 @@ def _shared_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fqnckpt-read")
         return _pool
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads: a new pool there
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def pread_into(fd: int, view: memoryview, offset: int, root: str, name: str, key: str) -> int:

@@ -238,6 +238,15 @@ def _hasher() -> ThreadPoolExecutor | None:
         return _hash_pool
 
 
+def _forget_hasher() -> None:  # a forked child has none of the parent's threads: a new one there
+    global _hash_pool, _hash_pool_lock
+    _hash_pool, _hash_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hasher)
+
+
 def _digest_of(data: memoryview) -> str:
     return digest.hexdigest(data)  # xxhash releases the GIL: runs beside the pwrite of `data`
 
