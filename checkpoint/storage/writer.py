@@ -266,10 +266,10 @@ class SequentialFileWriter:
 
     SMALL = 1 << 20  # tensors below this many bytes go through the staging buffer
     BUFFER = 8 << 20
-    # Measured by tests/bench/checkpoint_bench.py (issue 22, 128 MiB in 8 tensors, 2 cores, quiet):
-    # hashed on the writing thread right after each 256 KiB pwrite (from cache) the save was
-    # 0.82-0.94x of save_file on tmpfs, the hash's whole cost on the critical path; on a second
-    # thread it overlaps the copy into the file. One CPU: hashed on the writing thread.
+    # Measured by tests/bench/checkpoint_bench.py (issue 22, 8 tensors, 2 cores, quiet): hashed on
+    # the writing thread after each 256 KiB pwrite (from cache) a tmpfs save was 0.79-0.98x of the
+    # raw write (the hash on the critical path); on a second thread 0.94-0.99x (128 / 512 MiB).
+    # One CPU: hashed on the writing thread.
     PIECE = 8 << 20  # bytes per pwrite of a large tensor
     WRITEBACK = 8 << 20  # bytes written between two writeback starts (real disks only)
 
