@@ -112,7 +112,7 @@ def test_save_hashes_beside_the_write_and_starts_writeback_on_disks(tmp_path, mo
     assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:])) and sum(n for _, n in started) <= size
     started.clear()
     monkeypatch.setattr(writer, "_in_memory_fs", lambda d: True)  # tmpfs: nothing to write back
-    monkeypatch.setattr(writer, "_cpus", lambda: 1)  # one CPU: hashed on the writing thread
+    monkeypatch.setattr(writer, "_hasher", lambda: None)  # one CPU: hashed on the writing thread
     checkpoint.save(sd, tmp_path / "mem")
     assert started == []
     # Both saves hold the same bytes and the same digests (the thread's equal the inline ones).

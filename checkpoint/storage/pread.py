@@ -29,47 +29,17 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, LoadError
+from . import threads
 
 PIECE = 4 << 20  # bytes per thread task; loads under 2 pieces are read inline
 _MAX_THREADS = 4  # threads reading, the calling one included
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv (Linux: 1024)
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, n))
-
-
-_THREADS = _threads()
-
-
-def _shared_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fqnckpt-read")
-        return _pool
-
-
-def _forget_pool() -> None:  # a forked child has none of the parent's threads: a new pool there
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+_THREADS = max(1, min(_MAX_THREADS, threads.cpus()))
 
 
 def pread_into(fd: int, view: memoryview, offset: int, root: str, name: str, key: str) -> int:
@@ -170,7 +140,7 @@ def read_runs(runs: Sequence[Run]) -> int:
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
                 errors.append(e)
 
-    helpers = [_shared_pool().submit(work) for _ in range(min(_THREADS, len(jobs)) - 1)]
+    helpers = [threads.pool("read", _THREADS).submit(work) for _ in range(min(_THREADS, len(jobs)) - 1)]
     work()
     for f in helpers:
         f.result()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import _faults
-from . import digest, writeback
+from . import digest, threads, writeback
 from .format import FileRecordV2
 from .layout import FilePlan, TensorSlot
 
@@ -216,35 +215,9 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
-
-
 def _hasher() -> ThreadPoolExecutor | None:
     """The one thread that hashes large tensors beside the writing thread; None on one CPU."""
-    global _hash_pool
-    if _cpus() < 2:
-        return None
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="fqnckpt-hash")
-        return _hash_pool
-
-
-def _forget_hasher() -> None:  # a forked child has none of the parent's threads: a new one there
-    global _hash_pool, _hash_pool_lock
-    _hash_pool, _hash_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_hasher)
+    return threads.pool("hash", 1) if threads.cpus() >= 2 else None
 
 
 def _digest_of(data: memoryview) -> str:
