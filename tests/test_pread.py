@@ -128,10 +128,11 @@ def test_a_file_ending_early_names_file_and_tensor(tmp_path, small_pieces):
     out = bytearray(3 * 4096)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert pread.pread_into(fd, memoryview(out)[:8192], 100, str(tmp_path), "short.bin", "w") == 8192
+        head = pread.Run(fd, [memoryview(out)[:8192]], ["w"], 100, str(tmp_path), "short.bin")
+        assert pread.read_runs([head]) == 8192
         assert bytes(out[:8192]) == path.read_bytes()[100:8292]
         with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*'w'.*ends early"):
-            pread.pread_into(fd, memoryview(out), 0, str(tmp_path), "short.bin", "w")
+            pread.read_runs([pread.Run(fd, [memoryview(out)], ["w"], 0, str(tmp_path), "short.bin")])
     finally:
         os.close(fd)
 

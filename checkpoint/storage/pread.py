@@ -42,18 +42,6 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffer
 _THREADS = max(1, min(_MAX_THREADS, threads.cpus()))
 
 
-def pread_into(fd: int, view: memoryview, offset: int, root: str, name: str, key: str) -> int:
-    """Read ``len(view)`` bytes of ``fd`` (file ``name`` under ``root``) at ``offset`` into
-    ``view`` (a flat byte view) for tensor ``key``; returns the bytes read (:func:`read_runs`
-    of one run).
-
-    Raises:
-        CorruptCheckpointError: the file ends before the range does (names file and ``key``).
-        LoadError: the read fails (names ``key`` and the file).
-    """
-    return read_runs([Run(fd, [view], [key], offset, root, name)])
-
-
 @dataclass(frozen=True)
 class Run:
     """Targets ``views`` (flat byte views of tensors ``keys``) filled from consecutive bytes of
@@ -69,6 +57,10 @@ class Run:
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self.views)
+
+    def read(self) -> int:
+        """:func:`pread_run` of this run; returns the bytes read."""
+        return pread_run(self.fd, self.views, self.keys, self.offset, self.root, self.name)
 
 
 def _pieces(runs: Sequence[Run]) -> list[Run]:
@@ -107,12 +99,12 @@ def _in_cache(jobs: Sequence[Run]) -> bool:
 
 
 def read_runs(runs: Sequence[Run]) -> int:
-    """Fill every run's targets (:func:`pread_run` each); returns the bytes read. Large targets
+    """Fill every run's targets (:meth:`Run.read` each); returns the bytes read. Large targets
     are cut into :data:`PIECE` pieces, and when the runs hold 2 pieces or more and their bytes
     are in the page cache (:func:`_in_cache`) they are shared by the calling thread and up to
     ``_THREADS - 1`` pool threads, each taking the next piece from one queue (no wait per
-    tensor); bytes still on the device are read by the calling thread in file order. Every thread has stopped before
-    this returns or raises, so nothing writes into a target afterwards.
+    tensor); bytes still on the device are read by the calling thread in file order. Every
+    thread has stopped before this returns or raises, so nothing writes into a target afterwards.
 
     Raises:
         CorruptCheckpointError: a file ends early (the first error met; names file and tensor).
@@ -120,11 +112,11 @@ def read_runs(runs: Sequence[Run]) -> int:
     """
     total = sum(r.nbytes for r in runs)
     if total < 2 * PIECE or _THREADS == 1:
-        return sum(pread_run(r.fd, r.views, r.keys, r.offset, r.root, r.name) for r in runs)
+        return sum(r.read() for r in runs)
     jobs = _pieces(runs)
     if not _in_cache(jobs):  # from the device: one sequential stream (see the module docstring)
         for r in sorted(jobs, key=lambda r: (r.fd, r.offset)):
-            pread_run(r.fd, r.views, r.keys, r.offset, r.root, r.name)
+            r.read()
         return total
     counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
     errors: list[BaseException] = []
@@ -134,9 +126,8 @@ def read_runs(runs: Sequence[Run]) -> int:
             j = next(counter)
             if j >= len(jobs):
                 return
-            r = jobs[j]
             try:
-                pread_run(r.fd, r.views, r.keys, r.offset, r.root, r.name)
+                jobs[j].read()
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
                 errors.append(e)
 

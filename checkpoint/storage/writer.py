@@ -220,10 +220,6 @@ def _hasher() -> ThreadPoolExecutor | None:
     return threads.pool("hash", 1) if threads.cpus() >= 2 else None
 
 
-def _digest_of(data: memoryview) -> str:
-    return digest.hexdigest(data)  # xxhash releases the GIL: runs beside the pwrite of `data`
-
-
 class SequentialFileWriter:
     """Writes one shard file front to back from a single process, computing the format-version-2
     digests on the way (see :mod:`checkpoint.storage.digest`); the file is never read back.
@@ -277,7 +273,8 @@ class SequentialFileWriter:
         else:
             self._flush()
             pool = _hasher()
-            hashed = pool.submit(_digest_of, data) if pool is not None else None
+            # xxhash releases the GIL: the hash runs beside the pwrite of `data`.
+            hashed = pool.submit(digest.hexdigest, data) if pool is not None else None
             try:
                 for lo in range(0, n, self.PIECE):
                     pwrite_all(self.fd, data[lo : lo + self.PIECE], slot.begin + lo)
@@ -285,7 +282,7 @@ class SequentialFileWriter:
             finally:
                 if hashed is not None:  # waited for even when a write fails: done with `data`
                     wait([hashed])
-            self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else _digest_of(data)
+            self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else digest.hexdigest(data)
         self._next += 1
 
     def _wrote(self, end: int) -> None:
