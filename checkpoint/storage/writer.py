@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import _faults
-from . import digest, threads, writeback
+from . import digest, fskind, threads, writeback
 from .format import FileRecordV2
 from .layout import FilePlan, TensorSlot
 
@@ -77,35 +77,6 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     stats.bytes_written += n
 
 
-_IN_MEMORY: dict[int, bool] = {}  # per st_dev (one filesystem): mountinfo is slow to parse
-
-
-def _in_memory_fs(directory: str) -> bool:
-    """True when ``directory`` is on tmpfs / ramfs (from /proc/self/mountinfo; False if unknown)."""
-    try:
-        dev = os.stat(directory).st_dev
-    except OSError:
-        return False
-    known = _IN_MEMORY.get(dev)
-    if known is None:
-        known = _IN_MEMORY[dev] = _in_memory_dev(directory)
-    return known
-
-
-def _in_memory_dev(directory: str) -> bool:
-    try:
-        with open("/proc/self/mountinfo") as f:
-            mounts = [line.split(" - ") for line in f]
-    except OSError:
-        return False
-    real, best, fstype = os.path.realpath(directory), "", ""
-    for pre, post in (m for m in mounts if len(m) == 2):
-        point = pre.split()[4].replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, fstype = point, post.split()[0]
-    return fstype in ("tmpfs", "ramfs")
-
-
 def create_shard_file(path: str, plan: FilePlan) -> int:
     """Create ``path`` with ``plan.size`` bytes reserved (``posix_fallocate``, so a full disk fails
     here rather than midway) and the header written. Returns an open fd (read/write).
@@ -116,7 +87,7 @@ def create_shard_file(path: str, plan: FilePlan) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         try:
-            if _in_memory_fs(os.path.dirname(os.path.abspath(path))):
+            if fskind.in_memory_dir(os.path.dirname(os.path.abspath(path))):
                 os.ftruncate(fd, plan.size)
             else:
                 os.posix_fallocate(fd, 0, plan.size)
@@ -253,7 +224,7 @@ class SequentialFileWriter:
         self._buf_len = 0
         self._buf_at = plan.data_start  # file offset of the staging buffer's first byte
         self.fd = create_shard_file(path, plan)
-        self._writeback = writeback.available() and not _in_memory_fs(os.path.dirname(os.path.abspath(path)))
+        self._writeback = writeback.available() and not fskind.in_memory_dir(os.path.dirname(os.path.abspath(path)))
         self._started = 0  # writeback started for bytes [0, _started)
 
     def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
