@@ -258,3 +258,28 @@ def test_dcp_hf_rank_shards_load(tmp_path):
     target = Net()
     assert checkpoint.load(target, tmp_path / "hf").ok
     assert _same(_snapshot(target), _snapshot(model))
+
+
+def test_small_dcp_items_are_parsed_from_memory_and_large_ones_through_dcps_view(tmp_path, monkeypatch):
+    """Issue 22: an item up to SLICE_IN_MEMORY bytes is read in one call and torch.load parses it
+    from BytesIO (C seek / read); a larger one keeps DCP's file view; values are equal either way."""
+    import io
+
+    from checkpoint.sources import dcp as dcp_source
+
+    g = torch.Generator().manual_seed(8)
+    sd = {"small": torch.randn(4, generator=g), "big": torch.randn(64, 64, generator=g)}
+    _dcp_save({"model": sd}, tmp_path / "dcp")
+    monkeypatch.setattr(dcp_source, "SLICE_IN_MEMORY", 8000)  # the small item's zip ~1.5 KB, the big one's > 16 KB
+    parsed, real = [], torch.load
+
+    def spy(f, *a, **k):
+        if k.get("map_location") == "cpu":  # DCP's tensor reads (FileSystemReader.read_data)
+            parsed.append(type(f) is io.BytesIO)
+        return real(f, *a, **k)
+
+    monkeypatch.setattr(torch, "load", spy)
+    checkpoint.migrate(tmp_path / "dcp", tmp_path / "out")
+    assert sorted(parsed) == [False, True]
+    with checkpoint.open_checkpoint(tmp_path / "out") as r:
+        assert r.keys() == ["big", "small"] and all(torch.equal(r.get(k), v) for k, v in sd.items())

@@ -20,6 +20,7 @@ Any DCP ``CheckpointException`` (a ``BaseException``) becomes our
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import math
 import os
@@ -39,6 +40,8 @@ from .unpickle import load_dcp_metadata, torch_load
 # Bytes of tensors read by one dcp.load call when the read order is known (batches amortise
 # DCP's per-call planning; peak memory stays about one batch).
 READ_BATCH_BYTES = 64 << 20
+# DCP items up to this size are read into memory in one call before torch.load parses them.
+SLICE_IN_MEMORY = 1 << 20
 
 
 def _check_storage_paths(root: Path, md: Any) -> None:
@@ -80,6 +83,16 @@ def _readers():
             self._md.storage_meta.load_id = self.load_id
             return self._md
 
+        def _slice_file(self, file: Any, sinfo: Any):
+            # torch.load of an item through DCP's file view makes ~25 seek / tell / readinto
+            # calls, each Python; from one read into BytesIO they are C. Measured (issue 22,
+            # 2,000 items of 8 KiB, tmpfs): dcp.load 0.93 s -> 0.82 s. Large items keep the view
+            # (no second copy in memory). The parse is still torch.load(weights_only=True).
+            if sinfo.length > SLICE_IN_MEMORY:
+                return super()._slice_file(file, sinfo)
+            file.seek(sinfo.offset)
+            return io.BytesIO(file.read(sinfo.length))
+
     class SafeHFReader(HuggingFaceStorageReader):
         """``HuggingFaceStorageReader`` with the symlink rule applied to the shards it names."""
 
@@ -100,8 +113,6 @@ def _readers():
 def _planner(path: str | os.PathLike):
     """A DCP load planner for ``path`` (DCP's own ``DefaultLoadPlanner``: it plans the reads,
     resharding onto the targets' meshes) whose non-tensor entries go through :func:`torch_load`."""
-    import io
-
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._nested_dict import set_element
 
