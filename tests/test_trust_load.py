@@ -573,3 +573,33 @@ def test_snapshot_helper_sees_every_kind_of_change():
         assert snap.differences(), name
         with pytest.raises(AssertionError, match="changed"):
             snap.assert_unchanged()
+
+
+def test_targets_sharing_memory_are_found_among_many_and_through_another_storage(tmp_path):
+    """The overlap sweep runs by address over every target (issue 22: no storage asked of the
+    10^4 targets that share nothing): views of one buffer amid many other tensors, and a view
+    made through another storage object of the same memory (``torch.from_numpy``)."""
+    d = tmp_path / "ck"
+    others = {f"n.{i}": torch.full((2,), float(i)) for i in range(50)}
+    checkpoint.save({"x": torch.tensor([1.0, 2.0, 9.0]), **others, "y": torch.tensor([3.0, 4.0, 5.0]),
+                     "z": torch.tensor([7.0])}, d)  # fmt: skip
+    buf = torch.zeros(6)
+    target = {"x": buf[0:3], **{k: torch.zeros(2) for k in others}, "y": buf[2:5]}
+    target["z"] = torch.from_numpy(buf.numpy())[5:6]  # disjoint from x and y: loads
+    snap = Snapshot(target)
+    with pytest.raises(OverlappingTargetsError) as ei:  # x[2] = 9 against y[0] = 3
+        checkpoint.load(target, d)
+    assert set(ei.value.keys) == {"x", "y"}
+    snap.assert_unchanged()
+    target["y"] = torch.from_numpy(buf.numpy())[2:5]  # the same clash through another storage
+    snap = Snapshot(target)
+    with pytest.raises(OverlappingTargetsError) as ei:
+        checkpoint.load(target, d)
+    assert set(ei.value.keys) == {"x", "y"}
+    snap.assert_unchanged()
+    target["y"] = buf[3:6]
+    target["z"] = torch.zeros(1)
+    checkpoint.save({"x": torch.tensor([1.0, 2.0, 9.0]), **others, "y": torch.tensor([3.0, 4.0, 5.0]),
+                     "z": torch.tensor([7.0])}, d, overwrite=True)  # fmt: skip
+    checkpoint.load(target, d)  # x and y side by side: nothing shared
+    assert buf.tolist() == [1.0, 2.0, 9.0, 3.0, 4.0, 5.0] and all(torch.equal(target[k], v) for k, v in others.items())

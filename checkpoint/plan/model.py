@@ -35,6 +35,7 @@ from .values import (
     _read_target_block,
     conversion_kind_problem,
     needs_value_check,
+    _copy_problem,
     target_problem,
     value_problem,
 )
@@ -82,6 +83,7 @@ def plan_load(
     copies: list[CopyAction] = []
     meta: list[str] = []
     lazy = torch.nn.parameter.UninitializedTensorMixin
+    inference_mode = torch.is_inference_mode_enabled()
     for e, key in pairs:  # per-tensor work kept small: 10^4-10^5 tensors per load (issue 22)
         spec = reader.spec(key)
         t = e.tensor
@@ -116,13 +118,13 @@ def plan_load(
                     _owner_slot(model, n)
             elif not isinstance(obj, MutableMapping):
                 raise TypeError(f"assign=True needs a mutable state_dict, got {type(obj).__name__}")
-        elif _local(t).is_meta:
+        elif (local := _local(t)).is_meta:
             meta.append(e.fqn)
-        elif target == t.dtype or not isinstance(obj, torch.nn.Module):  # else module.to makes a new tensor
-            why = target_problem(t)
+        elif target == t.dtype or model is None:  # else module.to makes a new tensor
+            why = _copy_problem(local, inference_mode)
             if why:
                 raise UnwritableTargetError(e.fqn, path, why)
-        elif _local(t).is_inference() and not torch.is_inference_mode_enabled():
+        elif local.is_inference() and not inference_mode:
             raise UnwritableTargetError(e.fqn, path, target_problem(t))
         copies.append(CopyAction(e, key, target, assign, spec.dtype))
         report.loaded_keys.append(e.fqn)

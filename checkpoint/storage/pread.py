@@ -151,7 +151,7 @@ def _pieces(runs: Sequence[Run]) -> list[Run]:
     out: list[Run] = []
     for r in runs:
         if len(r.views) == 1 and len(r.views[0]) >= 2 * PIECE:
-            v = r.views[0]
+            v = memoryview(r.views[0])  # (a ctypes array slices to a list)
             out.extend(Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name) for a in range(0, len(v), PIECE))
         else:
             out.append(r)
@@ -256,5 +256,5 @@ def pread_run(fd: int, views: list[memoryview], keys: list[str], offset: int, ro
             n -= len(views[i])
             i += 1
         if n:  # a short read inside one buffer: the rest of it next
-            views = [*views[:i], views[i][n:], *views[i + 1 :]]
+            views = [*views[:i], memoryview(views[i])[n:], *views[i + 1 :]]  # (a ctypes array slices to a list)
     return total

@@ -11,6 +11,7 @@ tensors or only the slices a rank needs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -121,6 +122,23 @@ def compare_record(rec: FileRecordV2, size: int, header: str, tensors: dict[str,
     return FileDigestCheck(size, "xxh3_128", d, tensors, problem)
 
 
+_SMALL_TARGET = 1 << 20  # targets under this many bytes are read through a ctypes array
+_ARRAY_TYPES: dict[int, type] = {}
+
+
+def _bytes_at(address: int, n: int):
+    """A writable buffer over ``n`` bytes of memory at ``address`` (a live tensor's, which the
+    caller keeps alive while the buffer is used): a ctypes array, 0.4 us against 2 us for
+    ``memoryview(t.numpy()).cast("B")``, per target of loads of 10^4-10^5 small tensors (issue 22).
+    Slice it through ``memoryview`` (a ctypes array's own slice is a list)."""
+    kind = _ARRAY_TYPES.get(n)
+    if kind is None:
+        if len(_ARRAY_TYPES) >= 4096:  # checkpoints of many distinct sizes: bounded memory
+            _ARRAY_TYPES.clear()
+        kind = _ARRAY_TYPES[n] = ctypes.c_ubyte * n
+    return kind.from_address(address)
+
+
 class CheckpointReader:
     """A validated, open checkpoint. Use :func:`open_checkpoint`; close with :meth:`close` or ``with``.
 
@@ -193,9 +211,11 @@ class CheckpointReader:
             or out.is_neg()
         ):
             return None
-        # Checked above (contiguous CPU, not conj / neg): the numpy view needs no more torch calls,
-        # a few microseconds per tensor saved where checkpoints hold 10^4-10^5 of them.
-        if out.dtype in _NUMPY_DTYPES and out.numel():
+        # Checked above (contiguous CPU, not conj / neg): out's bytes are data_ptr() on.
+        n = out.nbytes
+        if 0 < n < _SMALL_TARGET:
+            return _bytes_at(out.data_ptr(), n)
+        if out.dtype in _NUMPY_DTYPES and n:
             return memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
         return tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
 
