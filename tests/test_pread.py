@@ -5,7 +5,6 @@ starts, and the GC pause of load / save (off while planning, restored after, als
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 
@@ -224,95 +223,6 @@ def test_a_run_ending_early_names_the_first_tensor_not_read(tmp_path, monkeypatc
             pread.pread_run(fd, [memoryview(a), memoryview(b)], ["a", "b"], 0, str(tmp_path), "short.bin")
     finally:
         os.close(fd)
-
-
-@pytest.fixture
-def mapped_pieces(small_pieces, monkeypatch):
-    monkeypatch.setattr(pread, "MAP_MIN", 4096)
-
-
-def test_pieces_in_files_on_disks_are_copied_from_a_mapping_and_tmpfs_keeps_preadv(tmp_path, mapped_pieces, monkeypatch):
-    from checkpoint.storage import fskind
-
-    g = torch.Generator().manual_seed(6)
-    sd = {f"w.{i}": torch.randn(3072 + 1024 * i, generator=g) for i in range(4)}  # 3 + i whole pieces
-    sd["tiny"] = torch.arange(3, dtype=torch.int8)  # under MAP_MIN: preadv
-    checkpoint.save(sd, tmp_path / "ck")
-    copied, read, real_copy, real_read = [], [], pread._MappedRun.read, pread.Run.read
-    monkeypatch.setattr(pread._MappedRun, "read", lambda self: copied.append(self.run.keys[0]) or real_copy(self))
-    monkeypatch.setattr(pread.Run, "read", lambda self: read.append(self.keys[0]) or real_read(self))
-    for on_tmpfs in (False, True):
-        monkeypatch.setattr(fskind, "in_memory_fd", lambda fd, d: on_tmpfs)
-        copied.clear(), read.clear()
-        got = {k: torch.zeros_like(v) for k, v in sd.items()}
-        checkpoint.load(got, tmp_path / "ck")
-        assert all(torch.equal(got[k], v) for k, v in sd.items())
-        if on_tmpfs:
-            assert copied == [] and {f"w.{i}" for i in range(4)} <= set(read)
-        else:  # every piece of the 4 large tensors copied, the tiny one read
-            assert sorted(copied) == sorted(f"w.{i}" for i in range(4) for _ in range(3 + i)) and read == ["tiny"]
-
-
-class _Mapping(mmap.mmap):
-    """A real mapping whose ``madvise`` fails with ``errno`` (a C method: no monkeypatching)."""
-
-    errno = 0
-
-    def madvise(self, *args):
-        raise OSError(self.errno, os.strerror(self.errno))
-
-
-def test_a_mapped_copy_that_fails_names_its_tensor_and_file_and_old_kernels_fall_back(tmp_path, mapped_pieces):
-    import errno
-
-    path = tmp_path / "shard.bin"
-    data = bytes(range(256)) * 64  # 16384 bytes
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        m = _Mapping(fd, len(data), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        out = bytearray(8192)
-        run = pread._MappedRun(pread.Run(fd, [memoryview(out)], ["w"], 4096, str(tmp_path), "shard.bin"), m)
-        m.errno = errno.EIO
-        with pytest.raises(LoadError, match=r"shard\.bin: loading 'w' failed: OSError.*Input/output error"):
-            run.read()
-        assert not any(out)  # nothing copied
-        m.errno = errno.EINVAL  # no MADV_POPULATE_READ (Linux < 5.14): preadv instead
-        assert run.read() == 8192 and bytes(out) == data[4096:12288]
-        m.close()
-        # Cut short after it was mapped: the real madvise answers EFAULT, never SIGBUS.
-        m = mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        os.ftruncate(fd, 8192)
-        late = pread._MappedRun(pread.Run(fd, [memoryview(out)], ["w"], 4096, str(tmp_path), "shard.bin"), m)
-        with pytest.raises(CorruptCheckpointError, match=r"shard\.bin.*'w'.*ends early"):
-            late.read()
-        m.close()
-        # Shorter than the run when mapped: refused before any copy.
-        m = mmap.mmap(fd, 8192, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        with pytest.raises(CorruptCheckpointError, match=r"shard\.bin.*'w'.*ends early"):
-            pread._MappedRun(pread.Run(fd, [memoryview(out)], ["w"], 4096, str(tmp_path), "shard.bin"), m).read()
-        m.close()
-    finally:
-        os.close(fd)
-
-
-def test_a_file_that_cannot_be_mapped_is_read_with_preadv(tmp_path, mapped_pieces, monkeypatch):
-    import errno
-
-    from checkpoint.storage import fskind
-
-    g = torch.Generator().manual_seed(7)
-    sd = {f"w.{i}": torch.randn(5000, generator=g) for i in range(3)}
-    checkpoint.save(sd, tmp_path / "ck")
-
-    def refuse(*a, **k):
-        raise OSError(errno.ENODEV, "No such device")  # as a filesystem without mmap
-
-    monkeypatch.setattr(fskind, "in_memory_fd", lambda fd, d: False)
-    monkeypatch.setattr(pread.mmap, "mmap", refuse)
-    got = {k: torch.zeros_like(v) for k, v in sd.items()}
-    checkpoint.load(got, tmp_path / "ck")
-    assert all(torch.equal(got[k], v) for k, v in sd.items())
 
 
 def test_load_and_save_pause_the_gc_and_restore_it_even_on_error(tmp_path, monkeypatch):

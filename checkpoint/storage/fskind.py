@@ -22,16 +22,6 @@ def in_memory_dir(directory: str) -> bool:
     return known
 
 
-def in_memory_fd(fd: int, directory: str) -> bool:
-    """:func:`in_memory_dir` for the file open as ``fd`` in ``directory`` (its ``st_dev`` from
-    ``fstat``: no path lookup once the device is known)."""
-    try:
-        known = _IN_MEMORY.get(os.fstat(fd).st_dev)
-    except OSError:
-        return False
-    return in_memory_dir(directory) if known is None else known
-
-
 def _mount_type(real: str) -> str:
     """The filesystem type of the longest mount point above the resolved path ``real``."""
     try:

@@ -20,18 +20,13 @@ first read with ``RWF_NOWAIT`` (page cache only): when one would wait for the de
 read by the calling thread in file order (``checkpoint_bench.py --cold``: 0.99x [0.91-1.34] of the
 raw sequential read at 512 MiB).
 
-Mapped copies on disks (issue 22, ``checkpoint_bench.py --full``, 512 MiB in 8 tensors, ext4 on
-virtio, warm cache, another 2-core machine, session of 2026-12-02): ``preadv`` in 4 MiB pieces on 2
-threads read 11.6 GB/s [11.3-12.1], 0.81x of ``safe_open`` + ``copy_`` (14.1 GB/s; memcpy 13.8).
-The same pieces copied from a shared read-only mapping of the file by ``np.copyto`` (glibc's
-memmove, GIL released) read 13.1 GB/s [12.1-13.8]: user-space memmove outruns the kernel's
-``copy_to_user`` there, and ext4's large folios are mapped a few faults per 2 MiB. ``torch``'s
-``copy_`` in the same threads read 12.0 GB/s (it splits each copy over its own threads again).
-Each piece is first populated with ``MADV_POPULATE_READ``, so an I/O error or a file cut short
-since it was opened raises (named, as from ``preadv``) instead of killing the process with
-SIGBUS; that cost nothing measurable (12.5 GB/s against 13.1, inside the range). tmpfs keeps
-``preadv``: mapped there 6.1 GB/s against 8.5 (a fault per 4 KiB page). Bytes not cached keep
-the sequential ``preadv`` (readahead), and files that cannot be mapped fall back to ``preadv``.
+Mapped copies were measured and not kept (issue 22, 2026-12-02, another 2-core machine, ext4,
+warm cache, 8 tensors, 21 alternated rounds in one process): the same pieces copied from a shared
+read-only mapping by ``np.copyto`` read 1.06x [0.7-1.3] of ``preadv`` at 512 MiB and 1.10x at
+128 MiB, but a file cut short or an I/O error while mapped kills the process with SIGBUS instead of
+raising. Each piece populated first with ``MADV_POPULATE_READ`` (which reports those as errors)
+read 0.96x of ``preadv`` at both sizes: populating maps 4 KiB pages where the copy's own faults
+map ext4's large folios whole. ``safe_open`` + ``copy_`` is such an unchecked mapping.
 
 Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their targets
 (up to ``IOV_MAX`` buffers): 20,000 tensors of 8 KiB took 20,000 calls, now ~20 (issue 22:
@@ -40,22 +35,16 @@ per-tensor Python and syscall overhead dominated such loads).
 
 from __future__ import annotations
 
-import errno
 import itertools
-import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..errors import CorruptCheckpointError, LoadError
-from . import fskind, threads
+from . import threads
 
 PIECE = 4 << 20  # bytes per thread task; loads under 2 pieces are read inline
 _MAX_THREADS = 4  # threads reading, the calling one included
-MAP_MIN = 1 << 20  # single-target jobs of this many bytes or more are copied from a mapping (disks)
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python 3.11 lacks the name
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv (Linux: 1024)
 
 _THREADS = max(1, min(_MAX_THREADS, threads.cpus()))
@@ -80,70 +69,6 @@ class Run:
     def read(self) -> int:
         """:func:`pread_run` of this run; returns the bytes read."""
         return pread_run(self.fd, self.views, self.keys, self.offset, self.root, self.name)
-
-
-@dataclass(frozen=True)
-class _MappedRun:
-    """A one-target :class:`Run` copied from ``mapping`` (a shared read-only mapping of its whole
-    file, from when it was opened) instead of ``preadv`` (see the module docstring)."""
-
-    run: Run
-    mapping: mmap.mmap
-
-    def read(self) -> int:
-        """Copy the run's bytes into its target; returns the bytes copied.
-
-        Raises:
-            CorruptCheckpointError: the file ends before the run does (names file and tensor).
-            LoadError: populating the pages fails (an I/O error; names tensor and file).
-        """
-        r, m = self.run, self.mapping
-        (view,) = r.views
-        n, path = len(view), os.path.join(r.root, r.name)
-        if r.offset + n > len(m):
-            raise CorruptCheckpointError(path, f"tensor {r.keys[0]!r}: file ends early")
-        start = r.offset - r.offset % mmap.PAGESIZE
-        try:
-            m.madvise(_POPULATE_READ, start, r.offset + n - start)
-        except OSError as e:
-            if e.errno == errno.EINVAL:  # a kernel without MADV_POPULATE_READ: no safe mapped copy
-                return r.read()
-            if e.errno == errno.EFAULT:  # the file was cut short since it was mapped
-                raise CorruptCheckpointError(path, f"tensor {r.keys[0]!r}: file ends early") from e
-            raise LoadError(r.keys[0], path, f"{type(e).__name__}: {e}") from e
-        np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(m, np.uint8, n, r.offset))
-        return n
-
-
-def _mapped(jobs: Sequence[Run]) -> tuple[list[Run | _MappedRun], list[mmap.mmap]]:
-    """``jobs`` with each one-target job of :data:`MAP_MIN` bytes or more in a file not on tmpfs
-    as a :class:`_MappedRun`, and the mappings made (close them when done). A file that cannot be
-    mapped (its filesystem refuses, or it is empty) keeps ``preadv``."""
-    maps: dict[int, mmap.mmap | None] = {}
-    out: list[Run | _MappedRun] = []
-    for r in jobs:
-        if len(r.views) != 1 or len(r.views[0]) < MAP_MIN:
-            out.append(r)
-            continue
-        if r.fd not in maps:
-            maps[r.fd] = None
-            if not fskind.in_memory_fd(r.fd, r.root):
-                try:
-                    size = os.fstat(r.fd).st_size
-                    maps[r.fd] = mmap.mmap(r.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
-                except (OSError, ValueError):
-                    pass
-        m = maps[r.fd]
-        out.append(r if m is None else _MappedRun(r, m))
-    return out, [m for m in maps.values() if m is not None]
-
-
-def _close(maps: Sequence[mmap.mmap]) -> None:
-    for m in maps:
-        try:
-            m.close()
-        except BufferError:  # a view still held (a failed copy's traceback): unmapped when freed
-            pass
 
 
 def _pieces(runs: Sequence[Run]) -> list[Run]:
@@ -186,8 +111,7 @@ def read_runs(runs: Sequence[Run]) -> int:
     are cut into :data:`PIECE` pieces, and when the runs hold 2 pieces or more and their bytes
     are in the page cache (:func:`_in_cache`) they are shared by the calling thread and up to
     ``_THREADS - 1`` pool threads, each taking the next piece from one queue (no wait per
-    tensor), pieces in files not on tmpfs copied from a mapping (:class:`_MappedRun`); bytes
-    still on the device are read by the calling thread in file order. Every
+    tensor); bytes still on the device are read by the calling thread in file order. Every
     thread has stopped before this returns or raises, so nothing writes into a target afterwards.
 
     Raises:
@@ -202,17 +126,6 @@ def read_runs(runs: Sequence[Run]) -> int:
         for r in sorted(jobs, key=lambda r: (r.fd, r.offset)):
             r.read()
         return total
-    jobs, maps = _mapped(jobs)
-    try:
-        _share(jobs)
-    finally:
-        _close(maps)
-    return total
-
-
-def _share(jobs: Sequence[Run | _MappedRun]) -> None:
-    """Run every job's ``read`` on the calling thread and up to ``_THREADS - 1`` pool threads,
-    each taking the next job from one queue; re-raises the first error once every thread stopped."""
     counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
     errors: list[BaseException] = []
 
@@ -232,6 +145,7 @@ def _share(jobs: Sequence[Run | _MappedRun]) -> None:
         f.result()
     if errors:
         raise errors[0]
+    return total
 
 
 def pread_run(fd: int, views: list[memoryview], keys: list[str], offset: int, root: str, name: str) -> int:
