@@ -37,6 +37,7 @@ from .values import (
     needs_value_check,
     _copy_problem,
     target_problem,
+    target_span,
     value_problem,
 )
 
@@ -84,6 +85,7 @@ def plan_load(
     meta: list[str] = []
     lazy = torch.nn.parameter.UninitializedTensorMixin
     inference_mode = torch.is_inference_mode_enabled()
+    spans: list[tuple[int, int, int, object]] = []
     for e, key in pairs:  # per-tensor work kept small: 10^4-10^5 tensors per load (issue 22)
         spec = reader.spec(key)
         t = e.tensor
@@ -124,6 +126,8 @@ def plan_load(
             why = _copy_problem(local, inference_mode)
             if why:
                 raise UnwritableTargetError(e.fqn, path, why)
+            if target == t.dtype and (span := target_span(local, len(copies))) is not None:
+                spans.append(span)  # for the check of targets sharing memory below
         elif local.is_inference() and not inference_mode:
             raise UnwritableTargetError(e.fqn, path, target_problem(t))
         copies.append(CopyAction(e, key, target, assign, spec.dtype))
@@ -151,7 +155,7 @@ def plan_load(
                 raise LossyConversionError(
                     a.key, _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
                 )
-    for cluster in _overlap_clusters([a for a in copies if a.dtype == a.entry.tensor.dtype]):
+    for cluster in _overlap_clusters(copies, spans):
         _check_overlaps(cluster, read, path)
 
     plan = LoadPlan(report, copies)
