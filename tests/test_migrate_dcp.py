@@ -283,3 +283,23 @@ def test_small_dcp_items_are_parsed_from_memory_and_large_ones_through_dcps_view
     assert sorted(parsed) == [False, True]
     with checkpoint.open_checkpoint(tmp_path / "out") as r:
         assert r.keys() == ["big", "small"] and all(torch.equal(r.get(k), v) for k, v in sd.items())
+
+
+def test_a_dcp_item_length_damaged_in_metadata_is_refused_as_dcp_refuses_it(tmp_path):
+    """A negative or too long item length in ``.metadata`` (damaged) is never read from memory
+    (``file.read(-1)`` would take the rest of the file and load): DCP's own view refuses it."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    _dcp_save({"model": {"a": torch.ones(3), "b": torch.zeros(3)}}, tmp_path / "dcp")
+    for length in (-1, 10**6):
+        md_path = tmp_path / "dcp" / ".metadata"
+        md = pickle.loads(md_path.read_bytes())  # our own test file (the library never unpickles freely)
+        assert isinstance(md, Metadata)
+        next(v for k, v in md.storage_data.items() if k.fqn == "model.a").length = length
+        md_path.write_bytes(pickle.dumps(md))
+        out = tmp_path / f"out{length}"
+        with pytest.raises(CorruptCheckpointError, match="DCP"):
+            checkpoint.migrate(tmp_path / "dcp", out)
+        assert not out.exists()

@@ -603,3 +603,33 @@ def test_targets_sharing_memory_are_found_among_many_and_through_another_storage
                      "z": torch.tensor([7.0])}, d, overwrite=True)  # fmt: skip
     checkpoint.load(target, d)  # x and y side by side: nothing shared
     assert buf.tolist() == [1.0, 2.0, 9.0, 3.0, 4.0, 5.0] and all(torch.equal(target[k], v) for k, v in others.items())
+
+
+def test_shared_memory_through_a_view_of_another_start_and_conj_neg_views_are_checked(tmp_path):
+    """Targets sharing memory through a storage object that starts elsewhere in the buffer
+    (``torch.from_numpy(buf.numpy()[2:5])``) are compared too, and conjugate / negative views are
+    compared as ``copy_`` writes into them (``conj(src)`` / ``-src``): agreeing values load,
+    clashing ones raise with the targets unchanged."""
+    d = tmp_path / "ck"
+    checkpoint.save({"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([9.0, 4.0, 5.0])}, d)
+    buf = torch.zeros(6)
+    target = {"a": buf[0:3], "b": torch.from_numpy(buf.numpy()[2:5])}  # b[0] is a[2]
+    snap = Snapshot(target)
+    with pytest.raises(OverlappingTargetsError) as ei:
+        checkpoint.load(target, d)
+    assert set(ei.value.keys) == {"a", "b"}
+    snap.assert_unchanged()
+
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    checkpoint.save({"a": z, "b": z.conj().resolve_conj(), "c": -z}, tmp_path / "ok")
+    checkpoint.save({"a": z, "b": z.clone(), "c": z.clone()}, tmp_path / "bad")
+    buf = torch.zeros(2, dtype=torch.complex64)
+    target = {"a": buf, "b": buf.conj(), "c": buf._neg_view()}
+    checkpoint.load(target, tmp_path / "ok")
+    assert torch.equal(buf, z) and torch.equal(target["b"].resolve_conj(), z.conj())
+    buf.zero_()
+    snap = Snapshot(target)
+    with pytest.raises(OverlappingTargetsError) as ei:
+        checkpoint.load(target, tmp_path / "bad")
+    assert set(ei.value.keys) == {"a", "b", "c"}
+    snap.assert_unchanged()

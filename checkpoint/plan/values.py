@@ -18,6 +18,7 @@ from ..errors import (
     LoadError,
     OverlappingTargetsError,
     TiedValuesMismatchError,
+    UnwritableTargetError,
 )
 from ..ranks import shards
 from ..storage.reader import CheckpointReader
@@ -227,11 +228,11 @@ def target_span(local: torch.Tensor, i: int) -> tuple[int, int, int, object] | N
 
 
 def _overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int, object]]) -> list[list[CopyAction]]:
-    """Groups of in-place copy targets whose byte spans in one storage intersect (distinct
-    entries: exact aliases are one entry); ``spans``: :func:`target_span` of the copies to check.
-    Spans are swept by address per device, then each group found is split by storage: only
-    targets in a group pay for ``untyped_storage()`` (issue 22: asking every target for its
-    storage and device cost ~1.5 us of 10^4-10^5)."""
+    """Groups of in-place copy targets whose bytes intersect in memory (distinct entries: exact
+    aliases are one entry), in address order; ``spans``: :func:`target_span` of the copies to
+    check. Swept by address per device, so views made through different storage objects of one
+    buffer (``torch.from_numpy(t.numpy()[2:])``) are found too, and no target is asked for its
+    storage (issue 22: that and its device cost ~1.5 us for each of 10^4-10^5 targets)."""
     cpu: list[tuple[int, int, int, object]] = []
     by_device: dict[object, list[tuple[int, int, int, object]]] = {}
     for span in spans:
@@ -252,39 +253,44 @@ def _overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int,
                 cur_end = max(cur_end, hi)
                 continue
             if len(cur) > 1:
-                clusters.extend(_by_storage([copies[j] for j in cur]))
+                clusters.append([copies[j] for j in cur])
             cur, cur_end = [i], hi
         if len(cur) > 1:
-            clusters.extend(_by_storage([copies[j] for j in cur]))
+            clusters.append([copies[j] for j in cur])
     return clusters
 
 
-def _by_storage(group: list[CopyAction]) -> list[list[CopyAction]]:
-    """``group`` (targets whose addresses overlap) split by storage, groups of 2 or more, in
-    address order (storages that share memory without being one storage are not compared)."""
-    out: dict[int, list[CopyAction]] = {}
-    for a in group:
-        out.setdefault(_local(a.entry.tensor).untyped_storage().data_ptr(), []).append(a)
-    return [g for g in out.values() if len(g) > 1]
-
-
-
 def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
-    """Targets sharing memory: apply their copies, in order, to a scratch copy of the storage;
-    every target must then read back its own checkpoint value, else one overwrote another."""
-    base = _local(cluster[0].entry.tensor)
-    scratch = base.untyped_storage().clone()
+    """Targets sharing memory: apply their copies, in order, to scratch memory laid out like the
+    cluster's address range (each target's view at its own byte offset, strides, dtype and
+    conjugate / negative bits); every target must then read back its own checkpoint value, else
+    one overwrote another. Raises :class:`OverlappingTargetsError` naming them."""
+    targets = [_local(a.entry.tensor) for a in cluster]
+    spans = [target_span(t, 0) for t in targets]
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    lo -= lo % 64  # every target's offset from here is a multiple of its element size
+    for a, t in zip(cluster, targets):
+        if (t.data_ptr() - lo) % t.element_size():  # e.g. np.frombuffer(..., offset=1) under torch.from_numpy
+            others = [b.entry.fqn for b in cluster if b is not a]
+            raise UnwritableTargetError(
+                a.entry.fqn, path, f"it shares memory with {others} at an address that is not a multiple of its "
+                "element size, so which values win cannot be checked; load into separate tensors",
+            )  # fmt: skip
+    scratch = torch.empty(hi - lo, dtype=torch.uint8, device=targets[0].device).untyped_storage()
     views = []
-    for a in cluster:
-        t = _local(a.entry.tensor)
+    for a, t in zip(cluster, targets):
         v = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            scratch, t.storage_offset(), t.shape, t.stride()
+            scratch, (t.data_ptr() - lo) // t.element_size(), t.shape, t.stride()
         )
+        if t.is_neg():  # set_ keeps neither bit: copy_ into such a view writes -src / conj(src)
+            v = v._neg_view()
+        if t.is_conj():
+            v = v.conj()
         src = read(a).to(t.dtype)
         v.copy_(src)
         views.append((a, v, src))
     for a, v, src in views:
-        if not _same_bits(v.contiguous(), src.to(v.device).contiguous()):
+        if not _same_bits(v.resolve_conj().resolve_neg(), src.to(v.device)):
             others = [b.entry.fqn for b in cluster if b is not a]
             raise OverlappingTargetsError([a.entry.fqn, *others], path)
 
