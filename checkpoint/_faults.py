@@ -49,12 +49,16 @@ POINTS = (
 REMOTE_POINTS = ("after_part_upload",)  # saves to object storage only (tests/test_storage_s3.py)
 
 
+def armed(name: str) -> bool:
+    """Whether :func:`fault_point` ``name`` would kill this process now. Asked once per file by
+    loops over tensors: ``os.environ.get`` costs ~1.5 us, 30 ms of a 20,000-tensor save."""
+    if os.environ.get("FQNCKPT_FAULT_POINT") != name:
+        return False
+    rank = os.environ.get("FQNCKPT_FAULT_RANK")
+    return rank is None or rank == os.environ.get("RANK", "0")
+
+
 def fault_point(name: str) -> None:
     """SIGKILL this process if ``FQNCKPT_FAULT_POINT == name`` (and the rank matches, if set)."""
-    want = os.environ.get("FQNCKPT_FAULT_POINT")
-    if want is None or want != name:
-        return
-    rank = os.environ.get("FQNCKPT_FAULT_RANK")
-    if rank is not None and rank != os.environ.get("RANK", "0"):
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+    if armed(name):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -164,9 +164,11 @@ def _save_parts(
                     w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan)
                     try:
                         _faults.fault_point("after_file_create")
+                        kill_after_tensor = _faults.armed("after_tensor_write")
                         for slot in fplan.slots:
                             w.write(slot, _fetch_checked(part, slot.spec))
-                            _faults.fault_point("after_tensor_write")
+                            if kill_after_tensor:
+                                _faults.fault_point("after_tensor_write")
                         records[fplan.name] = w.finish()
                     finally:
                         w.close()
@@ -468,6 +470,7 @@ def _save_distributed(
             for part, lay in zip(parts, layouts):
                 for f in lay.files:
                     fd = None
+                    kill_after_tensor = _faults.armed("after_tensor_write")
                     try:
                         for i, slot in enumerate(f.slots):
                             blocks = _owned_blocks(
@@ -478,7 +481,8 @@ def _save_distributed(
                             fd = fd if fd is not None else open_shard_file(os.path.join(staging_dir, f.name))
                             for block in blocks:
                                 write_block(fd, slot, *block)
-                            _faults.fault_point("after_tensor_write")
+                            if kill_after_tensor:
+                                _faults.fault_point("after_tensor_write")
                     finally:
                         if fd is not None:
                             os.close(fd)
