@@ -35,7 +35,6 @@ from .values import (
     _read_target_block,
     conversion_kind_problem,
     needs_value_check,
-    _copy_problem,
     target_problem,
     target_span,
     value_problem,
@@ -123,13 +122,13 @@ def plan_load(
         elif (local := _local(t)).is_meta:
             meta.append(e.fqn)
         elif target == t.dtype or model is None:  # else module.to makes a new tensor
-            why = _copy_problem(local, inference_mode)
+            why = target_problem(local, inference_mode)
             if why:
                 raise UnwritableTargetError(e.fqn, path, why)
             if target == t.dtype and (span := target_span(local, len(copies))) is not None:
                 spans.append(span)  # for the check of targets sharing memory below
         elif local.is_inference() and not inference_mode:
-            raise UnwritableTargetError(e.fqn, path, target_problem(t))
+            raise UnwritableTargetError(e.fqn, path, target_problem(local, inference_mode))
         copies.append(CopyAction(e, key, target, assign, spec.dtype))
         report.loaded_keys.append(e.fqn)
     for name in ("missing_keys", "unexpected_keys", "ignorable_keys", "loaded_keys"):

@@ -157,16 +157,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 
-def target_problem(t: torch.Tensor) -> str | None:
-    """Why torch would refuse, or carry out wrongly, an in-place copy into ``t``, or None. Meta
-    tensors are handled apart (:class:`MetaTargetError`). Leaves that require grad are fine: the
-    copies run under ``torch.no_grad()``."""
-    return _copy_problem(_local(t), torch.is_inference_mode_enabled())
-
-
-def _copy_problem(local: torch.Tensor, inference_mode: bool) -> str | None:
-    """:func:`target_problem` of a local tensor, with ``torch.is_inference_mode_enabled()``
-    asked once per load by the caller."""
+def target_problem(local: torch.Tensor, inference_mode: bool) -> str | None:
+    """Why torch would refuse, or carry out wrongly, an in-place copy into ``local`` (a target, or
+    a DTensor target's local shard), or None; ``inference_mode``: ``torch.is_inference_mode_enabled()``,
+    asked once per load by the caller. Meta tensors are handled apart (:class:`MetaTargetError`).
+    Leaves that require grad are fine: the copies run under ``torch.no_grad()``."""
     if local.layout != torch.strided:
         return f"layout {local.layout} (only strided tensors are loaded in place)"
     if not inference_mode and local.is_inference():
