@@ -32,6 +32,7 @@ from typing import Any
 from .. import _faults
 from ..errors import LoadError, UnsupportedStorageError
 from .urls import redact_url, url_scheme
+from . import ownership
 
 S3_MIN_PART = 5 << 20  # S3 refuses smaller parts (except the last one of an upload)
 
@@ -456,6 +457,7 @@ class ObjectWriter:
             self.abort()
             raise
         finally:
+            ownership.settle(self._futures)  # every part sent or failed, Ctrl-C included
             self._pool.shutdown(wait=True)
         with _stats_lock:
             stats.objects += 1
@@ -470,6 +472,7 @@ class ObjectWriter:
         """Drop the upload (best effort; parts already sent are discarded by the store)."""
         for f in self._futures:
             f.cancel()
+        ownership.settle(self._futures)  # no part in flight once the upload is aborted (rule 1)
         self._pool.shutdown(wait=True)
         self._free_buf()
         st = self.store

@@ -38,10 +38,10 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpointError, LoadError
-from . import threads
+from . import ownership, threads
 
 PIECE = 4 << 20  # bytes per thread task; loads under 2 pieces are read inline
 _MAX_THREADS = 4  # threads reading, the calling one included
@@ -53,7 +53,9 @@ _THREADS = max(1, min(_MAX_THREADS, threads.cpus()))
 @dataclass(frozen=True)
 class Run:
     """Targets ``views`` (flat byte views of tensors ``keys``) filled from consecutive bytes of
-    ``fd`` (file ``name`` under ``root``) from ``offset`` on, in file order."""
+    ``fd`` (file ``name`` under ``root``) from ``offset`` on, in file order. ``owners`` are the
+    objects owning the views' memory (the target tensors): held while the run exists, so a view
+    over a raw address never outlives its memory (rule 3 of :mod:`~.ownership`)."""
 
     fd: int
     views: list[memoryview]
@@ -61,6 +63,7 @@ class Run:
     offset: int
     root: str
     name: str
+    owners: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +80,9 @@ def _pieces(runs: Sequence[Run]) -> list[Run]:
     for r in runs:
         if len(r.views) == 1 and len(r.views[0]) >= 2 * PIECE:
             v = memoryview(r.views[0])  # (a ctypes array slices to a list)
-            out.extend(Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name) for a in range(0, len(v), PIECE))
+            out.extend(
+                Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name, r.owners) for a in range(0, len(v), PIECE)
+            )
         else:
             out.append(r)
     return out
@@ -112,7 +117,8 @@ def read_runs(runs: Sequence[Run]) -> int:
     are in the page cache (:func:`_in_cache`) they are shared by the calling thread and up to
     ``_THREADS - 1`` pool threads, each taking the next piece from one queue (no wait per
     tensor); bytes still on the device are read by the calling thread in file order. Every
-    thread has stopped before this returns or raises, so nothing writes into a target afterwards.
+    thread has stopped before this returns or raises, whatever the calling thread receives
+    (Ctrl-C included), so nothing writes into a target afterwards (:mod:`~.ownership`).
 
     Raises:
         CorruptCheckpointError: a file ends early (the first error met; names file and tensor).
@@ -129,8 +135,8 @@ def read_runs(runs: Sequence[Run]) -> int:
     counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
     errors: list[BaseException] = []
 
-    def work() -> None:
-        while not errors:
+    def work(stop) -> None:
+        while not errors and not stop.is_set():
             j = next(counter)
             if j >= len(jobs):
                 return
@@ -139,10 +145,8 @@ def read_runs(runs: Sequence[Run]) -> int:
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
                 errors.append(e)
 
-    helpers = [threads.pool("read", _THREADS).submit(work) for _ in range(min(_THREADS, len(jobs)) - 1)]
-    work()
-    for f in helpers:
-        f.result()
+    # Rule 1 of ownership: the crew returns or raises (Ctrl-C included) only once no helper reads.
+    ownership.share("read", _THREADS, work, min(_THREADS, len(jobs)) - 1)
     if errors:
         raise errors[0]
     return total

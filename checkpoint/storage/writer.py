@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .. import _faults
-from . import digest, fskind, threads, writeback
+from . import digest, fskind, ownership, threads, writeback
 from .format import FileRecordV2
 from .layout import FilePlan, TensorSlot
 
@@ -251,8 +251,8 @@ class SequentialFileWriter:
                     pwrite_all(self.fd, data[lo : lo + self.PIECE], slot.begin + lo)
                     self._wrote(slot.begin + min(n, lo + self.PIECE))
             finally:
-                if hashed is not None:  # waited for even when a write fails: done with `data`
-                    wait([hashed])
+                # Waited for on every exit path, Ctrl-C included: the hash reads the caller's tensor.
+                ownership.settle([hashed])
             self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else digest.hexdigest(data)
         self._next += 1
 

@@ -1,0 +1,219 @@
+"""The raw-write ownership rules (:mod:`checkpoint.storage.ownership`): a load interrupted by
+``KeyboardInterrupt`` at many points, in the calling thread's own reads and while it waits for the
+pool, leaves no thread writing into the targets (the caller's values set after the raise stay);
+the pool's runs hold their target tensors; ``settle`` and the hash thread are waited on through
+Ctrl-C; a process interrupted mid-load exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.storage import ownership, pread
+
+N, SZ = 24, 4096  # 24 tensors of 16 KiB; pieces of 16 KiB: 24 pieces shared by 3 threads
+
+
+@pytest.fixture
+def slow_pool(tmp_path, monkeypatch):
+    """A checkpoint, pieces small enough for the pool, and Run.read patched: pool threads sleep
+    before each piece (so they are mid-load when the calling thread is interrupted) and count
+    themselves active while reading."""
+    monkeypatch.setattr(pread, "PIECE", SZ * 4)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
+    path = tmp_path / "ck"
+    checkpoint.save({f"t{i:03d}": torch.full((SZ,), float(i + 1)) for i in range(N)}, path)
+    state = {"active": 0, "main_calls": 0, "raise_at": None, "owners_ok": True}
+    lock = threading.Lock()
+    real = pread.Run.read
+
+    def read(self):
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            state["main_calls"] += 1
+            if state["raise_at"] is not None and state["main_calls"] > state["raise_at"]:
+                raise KeyboardInterrupt  # Ctrl-C arriving in the calling thread's own read
+        with lock:
+            state["active"] += 1
+        try:
+            # Rule 3: the run holds the tensors whose memory its views cover.
+            state["owners_ok"] &= bool(self.owners) and all(isinstance(t, torch.Tensor) for t in self.owners)
+            if not main:
+                time.sleep(0.01)
+            return real(self)
+        finally:
+            with lock:
+                state["active"] -= 1
+
+    monkeypatch.setattr(pread.Run, "read", read)
+    return path, state
+
+
+def _assert_untouched_after(buf: torch.Tensor, state) -> None:
+    assert state["active"] == 0, "a read-pool thread was still reading when load raised"
+    buf.fill_(-1.0)  # the caller resets its tensors after the failed load
+    time.sleep(0.08)  # longer than a pool thread's piece
+    assert bool((buf == -1.0).all()), "bytes from the file appeared after load raised"
+
+
+@pytest.mark.parametrize("raise_at", [0, 1, 2, 5])
+def test_interrupt_in_the_calling_threads_read_stops_every_reader_first(slow_pool, raise_at):
+    path, state = slow_pool
+    state["raise_at"] = raise_at
+    buf = torch.zeros(N * SZ)
+    targets = {f"t{i:03d}": buf[i * SZ : (i + 1) * SZ] for i in range(N)}
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.load(targets, path)
+    _assert_untouched_after(buf, state)
+    assert state["owners_ok"]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.02, 0.05])
+def test_sigint_at_any_point_of_a_load_stops_every_reader_first(slow_pool, delay):
+    path, state = slow_pool
+    main_id = threading.main_thread().ident
+    buf = torch.zeros(N * SZ)
+    targets = {f"t{i:03d}": buf[i * SZ : (i + 1) * SZ] for i in range(N)}
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        t = threading.Timer(delay, lambda: signal.pthread_kill(main_id, signal.SIGINT))
+        t.start()
+        try:
+            checkpoint.load(targets, path)
+            t.join()
+            time.sleep(0.01)  # the signal handler of a load that finished first runs here
+        except KeyboardInterrupt:
+            _assert_untouched_after(buf, state)
+        else:
+            pytest.fail("the load finished before the signal")  # pool threads sleep 10 ms a piece
+    except KeyboardInterrupt:
+        pass  # delivered after load returned: nothing to check
+    finally:
+        t.join()
+        signal.signal(signal.SIGINT, old)
+
+
+def test_settle_waits_through_ctrl_c():
+    from concurrent.futures import ThreadPoolExecutor
+
+    done = threading.Event()
+
+    def slow():
+        time.sleep(0.2)
+        done.set()
+
+    main_id = threading.main_thread().ident
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(slow)
+        threading.Timer(0.02, lambda: signal.pthread_kill(main_id, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            ownership.settle([fut])
+        assert done.is_set() and fut.done()  # raised only once the worker finished
+
+
+def test_crew_helper_that_had_not_started_never_runs():
+    calls = []
+    crew = ownership.Crew("test-crew", 1)
+    gate = threading.Event()
+    # Occupy the pool's only thread so the crew's helper cannot start before the call leaves.
+    blocker = ownership.threads.pool("test-crew", 1).submit(gate.wait)
+    with pytest.raises(ValueError):
+        crew.run(lambda stop: (calls.append(threading.current_thread().name), (_ for _ in ()).throw(ValueError())), 1)
+    gate.set()
+    blocker.result()
+    time.sleep(0.02)
+    assert calls == [threading.main_thread().name]
+
+
+def test_hash_thread_waited_on_when_the_write_is_interrupted(tmp_path, monkeypatch):
+    """The writer's hash thread reads the caller's tensor: a Ctrl-C in the write loop returns
+    only after the hash finished."""
+    from checkpoint.storage import digest, writer
+
+    monkeypatch.setattr(writer.threads, "cpus", lambda: 2)
+    finished = []
+    real = digest.hexdigest
+
+    def slow_hash(data):
+        time.sleep(0.1)
+        out = real(data)
+        finished.append(True)
+        return out
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(digest, "hexdigest", slow_hash)
+    monkeypatch.setattr(writer, "pwrite_all", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"w": torch.ones(1 << 19)}, tmp_path / "c")  # 2 MiB: hashed on the pool
+    assert finished == [True]
+
+
+def test_raw_view_keeps_its_tensor_alive(tmp_path):
+    from checkpoint.storage.reader import open_checkpoint
+
+    checkpoint.save({"a": torch.arange(8.0), "b": torch.arange(8.0)}, tmp_path / "c")
+    r = open_checkpoint(tmp_path / "c")
+    runs = []
+    real = pread.read_runs
+
+    def capture(rs):
+        runs.extend(rs)
+        return real(rs)
+
+    import checkpoint.storage.reader as reader_mod
+
+    old = reader_mod.read_runs
+    reader_mod.read_runs = capture
+    try:
+        t = torch.zeros(8)
+        ref = weakref.ref(t)
+        r.read_many([("a", t)])
+    finally:
+        reader_mod.read_runs = old
+        r.close()
+    del t
+    assert ref() is not None  # the run (still referenced) holds the target under its raw view
+    assert any(ref() is o for run in runs for o in run.owners)
+
+
+CHILD = r"""
+import os, signal, sys, threading, time
+import torch, checkpoint
+from checkpoint.storage import pread
+pread.PIECE = 16384; pread._THREADS = 3; pread._in_cache = lambda jobs: True
+real = pread.Run.read
+def read(self):
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(0.01)
+    return real(self)
+pread.Run.read = read
+path = sys.argv[1]
+checkpoint.save({f"t{i}": torch.ones(4096) for i in range(24)}, path)
+threading.Timer(0.03, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    checkpoint.load({f"t{i}": torch.zeros(4096) for i in range(24)}, path)
+    print("loaded")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_process_interrupted_mid_load_exits_cleanly(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "c")], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() in ("interrupted", "loaded"), p.stdout
