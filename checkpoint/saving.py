@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,14 @@ from .storage.format import (
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.location import is_remote, resolve
-from .storage.writer import SequentialFileWriter, create_shard_file, file_record, open_shard_file, write_block
+from .storage import digest, fskind, threads
+from .storage.writer import (
+    BlockWriter,
+    SequentialFileWriter,
+    create_shard_file,
+    distributed_record,
+    tensor_bytes,
+)
 from .gc_pause import gc_paused
 
 
@@ -463,57 +471,78 @@ def _save_distributed(
                 else CheckpointWriteError(path, str(e), 0)
             )
     try:
-        dist.check_all(f"preparing {path}", err)
-        staging_dir = dist.broadcast_object(staging_dir)
+        staging_dir = dist.check_all_gather(f"preparing {path}", err, staging_dir)[0]
         err = None
+        # Tensors no rank holds whole (split over ranks) are hashed back from the page cache after
+        # every rank wrote; a tensor its writer holds whole is hashed from memory beside its pwrite.
+        split: list[tuple[str, str, int, int]] = []  # (file, fqn, begin, end) in file order
+        my_digests: dict[str, str] = {}  # fqn -> digest computed on this rank
+        own_back: list[tuple[str, str, int, int]] = []  # whole tensors this rank hashes back itself
+        writeback_on = not fskind.in_memory_dir(staging_dir)
         try:
             for part, lay in zip(parts, layouts):
                 for f in lay.files:
-                    fd = None
+                    w = None
                     kill_after_tensor = _faults.armed("after_tensor_write")
                     try:
                         for i, slot in enumerate(f.slots):
-                            blocks = _owned_blocks(
-                                _fetch_any(part, slot.spec), _base(lay, f) + i, slot.spec.fqn
-                            )
+                            t = _fetch_any(part, slot.spec)
+                            whole = _whole_on_writer(t)
+                            if not whole:
+                                split.append((f.name, slot.spec.fqn, slot.begin, slot.end))
+                            blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
                             if not blocks:
                                 continue
-                            fd = fd if fd is not None else open_shard_file(os.path.join(staging_dir, f.name))
-                            for block in blocks:
-                                write_block(fd, slot, *block)
+                            w = w if w is not None else BlockWriter(os.path.join(staging_dir, f.name), writeback_on)
+                            if whole and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
+                                my_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
+                            else:
+                                for block in blocks:
+                                    w.write(slot, *block)
+                                if whole:  # not one block (no placement known gives that): read back here
+                                    own_back.append((f.name, slot.spec.fqn, slot.begin, slot.end))
                             if kill_after_tensor:
                                 _faults.fault_point("after_tensor_write")
                     finally:
-                        if fd is not None:
-                            os.close(fd)
+                        if w is not None:
+                            w.close()
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
         dist.check_all(f"writing {path}", err)
-        # Every file is fsynced and hashed by one rank (fsync flushes all ranks' pages of the file);
-        # no rank saw every byte of a file, so its digests come from one read-back.
-        err, mine = None, {}
+        # Every file is fsynced by one rank (fsync flushes all ranks' pages of the file; each
+        # writer started their writeback already) while this rank's share of the split tensors,
+        # balanced by bytes, is hashed back on the hash thread.
+        err = None
         try:
-            for j, (_, f) in enumerate(files):
-                if j % world == rank:
-                    p = os.path.join(staging_dir, f.name)
-                    fd = os.open(p, os.O_RDONLY)
-                    try:
-                        _faults.fault_point("before_file_fsync")
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    _faults.fault_point("after_file_fsync")
-                    mine[f.name] = file_record(p)
+            share = _hash_share(split, rank, world)
+            for name, fqn, b, e in own_back:
+                share.setdefault(name, []).append((fqn, b, e))
+            pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
+            hashed = pool.submit(_hash_back, staging_dir, share) if pool is not None else None
+            try:
+                for j, (_, f) in enumerate(files):
+                    if j % world == rank:
+                        fd = os.open(os.path.join(staging_dir, f.name), os.O_RDONLY)
+                        try:
+                            _faults.fault_point("before_file_fsync")
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                        _faults.fault_point("after_file_fsync")
+            finally:
+                if hashed is not None:
+                    wait([hashed])
+            my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share))
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
-        dist.check_all(f"hashing {path}", err)
-        records: dict[str, FileRecordV2] = {}
-        for d in dist.all_gather_object(mine):
-            records.update(d)
+        tensor_digests: dict[str, str] = {}
+        for d in dist.check_all_gather(f"hashing {path}", err, my_digests):
+            tensor_digests.update(d)
+        records = {f.name: distributed_record(f, tensor_digests) for _, f in files}
         indexes = [
             _index(part, lay, {f.name: records[f.name] for f in lay.files})
             for part, lay in zip(parts, layouts)
@@ -535,6 +564,55 @@ def _save_distributed(
     finally:
         if staged is not None:
             staged.__exit__(None, None, None)
+
+
+def _whole_on_writer(t: torch.Tensor) -> bool:
+    """Whether the rank that writes ``t`` holds all of it (a plain tensor; a DTensor sharded on no
+    mesh dim of more than one rank): decided from placements alone, so every rank agrees."""
+    if not isinstance(t, DTensor):
+        return True
+    mesh = t.device_mesh
+    return all(
+        not isinstance(p, (Shard, _StridedShard)) or mesh.size(d) == 1 for d, p in enumerate(t.placements)
+    )
+
+
+def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
+    """Write a whole tensor while the hash thread reads the same memory; its digest (waited for
+    even when the write fails: the memory is in use until then)."""
+    pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
+    if pool is None:
+        w.write(slot, local, offset)
+        return digest.hexdigest(tensor_bytes(local))
+    data = tensor_bytes(local)
+    hashed = pool.submit(digest.hexdigest, data)  # xxhash releases the GIL
+    try:
+        w.write(slot, local, offset)
+    finally:
+        wait([hashed])
+    return hashed.result()
+
+
+def _hash_share(split: Sequence[tuple[str, str, int, int]], rank: int, world: int) -> dict[str, list]:
+    """This rank's part of the split tensors to hash back: ``{file: [(fqn, begin, end)]}``, the
+    list cut into ``world`` runs of about equal bytes (a tensor goes to the rank whose run holds
+    its middle byte); the same cut on every rank."""
+    total = sum(e - b for _, _, b, e in split)
+    out: dict[str, list] = {}
+    done = 0
+    for name, fqn, b, e in split:
+        owner = min(world - 1, (2 * done + (e - b)) * world // (2 * total)) if total else 0
+        done += e - b
+        if owner == rank:
+            out.setdefault(name, []).append((fqn, b, e))
+    return out
+
+
+def _hash_back(staging_dir: str, share: Mapping[str, list]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, spans in share.items():
+        out.update(digest.hash_spans(os.path.join(staging_dir, name), spans))
+    return out
 
 
 def _base(lay: Layout, f) -> int:

@@ -87,6 +87,38 @@ def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
     return size, header, out
 
 
+def hash_spans(path: str, spans: Iterable[tuple[str, int, int]]) -> dict[str, str]:
+    """``{name: xxh3-128 of bytes [begin, end) of file path}`` for each ``(name, begin, end)``,
+    read through one read-only mapping (distributed saves: a tensor's bytes were written by
+    several ranks, so one rank hashes it back from the page cache).
+
+    Raises:
+        OSError: the file cannot be opened, or a span lies past its end (a file cut short).
+    """
+    spans = list(spans)
+    out: dict[str, str] = {}
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for name, b, e in spans:
+            if not 0 <= b <= e <= size:
+                raise OSError(f"{path}: bytes [{b}, {e}) of {name!r} lie past the file's end ({size} bytes)")
+            if b == e:
+                out[name] = hexdigest(b"")
+        if any(b < e for _, b, e in spans):
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                view = memoryview(mm)
+                try:
+                    for name, b, e in spans:
+                        if b < e:
+                            out[name] = hexdigest(view[b:e])
+                finally:
+                    view.release()
+            finally:
+                mm.close()
+    return out
+
+
 def index_bytes_with_digest(text: bytes) -> tuple[bytes, str]:
     """``text`` (an index serialized with ``"index_xxh3_128": "<32 zeros>"``) with the zeros
     replaced by the digest of ``text``, and that digest."""

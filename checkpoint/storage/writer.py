@@ -157,15 +157,71 @@ def block_runs(
         yield g, i * run, run
 
 
-def write_block(fd: int, slot: TensorSlot, local: torch.Tensor, offset: Sequence[int]) -> None:
-    """Write ``local`` (a shard of the slot's tensor at element ``offset``) into its byte ranges."""
+def write_block(fd: int, slot: TensorSlot, local: torch.Tensor, offset: Sequence[int], wrote=None) -> None:
+    """Write ``local`` (a shard of the slot's tensor at element ``offset``) into its byte ranges;
+    ``wrote(begin, end)``, when given, is told each file byte range once it is written (large runs
+    go in :attr:`BlockWriter.PIECE` pieces so writeback can start while later pieces are copied)."""
     spec = slot.spec
     if local.dtype != spec.dtype or len(local.shape) != len(spec.shape):
         raise ValueError(f"shard of {spec.fqn!r} is {local.dtype} {tuple(local.shape)}, plan says {spec}")
     data = tensor_bytes(local)
     item = spec.itemsize
+    piece = BlockWriter.PIECE
     for g, lo, n in block_runs(spec.shape, tuple(local.shape), tuple(offset)):
-        pwrite_all(fd, data[lo * item : (lo + n) * item], slot.begin + g * item)
+        run, at = data[lo * item : (lo + n) * item], slot.begin + g * item
+        if wrote is None:
+            pwrite_all(fd, run, at)
+            continue
+        for p in range(0, len(run), piece):
+            chunk = run[p : p + piece]
+            pwrite_all(fd, chunk, at + p)
+            wrote(at + p, at + p + len(chunk))
+
+
+class BlockWriter:
+    """This rank's writes into one preallocated shard file of a distributed save (each rank writes
+    the byte ranges it owns, see :func:`write_block`). On a real disk the kernel is told to start
+    writing back every :attr:`WRITEBACK` bytes this rank wrote (:mod:`checkpoint.storage.writeback`),
+    over the span of file offsets they cover, so the device works while the ranks still copy and the
+    closing ``fsync`` (one rank's, after every rank wrote) finds little left to flush.
+
+    Why: measured on a 2-rank, 1 GiB save to ext4 (issue 35), ranks wrote in 0.2 s and the one
+    ``fsync`` after them then flushed the whole file alone for 0.45 s; with writeback started by
+    each writer the flush runs during the writes, as in :class:`SequentialFileWriter`.
+    """
+
+    PIECE = 8 << 20  # bytes per pwrite of a large run
+    WRITEBACK = 8 << 20
+
+    def __init__(self, path: str, writeback_on: bool):
+        self.fd = open_shard_file(path)
+        self._on = writeback_on and writeback.available()
+        self._lo, self._hi, self._pending = -1, -1, 0  # span and byte count written since the last start
+
+    def write(self, slot: TensorSlot, local: torch.Tensor, offset: Sequence[int]) -> None:
+        write_block(self.fd, slot, local, offset, self._wrote if self._on else None)
+
+    def _wrote(self, begin: int, end: int) -> None:
+        self._lo = begin if self._lo < 0 else min(self._lo, begin)
+        self._hi = max(self._hi, end)
+        self._pending += end - begin
+        if self._pending >= self.WRITEBACK:
+            self._start()
+
+    def _start(self) -> None:
+        if self._pending:
+            writeback.start_writeback(self.fd, self._lo, self._hi - self._lo)
+        self._lo, self._hi, self._pending = -1, -1, 0
+
+    def close(self) -> None:
+        """Start writeback of what is left and close (never waits for the device)."""
+        if self.fd >= 0:
+            try:
+                if self._on:
+                    self._start()
+            finally:
+                os.close(self.fd)
+                self.fd = -1
 
 
 def fsync_fd(fd: int) -> None:
@@ -288,6 +344,16 @@ class SequentialFileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def distributed_record(plan: FilePlan, tensor_digests: dict[str, str]) -> FileRecordV2:
+    """Format-version-2 record of a shard file of a distributed save: the header digest from the
+    plan's header bytes (the ones written), tensor digests (any order) put in byte order."""
+    header = digest.hexdigest(plan.header)
+    tensors = {s.spec.fqn: tensor_digests[s.spec.fqn] for s in plan.slots}
+    return FileRecordV2(
+        size=plan.size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors
+    )
 
 
 def file_record(path: str) -> FileRecordV2:

@@ -1,0 +1,118 @@
+"""The distributed save's write and hash paths (issue 35): each rank starts writeback of what it
+wrote, split tensors are hashed back by shares balanced over ranks, whole tensors from memory;
+the digests equal xxh3-128 of the tensors' bytes computed here (xxhash itself is the oracle)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import xxhash
+
+import checkpoint
+from checkpoint import saving
+from checkpoint.storage import digest, writeback
+from checkpoint.storage.layout import TensorSpec, plan_layout
+from checkpoint.storage.writer import BlockWriter, create_shard_file
+
+
+def _xxh(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def test_hash_share_cuts_by_bytes_each_tensor_once():
+    split = [("a", f"t{i}", 100 * i, 100 * i + n) for i, n in enumerate([10, 50, 5, 5, 30, 0, 90, 10])]
+    for world in (1, 2, 3, 4, 9):
+        shares = [saving._hash_share(split, r, world) for r in range(world)]
+        got = sorted(fqn for s in shares for spans in s.values() for fqn, _, _ in spans)
+        assert got == sorted(fqn for _, fqn, _, _ in split)  # every tensor exactly once
+        loads = [sum(e - b for spans in s.values() for _, b, e in spans) for s in shares]
+        assert sum(loads) == 200 and (world == 1 or max(loads) <= 200 // world + 90)
+    assert saving._hash_share([], 0, 2) == {}
+
+
+def test_hash_spans_reads_ranges_and_refuses_past_end(tmp_path):
+    p = tmp_path / "f"
+    data = os.urandom(5000)
+    p.write_bytes(data)
+    got = digest.hash_spans(str(p), [("x", 8, 4008), ("e", 10, 10), ("all", 0, 5000)])
+    assert got == {
+        "x": xxhash.xxh3_128_hexdigest(data[8:4008]),
+        "e": xxhash.xxh3_128_hexdigest(b""),
+        "all": xxhash.xxh3_128_hexdigest(data),
+    }
+    with pytest.raises(OSError, match="'y'.*past the file's end"):
+        digest.hash_spans(str(p), [("y", 4000, 5001)])
+
+
+def test_block_writer_starts_writeback_over_what_it_wrote(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(writeback, "available", lambda: True)
+    monkeypatch.setattr(writeback, "start_writeback", lambda fd, off, n: calls.append((off, n)))
+    monkeypatch.setattr(BlockWriter, "PIECE", 1 << 12)
+    monkeypatch.setattr(BlockWriter, "WRITEBACK", 3 << 12)
+    t = torch.arange(2 * 4096, dtype=torch.float32).reshape(8, 1024)  # 32 KiB, rows of 4 KiB
+    plan = plan_layout([TensorSpec.of("w", t)], 1 << 30).files[0]
+    path = str(tmp_path / plan.name)
+    os.close(create_shard_file(path, plan))
+    slot = plan.slots[0]
+    w = BlockWriter(path, writeback_on=True)
+    try:
+        w.write(slot, t[2:8], (2, 0))  # this rank's rows 2..7: 24 KiB
+    finally:
+        w.close()
+    begin = slot.begin + 2 * 4096
+    # every 12 KiB written: writeback of its span; nothing left at close
+    assert calls == [(begin, 3 << 12), (begin + (3 << 12), 3 << 12)]
+    with open(path, "rb") as f:
+        f.seek(begin)
+        assert f.read(6 * 4096) == t[2:8].numpy().tobytes()
+    calls.clear()
+    w = BlockWriter(path, writeback_on=False)  # tmpfs: nothing to write back
+    try:
+        w.write(slot, t[:2], (0, 0))
+    finally:
+        w.close()
+    assert calls == []
+
+
+def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
+    """A world of one: DTensors on a one-rank mesh are whole on their writer (hashed from memory
+    beside the pwrite); the recorded digests equal xxhash's of the bytes; a rank's error in the
+    fused check-and-gather is raised as itself."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from checkpoint.ranks import dist as cdist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        full = {
+            "a": torch.randn(300, 40, generator=g),
+            "b": torch.randint(0, 9, (7, 3), generator=g),
+            "c": torch.randn(5, generator=g).to(torch.bfloat16),
+        }
+        sd = {
+            "a": distribute_tensor(full["a"], mesh, [Shard(0)]),
+            "b": distribute_tensor(full["b"], mesh, [Replicate()]),
+            "c": distribute_tensor(full["c"], mesh, [Shard(0)]),
+        }
+        hashed_back = []
+        real = saving._hash_back
+        monkeypatch.setattr(saving, "_hash_back", lambda d, s: hashed_back.append(s) or real(d, s))
+        idx = checkpoint.save(sd, tmp_path / "ck", max_shard_size=2000)
+        assert hashed_back == [{}]  # every tensor whole on its writer: none read back
+        assert idx.metadata.fqnckpt.tensor_digests() == {k: _xxh(v) for k, v in full.items()}
+        assert checkpoint.verify(tmp_path / "ck").ok
+        loaded = {k: torch.zeros_like(v) for k, v in full.items()}
+        assert checkpoint.load(loaded, tmp_path / "ck").ok
+        assert all(torch.equal(loaded[k], v) for k, v in full.items())
+        assert cdist.check_all_gather("x", None, {"v": 1}) == [{"v": 1}]
+        with pytest.raises(KeyError, match="mine"):
+            cdist.check_all_gather("x", KeyError("mine"), 1)
+    finally:
+        dist.destroy_process_group()
