@@ -184,9 +184,16 @@ def plan_layout(
             raise ValueError(f"tensor name {s.fqn!r} is duplicated or reserved")
         seen.add(s.fqn)
     groups = _split(list(specs), max_bytes)
+    return plan_files([(shard_file_name(prefix, k, len(groups)), g) for k, g in enumerate(groups, 1)], prefix)
+
+
+def plan_files(groups: Sequence[tuple[str, Sequence[TensorSpec]]], prefix: str = MODEL_PREFIX) -> Layout:
+    """Plan the files named in ``groups`` (``(file name, specs)`` pairs, in file order), each
+    holding exactly its specs: :func:`plan_layout` after its size split, or a caller's own
+    assignment (DCP's ``fqn_to_index_mapping``, :mod:`checkpoint.dcp`). Names are not checked
+    for duplicates here (:func:`plan_layout` does)."""
     files = []
-    for k, group in enumerate(groups, 1):
-        name = shard_file_name(prefix, k, len(groups))
+    for name, group in groups:
         ordered = sorted(group, key=lambda s: (-s.itemsize, s.fqn))
         rel, pos = [], 0
         for s in ordered:

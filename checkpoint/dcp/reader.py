@@ -1,0 +1,395 @@
+"""``StorageReader``: DCP's ``StorageReader`` interface over fqnckpt's readers.
+
+What it reads (:func:`_open_source`):
+
+- an fqnckpt or Hugging Face checkpoint: a directory with ``model.safetensors.index.json`` (the
+  index is authoritative: only the files it names are read, through
+  :func:`checkpoint.open_checkpoint`, which validates every header and path, hub-cache snapshots
+  included), a directory with one ``model.safetensors``, one ``.safetensors`` file, or a URL;
+  ``extra_state.json`` entries come back as DCP's non-tensor values;
+- torch's ``HuggingFaceStorageWriter(save_distributed=True)`` output without consolidation: the
+  per-rank ``shard-0000r-model-0000k-of-0000n.safetensors`` files (in the directory or its
+  ``sharded/`` folder), each tensor's chunks placed by the ``DCP_SHARDING_INFO`` offsets in
+  their headers, and checked to cover each tensor exactly;
+- a directory of ``.safetensors`` files without an index (what ``safetensors.save_file`` or a
+  rank-0 DCP save leaves): every file, a tensor stored in two files refused
+  (:class:`~checkpoint.errors.DuplicateTensorError`) rather than one silently chosen.
+
+``read_metadata`` describes each tensor as DCP's ``TensorStorageMetadata`` (global size, dtype,
+stored chunks), so DCP's planners reshard onto any mesh and placements; ``read_data`` reads each
+read item's block straight into its target where the bytes are one range of the file
+(``preadv``), else through ``safe_open(...).get_slice``, converting dtype on copy. A target
+DTensor with ``_StridedShard`` placements is filled block by block from
+:func:`checkpoint.ranks.shards.local_blocks` (DCP's default planner places its local shard at
+its first row only, which would load wrong values without an error).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.futures import Future
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError
+from ..ranks import shards
+from ..storage.format import index_name
+from ..storage.location import is_remote, resolve
+
+_DCP_SHARD = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
+_SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py
+_OFFSETS_KEY = "saved_offsets"
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """``Metadata.storage_data`` of one stored chunk: tensor ``key`` of reader number ``reader``,
+    placed at element ``offsets`` of the global tensor, of ``shape``."""
+
+    reader: int
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredExtra:
+    """``Metadata.storage_data`` of a non-tensor value (an ``extra_state.json`` entry)."""
+
+    key: str
+
+
+class _Source:
+    """Open readers and, per tensor, its chunks; the extra-state values."""
+
+    def __init__(self, where: str, readers: list, chunks: dict[str, list[StoredChunk]], extra: dict[str, Any]):
+        # Extra-state entries are nested values ({"sched": {"lr": ..}}); DCP flattens the
+        # caller's state_dict the same way (torch's flatten_state_dict): "sched.lr".
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        self.extra, self.paths = flatten_state_dict(extra) if extra else ({}, {})
+        self.where, self.readers, self.chunks = where, readers, chunks
+
+    def dtype(self, key: str) -> torch.dtype:
+        c = self.chunks[key][0]
+        return self.readers[c.reader].spec(c.key).dtype
+
+    def read_global(self, key: str, gsl: Sequence[slice], dtype: torch.dtype) -> torch.Tensor:
+        """Block ``tensor[gsl]`` of ``key`` (global step-1 slices) assembled from its chunks."""
+        shape = [s.stop - s.start for s in gsl]
+        out = torch.empty(shape, dtype=dtype)
+        for c in self.chunks[key]:
+            inter = []
+            for s, o, n in zip(gsl, c.offsets, c.shape):
+                lo, hi = max(s.start, o), min(s.stop, o + n)
+                if lo >= hi:
+                    break
+                inter.append((lo, hi, o, s.start))
+            else:
+                src = self.readers[c.reader].get_slice(c.key, [slice(lo - o, hi - o) for lo, hi, o, _ in inter]) \
+                    if inter else self.readers[c.reader].get(c.key)  # fmt: skip
+                out[tuple(slice(lo - b, hi - b) for lo, hi, _, b in inter)] = src
+        return out
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+        self.readers = []
+
+
+class StorageReader(dcp_storage.StorageReader):
+    """DCP ``StorageReader`` of fqnckpt / Hugging Face checkpoints and DCP's HF output (see the
+    module docstring): ``dcp.load(state_dict, storage_reader=StorageReader(path))``.
+
+    ``path``: a directory, a ``.safetensors`` file or a URL (``storage_options`` / ``transfer``
+    as for :func:`checkpoint.load`); DCP's ``checkpoint_id`` replaces it when given. Keys are
+    matched exactly as DCP's planner does (a DCP load raises on a missing key unless
+    ``DefaultLoadPlanner(allow_partial_load=True)``).
+
+    Raises (from ``read_metadata``, on every rank): what :func:`checkpoint.open_checkpoint` raises
+    (``CheckpointNotFoundError``, ``MissingShardError``, ``UnsafePathError``,
+    ``TensorNotInShardError``, ``DuplicateTensorError``, ``CorruptCheckpointError``);
+    ``DuplicateTensorError`` for a tensor in two files without DCP sharding offsets;
+    ``CorruptCheckpointError`` when DCP shard files do not cover a tensor exactly. From
+    ``read_data``: ``LoadError`` naming key and file when a read fails.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        transfer: Any = None,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.transfer = transfer
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id: str | None = None
+        self.is_coordinator = False
+        self._source: _Source | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._close()
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        import uuid
+
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+
+    def read_metadata(self) -> Metadata:
+        """Every stored tensor as ``TensorStorageMetadata`` (global size, dtype, chunks) and every
+        extra-state entry as ``BytesStorageMetadata``. Reads headers and indexes only."""
+        src = self._open()
+        sdm: dict[str, Any] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        for key, chunks in src.chunks.items():
+            size = [max(c.offsets[d] + c.shape[d] for c in chunks) for d in range(len(chunks[0].shape))]
+            sdm[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=src.dtype(key)),
+                size=torch.Size(size),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.shape)) for c in chunks],
+            )
+            for c in chunks:
+                storage[MetadataIndex(key, torch.Size(c.offsets))] = c
+        for key in src.extra:
+            sdm[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = StoredExtra(key)
+        self.storage_data = storage
+        planner_data = {k: (k,) for k in src.chunks} | src.paths
+        md = Metadata(state_dict_metadata=sdm, storage_data=storage, planner_data=planner_data)
+        md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if metadata.storage_data:
+            self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into the planner's targets (see module docstring); the
+        future is already complete."""
+        src = self._open()
+        try:
+            self._read(src, plan, planner)
+        finally:
+            self._close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _open(self) -> _Source:
+        if self._source is None:
+            if self.path is None:
+                raise ValueError("checkpoint.dcp.StorageReader: no path (pass one, or checkpoint_id= to dcp.load)")
+            self._source = _open_source(resolve(self.path, self.storage_options, self.transfer))
+        return self._source
+
+    def _close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_source"] = None
+        return state
+
+    def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
+        pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
+        strided_done: set[str] = set()
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(src.extra[item.storage_index.fqn], buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            fqn = item.dest_index.fqn
+            dt = _planned(planner, fqn)
+            if _scattered(dt):
+                if fqn not in strided_done:  # the whole local shard, block by block
+                    local = dt._local_tensor
+                    for lsl, gsl in shards.local_blocks(dt):
+                        local[lsl] = src.read_global(item.storage_index.fqn, gsl, src.dtype(item.storage_index.fqn))
+                    strided_done.add(fqn)
+                planner.commit_tensor(item, planner.resolve_tensor(item))
+                continue
+            c = self.storage_data[item.storage_index]
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(item.lengths):
+                raise CorruptCheckpointError(
+                    src.where, f"{fqn!r}: read item of {tuple(item.lengths)} for a target of {tuple(target.shape)}"
+                )
+            slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+            whole = tuple(item.lengths) == c.shape
+            pending.setdefault(c.reader, []).append((item, target, None if whole else slices))
+        for r, items in pending.items():
+            reader = src.readers[r]
+            keys = [self.storage_data[it.storage_index].key for it, _, _ in items]
+            pairs = [(k, t) if sl is None else (k, t, sl) for k, (_, t, sl) in zip(keys, items)]
+            many = getattr(reader, "read_many", None)
+            done = many(pairs) if many is not None else [False] * len(pairs)
+            for k, (item, target, sl), ok in zip(keys, items, done):
+                if not ok:
+                    target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
+                planner.commit_tensor(item, target)
+
+
+def _planned(planner: LoadPlanner, fqn: str) -> Any:
+    state = getattr(planner, "state_dict", None)
+    return state.get(fqn) if isinstance(state, Mapping) else None
+
+
+def _scattered(t: Any) -> bool:
+    """A DTensor whose local shard is several blocks of the global tensor (``_StridedShard``)."""
+    if not isinstance(t, DTensor) or not any(isinstance(p, _StridedShard) for p in t.placements):
+        return False
+    return sum(1 for _ in shards.local_blocks(t)) > 1
+
+
+# -- sources ---------------------------------------------------------------------------------------
+
+
+def _open_source(where: Any) -> _Source:
+    from ..storage.opening import open_checkpoint
+
+    if is_remote(where):
+        from ..storage.remote_reader import open_remote_checkpoint, remote_view
+
+        with remote_view(where) as view:
+            rd = open_remote_checkpoint(view)
+            try:
+                extra = _extra_values(rd.root)
+            except BaseException:
+                rd.close()
+                raise
+        return _whole(str(where.url), rd, extra)
+    path = os.path.abspath(where)
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, index_name())) or os.path.isfile(
+        os.path.join(path, "model.safetensors")
+    ):
+        rd = open_checkpoint(path)
+        try:
+            extra = _extra_values(path) if rd.index_path is not None else {}
+        except BaseException:
+            rd.close()
+            raise
+        return _whole(path, rd, extra)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(path)
+    for d in (path, os.path.join(path, "sharded")):
+        names = sorted(n for n in os.listdir(d) if _DCP_SHARD.match(n)) if os.path.isdir(d) else []
+        if names:
+            return _files(path, [os.path.join(d, n) for n in names])
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("."))
+    if not names:
+        raise CheckpointNotFoundError(path, f"no {index_name()}, no model.safetensors, no .safetensors files")
+    return _files(path, [os.path.join(path, n) for n in names])
+
+
+def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
+    chunks = {k: [StoredChunk(0, k, (0,) * len(rd.spec(k).shape), rd.spec(k).shape)] for k in rd.keys()}
+    return _Source(where, [rd], chunks, extra)
+
+
+def _extra_values(root: str) -> dict[str, Any]:
+    from ..storage.extra_state import _decode, read_extra_state_file
+
+    doc = read_extra_state_file(root)
+    return {k: _decode(e.value, k) for k, e in doc.entries.items()} if doc is not None else {}
+
+
+def _files(root: str, paths: list[str]) -> _Source:
+    """Several ``.safetensors`` files without an index: DCP's per-rank shard files (chunks placed
+    by ``DCP_SHARDING_INFO``) or plain files (a tensor in two of them is refused)."""
+    from safetensors import safe_open
+
+    from ..storage.opening import open_checkpoint
+
+    readers: list = []
+    chunks: dict[str, list[StoredChunk]] = {}
+    where: dict[str, list[str]] = {}
+    try:
+        for p in paths:
+            rd = open_checkpoint(p)
+            readers.append(rd)
+            with safe_open(p, framework="pt") as f:
+                meta = f.metadata() or {}
+            info = None
+            if _SHARDING_KEY in meta:
+                try:
+                    info = json.loads(meta[_SHARDING_KEY])
+                except ValueError as e:
+                    raise CorruptCheckpointError(p, f"{_SHARDING_KEY} is not JSON: {e}") from e
+            for k in rd.keys():
+                shape = rd.spec(k).shape
+                off = (0,) * len(shape)
+                if info is not None:
+                    try:
+                        off = tuple(int(x) for x in info[k][_OFFSETS_KEY])
+                    except (KeyError, TypeError, ValueError) as e:
+                        raise CorruptCheckpointError(p, f"{_SHARDING_KEY} has no {_OFFSETS_KEY} for {k!r}") from e
+                    if len(off) != len(shape) or min(off, default=0) < 0:
+                        raise CorruptCheckpointError(p, f"{_SHARDING_KEY} offsets {off} of {k!r} do not fit {shape}")
+                elif k in chunks:
+                    raise DuplicateTensorError(k, where[k] + [p])
+                chunks.setdefault(k, []).append(StoredChunk(len(readers) - 1, k, off, shape))
+                where.setdefault(k, []).append(p)
+        for k, cs in chunks.items():  # DCP's chunks must cover the tensor exactly once
+            dims = len(cs[0].shape)
+            if any(len(c.shape) != dims for c in cs):
+                raise CorruptCheckpointError(root, f"{k!r} has chunks of different ranks in {where[k]}")
+            size = [max(c.offsets[d] + c.shape[d] for c in cs) for d in range(dims)]
+            if sum(math.prod(c.shape) for c in cs) != math.prod(size) or len({c.offsets for c in cs}) != len(cs):
+                raise CorruptCheckpointError(root, f"the chunks of {k!r} in {where[k]} do not cover its {size} exactly")
+            dtypes = {readers[c.reader].spec(k).dtype for c in cs}
+            if len(dtypes) > 1:
+                raise CorruptCheckpointError(root, f"{k!r} is stored with dtypes {sorted(map(str, dtypes))}")
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    return _Source(root, readers, chunks, {})
+
+
+__all__ = ["StorageReader", "StoredChunk", "StoredExtra"]

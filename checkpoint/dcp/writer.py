@@ -1,0 +1,489 @@
+"""``StorageWriter``: DCP's ``StorageWriter`` interface writing an fqnckpt checkpoint.
+
+DCP calls (``torch/distributed/checkpoint/storage.py``, ``state_dict_saver.py``): ``reset`` and
+``set_up_storage_writer`` on every rank, ``prepare_local_plan`` on every rank,
+``prepare_global_plan`` on the coordinator with every rank's plan, ``write_data`` on every rank,
+``finish`` on the coordinator with every rank's results. Here:
+
+- ``prepare_global_plan`` (coordinator) sees every tensor's global shape and dtype in the ranks'
+  write items, plans the Hugging Face files with fqnckpt's layout
+  (:func:`checkpoint.storage.layout.plan_layout`, or DCP's ``fqn_to_index_mapping`` as
+  ``HuggingFaceStorageWriter`` takes it), checks every name and header against safetensors'
+  limits, opens the staging directory (:class:`checkpoint.atomic.StagedCheckpoint`) and creates the
+  final shard files with their headers; each rank's plan carries where its items go.
+- ``write_data`` (every rank) ``pwrite``-s each item it was given (DCP's planner already chose one
+  writer per replicated chunk) at its offsets of the final files
+  (:func:`checkpoint.storage.writer.write_block`): each byte is written once, no per-rank files,
+  no consolidation pass (a ``_StridedShard`` DTensor, whose local rows are not one range of the
+  global tensor, needs :class:`checkpoint.dcp.SavePlanner`: DCP's default planner refuses it).
+  Non-tensor values (DCP's ``BYTE_IO`` items) are
+  unpickled with ``weights_only=True`` and kept as fqnckpt extra state.
+- ``finish`` (coordinator) fsyncs and hashes every file once (a rank saw only its own bytes of a
+  file, so digests come from one read-back, as in ``checkpoint.save``'s distributed path), writes
+  ``extra_state.json`` and the index, and commits atomically.
+
+Object storage (``s3://``, ...): an object cannot be filled in byte ranges by several processes,
+so ``write_data`` hands the whole save to :func:`checkpoint.storage.remote_save.save_remote`, as
+``checkpoint.save`` does: each file is uploaded by one rank, a DTensor's bytes reaching it by
+``full_tensor()`` on the default process group, committed by the model index.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from ..atomic import StagedCheckpoint
+from ..errors import CheckpointError, CheckpointWriteError, UnsavableError
+from ..ranks import dist
+from ..saving import _fetch_any, _index, _Part, _write_indexes_and_commit
+from ..storage import limits
+from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
+from ..storage.format import MODEL_PREFIX
+from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
+from ..storage.location import is_remote, resolve
+from ..storage.writer import create_shard_file, file_record, open_shard_file, write_block
+
+
+@dataclass(frozen=True)
+class _LocalPlan:
+    """``SavePlan.storage_data`` of one rank (local path): the staging directory and the slot of
+    each of its tensors in the final files."""
+
+    staging_dir: str
+    slots: dict[str, TensorSlot]
+
+
+@dataclass(frozen=True)
+class _RemotePlan:
+    """``SavePlan.storage_data`` of one rank (object storage): the whole layout, every rank
+    uploading its files through :func:`~checkpoint.storage.remote_save.save_remote`."""
+
+    layout: Layout
+    extra_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Written:
+    """``WriteResult.storage_data`` of a tensor item: its file and absolute byte range there."""
+
+    relative_path: str
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ExtraValue:
+    """``WriteResult.storage_data`` of a non-tensor value: the value (checked encodable)."""
+
+    value: Any
+
+
+# Saves prepared by a coordinator of this process and not finished (a rank failed, so DCP never
+# called finish): each holds the checkpoint's writer lock. The next save to the same path releases
+# it first, so a retry in this process does not wait on its own lock.
+_PENDING: dict[str, StagedCheckpoint] = {}
+_PENDING_LOCK = threading.Lock()
+
+
+def _abort(path: str | None) -> None:
+    if path is None:
+        return
+    with _PENDING_LOCK:
+        st = _PENDING.pop(path, None)
+    if st is not None:
+        st.__exit__(None, None, None)  # removes the staging directory, releases the lock
+
+
+class StorageWriter(dcp_storage.StorageWriter):
+    """DCP ``StorageWriter`` writing an fqnckpt checkpoint at ``path`` (see module docstring).
+
+    ``dcp.save(state_dict, storage_writer=StorageWriter(path))``; ``dcp.async_save`` (thread or
+    process checkpointer) the same way. ``path``: a directory, or a URL (``s3://...``) with
+    ``storage_options`` / ``transfer`` as for :func:`checkpoint.save`; DCP's ``checkpoint_id``
+    replaces it when given. The keys are DCP's flattened state_dict keys (``{"model": sd}`` saves
+    ``model.<fqn>``; pass the model's state_dict itself for a Hugging Face checkpoint).
+
+    ``fqn_to_index_mapping``: ``{fqn: k}`` puts tensor ``fqn`` in
+    ``model-0000k-of-0000N.safetensors`` (``N`` = the largest ``k``), as torch's
+    ``HuggingFaceStorageWriter`` does (a tensor missing from it is refused); without it tensors
+    are split into files of at most ``max_shard_size`` bytes of data (``"5GB"``, ``"2GiB"`` or an
+    int). ``overwrite``: replace a checkpoint already at ``path`` (DCP's default; only files the old
+    checkpoint owns are replaced, :mod:`checkpoint.atomic`), else
+    :class:`~checkpoint.errors.CheckpointExistsError`.
+
+    Shapes are global (DTensor) shapes; dtypes are those safetensors stores (float / bfloat16 /
+    float8 / int / uint / bool / complex64). Errors raised on a rank reach every rank as DCP's
+    ``CheckpointException`` (a ``BaseException``) carrying the original: an
+    :class:`~checkpoint.errors.UnsavableError` for a name or header safetensors cannot hold, a
+    ``TypeError`` for a dtype it cannot store or a non-tensor value extra state cannot hold (both
+    naming the key), ``ValueError`` for keys missing from ``fqn_to_index_mapping`` or tensors whose
+    shape or dtype differ between ranks, :class:`~checkpoint.errors.CheckpointWriteError` for an OS
+    error (the previous checkpoint at ``path`` stays whole).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        fqn_to_index_mapping: Mapping[str, int] | None = None,
+        *,
+        max_shard_size: int | str = "5GB",
+        overwrite: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        transfer: Any = None,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+        self.max_shard_size = max_shard_size
+        self.overwrite = overwrite
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.transfer = transfer
+        self.is_coordinator = False
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex
+        self._layout: Layout | None = None
+        self._staged_path: str | None = None
+
+    # -- DCP interface -------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new save: ``checkpoint_id`` (a path or URL) replaces ``path`` when given."""
+        self._abandon()
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._layout = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Raises ValueError for ``use_collectives=False`` on several ranks: the shared files
+        are laid out from every rank's plan, which only the coordinator of a collective save sees."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if kwargs.get("use_collectives") is False and dist.world_size() > 1:
+            raise ValueError(
+                "checkpoint.dcp.StorageWriter needs use_collectives=True: ranks write into shared "
+                "Hugging Face shard files laid out from every rank's plan"
+            )
+        if self.path is None:
+            raise ValueError("checkpoint.dcp.StorageWriter: no path (pass one, or checkpoint_id= to dcp.save)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: plan the files from every rank's items, create them (local paths), and give
+        each rank where its items go. Raises before anything is written (see class docstring)."""
+        where = self._where()
+        plans = _dedup(plans)
+        specs, extra_keys = _specs_of(plans, str(self.path))
+        layout = self._plan_layout(specs)
+        self._layout = layout
+        if is_remote(where):
+            data = _RemotePlan(layout, tuple(extra_keys))
+            return [replace(p, storage_data=data) for p in plans]
+        _abort(self.path)  # a failed save of this process still holding the lock
+        st = StagedCheckpoint(where, self.overwrite).__enter__()
+        try:
+            for f in layout.files:
+                os.close(create_shard_file(os.path.join(st.dir, f.name), f))
+        except BaseException as e:
+            st.__exit__(None, None, None)
+            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                raise CheckpointWriteError(where, f"{type(e).__name__}: {e}", self.rank) from e
+            raise
+        with _PENDING_LOCK:
+            _PENDING[self.path] = st
+        self._staged_path = self.path
+        slots = layout.slots
+        out = []
+        for p in plans:
+            mine = {it.index.fqn: slots[it.index.fqn] for it in p.items if it.type != WriteItemType.BYTE_IO}
+            out.append(replace(p, storage_data=_LocalPlan(st.dir, mine)))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into the final files (see module docstring); the future is
+        already complete (a failure raises here, which DCP hands to every rank)."""
+        data = plan.storage_data
+        if isinstance(data, _RemotePlan):
+            results = self._write_remote(plan, data, planner)
+        else:
+            results = self._write_local(plan, data, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: hash the files, write ``extra_state.json`` and the index, commit.
+        (Object storage: committed in ``write_data`` already.)"""
+        layout = self._layout
+        assert layout is not None, "finish() without prepare_global_plan()"
+        if is_remote(self._where()):
+            return
+        with _PENDING_LOCK:
+            st = _PENDING.pop(self._staged_path, None)
+        self._staged_path = None
+        if st is None:
+            raise CheckpointWriteError(str(self.path), "the save was abandoned before finish() (reset() or another save)")
+        try:
+            extra, written = _collect(results)
+            missing = sorted(set(layout.slots) - written)
+            if missing:
+                raise CheckpointWriteError(
+                    str(self.path), f"no rank wrote {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+                )
+            names = [f.name for f in layout.files]
+            with ThreadPoolExecutor(max(1, min(4, len(names)))) as pool:  # xxh3 releases the GIL
+                recs = list(pool.map(lambda n: _synced_record(os.path.join(st.dir, n)), names))
+            part = _Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None)
+            index = _index(part, layout, dict(zip(names, recs)))
+            if extra:
+                entries = snapshot_extra_state(_nested(extra, metadata.planner_data))
+                for name, data in extra_state_file_bytes(entries).items():
+                    st.write_file(name, data)
+            _write_indexes_and_commit(st, [part], [index])
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointWriteError(str(self.path), f"{type(e).__name__}: {e}", self.rank) from e
+        finally:
+            st.__exit__(None, None, None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _where(self) -> Any:
+        return resolve(self.path, self.storage_options, self.transfer)
+
+    def _abandon(self) -> None:
+        if self._staged_path is not None:
+            _abort(self._staged_path)
+            self._staged_path = None
+
+    def __del__(self) -> None:
+        try:
+            self._abandon()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:  # the process checkpointer pickles the writer
+        state = dict(self.__dict__)
+        state["_staged_path"] = None
+        return state
+
+    def _plan_layout(self, specs: list[TensorSpec]) -> Layout:
+        path = str(self.path)
+        for s in specs:
+            limits.check_name(s.fqn, path)
+        mapping = self.fqn_to_index_mapping
+        if mapping is None:
+            layout = plan_layout(specs, self.max_shard_size, MODEL_PREFIX)
+        else:
+            missing = sorted(s.fqn for s in specs if s.fqn not in mapping)
+            if missing:
+                raise ValueError(f"saving {path}: fqn_to_index_mapping has no file index for {missing[:10]}")
+            bad = sorted({k for k in mapping.values() if not isinstance(k, int) or isinstance(k, bool) or k < 1})
+            if bad:
+                raise ValueError(f"saving {path}: fqn_to_index_mapping file indexes must be ints >= 1, got {bad}")
+            n = max(mapping.values(), default=1)
+            by_file: dict[int, list[TensorSpec]] = {}
+            for s in specs:
+                by_file.setdefault(mapping[s.fqn], []).append(s)
+            from ..storage.layout import shard_file_name
+
+            layout = plan_files([(shard_file_name(MODEL_PREFIX, k, n), by_file[k]) for k in sorted(by_file)])
+        for f in layout.files:
+            limits.check_header(f, path)
+        return layout
+
+    def _write_local(self, plan: SavePlan, data: _LocalPlan, planner: SavePlanner) -> list[WriteResult]:
+        results: list[WriteResult] = []
+        fds: dict[str, int] = {}
+        item: WriteItem | None = None
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    results.append(_extra_result(item, planner))
+                    continue
+                fqn = item.index.fqn
+                slot = data.slots[fqn]
+                t = planner.resolve_data(item)
+                fd = fds.get(slot.file)
+                if fd is None:
+                    fd = fds[slot.file] = open_shard_file(os.path.join(data.staging_dir, slot.file))
+                n = 0
+                for local, offset in _blocks(planner, item, t):
+                    write_block(fd, slot, local, offset)
+                    n += local.numel() * local.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                           storage_data=Written(slot.file, slot.begin, slot.end)))  # fmt: skip
+            for fd in fds.values():  # a file's pages written here are on disk before finish() commits
+                os.fsync(fd)
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            key = f" writing {item.index.fqn!r}" if item is not None else ""
+            raise CheckpointWriteError(str(self.path), f"{type(e).__name__}{key}: {e}", self.rank) from e
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return results
+
+    def _write_remote(self, plan: SavePlan, data: _RemotePlan, planner: SavePlanner) -> list[WriteResult]:
+        from ..storage.remote_save import save_remote
+
+        state = getattr(planner, "state_dict", None)
+        specs = [s.spec for f in data.layout.files for s in f.slots]
+        if not isinstance(state, Mapping) or any(s.fqn not in state for s in specs):
+            raise NotImplementedError(
+                f"saving {self.path}: object storage needs a planner holding the flattened state_dict "
+                "(DCP's DefaultSavePlanner), since each file's rank gathers whole tensors"
+            )
+        files: dict[str, bytes] = {}
+        if dist.rank() == 0 and data.extra_keys:
+            values = {k: state[k] for k in data.extra_keys}
+            files = extra_state_file_bytes(snapshot_extra_state(_nested(values, getattr(planner, "mappings", None))))
+        part = _Part(MODEL_PREFIX, specs, lambda s: state[s.fqn])
+        save_remote(self._where(), [part], [data.layout], self.overwrite, files, _index, _fetch_any, dist.active())
+        return [
+            WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items
+        ]
+
+
+def _synced_record(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the header (written at creation) and any page a rank left dirty
+    finally:
+        os.close(fd)
+    return file_record(path)
+
+
+def _dedup(plans: list[SavePlan]) -> list[SavePlan]:
+    """Drop a chunk planned by several ranks from all but the first (DCP's default planner
+    already does; a planner that does not would write the same bytes twice)."""
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    out = []
+    for p in plans:
+        keep = []
+        for it in p.items:
+            key = (it.index.fqn, tuple(it.index.offset or ()))
+            if key in seen:
+                continue
+            seen.add(key)
+            keep.append(it)
+        out.append(p if len(keep) == len(p.items) else replace(p, items=keep))
+    return out
+
+
+def _specs_of(plans: Sequence[SavePlan], path: str) -> tuple[list[TensorSpec], list[str]]:
+    """Every tensor's spec (global shape, dtype) from the ranks' write items, in first-seen order,
+    and the non-tensor keys. Raises TypeError / ValueError naming the key and ranks."""
+    specs: dict[str, TensorSpec] = {}
+    where: dict[str, int] = {}
+    volume: dict[str, int] = {}
+    extra: list[str] = []
+    for rank, p in enumerate(plans):
+        for it in p.items:
+            fqn = it.index.fqn
+            if it.type == WriteItemType.BYTE_IO:
+                if fqn not in extra:
+                    extra.append(fqn)
+                continue
+            td = it.tensor_data
+            try:
+                spec = TensorSpec(fqn, tuple(td.size), td.properties.dtype)
+            except TypeError as e:
+                raise UnsavableError(fqn, f"{e} (rank {rank})", path) from e
+            prev = specs.setdefault(fqn, spec)
+            if prev != spec:
+                raise ValueError(
+                    f"saving {path}: {fqn!r} is {spec.shape} {spec.dtype} on rank {rank} but "
+                    f"{prev.shape} {prev.dtype} on rank {where[fqn]}"
+                )
+            where.setdefault(fqn, rank)
+            volume[fqn] = volume.get(fqn, 0) + math.prod(td.chunk.sizes)
+    for fqn in extra:
+        if fqn in specs:
+            raise ValueError(f"saving {path}: {fqn!r} is a tensor on some ranks and not on others")
+    holes = [k for k, s in specs.items() if volume[k] != s.numel]
+    if holes:  # a hole would be committed as zeros
+        raise ValueError(
+            f"saving {path}: the ranks' chunks of {holes[:10]} do not add up to the tensor "
+            "(elements missing or planned twice)"
+        )
+    return list(specs.values()), extra
+
+
+def _blocks(planner: SavePlanner, item: WriteItem, t: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """``(local block, global element offset)`` pairs of item ``item`` whose data is ``t``."""
+    chunk = item.tensor_data.chunk
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{item.index.fqn!r}: the planner resolved {shape}, its write item says {tuple(chunk.sizes)}")
+    return [(t, tuple(chunk.offsets))]
+
+
+def _extra_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
+    """A non-tensor value as an extra-state entry. DCP hands it over pickled (``torch.save``);
+    unpickled only with ``weights_only=True`` (torch's safe unpickler)."""
+    fqn = item.index.fqn
+    buf = planner.resolve_data(item)
+    raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - named, typed below
+        raise TypeError(f"{fqn!r}: a non-tensor value weights_only unpickling refuses ({e}); "
+                        "extra state holds numbers, str, tensors, lists and dicts") from e  # fmt: skip
+    snapshot_extra_state({fqn: value})  # refused here, on the rank holding it, naming the key
+    return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=ExtraValue(value))
+
+
+def _nested(flat: Mapping[str, Any], mappings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """DCP's flattened non-tensor values back in the caller's nesting (``{"sched": {"lr": ..}}``
+    from ``sched.lr``, by DCP's own ``planner_data`` paths): extra-state entries are top-level keys,
+    as ``checkpoint.save(extra_state=...)`` writes them."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        path = (mappings or {}).get(k) or (k,)
+        set_element(out, path, v)
+    return out
+
+
+def _collect(results: list[list[WriteResult]]) -> tuple[dict[str, Any], set[str]]:
+    extra: dict[str, Any] = {}
+    written: set[str] = set()
+    for rank_results in results:
+        for wr in rank_results:
+            if isinstance(wr.storage_data, ExtraValue):
+                extra[wr.index.fqn] = wr.storage_data.value
+            elif isinstance(wr.storage_data, Written):
+                written.add(wr.index.fqn)
+    return extra, written
+
+
+__all__ = ["StorageWriter", "Written", "ExtraValue"]
