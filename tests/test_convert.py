@@ -806,17 +806,17 @@ def test_meta_without_model_checks_params_json_against_the_tensors(tmp_path):
     torch.save(first, src / "consolidated.00.pth")  # consolidated.01.pth lost
     (src / "params.json").write_text(json.dumps(PARAMS))
     for dry in (True, False):  # found while planning: a dry run says so too
-        with pytest.raises(ConversionError, match="params.json does not describe the tensors.*embed_tokens"):
+        with pytest.raises(ConversionError, match="params.json gives dim=32, the tensors have 16"):
             checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", dry_run=dry)
     assert not (tmp_path / "hf").exists()
     wrong = write_meta(tmp_path / "wrong", sd, PARAMS | {"n_heads": NH * 2})  # head_dim halves: K rows disagree
-    with pytest.raises(ConversionError, match="k_proj.weight is"):
+    with pytest.raises(ConversionError, match="k_proj.weight has 16 rows, dims give 2 heads x 4 = 8"):
         checkpoint.migrate(wrong, tmp_path / "hf2", recipe="meta-llama-to-hf")
     assert not (tmp_path / "hf2").exists()
     good = write_meta(tmp_path / "good", sd)
     checkpoint.migrate(good, tmp_path / "hf3", recipe="meta-llama-to-hf")
     for n in (0, -1):
-        with pytest.raises(RecipeError, match=f"shards={n}"):
+        with pytest.raises(RecipeError, match=f"shards must be a positive integer, got {n}"):
             checkpoint.migrate(tmp_path / "hf3", tmp_path / "m", recipe="hf-to-meta-llama", dims={"shards": n})
     assert not (tmp_path / "m").exists()
 
@@ -832,3 +832,141 @@ def test_recipe_that_changes_nothing_and_unused_shards_are_refused(tmp_path):
     with pytest.raises(RecipeError, match="shards=2 applies to Meta's layout only"):
         checkpoint.migrate(tmp_path / "hf", tmp_path / "y", recipe="hf-to-torchtitan-llama3", dims={"shards": 2})
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# --- every dimension from every source, compared; consistency; side files re-read -------------
+
+
+def test_dims_disagreeing_between_sources_refused_naming_both(tmp_path):
+    """params.json (4 / 2 heads) against a model of 2 / 1 heads with the same tensor shapes: the
+    RoPE permute would run per head of the wrong size. Refused by load(recipe=) and migrate, both
+    sources and values named; the agreeing model converts; nothing written."""
+    src = write_meta(tmp_path / "meta", meta_state_dict())
+    cfg = llama_config()
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, H // 2
+    wrong = transformers.LlamaForCausalLM(cfg)
+    msg = "dimension n_heads disagrees: params.json gives 4, the model's config gives 2"
+    with pytest.raises(RecipeError, match=msg):
+        checkpoint.load(wrong, src, recipe="meta-llama-to-hf")
+    with pytest.raises(RecipeError, match=msg):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=wrong)
+    with pytest.raises(RecipeError, match="n_kv_heads disagrees: params.json gives 2, dims= gives 1"):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", dims={"n_kv_heads": 1})
+    assert not (tmp_path / "hf").exists()
+    rep = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=transformers.LlamaForCausalLM(llama_config()),
+                             dims={"n_heads": NH})  # fmt: skip
+    assert rep.dim_sources["params.json"]["n_heads"] == rep.dim_sources["the model's config"]["n_heads"] == rep.dim_sources["dims="]["n_heads"] == NH
+    on_disk = json.loads((tmp_path / "hf" / "conversion_report.json").read_text())
+    assert any("config.json re-read" in c for c in on_disk["checks"]) and any("agree with each other" in c for c in on_disk["checks"])
+
+
+@pytest.mark.parametrize("dims, why", [
+    ({"n_heads": 0}, "n_heads must be a positive integer, got 0"), ({"n_kv_heads": 0}, "n_kv_heads must be a positive integer"),
+    ({"dim": -32}, "dim must be a positive integer, got -32"), ({"n_heads": 4.7}, "got 4.7"), ({"n_heads": True}, "got True"),
+    ({"n_kv_head": 1}, "unknown dimension 'n_kv_head'"), ({"dim": 64}, "dim disagrees: config.json gives 32, dims= gives 64"),
+])  # fmt: skip
+def test_bad_dims_refused_by_name_nothing_written(tmp_path, dims, why):
+    checkpoint.save(transformers.LlamaForCausalLM(llama_config()), tmp_path / "hf")
+    with pytest.raises(RecipeError, match=why):
+        checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", dims=dims)
+    assert not (tmp_path / "meta").exists()
+
+
+def test_dims_checked_against_the_tensors_without_config(tmp_path):
+    """No config.json beside the source: a --dim that contradicts the tensors is refused by the
+    tensors (embedding width, q rows), not written into params.json."""
+    hf = tmp_path / "hf"
+    checkpoint.save(transformers.LlamaForCausalLM(llama_config()), hf)
+    (hf / "config.json").unlink()
+    base = {"n_layers": L, "n_heads": NH, "n_kv_heads": NKV}
+    with pytest.raises(ConversionError, match="dims= gives dim=64, the tensors have 32"):
+        checkpoint.migrate(hf, tmp_path / "m1", recipe="hf-to-meta-llama", dims=base | {"dim": 64})
+    with pytest.raises(ConversionError, match="q_proj.weight has 32 rows, dims give 8 heads x 8 = 64"):
+        checkpoint.migrate(hf, tmp_path / "m2", recipe="hf-to-meta-llama", dims=base | {"dim": H, "n_heads": 8, "head_dim": 8})
+    assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+    rep = checkpoint.migrate(hf, tmp_path / "m3", recipe="hf-to-meta-llama", dims=base | {"dim": H})
+    assert any("params.json re-read" in c for c in rep.checks)
+
+
+def test_cli_dim_refused_naming_the_flag(tmp_path, capsys):
+    from checkpoint.cli.main import main
+
+    checkpoint.save(transformers.LlamaForCausalLM(llama_config()), tmp_path / "hf")
+    for arg, why in (("n_heads=0", "positive integer"), ("n_heads=\u00b2", "NAME=INTEGER"), ("n_kv_head=1", "unknown dimension"),
+                     ("dim=64", "dim disagrees: config.json gives 32")):  # fmt: skip
+        code = main(["--json", "migrate", str(tmp_path / "hf"), str(tmp_path / "m"), "--recipe", "hf-to-meta-llama", "--dim", arg])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 2 and out["flag"] == "--dim" and why in out["message"], (arg, out)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("lost", ["w1", "w2"])
+def test_expert_stacks_of_different_counts_refused(tmp_path, lost):
+    """A stack one expert short beside its siblings and the router (4 rows) is refused naming the
+    counts, in both directions (HF per-expert keys missing an expert's gate_proj too)."""
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    E, F = 4, 16
+    tt = {}
+    for i in range(2):
+        tt |= {f"layers.{i}.moe.router.gate.weight": r(E, H), f"layers.{i}.attention_norm.weight": r(H),
+               f"layers.{i}.moe.experts.w1": r(E - (lost == "w1"), F, H), f"layers.{i}.moe.experts.w3": r(E, F, H),
+               f"layers.{i}.moe.experts.w2": r(E - (lost == "w2"), H, F)}  # fmt: skip
+    safetensors.torch.save_file(tt, tmp_path / "tt.safetensors")
+    with pytest.raises(ConversionError, match=r"disagree on the \{\*e\} count.*has 3.*") as e:
+        checkpoint.migrate(tmp_path / "tt.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf")
+    assert {p.kind for p in e.value.report.problems} == {"inconsistent"}
+    assert not (tmp_path / "hf").exists()
+    # HF side: per-expert keys of layer 0 with expert 3's gate_proj gone, router of 4 rows
+    hf = {f"model.layers.0.mlp.gate.weight": r(E, H), "model.layers.0.input_layernorm.weight": r(H)}
+    for e_ in range(E):
+        for p, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
+            if not (e_ == 3 and p == "gate_proj"):
+                hf[f"model.layers.0.mlp.experts.{e_}.{p}.weight"] = r(*shape)
+    safetensors.torch.save_file(hf, tmp_path / "hf.safetensors")
+    with pytest.raises(ConversionError, match="count"):
+        checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    assert not (tmp_path / "tt").exists()
+
+
+def test_stacked_parts_of_different_dtypes_refused(tmp_path):
+    """torch.stack would promote a bfloat16 expert among float32 ones silently."""
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(1)
+    hf = {"model.layers.0.mlp.gate.weight": torch.randn(2, H, generator=g)}
+    for e_ in range(2):
+        for p, shape in (("gate_proj", (16, H)), ("up_proj", (16, H)), ("down_proj", (H, 16))):
+            t = torch.randn(*shape, generator=g)
+            hf[f"model.layers.0.mlp.experts.{e_}.{p}.weight"] = t.bfloat16() if (e_, p) == (1, "up_proj") else t
+    safetensors.torch.save_file(hf, tmp_path / "hf.safetensors")
+    with pytest.raises(ConversionError, match="different dtypes"):
+        checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    assert not (tmp_path / "tt").exists()
+
+
+@pytest.mark.parametrize("how", ["nan-payload", "negative-zero", "value"])
+def test_replicated_shards_compared_by_bits_before_writing(tmp_path, how):
+    """Norms are replicated on every Meta shard: shard 1's copy must be the same bits (torch.equal
+    calls -0.0 equal to 0.0 and NaN unequal to itself)."""
+    sd = meta_state_dict()
+    if how != "value":
+        sd["norm.weight"][3] = float("nan") if how == "nan-payload" else 0.0
+    parts = meta_shards(sd, 2)
+    t = parts[1]["norm.weight"]
+    if how == "nan-payload":
+        t.view(torch.int32)[3] ^= 1  # another NaN
+    elif how == "negative-zero":
+        t[3] = -0.0
+    else:
+        t[0] += 1e-6
+    src = tmp_path / "meta"
+    src.mkdir()
+    for i, p in enumerate(parts):
+        torch.save(p, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(PARAMS))
+    with pytest.raises(ConversionError, match="'norm.weight' differs bit for bit between shard 0 and shard"):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", dry_run=True)
+    assert not (tmp_path / "hf").exists()

@@ -31,19 +31,31 @@ def run_recipes(args: argparse.Namespace) -> int:
 
 
 def parse_dims(items: list[str]) -> dict[str, int]:
-    """``["n_heads=32", ...]`` -> dict (BadInput naming the bad item)."""
+    """``["n_heads=32", ...]`` -> dict; each name known and each value an ASCII integer (``int()``
+    also takes ``²`` and ``٣``), positive (checked by :func:`checkpoint.convert.dims.check_value`).
+
+    Raises:
+        BadInput: naming the bad item, ``flag="--dim"``."""
+    import re
+
+    from ..convert.dims import DimError, check_value
+
     out = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not name or not value.isdigit():
+        if not sep or not name or re.fullmatch(r"[+-]?[0-9]+", value) is None:
             raise BadInput(f"--dim {item!r} must be NAME=INTEGER (e.g. n_kv_heads=8)", flag="--dim")
-        out[name] = int(value)
+        try:
+            out[name] = check_value(name, int(value), "--dim", True)
+        except DimError as e:
+            raise BadInput(str(e), flag="--dim") from None
     return out
 
 
 def run_migrate(args: argparse.Namespace, model) -> int:
     """``migrate --recipe``: plan (checked), write, print the rules applied and how often."""
     from ..convert import ConversionError, RecipeError
+    from ..convert.dims import DimError
     from ..errors import CheckpointExistsError
     from ..migrating import migrate
 
@@ -56,6 +68,8 @@ def run_migrate(args: argparse.Namespace, model) -> int:
             overwrite=args.overwrite, progress=None,
         )  # fmt: skip
         code = EXIT_OK
+    except DimError as e:
+        raise BadInput(cli_spelling(str(e)), flag="--dim" if e.from_caller else "--recipe") from None
     except RecipeError as e:
         raise BadInput(cli_spelling(str(e)), flag="--recipe") from None
     except CheckpointExistsError as e:

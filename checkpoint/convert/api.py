@@ -14,7 +14,9 @@ import torch
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files, llama_config_from_meta, meta_model_from_config
-from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, resolve_dims, write_params_json
+from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
+from .dims import resolve as resolve_dims
+from .verify import dims_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
@@ -74,9 +76,10 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                 model = meta_model_from_config(catalog.hf_config.whole, f"{src}: config.json")
             except ValueError as e:
                 raise RecipeError(f"recipe {recipe!r} takes its rules from the target model: pass model= (--model); {e}") from None
-        d = resolve_dims(params_dims(catalog.params), hf_dims(catalog.hf_config), model_dims(model), dims)
-        if catalog.shards > 1:
-            d["shards"] = catalog.shards
+        stated = [(PARAMS_NAME, params_dims(catalog.params)), (HF_CONFIG_NAME, hf_dims(catalog.hf_config)),
+                  ("the model's config", model_dims(model)), ("dims=", dims),
+                  ("the source's consolidated.NN.pth files", {"shards": catalog.shards} if catalog.shards > 1 else None)]  # fmt: skip
+        d, by_source = resolve_dims(stated)
         if recipe == "auto":
             plan = _auto(catalog, model, d, str(src))
         else:
@@ -86,8 +89,7 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                 raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
             plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
         plan.model = model
-        if plan.recipe.writes == "hf-model" and model is None and catalog.params is not None:
-            _check_meta_params(plan)  # no model to check the targets against (dry runs too)
+        verify_plan(plan, by_source)
         return plan
     except BaseException:
         catalog.close()
@@ -97,8 +99,13 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
 def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     """Files written beside the tensors: the report, and ``config.json`` (+ ``generation_config.json``)
     for a Hugging Face target model, or ``params.json`` for Meta's layout (from the model's config
-    or the source's ``config.json``)."""
-    out = {CONVERSION_REPORT_NAME: plan.report.model_dump_json(indent=2).encode()}
+    or the source's ``config.json``). Built and checked while planning (:func:`verify_plan`)."""
+    files = plan.side if plan.side is not None else _build_side_files(plan, model)
+    return {CONVERSION_REPORT_NAME: plan.report.model_dump_json(indent=2).encode(), **files}
+
+
+def _build_side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
     if plan.recipe.writes == "meta":
         out[PARAMS_NAME] = write_params_json(plan.dims, hf_config_of(model) or plan.catalog.hf_config)
     elif plan.recipe.writes in ("hf", "hf-model") and model is not None:
@@ -108,33 +115,29 @@ def side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     return out
 
 
+def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]) -> None:
+    """Before anything is written: the dims against each other and the tensors, then the side
+    files built and re-read by their formats' readers (:mod:`.verify`); the checks are listed in
+    the report.
+
+    Raises:
+        ConversionError: naming each disagreement (source and value); nothing written."""
+    plan.report.dim_sources = {k: dict(v) for k, v in by_source.items()}
+    problems = dims_problems(plan, by_source)
+    if not problems:
+        plan.side = _build_side_files(plan, plan.model)
+        problems = side_file_problems(plan.side, plan)
+    if problems:
+        plan.report.problems.extend(problems)
+        raise ConversionError(plan.report)
+
+
 def _meta_llama_specs(plan: ConversionPlan) -> tuple[dict[str, TensorSpec], TensorSpec, TensorSpec]:
     specs = {s.fqn: s for s in plan.specs}
     embed, gate = specs.get("model.embed_tokens.weight"), specs.get("model.layers.0.mlp.gate_proj.weight")
     if embed is None or gate is None:
         raise ConversionError(plan.report, "no model.embed_tokens / layer-0 gate_proj to size config.json from: pass model=")
     return specs, embed, gate
-
-
-def _check_meta_params(plan: ConversionPlan) -> None:
-    """``params.json`` must describe the converted tensors (a missing last shard or a wrong
-    ``n_heads`` otherwise gives a ``config.json`` that does not fit them).
-
-    Raises:
-        ConversionError: naming each shape or the layer count that disagrees; nothing written."""
-    specs, embed, _ = _meta_llama_specs(plan)
-    params = plan.catalog.params
-    head_dim = params.dim // params.n_heads
-    n_kv = params.n_kv_heads or params.n_heads
-    layers = sum(1 for f in specs if f.startswith("model.layers.") and f.endswith(".self_attn.q_proj.weight"))
-    want = {"model.embed_tokens.weight": (embed.shape[0], params.dim),
-            "model.layers.0.self_attn.q_proj.weight": (params.n_heads * head_dim, params.dim),
-            "model.layers.0.self_attn.k_proj.weight": (n_kv * head_dim, params.dim)}  # fmt: skip
-    bad = [f"{k} is {tuple(specs[k].shape)}, params.json gives {w}" for k, w in want.items() if k in specs and tuple(specs[k].shape) != w]
-    if layers != params.n_layers:
-        bad.append(f"{layers} layers converted, params.json gives n_layers={params.n_layers}")
-    if bad:
-        raise ConversionError(plan.report, f"params.json does not describe the tensors (a shard missing?): {'; '.join(bad)}")
 
 
 def _meta_llama_config(plan: ConversionPlan) -> bytes:

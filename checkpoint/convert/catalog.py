@@ -246,9 +246,12 @@ def hf_dims(cfg: HFTextConfig | None) -> dict[str, int]:
     out: dict[str, int] = {}
     for ours, theirs in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
                          ("dim", "hidden_size"), ("head_dim", "head_dim"), ("n_layers", "num_hidden_layers"),
-                         ("qk_rope_head_dim", "qk_rope_head_dim"), ("rope_interleave", "rope_interleave")):  # fmt: skip
+                         ("qk_rope_head_dim", "qk_rope_head_dim"), ("rope_interleave", "rope_interleave"),
+                         ("vocab_size", "vocab_size")):  # fmt: skip
         v = getattr(cfg, theirs)
-        if isinstance(v, int):
+        if isinstance(v, bool):
+            out[ours] = int(v)
+        elif isinstance(v, int):
             out[ours] = v
     if "n_heads" in out:
         out.setdefault("n_kv_heads", out["n_heads"])
@@ -264,15 +267,11 @@ def params_dims(params: MetaParams | None) -> dict[str, int]:
     if params is None:
         return {}
     out = {"n_heads": params.n_heads, "n_kv_heads": params.n_kv_heads or params.n_heads, "dim": params.dim,
-           "n_layers": params.n_layers, "head_dim": params.dim // params.n_heads}  # fmt: skip
-    return out
-
-
-def resolve_dims(*sources: Mapping[str, int] | None) -> dict[str, int]:
-    """Later mappings override earlier ones; every value an int."""
-    out: dict[str, int] = {}
-    for s in sources:
-        out.update({k: int(v) for k, v in (s or {}).items()})
+           "n_layers": params.n_layers}  # fmt: skip
+    if params.dim % params.n_heads == 0:  # else refused as a non-whole head by the tensor check
+        out["head_dim"] = params.dim // params.n_heads
+    if params.vocab_size is not None and params.vocab_size > 0:  # Llama 2 writes -1
+        out["vocab_size"] = params.vocab_size
     return out
 
 
@@ -315,5 +314,4 @@ def write_params_json(dims: Mapping[str, int], cfg: HFTextConfig | None) -> byte
     return json.dumps({k: v for k, v in out.items() if v is not None}, indent=2).encode()
 
 
-__all__ = ["Catalog", "MetaParams", "HFTextConfig", "open_catalog", "hf_config_of", "hf_dims", "model_dims", "params_dims",
-           "resolve_dims", "write_params_json", "meta_ffn_dim", "PARAMS_NAME", "HF_CONFIG_NAME"]
+__all__ = ["Catalog", "MetaParams", "HFTextConfig", "open_catalog", "hf_config_of", "hf_dims", "model_dims", "params_dims", "write_params_json", "meta_ffn_dim", "PARAMS_NAME", "HF_CONFIG_NAME"]

@@ -53,6 +53,23 @@ def _tensor(v: Value, op: Op) -> torch.Tensor:
     return v
 
 
+def _same_dtype(parts: list[torch.Tensor], op: Op) -> None:
+    """torch.cat / torch.stack promote mixed dtypes silently; a conversion must not."""
+    kinds = {p.dtype for p in parts}
+    if len(kinds) > 1:
+        raise OpError(f"{op.describe()}: parts have different dtypes {sorted(map(str, kinds))}")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes (``torch.equal`` calls NaN unequal to itself and -0.0 equal
+    to 0.0; a replicated tensor must be the same bits on every shard)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_meta or b.is_meta:
+        return True
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
 def _dim(dims: Mapping[str, int], name: str, op: Op) -> int:
     if name not in dims:
         raise OpError(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)")
@@ -85,6 +102,10 @@ class Stack(Op):
         for v in values:
             if not isinstance(v, list):
                 raise OpError(f"{self.describe()} takes a gathered pattern ({{*e}}), got one tensor")
+            _same_dtype(v, self)
+            shapes = {tuple(t.shape) for t in v}
+            if len(shapes) > 1:
+                raise OpError(f"{self.describe()}: parts have different shapes {sorted(shapes)}")
             out.append(torch.stack(v, self.dim))
         return out
 
@@ -116,6 +137,7 @@ class Concat(Op):
     def apply(self, values, dims):
         parts = values[0] if len(values) == 1 and isinstance(values[0], list) else values
         parts = [_tensor(v, self) for v in parts]
+        _same_dtype(parts, self)
         sizes = {p.shape[self.dim] for p in parts}
         if len(sizes) > 1:
             raise OpError(f"{self.describe()}: parts differ along dim {self.dim} ({sorted(sizes)}): not invertible")
@@ -282,9 +304,11 @@ class JoinShards(Op):
         out = []
         for v in values:
             shards = v if isinstance(v, list) else [v]
+            _same_dtype(shards, self)
             if self.dim is None:
-                if any(not torch.equal(shards[0], s) for s in shards[1:]):
-                    raise OpError(f"{self.describe()}: a replicated tensor differs between shards")
+                bad = [i for i, s in enumerate(shards[1:], 1) if not same_bits(shards[0], s)]
+                if bad:
+                    raise OpError(f"{self.describe()}: a replicated tensor differs between shards 0 and {bad} (compared bit for bit)")
                 out.append(shards[0])
             else:
                 out.append(torch.cat(shards, self.dim))
@@ -326,4 +350,4 @@ class SplitShards(Op):
         return JoinShards(self.dim, self.heads)
 
 
-__all__ = ["JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]
+__all__ = ["same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]

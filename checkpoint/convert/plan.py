@@ -119,6 +119,7 @@ class ConversionPlan:
         self.groups, self.unchanged, self.report = groups, unchanged, report
         self.out_shards = writes_shards(recipe, dims)
         self.model: Any = None  # the target model: given, or built from the source's config.json (api.open_conversion)
+        self.side: dict[str, bytes] | None = None  # side files, built and checked while planning (api.verify_plan)
         self._group_of: dict[str, int] = {}
         self.specs: list[TensorSpec] = []
         for gi, g in enumerate(groups):
@@ -231,6 +232,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     # Complete groups only; then shapes from the ops run on meta tensors.
     owner: dict[str, str] = {tgt: src for tgt, src in unchanged.items()}
     meta_results: dict[tuple, list[Value]] = {}
+    meta_of: dict[int, list[Value]] = {}
     ok_groups: list[Group] = []
     for g in groups.values():
         bad = None
@@ -252,6 +254,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             if values is None:
                 values = meta_results[sig] = _meta_apply(g, catalog, shards, dims, out_shards)
             outs = _outputs(g, values, out_shards)
+            meta_of[id(g)] = values
         except (OpError, RuntimeError, ValueError) as e:
             problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
             continue
@@ -264,6 +267,11 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             g.targets.append(tgt)
             g.specs.append(TensorSpec(tgt, tuple(t.shape), t.dtype))
         ok_groups.append(g)
+    problems.extend(_count_problems(ok_groups, meta_of, catalog))
+    report.checks.append("every gathered stack / expert list and every rule with count_of agree per layer on the count (counts, shapes, dtypes of stacked parts checked by the ops on meta tensors)")
+    if shards > 1:
+        problems.extend(_replicated_problems(ok_groups, catalog))
+        report.checks.append(f"replicated tensors equal bit for bit across the {shards} source shards; split tensors agree in dtype and in every dim but the split one")
     if not ok_groups and not problems and all(t == s for t, s in unchanged.items()):
         problems.append(Problem(kind="no-op", keys=[], message=(
             f"no rule of {recipe.name!r} matches a key of the source: nothing would change (already in "
@@ -281,6 +289,63 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     if problems:
         raise ConversionError(report)
     return plan
+
+
+def _count_problems(groups: list[Group], meta_of: dict[int, list[Value]], catalog: Catalog) -> list[Problem]:
+    """Stacks of one layer must agree on their count: every gathered pattern ``{*e}`` (source keys
+    or target list) and every rule's ``count_of`` dim (a router's rows), keyed by the layer's
+    placeholder values. A stack one expert short otherwise converts into a checkpoint one tensor
+    short (w1 of 3 experts beside w3 / w2 of 4)."""
+    seen: dict[tuple, list[tuple[str, int]]] = {}
+
+    def note(g: Group, name: str, what: str, n: int) -> None:
+        seen.setdefault((tuple(sorted(g.values.items())), name), []).append((what, n))
+
+    for g in groups:
+        for pat, m in zip(g.rule.source_patterns, g.members):
+            if pat.gathered is not None:
+                note(g, pat.gathered, f"{pat.text} {dict(g.values)}", len(m))
+        values = meta_of.get(id(g), [])
+        for pat, v in zip(g.rule.target_patterns, values):
+            if pat.gathered is not None and isinstance(v, list):
+                note(g, pat.gathered, f"{g.source_keys()[0]} (as {pat.text})", len(v))
+        if g.rule.count_of is not None:
+            name, dim = g.rule.count_of
+            key = g.source_keys()[0]
+            shape = catalog.specs(key)[0].shape
+            if len(shape) > dim:
+                note(g, name, f"{key} (dim {dim})", int(shape[dim]))
+    out = []
+    for (_, name), obs in seen.items():
+        if len({n for _, n in obs}) > 1:
+            out.append(Problem(kind="inconsistent", keys=[w for w, _ in obs],
+                               message=f"stacks of one layer disagree on the {{*{name}}} count: " + ", ".join(f"{w} has {n}" for w, n in obs)))  # fmt: skip
+    return out
+
+
+def _replicated_problems(groups: list[Group], catalog: Catalog) -> list[Problem]:
+    """Replicated tensors (norms) read from every shard and compared bit for bit; shapes first
+    (the meta pass keeps shard 0's only). Small tensors: read while planning, so a differing
+    shard stops the conversion before anything is written."""
+    from .ops import same_bits
+
+    out = []
+    for g in groups:
+        if g.rule.shard_dim is not None:
+            continue
+        for pat, m in zip(g.rule.source_patterns, g.members):
+            if pat.gathered is not None:
+                continue
+            key = m[None]
+            specs = catalog.specs(key)
+            if len({(tuple(s.shape), s.dtype) for s in specs}) > 1:
+                out.append(Problem(kind="inconsistent", keys=[key], message=f"replicated {key!r} has shapes / dtypes {[(list(s.shape), str(s.dtype)) for s in specs]} across shards"))
+                continue
+            first = catalog.get(key, 0)
+            bad = [i for i in range(1, catalog.shards) if not same_bits(first, catalog.get(key, i))]
+            if bad:
+                out.append(Problem(kind="inconsistent", keys=[key], message=f"replicated {key!r} differs bit for bit between shard 0 and shard(s) {bad}"))
+    return out
 
 
 def _check_model(model, groups: list[Group], unchanged: dict[str, str], catalog: Catalog, problems: list[Problem]) -> None:

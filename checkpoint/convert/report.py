@@ -38,7 +38,8 @@ class Problem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["unmatched", "ambiguous", "incomplete", "shape", "collision", "missing", "unexpected", "op", "no-op"]
+    kind: Literal["unmatched", "ambiguous", "incomplete", "shape", "collision", "missing", "unexpected", "op", "no-op",
+                  "dims", "inconsistent", "side-file", "inverse"]
     keys: list[str]
     message: str
 
@@ -63,6 +64,11 @@ class ConversionReport(BaseModel):
     dropped: list[str] = Field(default_factory=list)
     problems: list[Problem] = Field(default_factory=list)
     total_bytes: int = 0
+    # Where each dimension came from ({source: {dim: value}}; all agree, else refused), the
+    # layout version read and written, and every check made before writing (one line each).
+    dim_sources: dict[str, dict[str, int]] = Field(default_factory=dict)
+    layouts: dict[str, str] = Field(default_factory=dict)
+    checks: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -103,6 +103,10 @@ class Rule:
     but DeepSeek-V3's ``q_a_layernorm`` when ``attention.wq_a`` is there). The inverse has none:
     its sources are the other layout's distinct names (a key matching two rules is still refused).
 
+    ``count_of=("e", 0)``: the size along dim 0 of the rule's (single) source is the count of the
+    gathered placeholder ``{*e}`` of the same layer (a router's rows are its expert count): the
+    plan checks it against every stack of that layer.
+
     Raises:
         ValueError: the ops do not turn ``len(sources)`` values into ``len(targets)``, or the
             target patterns use a placeholder the sources do not bind.
@@ -115,6 +119,7 @@ class Rule:
     shard_heads: str | None = None
     when_present: str | None = None
     when_absent: str | None = None
+    count_of: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         for k in ("sources", "targets"):
@@ -176,7 +181,8 @@ class Rule:
             return _PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}{m.group(2)}}}", text)
 
         new_sources = tuple(with_regex(t) for t in self.targets)
-        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim, self.shard_heads)
+        return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim, self.shard_heads,
+                    count_of=self.count_of)
 
     def describe(self) -> str:
         ops = ", ".join(op.describe() for op in self.ops)
