@@ -107,13 +107,14 @@ PARAMS = {"dim": H, "n_layers": L, "n_heads": NH, "n_kv_heads": NKV, "vocab_size
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
-    sd = meta_state_dict()
+    vocab = V + V % shards  # Meta's parallel layers split evenly (uneven shards: refused below)
+    sd = meta_state_dict(vocab=vocab)
     src = tmp_path / "meta"
     src.mkdir()
     for i, part in enumerate(meta_shards(sd, shards)):
         torch.save(part | {"rope.freqs": torch.zeros(4)}, src / f"consolidated.{i:02d}.pth")
-    (src / "params.json").write_text(json.dumps(PARAMS))
-    target = transformers.LlamaForCausalLM(llama_config())
+    (src / "params.json").write_text(json.dumps(PARAMS | {"vocab_size": vocab}))
+    target = transformers.LlamaForCausalLM(llama_config(vocab))
     rep = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=target)
     assert isinstance(rep, ConversionReport) and rep.written and rep.shards == shards
     assert rep.dropped == ["rope.freqs"] and rep.dims["n_heads"] == NH and rep.dims["n_kv_heads"] == NKV
@@ -970,3 +971,52 @@ def test_replicated_shards_compared_by_bits_before_writing(tmp_path, how):
     with pytest.raises(ConversionError, match="'norm.weight' differs bit for bit between shard 0 and shard"):
         checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", dry_run=True)
     assert not (tmp_path / "hf").exists()
+
+
+def test_uneven_meta_shards_refused_by_name(tmp_path):
+    """Shards of 31 and 30 output rows are not an even model-parallel split: SplitShards could not
+    give them back, so the conversion is refused (not joined into a checkpoint that cannot return)."""
+    src = tmp_path / "meta"
+    src.mkdir()
+    for i, part in enumerate(meta_shards(meta_state_dict(), 2)):
+        torch.save(part, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(PARAMS))
+    with pytest.raises(ConversionError, match=r"output.weight.*shards differ along dim 0 \(\[31, 30\]\)"):
+        checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_conversion_whose_inverse_does_not_give_back_the_source_is_refused(tmp_path):
+    """A recipe with a lossy op (flattens; its 'inverse' leaves the tensor flat): the inverse
+    planned over the planned output gives other shapes than the source, so nothing is written."""
+    from dataclasses import dataclass
+
+    import safetensors.torch
+
+    from checkpoint.convert import Op, Recipe, Rule
+
+    @dataclass(frozen=True)
+    class Flatten(Op):
+        def apply(self, values, dims):
+            return [v.reshape(-1) for v in values]
+
+        def inverse(self):
+            return Keep()
+
+    @dataclass(frozen=True)
+    class Keep(Op):
+        def apply(self, values, dims):
+            return values
+
+        def inverse(self):
+            return Flatten()
+
+    safetensors.torch.save_file({"a.weight": torch.ones(2, 3)}, tmp_path / "x.safetensors")
+    lossy = Recipe("flatten", "unflatten", (Rule("a.weight", "b.weight", (Flatten(),)),))
+    with pytest.raises(ConversionError, match=r"inverse: a.weight: source \(\(2, 3\), 'torch.float32'\), inverse gives \(\(6,\)") as e:
+        checkpoint.migrate(tmp_path / "x.safetensors", tmp_path / "out", recipe=lossy)
+    assert [p.kind for p in e.value.report.problems] == ["inverse"]
+    assert not (tmp_path / "out").exists()
+    ok = Recipe("rename", "unrename", (Rule("a.weight", "b.weight"),))
+    rep = checkpoint.migrate(tmp_path / "x.safetensors", tmp_path / "out", recipe=ok)
+    assert any(c.startswith("the inverse recipe unrename applied to the planned output gives back") for c in rep.checks)

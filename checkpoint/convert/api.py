@@ -16,7 +16,7 @@ from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files, llama_config_from_meta, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
-from .verify import dims_problems, side_file_problems
+from .verify import dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
@@ -123,7 +123,7 @@ def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]
     Raises:
         ConversionError: naming each disagreement (source and value); nothing written."""
     plan.report.dim_sources = {k: dict(v) for k, v in by_source.items()}
-    problems = dims_problems(plan, by_source)
+    problems = dims_problems(plan, by_source) or inverse_problems(plan)
     if not problems:
         plan.side = _build_side_files(plan, plan.model)
         problems = side_file_problems(plan.side, plan)

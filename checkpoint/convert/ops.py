@@ -311,6 +311,9 @@ class JoinShards(Op):
                     raise OpError(f"{self.describe()}: a replicated tensor differs between shards 0 and {bad} (compared bit for bit)")
                 out.append(shards[0])
             else:
+                sizes = [s.shape[self.dim] if s.dim() > self.dim else None for s in shards]
+                if len(set(sizes)) > 1:  # Meta's parallel layers split evenly; SplitShards could not give these back
+                    raise OpError(f"{self.describe()}: shards differ along dim {self.dim} ({sizes}): not an even model-parallel split")
                 out.append(torch.cat(shards, self.dim))
         return out
 

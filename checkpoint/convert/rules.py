@@ -226,12 +226,16 @@ class Recipe:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def inverse(self) -> Recipe:
-        """The other direction: every rule inverted, ``pre`` / ``post`` swapped and inverted."""
+        """The other direction: every rule inverted, ``pre`` / ``post`` swapped and inverted. The
+        inverse of an inverse is the recipe itself (rules keep their ``when_present`` /
+        ``when_absent``, which an inverted rule drops)."""
+        if "inverse_of" in self.meta:
+            return self.meta["inverse_of"]
         return Recipe(
             name=self.inverse_name, inverse_name=self.name, rules=tuple(r.inverse() for r in self.rules),
             passthrough=self.passthrough, drop=(), pre=tuple(r.inverse() for r in reversed(self.post)),
             post=tuple(r.inverse() for r in reversed(self.pre)), writes=self.reads, reads=self.writes,
-            summary=self.summary, meta=self.meta,
+            summary=self.summary, meta={k: v for k, v in self.meta.items() if k != "inverse_of"} | {"inverse_of": self},
         )  # fmt: skip
 
 

@@ -135,6 +135,76 @@ def check_generation_config(data: bytes) -> list[str]:
     return []
 
 
+class PlannedCatalog:
+    """A plan's targets seen as a source: their specs as meta tensors, no byte read or written
+    (what :func:`inverse_problems` plans the inverse recipe over). Meta targets of several
+    model-parallel shards are seen as that many shards again."""
+
+    format = "planned"
+    params = None
+    hf_config = None
+
+    def __init__(self, plan):
+        from ..sources.base import SourceSpec
+        from .meta_files import split_shard_target
+
+        n = plan.out_shards
+        self.shards = n
+        self.path = "(the planned output)"
+        self._specs: dict[str, list] = {}
+        for s in plan.specs:
+            shard, key = split_shard_target(s.fqn) if n > 1 else (0, s.fqn)
+            self._specs.setdefault(key, [None] * n)[shard] = SourceSpec(key, tuple(s.shape), s.dtype)
+
+    def keys(self) -> list[str]:
+        return list(self._specs)
+
+    def specs(self, key: str) -> list:
+        return self._specs[key]
+
+    def get(self, key: str, shard: int = 0):
+        import torch
+
+        s = self._specs[key][shard]
+        return torch.empty(s.shape, dtype=s.dtype, device="meta")
+
+    def nbytes(self, key: str) -> int:
+        return sum(s.nbytes for s in self._specs[key])
+
+    def close(self) -> None:
+        pass
+
+
+def inverse_problems(plan) -> list[Problem]:
+    """The inverse recipe planned over the planned output (names, shapes, dtypes, the same dims)
+    must give back exactly the source's keys (less those the recipe drops as not weights), each
+    with its shape and dtype, shard by shard."""
+    from .meta_files import shard_target
+    from .plan import plan_conversion
+    from .report import ConversionError
+
+    inv = plan.recipe.inverse()
+    try:
+        back = plan_conversion(PlannedCatalog(plan), inv, plan.dims, source="(the planned output)")
+    except (ConversionError, ValueError) as e:
+        why = e.report.summary() if isinstance(e, ConversionError) else str(e)
+        return [Problem(kind="inverse", keys=[], message=f"{inv.name} does not apply to the planned output: {why}")]
+    cat = plan.catalog
+    dropped = set(plan.report.dropped)
+    want: dict[str, tuple] = {}
+    for k in cat.keys():
+        if k in dropped:
+            continue
+        for i, s in enumerate(cat.specs(k)):
+            want[shard_target(i, k) if cat.shards > 1 else k] = (tuple(s.shape), str(s.dtype))
+    got = {s.fqn: (tuple(s.shape), str(s.dtype)) for s in back.specs}
+    bad = [f"{k}: source {want[k]}, inverse gives {got.get(k, 'nothing')}" for k in sorted(want) if got.get(k) != want[k]]
+    bad += [f"{k}: inverse gives {got[k]}, not in the source" for k in sorted(set(got) - set(want))]
+    plan.report.checks.append(f"the inverse recipe {inv.name} applied to the planned output gives back the source's "
+                              f"{len(want)} tensors (names, shapes, dtypes)")  # fmt: skip
+    return [Problem(kind="inverse", keys=[], message=m) for m in bad[:10]]
+
+
 _READERS = {PARAMS_NAME: check_params_json, HF_CONFIG_NAME: check_hf_config}
 
 
@@ -153,4 +223,4 @@ def side_file_problems(files: Mapping[str, bytes], plan) -> list[Problem]:
     return out
 
 
-__all__ = ["dims_problems", "side_file_problems", "hf_side_shapes", "GENERATION_CONFIG_NAME"]
+__all__ = ["inverse_problems", "PlannedCatalog", "dims_problems", "side_file_problems", "hf_side_shapes", "GENERATION_CONFIG_NAME"]
