@@ -30,6 +30,7 @@ so ``write_data`` hands the whole save to :func:`checkpoint.storage.remote_save.
 
 from __future__ import annotations
 
+import atexit
 import io
 import math
 import os
@@ -99,6 +100,13 @@ class ExtraValue:
 # it first, so a retry in this process does not wait on its own lock.
 _PENDING: dict[str, StagedCheckpoint] = {}
 _PENDING_LOCK = threading.Lock()
+
+
+@atexit.register
+def _abort_all() -> None:
+    """Saves a rank failed (DCP never called finish): their staging directories and locks."""
+    for path in list(_PENDING):
+        _abort(path)
 
 
 def _abort(path: str | None) -> None:
@@ -220,10 +228,14 @@ class StorageWriter(dcp_storage.StorageWriter):
         """Write this rank's items into the final files (see module docstring); the future is
         already complete (a failure raises here, which DCP hands to every rank)."""
         data = plan.storage_data
-        if isinstance(data, _RemotePlan):
-            results = self._write_remote(plan, data, planner)
-        else:
-            results = self._write_local(plan, data, planner)
+        try:
+            if isinstance(data, _RemotePlan):
+                results = self._write_remote(plan, data, planner)
+            else:
+                results = self._write_local(plan, data, planner)
+        except BaseException:
+            self._abandon()  # the coordinator's own failure: DCP will not call finish()
+            raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -450,12 +462,12 @@ def _extra_result(item: WriteItem, planner: SavePlanner) -> WriteResult:
     """A non-tensor value as an extra-state entry. DCP hands it over pickled (``torch.save``);
     unpickled only with ``weights_only=True`` (torch's safe unpickler)."""
     fqn = item.index.fqn
-    buf = planner.resolve_data(item)
-    raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
     try:
+        buf = planner.resolve_data(item)
+        raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
         value = torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001 - named, typed below
-        raise TypeError(f"{fqn!r}: a non-tensor value weights_only unpickling refuses ({e}); "
+        raise TypeError(f"{fqn!r}: a non-tensor value that DCP cannot pickle or weights_only unpickling refuses ({e}); "
                         "extra state holds numbers, str, tensors, lists and dicts") from e  # fmt: skip
     snapshot_extra_state({fqn: value})  # refused here, on the rank holding it, naming the key
     return WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=ExtraValue(value))

@@ -1,0 +1,494 @@
+"""checkpoint.dcp: DCP's StorageWriter / StorageReader interfaces over fqnckpt.
+
+The cases of torch's own ``test/distributed/checkpoint/test_hf_storage.py`` (write_data with
+``fqn_to_index_mapping``, read_data / read_metadata of a hand-written safetensors file, the index
+``finish`` writes) and ``test_hf_safetensor_e2e.py`` (single-rank save / load / load into an
+empty dict; 1-D and 2-D placement changes; 1-D <-> 2-D mesh changes; empty shards), rewritten
+with our classes, plus: every placement (``_StridedShard`` included) and int / bool / fp8 /
+complex values, non-tensor values as extra state, torchtitan's HF export sequence read by
+``from_pretrained``, ``async_save`` (thread and process), torch's ``HuggingFaceStorageWriter``
+output read by our reader, object storage. One spawn per world size (1, 2, 4 ranks) runs every
+multi-rank case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+import checkpoint
+from checkpoint.dcp import SavePlanner, StorageReader, StorageWriter
+from checkpoint.ranks.launch import run_ranks
+from checkpoint.storage.layout import DTYPE_TO_ST
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (compared bit for bit: float8 has no ==, nan != nan)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# -- torch's test_hf_storage.py, with our classes ----------------------------------------------------
+
+
+def test_write_data_honours_fqn_to_index_mapping(tmp_path):
+    t0, t1 = torch.rand(4), torch.rand(10)
+    path = str(tmp_path / "ck")
+    dcp.save({"tensor_0": t0, "tensor_1": t1},
+             storage_writer=StorageWriter(path, fqn_to_index_mapping={"tensor_0": 1, "tensor_1": 2}))  # fmt: skip
+    assert sorted(load_file(f"{path}/model-00001-of-00002.safetensors")) == ["tensor_0"]
+    assert torch.equal(load_file(f"{path}/model-00002-of-00002.safetensors")["tensor_1"], t1)
+    idx = json.loads(open(f"{path}/model.safetensors.index.json").read())
+    assert idx["weight_map"] == {"tensor_0": "model-00001-of-00002.safetensors", "tensor_1": "model-00002-of-00002.safetensors"}
+    assert idx["metadata"]["total_size"] == 14 * 4
+    assert checkpoint.verify(path).ok
+    # A key the mapping does not name is refused, nothing written (torch's writer: KeyError).
+    with pytest.raises(BaseException, match="no file index for \\['tensor_1'\\]"):
+        dcp.save({"tensor_0": t0, "tensor_1": t1},
+                 storage_writer=StorageWriter(str(tmp_path / "bad"), fqn_to_index_mapping={"tensor_0": 1}))  # fmt: skip
+    assert not (tmp_path / "bad").exists()
+
+
+def _hand_written(path, name: str, t: torch.Tensor, shape) -> int:
+    """A safetensors file written byte by byte as torch's test writes it (no __metadata__)."""
+    head = json.dumps({"tensor_0": {"dtype": "F32", "shape": list(shape), "data_offsets": [0, t.nbytes]}}).encode()
+    with open(os.path.join(path, name), "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + t.numpy().tobytes())
+    return len(head) + 8
+
+
+def test_read_data_and_metadata_of_a_hand_written_file(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    t = torch.rand(5, 10)
+    _hand_written(tmp_path, "test.safetensors", t, (5, 10))
+    md = StorageReader(str(tmp_path)).read_metadata()
+    assert md.state_dict_metadata == {
+        "tensor_0": TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size([5, 10]),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([5, 10]))],
+        )
+    }  # fmt: skip
+    (chunk,) = md.storage_data.values()
+    assert (chunk.key, chunk.offsets, chunk.shape) == ("tensor_0", (0, 0), (5, 10))
+    target = {"tensor_0": torch.zeros(5, 10)}
+    dcp.load(target, storage_reader=StorageReader(str(tmp_path)))
+    assert torch.equal(target["tensor_0"], t)
+
+
+def test_finish_writes_an_fqnckpt_index(tmp_path):
+    sd = {"tensor_0": torch.rand(25), "tensor_1": torch.rand(25)}
+    path = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=StorageWriter(path, max_shard_size=100))
+    idx = json.loads(open(f"{path}/model.safetensors.index.json").read())
+    assert idx["metadata"]["total_size"] == 200
+    assert idx["weight_map"] == {"tensor_0": "model-00001-of-00002.safetensors", "tensor_1": "model-00002-of-00002.safetensors"}
+    files = idx["metadata"]["fqnckpt"]["files"]
+    assert sorted(files) == sorted(set(idx["weight_map"].values()))
+    assert checkpoint.verify(path).ok
+
+
+# -- torch's test_hf_safetensor_e2e.py, single rank ----------------------------------------------------
+
+
+class MyTestModule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_1 = torch.nn.Linear(5, 5)
+        self.linear_2 = torch.nn.Linear(5, 1)
+        self.emb = torch.nn.EmbeddingBag(5, 10)
+
+
+def test_single_rank_save_reads_with_safetensors_and_fqnckpt(tmp_path):
+    sd = MyTestModule().state_dict()
+    path = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=StorageWriter(path))
+    loaded = load_file(f"{path}/model-00001-of-00001.safetensors")
+    assert sorted(loaded) == sorted(sd) and all(torch.equal(loaded[k], v) for k, v in sd.items())
+    target = MyTestModule()
+    assert checkpoint.load(target, path).loaded_keys == sorted(sd)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_single_rank_load_and_load_into_empty_dict(tmp_path):
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    sd = MyTestModule().state_dict()
+    save_file(sd, str(tmp_path / "model-00001-of-00001.safetensors"))
+    target = MyTestModule().state_dict()
+    dcp.load(target, storage_reader=StorageReader(str(tmp_path)))
+    assert all(torch.equal(target[k], v) for k, v in sd.items())
+    empty = _load_state_dict_from_keys(storage_reader=StorageReader(str(tmp_path)))
+    assert sorted(empty) == sorted(sd) and all(torch.equal(empty[k], v) for k, v in sd.items())
+
+
+def test_values_of_every_kind_and_non_tensor_state(tmp_path):
+    """int / bool / fp8 / complex tensors (torch's consolidation crashes on int and bool), a 0-d
+    and an empty tensor, nested non-tensor values: kept as fqnckpt extra state, back from DCP,
+    from ``checkpoint.load(extra_state=)`` and into an empty dict, nested as saved."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "i64": torch.randint(-(2**40), 2**40, (3, 4), generator=g), "i8": torch.randint(-100, 100, (7,), dtype=torch.int8, generator=g),
+        "u8": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g), "flag": torch.rand(6, generator=g) > 0.5,
+        "fp8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn), "fp8b": torch.randn(3, generator=g).to(torch.float8_e5m2),
+        "c64": torch.randn(3, 2, dtype=torch.complex64, generator=g), "bf16": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "zero_d": torch.tensor(7.5), "empty": torch.zeros(0, 3),
+        "step": 12, "train": {"tokens": 2**40, "lr": 3e-4, "name": "run-1", "hist": [1.5, float("inf")], "none": None},
+    }  # fmt: skip
+    path = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=StorageWriter(path))
+    assert checkpoint.verify(path).ok
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    with checkpoint.open_checkpoint(path) as rd:
+        assert rd.keys() == sorted(tensors)
+        for k, v in tensors.items():
+            got = rd.get(k)
+            assert got.dtype == v.dtype and torch.equal(_bits(got), _bits(v)), k
+    extra = {"step": 0, "train": {}}
+    checkpoint.load({k: torch.empty_like(v) for k, v in tensors.items()}, path, extra_state=extra)
+    assert extra == {"step": 12, "train": sd["train"]}
+    target = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+    target["train"] = {k: None for k in sd["train"]}
+    dcp.load(target, storage_reader=StorageReader(path))
+    assert target["step"] == 12 and target["train"] == sd["train"]
+    assert all(torch.equal(_bits(target[k]), _bits(v)) for k, v in tensors.items())
+    empty = _load_state_dict_from_keys(storage_reader=StorageReader(path))
+    assert empty["train"] == sd["train"] and empty["step"] == 12 and torch.equal(empty["i64"], sd["i64"])
+
+
+class Opaque:
+    """A value extra state cannot hold (weights_only unpickling refuses it)."""
+
+
+def test_refusals_name_the_key_and_write_nothing(tmp_path):
+    for bad, key in (({"w": torch.zeros(2), "obj": Opaque()}, "obj"), ({"w": torch.zeros(2, dtype=torch.complex128)}, "w")):
+        path = tmp_path / f"ck-{key}"
+        with pytest.raises(BaseException, match=repr(key)):
+            dcp.save(bad, storage_writer=StorageWriter(str(path)))
+        assert not path.exists() and os.listdir(tmp_path) == sorted(os.listdir(tmp_path))
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []  # nothing half-written left
+
+
+def test_overwrite_keeps_foreign_files_and_refusal_keeps_checkpoint(tmp_path):
+    path = str(tmp_path / "ck")
+    dcp.save({"a": torch.ones(3)}, storage_writer=StorageWriter(path))
+    (tmp_path / "ck" / "config.json").write_text("{}")
+    dcp.save({"a": torch.full((3,), 2.0)}, storage_writer=StorageWriter(path))  # DCP's default: overwrite
+    assert (tmp_path / "ck" / "config.json").read_text() == "{}"
+    with pytest.raises(BaseException, match="CheckpointExistsError|exists"):
+        dcp.save({"a": torch.zeros(3)}, storage_writer=StorageWriter(path, overwrite=False))
+    assert torch.equal(load_file(f"{path}/model-00001-of-00001.safetensors")["a"], torch.full((3,), 2.0))
+
+
+def test_reader_index_is_authoritative_and_hub_cache_and_duplicates(tmp_path):
+    from tests.test_symlink_rule import _to_hub_cache
+
+    path = tmp_path / "ck"
+    dcp.save({"a": torch.ones(3), "b": torch.zeros(2)}, storage_writer=StorageWriter(str(path)))
+    save_file({"a": torch.full((3,), 9.0)}, str(path / "model-old.safetensors"))  # a stray older file
+    target = {"a": torch.zeros(3), "b": torch.ones(2)}
+    with pytest.warns(checkpoint.StrayFileWarning):
+        dcp.load(target, storage_reader=StorageReader(str(path)))
+    assert torch.equal(target["a"], torch.ones(3)) and torch.equal(target["b"], torch.zeros(2))
+    os.remove(path / "model-old.safetensors")
+    snap = _to_hub_cache(path, tmp_path / "hub")
+    target = {"a": torch.zeros(3), "b": torch.ones(2)}
+    dcp.load(target, storage_reader=StorageReader(str(snap)))
+    assert torch.equal(target["a"], torch.ones(3))
+    # Without an index, a tensor in two files is refused (torch's reader merges them silently).
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    save_file({"a": torch.ones(3)}, str(loose / "x.safetensors"))
+    save_file({"a": torch.zeros(3)}, str(loose / "y.safetensors"))
+    with pytest.raises(BaseException, match="DuplicateTensorError|'a'"):
+        dcp.load({"a": torch.zeros(3)}, storage_reader=StorageReader(str(loose)))
+
+
+def test_transformers_from_pretrained_and_cli_read_it(tmp_path, capsys):
+    from transformers import LlamaForCausalLM
+
+    from checkpoint.cli.main import main as cli
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    model = tiny_llama(3, tie=False)
+    path = str(tmp_path / "hf")
+    dcp.save(model.state_dict(), storage_writer=StorageWriter(path, max_shard_size=20_000))
+    model.config.save_pretrained(path)
+    back = LlamaForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(back(TOKENS).logits, model(TOKENS).logits)
+    for argv in (["verify", path], ["inspect", path]):
+        assert cli(argv) == 0, capsys.readouterr()
+
+
+# -- multi-rank: one spawn per world size ------------------------------------------------------------
+
+ONE_D = [("S0", "R"), ("R", "S0"), ("S0", "S1"), ("SS0/2", "S0"), ("S1", "SS0/2")]
+TWO_D_PLACEMENTS = [("R", "R"), ("R", "S0"), ("S0", "R"), ("S0", "S0")]
+TWO_D = [(a, b) for a in TWO_D_PLACEMENTS for b in TWO_D_PLACEMENTS if a != b]
+
+
+def _pl(code):
+    from tests.test_checkpoint_dist import _pl as pl
+
+    return pl(code)
+
+
+def _dist(t, mesh, code):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, mesh, _pl(code), src_data_rank=None)  # every rank holds t
+
+
+def _full(v):
+    return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+
+def _meshes(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2) if world > 1 else (1, 1))
+
+
+def _placement_and_mesh_changes(root, world, mesh1, mesh2) -> dict[str, bool]:
+    """torch's TestDTensorReshardPlacementChange / TestDTensorReshardMeshChange / empty shard."""
+    from torch.distributed.tensor import zeros
+
+    out = {}
+    g = torch.arange(16, dtype=torch.float).view(4, 4)
+    p1, p2 = f"{root}/one_d", f"{root}/two_d"
+    sd1 = {f"t{i}": _dist(g + i, mesh1, a) for i, (a, _) in enumerate(ONE_D)}
+    dcp.save(sd1, storage_writer=StorageWriter(p1), planner=SavePlanner())
+    sd2 = {f"t{i}": _dist(g + i, mesh2, a) for i, (a, _) in enumerate(TWO_D)}
+    dcp.save(sd2, storage_writer=StorageWriter(p2), planner=SavePlanner())
+    for name, path, pairs, mesh in (("1d", p1, ONE_D, mesh1), ("2d", p2, TWO_D, mesh2)):
+        tgt = {f"t{i}": zeros([4, 4], device_mesh=mesh, placements=_pl(b)) for i, (_, b) in enumerate(pairs)}
+        dcp.load(tgt, storage_reader=StorageReader(path))
+        for i, (a, b) in enumerate(pairs):
+            want = _dist(g + i, mesh, b)
+            out[f"{name}:{a}->{b}"] = torch.equal(tgt[f"t{i}"].full_tensor(), g + i) and torch.equal(
+                tgt[f"t{i}"].to_local(), want.to_local()
+            )
+    # Mesh changes: the 1-D save into 2-D placements and the 2-D save into 1-D placements.
+    for name, path, pairs, mesh, codes in (
+        ("1d->2d", p1, ONE_D, mesh2, TWO_D_PLACEMENTS), ("2d->1d", p2, TWO_D, mesh1, ["S0", "R", "S1", "SS0/2"])
+    ):  # fmt: skip
+        for code in codes:
+            tgt = {f"t{i}": zeros([4, 4], device_mesh=mesh, placements=_pl(code)) for i in range(len(pairs))}
+            dcp.load(tgt, storage_reader=StorageReader(path))
+            out[f"{name}:{code}"] = all(torch.equal(v.full_tensor(), g + i) for i, v in enumerate(tgt.values()))
+    # Empty shards: one element over every rank, loaded into a 2-D Shard(0), Shard(0).
+    torch.manual_seed(0)
+    one = torch.rand(1)
+    dcp.save({"dtensor": _dist(one, mesh1, "S0")}, storage_writer=StorageWriter(f"{root}/empty"))
+    tgt = {"dtensor": _dist(torch.zeros(1), mesh2, ("S0", "S0"))}
+    dcp.load(tgt, storage_reader=StorageReader(f"{root}/empty"))
+    out["empty-shards"] = torch.equal(tgt["dtensor"].full_tensor(), one)
+    return out
+
+
+def _every_placement(root, world, mesh1, mesh2) -> tuple[dict[str, bool], int]:
+    """fqnckpt's placement set (uneven, _StridedShard, 3-D, int / bool / bf16) plus fp8 and
+    complex DTensors and non-tensor values; bytes this rank wrote."""
+    from checkpoint.storage.writer import stats
+    from tests.test_checkpoint_dist import LOAD_1D, LOAD_2D, PLACEMENTS_1D, PLACEMENTS_2D, _dtensors
+
+    mesh, save_pl, load_pl = (mesh2, PLACEMENTS_2D, LOAD_2D) if world == 4 else (mesh1, PLACEMENTS_1D, LOAD_1D)
+    sd = _dtensors(mesh, save_pl)
+    extra_ref = _extra_tensors()
+    sd.update({k: _dist(v, mesh1, "S0") for k, v in extra_ref.items()})
+    sd["train_state"] = {"step": 7, "tokens": [1, 2, 3]}
+    stats.reset()
+    dcp.save(sd, storage_writer=StorageWriter(f"{root}/every", max_shard_size=200), planner=SavePlanner())
+    written = stats.bytes_written
+    tgt = _dtensors(mesh, load_pl, zero=True)  # default load planner, _StridedShard targets included
+    tgt.update({k: _dist(torch.zeros_like(v), mesh1, "R") for k, v in extra_ref.items()})
+    tgt["train_state"] = {"step": 0, "tokens": []}
+    dcp.load(tgt, storage_reader=StorageReader(f"{root}/every"))
+    from tests.test_checkpoint_dist import reference_tensors
+
+    ref = reference_tensors() | extra_ref
+    out = {f"every:{k}": torch.equal(_bits(_full(tgt[k])), _bits(v)) for k, v in ref.items()}
+    out["every:train_state"] = tgt["train_state"] == {"step": 7, "tokens": [1, 2, 3]}
+    return out, written
+
+
+def _extra_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "fp8": torch.randn(8, 4, generator=g).to(torch.float8_e4m3fn),
+        "c64": torch.randn(8, 3, dtype=torch.complex64, generator=g),
+        "i32": torch.randint(-5, 5, (8,), dtype=torch.int32, generator=g),
+    }
+
+
+def _async(root, world, mesh1) -> dict[str, bool]:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    g = torch.arange(24.0).view(6, 4)
+    out = {}
+    kinds = [AsyncCheckpointerType.THREAD] + ([AsyncCheckpointerType.PROCESS] if world == 2 else [])
+    for kind in kinds:
+        path = f"{root}/async-{kind.value}"
+        sd = {"w": _dist(g, mesh1, "S0"), "b": torch.ones(3), "step": 5}
+        fut = dcp.async_save(sd, storage_writer=StorageWriter(path), async_checkpointer_type=kind)
+        sd["w"].to_local().add_(100.0)  # after the call: the save holds its own copy
+        fut.result()
+        tgt = {"w": _dist(torch.zeros(6, 4), mesh1, "R"), "b": torch.zeros(3), "step": 0}
+        dcp.load(tgt, storage_reader=StorageReader(path))
+        out[f"async:{kind.value}"] = torch.equal(tgt["w"].full_tensor(), g) and tgt["step"] == 5
+    return out
+
+
+def titan_names(hf_sd: dict) -> dict:
+    """HF Llama names -> torchtitan's (``torchtitan/models/llama3/model/state_dict_adapter.py``
+    ``from_hf_map``; the RoPE permutation of wq / wk is left out, it is a value change only)."""
+    import re
+
+    rules = [
+        (r"^model\.embed_tokens\.weight$", "tok_embeddings.weight"), (r"^model\.norm\.weight$", "norm.weight"),
+        (r"^lm_head\.weight$", "output.weight"),
+        (r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight$", r"layers.\1.attention.w\2.weight"),
+        (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.weight$", r"layers.\1.feed_forward.w1.weight"),
+        (r"^model\.layers\.(\d+)\.mlp\.down_proj\.weight$", r"layers.\1.feed_forward.w2.weight"),
+        (r"^model\.layers\.(\d+)\.mlp\.up_proj\.weight$", r"layers.\1.feed_forward.w3.weight"),
+        (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attention_norm.weight"),
+        (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
+    ]  # fmt: skip
+    out = {}
+    for k, v in hf_sd.items():
+        for pat, rep in rules:
+            if re.match(pat, k):
+                out[re.sub(pat, rep, k)] = v
+                break
+        else:
+            raise KeyError(k)
+    return out
+
+
+class _Adapter:
+    """torchtitan's ``BaseStateDictAdapter`` shape: ``to_hf`` / ``from_hf`` renames and the
+    ``fqn_to_index_mapping`` read from an HF index (here: layers over two files)."""
+
+    def __init__(self, hf_keys):
+        self.hf_keys = list(hf_keys)
+        self.to_titan = dict(zip(self.hf_keys, titan_names(dict.fromkeys(self.hf_keys))))
+        self.fqn_to_index_mapping = {k: 2 if ".layers.1." in k else 1 for k in self.hf_keys}
+
+    def to_hf(self, sd):
+        back = {v: k for k, v in self.to_titan.items()}
+        return {back[k]: v for k, v in sd.items()}
+
+
+def _titan_export(root, mesh1) -> dict[str, bool]:
+    """torchtitan's HF export (``CheckpointManager._save_last_step`` with ``last_save_in_hf``):
+    ``sd_adapter.to_hf(state_dict)``, then ``dcp.save`` through an HF storage writer given the
+    adapter's ``fqn_to_index_mapping``; ours in place of ``HuggingFaceStorageWriter``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.test_checkpoint_interop import tiny_llama
+
+    model = tiny_llama(11, tie=False)
+    fully_shard(model, mesh=mesh1)
+    hf_sd = model.state_dict()
+    adapter = _Adapter(hf_sd)
+    native = titan_names(hf_sd)  # what a torchtitan model's state_dict holds
+    path = f"{root}/titan-hf"
+    dcp.save(adapter.to_hf(native), storage_writer=StorageWriter(path, fqn_to_index_mapping=adapter.fqn_to_index_mapping))
+    if mesh1.get_rank() == 0:
+        model.config.save_pretrained(path)
+    return {"titan:sharded": all(v.placements[0].is_shard() for v in hf_sd.values())}
+
+
+def _torch_hf_output(root, world, mesh1, mesh2) -> dict[str, bool]:
+    """torch's HuggingFaceStorageWriter(save_distributed=True): the per-rank shard files, and
+    (floats only: it crashes on ints) the consolidated files, read by our StorageReader."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.tensor import zeros
+
+    g = torch.arange(48.0).view(8, 6)
+    out = {}
+    sd = {"a": _dist(g, mesh1, "S0"), "b": _dist(g + 1, mesh1, "S1"), "c": _dist(g + 2, mesh1, "R")}
+    for consolidate in (False, True) if world == 2 else (False,):
+        path = f"{root}/torch-hf-{consolidate}"
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=consolidate))
+        tgt = {k: zeros([8, 6], device_mesh=mesh2, placements=_pl(("S1", "S0"))) for k in sd}
+        dcp.load(tgt, storage_reader=StorageReader(path))
+        out[f"torch-hf:{consolidate}"] = all(torch.equal(tgt[k].full_tensor(), g + i) for i, k in enumerate(sd))
+    return out
+
+
+def _remote(url, opts, mesh1) -> dict[str, bool]:
+    g = torch.arange(40.0).view(10, 4)
+    sd = {"w": _dist(g, mesh1, "S0"), "s": _dist(g[:, :1].contiguous(), mesh1, "SS0/2"), "step": 4}
+    dcp.save(sd, storage_writer=StorageWriter(url, storage_options=opts), planner=SavePlanner())
+    tgt = {"w": _dist(torch.zeros(10, 4), mesh1, "S1"), "s": _dist(torch.zeros(10, 1), mesh1, "R"), "step": 0}
+    dcp.load(tgt, storage_reader=StorageReader(url, storage_options=opts))
+    return {"s3": torch.equal(tgt["w"].full_tensor(), g) and torch.equal(tgt["s"].full_tensor(), g[:, :1])
+            and tgt["step"] == 4}  # fmt: skip
+
+
+def _ranks_worker(rank, world, root, s3_port):
+    mesh1, mesh2 = _meshes(world)
+    out = _placement_and_mesh_changes(root, world, mesh1, mesh2)
+    every, written = _every_placement(root, world, mesh1, mesh2)
+    out.update(every)
+    out.update(_async(root, world, mesh1))
+    out.update(_titan_export(root, mesh1))
+    out.update(_torch_hf_output(root, world, mesh1, mesh2))
+    if s3_port is not None:
+        from tests.s3_server import storage_options
+
+        out.update(_remote("s3://bkt/dcp", storage_options(s3_port), mesh1))
+    return {"ok": out, "written": written}
+
+
+@pytest.fixture(scope="module")
+def s3_port():
+    from tests.s3_server import make_bucket, start_moto
+
+    server, port = start_moto()
+    make_bucket(port, "bkt")
+    yield port
+    server.stop()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks(tmp_path, world, request):
+    port = request.getfixturevalue("s3_port") if world == 2 else None
+    root = str(tmp_path)
+    res = run_ranks(_ranks_worker, world, root, port, backend="gloo", timeout=300)
+    for r in res:
+        bad = sorted(k for k, v in r["ok"].items() if not v)
+        assert not bad, bad
+    names = set(res[0]["ok"])
+    assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
+    assert "empty-shards" in names and "async:thread" in names and (world != 2 or {"async:process", "s3"} <= names)
+    # What StorageWriter wrote is an fqnckpt checkpoint: verifies, each byte written once (the
+    # ranks' pwrites, headers included, add up to the files' sizes), safetensors reads it.
+    every = f"{root}/every"
+    assert checkpoint.verify(every).ok
+    with checkpoint.open_checkpoint(every) as rd:
+        files = rd.files
+    assert len(files) > 1
+    assert sum(r["written"] for r in res) == sum(os.path.getsize(os.path.join(every, f)) for f in files)
+    for f in files:
+        for k, v in load_file(os.path.join(every, f)).items():
+            assert v.dtype in DTYPE_TO_ST, k
+    # torchtitan's HF export loads with from_pretrained, file by file as the adapter mapped it.
+    from transformers import LlamaForCausalLM
+
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    idx = json.loads(open(f"{root}/titan-hf/model.safetensors.index.json").read())
+    assert {v for k, v in idx["weight_map"].items() if ".layers.1." in k} == {"model-00002-of-00002.safetensors"}
+    back = LlamaForCausalLM.from_pretrained(f"{root}/titan-hf").eval()
+    with torch.no_grad():
+        assert torch.equal(back(TOKENS).logits, tiny_llama(11, tie=False)(TOKENS).logits)
+    shutil.rmtree(root, ignore_errors=True)
