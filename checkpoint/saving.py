@@ -14,7 +14,6 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,7 @@ from .storage.format import (
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
 from .storage.location import is_remote, resolve
-from .storage import digest, fskind, threads
+from .storage import digest, fskind, ownership, threads
 from .storage.writer import (
     BlockWriter,
     SequentialFileWriter,
@@ -532,8 +531,7 @@ def _save_distributed(
                             os.close(fd)
                         _faults.fault_point("after_file_fsync")
             finally:
-                if hashed is not None:
-                    wait([hashed])
+                ownership.settle([hashed])  # reads the staged files' mappings: done before leaving
             my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share))
         except BaseException as e:  # noqa: BLE001
             err = (
@@ -589,7 +587,7 @@ def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
     try:
         w.write(slot, local, offset)
     finally:
-        wait([hashed])
+        ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
     return hashed.result()
 
 
