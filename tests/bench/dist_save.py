@@ -1,0 +1,255 @@
+"""Distributed save against references on the same ranks, same bytes, same run (issue 35; not
+collected by pytest).
+
+    python tests/bench/dist_save.py [--worlds 2,4] [--sizes 256,1024] [--rounds 5]
+                                    [--disk /var/tmp/fqnckpt-dist] [--tmpfs /dev/shm/fqnckpt-dist]
+                                    [--phases] [--plain]
+
+Each rank holds its ``Shard(0)`` rows of 8 float32 tensors of ``size`` MiB in all. Sides, each
+timed from a barrier to a barrier (the slowest rank), into a path removed beforehand (freeing the
+previous step's pages is not part of a save) and after ``os.sync()``:
+
+- ``ours``: ``checkpoint.save`` (full-tensor HF shard files, each byte written once by its owner,
+  digests, atomic commit, fsync);
+- ``dcp``: ``dcp.save(sd, checkpoint_id=dir)``, DCP's default ``FileSystemWriter`` (one
+  ``.distcp`` file per rank + ``.metadata``, fsynced);
+- ``raw``: each rank ``pwrite``s its local bytes into a file of its own and fsyncs it (no format,
+  no digests, no commit: the parallel write of the same bytes);
+- ``dcp_hf``: DCP's ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)``
+  (per-rank files, then consolidated HF files: every byte written twice; beside, no goal).
+
+Goals: ours >= 1.0x ``dcp`` and >= 0.9x ``raw`` (ratios are reference time / our time per round,
+printed as median [range] over rounds whose side order rotates), disk and tmpfs, 2 and 4 ranks.
+``--phases`` prints, per rank, the median seconds of each phase of ours (layout exchange,
+preparing, writes, hashing back / fsync, commit); ``--plain`` adds a world-of-one comparison of
+the same bytes saved as plain tensors and as DTensors on a one-rank mesh (rank 0 only).
+The load average is printed before and after each world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from checkpoint.ranks.launch import preload, run_ranks  # noqa: E402
+
+
+def make_large(total_bytes: int, n: int = 8) -> dict[str, torch.Tensor]:
+    rows = max(1, total_bytes // (n * 4096 * 4))
+    g = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)}
+
+
+def _instrument(phases: dict[str, float]) -> None:
+    """Wrap the distributed save's steps to add their seconds into ``phases`` (this rank)."""
+    from checkpoint import saving
+    from checkpoint.ranks import dist as cdist
+
+    def wrap(obj, name, label):
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    wrap(saving, "_plan_checked", "plan")
+    wrap(saving.dist, "all_gather_object", "exchanges")  # layout / extra-state check, checks
+    wrap(saving, "create_shard_file", "create files")
+    wrap(saving.BlockWriter, "write", "write")
+    wrap(saving, "_write_hashed", "write + hash from memory")
+    wrap(saving, "_hash_back", "hash back (thread)")
+    wrap(saving, "_write_indexes_and_commit", "index + commit")
+    real_fsync = saving.os.fsync
+
+    def fsync(fd):
+        t = time.perf_counter()
+        try:
+            real_fsync(fd)
+        finally:
+            phases["fsync"] = phases.get("fsync", 0.0) + time.perf_counter() - t
+
+    saving.os.fsync = fsync  # the module's os: only saving's fsync calls are counted
+    del cdist
+
+
+def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int], rounds: int, want_phases: bool):
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+    from checkpoint.storage.writer import pwrite_all, stats, tensor_bytes
+
+    phases: dict[str, float] = {}
+    if want_phases:
+        _instrument(phases)
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    for size in sizes:
+        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in make_large(size << 20).items()}
+        for medium, root in roots:
+            base = os.path.join(root, f"w{world}-{size}")
+            paths = {n: os.path.join(base, n) for n in ("ours", "dcp", "dcp_hf")}
+            raw = os.path.join(base, f"raw-{rank}.bin")
+
+            def raw_write():
+                fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    at = 0
+                    for v in sd.values():
+                        data = tensor_bytes(v.to_local())
+                        pwrite_all(fd, data, at)
+                        at += len(data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            sides = {
+                "ours": lambda: checkpoint.save(sd, paths["ours"]),
+                "dcp": lambda: dcp.save(sd, checkpoint_id=paths["dcp"]),
+                "raw": raw_write,
+                "dcp_hf": lambda: dcp.save(
+                    sd,
+                    storage_writer=HuggingFaceStorageWriter(
+                        paths["dcp_hf"], fqn_to_index_mapping={k: 1 for k in sd},
+                        save_distributed=True, enable_consolidation=True,
+                    ),
+                ),  # fmt: skip
+            }
+            names = list(sides)
+            times: dict[str, list[float]] = {n: [] for n in names}
+            ph_rounds: list[dict[str, float]] = []
+            written = 0
+            for i in range(rounds + 1):  # round 0 untimed: first touch of memory and files
+                for j in range(len(names)):
+                    n = names[(i + j) % len(names)]
+                    tdist.barrier()
+                    if rank == 0:
+                        shutil.rmtree(base, ignore_errors=True)
+                        os.makedirs(base)
+                        os.sync()
+                    tdist.barrier()
+                    phases.clear()
+                    stats.reset()
+                    t = time.perf_counter()
+                    sides[n]()
+                    tdist.barrier()
+                    dt = time.perf_counter() - t
+                    if i:
+                        times[n].append(dt)
+                        if n == "ours":
+                            ph_rounds.append(dict(phases))
+                            written = stats.bytes_written
+            tdist.barrier()
+            if rank == 0:
+                shutil.rmtree(base, ignore_errors=True)
+            out[(size, medium)] = {"times": times, "phases": ph_rounds, "written": written}
+        del sd
+    return out
+
+
+def _plain_vs_dtensor(rank: int, world: int, roots, sizes, rounds: int):
+    """World of one: the same bytes as plain tensors (single-process streaming save) and as
+    DTensors on a one-rank mesh (the distributed path)."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+
+    mesh = init_device_mesh("cpu", (1,))
+    out = {}
+    for size in sizes:
+        plain = make_large(size << 20)
+        dt = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in plain.items()}
+        for medium, root in roots:
+            base = os.path.join(root, f"one-{size}")
+            sides = {"plain": lambda: checkpoint.save(plain, base), "dtensor": lambda: checkpoint.save(dt, base)}
+            times = {n: [] for n in sides}
+            for i in range(rounds + 1):
+                for n in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                    shutil.rmtree(base, ignore_errors=True)
+                    os.sync()
+                    t = time.perf_counter()
+                    sides[n]()
+                    if i:
+                        times[n].append(time.perf_counter() - t)
+            shutil.rmtree(base, ignore_errors=True)
+            out[(size, medium)] = times
+    tdist.barrier()
+    return out
+
+
+def ratio(ref: list[float], ours: list[float]) -> str:
+    r = [a / b for a, b in zip(ref, ours)]
+    return f"{statistics.median(r):.2f}x [{min(r):.2f}-{max(r):.2f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--sizes", default="256,1024", help="MiB in all, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--disk", default="/var/tmp/fqnckpt-dist", help="a directory on a real disk ('' to skip)")
+    ap.add_argument("--tmpfs", default="/dev/shm/fqnckpt-dist", help="a directory on tmpfs ('' to skip)")
+    ap.add_argument("--phases", action="store_true", help="per-rank phase times of ours")
+    ap.add_argument("--plain", action="store_true", help="also plain tensors vs DTensors, world of one")
+    args = ap.parse_args()
+    roots = [(m, r) for m, r in (("disk", args.disk), ("tmpfs", args.tmpfs)) if r]
+    for _, r in roots:
+        os.makedirs(r, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    preload("checkpoint.saving", "torch.distributed.checkpoint")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ratios = reference time / our time per "
+          f"round, median [range] over {args.rounds} rounds, rotating order")  # fmt: skip
+    try:
+        for world in (int(w) for w in args.worlds.split(",")):
+            la = os.getloadavg()[0]
+            res = run_ranks(_rank, world, roots, sizes, args.rounds, args.phases, backend="gloo", timeout=3600)
+            print(f"\n{world} ranks (load average {la:.1f} -> {os.getloadavg()[0]:.1f})")
+            for key in res[0]:
+                size, medium = key
+                times = res[0][key]["times"]  # barrier to barrier: the same on every rank
+                ours = times["ours"]
+                written = sum(r[key]["written"] for r in res)
+                print(f"  {size} MiB, {medium}: ours {statistics.median(ours):.3f}s "
+                      f"[{min(ours):.3f}-{max(ours):.3f}] ({(size << 20) / statistics.median(ours) / 1e9:.2f} GB/s, "
+                      f"{written / (size << 20):.4f}x the tensor bytes written)")  # fmt: skip
+                print(f"    vs dcp.save (goal >= 1.0): {ratio(times['dcp'], ours)}; vs raw parallel write "
+                      f"(goal >= 0.9): {ratio(times['raw'], ours)}; vs DCP HF writer + consolidation: "
+                      f"{ratio(times['dcp_hf'], ours)}")  # fmt: skip
+                if args.phases:
+                    for r, rec in enumerate(res):
+                        ph = rec[key]["phases"]
+                        labels = sorted({k for p in ph for k in p})
+                        med = {k: statistics.median(p.get(k, 0.0) for p in ph) for k in labels}
+                        print(f"    rank {r} phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+        if args.plain:
+            la = os.getloadavg()[0]
+            res = run_ranks(_plain_vs_dtensor, 1, roots, sizes, args.rounds, backend="gloo", timeout=3600)
+            print(f"\nworld of one (load average {la:.1f} -> {os.getloadavg()[0]:.1f})")
+            for (size, medium), times in res[0].items():
+                print(f"  {size} MiB, {medium}: DTensor save vs plain-tensor save of the same bytes: "
+                      f"{ratio(times['plain'], times['dtensor'])}")  # fmt: skip
+    finally:
+        for _, r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
