@@ -140,6 +140,63 @@ def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tm
     assert checkpoint.CheckpointManager(tmp_path / "s", async_save=False).prepare(model, opt) == 0
 
 
+def test_background_prepare_touches_fresh_buffers_on_the_writer_thread(tmp_path, monkeypatch):
+    from checkpoint.training import pages
+
+    saver = AsyncSaver()
+    model, opt = _trained()
+    touched_on = []
+    real = pages.populate
+    monkeypatch.setattr(pages, "populate", lambda b: touched_on.append(threading.current_thread().name) or real(b))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nbytes = saver.prepare(model, optimizer=opt, background=True)
+    saver.wait()
+    assert nbytes == saver.staging_bytes > 0 and len(touched_on) == len(saver._pool.buffers)
+    assert set(touched_on) == {n for n in touched_on if n.startswith("fqnckpt-async-save")}
+    assert all(saver._pool.touched(b) for b in saver._pool.buffers.values())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # sources untouched
+    ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
+    touched_on.clear()
+    saver.prepare(model, optimizer=opt, background=True)  # already touched: nothing to do
+    saver.save(model, tmp_path / "a", optimizer=opt).result()
+    assert touched_on == [] and {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs
+    got = _model(1)
+    checkpoint.load(got, tmp_path / "a")
+    assert all(torch.equal(v, before[k]) for k, v in got.state_dict().items())
+    buf = torch.empty(3 * 4096 + 5, dtype=torch.uint8)[1:]  # pages populate; bytes outside kept
+    base = buf._base
+    base[0] = 7
+    real(buf)
+    assert base[0] == 7
+
+
+def test_manager_touches_staging_at_load_latest_and_after_the_first_step(tmp_path):
+    """No prepare by hand: load_latest (nothing to load yet) touches the model's staging in the
+    background; AdamW's state, made by its first step, is touched after that step."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mgr = checkpoint.CheckpointManager(tmp_path / "m")
+    assert mgr.load_latest(model, opt) is None
+    mgr._saver.wait()
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert mgr.staging_bytes == model_bytes and mgr._step_hook is not None
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    assert mgr._step_hook is None  # fired once, removed itself
+    mgr._saver.wait()
+    opt_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert mgr.staging_bytes == model_bytes + opt_bytes
+    assert all(mgr._saver._pool.touched(b) for b in mgr._saver._pool.buffers.values())
+    ptrs = {k: b.data_ptr() for k, b in mgr._saver._pool.buffers.items()}
+    mgr.save(1, model, opt)
+    mgr.wait()
+    assert {k: b.data_ptr() for k, b in mgr._saver._pool.buffers.items()} == ptrs  # none allocated by the save
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    got, got_opt = _model(1), None
+    assert checkpoint.CheckpointManager(tmp_path / "m", async_save=False).load_latest(got, got_opt) == 1
+    assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+
+
 class _HeldStaging:
     """Hold the background copy of a ``background_staging`` save until ``release()``, so a test
     sees deterministically what happens before the snapshot is staged."""

@@ -45,6 +45,7 @@ from ..saving import _prepare, _save_distributed, _save_parts
 from ..storage.location import is_remote, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
+from . import pages
 
 
 class SaveFuture:
@@ -97,6 +98,9 @@ class _StagingPool:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+        # Buffers whose pages are all faulted in: id -> weak reference (a Tensor's == is elementwise,
+        # so no WeakSet); an id reused by a new buffer is told apart by the reference.
+        self._touched: dict[int, weakref.ref] = {}
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +112,23 @@ class _StagingPool:
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.is_pinned() != pin:
             buf = self.buffers[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
         return buf
+
+    def touched(self, buf: torch.Tensor) -> bool:
+        """Whether every page of ``buf`` was written once (pinned buffers are, when allocated)."""
+        ref = self._touched.get(id(buf))
+        return buf.is_pinned() or (ref is not None and ref() is buf)
+
+    def mark_touched(self, buf: torch.Tensor) -> None:
+        if len(self._touched) > 2 * len(self.buffers) + 64:  # forget buffers that are gone
+            self._touched = {k: r for k, r in self._touched.items() if r() is not None}
+        self._touched[id(buf)] = weakref.ref(buf)
+
+    def touch(self, bufs: list[torch.Tensor]) -> None:
+        """Fault in every page of ``bufs`` (writer thread, no GIL held while the kernel works);
+        the buffers are held by this call until it returns."""
+        for buf in bufs:
+            pages.populate(buf)
+            self.mark_touched(buf)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -247,7 +268,9 @@ class AsyncSaver:
             self._group = tdist.new_group(backend="gloo")  # collective: every rank is in this call
         return self._group
 
-    def _stage_tensor(self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set) -> Any:
+    def _stage_tensor(
+        self, key: tuple[str, str], t: Any, used: set, copies: list, skip: set, reduce: bool = True
+    ) -> Any:
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             return t  # refused by the writer with save's own message, through result()
         if key in skip and not isinstance(t, DTensor):
@@ -255,6 +278,8 @@ class AsyncSaver:
         owner = t
         if isinstance(t, DTensor):
             if any(isinstance(p, Partial) for p in t.placements):  # reduce here, not in the background
+                if not reduce:  # a background prepare runs no collective: the save allocates it
+                    return t
                 t = t.redistribute(
                     t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
                 )
@@ -272,7 +297,9 @@ class AsyncSaver:
         copies.append(_copy_of(key, buf, t, owner))
         return buf
 
-    def _stage_parts(self, parts, distributed: bool, max_shard_size, remote: bool = False) -> tuple[list, list[_Copy], set]:
+    def _stage_parts(
+        self, parts, distributed: bool, max_shard_size, remote: bool = False, reduce: bool = True
+    ) -> tuple[list, list[_Copy], set]:
         """The parts with each tensor this rank writes swapped for its staging buffer (allocated or
         reused here), the copies still to make, and the buffer keys used. Object storage
         (``remote``): each file is uploaded by one rank from whole tensors, so DTensors are gathered
@@ -287,7 +314,7 @@ class AsyncSaver:
                 parts = _gathered_for_files(parts, max_shard_size, skip)
         for part in parts:
             by_fqn = {
-                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip)
+                s.fqn: self._stage_tensor((part.prefix, s.fqn), part.fetch(s), used, copies, skip, reduce)
                 for s in part.specs
             }
             staged.append(dataclasses.replace(part, fetch=lambda s, d=by_fqn: d[s.fqn]))
@@ -299,6 +326,7 @@ class AsyncSaver:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         max_shard_size: int | str = "5GB",
+        background: bool = False,
     ) -> int:
         """Allocate and touch the staging buffers the first :meth:`save` of ``obj`` (and
         ``optimizer``) needs, so that save blocks no longer than later ones (fresh host memory
@@ -307,15 +335,29 @@ class AsyncSaver:
         writer thread. The buffers receive a copy of the current values (nothing is written to
         disk); a later save whose names, shapes or dtypes differ allocates the difference itself. Returns the staging bytes held (as :attr:`staging_bytes`).
 
+        ``background=True``: returns at once, without waiting for a save in flight (allocating maps
+        but does not touch host memory), and the writer thread then touches the buffers not
+        touched yet (no copy, no read of the caller's tensors); the next :meth:`save` waits for
+        it. No collective runs: buffers of ``Partial`` DTensors and the background process group
+        are left to the first save. This is what :class:`~checkpoint.CheckpointManager` does by
+        itself (see its ``load_latest``).
+
         Raises: what :meth:`save` raises before writing (``TypeError`` / ``ValueError``)."""
         parse_size(max_shard_size)
         with self._lock:
-            self.wait()
+            if not background:  # a background touch queues behind a save in flight instead
+                self.wait()
             parts, distributed, _ = _prepare("(prepare)", obj, optimizer, None)
             with torch.no_grad():
-                _, copies, _ = self._stage_parts(parts, distributed, max_shard_size)
+                _, copies, _ = self._stage_parts(parts, distributed, max_shard_size, reduce=not background)
+                if background:
+                    fresh = [c.buf for c in copies if not self._pool.touched(c.buf)]
+                    if fresh:
+                        self._pending = self._executor.submit(self._pool.touch, fresh)
+                    return self.staging_bytes
                 for c in copies:  # the copy a save makes: touches every page by the same code path
                     _copy(c.buf, c.src)
+                    self._pool.mark_touched(c.buf)
                 if any(c.src.device.type == "cuda" for c in copies):
                     torch.cuda.synchronize()
             if distributed and dist.active():
@@ -362,6 +404,7 @@ class AsyncSaver:
                     copies = [c for c in copies if id(c) not in later]
                 for c in copies:
                     _copy(c.buf, c.src)
+                    self._pool.mark_touched(c.buf)
                 event = None
                 if any(c.src.device.type == "cuda" for c in copies):
                     event = torch.cuda.Event()
