@@ -19,6 +19,7 @@ from .reports import LoadReport
 from .state import object_state
 from .storage.format import OPTIMIZER_PREFIX, index_name
 from .storage.reader import CheckpointReader
+from .storage.tensor_read import release_scratch
 
 
 @torch.no_grad()
@@ -44,29 +45,10 @@ def apply_load(
         fresh = object_state(obj).by_name()
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
-    direct = _read_direct(reader, copies, on_copy)
-    for a in copies:
-        if id(a) in direct:
-            continue  # same dtype, contiguous CPU target: bytes read straight into it
-        if on_copy is not None:
-            on_copy(a.key)  # progress
-        try:
-            t = a.entry.tensor
-            if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
-                continue
-            src = _read_target_block(reader, a.key, t)
-            if a.assign:
-                replaced.update(_assign(obj, a, src))
-            elif isinstance(t, DTensor):
-                local = t.to_local()
-                if local.numel():
-                    local.copy_(src)
-            else:
-                t.copy_(src)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
-            raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
+    try:
+        _apply_copies(copies, obj, reader, on_copy, replaced)
+    finally:
+        release_scratch()
     if optimizer is not None and plan.optimizer_state is not None:
         if replaced:
             for g in optimizer.param_groups:
@@ -82,6 +64,34 @@ def apply_load(
         plan.report.optimizer_loaded = True
     return plan.report
 
+
+def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
+    """The copies of :func:`apply_load` (straight reads first, then one by one)."""
+    direct = _read_direct(reader, copies, on_copy)
+    for a in copies:
+        if id(a) in direct:
+            continue  # same dtype, contiguous CPU target: bytes read straight into it
+        if on_copy is not None:
+            on_copy(a.key)  # progress
+        try:
+            t = a.entry.tensor
+            if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
+                continue
+            if not a.assign and _copy_into(reader, a.key, t):
+                continue  # converted / strided / sharded: through a window, no whole-size tensor
+            src = _read_target_block(reader, a.key, t)
+            if a.assign:
+                replaced.update(_assign(obj, a, src))
+            elif isinstance(t, DTensor):
+                local = t.to_local()
+                if local.numel():
+                    local.copy_(src)
+            else:
+                t.copy_(src)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
+            raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
 
 
 def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
@@ -123,6 +133,26 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
             if id(a) in out:
                 on_copy(a.key)  # progress
     return out
+
+
+def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
+    """``reader.copy_into`` (local checkpoints) for a target read neither straight nor replaced:
+    a plain CPU tensor whole, a DTensor's CPU local shard block by block; False when the reader
+    or the target cannot (then the block is read whole and copied)."""
+    copy = getattr(reader, "copy_into", None)
+    if copy is None or t.is_meta:
+        return False
+    if not isinstance(t, DTensor):
+        return t.is_cpu and copy(key, t)
+    local = t._local_tensor
+    if not local.is_cpu or not t.dim():
+        return False
+    if not local.numel():
+        return True
+    blocks = list(shards.local_blocks(t))
+    for lsl, gsl in blocks:
+        copy(key, local[lsl], gsl)
+    return True
 
 
 def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:

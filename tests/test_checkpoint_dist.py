@@ -296,17 +296,22 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
     stats.reset()
     from checkpoint.storage.reader import CheckpointReader
 
-    sliced, get_slice = [], CheckpointReader.get_slice
+    sliced, get_slice, copy_into = [], CheckpointReader.get_slice, CheckpointReader.copy_into
 
     def counted(self, key, slices):
         sliced.append(key)
         return get_slice(self, key, slices)
 
-    CheckpointReader.get_slice = counted
+    def counted_copy(self, key, out, slices=None):  # a block read through the window
+        if slices is not None:
+            sliced.append(key)
+        return copy_into(self, key, out, slices)
+
+    CheckpointReader.get_slice, CheckpointReader.copy_into = counted, counted_copy
     try:
         rep = checkpoint.load(target, path)
     finally:
-        CheckpointReader.get_slice = get_slice
+        CheckpointReader.get_slice, CheckpointReader.copy_into = get_slice, copy_into
     read = stats.bytes_read
     # Each rank's local shard holds exactly its bytes of the reference (no gather needed to tell).
     want = _dtensors(mesh, load_pl)

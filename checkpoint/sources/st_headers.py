@@ -10,7 +10,7 @@ the same specs, errors and notes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -54,22 +54,30 @@ HEADER_DTYPES = {st: HeaderDType(name, size) for st, (name, size) in ST_DTYPES.i
 
 def _open(path: Path, framework: str):
     try:
-        return open_safetensors_with_header(str(path), framework)[0]
+        return open_safetensors_with_header(str(path), framework)
     except CorruptCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors / OS errors become ours, naming the file
         raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
 
 
-def _header(path: Path, dtypes: dict[str, Any], framework: str) -> tuple[dict[str, SourceSpec], Any]:
-    h = _open(path, framework)
+def _header(path: Path, dtypes: dict[str, Any], framework: str, spans: dict[str, tuple[int, int]]) -> tuple[dict[str, SourceSpec], Any]:
+    """Specs of file ``path``'s tensors and its ``safe_open`` handle; ``spans`` receives each
+    tensor's absolute ``[begin, end)`` byte range (validated by ``safe_open``), for reads by
+    ``preadv`` (:mod:`checkpoint.storage.tensor_read`)."""
+    h, head = _open(path, framework)
+    with open(path, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
     out = {}
-    for k in h.keys():
-        sl = h.get_slice(k)
-        st = sl.get_dtype()
+    for k, v in head.items():
+        if k == "__metadata__":
+            continue
+        st = v["dtype"]
         if st not in dtypes:  # the writer's own table: every dtype fqnckpt saves reads back
             raise CorruptCheckpointError(str(path), f"tensor {k!r} has dtype {st} torch cannot hold")
-        out[k] = SourceSpec(k, tuple(sl.get_shape()), dtypes[st])
+        out[k] = SourceSpec(k, tuple(v["shape"]), dtypes[st])
+        b, e = v["data_offsets"]
+        spans[k] = (start + b, start + e)
     return out, h
 
 
@@ -84,6 +92,7 @@ class SafetensorsScan:
     file_of: dict[str, str]
     handles: dict[str, Any]
     notes: list[str]
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> absolute [begin, end)
 
 
 def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> SafetensorsScan:
@@ -99,9 +108,10 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
         DuplicateTensorError: without an index, one tensor in two files.
     """
     if path.is_file() and sniff_file(path) == "safetensors":
-        specs, h = _header(path, dtypes, framework)
+        spans: dict[str, tuple[int, int]] = {}
+        specs, h = _header(path, dtypes, framework, spans)
         return SafetensorsScan(path.parent, "safetensors", [path.name], specs, dict.fromkeys(specs, path.name),
-                               {path.name: h}, [])  # fmt: skip
+                               {path.name: h}, [], spans)  # fmt: skip
     root, index_file = (path.parent, path) if path.is_file() else (path, None)
     if index_file is None:
         idx = index_files(root)
@@ -111,6 +121,8 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
     specs: dict[str, SourceSpec] = {}
     file_of: dict[str, str] = {}
     handles: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}  # per file: key -> absolute [begin, end)
+    per_file: dict[str, dict[str, tuple[int, int]]] = {}
     if index_file is not None:
         try:
             index = HFIndex.model_validate_json(index_file.read_bytes())
@@ -122,22 +134,24 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
             raise MissingShardError(str(root), missing, index_file.name)
         headers = {}
         for f in files:
-            headers[f], handles[f] = _header(root / f, dtypes, framework)
+            headers[f], handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}))
         for key, f in index.weight_map.items():
             if key not in headers[f]:
                 found = next((g for g, h in headers.items() if key in h), None)
                 raise TensorNotInShardError(key, f, found)
             specs[key], file_of[key] = headers[f][key], f
+            spans[key] = per_file[f][key]
     else:  # shards without an index: every *.safetensors file, each key in exactly one
         files = [f.name for f in st_files(root)]
         for f in files:
-            header, handles[f] = _header(root / f, dtypes, framework)
+            header, handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}))
             for key, s in header.items():
                 if key in file_of:
                     raise DuplicateTensorError(key, [file_of[key], f])
                 specs[key], file_of[key] = s, f
+                spans[key] = per_file[f][key]
     notes = [f"read the files named by {index_file.name} only"] if index_file is not None else []
-    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes)
+    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes, spans)
 
 
 class _HeadersOnly:

@@ -21,7 +21,6 @@ tensor. The index carries ``index_xxh3_128``, the digest of its own bytes with t
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Iterable
@@ -73,17 +72,26 @@ def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
         out: dict[str, str] = {}
         if not spans or size == base:
             return size, header, {k: hexdigest(b"") for b, e, k in spans if b == e}
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = memoryview(mm)
-            try:
-                for b, e, k in spans:
-                    lo, hi = base + max(b, 0), min(base + e, size)
-                    out[k] = hexdigest(view[lo:hi]) if lo <= hi else hexdigest(b"")
-            finally:
-                view.release()
-        finally:
-            mm.close()
+        # Read with preadv into one reused buffer, not through a mapping: a file cut short while
+        # hashed (verify of a checkpoint being replaced or truncated) hashes what is there and
+        # mismatches, where a mapped read would kill the process with SIGBUS.
+        buf = bytearray(min(CHUNK, max(1, size - base)))
+        view = memoryview(buf)
+        fd = f.fileno()
+        wlo = whi = 0  # file bytes [wlo, whi) are in buf: small tensors share one read
+        for b, e, k in spans:
+            lo, hi = base + max(b, 0), min(base + e, size)
+            h = new()
+            while lo < hi:
+                if not wlo <= lo < whi:
+                    got = os.preadv(fd, [view], lo)
+                    if got <= 0:
+                        break  # cut short since the size was taken: the digest mismatches
+                    wlo, whi = lo, lo + got
+                end = min(hi, whi)
+                h.update(view[lo - wlo : end - wlo])
+                lo = end
+            out[k] = h.hexdigest()
     return size, header, out
 
 

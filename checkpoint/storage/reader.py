@@ -47,6 +47,7 @@ from .format import (
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from . import pread as _pread
+from . import tensor_read as _tread
 from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
 from .st_header import open_safetensors_with_header, read_index
@@ -190,10 +191,46 @@ class CheckpointReader:
         return spec
 
     def get(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key`` (CPU)."""
-        t = self._handle(key).get_tensor(key)
+        """The whole tensor ``key`` as a new CPU tensor (stored shape and dtype), read with
+        ``preadv`` (:mod:`~.tensor_read`: a file cut short is an error, never a SIGBUS).
+
+        Raises:
+            CorruptCheckpointError: the file ends before the tensor (file and tensor named), or
+                its dtype is one torch cannot hold.
+            LoadError: the read fails (tensor and file named).
+        """
+        at, begin = self._where(key)
+        spec = self.spec(key)
+        t = _tread.read_tensor(at, key, begin, spec.shape, spec.dtype)
         stats.bytes_read += t.numel() * t.element_size()
         return t
+
+    def copy_into(self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None) -> bool:
+        """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, a CPU
+        tensor of that shape in any dtype and layout (``copy_``'s conversions), through one reused
+        window (:func:`~.tensor_read.copy_into`): no intermediate tensor of the tensor's size, no
+        mapping. False (nothing read) when ``out`` is not on the CPU.
+
+        Raises:
+            CorruptCheckpointError: the file ends before the tensor (file and tensor named).
+            LoadError: the read fails (tensor and file named).
+        """
+        if not out.is_cpu:
+            return False
+        at, begin = self._where(self._known(key))
+        spec = self.spec(key)
+        try:
+            _tread.copy_into(at, key, begin, spec.shape, spec.dtype, out, slices)
+        finally:
+            increment_version(out)  # preadv may have written behind torch's back, as in read_many
+        stats.bytes_read += out.numel() * spec.dtype.itemsize
+        return True
+
+    def _where(self, key: str) -> tuple[_tread.Where, int]:
+        """The open file holding ``key`` and the tensor's absolute byte offset in it."""
+        self._handle(key)  # opens the file (and its descriptor) if closed since
+        name = self._key_file[key]
+        return _tread.Where(self._fds[name], self.root, name), self._spans[key][0]
 
     def _target_view(self, key: str, out: torch.Tensor, shape: tuple[int, ...] | None = None) -> memoryview | None:
         """``out``'s own bytes when tensor ``key`` (or its block of ``shape``) can be read straight
@@ -325,10 +362,13 @@ class CheckpointReader:
         return done
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
-        """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk."""
+        """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk with
+        ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). Raises what :meth:`get` raises."""
         if not self._specs[self._known(key)][0]:
             return self.get(key)
-        t = self._handle(key).get_slice(key)[tuple(slices)]
+        at, begin = self._where(key)
+        spec = self.spec(key)
+        t = _tread.read_block(at, key, begin, spec.shape, spec.dtype, slices)
         stats.bytes_read += t.numel() * t.element_size()
         return t
 

@@ -1,0 +1,134 @@
+"""A file cut short after it was opened and validated, on every read path of tensor bytes: a named
+error (CorruptCheckpointError / LoadError naming file and tensor, or a verify mismatch), never a
+SIGBUS. The paths run in one child process (a SIGBUS would kill pytest): ``open_checkpoint.get``,
+``get_slice`` (direct runs and windowed rows), loads converting dtypes and into non-contiguous
+targets, the migration source (``open_source`` get / get_slice, ``migrate``), ``verify`` and the
+CLI's ``diff`` / ``migrate`` / ``verify``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHILD = r"""
+import contextlib, glob, io, os, sys
+import torch, checkpoint
+from checkpoint.storage import reader as R, tensor_read
+from checkpoint.sources import st_headers
+from checkpoint.cli.main import main as cli
+
+root = sys.argv[1]
+n = 3 << 20  # 12 MiB of float32: the threaded read path too
+src = os.path.join(root, "c")
+
+def fresh():
+    checkpoint.save({"w": torch.ones(n), "m": torch.ones(1024, 1024)}, src, overwrite=True)
+    return glob.glob(os.path.join(src, "*.safetensors"))[0]
+
+cut = {"on": False}
+def cut_after(real):
+    def wrapped(*a, **k):
+        out = real(*a, **k)
+        if cut["on"]:
+            for f in glob.glob(os.path.join(src, "*.safetensors")):
+                os.truncate(f, 4096)  # header kept, data gone: after validation, before the read
+        return out
+    return wrapped
+
+R.CheckpointReader._load_headers = cut_after(R.CheckpointReader._load_headers)
+st_headers.scan_safetensors = cut_after(st_headers.scan_safetensors)
+import checkpoint.sources.safetensors_files as SF
+SF.scan_safetensors = st_headers.scan_safetensors
+
+def run(what, fn):
+    fresh()
+    cut["on"] = True
+    try:
+        out = fn()
+        print(f"{what}|returned|{out}")
+    except Exception as e:
+        print(f"{what}|{type(e).__name__}|{str(e)[:300]}".replace("\n", " "))
+    finally:
+        cut["on"] = False
+
+def cli_run(*argv):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = cli(list(argv))
+    return f"exit {rc}: {buf.getvalue()[:300]}"
+
+run("get", lambda: checkpoint.open_checkpoint(src).get("w"))
+run("get_slice", lambda: checkpoint.open_checkpoint(src).get_slice("m", [slice(0, 1024), slice(0, 512)]))
+tensor_read.DIRECT_RUN = 1 << 30  # the windowed-rows path
+run("get_slice_rows", lambda: checkpoint.open_checkpoint(src).get_slice("m", [slice(0, 1024), slice(3, 5)]))
+run("load_convert", lambda: checkpoint.load({"w": torch.zeros(n, dtype=torch.float64), "m": torch.zeros(1024, 1024)}, src))
+run("load_strided", lambda: checkpoint.load({"w": torch.zeros(2 * n)[::2], "m": torch.zeros(1024, 1024)}, src))
+from checkpoint.sources import open_source
+run("source_get", lambda: open_source(src).get("w"))
+run("source_get_slice", lambda: open_source(src).get_slice("m", (slice(0, 1024), slice(0, 4))))
+run("migrate", lambda: checkpoint.migrate(src, os.path.join(root, "out"), overwrite=True))
+run("cli_migrate", lambda: cli_run("migrate", src, os.path.join(root, "out2")))
+fresh()
+other = os.path.join(root, "d")
+checkpoint.save({"w": torch.ones(n), "m": torch.ones(1024, 1024)}, other, overwrite=True)
+run("cli_diff", lambda: cli_run("diff", src, other))
+real_size = os.path.getsize
+def size_then_cut(p):
+    s = real_size(p)
+    if cut["on"] and p.endswith(".safetensors"):
+        os.truncate(p, 4096)
+    return s
+os.path.getsize = size_then_cut
+run("verify", lambda: checkpoint.verify(src).ok)
+run("cli_verify", lambda: cli_run("verify", src))
+print("ALIVE")
+"""
+
+
+def test_cut_file_is_a_named_error_on_every_read_path(tmp_path):
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"child died ({p.returncode}): {p.stdout[-3000:]} {p.stderr[-3000:]}"
+    lines = dict(line.split("|", 1) for line in p.stdout.splitlines() if "|" in line)
+    assert "ALIVE" in p.stdout
+    named = ("get", "get_slice", "get_slice_rows", "load_convert", "load_strided", "source_get", "source_get_slice", "migrate")
+    for what in named:
+        kind, msg = lines[what].split("|", 1)
+        assert kind in ("CorruptCheckpointError", "LoadError"), (what, lines[what])
+        assert ".safetensors" in msg and ("'w'" in msg or "'m'" in msg), (what, msg)
+    for what in ("cli_migrate", "cli_diff", "cli_verify"):
+        kind, msg = lines[what].split("|", 1)
+        assert kind == "returned" and not msg.startswith("exit 0"), (what, msg)
+        assert "Traceback" not in msg and (".safetensors" in msg or "MISMATCH" in msg), (what, msg)
+    assert lines["verify"] == "returned|False", lines["verify"]
+
+
+def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
+    """``get_slice`` through both block paths (direct runs, windowed rows) and any step equals
+    slicing the whole tensor; ``get`` of every dtype and a 0-dim / empty tensor is exact."""
+    import random
+
+    import torch
+
+    import checkpoint
+    from checkpoint.storage import tensor_read
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(37, 53, generator=g), "b": torch.randn(5, 7, 11, generator=g).bfloat16(),
+          "c": torch.randn(300, 70, generator=g), "s": torch.tensor(3.5), "z": torch.empty(0, 4),
+          "i": torch.arange(24, dtype=torch.int8).reshape(2, 3, 4)}  # fmt: skip
+    checkpoint.save(sd, tmp_path / "c")
+    rnd = random.Random(1)
+    with checkpoint.open_checkpoint(tmp_path / "c") as r:
+        assert all(torch.equal(r.get(k), v) for k, v in sd.items())
+        for direct, window in ((16 << 10, 8 << 20), (1 << 30, 1000)):
+            monkeypatch.setattr(tensor_read, "DIRECT_RUN", direct)
+            monkeypatch.setattr(tensor_read, "WINDOW", window)
+            for _ in range(150):
+                k = rnd.choice("abci")
+                v = sd[k]
+                sl = []
+                for n in v.shape:
+                    lo = rnd.randint(0, n)
+                    sl.append(slice(lo, rnd.randint(lo, n), rnd.choice([1, 1, 2, 3])))
+                sl = sl[: rnd.randint(1, len(sl))]
+                assert torch.equal(r.get_slice(k, sl), v[tuple(sl)]), (k, sl)
