@@ -4,9 +4,10 @@ What a checkpoint owns. A checkpoint directory may hold files fqnckpt did not wr
 (``config.json``, tokenizer files, subfolders: Hugging Face's layout keeps them beside the shards);
 ``overwrite=True`` replaces only what the previous checkpoint owns (:func:`owned_files`): the
 files its indexes (``model`` / ``optimizer`` ``.safetensors.index.json``) name, the indexes
-themselves, the fixed names in :data:`OWNED_NAMES` (``model.safetensors``, the report ``migrate``
-writes, ...) and files named like Hugging Face shards of ours (``model-00001-of-00003.safetensors``;
-no other writer uses these names). Everything else stays, byte for byte.
+themselves, the per-rank extra-state files ``extra_state.json`` lists, the fixed names in
+:data:`OWNED_NAMES` (``model.safetensors``, the report ``migrate`` writes, ...) and Meta's
+``consolidated.NN.pth`` (a format without a file list). Nothing is owned for looking like a shard
+(``model-00001-of-00003.safetensors`` that no index names stays). Everything else stays, byte for byte.
 
 Commit protocol (one writer at a time: an ``fcntl.flock`` on ``.<name>.fqnckpt-lock`` beside
 ``path``, held for the whole save; never deleted, so two savers always lock the same inode):
@@ -70,11 +71,11 @@ OWNED_NAMES = frozenset(
     + [f"{p}.safetensors" for p in PREFIXES]
     + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
 )
-_SHARD_NAME = re.compile(
-    r"^(?:(?:model|optimizer)-\d{5}-of-\d{5}\.safetensors|extra_state\.rank-\d{5}-of-\d{5}\.json"
-    r"|consolidated\.\d{2,}\.pth)$"
-)  # shard files, per-rank extra state (checkpoint.storage.extra_state.rank_file_name), Meta's
-# model-parallel shards (checkpoint.convert.meta_files)
+_FORMAT_GLOBBED = re.compile(r"^consolidated\.\d{2,}\.pth$")
+# Meta's model-parallel shards (checkpoint.convert.meta_files): that format has no file list, its
+# readers glob these names, so a stale one left by an overwrite would be read; the only names
+# owned by form. Hugging Face shards and per-rank extra state are owned only when a record of the
+# checkpoint (its indexes, extra_state.json's per_rank) names them.
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -207,17 +208,32 @@ def owned_files(path: str) -> set[str]:
         names = set(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return set()
-    owned = {n for n in names if n in OWNED_NAMES or _SHARD_NAME.match(n)}
+    owned = {n for n in names if n in OWNED_NAMES or _FORMAT_GLOBBED.match(n)}
     for prefix in PREFIXES:
         try:
             with open(os.path.join(path, index_name(prefix)), "rb") as f:
                 idx = IndexFile.model_validate_json(f.read())
         except (OSError, ValidationError, ValueError):
-            continue  # no index, or unreadable: only the fixed names and shard names above
+            continue  # no index, or unreadable: only the fixed names above
         owned.update(n for n in idx.weight_map.values() if _plain(n) and n in names)
+    owned.update(n for n in _per_rank_files(path) if n in names)
     return {
         n for n in owned if os.path.islink(os.path.join(path, n)) or os.path.isfile(os.path.join(path, n))
     }
+
+
+def _per_rank_files(path: str) -> list[str]:
+    """The per-rank extra-state files ``path/extra_state.json`` lists (its ``per_rank``)."""
+    from .storage.extra_state import ExtraStateFile, rank_file_name
+
+    try:
+        with open(os.path.join(path, "extra_state.json"), "rb") as f:
+            doc = ExtraStateFile.model_validate_json(f.read())
+    except (OSError, ValidationError, ValueError):
+        return []
+    if doc.per_rank is None:
+        return []
+    return [rank_file_name(r, doc.per_rank.world_size) for r in range(doc.per_rank.world_size)]
 
 
 # -- recovery ---------------------------------------------------------------------------------------

@@ -190,6 +190,15 @@ class CheckpointWriteError(CheckpointError, OSError):
         return self.args[0]
 
 
+class ConcurrentSaveError(CheckpointWriteError):
+    """Another save committed a checkpoint at ``path`` after this save (or removal) started: this
+    one was refused and what it wrote removed; the other checkpoint is whole and stays. Raised
+    where the store has conditional writes (S3), or found by a re-read just before the commit."""
+
+    def __init__(self, path: str, why: str = "another save committed there after this save started; this save was refused"):
+        super().__init__(path, why)
+
+
 class SnapshotChangedError(CheckpointError, RuntimeError):
     """An ``async_save(..., background_staging=True)`` found tensor ``key`` written in place after the
     call returned and before the background thread had staged it (seen through the tensor's version

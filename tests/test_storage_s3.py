@@ -266,10 +266,32 @@ def test_kill_during_upload_keeps_previous_checkpoint(s3, tmp_path):
     )  # fmt: skip
     assert "LOCAL-OK" in p.stdout, p.stderr
     assert p.returncode == -9 and "NOT KILLED" not in p.stdout, p.stderr
-    assert _objects(url, opts) == before  # killed mid multipart upload: no new object at all
+    # Killed mid multipart upload: no new object but the staging manifest written before the
+    # first part, naming what the save writes; its upload is incomplete (parts stored, unlisted).
+    after = _objects(url, opts)
+    staging = [o for o in after if o.startswith(".fqnckpt-staging.")]
+    assert len(staging) == 1 and sorted(set(after) - set(staging)) == before
+    token = staging[0].split(".")[2]
+    uploads = _uploads(opts, "killed/ck/")
+    assert uploads == [f"killed/ck/model-00001-of-00001.{token}.safetensors"]
     target = {"w": torch.zeros(1 << 20, 3), "b": torch.ones(2)}
     assert checkpoint.load(target, url, storage_options=opts, verify=True).ok
     assert torch.equal(target["w"], old["w"]) and torch.equal(target["b"], old["b"])
+    # inspect lists the leftovers; the next overwrite aborts the upload and removes the manifest.
+    from checkpoint.storage.remote_commit import leftovers
+    from checkpoint.storage.location import resolve
+
+    assert leftovers(resolve(url, opts)) == {"staging": staging, "objects": [], "uploads": [uploads[0].split("/")[-1]]}
+    idx = checkpoint.save({"w": torch.ones(4)}, url, overwrite=True, storage_options=opts)
+    assert _uploads(opts, "killed/ck/") == []
+    assert _objects(url, opts) == sorted(["model.safetensors.index.json", *idx.weight_map.values()])
+
+
+def _uploads(opts, prefix: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    return sorted(u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket="bkt", Prefix=prefix).get("Uploads", []))
 
 
 # -- the manager -----------------------------------------------------------------------------------
@@ -281,7 +303,14 @@ def test_manager_retention_and_resume_on_s3(s3):
 
     fs = s3fs.S3FileSystem(**opts)
     fs.pipe_file("bkt/mgr/step-notes.txt", b"foreign")
+    # A killed save of step 0: its staging manifest names its object; a same-pattern name no
+    # manifest names is the user's and stays.
     fs.pipe_file("bkt/mgr/step-00000000/model-00001-of-00001.0123456789ab.safetensors", b"killed save")
+    fs.pipe_file("bkt/mgr/step-00000000/model-00001-of-00001.fedcba987654.safetensors", b"user's")
+    fs.pipe_file(
+        "bkt/mgr/step-00000000/.fqnckpt-staging.0123456789ab.json",
+        json.dumps({"token": "0123456789ab", "base": None, "objects": ["model-00001-of-00001.0123456789ab.safetensors"]}).encode(),
+    )
     fs.pipe_file("bkt/mgr/step-00000000/mine.txt", b"not fqnckpt's")
     with pytest.warns(checkpoint.ForeignEntryWarning, match="step-notes.txt"):
         mgr = CheckpointManager(root, keep_latest=2, storage_options=opts)
@@ -297,7 +326,8 @@ def test_manager_retention_and_resume_on_s3(s3):
     objs = _objects(root, opts)
     assert not any(o.startswith("step-00000001/") for o in objs)  # every object of step 1 deleted
     assert "step-notes.txt" in objs and "step-00000000/mine.txt" in objs  # foreign objects stay
-    assert not any(o.startswith("step-00000000/model-") for o in objs)  # a killed save's leftover goes
+    left0 = sorted(o for o in objs if o.startswith("step-00000000/"))  # the killed save's leftover goes
+    assert left0 == ["step-00000000/mine.txt", "step-00000000/model-00001-of-00001.fedcba987654.safetensors"]
     m2, extra = _model(6), {"step": None}
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     with pytest.warns(checkpoint.ForeignEntryWarning):

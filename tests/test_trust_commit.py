@@ -171,14 +171,15 @@ def test_owned_files_rule(tmp_path):
     d = tmp_path / "ck"
     checkpoint.save({"a": torch.ones(2)}, d)
     (d / "model.safetensors").write_bytes(b"x")  # HF single-file name: a stale one would shadow the index
-    (d / "model-00007-of-00009.safetensors").write_bytes(b"x")  # an HF shard name
+    (d / "model-00007-of-00009.safetensors").write_bytes(b"x")  # an HF shard name no index names: kept
+    (d / "extra_state.rank-00000-of-00002.json").write_bytes(b"x")  # no extra_state.json lists it: kept
     (d / "migration_report.json").write_bytes(b"{}")
     (d / "weights.safetensors").write_bytes(b"x")  # not ours: kept
     (d / "model-00003-of-00004.safetensors.bak").write_bytes(b"x")  # not ours: kept
     os.mkdir(d / "optimizer.safetensors")  # a directory is never owned
     assert atomic.owned_files(str(d)) == {
         "model-00001-of-00001.safetensors", "model.safetensors.index.json", "model.safetensors",
-        "model-00007-of-00009.safetensors", "migration_report.json",
+        "migration_report.json",
     }  # fmt: skip
     # An index naming files by other names owns them; entries leading elsewhere are never owned.
     (d / "model.safetensors.index.json").write_text(

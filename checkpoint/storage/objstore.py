@@ -67,6 +67,25 @@ class ObjectStoreError(OSError):
         return self.args[0]
 
 
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write or delete (``If-Match`` / ``If-None-Match``) found the object changed:
+    another writer got there first."""
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """S3 answers 412 PreconditionFailed (409 ConditionalRequestConflict for a race between two
+    conditional requests); s3fs turns the first into FileExistsError or OSError(EINVAL) with the
+    botocore error as ``__cause__``."""
+    for err in (e, e.__cause__):
+        response = getattr(err, "response", None)
+        if isinstance(response, Mapping):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (412, 409):
+                return True
+    return isinstance(e, FileExistsError)
+
+
 @dataclass
 class StoreStats:
     """Counters of this process (tests and the benchmark read them)."""
@@ -157,6 +176,13 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+def _digest_tag(data: bytes | None) -> str | None:
+    """The tag of an object's bytes on backends without ETags (compared before a conditional write)."""
+    import hashlib
+
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
 # -- the store ----------------------------------------------------------------------------------------------
 
 
@@ -197,6 +223,9 @@ class ObjectStore:
             except FileNotFoundError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified, then retried or reported
+                if kwargs.get("IfMatch") or kwargs.get("IfNoneMatch"):
+                    if _precondition_failed(e):
+                        raise PreconditionFailed(f"{what}: {self.scrub(str(e))}") from None
                 transient = is_transient(e)
                 if not transient or attempt == self.transfer.retries:
                     tries = f" after {attempt + 1} attempts" if transient else ""
@@ -279,19 +308,114 @@ class ObjectStore:
         return out
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, name: str, data: bytes) -> None:
-        """Write object ``name`` as one PUT (replaces it whole: readers see old or new bytes)."""
-        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-        self.call(f"writing {self.url_of(name)}", self._put, self.key(name), body)
+    @property
+    def conditional(self) -> bool:
+        """Whether :meth:`put` / :meth:`delete_if` are atomic compare-and-swap on this backend (S3's
+        conditional requests, ``If-Match`` / ``If-None-Match``). Elsewhere (``memory://``,
+        ``file://``, other fsspec backends) they are check-then-act: a narrow race remains."""
+        return self.s3
 
-    def _put(self, key: str, data: bytes | bytearray) -> None:
+    def get_tagged(self, name: str) -> tuple[bytes | None, str | None]:
+        """``(bytes, tag)`` of object ``name`` read in one request; ``tag`` is S3's ETag (for
+        :meth:`put` ``if_match``), the bytes' sha256 on other backends; ``(None, None)`` when absent.
+
+        Raises:
+            LoadError: the read failed for good (after the retries)."""
+        if not self.s3:
+            data = self.get(name)
+            return data, _digest_tag(data)
+        from fsspec.asyn import sync
+
+        bucket, path, _ = self.fs.split_path(self.key(name))
+
+        async def fetch():
+            r = await self.fs._call_s3("get_object", Bucket=bucket, Key=path)
+            async with r["Body"] as body:
+                return await body.read(), r.get("ETag")
+
+        try:
+            data, tag = self.read(name, sync, self.fs.loop, fetch)
+        except FileNotFoundError:
+            return None, None
+        stats.bytes_read += len(data)
+        return data, tag
+
+    def put(self, name: str, data: bytes, if_match: str | None = None, if_absent: bool = False) -> None:
+        """Write object ``name`` as one PUT (replaces it whole: readers see old or new bytes).
+        ``if_match``: only if the object still has this tag (:meth:`get_tagged`); ``if_absent``:
+        only if no such object exists. Atomic where :attr:`conditional`, else checked just before.
+
+        Raises:
+            PreconditionFailed: the condition did not hold (nothing written).
+            ObjectStoreError: the request failed for good."""
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        what = f"writing {self.url_of(name)}"
+        if not self.s3 and (if_match is not None or if_absent):  # check-then-act: see `conditional`
+            if _digest_tag(self.get(name)) != (None if if_absent else if_match):
+                raise PreconditionFailed(f"{what}: the object changed")
+            if_match, if_absent = None, False
+        self.call(what, self._put, self.key(name), body, IfMatch=if_match, IfNoneMatch="*" if if_absent else None)
+
+    def _put(self, key: str, data: bytes | bytearray, IfMatch: str | None = None, IfNoneMatch: str | None = None) -> None:  # noqa: N803 - S3's names
         if self.s3:
             bucket, path, _ = self.fs.split_path(key)
-            self.fs.call_s3("put_object", Bucket=bucket, Key=path, Body=data)
-            self.fs.invalidate_cache(key)
+            cond = {k: v for k, v in (("IfMatch", IfMatch), ("IfNoneMatch", IfNoneMatch)) if v}
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=path, Body=data, **cond)
+            finally:
+                self.fs.invalidate_cache(key)
         else:
             self.ensure_dir()
             self.fs.pipe_file(key, data)
+
+    def delete_if(self, name: str, tag: str | None) -> None:
+        """Remove object ``name`` only if it still has ``tag`` (:meth:`get_tagged`; unconditional
+        when None or not :attr:`conditional`).
+
+        Raises:
+            PreconditionFailed: it changed (nothing removed). ObjectStoreError: failed for good."""
+        if not self.s3 and tag is not None and _digest_tag(self.get(name)) not in (tag, None):
+            raise PreconditionFailed(f"removing {self.url_of(name)}: the object changed")
+        if not (self.s3 and tag):
+            return self.delete([name])
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        try:
+            self.call(f"removing {self.url_of(name)}", self.fs.call_s3, "delete_object", Bucket=bucket, Key=path, IfMatch=tag)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.root)
+
+    def uploads(self) -> list[tuple[str, str]]:
+        """``[(name, upload_id)]`` of the incomplete multipart uploads of objects directly under
+        the prefix (S3; ``[]`` on backends without multipart uploads). Their parts are stored
+        (and billed) but no listing shows them."""
+        if not self.s3:
+            return []
+        bucket, path, _ = self.fs.split_path(self.root + "/")
+        out, marker = [], {}
+        while True:
+            r = self.call(
+                f"listing uploads under {self.url}", self.fs.call_s3, "list_multipart_uploads", Bucket=bucket,
+                Prefix=path, **marker,
+            )  # fmt: skip
+            for u in r.get("Uploads", []) or []:
+                name = u["Key"][len(path) :]
+                if name and "/" not in name:
+                    out.append((name, u["UploadId"]))
+            if not r.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": r.get("NextKeyMarker", ""), "UploadIdMarker": r.get("NextUploadIdMarker", "")}
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        """Abort incomplete multipart upload ``upload_id`` of object ``name`` (its parts are freed)."""
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        try:
+            self.call(
+                f"aborting the upload of {self.url_of(name)}", self.fs.call_s3, "abort_multipart_upload", Bucket=bucket,
+                Key=path, UploadId=upload_id,
+            )  # fmt: skip
+        except FileNotFoundError:
+            pass  # already completed or aborted
 
     def ensure_dir(self) -> None:
         """Create the prefix on backends with real directories (``file://``); once per store."""
@@ -523,4 +647,4 @@ def open_store(
     return ObjectStore(url, fs, root, storage_options, transfer or TransferConfig())
 
 
-__all__ = ["ObjectStore", "ObjectWriter", "ObjectStoreError", "TransferConfig", "open_store", "is_transient", "stats"]
+__all__ = ["ObjectStore", "ObjectWriter", "ObjectStoreError", "PreconditionFailed", "TransferConfig", "open_store", "is_transient", "stats"]

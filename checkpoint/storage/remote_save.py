@@ -111,11 +111,17 @@ def save_remote(
         RankAgreementError: another rank failed (distributed).
     """
     rank, world = (dist.rank(), dist.world_size()) if distributed else (0, 1)
+    files = [(part, lay, f) for part, lay in zip(parts, layouts) for f in lay.files]
     commit, token, err = None, None, None
     if rank == 0:
         try:
             commit = RemoteCommit(store, overwrite)
             token = commit.token
+            # The staging manifest names every object of the save before the first part.
+            named = [stored_name(f.name, token) for _, _, f in files]
+            named += [_object_name(x, token) for x in extra_files if _object_name(x, token) != x]
+            named += [stored_name(index_name(p.prefix), token) for p in parts if p.prefix != MODEL_PREFIX]
+            commit.begin(named)
         except BaseException as e:  # noqa: BLE001 - agreed below
             err = _wrap(store, e, 0 if distributed else None)
     if distributed:
@@ -123,7 +129,15 @@ def save_remote(
         token = dist.broadcast_object(token)
     elif err is not None:
         raise err
-    files = [(part, lay, f) for part, lay in zip(parts, layouts) for f in lay.files]
+    try:
+        return _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world)
+    except BaseException:
+        if commit is not None:
+            commit.abort()  # best effort; a killed save's objects go with the next commit there
+        raise
+
+
+def _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world):
     records: dict[str, FileRecordV2] = {}
     err = None
     try:

@@ -424,7 +424,7 @@ class CheckpointManager:
                 continue
             if self._store is not None:  # the index first: from then on no reader takes it
                 try:
-                    remove_checkpoint(self._where(step))
+                    remove_checkpoint(self._where(step), unborn=True)  # older steps: no save may still write there
                 except (OSError, CheckpointError) as e:  # the new step is committed: not its failure
                     warnings.warn(f"{self.path(step)}: retention could not remove it ({e}); retried after the next save", stacklevel=2)
                 continue

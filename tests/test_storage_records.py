@@ -1,0 +1,165 @@
+"""Ownership by record on object storage (``memory://`` and moto's S3 server on 127.0.0.1): a
+commit or a removal deletes only objects an fqnckpt record names (the previous model index, a
+staging manifest written before a save's first part), whatever the other objects are called;
+two saves racing on one checkpoint leave one whole checkpoint and refuse the later commit; a
+removal racing a save leaves the save's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+import checkpoint  # noqa: E402
+from checkpoint.errors import ConcurrentSaveError  # noqa: E402
+from checkpoint.storage import remote_commit  # noqa: E402
+from checkpoint.storage.location import resolve  # noqa: E402
+from tests.s3_server import make_bucket, start_moto, storage_options  # noqa: E402
+
+# Names a user (or another tool) may well give: git short SHAs, content hashes, our own shapes.
+USER_NAMES = [
+    "notes.0123456789ab.txt",
+    "config.1a2b3c4d5e6f.yaml",
+    "model.deadbeefcafe.safetensors",
+    "model-00001-of-00001.abcdefabcdef.safetensors",
+    "optimizer.0123456789ab.safetensors.index.json",
+    "extra_state.0123456789ab.json",
+    ".fqnckpt-staging.0123456789ab.json",  # our manifest's name, not its content
+    "README.md",
+]
+
+
+@pytest.fixture(scope="module")
+def moto_opts():
+    server, port = start_moto()
+    make_bucket(port, "rec")
+    yield storage_options(port)
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "s3"])
+def where(request, moto_opts):
+    """``(url, storage_options)`` of a fresh, empty prefix on each backend."""
+    tag = uuid.uuid4().hex[:8]
+    if request.param == "memory":
+        return f"memory://rec-{tag}/ck", None
+    return f"s3://rec/{tag}/ck", moto_opts
+
+
+def _store(url, opts):
+    return resolve(url, opts)
+
+
+def _put(url, opts, name, data: bytes) -> None:
+    _store(url, opts).put(name, data)
+
+
+def _names(url, opts) -> set[str]:
+    return set(_store(url, opts).listing())
+
+
+def test_user_objects_of_any_name_survive_save_overwrite_and_removal(where):
+    url, opts = where
+    for n in USER_NAMES:
+        _put(url, opts, n, b"the user's own data")
+    # A manifest naming objects without its token (the user's README) leads nowhere: the dead
+    # manifest itself goes with the first commit, nothing it names does.
+    forged = {"token": "00000000beef", "base": "x", "objects": ["README.md", "notes.0123456789ab.txt"]}
+    _put(url, opts, ".fqnckpt-staging.00000000beef.json", json.dumps(forged).encode())
+    user = set(USER_NAMES)
+
+    first = checkpoint.save({"w": torch.arange(8.0)}, url, storage_options=opts)
+    assert _names(url, opts) == user | {"model.safetensors.index.json", *first.weight_map.values()}
+    second = checkpoint.save({"w": torch.ones(3)}, url, overwrite=True, storage_options=opts)
+    assert _names(url, opts) == user | {"model.safetensors.index.json", *second.weight_map.values()}
+    t = {"w": torch.zeros(3)}
+    assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.ones(3))
+    remote_commit.remove_checkpoint(_store(url, opts), unborn=True)
+    assert _names(url, opts) == user
+    assert all(_store(url, opts).get(n) == b"the user's own data" for n in USER_NAMES if "staging" not in n)
+
+
+def test_killed_save_leftovers_named_by_its_manifest_only(where):
+    url, opts = where
+    checkpoint.save({"w": torch.zeros(4)}, url, storage_options=opts)
+    base = remote_commit.index_digest(_store(url, opts).get("model.safetensors.index.json"))
+    # What a save killed after its first object leaves: its manifest and that object.
+    dead = {"token": "a1b2c3d4e5f6", "base": base, "objects": ["model-00001-of-00001.a1b2c3d4e5f6.safetensors"]}
+    _put(url, opts, ".fqnckpt-staging.a1b2c3d4e5f6.json", json.dumps(dead).encode())
+    _put(url, opts, "model-00001-of-00001.a1b2c3d4e5f6.safetensors", b"half")
+    _put(url, opts, "model-00002-of-00002.a1b2c3d4e5f6.safetensors", b"not in the manifest")
+    left = remote_commit.leftovers(_store(url, opts))
+    assert left["staging"] == [".fqnckpt-staging.a1b2c3d4e5f6.json"]
+    assert left["objects"] == ["model-00001-of-00001.a1b2c3d4e5f6.safetensors"]
+    idx = checkpoint.save({"w": torch.ones(4)}, url, overwrite=True, storage_options=opts)
+    assert _names(url, opts) == {
+        "model.safetensors.index.json", *idx.weight_map.values(), "model-00002-of-00002.a1b2c3d4e5f6.safetensors"
+    }
+
+
+def _racing(monkeypatch, url, opts, other):
+    """Make the next commit at ``url`` find ``other()`` done between its start and its index PUT."""
+    real = remote_commit.RemoteCommit.commit
+    state = {"armed": True}
+
+    def commit(self, *a, **k):
+        if state["armed"]:
+            state["armed"] = False
+            other()
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(remote_commit.RemoteCommit, "commit", commit)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_two_saves_race_one_whole_checkpoint_later_commit_refused(where, monkeypatch, existing):
+    url, opts = where
+    if existing:
+        checkpoint.save({"w": torch.zeros(5)}, url, storage_options=opts)
+    winner = {}
+
+    def other():
+        winner["idx"] = checkpoint.save({"w": torch.full((5,), 2.0)}, url, overwrite=True, storage_options=opts)
+
+    _racing(monkeypatch, url, opts, other)
+    before_user = {"user.0123456789ab.txt"}
+    _put(url, opts, "user.0123456789ab.txt", b"u")
+    with pytest.raises(ConcurrentSaveError):
+        checkpoint.save({"w": torch.full((5,), 1.0)}, url, overwrite=True, storage_options=opts)
+    # The other save's checkpoint is whole; the refused save's objects and manifest are gone.
+    assert _names(url, opts) == before_user | {"model.safetensors.index.json", *winner["idx"].weight_map.values()}
+    t = {"w": torch.zeros(5)}
+    assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.full((5,), 2.0))
+
+
+def test_first_save_refused_when_another_committed_first(where, monkeypatch):
+    url, opts = where
+    _racing(monkeypatch, url, opts, lambda: checkpoint.save({"w": torch.ones(2)}, url, storage_options=opts))
+    with pytest.raises(ConcurrentSaveError):  # overwrite=False: If-None-Match refuses it
+        checkpoint.save({"w": torch.zeros(2)}, url, storage_options=opts)
+    t = {"w": torch.zeros(2)}
+    assert checkpoint.load(t, url, storage_options=opts).ok and torch.equal(t["w"], torch.ones(2))
+
+
+def test_removal_racing_a_save_keeps_the_new_checkpoint(where, monkeypatch):
+    url, opts = where
+    checkpoint.save({"w": torch.zeros(3)}, url, storage_options=opts)
+    store = _store(url, opts)
+    real = type(store).get_tagged
+
+    def get_tagged(self, name):
+        out = real(self, name)  # the removal read the old index; a save commits right after
+        monkeypatch.setattr(type(store), "get_tagged", real)
+        checkpoint.save({"w": torch.ones(3)}, url, overwrite=True, storage_options=opts)
+        return out
+
+    monkeypatch.setattr(type(store), "get_tagged", get_tagged)
+    with pytest.raises(ConcurrentSaveError):
+        remote_commit.remove_checkpoint(store)
+    t = {"w": torch.zeros(3)}
+    assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.ones(3))
