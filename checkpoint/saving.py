@@ -300,7 +300,7 @@ def save(
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
         return _save_with_recipe(obj, path, recipe, max_shard_size, overwrite, progress)
-    parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
+    parts, distributed, extra_files = prepare_agreed(path, obj, optimizer, extra_state)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
             return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
@@ -319,7 +319,13 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
             return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
                               write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
-    tmp = dist.broadcast_object(tempfile.mkdtemp(prefix=".fqnckpt-convert-", dir=parent) if dist.rank() == 0 else None)
+    tmp, err = None, None
+    if dist.rank() == 0:
+        try:
+            tmp = tempfile.mkdtemp(prefix=".fqnckpt-convert-", dir=parent)
+        except Exception as e:  # noqa: BLE001 - agreed: no rank left waiting for rank 0's directory
+            err = e
+    tmp = dist.check_all_gather(f"save(recipe={recipe!r}) preparing {parent}", err, tmp)[0]
     try:
         save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
         report, error = None, None
@@ -335,6 +341,35 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
         dist.barrier()  # every rank is done with tmp before rank 0 removes it
         if dist.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_agreed(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:
+    """:func:`_prepare`, with a failure on some ranks of a distributed save (state holding
+    DTensors, process group up) agreed before any rank waits in another collective: the failing
+    rank joins the first exchange of :func:`_save_distributed` with its error, so it raises its
+    own error and every other rank a :class:`RankAgreementError` naming it (no hang, no bare
+    backend error when it exits). A single-process save raises as usual."""
+    try:
+        return _prepare(path, obj, optimizer, extra_state)
+    except Exception as e:
+        if not _many_ranks(obj):
+            raise
+        agree_prepare_failure(path, e)
+        raise  # (agree_prepare_failure raises: this rank's own error)
+
+
+def _many_ranks(obj) -> bool:
+    """Whether a save of ``obj`` is collective (DTensors and a process group), as save decides."""
+    try:
+        return dist.active() and object_state(obj).has_dtensor
+    except Exception:  # noqa: BLE001 - the state itself fails: the caller's error stands
+        return False
+
+
+def agree_prepare_failure(path: str, error: BaseException) -> None:
+    """This rank's side of :func:`_save_distributed`'s first exchange when it failed before it:
+    raises ``error`` after every rank learnt of it."""
+    dist.check_all_gather(f"preparing {path}", error, None)
 
 
 def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:
@@ -424,14 +459,19 @@ def _save_distributed(
             "(torch.distributed.init_process_group, of any world size, one rank included)"
         )
     rank, world = dist.rank(), dist.world_size()
-    layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
-    fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
-    mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
-    extra_files = {n: d for n, d in extra_files.items() if n not in mine}
-    extras = {name: hashlib.sha256(data).hexdigest() for name, data in extra_files.items()}
-    # One exchange for the layout and extra-state checks; it also brings each rank's per-rank
-    # extra state (a few KB) to rank 0, which writes it with the rest.
-    gathered = dist.all_gather_object((fingerprint, extras, mine))
+    layouts, fingerprint, extras, mine, failed = None, None, None, {}, None
+    try:
+        layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
+        fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
+        mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
+        extra_files = {n: d for n, d in extra_files.items() if n not in mine}
+        extras = {name: hashlib.sha256(data).hexdigest() for name, data in extra_files.items()}
+    except Exception as e:  # noqa: BLE001 - agreed in the exchange below (rank agreement)
+        failed = e
+    # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
+    # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
+    # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
+    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine))
     if len({hash(tuple(fp)) for fp, _, _ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
     rank_files = {n: d for _, _, m in gathered for n, d in m.items()}

@@ -72,33 +72,38 @@ def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
         out: dict[str, str] = {}
         if not spans or size == base:
             return size, header, {k: hexdigest(b"") for b, e, k in spans if b == e}
-        # Read with preadv into one reused buffer, not through a mapping: a file cut short while
-        # hashed (verify of a checkpoint being replaced or truncated) hashes what is there and
-        # mismatches, where a mapped read would kill the process with SIGBUS.
-        buf = bytearray(min(CHUNK, max(1, size - base)))
-        view = memoryview(buf)
-        fd = f.fileno()
-        wlo = whi = 0  # file bytes [wlo, whi) are in buf: small tensors share one read
-        for b, e, k in spans:
-            lo, hi = base + max(b, 0), min(base + e, size)
-            h = new()
-            while lo < hi:
-                if not wlo <= lo < whi:
-                    got = os.preadv(fd, [view], lo)
-                    if got <= 0:
-                        break  # cut short since the size was taken: the digest mismatches
-                    wlo, whi = lo, lo + got
-                end = min(hi, whi)
-                h.update(view[lo - wlo : end - wlo])
-                lo = end
-            out[k] = h.hexdigest()
+        out.update(_hash_ranges(f.fileno(), [(base + max(b, 0), min(base + e, size), k) for b, e, k in spans], size))
     return size, header, out
+
+
+def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int) -> dict[str, str]:
+    """``{name: xxh3-128 of file bytes [begin, end)}`` for ``(begin, end, name)`` in byte order,
+    read with ``preadv`` into one reused buffer, small ranges sharing one read. Not through a
+    mapping: a file cut short while hashed (a checkpoint truncated or replaced under ``verify``)
+    hashes what is there and mismatches, where a mapped read kills the process with SIGBUS."""
+    out: dict[str, str] = {}
+    buf = bytearray(max(1, min(CHUNK, size)))
+    view = memoryview(buf)
+    wlo = whi = 0  # file bytes [wlo, whi) are in buf
+    for lo, hi, name in ranges:
+        h = new()
+        while lo < hi:
+            if not wlo <= lo < whi:
+                got = os.preadv(fd, [view], lo)
+                if got <= 0:
+                    break  # cut short since the size was taken: the digest mismatches
+                wlo, whi = lo, lo + got
+            end = min(hi, whi)
+            h.update(view[lo - wlo : end - wlo])
+            lo = end
+        out[name] = h.hexdigest()
+    return out
 
 
 def hash_spans(path: str, spans: Iterable[tuple[str, int, int]]) -> dict[str, str]:
     """``{name: xxh3-128 of bytes [begin, end) of file path}`` for each ``(name, begin, end)``,
-    read through one read-only mapping (distributed saves: a tensor's bytes were written by
-    several ranks, so one rank hashes it back from the page cache).
+    read with ``preadv`` (distributed saves: a tensor's bytes were written by several ranks, so one
+    rank hashes it back from the page cache; never through a mapping, see :func:`_hash_ranges`).
 
     Raises:
         OSError: the file cannot be opened, or a span lies past its end (a file cut short).
@@ -112,18 +117,9 @@ def hash_spans(path: str, spans: Iterable[tuple[str, int, int]]) -> dict[str, st
                 raise OSError(f"{path}: bytes [{b}, {e}) of {name!r} lie past the file's end ({size} bytes)")
             if b == e:
                 out[name] = hexdigest(b"")
-        if any(b < e for _, b, e in spans):
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                view = memoryview(mm)
-                try:
-                    for name, b, e in spans:
-                        if b < e:
-                            out[name] = hexdigest(view[b:e])
-                finally:
-                    view.release()
-            finally:
-                mm.close()
+        todo = sorted((b, e, name) for name, b, e in spans if b < e)
+        if todo:
+            out.update(_hash_ranges(f.fileno(), todo, size))
     return out
 
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..saving import _prepare, _save_distributed, _save_parts
+from ..saving import _many_ranks, _prepare, _save_distributed, _save_parts, agree_prepare_failure
 from ..storage.location import is_remote, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
@@ -389,7 +389,13 @@ class AsyncSaver:
             if self._hook is not None:  # the previous save is staged: its hook is a no-op now
                 self._hook.remove()
                 self._hook = None
-            parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
+            try:
+                parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
+            except Exception as e:
+                if _many_ranks(obj):  # peers go on into the background's first exchange: join it
+                    group = self._background_group() if dist.active() else None
+                    self._pending = self._executor.submit(_agree_failure, path, e, group, background_staging)
+                raise
             with torch.no_grad():
                 staged, copies, used = self._stage_parts(parts, distributed, max_shard_size, remote)
                 deferred: list[_Copy] = []
@@ -449,6 +455,17 @@ def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
             if c.changed():
                 prefix, fqn = c.key
                 raise SnapshotChangedError(fqn if prefix == MODEL_PREFIX else f"{prefix} state {fqn}", path)
+
+
+def _agree_failure(path: str, error: BaseException, group: Any, background: bool) -> None:
+    """Background thread of a rank whose save failed before staging: its side of the peers' first
+    exchange in :func:`_write` (``staging`` with background staging, else ``preparing``), so
+    every rank's future fails with the agreed error instead of hanging."""
+    with dist.using_group(group):
+        if background:
+            dist.check_all(f"staging {path}", error)
+        else:
+            agree_prepare_failure(path, error)
 
 
 def _write(

@@ -336,7 +336,8 @@ class CheckpointManager:
         """Load the newest complete checkpoint with :func:`checkpoint.load` (strict by default);
         returns its step, or None (nothing loaded) when there is none; the
         :class:`~checkpoint.LoadReport` is kept in ``last_report``. On many ranks rank 0 picks
-        the checkpoint and tells the others (one broadcast on the default group). With
+        the checkpoint and tells the others (one exchange on the default group, which also agrees
+        on a failure to list the checkpoints on any rank). With
         ``async_save``, the staging memory of the first save is then touched in the background
         (see ``_prepare_soon``), so call it at the start of a run even when nothing is saved yet.
 
@@ -345,10 +346,16 @@ class CheckpointManager:
         from ..loading import load
 
         self.wait()
-        steps = self.steps()
-        step = steps[-1] if steps else None
+        step, err = None, None
+        try:
+            steps = self.steps()
+            step = steps[-1] if steps else None
+        except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting for rank 0
+            err = e
         if dist.active():
-            step = dist.broadcast_object(step)
+            step = dist.check_all_gather(f"finding the latest checkpoint under {self.root}", err, step)[0]
+        elif err is not None:
+            raise err
         if step is None:
             self._prepare_soon(module, optimizer)
             return None

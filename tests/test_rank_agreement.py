@@ -1,0 +1,149 @@
+"""Ranks agree on every failure (issue 34, A44): an error on one rank alone during a collective
+save (extra_state / state snapshot failing there, planning failing there), an async save (with
+and without background staging), a save with a recipe (rank 0's temporary directory), a load
+(opening on one rank) and the manager's ``load_latest`` (listing on one rank) becomes that
+rank's own error there and a ``RankAgreementError`` naming it on every other rank, and the ranks
+then meet in their next collective (no hang, no bare backend error). One 2-rank spawn runs every
+stage in turn."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from checkpoint.ranks.launch import run_ranks
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _stages(rank, world, root):
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+    import checkpoint.loading as loading
+    import checkpoint.saving as saving
+    from checkpoint.training.manager import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model():
+        m = torch.nn.Linear(4, 8)
+        m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(0)]))
+        m.bias = torch.nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0)]))
+        return m
+
+    out = {}
+
+    def stage(name, fn):
+        out[name] = _outcome(fn)
+        tdist.barrier()  # the loop goes on to its next collective: must not hang
+
+    m = model()
+    p = os.path.join(root, "c")
+    # extra_state invalid on rank 1 only (a numpy int64 PerRank value)
+    extra = {"pos": checkpoint.PerRank(np.int64(3) if rank == 1 else 3)}
+    stage("save_extra", lambda: checkpoint.save(m, p, overwrite=True, extra_state=extra))
+
+    # planning fails on rank 1 only (inside the distributed save)
+    real_plan = saving._plan_checked
+
+    def plan_fails(*a, **k):
+        if rank == 1:
+            raise ValueError("planning failed here")
+        return real_plan(*a, **k)
+
+    saving._plan_checked = plan_fails
+    try:
+        stage("save_plan", lambda: checkpoint.save(m, p, overwrite=True))
+    finally:
+        saving._plan_checked = real_plan
+
+    for bg in (False, True):
+        def async_bad(bg=bg):
+            fut = checkpoint.async_save(m, p + f"-a{bg}", overwrite=True, extra_state=extra, background_staging=bg)
+            fut.result()
+
+        stage(f"async_extra_bg{bg}", async_bad)
+
+    # save(recipe=): rank 0 cannot make its temporary directory
+    real_mkdtemp = saving.tempfile.mkdtemp
+
+    def mkdtemp_fails(*a, **k):
+        if rank == 0:
+            raise PermissionError("no temporary directory here")
+        return real_mkdtemp(*a, **k)
+
+    saving.tempfile.mkdtemp = mkdtemp_fails
+    try:
+        stage("save_recipe", lambda: checkpoint.save(m, os.path.join(root, "r"), recipe="hf-to-torchtitan-llama3"))
+    finally:
+        saving.tempfile.mkdtemp = real_mkdtemp
+
+    # load: rank 1 cannot open the checkpoint
+    checkpoint.save(m, p, overwrite=True)
+    real_open = loading.open_target_reader
+
+    def open_fails(*a, **k):
+        if rank == 1:
+            raise OSError("cannot open here")
+        return real_open(*a, **k)
+
+    loading.open_target_reader = open_fails
+    try:
+        stage("load_open", lambda: checkpoint.load(model(), p))
+    finally:
+        loading.open_target_reader = real_open
+
+    # manager: rank 1 cannot list the steps
+    mgr = CheckpointManager(os.path.join(root, "mgr"), async_save=False)
+    mgr.save(0, m)
+    real_steps = CheckpointManager.steps
+
+    def steps_fail(self):
+        if rank == 1:
+            raise OSError("listing failed here")
+        return real_steps(self)
+
+    CheckpointManager.steps = steps_fail
+    try:
+        stage("manager_latest", lambda: mgr.load_latest(model()))
+    finally:
+        CheckpointManager.steps = real_steps
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agree")
+    return run_ranks(_stages, 2, str(root), backend="gloo", timeout=120)
+
+
+@pytest.mark.parametrize(
+    "stage, failing, own",
+    [
+        ("save_extra", 1, "TypeError"),
+        ("save_plan", 1, "ValueError: planning failed here"),
+        ("async_extra_bgFalse", 1, "TypeError"),
+        ("async_extra_bgTrue", 1, "TypeError"),
+        ("save_recipe", 0, "PermissionError: no temporary directory here"),
+        ("load_open", 1, "OSError: cannot open here"),
+        ("manager_latest", 1, "OSError: listing failed here"),
+    ],
+)
+def test_one_rank_failure_is_agreed_by_every_rank(outcomes, stage, failing, own):
+    other = 1 - failing
+    assert outcomes[failing][stage].startswith(own), outcomes[failing][stage]
+    agreed = outcomes[other][stage]
+    assert agreed.startswith("RankAgreementError"), agreed
+    assert f"rank {failing}" in agreed and own.split(":")[0] in agreed, agreed
