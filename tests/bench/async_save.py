@@ -26,8 +26,11 @@ ranges of each time and of the per-round ratios to ``save``, and the staging mem
 
 First save (issue 22, item 4: the first call blocks <= 2x a later one): each round runs, in a
 fresh process (fresh host memory), ``async_save`` calls of one saver: the first, then 3 later
-ones, for three sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, and a
-``CheckpointManager`` with ``prepare`` first. ``--first-only`` runs only this part.
+ones, for four sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, a
+``CheckpointManager`` with ``prepare`` first, and (``auto``, issue 35) a ``CheckpointManager``
+whose ``load_latest`` at the start of the run (nothing to load) touches the staging memory in the
+background by itself; every side runs 3 optimizer steps before its first save. ``--first-only``
+runs only this part.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import checkpoint  # noqa: E402
 from checkpoint.training.async_save import AsyncSaver  # noqa: E402
 
 N_LAYERS, IN = 16, 4096
+STEPS_BEFORE = 3  # first-save part: optimizer steps between building the state and the first save
 
 
 class Layers(torch.nn.Module):
@@ -76,10 +80,14 @@ def _first_child(mode: str, mib: float, root: str) -> None:
     ``prepare``, ``manager``); prints one JSON line."""
     model, opt = make_state(int(mib * 2**20))
     out: dict = {"mode": mode}
-    if mode == "manager":
+    x = torch.randn(8, IN, generator=torch.Generator().manual_seed(1))
+    if mode in ("manager", "auto"):
         mgr = checkpoint.CheckpointManager(root, keep_latest=1)
         t = time.perf_counter()
-        mgr.prepare(model, opt)
+        if mode == "manager":
+            mgr.prepare(model, opt)
+        else:  # what a run does at its start: nothing saved yet; staging touched in the background
+            mgr.load_latest(model, opt)
         out["prepare"] = time.perf_counter() - t
 
         def call(i):
@@ -95,6 +103,10 @@ def _first_child(mode: str, mib: float, root: str) -> None:
         def call(i):
             fut = saver.save(model, os.path.join(root, f"ck{i}"), optimizer=opt, overwrite=True)
             return fut.result
+    for _ in range(STEPS_BEFORE):  # training steps before the first save, every side alike
+        model(x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     times = []
     for i in range(4):
         os.sync()
@@ -107,7 +119,7 @@ def _first_child(mode: str, mib: float, root: str) -> None:
 
 
 def first_vs_later(mib: float, n_rounds: int, root: str) -> None:
-    modes = ["plain", "prepare", "manager"]
+    modes = ["plain", "prepare", "manager", "auto"]
     res: dict[str, list[dict]] = {m: [] for m in modes}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     load = os.getloadavg()[0]
