@@ -125,7 +125,21 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
             owner.append(a)
     if not items:
         return set()
-    done = read_many(items)  # its errors name key and file
+    # Targets on an accelerator go through pinned host buffers (checkpoint.device_load).
+    # (is_cpu first: ~0.1 us a tensor where device.type costs ~0.8 us, and loads take 10^5 tensors)
+    on_device = [i for i, it in enumerate(items) if not it[1].is_cpu and not it[1].is_meta]
+    if on_device:
+        from .device_load import read_to_device
+
+        moved = set(on_device)
+        host = [i for i in range(len(items)) if i not in moved]
+        done = [False] * len(items)
+        for i, ok in zip(host, read_many([items[i] for i in host]) if host else []):
+            done[i] = ok
+        for i, ok in zip(on_device, read_to_device(reader, [items[i] for i in on_device])):
+            done[i] = ok
+    else:
+        done = read_many(items)  # its errors name key and file
     missed = {id(a) for a, ok in zip(owner, done) if not ok}
     out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
