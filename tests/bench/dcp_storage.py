@@ -1,0 +1,139 @@
+"""checkpoint.dcp's StorageWriter / StorageReader against torch's HF storage and DCP's default
+``.distcp`` storage, through ``dcp.save`` / ``dcp.load`` (not collected by pytest).
+
+On 2 and 4 ranks (gloo, CPU) a state_dict of float32 DTensors (``Shard(0)`` on a 1-D mesh) is
+saved by each side, then loaded into ``Shard(1)`` targets (resharding):
+
+- ours: ``StorageWriter(path)`` / ``StorageReader(path)``: HF layout, each byte written once;
+- torch HF: ``HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=True)``
+  (torchtitan's HF export: per-rank files, then a consolidation pass) / ``HuggingFaceStorageReader``;
+- DCP default: ``FileSystemWriter`` / ``FileSystemReader`` (``.distcp`` files, not HF).
+
+Each round runs the three sides in rotating order; a time is the slowest rank's, from a barrier
+to a barrier; every side starts on a new directory, and the page cache is flushed (``os.sync``)
+before each timed step. Printed per world size: each reference's time over ours per round
+(> 1: ours is faster), as median and range. Values are checked after every load.
+
+    python tests/bench/dcp_storage.py [--mib 64] [--tensors 8] [--rounds 5] [--dir /dev/shm/x] [--worlds 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from checkpoint.ranks.launch import run_ranks  # noqa: E402
+
+SIDES = ("ours", "torch-hf", "dcp-distcp")
+
+
+def full(i: int, rows: int, cols: int) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + i
+
+
+def _writer(side: str, path: str):
+    from torch.distributed.checkpoint import FileSystemWriter, HuggingFaceStorageWriter
+
+    from checkpoint.dcp import StorageWriter
+
+    if side == "ours":
+        return StorageWriter(path)
+    if side == "torch-hf":
+        return HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=True)
+    return FileSystemWriter(path)
+
+
+def _reader(side: str, path: str):
+    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+
+    from checkpoint.dcp import StorageReader
+
+    if side == "ours":
+        return StorageReader(path)
+    if side == "torch-hf":
+        return HuggingFaceStorageReader(path)
+    return FileSystemReader(path)
+
+
+def worker(rank, world, root, n, rows, cols, rounds):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {f"layers.{i}.weight": distribute_tensor(full(i, rows, cols), mesh, [Shard(0)], src_data_rank=None)
+          for i in range(n)}  # fmt: skip
+    target = {k: distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(1)], src_data_rank=None) for k in sd}
+    times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": []} for s in SIDES}
+
+    def timed(fn) -> float:
+        if rank == 0:
+            os.sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        el = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(el, op=dist.ReduceOp.MAX)
+        return float(el)
+
+    for r in range(-1, rounds):  # round -1 warms every side up (imports, first touches); not kept
+        order = SIDES[r % len(SIDES):] + SIDES[: r % len(SIDES)]
+        for side in order:
+            path = os.path.join(root, f"{side}-{r}")
+            times[side]["save"].append(timed(lambda: dcp.save(sd, storage_writer=_writer(side, path))))
+            for v in target.values():
+                v.to_local().zero_()
+            times[side]["load"].append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path))))
+            for i, (k, v) in enumerate(target.items()):
+                if not torch.equal(v.full_tensor(), full(i, rows, cols)):
+                    raise AssertionError(f"{side}: {k} loaded wrong values")
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            if r < 0:
+                times[side]["save"].pop()
+                times[side]["load"].pop()
+    return times
+
+
+def ratio_line(label: str, ref: list[float], ours: list[float]) -> str:
+    r = [a / b for a, b in zip(ref, ours)]
+    return f"  {label:<28} {statistics.median(r):5.2f}x  (range {min(r):.2f}-{max(r):.2f}; ref median {statistics.median(ref):.3f}s, ours {statistics.median(ours):.3f}s)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=64, help="MiB of float32 in all")
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/dev/shm/fqnckpt-dcp-bench")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    a = ap.parse_args()
+    cols = 256
+    rows = max(8, (a.mib << 20) // (4 * cols * a.tensors) // 8 * 8)
+    size = a.tensors * rows * cols * 4
+    for world in a.worlds:
+        shutil.rmtree(a.dir, ignore_errors=True)
+        os.makedirs(a.dir)
+        try:
+            res = run_ranks(worker, world, a.dir, a.tensors, rows, cols, a.rounds, backend="gloo", timeout=1800)[0]
+        finally:
+            shutil.rmtree(a.dir, ignore_errors=True)
+        print(f"{world} ranks, {a.tensors} tensors, {size / 2**20:.0f} MiB float32, {a.rounds} rounds, rotating order, {a.dir}")
+        for side in ("torch-hf", "dcp-distcp"):
+            for what in ("save", "load"):
+                print(ratio_line(f"{side} {what} / ours", res[side][what], res["ours"][what]))
+
+
+if __name__ == "__main__":
+    main()
