@@ -58,7 +58,10 @@ from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
 from ..storage.location import is_remote, resolve
-from ..storage.writer import create_shard_file, file_record, open_shard_file, write_block
+from ..storage import digest, fskind
+from ..storage.digest import hash_spans
+from ..storage.format import FileRecordV2
+from ..storage.writer import BlockWriter, create_shard_file, distributed_record, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,13 @@ class _RemotePlan:
 
 @dataclass(frozen=True)
 class Written:
-    """``WriteResult.storage_data`` of a tensor item: its file and absolute byte range there."""
+    """``WriteResult.storage_data`` of a tensor item: its file, the tensor's absolute byte range
+    there, and its xxh3-128 digest when this rank wrote it whole (else None)."""
 
     relative_path: str
     begin: int
     end: int
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -253,17 +258,14 @@ class StorageWriter(dcp_storage.StorageWriter):
         if st is None:
             raise CheckpointWriteError(str(self.path), "the save was abandoned before finish() (reset() or another save)")
         try:
-            extra, written = _collect(results)
-            missing = sorted(set(layout.slots) - written)
+            extra, known = _collect(results)
+            missing = sorted(set(layout.slots) - set(known))
             if missing:
                 raise CheckpointWriteError(
                     str(self.path), f"no rank wrote {missing[:10]}{' ...' if len(missing) > 10 else ''}"
                 )
-            names = [f.name for f in layout.files]
-            with ThreadPoolExecutor(max(1, min(4, len(names)))) as pool:  # xxh3 releases the GIL
-                recs = list(pool.map(lambda n: _synced_record(os.path.join(st.dir, n)), names))
             part = _Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None)
-            index = _index(part, layout, dict(zip(names, recs)))
+            index = _index(part, layout, _records(st.dir, layout, known))
             if extra:
                 entries = snapshot_extra_state(_nested(extra, metadata.planner_data))
                 for name, data in extra_state_file_bytes(entries).items():
@@ -330,35 +332,35 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def _write_local(self, plan: SavePlan, data: _LocalPlan, planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
-        fds: dict[str, int] = {}
+        files: dict[str, BlockWriter] = {}
+        writeback_on = not fskind.in_memory_dir(data.staging_dir)
         item: WriteItem | None = None
         try:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(_extra_result(item, planner))
                     continue
-                fqn = item.index.fqn
-                slot = data.slots[fqn]
+                slot = data.slots[item.index.fqn]
                 t = planner.resolve_data(item)
-                fd = fds.get(slot.file)
-                if fd is None:
-                    fd = fds[slot.file] = open_shard_file(os.path.join(data.staging_dir, slot.file))
-                n = 0
-                for local, offset in _blocks(planner, item, t):
-                    write_block(fd, slot, local, offset)
+                w = files.get(slot.file)
+                if w is None:
+                    w = files[slot.file] = BlockWriter(os.path.join(data.staging_dir, slot.file), writeback_on)
+                n, whole = 0, None
+                for local, offset in _blocks(item, t):
+                    w.write(slot, local, offset)
                     n += local.numel() * local.element_size()
+                    if tuple(local.shape) == slot.spec.shape:  # the whole tensor: hashed from memory
+                        whole = digest.hexdigest(tensor_bytes(local))
                 results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data=Written(slot.file, slot.begin, slot.end)))  # fmt: skip
-            for fd in fds.values():  # a file's pages written here are on disk before finish() commits
-                os.fsync(fd)
+                                           storage_data=Written(slot.file, slot.begin, slot.end, whole)))  # fmt: skip
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
             key = f" writing {item.index.fqn!r}" if item is not None else ""
             raise CheckpointWriteError(str(self.path), f"{type(e).__name__}{key}: {e}", self.rank) from e
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for w in files.values():  # starts writeback of the rest (disk); finish() fsyncs each file
+                w.close()
         return results
 
     def _write_remote(self, plan: SavePlan, data: _RemotePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -382,13 +384,41 @@ class StorageWriter(dcp_storage.StorageWriter):
         ]
 
 
-def _synced_record(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the header (written at creation) and any page a rank left dirty
-    finally:
-        os.close(fd)
-    return file_record(path)
+def _records(staging_dir: str, layout: Layout, known: Mapping[str, str | None]) -> dict[str, FileRecordV2]:
+    """Every file's record: fsynced once (every rank has written; fsync flushes all ranks' pages
+    of a file), header digest from the plan, each tensor's digest from the rank that wrote it
+    whole, else hashed back from the page cache (split tensors: no rank saw all their bytes). The
+    files, and the tensors to hash in byte-balanced shares, go to a few threads (xxh3 and fsync
+    release the GIL; the other ranks wait in DCP's gather meanwhile)."""
+    tasks: list[tuple[str, list[tuple[str, int, int]]]] = []
+    for f in layout.files:
+        todo = [(s.spec.fqn, s.begin, s.end) for s in f.slots if known.get(s.spec.fqn) is None]
+        total = sum(e - b for _, b, e in todo)
+        share, cur, size = max(total // 4, 1 << 20), [], 0
+        for span in todo:
+            cur.append(span)
+            size += span[2] - span[1]
+            if size >= share:
+                tasks.append((f.name, cur))
+                cur, size = [], 0
+        tasks.append((f.name, cur))  # also the file's fsync
+
+    def run(task: tuple[str, list[tuple[str, int, int]]]) -> dict[str, str]:
+        path = os.path.join(staging_dir, task[0])
+        if task is tasks_last[task[0]]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return hash_spans(path, task[1]) if task[1] else {}
+
+    tasks_last = {name: t for name, t in tasks}  # one fsync per file
+    digests = {k: v for k, v in known.items() if v is not None}
+    with ThreadPoolExecutor(max(1, min(4, len(tasks)))) as pool:
+        for d in pool.map(run, tasks):
+            digests.update(d)
+    return {f.name: distributed_record(f, digests) for f in layout.files}
 
 
 def _dedup(plans: list[SavePlan]) -> list[SavePlan]:
@@ -447,7 +477,7 @@ def _specs_of(plans: Sequence[SavePlan], path: str) -> tuple[list[TensorSpec], l
     return list(specs.values()), extra
 
 
-def _blocks(planner: SavePlanner, item: WriteItem, t: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+def _blocks(item: WriteItem, t: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """``(local block, global element offset)`` pairs of item ``item`` whose data is ``t``."""
     chunk = item.tensor_data.chunk
     if isinstance(t, DTensor):
@@ -486,15 +516,17 @@ def _nested(flat: Mapping[str, Any], mappings: Mapping[str, Any] | None) -> dict
     return out
 
 
-def _collect(results: list[list[WriteResult]]) -> tuple[dict[str, Any], set[str]]:
+def _collect(results: list[list[WriteResult]]) -> tuple[dict[str, Any], dict[str, str | None]]:
+    """Non-tensor values, and each written tensor's digest (None: split, hashed back)."""
     extra: dict[str, Any] = {}
-    written: set[str] = set()
+    written: dict[str, str | None] = {}
     for rank_results in results:
         for wr in rank_results:
             if isinstance(wr.storage_data, ExtraValue):
                 extra[wr.index.fqn] = wr.storage_data.value
             elif isinstance(wr.storage_data, Written):
-                written.add(wr.index.fqn)
+                if written.get(wr.index.fqn) is None:
+                    written[wr.index.fqn] = wr.storage_data.digest
     return extra, written
 
 
