@@ -434,6 +434,41 @@ def _remote(url, opts, mesh1) -> dict[str, bool]:
             and tgt["step"] == 4}  # fmt: skip
 
 
+def _train_state(root, mesh1) -> dict[str, bool]:
+    """A training checkpoint as DCP users write it: FSDP2 model and AdamW state from
+    ``get_state_dict``, plus train state; resumed into another model, the next step is identical."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+        fully_shard(m, mesh=mesh1)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for seed in (0, 1):
+        m, opt = make(seed)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        runs.append((m, opt))
+    (m, opt), (m2, opt2) = runs
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd, "train_state": {"step": 1}}, checkpoint_id=f"{root}/train",
+             storage_writer=StorageWriter())  # fmt: skip
+    msd2, osd2 = get_state_dict(m2, opt2)
+    state = {"model": msd2, "optim": osd2, "train_state": {"step": 0}}
+    dcp.load(state, checkpoint_id=f"{root}/train", storage_reader=StorageReader())
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for model, o in runs:
+        model(x).sum().backward()
+        o.step()
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(m.parameters(), m2.parameters()))
+    return {"train:resume": same and state["train_state"] == {"step": 1}}
+
+
 def _ranks_worker(rank, world, root, s3_port):
     mesh1, mesh2 = _meshes(world)
     out = _placement_and_mesh_changes(root, world, mesh1, mesh2)
@@ -441,6 +476,7 @@ def _ranks_worker(rank, world, root, s3_port):
     out.update(every)
     out.update(_async(root, world, mesh1))
     out.update(_titan_export(root, mesh1))
+    out.update(_train_state(root, mesh1))
     out.update(_torch_hf_output(root, world, mesh1, mesh2))
     if s3_port is not None:
         from tests.s3_server import storage_options
@@ -469,7 +505,7 @@ def test_ranks(tmp_path, world, request):
         assert not bad, bad
     names = set(res[0]["ok"])
     assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
-    assert "empty-shards" in names and "async:thread" in names and (world != 2 or {"async:process", "s3"} <= names)
+    assert {"empty-shards", "async:thread", "train:resume"} <= names and (world != 2 or {"async:process", "s3"} <= names)
     # What StorageWriter wrote is an fqnckpt checkpoint: verifies, each byte written once (the
     # ranks' pwrites, headers included, add up to the files' sizes), safetensors reads it.
     every = f"{root}/every"
