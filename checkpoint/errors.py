@@ -12,7 +12,14 @@ from typing import Any
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by :mod:`checkpoint`."""
+    """Base class of every error raised by :mod:`checkpoint`. Its message holds no credential:
+    string arguments pass through :func:`checkpoint.storage.secrets.scrub` here, once for every
+    subclass."""
+
+    def __init__(self, *args: Any):
+        from .storage.secrets import scrub
+
+        super().__init__(*(scrub(a) if isinstance(a, str) else a for a in args))
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -387,10 +394,12 @@ def error_fields(e: BaseException) -> dict[str, Any]:
     if file is None and getattr(e, "files", None):
         file = ", ".join(map(str, e.files))
     key = next((getattr(e, a) for a in ("key", "entry") if getattr(e, a, None) is not None), None)
+    from .storage.secrets import scrub
+
     return {
         "error": type(e).__name__,
-        "message": str(e),
-        "file": str(file) if file is not None else None,
+        "message": scrub(str(e)),
+        "file": scrub(str(file)) if file is not None else None,
         "key": key if key is None or isinstance(key, str) else str(key),
         "rank": getattr(e, "rank", None),
     }

@@ -14,7 +14,11 @@ from .errors import BadInput
 
 
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True, default=str) if args.json else text)
+    """Print a command's result (``--json``: ``data``), credentials scrubbed (one scrubber:
+    :mod:`checkpoint.storage.secrets`)."""
+    from ..storage.secrets import scrub, scrub_data
+
+    print(json.dumps(scrub_data(data), indent=2, sort_keys=True, default=str) if args.json else scrub(text))
 
 
 def human(n: int) -> str:

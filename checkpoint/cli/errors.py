@@ -104,14 +104,16 @@ def report_error(e: BaseException, args: argparse.Namespace | None, command: str
     )
     if isinstance(e, BadInput):
         fields.update(error="BadInput", file=e.file or fields.get("file"), key=e.key)
-    msg = cli_spelling(one_line(str(e)))
+    from ..storage.secrets import scrub, scrub_data
+
+    msg = scrub(cli_spelling(one_line(str(e))))
     flag = _flag_at_fault(e, args) if args is not None else None
     if flag and flag not in msg:
         msg = f"{flag}: {msg}"
     if as_json:
         out = {"ok": False, "command": command, "message": msg, "flag": flag, "exit_code": EXIT_BAD_INPUT}
         out.update({k: fields.get(k) for k in ("error", "file", "key", "rank")})
-        print(json.dumps(out, sort_keys=True, default=str))
+        print(json.dumps(scrub_data(out), sort_keys=True, default=str))
     print(f"{' '.join(['fqnckpt', command] if command else ['fqnckpt'])}: error: {msg}", file=sys.stderr)
     if os.environ.get("FQNCKPT_TRACEBACK"):
         import traceback

@@ -20,8 +20,6 @@ object uploads one part at a time).
 from __future__ import annotations
 
 import errno
-import os
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -31,6 +29,7 @@ from typing import Any
 
 from .. import _faults
 from ..errors import LoadError, UnsupportedStorageError
+from .secrets import register, scrub, scrubber
 from .urls import redact_url, url_scheme
 from . import ownership
 
@@ -60,7 +59,7 @@ class ObjectStoreError(OSError):
     ``transient``: whether the last failure was of the retried kind. The message holds no credentials."""
 
     def __init__(self, message: str, transient: bool = False):
-        super().__init__(message)
+        super().__init__(scrub(message))
         self.transient = transient
 
     def __str__(self) -> str:
@@ -112,37 +111,7 @@ def _buffered(delta: int) -> None:
         stats.peak_buffered = max(stats.peak_buffered, stats.buffered)
 
 
-# -- credentials never reach a message --------------------------------------------------------------
-
-_SECRET_KEYS = re.compile(r"key|secret|token|password|passwd|credential|signature|auth", re.IGNORECASE)
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-_SIGNED = re.compile(r"((?:X-Amz-)?(?:Signature|Credential|Security-Token)=)[^&\s,'\"]+", re.IGNORECASE)
-
-
-def _secret_values(options: Any, out: set[str]) -> None:
-    if isinstance(options, Mapping):
-        for k, v in options.items():
-            if isinstance(v, str) and _SECRET_KEYS.search(str(k)) and len(v) >= 4:
-                out.add(v)
-            else:
-                _secret_values(v, out)
-
-
-def scrubber(options: Mapping | None):
-    """A function removing every credential of ``options`` (values under key-like names, nested
-    too) and of the AWS environment variables from a text."""
-    secrets: set[str] = set()
-    _secret_values(options or {}, secrets)
-    secrets.update(v for k in _SECRET_ENV if len(v := os.environ.get(k, "")) >= 4)
-    ordered = sorted(secrets, key=len, reverse=True)
-
-    def scrub(text: str) -> str:
-        for s in ordered:
-            text = text.replace(s, "***")
-        return _SIGNED.sub(r"\1***", text)
-
-    return scrub
-
+# -- credentials never reach a message: the one scrubber (checkpoint.storage.secrets) -----------------
 
 # -- which failures are transient ---------------------------------------------------------------------
 
@@ -632,6 +601,8 @@ def open_store(
         import fsspec
     except ImportError:
         raise UnsupportedStorageError(shown, scheme, "fsspec is not installed") from None
+    register(storage_options)  # every later message of this process scrubs these
+    register(fsspec.config.conf.get(scheme))  # options from FSSPEC_<SCHEME>_* / fsspec's config files
     scrub = scrubber(storage_options)
     try:
         cls = fsspec.get_filesystem_class(scheme)

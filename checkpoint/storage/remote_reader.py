@@ -129,6 +129,10 @@ class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
     a ranged GET (``root`` is the checkpoint's URL)."""
 
+    # No local window to copy through: loads read blocks with get_slice (ranged GETs); apply's
+    # _copy_into takes a missing copy_into as "cannot".
+    copy_into = None
+
     def __init__(self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int]):
         store = view.store
         super().__init__(store.url, index, store.url_of(index_name_) if index_name_ else None, key_file)

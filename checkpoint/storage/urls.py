@@ -13,7 +13,6 @@ import re
 
 # RFC 3986 scheme, then "://". One letter before ":" is a Windows drive ("C:\\..."), never a URL.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)[^/@]*@")
 
 
 def url_scheme(path: object) -> str | None:
@@ -34,8 +33,11 @@ def is_url(path: object) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """``url`` without a ``user:secret@`` part (credentials never reach a message)."""
-    return _USERINFO.sub(r"\1", url)
+    """``url`` as messages show it: userinfo, query values and fragment replaced by ``***``
+    (:func:`checkpoint.storage.secrets.scrub_url`; credentials never reach a message)."""
+    from .secrets import scrub_url
+
+    return scrub_url(url)
 
 
 __all__ = ["url_scheme", "is_url", "redact_url"]
