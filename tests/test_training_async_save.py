@@ -328,3 +328,70 @@ def test_saves_in_flight_at_exit_commit_and_an_unseen_failure_fails_the_process(
         final = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
         checkpoint.load(final, tmp_path / "final")
         assert all(torch.equal(v, want[k]) for k, v in final.state_dict().items())
+
+
+def _overlapping(monkeypatch, target, during):
+    """Patch the background copy: ``target``'s copy is cut in two and ``during(src)`` runs
+    between the halves (a write overlapping the copy, deterministic)."""
+    mod = importlib.import_module("checkpoint.training.async_save")  # the module, not the function
+    real = mod._copy
+
+    def copy(dst, src):
+        if src.data_ptr() != target.data_ptr() or threading.current_thread() is threading.main_thread():
+            return real(dst, src)
+        half = src.numel() // 2
+        d, s = dst.view(-1), src.detach().view(-1)
+        real(d[:half], s[:half])
+        during(src)
+        real(d[half:], s[half:])
+
+    monkeypatch.setattr(mod, "_copy", copy)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        "second_half_running",  # a kernel thread wrote the second half; the first is pending (no bump yet)
+        "first_half_running",  # the write runs behind the copy (no bump yet)
+        "whole_finished",  # the write finished during the copy (bumps the counter)
+        "view_finished",  # through a view of the parameter
+        "data_before_copy",  # through .data (never bumps the counter), finished before the copy
+    ],
+)
+def test_write_overlapping_the_background_copy_is_never_committed_torn(tmp_path, monkeypatch, write):
+    model, opt = _trained()
+    w = model[0].weight
+    at_call = w.detach().clone()
+    raw = w.data.view(-1)  # no version bump: a kernel still running
+    half = raw.numel() // 2
+    def finished(fn):
+        def run(src):
+            with torch.no_grad():
+                fn()
+
+        return run
+
+    actions = {
+        "second_half_running": lambda src: raw[half:].add_(1.0),
+        "first_half_running": lambda src: raw[:half].add_(1.0),
+        "whole_finished": finished(lambda: w.add_(1.0)),
+        "view_finished": finished(lambda: w[3:].mul_(2.0)),
+        "data_before_copy": None,
+    }
+    if write == "data_before_copy":
+        held = _HeldStaging(monkeypatch)
+    else:
+        _overlapping(monkeypatch, w, actions[write])
+    fut = AsyncSaver().save(model, tmp_path / "ck", optimizer=opt, background_staging=True)
+    if write == "data_before_copy":
+        w.data.add_(1.0)
+        held.release()
+    try:
+        fut.result(timeout=120)
+    except checkpoint.SnapshotChangedError as e:
+        assert "0.weight" in str(e)
+        assert not (tmp_path / "ck").exists()  # nothing committed
+        return
+    back = _model(1)
+    checkpoint.load(back, tmp_path / "ck")
+    assert torch.equal(back[0].weight, at_call), "a torn or changed tensor was committed"

@@ -227,9 +227,30 @@ class _Copy:
     buf: torch.Tensor
     src: torch.Tensor
     watch: list[tuple[torch.Tensor, int]]
+    sample: torch.Tensor | None = None  # bytes of a few elements at the call (deferred copies)
 
     def changed(self) -> bool:
         return any(t._version != v for t, v in self.watch)
+
+
+_SAMPLES = 64  # elements of a deferred tensor kept at the call (evenly spread)
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor | None:
+    """Bytes of up to :data:`_SAMPLES` evenly spread elements of contiguous CPU tensor ``t`` (a
+    copy; None for other tensors): what a write that bypasses the version counter (through
+    ``.data``) changes is seen when the staged copy's sample differs (~5 us a tensor)."""
+    if not (t.device.type == "cpu" and t.is_contiguous() and t.numel()):
+        return None
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES].clone().view(torch.uint8)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two contiguous CPU tensors of one dtype (NaN payloads included)."""
+    if a.numel() == 0:
+        return True
+    return bool(np.array_equal(a.reshape(-1).view(torch.uint8).numpy(), b.detach().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _copy_of(key: tuple[str, str], buf: torch.Tensor, src: torch.Tensor, owner: torch.Tensor) -> _Copy:
@@ -408,6 +429,8 @@ class AsyncSaver:
                     ]
                     later = {id(c) for c in deferred}
                     copies = [c for c in copies if id(c) not in later]
+                    for c in deferred:  # checked by _stage_deferred after its copy
+                        c.sample = _sample(c.src)
                 for c in copies:
                     _copy(c.buf, c.src)
                     self._pool.mark_touched(c.buf)
@@ -446,13 +469,32 @@ class AsyncSaver:
 
 
 def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
-    """Copy each deferred tensor, then check that nothing wrote it since the call (a write that
-    finished before the copy ended shows in the version counter; the step pre-hook keeps
-    ``optimizer.step()`` out until this returns)."""
+    """Copy each deferred tensor and prove the copy holds the values at the call, else raise
+    :class:`SnapshotChangedError` (nothing is written). The step pre-hook keeps
+    ``optimizer.step()`` out until this returns; other writers are caught by four checks:
+
+    1. the version counters before the copy (a write that finished since the call);
+    2. the copy's sample against the one taken at the call (writes that bypass the counter,
+       through ``.data``, that changed a sampled element);
+    3. the copy against the tensor, byte for byte, after the copy (a write overlapping the copy:
+       torch bumps the counter only when an in-place kernel *finished*, so a write still running
+       when the copy ended shows only as bytes that differ);
+    4. the version counters again, after that comparison (a write that finished meanwhile).
+
+    A write that started before the copy ended and is still running, untouched, after the
+    comparison (a kernel thread preempted for that long) is the one case left unseen.
+    """
     with torch.no_grad():
         for c in deferred:
-            _copy(c.buf, c.src)
-            if c.changed():
+            torn = c.changed()
+            if not torn:
+                _copy(c.buf, c.src)
+                torn = (
+                    (c.sample is not None and not torch.equal(_sample(c.buf), c.sample))
+                    or (c.sample is not None and not _same_bytes(c.buf, c.src))
+                    or c.changed()
+                )
+            if torn:
                 prefix, fqn = c.key
                 raise SnapshotChangedError(fqn if prefix == MODEL_PREFIX else f"{prefix} state {fqn}", path)
 
