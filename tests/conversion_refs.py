@@ -213,3 +213,27 @@ def greedy(logits_fn, prompt, steps=20):
         nxt = logits_fn(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], 1)
     return ids[0, prompt.shape[1] :].tolist()
+
+
+# torchtitan's names today (pytorch/torchtitan b5bcd76, torchtitan/models/{llama3,qwen3,deepseek_v3}/
+# state_dict_adapter.py from_hf_map) -> the legacy names the reference forwards above read. Written
+# from the adapters, not from fqnckpt's layout table: the oracle of the versioned recipes.
+TITAN_TODAY_TO_LEGACY = (
+    (r"^lm_head\.weight$", "output.weight"),
+    (r"\.attention\.qkv_linear\.(w[qkv])\.weight$", r".attention.\1.weight"),
+    (r"\.moe\.routed_experts\.inner_experts\.(w[13])_EFD$", r".moe.experts.\1"),
+    (r"\.moe\.routed_experts\.inner_experts\.w2_EDF$", ".moe.experts.w2"),
+    (r"\.moe\.expert_bias_E$", ".moe.expert_bias"),
+)
+
+
+def titan_legacy(sd: dict) -> dict:
+    """A torchtitan state dict in today's names, renamed to the legacy ones (values shared)."""
+    import re
+
+    out = {}
+    for k, v in sd.items():
+        for pat, rep in TITAN_TODAY_TO_LEGACY:
+            k = re.sub(pat, rep, k)
+        out[k] = v
+    return out

@@ -217,8 +217,10 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
 def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
     hf = randomize(transformers.LlamaForCausalLM(llama_config()), 1)
     checkpoint.save(hf, tmp_path / "hf")
-    checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3", model=hf)
-    tt = read(tmp_path / "tt")
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3", model=hf)
+    raw = read(tmp_path / "tt")  # today's torchtitan names by default
+    assert {"layers.0.attention.qkv_linear.wq.weight", "lm_head.weight"} <= set(raw) and rep.layouts == {"target": "torchtitan 3101b42"}
+    tt = refs.titan_legacy(raw)
     assert "layers.0.attention.wq.weight" in tt
     assert_same_model(lambda ids: refs.meta_llama_logits(tt, NH, NKV, ids), hf)
     checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-llama3-to-hf", model=hf)
@@ -280,7 +282,9 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     model = qwen3_moe()
     model.save_pretrained(tmp_path / "hub")
     rep = checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe", model=model)
-    tt = read(tmp_path / "tt")
+    raw = read(tmp_path / "tt")
+    assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in raw and "layers.1.attention.qkv_linear.wk.weight" in raw
+    tt = refs.titan_legacy(raw)
     assert tt["layers.1.moe.experts.w1"].shape == (4, 16, H) and tt["layers.1.moe.experts.w2"].shape == (4, H, 16)
     assert sum(u.groups for u in rep.rules if "experts" in u.rule) == 3 * L
     cfg = model.config
@@ -314,9 +318,9 @@ def torchtitan_deepseek_v3_keys(n_layers, q_lora: bool) -> set[str]:
     """torchtitan's DeepSeek-V3 names (deepseek_v3 state_dict_adapter from_hf_map), layer 0 dense."""
     attn = ["wq_a.weight", "q_norm.weight", "wq_b.weight"] if q_lora else ["wq.weight"]
     attn += ["wkv_a.weight", "kv_norm.weight", "wkv_b.weight", "wo.weight"]
-    moe = ["moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight", "moe.expert_bias"]
+    moe = [f"moe.routed_experts.inner_experts.{w}" for w in ("w1_EFD", "w2_EDF", "w3_EFD")] + ["moe.router.gate.weight", "moe.expert_bias_E"]
     moe += [f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
-    keys = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    keys = {"tok_embeddings.weight", "norm.weight", "lm_head.weight"}
     for i in range(n_layers):
         keys |= {f"layers.{i}.attention.{a}" for a in attn} | {f"layers.{i}.{n}_norm.weight" for n in ("attention", "ffn")}
         keys |= {f"layers.{i}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")} if i == 0 else {f"layers.{i}.{k}" for k in moe}
@@ -336,8 +340,9 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_i
     hub = read(tmp_path / "hub")
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub
     checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
-    tt = read(tmp_path / "tt")
-    assert set(tt) == torchtitan_deepseek_v3_keys(3, q_lora_rank is not None)
+    raw = read(tmp_path / "tt")
+    assert set(raw) == torchtitan_deepseek_v3_keys(3, q_lora_rank is not None)  # MLA keeps attention.wq
+    tt = refs.titan_legacy(raw)
     assert tt["layers.2.moe.experts.w2"].shape == (8, H, 16) and tt["layers.2.moe.expert_bias"].abs().sum() > 0
     cfg = model.config
 
@@ -355,7 +360,7 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_i
         moved = not torch.equal(tt["layers.1.attention.wq_b.weight"], hub["model.layers.1.self_attn.q_b_proj.weight"])
         assert moved == (not rope_interleave)
     rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
-    assert sum(u.sources for u in rep.rules) == len(tt)
+    assert sum(u.sources for u in rep.rules) == len(tt) and rep.layouts == {"source": "torchtitan 3101b42"}
     assert_equal_sd(read(tmp_path / "back"), hub)
     fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
     assert type(fresh) is transformers.DeepseekV3ForCausalLM
@@ -382,7 +387,7 @@ def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatc
     cases = [
         ("tt", "torchtitan-moe-to-hf", "model.layers.1.mlp.experts.2.up_proj.weight", (slice(3, 9),)),  # Unstack
         ("tt", "torchtitan-moe-to-hf", "model.layers.0.self_attn.v_proj.weight", (slice(2, 6), slice(1, 4))),  # rename
-        ("hub", "hf-to-torchtitan-moe", "layers.1.moe.experts.w2", (slice(1, 3), slice(0, 5))),  # Stack
+        ("hub", "hf-to-torchtitan-moe", "layers.1.moe.routed_experts.inner_experts.w2_EDF", (slice(1, 3), slice(0, 5))),  # Stack
     ]
     src = {"tt": tmp_path / "tt", "hub": tmp_path / "hub", "meta": write_meta(tmp_path / "meta", meta_state_dict(5))}
     llama = transformers.LlamaForCausalLM(llama_config())
@@ -705,7 +710,7 @@ def test_load_and_save_with_recipe(tmp_path, monkeypatch):
     assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
     rep = checkpoint.save(hf, tmp_path / "tt", recipe="hf-to-torchtitan-llama3")
     assert isinstance(rep, ConversionReport) and rep.written
-    assert_equal_sd(read(tmp_path / "tt"), sd)
+    assert_equal_sd(refs.titan_legacy(read(tmp_path / "tt")), sd)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
 
 
@@ -730,8 +735,12 @@ def test_torchtitan_moe_router_bias_and_shared_experts_round_trip(tmp_path):
     assert torch.equal(hf["model.layers.1.mlp.experts.3.down_proj.weight"], tt["layers.1.moe.experts.w2"][3])
     assert torch.equal(hf["model.layers.1.mlp.shared_experts.up_proj.weight"], tt["layers.1.moe.shared_experts.w3.weight"])
     assert len(hf) == 6 + 3 * 4 and sum(u.sources for u in rep.rules) == len(tt)
-    checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")
+    assert rep.layouts == {"source": "torchtitan legacy..786e26f (read as 786e26f)"}  # no output / attention key to tell
+    back = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe@legacy")
+    assert back.layouts == {"target": "torchtitan legacy"}
     assert_equal_sd(read(tmp_path / "back"), tt)
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "today", recipe="hf-to-torchtitan-moe")  # today's names by default
+    assert_equal_sd(refs.titan_legacy(read(tmp_path / "today")), tt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool])
@@ -1020,3 +1029,75 @@ def test_conversion_whose_inverse_does_not_give_back_the_source_is_refused(tmp_p
     ok = Recipe("rename", "unrename", (Rule("a.weight", "b.weight"),))
     rep = checkpoint.migrate(tmp_path / "x.safetensors", tmp_path / "out", recipe=ok)
     assert any(c.startswith("the inverse recipe unrename applied to the planned output gives back") for c in rep.checks)
+
+
+# torchtitan's names at each version (pytorch/torchtitan history of the llama3 / qwen3 adapters and
+# models): the test's own table, read from the commits, not fqnckpt's.
+TITAN_NAMES = {
+    "legacy": {"out": "output.weight", "wk": "layers.0.attention.wk.weight", "w1": "layers.1.moe.experts.w1", "bias": "layers.1.moe.expert_bias"},
+    "786e26f": {"out": "lm_head.weight", "wk": "layers.0.attention.wk.weight", "w1": "layers.1.moe.experts.w1", "bias": "layers.1.moe.expert_bias"},
+    "200100e": {"out": "lm_head.weight", "wk": "layers.0.attention.wk.weight", "w1": "layers.1.moe.experts.w1_EFD", "bias": "layers.1.moe.expert_bias_E"},
+    "70dd945": {"out": "lm_head.weight", "wk": "layers.0.attention.qkv_linear.wk.weight", "w1": "layers.1.moe.experts.w1_EFD", "bias": "layers.1.moe.expert_bias_E"},
+    "3101b42": {"out": "lm_head.weight", "wk": "layers.0.attention.qkv_linear.wk.weight", "w1": "layers.1.moe.routed_experts.inner_experts.w1_EFD", "bias": "layers.1.moe.expert_bias_E"},
+}  # fmt: skip
+
+
+def small_hf_moe() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    hf = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": r(H), "lm_head.weight": r(V, H)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        hf |= {p + "self_attn.q_proj.weight": r(NH * 8, H), p + "self_attn.k_proj.weight": r(NKV * 8, H),
+               p + "self_attn.v_proj.weight": r(NKV * 8, H), p + "self_attn.o_proj.weight": r(H, NH * 8),
+               p + "input_layernorm.weight": r(H), p + "post_attention_layernorm.weight": r(H)}  # fmt: skip
+    hf |= {"model.layers.0.mlp.gate_proj.weight": r(FF, H), "model.layers.0.mlp.up_proj.weight": r(FF, H),
+           "model.layers.0.mlp.down_proj.weight": r(H, FF), "model.layers.1.mlp.gate.weight": r(4, H),
+           "model.layers.1.mlp.gate.e_score_correction_bias": r(4)}  # fmt: skip
+    for e in range(4):
+        hf |= {f"model.layers.1.mlp.experts.{e}.{p}.weight": r(*s) for p, s in (("gate_proj", (16, H)), ("up_proj", (16, H)), ("down_proj", (H, 16)))}
+    return hf
+
+
+@pytest.mark.parametrize("version", list(TITAN_NAMES))
+def test_every_torchtitan_version_both_ways(tmp_path, capsys, version):
+    """HF -> torchtitan@version writes that version's names (the test's table); torchtitan ->
+    HF detects the version from the keys alone and gives the HF tensors back bit for bit."""
+    import safetensors.torch
+
+    hf = small_hf_moe()
+    safetensors.torch.save_file(hf, tmp_path / "hf.safetensors")
+    rep = checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe=f"hf-to-torchtitan-moe@{version}", dims={"n_heads": NH, "n_kv_heads": NKV})
+    assert rep.layouts == {"target": f"torchtitan {version}"}
+    tt = read(tmp_path / "tt")
+    assert set(TITAN_NAMES[version].values()) <= set(tt)
+    others = {n for v, names in TITAN_NAMES.items() for n in names.values()} - set(TITAN_NAMES[version].values())
+    assert not others & set(tt)
+    assert torch.equal(tt[TITAN_NAMES[version]["w1"]][2], hf["model.layers.1.mlp.experts.2.gate_proj.weight"])
+    back = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", dims={"n_heads": NH, "n_kv_heads": NKV})
+    assert back.layouts["source"] == f"torchtitan {version}"  # every axis present: one version fits
+    assert_equal_sd(read(tmp_path / "back"), hf)
+    # the version, detected, is also what `fqnckpt inspect` names
+    from checkpoint.cli.main import main
+
+    assert main(["--json", "inspect", str(tmp_path / "tt")]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == f"torchtitan {version}"
+
+
+def test_torchtitan_mixed_or_wrong_version_refused(tmp_path):
+    import safetensors.torch
+
+    hf = small_hf_moe()
+    safetensors.torch.save_file(hf, tmp_path / "hf.safetensors")
+    d = {"n_heads": NH, "n_kv_heads": NKV}
+    checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe="hf-to-torchtitan-moe", dims=d)
+    tt = read(tmp_path / "tt")
+    tt["output.weight"] = tt.pop("lm_head.weight")  # a legacy name among today's
+    safetensors.torch.save_file(tt, tmp_path / "mixed.safetensors")
+    with pytest.raises(RecipeError, match="mixes torchtitan names of different versions.*'output.weight' \\(output as of legacy\\)"):
+        checkpoint.migrate(tmp_path / "mixed.safetensors", tmp_path / "x", recipe="torchtitan-moe-to-hf", dims=d)
+    with pytest.raises(RecipeError, match="is torchtitan 3101b42..3101b42, not 'legacy'"):
+        checkpoint.migrate(tmp_path / "tt", tmp_path / "x", recipe="torchtitan-moe-to-hf@legacy", dims=d)
+    with pytest.raises(RecipeError, match="no layout version 'v9'"):
+        checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "x", recipe="hf-to-torchtitan-moe@v9", dims=d)
+    assert not (tmp_path / "x").exists()

@@ -96,6 +96,7 @@ def _inspect(args: argparse.Namespace) -> int:
             "total_bytes": src.total_bytes(),
             "dtypes": dict(dtypes),
             "naming_schemes": dict(schemes),  # scheme -> number of tensors
+            "layout": _layout_of(keys),  # framework layout and version (checkpoint.convert.layouts)
             "wrapper_segments": dict(wrappers),  # segment -> number of tensors
             "per_file": per_file,
             "skipped": src.skipped,
@@ -123,6 +124,8 @@ def _inspect(args: argparse.Namespace) -> int:
         "  naming (tensors): "
         + (", ".join(f"{s} x{n}" for s, n in sorted(schemes.items())) or "plain eager names"),
     ]
+    if data["layout"]:
+        lines.append(f"  layout: {data['layout']}")
     if wrappers:
         lines.append(
             f"  wrapper segments (tensors): {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}"
@@ -147,6 +150,12 @@ def _inspect(args: argparse.Namespace) -> int:
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]
     emit(args, data, "\n".join(lines))
     return EXIT_OK
+
+
+def _layout_of(keys) -> str | None:
+    from ..layout_versions import detect_layout
+
+    return detect_layout(keys)
 
 
 def _inspect_parts(parts, data: dict) -> list[str]:

@@ -16,6 +16,7 @@ from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files, llama_config_from_meta, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
+from .layouts import LayoutError, versioned
 from .verify import dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
@@ -38,7 +39,9 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
             rec = entry.build(model)
             if rec.writes != "hf-model":  # only these name the model's FQNs
                 continue
+            rec, layouts = versioned(rec, catalog.keys(), None)
             plan = plan_conversion(catalog, rec, dims, model=model, source=source)
+            plan.report.layouts = layouts
         except (ConversionError, TypeError, ValueError) as e:
             tried.append(f"{name}: {str(e)[:120]}")
             continue
@@ -70,6 +73,9 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
     catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
     src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
+        asked = None
+        if isinstance(recipe, str) and "@" in recipe:  # a layout version: hf-to-torchtitan-llama3@legacy
+            recipe, _, asked = recipe.partition("@")
         entry = RECIPES.get(recipe) if isinstance(recipe, str) else None
         if model is None and entry is not None and entry.needs_model and catalog.hf_config is not None:
             try:  # the source's own config.json describes the model the recipe needs
@@ -83,11 +89,15 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
         if recipe == "auto":
             plan = _auto(catalog, model, d, str(src))
         else:
-            rec = get_recipe(recipe, model)
+            try:
+                rec, layouts = versioned(get_recipe(recipe, model), catalog.keys(), asked)
+            except LayoutError as e:
+                raise RecipeError(f"{src}: {e}") from None
             missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
             if missing:
                 raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
             plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+            plan.report.layouts = layouts
         plan.model = model
         verify_plan(plan, by_source)
         return plan

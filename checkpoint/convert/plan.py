@@ -102,9 +102,10 @@ def _meta_apply(group: Group, catalog: Catalog, shards: int, dims: Mapping[str, 
     return values
 
 
-def _apply_renames(key: str, renames) -> str:
+def _apply_renames(key: str, renames, present=frozenset()) -> str:
+    """``renames`` in order; one with ``apply_in`` also sees the other names (``present``)."""
     for r in renames:
-        key = r.apply(key)
+        key = r.apply_in(key, present) if hasattr(r, "apply_in") else r.apply(key)
     return key
 
 
@@ -130,6 +131,7 @@ class ConversionPlan:
             spec = catalog.specs(src)[0]
             self.specs.append(TensorSpec(tgt, tuple(spec.shape), spec.dtype))
         self._cache: dict[str, torch.Tensor] = {}
+        self._post_present: frozenset[str] = frozenset()  # target names before Recipe.post (set by plan_conversion)
 
     def compute(self, group: Group) -> list[tuple[str, torch.Tensor]]:
         """Read the group's source tensors and apply its ops: ``[(target, tensor)]``."""
@@ -137,7 +139,7 @@ class ConversionPlan:
         values = _inputs(group, shards, self.catalog.get)
         for op in _ops(group.rule, shards, self.out_shards):
             values = op.apply(values, self.dims)
-        return [(_apply_renames(n, self.recipe.post), t) for n, t in _outputs(group, values, self.out_shards)]
+        return [(_apply_renames(n, self.recipe.post, self._post_present), t) for n, t in _outputs(group, values, self.out_shards)]
 
     def fetch(self, spec: TensorSpec) -> torch.Tensor:
         name = spec.fqn
@@ -186,9 +188,10 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     groups: dict[tuple, Group] = {}
     unchanged: dict[str, str] = {}
     renamed: dict[str, str] = {}
-    present = {_apply_renames(k, recipe.pre) for k in catalog.keys()}  # for Rule.when_present / when_absent
+    raw = frozenset(catalog.keys())
+    present = {_apply_renames(k, recipe.pre, raw) for k in raw}  # for Rule.when_present / when_absent
     for key in catalog.keys():
-        name = _apply_renames(key, recipe.pre)
+        name = _apply_renames(key, recipe.pre, raw)
         if name in renamed:
             problems.append(Problem(kind="collision", keys=[renamed[name], key], message=f"{renamed[name]!r} and {key!r} are both renamed to {name!r}"))
             continue
@@ -233,6 +236,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     owner: dict[str, str] = {tgt: src for tgt, src in unchanged.items()}
     meta_results: dict[tuple, list[Value]] = {}
     meta_of: dict[int, list[Value]] = {}
+    staged: list[tuple[Group, list]] = []
     ok_groups: list[Group] = []
     for g in groups.values():
         bad = None
@@ -258,8 +262,11 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         except (OpError, RuntimeError, ValueError) as e:
             problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
             continue
+        staged.append((g, outs))
+    post_present = frozenset(tgt for _, outs in staged for tgt, _ in outs)  # what Recipe.post renames see
+    for g, outs in staged:
         for tgt, t in outs:
-            tgt = _apply_renames(tgt, recipe.post)
+            tgt = _apply_renames(tgt, recipe.post, post_present)
             if tgt in owner:
                 problems.append(Problem(kind="collision", keys=[tgt], message=f"target {tgt!r} filled twice (from {owner[tgt]!r} and {g.source_keys()[0]!r})"))
                 continue
@@ -285,6 +292,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         use.targets += len(g.targets)
         report.groups.append(GroupEntry(rule=g.rule_index, sources=g.source_keys(), targets=list(g.targets)))
     plan = ConversionPlan(catalog, recipe, dims, ok_groups, unchanged, report)
+    plan._post_present = post_present
     report.total_bytes = sum(s.nbytes for s in plan.specs)
     if problems:
         raise ConversionError(report)

@@ -1,0 +1,60 @@
+"""Recipes for one version of a framework's layout (:mod:`checkpoint.layout_versions` holds the
+versions as data, torch-free, for ``fqnckpt inspect`` too)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..layout_versions import FAMILIES, TORCHTITAN, Axis, Family, Respell, detect_layout, version_table
+from .rules import Recipe
+
+
+class LayoutError(ValueError):
+    """A checkpoint mixing the names of several versions, or a version that does not exist."""
+
+
+def versioned(recipe: Recipe, keys, asked: str | None) -> tuple[Recipe, dict[str, str]]:
+    """``recipe`` for one version of its framework's layout (``recipe.meta["family"]``): when it
+    reads the framework, the version detected from the source ``keys`` (``asked`` must agree);
+    when it writes it, ``asked`` or the newest. Returns the recipe with the renames as ``pre`` /
+    ``post`` and ``{"source" | "target": "torchtitan 3101b42 (2026-07-16)"}`` for the report.
+
+    Raises:
+        LayoutError: keys of several versions mixed, an unknown version, or ``asked`` not the
+            version the keys are."""
+    fam = FAMILIES.get(recipe.meta.get("family", ""))
+    if fam is None:
+        if asked:
+            raise LayoutError(f"recipe {recipe.name!r} has no layout versions (asked for {asked!r})")
+        return recipe, {}
+    known = [v for v, _, _ in fam.versions]
+    if asked is not None and asked not in known:
+        raise LayoutError(f"{fam.name} has no layout version {asked!r}; known: {known}")
+    reads = recipe.writes in ("hf", "hf-model")  # the framework's layout is the source
+    if reads:
+        fits, evidence = fam.detect(list(keys))
+        if not fits:
+            raise LayoutError(f"the source mixes {fam.name} names of different versions: {'; '.join(evidence)}")
+        if asked is not None and asked not in fits:
+            raise LayoutError(f"the source is {fam.name} {fits[0]}..{fits[-1]}, not {asked!r}: {'; '.join(evidence)}")
+        version = asked or fits[-1]
+        label = f"{fam.name} {version}" if len(fits) == 1 or asked else f"{fam.name} {fits[0]}..{fits[-1]} (read as {version})"
+        pre = tuple(r.inverse() for r in fam.respells(version))
+        out = replace(recipe, pre=recipe.pre + pre, meta=_meta(recipe, version))
+        return out, {"source": label}
+    version = asked or fam.newest
+    fwd = recipe.meta.get("inverse_of")
+    if fwd is not None:  # invert the versioned forward recipe: its rules keep when_present / when_absent
+        pre = tuple(r.inverse() for r in fam.respells(version))
+        out = replace(fwd, pre=fwd.pre + pre, meta=_meta(fwd, version)).inverse()
+    else:
+        out = replace(recipe, post=recipe.post + fam.respells(version), meta=_meta(recipe, version))
+    return out, {"target": f"{fam.name} {version}"}
+
+
+def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
+    return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
+
+
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "versioned", "version_table", "detect_layout"]
