@@ -571,7 +571,7 @@ def _save_distributed(
                             os.close(fd)
                         _faults.fault_point("after_file_fsync")
             finally:
-                ownership.settle([hashed])  # reads the staged files' mappings: done before leaving
+                ownership.settle([hashed])  # it reads the staged files: done before this call leaves
             my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share))
         except BaseException as e:  # noqa: BLE001
             err = (
