@@ -421,7 +421,7 @@ def test_cli_inspect_verify_diff_on_s3_through_fsspec_config(s3, monkeypatch, ca
     capsys.readouterr()
     assert cli_main(["inspect", url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["format"] == "fqnckpt" and data["tensors"] == 4
+    assert data["format"] == "safetensors-sharded" and data["tensors"] == 4
     assert cli_main(["verify", url]) == 0 and "OK" in capsys.readouterr().out
     checkpoint.save(_model(10), "s3://bkt/cli/other", storage_options=s3["opts"])
     capsys.readouterr()

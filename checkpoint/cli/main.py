@@ -145,6 +145,7 @@ def _inspect(args: argparse.Namespace) -> int:
         data["extra_state"] = src_extra
         lines.append(f"  extra state: {len(src_extra)} {'entry' if len(src_extra) == 1 else 'entries'}")
         lines += [f"    {k}: {v}" for k, v in src_extra.items()]
+    lines += _inspect_leftovers(args.path, data)
     if args.keys:
         lines.append("  keys:")
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]
@@ -177,6 +178,26 @@ def _inspect_parts(parts, data: dict) -> list[str]:
         lines.append(f"  extra state: {len(extra)} {'entry' if len(extra) == 1 else 'entries'}")
         lines += [f"    {k}: {v}" for k, v in extra.items()]
     return lines
+
+
+def _inspect_leftovers(path, data: dict) -> list[str]:
+    """``data["leftovers"]`` and text lines: what killed saves left at a URL checkpoint (staging
+    manifests, the objects they name, incomplete multipart uploads), removed by the next save there."""
+    from ..storage.urls import is_url
+
+    if not is_url(path):
+        return []
+    from ..storage.location import resolve
+    from ..storage.remote_commit import leftovers
+
+    left = leftovers(resolve(path))
+    if not any(left.values()):
+        return []
+    data["leftovers"] = left
+    return [
+        f"  leftovers of unfinished saves (removed by the next save here): {len(left['staging'])} staging manifest(s) "
+        f"{left['staging']}, objects {left['objects']}, incomplete multipart uploads {left['uploads']}"
+    ]
 
 
 def _inspect_manager(args: argparse.Namespace, root) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..storage.format import EXTRA_STATE_FILE, MODEL_PREFIX, OPTIMIZER_PREFIX, OptimizerMeta, index_name
 from .errors import BadInput
@@ -31,6 +32,7 @@ class Parts:
     extra_state: str | None
     alias_groups: list[list[str]] = field(default_factory=list)
     optimizer_meta: OptimizerMeta | None = None
+    store: Any = None  # the ObjectStore of a checkpoint at a URL (paths above are then URLs)
 
 
 def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: list[str] | None = None):
@@ -62,7 +64,10 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
         CorruptCheckpointError: an index that does not parse (file named).
     """
     from ..storage.st_header import read_index  # torch-free (inspect)
+    from ..storage.urls import is_url
 
+    if is_url(path):
+        return _remote_parts(path)
     root = os.fspath(path)
     model = os.path.join(root, index_name(MODEL_PREFIX))
     if not os.path.isdir(root) or not _plain_file(model):
@@ -81,6 +86,38 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
         [list(g) for g in meta.alias_groups],
         opt_meta.optimizer if opt_meta is not None else None,
     )
+
+
+def _remote_parts(url) -> Parts | None:
+    """:func:`fqnckpt_parts` of a checkpoint at a URL: the same parts, each read through the
+    objects its model index names (the part paths are ``<url>/<index name>``, which
+    :func:`checkpoint.sources.open_source` opens as that part)."""
+    from ..storage.location import resolve
+    from ..storage.remote_reader import remote_view
+
+    store = resolve(url)
+    with remote_view(store) as view:
+        meta = view.index.metadata.fqnckpt if view.index is not None else None
+        if meta is None:
+            return None  # nothing committed there, or a Hugging Face checkpoint: no parts of ours
+        opt_name, extra_name = index_name(OPTIMIZER_PREFIX), EXTRA_STATE_FILE
+        opt_meta = None
+        if view.object_of(opt_name) is not None:
+            from ..storage.st_header import parse_index_bytes
+
+            raw = view.member_bytes(opt_name)
+            opt_meta = parse_index_bytes(raw, store.url_of(opt_name)).metadata.fqnckpt if raw is not None else None
+        has_opt = view.object_of(opt_name) is not None and view.member_bytes(opt_name) is not None
+        has_extra = view.object_of(extra_name) is not None and view.member_bytes(extra_name) is not None
+        return Parts(
+            store.url,
+            store.url_of(index_name(MODEL_PREFIX)),
+            store.url_of(opt_name) if has_opt else None,
+            store.url_of(extra_name) if has_extra else None,
+            [list(g) for g in meta.alias_groups],
+            opt_meta.optimizer if opt_meta is not None else None,
+            store,
+        )
 
 
 def part_index(parts: Parts, part: str, flag: str) -> str:
@@ -114,6 +151,10 @@ class ManagerRoot:
 def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     """``path`` as a manager root (a directory that is no checkpoint itself, with ``step-*``
     entries), else None. Changes nothing (a manager's constructor would clean up leftovers)."""
+    from ..storage.urls import is_url
+
+    if is_url(path):
+        return _remote_manager_root(path)
     root = os.fspath(path)
     if not os.path.isdir(root) or os.path.isfile(os.path.join(root, index_name(MODEL_PREFIX))):
         return None
@@ -128,6 +169,28 @@ def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     return ManagerRoot(root, steps, foreign_step_entries(root))
 
 
+
+
+def _remote_manager_root(url) -> ManagerRoot | None:
+    """:func:`manager_root` of a URL prefix: the same rule over a listing of its objects."""
+    from ..storage.location import resolve
+    from ..storage.remote_commit import is_committed
+    from ..training.manager import parse_step_dir_name
+
+    store = resolve(url)
+    listing = store.listing()
+    if index_name(MODEL_PREFIX) in listing or not any(n.startswith("step-") for n in listing):
+        return None
+    if any(n == ".metadata" or n.endswith((".safetensors", ".index.json", ".pt", ".pth", ".bin")) for n in listing):
+        return None
+    steps, foreign = [], []
+    for name, (kind, _) in sorted(listing.items()):
+        step = parse_step_dir_name(name)
+        if step is not None and kind == "directory":
+            steps.append((step, store.url_of(name), is_committed(store.child(name))))
+        elif name.startswith("step-"):
+            foreign.append(name)
+    return ManagerRoot(store.url, sorted(steps), foreign)
 
 
 def optimizer_summary(parts: Parts) -> dict | None:
@@ -200,6 +263,11 @@ def extra_state_entries(parts: Parts | None, src=None) -> dict | None:
         return source_extra_state(src)
     if parts.extra_state is None:
         return None
+    if parts.store is not None:  # a URL: its files through the objects its model index names
+        from ..storage.remote_reader import remote_view
+
+        with remote_view(parts.store):
+            return extra_state_entries(Parts(**{**parts.__dict__, "store": None}), src)
     from ..storage.extra_state import read_extra_state_file, read_rank_file
 
     doc = read_extra_state_file(parts.root)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import external_errors
+from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from ..storage.location import resolve
 from ..storage.remote_reader import RemoteCheckpointReader, open_remote_checkpoint, remote_view
 from .base import Source, SourceSpec
@@ -29,19 +30,27 @@ class RemoteSource(Source):
 
 
 def open_remote_source(url: Any, storage_options: Mapping | None = None) -> RemoteSource:
-    """The model part of the checkpoint at URL ``url`` as a :class:`Source`.
+    """The model part of the checkpoint at URL ``url`` as a :class:`Source`; a URL ending in one
+    of its index names (``.../optimizer.safetensors.index.json``) is that part, as a local index
+    path is (the index read is the object the model index names for it).
 
     Raises what :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raises, and
     :class:`~checkpoint.errors.UnsupportedStorageError` for a scheme without a backend."""
+    prefix = MODEL_PREFIX
+    if isinstance(url, str):
+        head, _, last = url.rstrip("/").rpartition("/")
+        part = next((p for p in (MODEL_PREFIX, OPTIMIZER_PREFIX) if last == index_name(p)), None)
+        if part is not None and "://" in head:
+            url, prefix = head, part
     store = resolve(url, storage_options)
     with remote_view(store) as view:
-        reader: RemoteCheckpointReader = open_remote_checkpoint(view)
+        reader: RemoteCheckpointReader = open_remote_checkpoint(view, prefix)
     specs = {k: SourceSpec(k, tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in reader.keys()}
     file_of = {k: reader.file_of(k) for k in reader.keys()}
-    src = RemoteSource(PurePosixPath(store.url), "fqnckpt" if reader.meta else "safetensors-sharded",
+    src = RemoteSource(PurePosixPath(store.url), "safetensors-sharded",  # as a local index opens
                        list(reader.files), specs, file_of, reader)  # fmt: skip
     src.url = store.url
-    src.notes.append(f"read the objects named by {store.url}/model.safetensors.index.json only")
+    src.notes.append(f"read the objects named by {store.url}/{index_name(MODEL_PREFIX)} only")
     return src
 
 

@@ -337,6 +337,17 @@ class ObjectStore:
             self.ensure_dir()
             self.fs.pipe_file(key, data)
 
+    def remove_dir_if_empty(self) -> None:
+        """Remove the prefix itself when nothing is left under it, on backends with directories
+        (``memory://``, ``file://``; an S3 prefix does not exist without objects)."""
+        if self.s3 or self.listing():
+            return
+        try:
+            self.fs.rmdir(self.root)
+        except (OSError, NotImplementedError):
+            pass  # something appeared meanwhile, or the backend has no rmdir: it stays
+        self.fs.invalidate_cache(self.root)
+
     def delete_if(self, name: str, tag: str | None) -> None:
         """Remove object ``name`` only if it still has ``tag`` (:meth:`get_tagged`; unconditional
         when None or not :attr:`conditional`).

@@ -282,3 +282,4 @@ def remove_checkpoint(store: ObjectStore, unborn: bool = False) -> None:
             raise ConcurrentSaveError(store.url, "a save committed there while it was being removed; it stays") from None
     store.delete(sorted(owned - {MODEL_INDEX}))
     _clean(store, [m for m in staged_saves(store) if unborn or m.base is not None], set())
+    store.remove_dir_if_empty()  # as a local retention leaves no directory behind
