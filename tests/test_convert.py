@@ -1101,3 +1101,34 @@ def test_torchtitan_mixed_or_wrong_version_refused(tmp_path):
     with pytest.raises(RecipeError, match="no layout version 'v9'"):
         checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "x", recipe="hf-to-torchtitan-moe@v9", dims=d)
     assert not (tmp_path / "x").exists()
+
+
+def test_tied_torchtitan_llama_both_ways(tmp_path):
+    """A weight-tied Llama (tie_word_embeddings): HF -> torchtitan writes lm_head.weight as a copy of
+    the embeddings (torchtitan's from_hf fills it so under enable_weight_tying); torchtitan -> HF
+    into the tied model drops the copy after comparing its bits (torchtitan's to_hf drops it), a
+    copy that differs is refused. Logits equal to the reference forward of the torchtitan weights."""
+    cfg = llama_config()
+    cfg.tie_word_embeddings = True
+    hf = randomize(transformers.LlamaForCausalLM(cfg), 6)
+    hf.tie_weights()
+    checkpoint.save(hf, tmp_path / "hf")
+    assert "lm_head.weight" not in read(tmp_path / "hf")
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3", model=hf)
+    raw = read(tmp_path / "tt")
+    assert torch.equal(raw["lm_head.weight"], raw["tok_embeddings.weight"]) and any("tied model" in c for c in rep.checks)
+    assert_same_model(lambda ids: refs.meta_llama_logits(refs.titan_legacy(raw), NH, NKV, ids), hf)
+    fresh = transformers.LlamaForCausalLM(cfg).eval()
+    back = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-llama3-to-hf", model=fresh)
+    assert back.dropped == ["lm_head.weight"]
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    checkpoint.load(fresh, tmp_path / "back")
+    assert_same_model(lambda ids: refs.meta_llama_logits(refs.titan_legacy(raw), NH, NKV, ids), fresh)
+    import safetensors.torch
+
+    raw["lm_head.weight"] = raw["lm_head.weight"].clone()
+    raw["lm_head.weight"][0, 0] += 1
+    safetensors.torch.save_file(raw, tmp_path / "untied.safetensors")
+    with pytest.raises(ConversionError, match="ties them but the source's 'tok_embeddings.weight' and 'lm_head.weight' differ"):
+        checkpoint.migrate(tmp_path / "untied.safetensors", tmp_path / "x", recipe="torchtitan-llama3-to-hf", model=fresh)
+    assert not (tmp_path / "x").exists()

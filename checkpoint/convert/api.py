@@ -53,6 +53,18 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
     return fits[0][1]
 
 
+def _tied(model: Any, catalog) -> bool:
+    """Whether the model (or else the source's config.json) ties the output projection to the
+    embeddings (transformers ``tie_word_embeddings``)."""
+    cfg = hf_config_of(model)
+    if cfg is not None:
+        return bool(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config, "tie_word_embeddings", False)
+                    or getattr(model.config, "tie_word_embeddings", False))  # fmt: skip
+    whole = catalog.hf_config.whole if catalog.hf_config is not None else {}
+    text = whole.get("text_config") if isinstance(whole.get("text_config"), dict) else {}
+    return bool(whole.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+
+
 def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                     dims: Mapping[str, int] | None = None, key: str | None = None,
                     trusted_globals: Iterable[Any] = (), storage_options: Mapping | None = None) -> ConversionPlan:  # fmt: skip
@@ -96,7 +108,8 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
             missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
             if missing:
                 raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")
-            plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src))
+            plan = plan_conversion(catalog, rec, d, model=model if rec.writes == "hf-model" else None, source=str(src),
+                                   tied=_tied(model, catalog))  # fmt: skip
             plan.report.layouts = layouts
         plan.model = model
         verify_plan(plan, by_source)

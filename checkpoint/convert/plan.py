@@ -132,6 +132,7 @@ class ConversionPlan:
             self.specs.append(TensorSpec(tgt, tuple(spec.shape), spec.dtype))
         self._cache: dict[str, torch.Tensor] = {}
         self._post_present: frozenset[str] = frozenset()  # target names before Recipe.post (set by plan_conversion)
+        self.aliases: set[str] = set()  # targets that copy another (a tied model's output weight)
 
     def compute(self, group: Group) -> list[tuple[str, torch.Tensor]]:
         """Read the group's source tensors and apply its ops: ``[(target, tensor)]``."""
@@ -161,12 +162,14 @@ class ConversionPlan:
 
 
 def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *, model: Any = None,
-                    source: str = "") -> ConversionPlan:  # fmt: skip
+                    source: str = "", tied: bool = False) -> ConversionPlan:  # fmt: skip
     """Plan ``recipe`` over ``catalog`` (see the module docstring).
 
     Args:
         dims: model dimensions the ops need (``n_heads``, ``n_kv_heads``, ...).
         model: target eager module; its state_dict names and shapes must be exactly the targets.
+        tied: the model ties its output projection to its embeddings (``tie_word_embeddings``):
+            a framework layout that keeps both (``recipe.meta["tied"]``) gets the copy it lacks.
 
     Raises:
         ConversionError: unmatched / ambiguous / incomplete source keys, an op that does not fit
@@ -264,6 +267,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             continue
         staged.append((g, outs))
     post_present = frozenset(tgt for _, outs in staged for tgt, _ in outs)  # what Recipe.post renames see
+    aliases = _tied_fills(recipe, staged, post_present, tied, report)
     for g, outs in staged:
         for tgt, t in outs:
             tgt = _apply_renames(tgt, recipe.post, post_present)
@@ -284,15 +288,18 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             f"no rule of {recipe.name!r} matches a key of the source: nothing would change (already in "
             "the target layout, or another recipe is meant: `fqnckpt recipes`)")))  # fmt: skip
     if model is not None:
-        _check_model(model, ok_groups, unchanged, catalog, problems)
+        _check_model(model, ok_groups, unchanged, catalog, problems, report)
     for g in ok_groups:
         use = report.rules[g.rule_index]
         use.groups += 1
         use.sources += len(g.source_keys())
         use.targets += len(g.targets)
         report.groups.append(GroupEntry(rule=g.rule_index, sources=g.source_keys(), targets=list(g.targets)))
+    for copy, src_key in aliases.items():
+        unchanged[_apply_renames(copy, recipe.post, post_present)] = src_key
     plan = ConversionPlan(catalog, recipe, dims, ok_groups, unchanged, report)
     plan._post_present = post_present
+    plan.aliases = {_apply_renames(c, recipe.post, post_present) for c in aliases}
     report.total_bytes = sum(s.nbytes for s in plan.specs)
     if problems:
         raise ConversionError(report)
@@ -356,8 +363,54 @@ def _replicated_problems(groups: list[Group], catalog: Catalog) -> list[Problem]
     return out
 
 
-def _check_model(model, groups: list[Group], unchanged: dict[str, str], catalog: Catalog, problems: list[Problem]) -> None:
-    """Targets must be exactly the model's persistent tensors (one name per tied group), same shapes."""
+def _tied_fills(recipe: Recipe, staged, present: frozenset[str], tied: bool, report: ConversionReport) -> dict[str, str]:
+    """``{copy target (before Recipe.post): source key}`` for each ``(copy, original)`` of
+    ``recipe.meta["tied"]`` whose copy no source fills, for a tied model written in a layout that
+    keeps both (torchtitan's ``from_hf`` fills ``lm_head.weight`` from the embeddings when
+    ``enable_weight_tying``). The original must be a plain rename of one source key."""
+    if not tied or recipe.writes in ("hf", "hf-model"):
+        return {}
+    out = {}
+    for copy, orig in recipe.meta.get("tied", ()):
+        if copy in present or orig not in present:
+            continue
+        g = next(g for g, outs in staged if any(t == orig for t, _ in outs))
+        if g.rule.ops or len(g.rule.targets) != 1:
+            continue
+        out[copy] = g.source_keys()[0]
+        report.checks.append(f"tied model: {copy!r} written as a copy of {g.source_keys()[0]!r} (as torchtitan's from_hf fills it)")
+    return out
+
+
+def _tied_drop(groups: list[Group], keep: str, others: list[str], catalog: Catalog, report: ConversionReport) -> str | None:
+    """A tied model (HF ``tie_word_embeddings``) holds one tensor under ``keep`` and ``others``;
+    a source with a copy under each (torchtitan writes ``lm_head.weight`` beside the embeddings)
+    fills ``keep`` and its copies are dropped, as torchtitan's adapter drops ``lm_head`` on
+    ``to_hf``, once they are the same bits (read now: nothing is written from a copy that
+    differs). Returns why it cannot, or None (the copies' groups removed, their keys reported
+    dropped)."""
+    from .ops import same_bits
+
+    by_target = {tgt: g for g in groups for tgt in g.targets}
+    kept = by_target.get(keep)
+    for name in others:
+        g = by_target.get(name)
+        if kept is None or g is None or len(g.targets) != 1 or g.rule.ops or kept.rule.ops or catalog.shards != 1:
+            return "one tensor filled twice (not two plain copies this conversion can compare)"
+        a, b = kept.source_keys()[0], g.source_keys()[0]
+        if not same_bits(catalog.get(a), catalog.get(b)):
+            return f"the model ties them but the source's {a!r} and {b!r} differ: one tensor filled twice"
+    for name in others:
+        g = by_target[name]
+        groups.remove(g)
+        report.dropped += g.source_keys()
+        report.checks.append(f"{g.source_keys()[0]!r} equals {kept.source_keys()[0]!r} bit for bit: dropped, the model ties {name!r} to {keep!r}")
+    return None
+
+
+def _check_model(model, groups: list[Group], unchanged: dict[str, str], catalog: Catalog, problems: list[Problem], report: ConversionReport) -> None:
+    """Targets must be exactly the model's persistent tensors (one name per tied group, a tied
+    copy dropped by :func:`_tied_drop`), same shapes."""
     shape_of = {s.fqn: s.shape for g in groups for s in g.specs}
     for tgt, src in unchanged.items():
         shape_of[tgt] = tuple(catalog.specs(src)[0].shape)
@@ -371,7 +424,12 @@ def _check_model(model, groups: list[Group], unchanged: dict[str, str], catalog:
         if not filled:
             missing.append(t.fqn)
         elif len(filled) > 1:
-            problems.append(Problem(kind="collision", keys=filled, message=f"tied names {filled} are all targets: one tensor filled twice"))
+            keep = t.fqn if t.fqn in filled else filled[0]
+            why = _tied_drop(groups, keep, [n for n in filled if n != keep], catalog, report)
+            if why is not None:
+                problems.append(Problem(kind="collision", keys=filled, message=f"tied names {filled} are all targets: {why}"))
+            elif shape_of[keep] != tuple(t.tensor.shape):
+                problems.append(Problem(kind="shape", keys=[keep], message=f"{keep!r} would be {list(shape_of[keep])}, the model has {list(t.tensor.shape)}"))
         elif shape_of[filled[0]] != tuple(t.tensor.shape):
             problems.append(Problem(kind="shape", keys=[filled[0]], message=f"{filled[0]!r} would be {list(shape_of[filled[0]])}, the model has {list(t.tensor.shape)}"))
     if missing:

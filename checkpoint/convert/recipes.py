@@ -51,7 +51,8 @@ META_LLAMA = Recipe(
 
 TORCHTITAN_LLAMA3 = Recipe(
     "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _llama_body(True) + _dense_mlp(),
-    writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted", meta={"family": "torchtitan"},
+    writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted",
+    meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
 )  # fmt: skip
 
 _WQ_A = "layers.{i}.attention.wq_a.weight"
@@ -81,7 +82,7 @@ TORCHTITAN_MOE = Recipe(
         R(f"layers.{{i}}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{p}.weight")
         for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
     ),
-    writes="hf", meta={"family": "torchtitan"},
+    writes="hf", meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
     summary="torchtitan Qwen3 / DeepSeek-V3 stacked experts <-> HF per-expert keys (router, expert bias)",
 )  # fmt: skip
 
