@@ -18,7 +18,8 @@ What it reads (:func:`_open_source`):
 ``read_metadata`` describes each tensor as DCP's ``TensorStorageMetadata`` (global size, dtype,
 stored chunks), so DCP's planners reshard onto any mesh and placements; ``read_data`` reads each
 read item's block straight into its target where the bytes are one range of the file
-(``preadv``), else through ``safe_open(...).get_slice``, converting dtype on copy. A target
+(``preadv``), else through one reused window of whole rows (``CheckpointReader.copy_into``),
+converting dtype on copy; no file is mapped. A target
 DTensor with ``_StridedShard`` placements is filled block by block from
 :func:`checkpoint.ranks.shards.local_blocks` (DCP's default planner places its local shard at
 its first row only, which would load wrong values without an error).
@@ -89,6 +90,7 @@ class _Source:
 
         self.extra, self.paths = flatten_state_dict(extra) if extra else ({}, {})
         self.where, self.readers, self.chunks = where, readers, chunks
+        self.local = not any(getattr(r, "store", None) is not None for r in readers)
 
     def dtype(self, key: str) -> torch.dtype:
         c = self.chunks[key][0]
@@ -270,7 +272,9 @@ class StorageReader(dcp_storage.StorageReader):
             many = getattr(reader, "read_many", None)
             done = many(pairs) if many is not None else [False] * len(pairs)
             for k, (item, target, sl), ok in zip(keys, items, done):
-                if not ok:
+                # Else through one reused window into the target, converting dtype on the way
+                # (local files), or a new tensor copied in (object storage).
+                if not ok and not (src.local and reader.copy_into(k, target, sl)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
 

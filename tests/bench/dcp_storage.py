@@ -2,7 +2,8 @@
 ``.distcp`` storage, through ``dcp.save`` / ``dcp.load`` (not collected by pytest).
 
 On 2 and 4 ranks (gloo, CPU) a state_dict of float32 DTensors (``Shard(0)`` on a 1-D mesh) is
-saved by each side, then loaded into ``Shard(1)`` targets (resharding):
+saved by each side, then loaded into ``Shard(0)`` targets (a resume) and ``Shard(1)`` targets
+(resharding: each rank's block is a column range, not one range of the file):
 
 - ours: ``StorageWriter(path)`` / ``StorageReader(path)``: HF layout, each byte written once;
 - torch HF: ``HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=True)``
@@ -72,8 +73,11 @@ def worker(rank, world, root, n, rows, cols, rounds):
     mesh = init_device_mesh("cpu", (world,))
     sd = {f"layers.{i}.weight": distribute_tensor(full(i, rows, cols), mesh, [Shard(0)], src_data_rank=None)
           for i in range(n)}  # fmt: skip
-    target = {k: distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(1)], src_data_rank=None) for k in sd}
-    times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": []} for s in SIDES}
+    targets = {
+        what: {k: distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(d)], src_data_rank=None) for k in sd}
+        for what, d in (("load Shard(0)", 0), ("load Shard(1)", 1))
+    }
+    times: dict[str, dict[str, list[float]]] = {s: {w: [] for w in ("save", *targets)} for s in SIDES}
 
     def timed(fn) -> float:
         if rank == 0:
@@ -91,24 +95,25 @@ def worker(rank, world, root, n, rows, cols, rounds):
         for side in order:
             path = os.path.join(root, f"{side}-{r}")
             times[side]["save"].append(timed(lambda: dcp.save(sd, storage_writer=_writer(side, path))))
-            for v in target.values():
-                v.to_local().zero_()
-            times[side]["load"].append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path))))
-            for i, (k, v) in enumerate(target.items()):
-                if not torch.equal(v.full_tensor(), full(i, rows, cols)):
-                    raise AssertionError(f"{side}: {k} loaded wrong values")
+            for what, target in targets.items():
+                for v in target.values():
+                    v.to_local().zero_()
+                times[side][what].append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path))))
+                for i, (k, v) in enumerate(target.items()):
+                    if not torch.equal(v.full_tensor(), full(i, rows, cols)):
+                        raise AssertionError(f"{side}: {k} loaded wrong values ({what})")
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             if r < 0:
-                times[side]["save"].pop()
-                times[side]["load"].pop()
+                for ts in times[side].values():
+                    ts.pop()
     return times
 
 
 def ratio_line(label: str, ref: list[float], ours: list[float]) -> str:
     r = [a / b for a, b in zip(ref, ours)]
-    return f"  {label:<28} {statistics.median(r):5.2f}x  (range {min(r):.2f}-{max(r):.2f}; ref median {statistics.median(ref):.3f}s, ours {statistics.median(ours):.3f}s)"
+    return f"  {label:<36} {statistics.median(r):5.2f}x  (range {min(r):.2f}-{max(r):.2f}; ref median {statistics.median(ref):.3f}s, ours {statistics.median(ours):.3f}s)"
 
 
 def main() -> None:
@@ -131,7 +136,7 @@ def main() -> None:
             shutil.rmtree(a.dir, ignore_errors=True)
         print(f"{world} ranks, {a.tensors} tensors, {size / 2**20:.0f} MiB float32, {a.rounds} rounds, rotating order, {a.dir}")
         for side in ("torch-hf", "dcp-distcp"):
-            for what in ("save", "load"):
+            for what in res[side]:
                 print(ratio_line(f"{side} {what} / ours", res[side][what], res["ours"][what]))
 
 
