@@ -34,6 +34,8 @@ def moto_opts():
 def _roots(backend, tmp_path, moto_opts):
     if backend == "local":
         return str(tmp_path / "r"), None
+    if backend == "file":  # the local byte store under the object-store stages
+        return f"file://{tmp_path}/f", None
     if backend == "memory":
         return f"memory://par-{uuid.uuid4().hex[:8]}", None
     return f"s3://par/{uuid.uuid4().hex[:8]}", moto_opts
@@ -60,7 +62,7 @@ def _diff(capsys, a, b) -> tuple[int, dict]:
     return rc, {part: r["same"] for part, r in out["parts"].items()}
 
 
-@pytest.mark.parametrize("backend", ["local", "memory", "s3"])
+@pytest.mark.parametrize("backend", ["local", "file", "memory", "s3"])
 def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch, capsys):
     import fsspec.config
 
@@ -137,8 +139,8 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
 
 
 def _put_user_object(path, opts) -> None:
-    if opts is None and "://" not in path:
-        with open(f"{path}/notes.0123456789ab.txt", "wb") as f:
+    if opts is None and ("://" not in path or path.startswith("file://")):
+        with open(f"{path.removeprefix('file://')}/notes.0123456789ab.txt", "wb") as f:
             f.write(b"mine")
         return
     import fsspec
@@ -148,8 +150,8 @@ def _put_user_object(path, opts) -> None:
 
 
 def _get_user_object(path, opts) -> bool:
-    if opts is None and "://" not in path:
-        with open(f"{path}/notes.0123456789ab.txt", "rb") as f:
+    if opts is None and ("://" not in path or path.startswith("file://")):
+        with open(f"{path.removeprefix('file://')}/notes.0123456789ab.txt", "rb") as f:
             return f.read() == b"mine"
     import fsspec
 

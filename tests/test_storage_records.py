@@ -1,4 +1,4 @@
-"""Ownership by record on object storage (``memory://`` and moto's S3 server on 127.0.0.1): a
+"""Ownership by record on every byte store (``file://``, ``memory://`` and moto's S3 server on 127.0.0.1): a
 commit or a removal deletes only objects an fqnckpt record names (the previous model index, a
 staging manifest written before a save's first part), whatever the other objects are called;
 two saves racing on one checkpoint leave one whole checkpoint and refuse the later commit; a
@@ -42,10 +42,13 @@ def moto_opts():
     server.stop()
 
 
-@pytest.fixture(params=["memory", "s3"])
-def where(request, moto_opts):
-    """``(url, storage_options)`` of a fresh, empty prefix on each backend."""
+@pytest.fixture(params=["file", "memory", "s3"])
+def where(request, moto_opts, tmp_path):
+    """``(url, storage_options)`` of a fresh, empty prefix on each byte store (``file://``: the
+    local one, :class:`checkpoint.storage.bytestore.LocalStore`)."""
     tag = uuid.uuid4().hex[:8]
+    if request.param == "file":
+        return f"file://{tmp_path}/ck", None
     if request.param == "memory":
         return f"memory://rec-{tag}/ck", None
     return f"s3://rec/{tag}/ck", moto_opts

@@ -1,5 +1,9 @@
 """Format and bytes: the on-disk schemas (``format``), the shard layout plan (``layout``), where bytes
 are written (``writer``) and read back and validated (``reader``). Object storage through fsspec
-(``s3://``, ``memory://``, ...): ``urls`` / ``location`` (which paths are URLs), ``objstore``
-(requests, retries, bounded uploads), ``remote_commit`` (commit without rename), ``remote_save``,
-``remote_reader`` and ``opening`` (one ``open_checkpoint`` for both)."""
+(``s3://``, ``memory://``, ...) and ``file://``: ``bytestore`` is the bottom layer (the
+:class:`~checkpoint.storage.bytestore.ByteStore` interface: list, stat, ranged read,
+write / multipart, conditional commit, delete), implemented by ``bytestore.LocalStore`` (local
+directories) and ``objstore`` (fsspec: requests, retries, bounded uploads); above it, written once
+for both: ``remote_commit`` (commit without rename, ownership by record), ``remote_save``,
+``remote_reader`` and ``opening`` (one ``open_checkpoint`` for both); ``secrets`` scrubs every
+message; ``urls`` / ``location`` say which paths are URLs and resolve them to a byte store."""

@@ -8,18 +8,19 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .urls import is_url
+from .urls import is_url, url_scheme
 
 
 def is_remote(where: Any) -> bool:
-    """True for an ObjectStore (a resolved URL)."""
+    """True for a byte store (:mod:`checkpoint.storage.bytestore`: a resolved URL)."""
     return not isinstance(where, (str, bytes, os.PathLike))
 
 
 def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = None) -> Any:
-    """``path`` as the local path string it is, or the ObjectStore of a URL (``s3://``,
-    ``memory://``, ``file://``, ...; ``storage_options`` / ``transfer`` apply to it only). An
-    ObjectStore is returned as is.
+    """``path`` as the local path string it is, or the byte store of a URL: a
+    :class:`~checkpoint.storage.bytestore.LocalStore` for ``file://``, an fsspec
+    :class:`~checkpoint.storage.objstore.ObjectStore` for ``s3://``, ``memory://``, ...
+    (``storage_options`` / ``transfer`` apply to it only). A byte store is returned as is.
 
     Raises:
         UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
@@ -34,6 +35,10 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
         if storage_options or transfer is not None:
             raise TypeError(f"storage_options / transfer apply to URLs (s3://...), not to the local path {p!r}")
         return p
+    if url_scheme(p) == "file" and not storage_options:  # the local byte store: no fsspec
+        from .bytestore import LocalStore
+
+        return LocalStore(p[len("file://") :] or "/", p)
     from .objstore import open_store
 
     return open_store(p, storage_options, transfer)
