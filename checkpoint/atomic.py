@@ -70,6 +70,7 @@ OWNED_NAMES = frozenset(
     [index_name(p) for p in PREFIXES]
     + [f"{p}.safetensors" for p in PREFIXES]
     + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
+    + ["adapter_config.json", "adapter_model.safetensors"]  # peft's adapter (checkpoint.peft_state)
 )
 _FORMAT_GLOBBED = re.compile(r"^consolidated\.\d{2,}\.pth$")
 # Meta's model-parallel shards (checkpoint.convert.meta_files): that format has no file list, its

@@ -29,6 +29,7 @@ from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
 from .errors import CheckpointError, CheckpointWriteError
+from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state
 from .progress import counted_fetches
 from .ranks import dist, shards
 from .state import Entry, object_state
@@ -100,6 +101,8 @@ def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> Ind
 
 
 def _check_extra_name(name: str) -> None:
+    if name == ADAPTER_WEIGHTS:  # peft's adapter file beside the base model (checkpoint.peft_state)
+        return
     if not name or "/" in name or "\\" in name or name.startswith(".") or name.endswith(".safetensors"):
         raise ValueError(f"extra file name {name!r} must be a plain file name, not hidden, not .safetensors")
     if name.endswith(".safetensors.index.json"):
@@ -248,6 +251,7 @@ def save(
     recipe: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     transfer: Any = None,
+    peft: str = "adapter",
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -260,6 +264,19 @@ def save(
     Single process (no DTensor): streamed through :func:`save_streaming`. With DTensors, call on
     every rank: each rank writes only the bytes it owns, once, into the final files (no gather, no
     per-rank files). With a plain replicated model (DDP) call it on one rank only.
+
+    A transformers model (under any of these wrappers) also gets ``config.json`` (+
+    ``generation_config.json``) naming its eager class (``LlamaForCausalLM``, never
+    ``FSDPLlamaForCausalLM`` / ``OptimizedModule`` / ``PeftModel``): ``from_pretrained(path)``
+    builds the saved model.
+
+    ``peft``: for a peft ``PeftModel`` (maybe compiled or wrapped), ``"adapter"`` (default,
+    lossless) writes the base model under its eager names plus peft's ``adapter_config.json`` and
+    ``adapter_model.safetensors`` beside it (``AutoModelForCausalLM.from_pretrained(path)`` attaches
+    the adapter; ``PeftModel.from_pretrained(base, path)`` reads it); ``"merged"`` writes one plain
+    model with the LoRA weights merged as peft's ``merge_and_unload`` does (see
+    :mod:`checkpoint.peft_state`). Ignored for other models. An optimizer's state keeps peft's
+    names (``base_model.model.<X>.lora_A.default.weight``), as a ``load`` into the PeftModel wants.
 
     ``optimizer``: also writes ``optimizer-0000k-of-0000n.safetensors`` +
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
@@ -300,7 +317,7 @@ def save(
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
         return _save_with_recipe(obj, path, recipe, max_shard_size, overwrite, progress)
-    parts, distributed, extra_files = prepare_agreed(path, obj, optimizer, extra_state)
+    parts, distributed, extra_files = prepare_agreed(path, obj, optimizer, extra_state, peft)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
             return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
@@ -343,14 +360,16 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_agreed(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:
+def prepare_agreed(
+    path: str, obj, optimizer, extra_state, peft: str = "adapter"
+) -> tuple[list[_Part], bool, dict[str, bytes]]:
     """:func:`_prepare`, with a failure on some ranks of a distributed save (state holding
     DTensors, process group up) agreed before any rank waits in another collective: the failing
     rank joins the first exchange of :func:`_save_distributed` with its error, so it raises its
     own error and every other rank a :class:`RankAgreementError` naming it (no hang, no bare
     backend error when it exits). A single-process save raises as usual."""
     try:
-        return _prepare(path, obj, optimizer, extra_state)
+        return _prepare(path, obj, optimizer, extra_state, peft)
     except Exception as e:
         if not _many_ranks(obj):
             raise
@@ -372,7 +391,9 @@ def agree_prepare_failure(path: str, error: BaseException) -> None:
     dist.check_all_gather(f"preparing {path}", error, None)
 
 
-def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool, dict[str, bytes]]:
+def _prepare(
+    path: str, obj, optimizer, extra_state, peft: str = "adapter"
+) -> tuple[list[_Part], bool, dict[str, bytes]]:
     """What ``save`` writes: the parts, whether they hold DTensors, and the extra files (also used by
     :func:`checkpoint.training.async_save.async_save`, which stages the parts before writing)."""
     extra_files: dict[str, bytes] = {}
@@ -380,9 +401,13 @@ def _prepare(path: str, obj, optimizer, extra_state) -> tuple[list[_Part], bool,
     if extra_state is not None:
         extra_files = _extra_state_files(path, extra_state, state)
     extra_files.update(hf_config_files(obj))  # a transformers model: from_pretrained(dir) works
+    model_state = state
+    if isinstance(obj, torch.nn.Module) and find_peft(obj) is not None:  # eager base names (+ adapter files)
+        model_state, adapter = peft_state(obj, state, peft)
+        extra_files.update(adapter)
     fmap = state.fqn_map.to_model() if state.fqn_map is not None else None
     parts_entries: list[tuple[str, list[Entry], list[list[str]], FQNMapFile | None, OptimizerMeta | None]] = [
-        (MODEL_PREFIX, state.entries, state.alias_groups, fmap, None)
+        (MODEL_PREFIX, model_state.entries, model_state.alias_groups, fmap, None)
     ]
     if optimizer is not None:
         if not isinstance(obj, torch.nn.Module):

@@ -12,26 +12,69 @@ from typing import Any
 RUNTIME_ONLY = ("use_cache",)
 
 
+def unwrap_model(obj: Any) -> Any:
+    """The module under torch's wrappers (``torch.compile``'s ``_orig_mod``, DDP / DataParallel's
+    ``module``, FSDP1's ``_fsdp_wrapped_module``, ``checkpoint_wrapper``'s
+    ``_checkpoint_wrapped_module``) and PEFT's ``PeftModel`` (``base_model.model``), however they
+    stack. Attributes are read from ``_modules`` only: wrappers forward ``__getattr__`` to what
+    they wrap, which would hide them."""
+    from fqn.rules import is_wrapper_module
+    from fqn.segments import WRAPPER_SEGMENTS
+
+    for _ in range(64):  # wrappers stack a few deep; a cycle cannot loop forever
+        mods = getattr(obj, "_modules", None) or {}
+        if is_peft_model(obj):
+            inner = getattr(mods.get("base_model"), "_modules", {}).get("model")
+        elif is_wrapper_module(obj):
+            inner = next((c for s, c in mods.items() if s in WRAPPER_SEGMENTS and c is not None), None)
+        else:
+            return obj
+        if inner is None:
+            return obj
+        obj = inner
+    return obj
+
+
+def is_peft_model(obj: Any) -> bool:
+    """True for peft's ``PeftModel`` (and its task subclasses), found by class name and module so
+    that peft is imported only when a model of it is given."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(obj).__mro__)
+
+
+def architecture_class(owner: Any) -> type:
+    """The eager class a wrapped model loads back as: autoparallel's parallel module names it as
+    ``eager_class``; FSDP2's ``fully_shard`` swaps in a class ``FSDP<Name>`` deriving from
+    ``FSDPModule`` and the model's class (skipped here)."""
+    for cls in type(owner).__mro__:
+        eager = cls.__dict__.get("eager_class")
+        if eager is not None:
+            return eager
+        if any(b.__name__ == "FSDPModule" and b.__module__.startswith("torch.distributed") for b in cls.__mro__):
+            continue
+        return cls
+    return type(owner)
+
+
 def _config_owner(obj: Any) -> Any:
-    """``obj`` or the module it wraps (``.module`` / ``._orig_mod``) that carries a transformers config."""
-    for cand in (obj, getattr(obj, "module", None), getattr(obj, "_orig_mod", None)):
-        cfg = getattr(cand, "config", None)
-        if cfg is not None and hasattr(cfg, "to_diff_dict") and hasattr(cfg, "model_type"):
-            return cand
+    """The module under every wrapper (:func:`unwrap_model`) when it carries a transformers config."""
+    cand = unwrap_model(obj)
+    cfg = getattr(cand, "config", None)
+    if cfg is not None and hasattr(cfg, "to_diff_dict") and hasattr(cfg, "model_type"):
+        return cand
     return None
 
 
 def hf_config_files(obj: Any) -> dict[str, bytes]:
     """``{"config.json": ..., "generation_config.json": ...}`` for a transformers model (or a
-    wrapper of one); ``{}`` for anything else. ``architectures`` is the model's class name (its
-    ``eager_class``'s for autoparallel's parallel module);
+    wrapper of one: ``torch.compile``, DDP, FSDP1 / FSDP2, checkpoint wrappers, autoparallel's parallel
+    module, PEFT); ``{}`` for anything else. ``architectures`` is the eager class's name
+    (:func:`architecture_class`, e.g. ``LlamaForCausalLM`` for FSDP2's ``FSDPLlamaForCausalLM``);
     :data:`RUNTIME_ONLY` keys are left out (transformers then uses its defaults)."""
     owner = _config_owner(obj)
     if owner is None:
         return {}
     cfg = copy.deepcopy(owner.config)
-    # A parallel module's class subclasses the eager one and names it as ``eager_class``.
-    cfg.architectures = [getattr(type(owner), "eager_class", type(owner)).__name__]
+    cfg.architectures = [architecture_class(owner).__name__]
     data = cfg.to_diff_dict()
     for k in RUNTIME_ONLY:
         data.pop(k, None)
@@ -100,4 +143,4 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
-__all__ = ["hf_config_files", "llama_config_from_meta", "meta_model_from_config", "RUNTIME_ONLY"]
+__all__ = ["architecture_class", "hf_config_files", "is_peft_model", "unwrap_model", "llama_config_from_meta", "meta_model_from_config", "RUNTIME_ONLY"]

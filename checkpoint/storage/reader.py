@@ -649,6 +649,7 @@ def _warn_strays(root: str, prefix: str, named: set[str]) -> None:
         and f not in named
         and not f.startswith(f"{other}-")
         and not f.startswith(".")
+        and f != "adapter_model.safetensors"  # peft's adapter beside its base (checkpoint.peft_state)
     )
     if strays:
         warnings.warn(

@@ -1,0 +1,155 @@
+"""``from_pretrained`` of ``checkpoint.save`` gets the trained model whatever wrapped it (issue 32):
+config.json names the eager class and every tensor its eager name for ``torch.compile``,
+``checkpoint_wrapper``, ``DataParallel`` and peft's ``PeftModel`` (adapter beside the base, or
+merged). Oracles: transformers' ``from_pretrained`` and peft's ``PeftModel.from_pretrained`` /
+``merge_and_unload``. FSDP1 / FSDP2 / DDP run in test_world_of_one's shared spawn."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.tensor([[1, 5, 9, 33, 2, 60, 7, 7]])
+
+
+def trained_llama(seed: int = 0):
+    """A tiny Llama moved off its init by one SGD step (a from_pretrained that falls back to a
+    random init cannot match it)."""
+    from tests.models import hf_llama
+
+    torch.manual_seed(seed)
+    model = hf_llama(layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(TOKENS, labels=TOKENS).loss.backward()
+    opt.step()
+    return model.eval()
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def reloaded(path):
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return back.eval()
+
+
+def architectures(path) -> list[str]:
+    return json.loads((path / "config.json").read_text())["architectures"]
+
+
+def _ckpt_wrapped(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
+    return model
+
+
+WRAPPERS = {
+    "compile": torch.compile,
+    "checkpoint_wrapper": _ckpt_wrapped,
+    "data_parallel": torch.nn.DataParallel,
+    "compile(checkpoint_wrapper)": lambda m: torch.compile(_ckpt_wrapped(m)),
+}
+
+
+@pytest.mark.parametrize("how", list(WRAPPERS))
+def test_wrapped_model_reloads_as_its_eager_class(tmp_path, how):
+    model = trained_llama()
+    want = logits(model)
+    checkpoint.save(WRAPPERS[how](copy.deepcopy(model)), tmp_path / "ck")
+    assert architectures(tmp_path / "ck") == ["LlamaForCausalLM"]
+    assert torch.equal(logits(reloaded(tmp_path / "ck")), want)
+
+
+# -- PEFT -------------------------------------------------------------------------------------
+
+
+def lora_model(seed: int = 0, modules_to_save=None):
+    """A LoRA model whose adapter is trained (lora_B starts at zero: untrained LoRA is a no-op)."""
+    peft = pytest.importorskip("peft")
+    base = trained_llama(seed)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+    pm = peft.get_peft_model(base, cfg)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    pm.train()
+    pm(input_ids=TOKENS, labels=TOKENS).loss.backward()
+    opt.step()
+    return pm.eval()
+
+
+def base_from(path):
+    """The base model alone from our checkpoint (transformers would attach the adapter beside it)."""
+    base = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(path))
+    rep = checkpoint.load(base, path)
+    assert rep.ok
+    return base.eval()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+def test_peft_adapter_beside_base_is_read_by_transformers_and_peft(tmp_path, compiled, modules_to_save):
+    peft = pytest.importorskip("peft")
+    pm = lora_model(modules_to_save=modules_to_save)
+    want = logits(pm)
+    checkpoint.save(torch.compile(pm) if compiled else pm, tmp_path / "ck")
+    ck = tmp_path / "ck"
+    assert architectures(ck) == ["LlamaForCausalLM"]
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    assert set(idx["weight_map"]) == set(transformers.LlamaForCausalLM(pm.config).state_dict())  # eager names
+    # peft's own reader of the adapter directory, over the base model we wrote.
+    again = peft.PeftModel.from_pretrained(base_from(ck), ck).eval()
+    assert torch.equal(logits(again), want)
+    # transformers: a local model with an embedded adapter.
+    assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained(ck).eval()), want)
+    # the adapter file equals what peft's save_pretrained writes, tensor for tensor
+    from safetensors.torch import load_file
+
+    pm.save_pretrained(tmp_path / "peft")
+    ours, theirs = load_file(ck / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.loads((ck / "adapter_config.json").read_text()) == json.loads(
+        (tmp_path / "peft" / "adapter_config.json").read_text()
+    )
+
+
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+def test_peft_merged_equals_merge_and_unload(tmp_path, modules_to_save):
+    pytest.importorskip("peft")
+    pm = lora_model(modules_to_save=modules_to_save)
+    checkpoint.save(pm, tmp_path / "ck", peft="merged")
+    ck = tmp_path / "ck"
+    assert not (ck / "adapter_config.json").exists() and not (ck / "adapter_model.safetensors").exists()
+    merged = copy.deepcopy(pm).merge_and_unload().eval()  # peft's own merge: the oracle
+    back = reloaded(ck)
+    assert back.state_dict().keys() == merged.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in merged.state_dict().items())
+    assert torch.equal(logits(back), logits(merged))
+
+
+def test_peft_merged_over_adapter_save_removes_adapter_files(tmp_path):
+    pytest.importorskip("peft")
+    pm = lora_model()
+    checkpoint.save(pm, tmp_path / "ck")
+    (tmp_path / "ck" / "notes.txt").write_text("mine")
+    checkpoint.save(pm, tmp_path / "ck", peft="merged", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(("adapter", "notes"))) == [
+        "notes.txt"
+    ]
+
+
+def test_peft_bad_mode_refused_before_writing(tmp_path):
+    pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="peft='both'"):
+        checkpoint.save(lora_model(), tmp_path / "ck", peft="both")
+    assert not (tmp_path / "ck").exists()
