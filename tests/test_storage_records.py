@@ -87,22 +87,44 @@ def test_user_objects_of_any_name_survive_save_overwrite_and_removal(where):
     assert all(_store(url, opts).get(n) == b"the user's own data" for n in USER_NAMES if "staging" not in n)
 
 
-def test_killed_save_leftovers_named_by_its_manifest_only(where):
+def test_killed_save_leftovers_named_by_its_manifest_only(where, capsys):
     url, opts = where
     checkpoint.save({"w": torch.zeros(4)}, url, storage_options=opts)
-    base = remote_commit.index_digest(_store(url, opts).get("model.safetensors.index.json"))
-    # What a save killed after its first object leaves: its manifest and that object.
-    dead = {"token": "a1b2c3d4e5f6", "base": base, "objects": ["model-00001-of-00001.a1b2c3d4e5f6.safetensors"]}
+    store = _store(url, opts)
+    base = remote_commit.index_digest(store.get("model.safetensors.index.json"))
+    # What a save killed during its second object leaves: its manifest, its first object and
+    # the unfinished writer of the second (an S3 multipart upload, a local partial file).
+    names = [f"model-0000{i}-of-00002.a1b2c3d4e5f6.safetensors" for i in (1, 2)]
+    dead = {"token": "a1b2c3d4e5f6", "base": base, "objects": names}
     _put(url, opts, ".fqnckpt-staging.a1b2c3d4e5f6.json", json.dumps(dead).encode())
-    _put(url, opts, "model-00001-of-00001.a1b2c3d4e5f6.safetensors", b"half")
-    _put(url, opts, "model-00002-of-00002.a1b2c3d4e5f6.safetensors", b"not in the manifest")
-    left = remote_commit.leftovers(_store(url, opts))
-    assert left["staging"] == [".fqnckpt-staging.a1b2c3d4e5f6.json"]
-    assert left["objects"] == ["model-00001-of-00001.a1b2c3d4e5f6.safetensors"]
+    _put(url, opts, names[0], b"half")
+    _put(url, opts, "model-00003-of-00003.a1b2c3d4e5f6.safetensors", b"not in the manifest")
+    w = store.open_writer(names[1])
+    w.write(b"x" * (6 << 20))
+    if hasattr(w, "_submit"):  # the fsspec writer: send a part, so an upload exists
+        w._submit()
+        for f in w._futures:
+            f.result()
+    expect_uploads = [names[1]] if store.uploads() else []
+    assert url.startswith("memory://") or expect_uploads  # S3 and local disk have unfinished writers
+    # fsspec's generic writer (memory://) writes under the final name: a partial object then
+    partial = [names[1]] if url.startswith("memory://") else []
+    left = remote_commit.leftovers(store)
+    assert left == {"staging": [".fqnckpt-staging.a1b2c3d4e5f6.json"], "objects": [names[0], *partial], "uploads": expect_uploads}
+    from checkpoint.cli import main as cli_main
+
+    if opts:
+        import fsspec.config
+
+        fsspec.config.conf["s3"] = dict(opts)
+    capsys.readouterr()
+    assert cli_main(["inspect", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["leftovers"] == left
     idx = checkpoint.save({"w": torch.ones(4)}, url, overwrite=True, storage_options=opts)
     assert _names(url, opts) == {
-        "model.safetensors.index.json", *idx.weight_map.values(), "model-00002-of-00002.a1b2c3d4e5f6.safetensors"
+        "model.safetensors.index.json", *idx.weight_map.values(), "model-00003-of-00003.a1b2c3d4e5f6.safetensors"
     }
+    assert store.uploads() == [] and remote_commit.leftovers(store) == {"staging": [], "objects": [], "uploads": []}
 
 
 def _racing(monkeypatch, url, opts, other):
