@@ -198,6 +198,44 @@ def _parallel_module_checks(mesh, root: str) -> dict:
     }
 
 
+def _wrapped_hf_checks(mesh, root: str) -> dict:
+    """A trained tiny Llama saved under FSDP2, FSDP1 and DDP: config.json's ``architectures`` and
+    the reference logits, for the parent's ``from_pretrained`` (issue 32)."""
+    import json
+
+    import checkpoint
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.models import hf_llama
+
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 60, 7, 7]])
+    out = {}
+    for how in ("fsdp2", "fsdp1", "ddp"):
+        torch.manual_seed(0)
+        model = hf_llama(layers=2)
+        if how == "fsdp2":
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            wrapped = model
+        elif how == "fsdp1":
+            wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            wrapped = DistributedDataParallel(model)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+        wrapped(tokens, labels=tokens).loss.backward()
+        opt.step()
+        path = os.path.join(root, f"hf-{how}")
+        checkpoint.save(wrapped, path)
+        with torch.no_grad():
+            logits = wrapped(tokens).logits.detach().clone()
+        with open(os.path.join(path, "config.json")) as f:
+            out[f"{how} architectures"] = json.load(f)["architectures"]
+        out[f"{how} logits"] = logits
+    return out
+
+
 def _one_rank(rank, world, root):
     import warnings
 
@@ -210,11 +248,23 @@ def _one_rank(rank, world, root):
     out = _dtensor_checks(mesh, root)
     out.update(_fsdp2_checks(mesh, root))
     out.update(_parallel_module_checks(mesh, root))
+    out.update(_wrapped_hf_checks(mesh, root))
     return out
 
 
 def test_save_load_async_manager_fsdp2_parallel_module_on_one_rank(tmp_path):
     (res,) = run_ranks(_one_rank, 1, str(tmp_path), backend="gloo", timeout=300)
+    # from_pretrained (transformers, in this process) of what FSDP2 / FSDP1 / DDP saved: the
+    # trained model's logits exactly, under its eager class (issue 32).
+    from transformers import AutoModelForCausalLM
+
+    for how in ("fsdp2", "fsdp1", "ddp"):
+        assert res.pop(f"{how} architectures") == ["LlamaForCausalLM"], how
+        back, info = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{how}", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (how, info)
+        with torch.no_grad():
+            got = back.eval()(torch.tensor([[1, 5, 9, 33, 2, 60, 7, 7]])).logits
+        assert torch.equal(got, res.pop(f"{how} logits")), how
     assert res == {
         "save": True,
         "load": True,
