@@ -45,7 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError, LoadError
 from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
-from .objstore import ObjectStore, PreconditionFailed
+from .bytestore import ByteStore
+from .objstore import PreconditionFailed
 
 MODEL_INDEX = index_name(MODEL_PREFIX)
 _TOKENED = re.compile(r"^[^./\\]+\.([0-9a-f]{12})\..+$")
@@ -98,7 +99,7 @@ def parse_index(raw: bytes | None) -> IndexFile | None:
         return None
 
 
-def owned_objects(store: ObjectStore, index: IndexFile | None) -> set[str]:
+def owned_objects(store: ByteStore, index: IndexFile | None) -> set[str]:
     """Objects the checkpoint of ``index`` (its model index, already fetched) owns: the index,
     the shards it names, the objects of ``metadata.fqnckpt.objects`` and the optimizer shards
     its optimizer index names. Plain names only."""
@@ -116,7 +117,7 @@ def owned_objects(store: ObjectStore, index: IndexFile | None) -> set[str]:
     return {n for n in owned if n and "/" not in n and "\\" not in n and n not in (".", "..")}
 
 
-def staged_saves(store: ObjectStore, listing: Iterable[str] | None = None) -> list[StagingManifest]:
+def staged_saves(store: ByteStore, listing: Iterable[str] | None = None) -> list[StagingManifest]:
     """The staging manifests under ``store`` (saves started and not yet cleaned up: running, or
     killed). An object with a manifest's name whose content is not one (or whose token differs
     from its name's) is not ours: skipped, never deleted."""
@@ -139,7 +140,7 @@ def _named(man: StagingManifest) -> set[str]:
     return {n for n in man.objects if "/" not in n and "\\" not in n and token_of(n) == man.token}
 
 
-def leftovers(store: ObjectStore, listing: dict[str, tuple[str, int]] | None = None) -> dict[str, list[str]]:
+def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = None) -> dict[str, list[str]]:
     """What saves left under ``store`` that no index names: ``{"staging": manifests,
     "objects": objects they name that exist, "uploads": incomplete multipart uploads of those
     objects}`` (``inspect`` lists them; the next commit there removes those of dead saves)."""
@@ -153,7 +154,7 @@ def leftovers(store: ObjectStore, listing: dict[str, tuple[str, int]] | None = N
     }
 
 
-def _clean(store: ObjectStore, dead: list[StagingManifest], keep: set[str]) -> None:
+def _clean(store: ByteStore, dead: list[StagingManifest], keep: set[str]) -> None:
     """Abort the uploads and delete the objects (but ``keep``) of saves ``dead``, then their manifests."""
     if not dead:
         return
@@ -175,7 +176,7 @@ class RemoteCommit:
         CheckpointWriteError: the model index could not be read.
     """
 
-    def __init__(self, store: ObjectStore, overwrite: bool):
+    def __init__(self, store: ByteStore, overwrite: bool):
         self.store, self.token = store, new_token()
         try:
             raw, self.tag = store.get_tagged(MODEL_INDEX)
@@ -240,7 +241,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def is_committed(store: ObjectStore, listing: dict[str, tuple[str, int]] | None = None) -> bool:
+def is_committed(store: ByteStore, listing: dict[str, tuple[str, int]] | None = None) -> bool:
     """A complete checkpoint at ``store``: its model index parses and every object it owns
     (:func:`owned_objects`) exists, shards with the byte size recorded. No tensor data is read."""
     index = parse_index(store.get(MODEL_INDEX))
@@ -263,7 +264,7 @@ def is_committed(store: ObjectStore, listing: dict[str, tuple[str, int]] | None 
     return all(name in listing for name in objects.values())
 
 
-def remove_checkpoint(store: ObjectStore, unborn: bool = False) -> None:
+def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
     """Delete the checkpoint at ``store``: its model index first (from then on no reader takes it
     for a checkpoint; on S3 only if unchanged since read, so a save committed meanwhile stays),
     then the objects it owned, and what saves that can no longer commit left (their base was an

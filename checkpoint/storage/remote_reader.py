@@ -37,7 +37,7 @@ from . import digest as _digest
 from . import paths
 from .format import MODEL_PREFIX, FileRecordV2, index_name
 from .layout import ST_TO_DTYPE
-from .objstore import ObjectStore
+from .bytestore import ByteStore
 from .reader import (
     CheckpointReader,
     FileDigestCheck,
@@ -60,7 +60,7 @@ class RemoteView:
     """One committed checkpoint on ``store``: its model index fetched once (``index_raw`` is None
     when there is none), and the objects it names."""
 
-    def __init__(self, store: ObjectStore):
+    def __init__(self, store: ByteStore):
         self.store = store
         self.index_raw = store.get(MODEL_INDEX)
         self.index = parse_index_bytes(self.index_raw, store.url_of(MODEL_INDEX)) if self.index_raw else None
@@ -87,7 +87,7 @@ class RemoteView:
 
 
 @contextlib.contextmanager
-def remote_view(store: ObjectStore) -> Iterator[RemoteView]:
+def remote_view(store: ByteStore) -> Iterator[RemoteView]:
     """Hold one :class:`RemoteView` of ``store`` for this thread (nested blocks on the same URL
     share it): every part read inside belongs to the same save."""
     held: dict[str, RemoteView] = _views.__dict__.setdefault("held", {})

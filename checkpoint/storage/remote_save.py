@@ -2,7 +2,7 @@
 (:mod:`checkpoint.storage.remote_commit`): one process, or every rank of a distributed save.
 
 Each shard file is uploaded by one rank (file ``j`` by rank ``j % world_size``), front to back
-through a bounded multipart upload (:class:`~checkpoint.storage.objstore.ObjectWriter`); its
+through the byte store's streaming writer (a bounded multipart upload on S3, a renamed file locally); its
 xxh3-128 digests are computed on the way, so nothing is read back. A DTensor's bytes reach the
 file's rank through ``DTensor.full_tensor()`` (all ranks of its mesh take part, one tensor at a
 time): an object cannot be written in byte ranges by several processes (S3 parts are at least
@@ -25,7 +25,7 @@ from ..ranks import dist
 from . import digest
 from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
 from .layout import FilePlan, Layout, TensorSlot
-from .objstore import ObjectStore, ObjectWriter
+from .bytestore import ByteStore, ByteWriter
 from .remote_commit import MODEL_INDEX, RemoteCommit, stored_name
 from .writer import check_matches, stats, tensor_bytes
 
@@ -35,9 +35,9 @@ _TOKENED_FILES = ("extra_state.", "migration_report.json")
 
 
 class _ShardUpload:
-    """One shard file streamed front to back into an :class:`ObjectWriter`, hashed on the way."""
+    """One shard file streamed front to back into an :class:`ByteWriter`, hashed on the way."""
 
-    def __init__(self, writer: ObjectWriter, plan: FilePlan):
+    def __init__(self, writer: ByteWriter, plan: FilePlan):
         self.w, self.plan = writer, plan
         self.header = digest.hexdigest(plan.header)
         self.tensors: dict[str, str] = {}
@@ -84,14 +84,14 @@ def _renamed(index: IndexFile, token: str) -> IndexFile:
     return index
 
 
-def _wrap(store: ObjectStore, e: BaseException, rank: int | None) -> BaseException:
+def _wrap(store: ByteStore, e: BaseException, rank: int | None) -> BaseException:
     if isinstance(e, CheckpointError) or not isinstance(e, OSError):
         return e
     return CheckpointWriteError(store.url, f"{type(e).__name__}: {store.scrub(str(e))}", rank)
 
 
 def save_remote(
-    store: ObjectStore,
+    store: ByteStore,
     parts: Sequence[Any],
     layouts: Sequence[Layout],
     overwrite: bool,
