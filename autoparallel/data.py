@@ -118,8 +118,11 @@ class InputSignature:
     def n_tensors(self) -> int:
         return sum(isinstance(x, TensorLeaf) for x in self.leaves)
 
-    def check(self, flat: list, spec: pytree.TreeSpec) -> None:
-        """Raises :class:`InputError` naming the first input that differs from the capture's."""
+    def check(self, flat: list, spec: pytree.TreeSpec, device_type: str | None = None, cast_floats: bool = False) -> None:
+        """Raises :class:`InputError` naming the first input that differs from the capture's:
+        structure, local shape, dtype (exactly; with ``cast_floats`` any floating dtype for a
+        floating input, as forward casts it) and, with ``device_type``, the device type (the
+        mesh's: a tensor elsewhere, e.g. on ``meta``, would die inside the captured graph)."""
         if spec != self.spec:
             raise InputError(
                 f"forward got {_describe(spec)}; the graph was captured for {_describe(self.spec)}"
@@ -133,9 +136,15 @@ class InputSignature:
                         f"input tensor #{i} has shape {tuple(x.shape)}; the graph was captured for the local "
                         f"(per-rank) shape {shape}: pass this rank's share of the batch, of the captured size"
                     )
-                if x.is_floating_point() != dtype.is_floating_point:
+                if x.dtype != dtype and not (cast_floats and x.is_floating_point() and dtype.is_floating_point):
                     raise InputError(
                         f"input tensor #{i} has dtype {x.dtype}; the graph was captured for {dtype}"
+                        + (" (cast it with .to(...))" if x.is_floating_point() == dtype.is_floating_point else "")
+                    )
+                if device_type is not None and x.device.type != device_type:
+                    raise InputError(
+                        f"input tensor #{i} is on device {x.device}; the module runs on {device_type} "
+                        f"(its mesh's device type): move the input there"
                     )
                 i += 1
             elif isinstance(x, torch.Tensor) or isinstance(want, TensorLeaf) or x != want:

@@ -309,7 +309,7 @@ def _parallel_forward(self, *args, **kwargs):
         rt.fresh.check()
     _check_modes(rt, self)
     flat, spec = pytree.tree_flatten((args, kwargs))
-    rt.inputs.check(flat, spec)
+    rt.inputs.check(flat, spec, rt.mesh.device_type, cast_floats=rt.cast_inputs_to is not None)
     if rt.cast_inputs_to is not None:
         flat = [
             x.to(rt.cast_inputs_to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -337,7 +337,8 @@ def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], BucketTape]:
     placeholders from one autograd node that issues all their all-gathers (the graph's markers
     take the full tensors from the tape), the other tensors gathered one by one. Every tensor
     gathered one by one is checked first (:func:`autoparallel.held_state.held_spec`), so a refusal
-    comes before any collective."""
+    comes before any collective; a failure after the buckets' all-gathers were issued waits for
+    them before it propagates."""
     state: dict[str, torch.Tensor] = {}
     ready: list[Bucket] = []
     tensors: list[torch.Tensor] = []
@@ -353,11 +354,18 @@ def _gather_state(rt: _Runtime) -> tuple[dict[str, torch.Tensor], BucketTape]:
     specs = {fqn: held_spec(fqn, rt.tensor(fqn), rt.gather[fqn]) for fqn in one_by_one}
     where = {rt.attr_of[fqn]: (i, k) for i, b in enumerate(ready) for k, fqn in enumerate(b.fqns)}
     tape = BucketTape(ready, where)
-    if ready:
-        for attr, full in zip(where, gather_buckets(tape, tensors)):
-            state[attr] = full
-    for fqn in one_by_one:
-        state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), specs[fqn])
+    try:
+        if ready:
+            for attr, full in zip(where, gather_buckets(tape, tensors)):
+                state[attr] = full
+        for fqn in one_by_one:
+            state[rt.attr_of[fqn]] = gather_full(rt.tensor(fqn), specs[fqn])
+    except BaseException:
+        # Every collective issued is waited on every exit path: the buckets' all-gathers are in
+        # flight (into buffers of the tape) when a gather after them fails; left unwaited they
+        # would meet a later collective of this rank (a hang or a mismatch).
+        tape.end_forward()
+        raise
     return state, tape
 
 

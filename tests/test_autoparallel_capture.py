@@ -316,3 +316,87 @@ def test_local_inputs_split_the_batch_and_refuse_what_cannot_be_split():
         local_inputs((ids,), {"mask": mask}, [(Shard(0),), (Shard(1),)], (2,))
     with pytest.raises(PlacementError, match="1 input constraints for 2 input tensors"):
         local_inputs((ids,), {"mask": mask}, [(Shard(0),)], (2,))
+
+
+def test_input_signature_checks_exact_dtype_and_device():
+    """A float64 or meta batch into a graph captured for a float32 CPU batch is an InputError
+    naming the input (A42); with forward's input cast on, any floating dtype is accepted."""
+    import torch.utils._pytree as pytree
+
+    from autoparallel.data import InputSignature
+    from autoparallel.errors import InputError
+
+    x = torch.randn(4, 16)
+    sig = InputSignature.of((x,), {})
+
+    def check(y, **kw):
+        flat, spec = pytree.tree_flatten(((y,), {}))
+        sig.check(flat, spec, "cpu", **kw)
+
+    check(x)
+    with pytest.raises(InputError, match=r"input tensor #0 has dtype torch.float64; the graph was captured for torch.float32"):
+        check(x.double())
+    with pytest.raises(InputError, match=r"input tensor #0 has dtype torch.bfloat16"):
+        check(x.bfloat16())
+    with pytest.raises(InputError, match=r"input tensor #0 has dtype torch.int64"):
+        check(x.long(), cast_floats=True)
+    check(x.double(), cast_floats=True)  # forward casts it
+    with pytest.raises(InputError, match=r"input tensor #0 is on device meta; the module runs on cpu"):
+        check(x.to("meta"))
+
+
+def test_bucket_all_gathers_are_waited_when_forward_fails_after_issuing_them(tmp_path, monkeypatch):
+    """_gather_state: a failure after the buckets' all-gathers were issued waits for every one of
+    them before it propagates (none left in flight to meet a later collective); the next forward
+    runs. A world of one rank, in this process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    import autoparallel.gather as gather_mod
+    import autoparallel.parallel_module as pm
+    from autoparallel import AutoParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(16, 8)
+
+            def forward(self, x):
+                return self.a(x)
+
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.randn(4, 16)
+        with AutoParallel(M(), lambda: x, mesh) as ap:
+            ap.add_input_constraints([(Shard(0),)])
+            ap.add_output_constraints([(Shard(0),)])
+            pmod = ap.apply_placement(ap.optimize_placement())
+        pmod.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in pmod.parameters():
+                p.fill_(0.5)
+        assert pmod._autoparallel.buckets, "the test needs bucketed parameters"
+        waited, real_end = [], gather_mod.BucketTape.end_forward
+
+        def end_forward(self):
+            waited.append(sum(g is not None for g in self.gathers))
+            real_end(self)
+            assert all(g is None for g in self.gathers)
+
+        real_gather = pm.gather_buckets
+
+        def gathers_then_fails(tape, tensors):
+            real_gather(tape, tensors)  # every bucket's all-gather is in flight now
+            raise RuntimeError("a gather after the buckets failed")
+
+        monkeypatch.setattr(gather_mod.BucketTape, "end_forward", end_forward)
+        monkeypatch.setattr(pm, "gather_buckets", gathers_then_fails)
+        with pytest.raises(RuntimeError, match="after the buckets"):
+            pmod(x)
+        assert waited and waited[0] >= 1  # the issued all-gathers were waited before the raise
+        monkeypatch.setattr(pm, "gather_buckets", real_gather)
+        torch.testing.assert_close(pmod(x), (0.5 * x.sum(1, keepdim=True) + 0.5).expand(4, 8))
+    finally:
+        dist.destroy_process_group()

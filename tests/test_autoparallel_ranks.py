@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import signal
 import warnings
 
 import pytest
@@ -287,6 +288,11 @@ def _api_checks(rank, mesh):
         InputError, match=r"input tensor #0 has shape \(1, 8\).*local \(per-rank\) shape \(2, 8\)"
     ):
         first(tokens[:1])  # the graph is static: another batch size would silently mis-shape masks
+    # Exact dtype (same kind too) and the mesh's device type: never a bare error from the graph (A42).
+    with pytest.raises(InputError, match=r"input tensor #0 has dtype torch.int32; the graph was captured for torch.int64"):
+        first(tokens.int())
+    with pytest.raises(InputError, match=r"input tensor #0 is on device meta; the module runs on cpu"):
+        first(tokens.to("meta"))
     return True
 
 
@@ -350,14 +356,20 @@ def test_parallel_module_matches_eager(world, runs, hf):
     try:
         results = run_ranks(_ranks_main, world, runs, hf, backend="gloo", timeout=600)
     except RankFailedError as e:
-        # Known open defect: in about 1 of 3 full-suite runs (never in ~15 runs of this test
-        # alone) rank 0 of the 2-rank spawn aborted with glibc's "malloc(): unaligned tcache chunk
-        # detected" (a write to freed small heap memory). Its stack (faulthandler) is in the
-        # captured stderr. Rerun once, loudly, so the rest of the suite still reports; a second
-        # crash, or any failed check, fails the test.
-        if not e.signals:
+        # Known open defect (README): in about 1 of 3 full-suite runs (never in ~15 runs of this
+        # test alone) rank 0 of the 2-rank spawn aborted with glibc's "malloc(): unaligned tcache
+        # chunk detected" (a write to freed small heap memory); cause not found. Scoped to this
+        # one spawn and to a rank killed by SIGABRT (glibc's abort): rerun once, loudly, with the
+        # killed rank's faulthandler stack (every thread) in the warning text and kept in a file
+        # (RankFailedError.stacks), so the next occurrence leaves evidence; any other signal, a
+        # second crash, or any failed check fails the test.
+        if set(e.signals.values()) != {signal.SIGABRT}:
             raise
-        warnings.warn(f"{world}-rank spawn killed by signal {e.signals}; rerunning once", RuntimeWarning)
+        warnings.warn(
+            f"{world}-rank spawn killed by signal {e.signals}; rerunning once. Evidence (stacks kept in "
+            f"{e.stacks}):\n{e}",
+            RuntimeWarning,
+        )
         results = run_ranks(_ranks_main, world, runs, hf, backend="gloo", timeout=600)
     assert len(results) == world
     expected = {f"{'x'.join(map(str, shape))} {k}" for shape, kinds in runs for k in kinds}

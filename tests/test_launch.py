@@ -34,11 +34,21 @@ def _abort(rank, world_size):
     return rank
 
 
-def test_rank_killed_by_a_signal_is_named_with_its_signal(capfd):
+def test_rank_killed_by_a_signal_is_named_with_its_signal_and_its_stack_kept(tmp_path, monkeypatch):
+    """Crash evidence (issue 34): the failure's message holds the killed rank's faulthandler
+    stack (every thread), and the file holding it is kept; files of clean ranks are removed."""
+    import os
+
+    monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
     with pytest.raises(RankFailedError, match=r"died without a result: \[\(0, -6\)\]") as e:
         run_ranks(_abort, 1, backend="gloo", timeout=60)
     assert e.value.signals == {0: 6} and not RankFailedError("x").signals
-    assert "Fatal Python error: Aborted" in capfd.readouterr().err  # faulthandler: the rank's stack
+    msg = str(e.value)
+    assert "Fatal Python error: Aborted" in msg and "in _abort" in msg  # the rank's own stack
+    (kept,) = e.value.stacks.values()
+    assert os.path.dirname(kept) == str(tmp_path) and "in _abort" in open(kept).read()
+    run_ranks(_allreduce, 2, backend="gloo", timeout=60)
+    assert os.listdir(tmp_path) == [os.path.basename(kept)]  # clean ranks leave no file
 
 
 def _tensor_result(rank, world_size):

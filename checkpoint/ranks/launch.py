@@ -8,6 +8,13 @@ Ranks start from multiprocessing's forkserver where the platform has one: the se
 and torch.distributed once (plus what :func:`preload` names), and each rank is a fork of it, so a
 spawn no longer pays those imports per rank (5-17 s a rank on a busy 2-core machine). The server is
 a fresh interpreter, never the caller, so no caller state (threads, CUDA, heap) is forked.
+
+Crash evidence: each rank writes faulthandler's stack of every thread to its own file when a
+signal kills it (abort, segfault, bus error), and raises its core-size limit to the hard limit
+(a core is kept where the machine's ``core_pattern`` allows). A rank killed by a signal, before or
+after sending its result, fails the run with :class:`RankFailedError` whose message holds that
+stack and the file's path; the file is kept (``FQNCKPT_CRASH_DIR``, default the temporary
+directory). Files of ranks that exited cleanly are removed.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import faulthandler
 import os
 import pickle
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -31,12 +39,43 @@ from multiprocessing import reduction
 class RankFailedError(RuntimeError):
     """A spawned rank raised, died, or did not finish within the timeout (seconds).
 
-    ``signals``: ``{rank: signal number}`` of ranks killed by a signal (abort, segfault) before
-    sending a result; empty when every rank exited or raised."""
+    ``signals``: ``{rank: signal number}`` of ranks killed by a signal (abort, segfault), before
+    or after sending a result; empty when every rank exited or raised. ``stacks``: ``{rank: path
+    of the file holding its faulthandler stack}`` for those ranks (kept as evidence)."""
 
-    def __init__(self, message: str, signals: dict[int, int] | None = None):
+    def __init__(self, message: str, signals: dict[int, int] | None = None, stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.signals = dict(signals or {})
+        self.stacks = dict(stacks or {})
+
+
+def _crash_file(rank: int, port: int) -> str:
+    where = os.environ.get("FQNCKPT_CRASH_DIR") or tempfile.gettempdir()
+    return os.path.join(where, f"fqnckpt-rank{rank}-pid{os.getpid()}-port{port}.stack")
+
+
+def _allow_core() -> None:
+    """Raise this process's core-size limit to its hard limit (best effort: a core where allowed)."""
+    try:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _evidence(dead: dict[int, int], files: dict[int, str]) -> str:
+    """The faulthandler stacks of the ranks in ``dead`` (rank -> signal), read from their files."""
+    out = []
+    for r, sig in sorted(dead.items()):
+        try:
+            with open(files[r], errors="replace") as f:
+                text = f.read()[-20000:]
+        except OSError as e:
+            text = f"(no stack file: {e})"
+        out.append(f"--- rank {r} killed by signal {sig}; faulthandler stack (kept in {files[r]}):\n{text}")
+    return "\n".join(out)
 
 
 def free_port() -> int:
@@ -92,9 +131,13 @@ def _take_stdio(stdio) -> None:
         os.close(fd)
 
 
-def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue, environ, stdio):
+def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue, environ, stdio, crash_file=None):
     _take_stdio(stdio)
-    faulthandler.enable()  # a rank killed by a signal (abort, segfault) prints every thread's stack
+    # A rank killed by a signal (abort, segfault) writes every thread's stack to its crash file
+    # (the parent puts it in the failure's message and keeps the file), else to stderr.
+    stack_out = open(crash_file, "w") if crash_file else None  # noqa: SIM115 - open until the process dies
+    faulthandler.enable(file=stack_out or __import__("sys").stderr, all_threads=True)
+    _allow_core()
     # A forkserver child has the server's environment: take the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(environ)
@@ -150,10 +193,11 @@ def run_ranks(
     stdio = _CallerStdio() if ctx.get_start_method() == "forkserver" else None
     queue = ctx.SimpleQueue()
     port = free_port()
+    files = {r: _crash_file(r, port) for r in range(world_size)}
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, timeout, fn, args, queue, environ, stdio),
+            args=(r, world_size, port, backend, timeout, fn, args, queue, environ, stdio, files[r]),
             daemon=False,
         )
         for r in range(world_size)
@@ -178,9 +222,11 @@ def run_ranks(
                     time.sleep(0.2)
                     if queue.empty():
                         dead = [(i, procs[i].exitcode) for i in silent]
+                        killed = {i: -code for i, code in dead if code < 0}
                         raise RankFailedError(
-                            f"rank(s) died without a result: {dead}",
-                            {i: -code for i, code in dead if code < 0},
+                            f"rank(s) died without a result: {dead}\n{_evidence(killed, files)}",
+                            killed,
+                            {i: files[i] for i in killed},
                         )
                 time.sleep(0.02)
                 continue
@@ -196,11 +242,28 @@ def run_ranks(
         if errors:
             raise RankFailedError("\n".join(errors))
     finally:
-        for p in procs:
+        ours = set()  # ranks this launcher killed (hung past the wait): not crash evidence
+        for r, p in enumerate(procs):
             p.join(timeout=10)
             if p.is_alive():
+                ours.add(r)
                 p.kill()
                 p.join()
+        killed = {
+            r: -p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0 and r not in ours
+        }
+        for r in range(world_size):
+            if r not in killed:
+                try:
+                    os.remove(files[r])
+                except OSError:
+                    pass
+    if killed:  # after sending its result (e.g. in interpreter teardown): a crash all the same
+        raise RankFailedError(
+            f"rank(s) killed by a signal after sending their results: {killed}\n{_evidence(killed, files)}",
+            killed,
+            {r: files[r] for r in killed},
+        )
     return [results[r] for r in range(world_size)]
 
 

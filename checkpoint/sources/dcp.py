@@ -33,6 +33,7 @@ import torch
 
 from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointError
 from ..storage import paths
+from ..storage.st_header import shape_problem
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import is_dcp, is_dcp_hf
 from .unpickle import load_dcp_metadata, torch_load
@@ -53,6 +54,27 @@ def _check_storage_paths(root: Path, md: Any) -> None:
         if os.path.isabs(rel) and os.path.dirname(rel) == os.path.abspath(root):
             rel = os.path.basename(rel)
         paths.member(root, rel)
+
+
+def _check_dcp_shapes(path: Path, key: str, m: Any) -> None:
+    """A DCP tensor's recorded size and every chunk's sizes and offsets: dims torch can hold
+    (:func:`~checkpoint.storage.st_header.shape_problem`), chunks inside the tensor.
+
+    Raises:
+        CorruptCheckpointError: names the DCP checkpoint and the tensor.
+    """
+    size = list(getattr(m, "size", ()) or ())
+    why = shape_problem(size)
+    for c in getattr(m, "chunks", None) or ():
+        if why is not None:
+            break
+        sizes, offsets = list(c.sizes), list(c.offsets)
+        why = shape_problem(sizes) or shape_problem(offsets)
+        if why is None and (len(sizes) != len(size) or len(offsets) != len(size)
+                            or any(o + n > d for o, n, d in zip(offsets, sizes, size))):  # fmt: skip
+            why = f"has a chunk at offsets {offsets} of sizes {sizes} outside its size {size}"
+    if why is not None:
+        raise CorruptCheckpointError(str(path), f"DCP tensor {key!r} {why}")
 
 
 def _display_names(root: Path, path: Path, md: Any) -> dict[str, str]:
@@ -343,6 +365,8 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     optim = _optimizer_containers(md)
     tensor_keys = [k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)]
     tensor_set = set(tensor_keys)
+    for k in tensor_keys:
+        _check_dcp_shapes(path, k, md.state_dict_metadata[k])
     other = [k for k in md.state_dict_metadata if k not in tensor_set]
     top_level = any(len(_path_of(md, k)) == 1 for k in tensor_keys)
     containers = list(dict.fromkeys(str(_path_of(md, k)[0]) for k in tensor_keys if len(_path_of(md, k)) > 1))

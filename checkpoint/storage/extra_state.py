@@ -37,12 +37,13 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from .format import EXTRA_STATE_FILE
 from .urls import is_url
+from .st_header import shape_problem
 
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
 _MAX_DEPTH = 64
@@ -85,6 +86,14 @@ class TensorNode(_Node):
     dtype: StrictStr
     shape: list[Annotated[int, Field(ge=0)]]
     data: StrictStr
+
+    @field_validator("shape")
+    @classmethod
+    def _torch_holds(cls, v: list[int]) -> list[int]:
+        why = shape_problem(v)  # the one shape rule of every reader (st_header.shape_problem)
+        if why is not None:
+            raise ValueError(f"tensor {why}")
+        return v
 
 
 class ListNode(_Node):
@@ -230,6 +239,9 @@ def _decode(n: _Node, where: str) -> Any:
         if n.dtype not in ST_TO_DTYPE:
             raise ValueError(f"{where}: unknown tensor dtype {n.dtype!r}")
         dtype = ST_TO_DTYPE[n.dtype]
+        why = shape_problem(n.shape)
+        if why is not None:
+            raise ValueError(f"{where}: tensor {why}")
         raw = base64.b64decode(n.data, validate=True)
         want = math.prod(n.shape) * torch.empty((), dtype=dtype).element_size()
         if len(raw) != want:

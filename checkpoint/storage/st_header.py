@@ -84,6 +84,44 @@ def _header_problem(path: str) -> str:
     return ""
 
 
+INT64_MAX = (1 << 63) - 1  # torch sizes, strides and element counts are int64
+
+
+def shape_problem(shape) -> str | None:
+    """Why ``shape`` (a sequence of dims from any file: a safetensors header, extra state, DCP
+    metadata, a conversion's dims) is not one torch can hold, or None: every dim a
+    non-negative int (not bool) of at most ``2**63 - 1``, and the product of the dims (each at
+    least 1, as torch computes strides and storage sizes) at most ``2**63 - 1`` too; torch
+    raises a bare ``TypeError`` / ``RuntimeError`` ("Stride calculation overflowed")
+    otherwise. Torch-free: the torch and the torch-free readers give the same verdict."""
+    if not isinstance(shape, (list, tuple)):
+        return f"has shape {shape!r}, not a list of dimensions"
+    span = 1
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            return f"has dimension {d!r} in shape {list(shape)}, not a non-negative integer"
+        if d > INT64_MAX:
+            return f"has a dimension torch cannot hold ({d} > 2**63 - 1) in shape {list(shape)}"
+        span *= max(d, 1)
+        if span > INT64_MAX:
+            return f"has shape {list(shape)}, whose strides or size torch cannot hold (over 2**63 - 1 elements)"
+    return None
+
+
+def check_header_shapes(path: str, head: dict) -> None:
+    """:func:`shape_problem` of every tensor of a parsed safetensors header.
+
+    Raises:
+        CorruptCheckpointError: a tensor's shape cannot be held by torch (file and tensor named).
+    """
+    for k, v in head.items():
+        if k == "__metadata__" or not isinstance(v, dict):
+            continue
+        why = shape_problem(v.get("shape"))
+        if why is not None:
+            raise CorruptCheckpointError(path, f"tensor {k!r} {why}")
+
+
 def open_safetensors_with_header(path: str, framework: str = "pt") -> tuple[object, dict]:
     """``safetensors.safe_open(path, framework=framework)`` plus the one check it lacks (a tensor
     name twice in the JSON header), and the parsed JSON header, so that shapes and dtypes of 10^5
@@ -92,7 +130,8 @@ def open_safetensors_with_header(path: str, framework: str = "pt") -> tuple[obje
 
     Raises:
         CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
-            where it can, and Git LFS pointers), or the header repeats a tensor name.
+            where it can, and Git LFS pointers), the header repeats a tensor name, or a shape is
+            one torch cannot hold (:func:`shape_problem`).
     """
     try:
         handle = safe_open(path, framework=framework)
@@ -107,6 +146,7 @@ def open_safetensors_with_header(path: str, framework: str = "pt") -> tuple[obje
         raw = f.read(n)
     head = json.loads(raw)
     _check_unique_header_keys(path, raw, head)
+    check_header_shapes(path, head)  # safetensors holds u64 dims; torch int64 (every reader, inspect too)
     return handle, head
 
 
@@ -153,4 +193,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "open_safetensors_with_header", "parse_index_bytes", "read_index"]
+__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "open_safetensors_with_header", "parse_index_bytes", "read_index", "shape_problem"]
