@@ -450,14 +450,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         return report_error(e, argparse.Namespace(), command or "", as_json)
     try:
-        return args._run(args)
+        code = args._run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except KeyboardInterrupt:
         print(f"fqnckpt {args.command}: interrupted", file=sys.stderr)
         return 130
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every error becomes one line (DCP's derive from BaseException)
-        return report_error(e, args, args.command, args.json)
+        try:
+            return report_error(e, args, args.command, args.json)
+        except BrokenPipeError:
+            return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``fqnckpt inspect ... | head``): not an error of ours. As
+    Python's documentation of SIGPIPE advises, stdout is pointed at /dev/null so that the flush at
+    exit cannot raise again; 141 (128 + SIGPIPE) is what a shell tool stopped by the pipe returns."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured): nothing will flush it
+        pass
+    return 141
 
 
 if __name__ == "__main__":
