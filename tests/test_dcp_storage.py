@@ -210,6 +210,22 @@ def test_reader_index_is_authoritative_and_hub_cache_and_duplicates(tmp_path):
         dcp.load({"a": torch.zeros(3)}, storage_reader=StorageReader(str(loose)))
 
 
+def test_reader_gives_tied_weights_under_every_name(tmp_path):
+    """checkpoint.save stores a tied lm_head.weight once (alias group); a DCP load of the model's
+    full state_dict (both names) finds both."""
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    model = tiny_llama(4, tie=True)
+    checkpoint.save(model, str(tmp_path / "ck"))
+    back = tiny_llama(5, tie=True)
+    sd = back.state_dict()
+    assert "lm_head.weight" in sd
+    dcp.load(sd, storage_reader=StorageReader(str(tmp_path / "ck")))
+    back.load_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(back(TOKENS).logits, model(TOKENS).logits)
+
+
 def test_transformers_from_pretrained_and_cli_read_it(tmp_path, capsys):
     from transformers import LlamaForCausalLM
 

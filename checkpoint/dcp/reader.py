@@ -6,7 +6,8 @@ What it reads (:func:`_open_source`):
   index is authoritative: only the files it names are read, through
   :func:`checkpoint.open_checkpoint`, which validates every header and path, hub-cache snapshots
   included), a directory with one ``model.safetensors``, one ``.safetensors`` file, or a URL;
-  ``extra_state.json`` entries come back as DCP's non-tensor values;
+  ``extra_state.json`` entries come back as DCP's non-tensor values, tied names fqnckpt stored
+  once (its alias groups) under every name;
 - torch's ``HuggingFaceStorageWriter(save_distributed=True)`` output without consolidation: the
   per-rank ``shard-0000r-model-0000k-of-0000n.safetensors`` files (in the directory or its
   ``sharded/`` folder), each tensor's chunks placed by the ``DCP_SHARDING_INFO`` offsets in
@@ -333,6 +334,13 @@ def _open_source(where: Any) -> _Source:
 
 def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
     chunks = {k: [StoredChunk(0, k, (0,) * len(rd.spec(k).shape), rd.spec(k).shape)] for k in rd.keys()}
+    # Tied names fqnckpt stored once (alias groups, stored name first): a state_dict holding
+    # every name (``lm_head.weight`` beside ``model.embed_tokens.weight``) finds each of them.
+    for group in rd.alias_groups:
+        stored = next((k for k in group if k in chunks), None)
+        for alias in group:
+            if stored is not None and alias not in chunks:
+                chunks[alias] = chunks[stored]
     return _Source(where, [rd], chunks, extra)
 
 
