@@ -15,15 +15,34 @@ def rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _angles(t: int, hd: int, theta: float):
+def meta_scaled_freqs(freqs, scale_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+    """Meta's ``apply_scaling`` (meta-llama/llama-models, Llama 3.1's use_scaled_rope): long
+    wavelengths divided by the factor, short ones kept, a smooth blend between."""
+    low_wl, high_wl = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    out = []
+    for f in freqs.tolist():
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(f)
+        elif wl > low_wl:
+            out.append(f / scale_factor)
+        else:
+            smooth = (old_context_len / wl - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * f / scale_factor + smooth * f)
+    return torch.tensor(out, dtype=freqs.dtype)
+
+
+def _angles(t: int, hd: int, theta: float, scaled: bool = False):
     freqs = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+    if scaled:
+        freqs = meta_scaled_freqs(freqs)
     ang = torch.outer(torch.arange(t).float(), freqs)  # (T, hd/2)
     return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
 
 
-def rope_interleaved(x, theta):
+def rope_interleaved(x, theta, scaled=False):
     """Meta / torchtitan Llama: rotate pairs (x[2j], x[2j+1]); x is (B, T, H, hd)."""
-    cos, sin = _angles(x.shape[1], x.shape[-1], theta)
+    cos, sin = _angles(x.shape[1], x.shape[-1], theta, scaled)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
 
@@ -51,8 +70,9 @@ def swiglu(x, w1, w3, w2):
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
-def meta_llama_logits(sd, n_heads, n_kv_heads, tokens, eps=1e-5, theta=10000.0):
-    """Meta / torchtitan Llama (``tok_embeddings``, ``layers.i.attention.wq``, interleaved RoPE)."""
+def meta_llama_logits(sd, n_heads, n_kv_heads, tokens, eps=1e-5, theta=10000.0, scaled=False):
+    """Meta / torchtitan Llama (``tok_embeddings``, ``layers.i.attention.wq``, interleaved RoPE;
+    ``scaled``: Llama 3.1's use_scaled_rope, factor 8)."""
     x = sd["tok_embeddings.weight"][tokens]
     b, t, d = x.shape
     hd = d // n_heads
@@ -60,8 +80,8 @@ def meta_llama_logits(sd, n_heads, n_kv_heads, tokens, eps=1e-5, theta=10000.0):
     for i in range(n_layers):
         p = f"layers.{i}."
         h = rms(x, sd[p + "attention_norm.weight"], eps)
-        q = rope_interleaved(F.linear(h, sd[p + "attention.wq.weight"]).view(b, t, n_heads, hd), theta)
-        k = rope_interleaved(F.linear(h, sd[p + "attention.wk.weight"]).view(b, t, n_kv_heads, hd), theta)
+        q = rope_interleaved(F.linear(h, sd[p + "attention.wq.weight"]).view(b, t, n_heads, hd), theta, scaled)
+        k = rope_interleaved(F.linear(h, sd[p + "attention.wk.weight"]).view(b, t, n_kv_heads, hd), theta, scaled)
         v = F.linear(h, sd[p + "attention.wv.weight"]).view(b, t, n_kv_heads, hd)
         x = x + F.linear(attend(q, k, v), sd[p + "attention.wo.weight"])
         h = rms(x, sd[p + "ffn_norm.weight"], eps)

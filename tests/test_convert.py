@@ -87,10 +87,11 @@ def meta_state_dict(seed=0, vocab=V) -> dict[str, torch.Tensor]:
     return sd
 
 
-def meta_shards(sd, n) -> list[dict[str, torch.Tensor]]:
+def meta_shards(sd, n, version="llama2") -> list[dict[str, torch.Tensor]]:
     """Split like Meta's model-parallel checkpoints (conversions.md: Q/K/V, w1, w3, output on
-    dim 0; wo, w2, tok_embeddings on dim 1; norms replicated)."""
-    dim1 = ("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")
+    dim 0; wo, w2 on dim 1; tok_embeddings on dim 1 in Llama 2 (ParallelEmbedding), on dim 0 in
+    Llama 3 (VocabParallelEmbedding: transformers' converter's concat_dim); norms replicated)."""
+    dim1 = ("attention.wo.weight", "feed_forward.w2.weight") + (("tok_embeddings.weight",) if version == "llama2" else ())
     out = [{} for _ in range(n)]
     for k, v in sd.items():
         if v.dim() == 1:
@@ -127,9 +128,9 @@ def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
     assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
 
 
-def join_meta_shards(parts) -> dict[str, torch.Tensor]:
+def join_meta_shards(parts, version="llama2") -> dict[str, torch.Tensor]:
     """The test's own join of Meta shards (inverse of meta_shards)."""
-    dim1 = ("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")
+    dim1 = ("attention.wo.weight", "feed_forward.w2.weight") + (("tok_embeddings.weight",) if version == "llama2" else ())
     return {k: parts[0][k] if v.dim() == 1 else torch.cat([p[k] for p in parts], 1 if k.endswith(dim1) else 0)
             for k, v in parts[0].items()}  # fmt: skip
 
@@ -140,8 +141,8 @@ def load_meta_dir(path) -> list[dict[str, torch.Tensor]]:
     return [torch.load(path / n, weights_only=True) for n in names]
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
+@pytest.mark.parametrize("shards, version", [(1, "llama3"), (2, "llama2"), (2, "llama3")])
+def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards, version):
     """hf-to-meta-llama writes Meta's own files: consolidated.NN.pth (plain dicts, own storages)
     and params.json; Meta -> HF -> Meta with the same shards is bit-identical, file by file."""
     from checkpoint.convert.catalog import MetaParams, meta_ffn_dim
@@ -150,15 +151,19 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
     params = PARAMS | {"vocab_size": V + 1}
     src = tmp_path / "meta"
     src.mkdir()
-    parts = meta_shards(sd, shards)
+    parts = meta_shards(sd, shards, version)
     for i, part in enumerate(parts):
         torch.save(part | {"rope.freqs": torch.zeros(4)}, src / f"consolidated.{i:02d}.pth")
     (src / "params.json").write_text(json.dumps(params))
     hf = transformers.LlamaForCausalLM(llama_config(V + 1)).eval()
-    checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=hf)
+    fwd = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf", model=hf)
+    if shards > 1:  # detected from the shards' embedding widths
+        assert fwd.layouts == {"source": f"meta {version}"}
     checkpoint.load(hf, tmp_path / "hf")
-    # No model: dims and params.json come from the HF dir's config.json.
-    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", dims={"shards": shards})
+    # No model: dims and params.json come from the HF dir's config.json. Llama 3's split is the default.
+    recipe = "hf-to-meta-llama" + ("@llama2" if version == "llama2" else "")
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe=recipe, dims={"shards": shards})
+    assert rep.layouts == {"target": f"meta {version}"}
     assert rep.written and rep.dims["n_kv_heads"] == NKV
     back = load_meta_dir(tmp_path / "back")
     assert len(back) == shards
@@ -168,7 +173,7 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards):
     got = MetaParams.model_validate_json((tmp_path / "back" / "params.json").read_bytes())
     assert got.model_dump(include=set(params)) == params
     assert meta_ffn_dim(got.dim, got.multiple_of, got.ffn_dim_multiplier) == FF
-    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back), NH, NKV, ids), hf)
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back, version), NH, NKV, ids), hf)
 
 
 def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
@@ -179,7 +184,8 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     assert main(["migrate", str(tmp_path / "hf"), str(tmp_path / "meta"), "--recipe", "hf-to-meta-llama", "--dim", "shards=2"]) == 0
     parts = load_meta_dir(tmp_path / "meta")
     assert len(parts) == 2 and parts[0]["layers.0.attention.wk.weight"].shape == (NKV * 8 // 2, H)
-    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts), NH, NKV, ids), hf)
+    assert parts[0]["tok_embeddings.weight"].shape == (32, H)  # Llama 3's vocabulary split by default
+    assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts, "llama3"), NH, NKV, ids), hf)
     assert not (tmp_path / "meta" / ".spill").exists()  # the writer's spill files are gone
     # inspect / verify of the shard directory say what it is and how to read it (exit 2)
     for cmd in ("inspect", "verify"):
@@ -211,7 +217,7 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     # Overwriting a 2-shard Meta dir with one shard leaves no stale consolidated.01.pth.
     checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == ["consolidated.00.pth", "conversion_report.json", "params.json"]
-    assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts))
+    assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts, "llama3"))
 
 
 def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
@@ -1132,3 +1138,69 @@ def test_tied_torchtitan_llama_both_ways(tmp_path):
     with pytest.raises(ConversionError, match="ties them but the source's 'tok_embeddings.weight' and 'lm_head.weight' differ"):
         checkpoint.migrate(tmp_path / "untied.safetensors", tmp_path / "x", recipe="torchtitan-llama3-to-hf", model=fresh)
     assert not (tmp_path / "x").exists()
+
+
+def read_config_as_transformers_4(path) -> dict:
+    """What transformers 4.x's LlamaConfig takes from config.json: ``rope_theta`` (default 10000)
+    and ``rope_scaling`` (it has no ``rope_parameters``), max positions, bos / eos ids."""
+    cfg = json.loads((path / "config.json").read_text())
+    return {"rope_theta": cfg.get("rope_theta", 10000.0), "rope_scaling": cfg.get("rope_scaling"),
+            "max_position_embeddings": cfg.get("max_position_embeddings", 2048), "bos": cfg.get("bos_token_id", 1),
+            "eos": cfg.get("eos_token_id", 2)}  # fmt: skip
+
+
+def test_meta_llama31_scaled_rope_and_params_keys_both_ways(tmp_path):
+    """Llama 3.1's params.json (rope_theta 500000, use_scaled_rope, multiple_of / ffn_dim_multiplier)
+    -> HF with no model: config.json read by transformers 5 (rope_parameters) and as 4.x reads it
+    (rope_theta + rope_scaling) gives Meta's scaled RoPE (inv_freq equal to Meta's apply_scaling,
+    logits equal to Meta's forward with scaling and not without), max positions, bos / eos,
+    generation_config.json. Back to Meta: params.json has the source's keys and values exactly."""
+    params = PARAMS | {"rope_theta": 500000.0, "use_scaled_rope": True, "multiple_of": 16, "ffn_dim_multiplier": 0.75}
+    sd = meta_state_dict(12)
+    src = write_meta(tmp_path / "meta", sd, params)
+    rep = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    assert any("gives back every key" in c for c in rep.checks)
+    old = read_config_as_transformers_4(tmp_path / "hf")
+    assert old["rope_theta"] == 500000.0 and old["rope_scaling"]["rope_type"] == "llama3" and old["rope_scaling"]["factor"] == 8.0
+    assert old["max_position_embeddings"] == 131072 and (old["bos"], old["eos"]) == (1, 2)  # a 61-token vocabulary is not tiktoken's
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3" and hf.config.rope_parameters["rope_theta"] == 500000.0
+    freqs = 1.0 / 500000.0 ** (torch.arange(0, H // NH, 2).float() / (H // NH))
+    torch.testing.assert_close(hf.model.rotary_emb.inv_freq, refs.meta_scaled_freqs(freqs), rtol=1e-6, atol=0)
+    long = torch.randint(0, V, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = hf(long).logits
+        want = refs.meta_llama_logits(sd, NH, NKV, long, theta=500000.0, scaled=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert (got - refs.meta_llama_logits(sd, NH, NKV, long, theta=500000.0)).abs().max() > 1e-4
+    back = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama")
+    assert json.loads((tmp_path / "back" / "params.json").read_text()) == params
+    assert any("gives back the source config.json" in c for c in back.checks)
+    assert_equal_sd(read(tmp_path / "back"), sd)
+
+
+def test_hf_llama3_scaled_rope_to_meta_and_back(tmp_path):
+    """An HF Llama 3.1-style config (transformers 5 rope_parameters, llama3 scaling) -> Meta writes
+    use_scaled_rope; HF -> Meta -> HF gives the same rope and sizes; an HF rope scaling Meta cannot
+    say (yarn) is refused naming it, nothing written."""
+    cfg = llama_config()
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg.max_position_embeddings = 131072
+    hf = randomize(transformers.LlamaForCausalLM(cfg), 13)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama")
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    assert params["use_scaled_rope"] is True and params["rope_theta"] == 500000.0 and params["max_seq_len"] == 131072
+    checkpoint.migrate(tmp_path / "meta", tmp_path / "hf2", recipe="meta-llama-to-hf")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    assert again.config.rope_parameters == hf.config.rope_parameters
+    assert again.config.max_position_embeddings == 131072 and again.config.intermediate_size == FF
+    assert_same_model(lambda ids: hf(ids).logits, again)
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    checkpoint.save(transformers.LlamaForCausalLM(cfg), tmp_path / "yarn")
+    with pytest.raises(ConversionError, match="RoPE scaling 'yarn' has no Meta params.json spelling"):
+        checkpoint.migrate(tmp_path / "yarn", tmp_path / "m", recipe="hf-to-meta-llama")
+    assert not (tmp_path / "m").exists()

@@ -5,6 +5,7 @@ entry points."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -13,14 +14,14 @@ import torch
 
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
-from .hf_files import hf_config_files, llama_config_from_meta, meta_model_from_config
+from .hf_files import hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
-from .layouts import LayoutError, versioned
-from .verify import dims_problems, inverse_problems, side_file_problems
+from .layouts import LayoutError, meta_versioned, versioned
+from .verify import GENERATION_CONFIG_NAME, dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
-from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
+from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport, Problem
 from .rules import Recipe
 
 # write(specs, fetch, extra_files, layout): layout is the recipe's ``writes`` ("meta": Meta's
@@ -39,7 +40,7 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
             rec = entry.build(model)
             if rec.writes != "hf-model":  # only these name the model's FQNs
                 continue
-            rec, layouts = versioned(rec, catalog.keys(), None)
+            rec, layouts = meta_versioned(rec, catalog, None) if rec.reads == "meta" else versioned(rec, catalog.keys(), None)
             plan = plan_conversion(catalog, rec, dims, model=model, source=source)
             plan.report.layouts = layouts
         except (ConversionError, TypeError, ValueError) as e:
@@ -102,7 +103,11 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
             plan = _auto(catalog, model, d, str(src))
         else:
             try:
-                rec, layouts = versioned(get_recipe(recipe, model), catalog.keys(), asked)
+                rec = get_recipe(recipe, model)
+                if "meta" in (rec.reads, rec.writes):
+                    rec, layouts = meta_versioned(rec, catalog, asked)
+                else:
+                    rec, layouts = versioned(rec, catalog.keys(), asked)
             except LayoutError as e:
                 raise RecipeError(f"{src}: {e}") from None
             missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
@@ -135,6 +140,7 @@ def _build_side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
         out.update(hf_config_files(model))
     elif plan.recipe.writes == "hf-model" and plan.catalog.params is not None:  # Meta -> HF, no model
         out[HF_CONFIG_NAME] = _meta_llama_config(plan)
+        out[GENERATION_CONFIG_NAME] = llama_generation_config(json.loads(out[HF_CONFIG_NAME]))
     return out
 
 
@@ -148,8 +154,12 @@ def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]
     plan.report.dim_sources = {k: dict(v) for k, v in by_source.items()}
     problems = dims_problems(plan, by_source) or inverse_problems(plan)
     if not problems:
-        plan.side = _build_side_files(plan, plan.model)
-        problems = side_file_problems(plan.side, plan)
+        try:
+            plan.side = _build_side_files(plan, plan.model)
+        except ValueError as e:  # a field the target's side file cannot say
+            problems = [Problem(kind="side-file", keys=[], message=str(e))]
+        else:
+            problems = side_file_problems(plan.side, plan)
     if problems:
         plan.report.problems.extend(problems)
         raise ConversionError(plan.report)

@@ -65,6 +65,10 @@ class HFTextConfig(BaseModel):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
     rope_parameters: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # transformers 4.x's spelling of rope_parameters' scaling
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool | None = None
+    fqnckpt_meta_params: dict[str, Any] | None = None  # hf_files.META_PARAMS_KEY: Meta fields kept for the way back
     qk_rope_head_dim: int | None = None  # DeepSeek-V3 MLA
     rope_interleave: bool | None = None
     _whole: dict[str, Any] = PrivateAttr(default_factory=dict)  # the whole file (model_type, ...)
@@ -286,31 +290,73 @@ def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -
 
 def _ffn_params(dim: int, ffn: int) -> dict[str, Any]:
     """``multiple_of`` (+ ``ffn_dim_multiplier``) that give ``ffn`` back by :func:`meta_ffn_dim`:
-    the largest power of two up to 1024 alone if it does, else with the multiplier; {} if none does."""
+    a power of two up to 1024 alone if one does, else with the multiplier of fewest decimals that
+    does (Meta's own are 1.3 / 1.5: Llama 3 8B's 14336 is 1024 x 1.3); {} if none does."""
     powers = [m for m in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if ffn % m == 0]
     for m in powers:
         if meta_ffn_dim(dim, m, None) == ffn:
             return {"multiple_of": m}
-    for m in powers:
-        mult = ffn / int(2 * 4 * dim / 3)
-        for cand in (round(mult, 6), mult, mult + 1e-9):
-            if meta_ffn_dim(dim, m, cand) == ffn:
+    base = int(2 * 4 * dim / 3)
+    mult = ffn / base if base else 0.0
+    for cand in (round(mult, 1), round(mult, 2), round(mult, 3), round(mult, 6), mult, mult + 1e-9):
+        for m in powers:
+            if cand > 0 and meta_ffn_dim(dim, m, cand) == ffn:
                 return {"multiple_of": m, "ffn_dim_multiplier": cand}
     return {}
 
 
+def _rope_fields(cfg: HFTextConfig) -> dict[str, Any]:
+    """``rope_theta`` / ``use_scaled_rope`` (+ ``rope_scaling_factor``, ``rope_high_freq_factor``
+    when not Meta's defaults 8 / 4) from transformers 5's ``rope_parameters`` or 4.x's
+    ``rope_scaling`` + ``rope_theta``.
+
+    Raises:
+        ValueError: a RoPE scaling Meta's params.json cannot say (not ``default`` / ``llama3``)."""
+    params = cfg.rope_parameters or {}
+    scaling = cfg.rope_scaling or {}
+    theta = params.get("rope_theta", cfg.rope_theta)
+    kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    out: dict[str, Any] = {"rope_theta": float(theta) if theta is not None else None}
+    if kind == "llama3":
+        src = params if params.get("rope_type") == "llama3" else scaling
+        out["use_scaled_rope"] = True
+        if float(src.get("factor", 8.0)) != 8.0:
+            out["rope_scaling_factor"] = float(src["factor"])
+        if float(src.get("high_freq_factor", 4.0)) != 4.0:
+            out["rope_high_freq_factor"] = float(src["high_freq_factor"])
+    elif kind != "default":
+        raise ValueError(f"RoPE scaling {kind!r} has no Meta params.json spelling (only llama3's use_scaled_rope)")
+    return out
+
+
 def write_params_json(dims: Mapping[str, int], cfg: HFTextConfig | None) -> bytes:
     """Meta ``params.json`` from the dims and (where given) an HF Llama-family config: ``dim``,
-    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``norm_eps``, ``rope_theta`` and the
-    ``multiple_of`` / ``ffn_dim_multiplier`` that give back ``intermediate_size``. Fields the
-    config does not give are left out; :class:`MetaParams` reads the file back. ``dims`` must
-    hold :data:`PARAMS_DIMS` (checked when the conversion is opened)."""
+    ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``norm_eps``, ``rope_theta``,
+    ``use_scaled_rope`` (:func:`_rope_fields`) and the ``multiple_of`` / ``ffn_dim_multiplier``
+    that give back ``intermediate_size`` (the ones kept in the config by a Meta -> HF conversion,
+    ``fqnckpt_meta_params``, when they still do). Fields the config does not give are left out;
+    :class:`MetaParams` reads the file back. ``dims`` must hold :data:`PARAMS_DIMS` (checked when
+    the conversion is opened).
+
+    Raises:
+        ValueError: a RoPE scaling params.json cannot say."""
     out: dict[str, Any] = {k: int(dims[k]) for k in PARAMS_DIMS}
     if cfg is not None:
-        rope = cfg.rope_parameters or {}
-        out.update(vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps, rope_theta=rope.get("rope_theta", cfg.rope_theta))
+        out.update(vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps, **_rope_fields(cfg))
+        kept = dict(cfg.fqnckpt_meta_params or {})
+        ffn = {k: kept.pop(k) for k in ("multiple_of", "ffn_dim_multiplier") if k in kept}
         if cfg.intermediate_size:
-            out.update(_ffn_params(out["dim"], cfg.intermediate_size))
+            fits = isinstance(ffn.get("multiple_of"), int) and ffn["multiple_of"] > 0 and \
+                meta_ffn_dim(out["dim"], ffn["multiple_of"], ffn.get("ffn_dim_multiplier")) == cfg.intermediate_size
+            out.update(ffn if fits else _ffn_params(out["dim"], cfg.intermediate_size))
+        keys = kept.pop("keys", None)
+        if (kept.get("vocab_size") or 1) <= 0:  # Llama 2's -1: the tokenizer's size
+            out["vocab_size"] = kept.pop("vocab_size")
+        out.update({k: v for k, v in kept.items() if k not in out})
+        if isinstance(keys, list) and set(PARAMS_DIMS) <= set(keys):  # the source params.json's own keys
+            out = {k: out.get(k) for k in keys}
+        elif cfg.max_position_embeddings:
+            out["max_seq_len"] = cfg.max_position_embeddings  # Meta's ModelArgs.max_seq_len
     return json.dumps({k: v for k, v in out.items() if v is not None}, indent=2).encode()
 
 

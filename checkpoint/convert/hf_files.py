@@ -112,20 +112,54 @@ def meta_model_from_config(config: dict[str, Any], where: str) -> Any:
                          f"{type(e).__name__}: {e}") from None  # fmt: skip
 
 
+# Meta params.json fields a transformers config has no field for: kept under this key of
+# config.json (transformers keeps unknown keys as attributes and saves them back), so
+# Meta -> HF -> Meta gives params.json's keys back exactly (multiple_of / ffn_dim_multiplier are
+# not unique for an intermediate_size: 256 and 1024 both give Llama 3.2 1B's 8192).
+META_PARAMS_KEY = "fqnckpt_meta_params"
+_EXPRESSED = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta", "use_scaled_rope",
+              "rope_scaling_factor", "rope_high_freq_factor"}  # fmt: skip
+
+
+def meta_token_ids(vocab_size: int) -> tuple[int, int]:
+    """``(bos, eos)`` of Meta's tokenizers by vocabulary: Llama 3's tiktoken (128256 rows:
+    ``<|begin_of_text|>`` 128000, ``<|end_of_text|>`` 128001), else Llama 1 / 2's SentencePiece
+    (1, 2); transformers ``convert_llama_weights_to_hf.py`` sets the same."""
+    return (128000, 128001) if vocab_size >= 128000 else (1, 2)
+
+
+def meta_max_positions(params: dict[str, Any]) -> int:
+    """``max_position_embeddings`` for Meta's params.json: its ``max_seq_len`` when given, else by
+    generation as transformers' converter does: scaled RoPE (3.1 / 3.2) 131072, rope_theta
+    500000 (Llama 3) 8192, else 4096 (Llama 2)."""
+    if isinstance(params.get("max_seq_len"), int) and params["max_seq_len"] > 0:
+        return int(params["max_seq_len"])
+    if params.get("use_scaled_rope"):
+        return 131072
+    return 8192 if float(params.get("rope_theta") or 10000.0) >= 500000.0 else 4096
+
+
 def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str) -> bytes:
     """``config.json`` of the HF ``LlamaForCausalLM`` that Meta's ``params.json`` describes, for
-    a conversion with no target model (``fqnckpt migrate meta/ out --recipe meta-llama-to-hf``).
+    a conversion with no target model (``fqnckpt migrate meta/ out --recipe meta-llama-to-hf``),
+    readable by transformers 4.x and 5 alike.
 
     Fields as transformers' ``convert_llama_weights_to_hf.write_model`` sets them: hidden size,
-    heads, KV heads, layers, ``norm_eps``, ``rope_theta`` and, for ``use_scaled_rope`` (Llama 3.1),
-    the ``llama3`` RoPE scaling (factor 8, low / high frequency factors 1 / 4, 8192 original
-    positions). ``intermediate_size`` and ``vocab_size`` come from the converted tensors' shapes
-    (``gate_proj`` rows, ``embed_tokens`` rows), ``dtype`` (e.g. ``"bfloat16"``) from their dtype;
-    the rest is left to transformers' defaults."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(params.get("rope_theta") or 10000.0)}
+    heads, KV heads, layers, ``norm_eps``, ``max_position_embeddings`` (:func:`meta_max_positions`),
+    bos / eos ids (:func:`meta_token_ids`) and RoPE: transformers 5 reads ``rope_parameters``,
+    4.x ``rope_theta`` and ``rope_scaling`` (both written, the same values); ``use_scaled_rope``
+    (Llama 3.1 / 3.2) is the ``llama3`` scaling (factor ``rope_scaling_factor`` or 8, low / high
+    frequency factors 1 / ``rope_high_freq_factor`` or 4, 8192 original positions).
+    ``intermediate_size`` and ``vocab_size`` come from the converted tensors' shapes, ``dtype``
+    from their dtype; Meta fields transformers has none for go under :data:`META_PARAMS_KEY`."""
+    theta = float(params.get("rope_theta") or 10000.0)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = None
     if params.get("use_scaled_rope"):
-        rope.update(rope_type="llama3", factor=float(params.get("rope_scaling_factor") or 8.0), low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=8192)  # fmt: skip
+        scaling = {"rope_type": "llama3", "factor": float(params.get("rope_scaling_factor") or 8.0), "low_freq_factor": 1.0,
+                   "high_freq_factor": float(params.get("rope_high_freq_factor") or 4.0), "original_max_position_embeddings": 8192}  # fmt: skip
+        rope = {**scaling, "rope_theta": theta}
+    bos, eos = meta_token_ids(vocab_size)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -136,11 +170,28 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
         "num_hidden_layers": int(params["n_layers"]),
         "rms_norm_eps": float(params.get("norm_eps") or 1e-5),
         "vocab_size": int(vocab_size),
-        "rope_parameters": rope,
+        "max_position_embeddings": meta_max_positions(params),
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "rope_parameters": rope,  # transformers 5
+        "rope_theta": theta,  # transformers 4.x
+        "rope_scaling": scaling,  # transformers 4.x (null: unscaled)
         "tie_word_embeddings": False,
         "dtype": dtype,
+        "torch_dtype": dtype,  # transformers 4.x's name for it
     }
+    kept = {k: v for k, v in params.items() if (k not in _EXPRESSED or (k == "vocab_size" and (v or 0) <= 0)) and v is not None}
+    kept["keys"] = sorted(k for k, v in params.items() if v is not None)  # the way back writes these, no more
+    cfg[META_PARAMS_KEY] = kept
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
-__all__ = ["architecture_class", "hf_config_files", "is_peft_model", "unwrap_model", "llama_config_from_meta", "meta_model_from_config", "RUNTIME_ONLY"]
+def llama_generation_config(config: dict[str, Any]) -> bytes:
+    """``generation_config.json`` beside a config from :func:`llama_config_from_meta`: its bos /
+    eos ids (what ``GenerationConfig.from_model_config`` takes from the config)."""
+    out = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    return (json.dumps(out, indent=2, sort_keys=True) + "\n").encode()
+
+
+__all__ = ["architecture_class", "hf_config_files", "is_peft_model", "unwrap_model", "llama_config_from_meta", "meta_model_from_config",
+           "RUNTIME_ONLY", "META_PARAMS_KEY", "meta_token_ids", "meta_max_positions", "llama_generation_config"]

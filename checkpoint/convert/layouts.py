@@ -53,8 +53,52 @@ def versioned(recipe: Recipe, keys, asked: str | None) -> tuple[Recipe, dict[str
     return out, {"target": f"{fam.name} {version}"}
 
 
+META_VERSIONS = (
+    ("llama2", "Llama 1 / 2 (facebookresearch/llama model.py ParallelEmbedding): tok_embeddings split by columns (dim 1)"),
+    ("llama3", "Llama 3 / 3.1 / 3.2 (meta-llama/llama-models VocabParallelEmbedding): tok_embeddings split by vocabulary (dim 0)"),
+)
+_EMBED = "tok_embeddings.weight"
+
+
+def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, dict[str, str]]:
+    """Meta's model-parallel split of ``tok_embeddings`` by version (transformers'
+    ``convert_llama_weights_to_hf.py``: ``concat_dim = 0`` for Llama 3.x, else 1; every other
+    tensor splits the same way in both). Reading: detected from the shards' shapes (each holding
+    the whole width ``dim``, i.e. ``wq``'s columns: split by vocabulary); writing: ``asked`` or
+    ``llama3``. One shard is the same in every version.
+
+    Raises:
+        LayoutError: shards whose embedding widths fit neither split, or an unknown version."""
+    if "meta" not in (recipe.reads, recipe.writes):
+        return recipe, {}
+    known = [v for v, _ in META_VERSIONS]
+    if asked is not None and asked not in known:
+        raise LayoutError(f"Meta's layout has no version {asked!r}; known: {known}")
+    if recipe.reads == "meta":
+        if catalog.shards == 1 or _EMBED not in catalog.keys():
+            return recipe, {"source": f"meta {asked or 'llama2 / llama3'} (1 shard: the same in both)"}
+        widths = [s.shape[1] for s in catalog.specs(_EMBED)]
+        wq = "layers.0.attention.wq.weight"
+        dim = catalog.specs(wq)[0].shape[1] if wq in catalog.keys() else (catalog.params.dim if catalog.params else None)
+        found = "llama3" if all(w == dim for w in widths) else "llama2" if sum(widths) == dim else None
+        if found is None:
+            raise LayoutError(f"Meta shards' {_EMBED} widths {widths} fit neither split of dim={dim} (by vocabulary or by columns)")
+        if asked is not None and asked != found:
+            raise LayoutError(f"the Meta shards are split as {found} ({_EMBED} widths {widths}), not {asked!r}")
+        version = found
+    else:
+        version = asked or "llama3"
+    fwd = recipe.meta.get("inverse_of", recipe)
+    split = 0 if version == "llama3" else 1
+    rules = tuple(replace(r, shard_dim=split) if r.sources == (_EMBED,) else r for r in fwd.rules)
+    out = replace(fwd, rules=rules, meta=_meta(fwd, version))
+    if fwd is not recipe:
+        out = out.inverse()
+    return out, {"source" if recipe.reads == "meta" else "target": f"meta {version}"}
+
+
 def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
     return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "versioned", "version_table", "detect_layout"]
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]

@@ -207,6 +207,55 @@ def inverse_problems(plan) -> list[Problem]:
     return [Problem(kind="inverse", keys=[], message=m) for m in bad[:10]]
 
 
+def side_round_trip_problems(files: Mapping[str, bytes], plan) -> list[Problem]:
+    """Side files by the inverse: the ``params.json`` a Meta -> HF conversion's ``config.json``
+    gives back must hold every key of the source's params.json with its value; the
+    ``config.json`` an HF -> Meta conversion's ``params.json`` gives back must say what the
+    source's config said (sizes, heads, layers, norm eps, vocab, RoPE theta and scaling)."""
+    from .catalog import HFTextConfig, write_params_json
+    from .hf_files import llama_config_from_meta
+
+    bad = []
+    cat = plan.catalog
+    if cat.params is not None and HF_CONFIG_NAME in files:
+        src = json.loads(cat.params.model_dump_json(exclude_none=True))
+        back = json.loads(write_params_json(plan.dims, HFTextConfig.of(json.loads(files[HF_CONFIG_NAME]))))
+        bad += [f"{PARAMS_NAME} {k}: source {v!r}, written {HF_CONFIG_NAME} gives back {back.get(k)!r}" for k, v in src.items() if back.get(k) != v]
+        plan.report.checks.append(f"{HF_CONFIG_NAME} as written gives back every key of the source's {PARAMS_NAME}")
+    src_cfg = cat.hf_config if cat.hf_config is not None else None
+    if PARAMS_NAME in files and src_cfg is not None:
+        from .catalog import hf_config_of
+
+        src_cfg = hf_config_of(plan.model) or src_cfg
+        shapes = hf_side_shapes(plan)
+        emb, rows = shapes.get("model.embed_tokens.weight"), _gate_rows(shapes)
+        if emb is not None and rows is not None:
+            params = json.loads(files[PARAMS_NAME])
+            back = HFTextConfig.of(json.loads(llama_config_from_meta(params, rows, emb[0], "float32")))
+            for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                      "rms_norm_eps", "vocab_size"):  # fmt: skip
+                want = getattr(src_cfg, f)
+                if want is not None and getattr(back, f) != want:
+                    bad.append(f"{HF_CONFIG_NAME} {f}: source {want!r}, written {PARAMS_NAME} gives back {getattr(back, f)!r}")
+            if _rope(back) != _rope(src_cfg):
+                bad.append(f"{HF_CONFIG_NAME} RoPE: source {_rope(src_cfg)}, written {PARAMS_NAME} gives back {_rope(back)}")
+            plan.report.checks.append(f"{PARAMS_NAME} as written gives back the source {HF_CONFIG_NAME}'s sizes, norm eps and RoPE")
+    return [Problem(kind="side-file", keys=[], message=m) for m in bad]
+
+
+def _rope(cfg) -> dict[str, Any]:
+    """RoPE as transformers 5 reads it (``rope_parameters``, else 4.x's ``rope_scaling`` +
+    ``rope_theta``): theta, type, and the llama3 factors."""
+    p = dict(cfg.rope_parameters or {})
+    if not p:
+        p = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta if cfg.rope_theta is not None else 10000.0}
+    kind = p.get("rope_type") or p.get("type") or "default"
+    out = {"rope_theta": float(p.get("rope_theta") or 10000.0), "rope_type": kind}
+    if kind == "llama3":
+        out |= {k: float(p[k]) for k in ("factor", "low_freq_factor", "high_freq_factor") if k in p}
+    return out
+
+
 _READERS = {PARAMS_NAME: check_params_json, HF_CONFIG_NAME: check_hf_config}
 
 
@@ -222,7 +271,7 @@ def side_file_problems(files: Mapping[str, bytes], plan) -> list[Problem]:
             continue
         plan.report.checks.append(f"{name} re-read by its reader and compared with the tensors and dims")
         out += [Problem(kind="side-file", keys=[name], message=m) for m in bad]
-    return out
+    return out + side_round_trip_problems(files, plan)
 
 
 __all__ = ["inverse_problems", "PlannedCatalog", "dims_problems", "side_file_problems", "hf_side_shapes", "GENERATION_CONFIG_NAME"]
