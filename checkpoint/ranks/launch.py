@@ -10,8 +10,8 @@ spawn no longer pays those imports per rank (5-17 s a rank on a busy 2-core mach
 a fresh interpreter, never the caller, so no caller state (threads, CUDA, heap) is forked.
 
 Crash evidence: each rank writes faulthandler's stack of every thread to its own file when a
-signal kills it (abort, segfault, bus error), and raises its core-size limit to the hard limit
-(a core is kept where the machine's ``core_pattern`` allows). A rank killed by a signal, before or
+signal kills it (abort, segfault, bus error), and with ``FQNCKPT_KEEP_CORE=1`` raises its core-size
+limit to the hard limit (a core is kept where the machine's ``core_pattern`` allows). A rank killed by a signal, before or
 after sending its result, fails the run with :class:`RankFailedError` whose message holds that
 stack and the file's path; the file is kept (``FQNCKPT_CRASH_DIR``, default the temporary
 directory). Files of ranks that exited cleanly are removed.
@@ -55,7 +55,11 @@ def _crash_file(rank: int, port: int) -> str:
 
 
 def _allow_core() -> None:
-    """Raise this process's core-size limit to its hard limit (best effort: a core where allowed)."""
+    """With ``FQNCKPT_KEEP_CORE=1``: raise this process's core-size limit to its hard limit (best
+    effort: a core where the machine's ``core_pattern`` allows). Opt-in: a rank's core is hundreds
+    of MB, written into its working directory under the default pattern."""
+    if os.environ.get("FQNCKPT_KEEP_CORE") != "1":
+        return
     try:
         import resource
 

@@ -178,6 +178,7 @@ class RemoteCheckpointReader(CheckpointReader):
 
     # Not the local batched preadv of CheckpointReader: each tensor goes through read_into (ranged GETs).
     read_many = None
+    copy_into = None  # the local window copy reads a local descriptor: load falls back to get / get_slice
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         known = self._specs.get(key)
