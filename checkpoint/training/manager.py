@@ -164,8 +164,9 @@ class CheckpointManager:
     ``rng_state``: also save each rank's random generators (torch CPU, the accelerator's, Python
     ``random``, numpy: :class:`~checkpoint.training.rng_state.RNGState`) as the per-rank extra
     state entry ``"fqnckpt.rng"``, and restore them in :meth:`load_latest` (on the same rank; on
-    another world size re-derived per rank by :meth:`RNGState.reshard`) when it is given an
-    ``extra_state`` dict (``None`` reads no extra state). Skipped for a save of a
+    another world size re-derived per rank by :meth:`RNGState.reshard`), whether or not it is
+    given an ``extra_state`` dict (with ``None`` the RNG states alone are read: exact resume by
+    default; ``rng_state=False`` restores none). Skipped for a save of a
     module without DTensors on several ranks (one process saves it: other ranks' states cannot be
     kept) and, on load, for checkpoints that hold none.
 
@@ -361,13 +362,15 @@ class CheckpointManager:
             return None
         where = self._where(step)
         with self._view(where):  # one save read whole (object storage: one model index)
-            added = False
-            # extra_state=None reads no extra state at all (load's rule), RNG states included.
-            if self.rng_state and extra_state is not None and RNG_KEY not in extra_state:
-                doc = read_extra_state_file(self.path(step))
-                if doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys:
-                    extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
-                    added = True
+            added, rng = False, None
+            saved_rng = self.rng_state and (extra_state is None or RNG_KEY not in extra_state) and self._has_rng(step)
+            if saved_rng and extra_state is not None:
+                extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
+                added = True
+            elif saved_rng:
+                # No extra_state: the RNG states alone (exact resume by default), checked before the
+                # model changes and set after it loaded; other saved entries stay unread.
+                rng = self._plan_rng(where)
             try:
                 self.last_report = load(
                     module, where, optimizer=optimizer, extra_state=extra_state, **load_kwargs
@@ -375,8 +378,37 @@ class CheckpointManager:
             finally:
                 if added:
                     del extra_state[RNG_KEY]
+            if rng is not None:
+                rng.apply()
         self._prepare_soon(module, optimizer)
         return step
+
+    def _has_rng(self, step: int) -> bool:
+        """Whether step ``step`` holds the manager's per-rank RNG entry."""
+        doc = read_extra_state_file(self.path(step))
+        return doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys
+
+    def _plan_rng(self, where: Any):
+        """This rank's saved RNG states, checked (:func:`plan_extra_state`), ready to apply. On many
+        ranks a failure on any rank is agreed before the collective load starts."""
+        from ..loading import open_target_reader
+        from ..plan.extra_state import plan_extra_state
+        from ..reports import LoadReport
+
+        restore, err = None, None
+        try:
+            reader = open_target_reader(where, read_optimizer=False)
+            try:
+                restore = plan_extra_state(reader, {RNG_KEY: PerRank(RNGState())}, LoadReport(path=str(where)))
+            finally:
+                reader.close()
+        except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting in load
+            err = e
+        if dist.active():
+            dist.check_all(f"restoring the RNG states saved in {where}", err)
+        elif err is not None:
+            raise err
+        return restore
 
     def _prepare_soon(self, module, optimizer) -> None:
         """Async saves: have the writer thread touch the staging memory of the first save now, in
