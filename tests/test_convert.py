@@ -1059,7 +1059,8 @@ def small_hf_moe() -> dict[str, torch.Tensor]:
                p + "input_layernorm.weight": r(H), p + "post_attention_layernorm.weight": r(H)}  # fmt: skip
     hf |= {"model.layers.0.mlp.gate_proj.weight": r(FF, H), "model.layers.0.mlp.up_proj.weight": r(FF, H),
            "model.layers.0.mlp.down_proj.weight": r(H, FF), "model.layers.1.mlp.gate.weight": r(4, H),
-           "model.layers.1.mlp.gate.e_score_correction_bias": r(4)}  # fmt: skip
+           "model.layers.1.mlp.gate.e_score_correction_bias": r(4), "model.layers.1.mlp.shared_experts.gate_proj.weight": r(16, H),
+           "model.layers.1.mlp.shared_experts.up_proj.weight": r(16, H), "model.layers.1.mlp.shared_experts.down_proj.weight": r(H, 16)}  # fmt: skip
     for e in range(4):
         hf |= {f"model.layers.1.mlp.experts.{e}.{p}.weight": r(*s) for p, s in (("gate_proj", (16, H)), ("up_proj", (16, H)), ("down_proj", (H, 16)))}
     return hf
@@ -1204,3 +1205,71 @@ def test_hf_llama3_scaled_rope_to_meta_and_back(tmp_path):
     with pytest.raises(ConversionError, match="RoPE scaling 'yarn' has no Meta params.json spelling"):
         checkpoint.migrate(tmp_path / "yarn", tmp_path / "m", recipe="hf-to-meta-llama")
     assert not (tmp_path / "m").exists()
+
+
+def test_qwen3_moe_expert_bias_refused_by_name_or_dropped(tmp_path):
+    """torchtitan's Qwen3-MoE keeps moe.expert_bias (load balancing); transformers' Qwen3-MoE has no
+    such weight and DeepSeek's e_score_correction_bias would be an unexpected key there: refused
+    by name, or dropped with +drop-expert-bias (reported), and the result loads into
+    Qwen3MoeForCausalLM with the same logits."""
+    import safetensors.torch
+
+    model = qwen3_moe()
+    model.save_pretrained(tmp_path / "hub")
+    checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe", model=model)
+    tt = read(tmp_path / "tt")
+    tt |= {f"layers.{i}.moe.expert_bias_E": torch.randn(4) for i in range(L)}
+    safetensors.torch.save_file(tt, tmp_path / "tt_bias.safetensors")
+    with pytest.raises(ConversionError, match="expert_bias of a layer without shared experts .Qwen3-MoE.") as e:
+        checkpoint.migrate(tmp_path / "tt_bias.safetensors", tmp_path / "x", recipe="torchtitan-moe-to-hf", model=model)
+    assert {k for p in e.value.report.problems for k in p.keys} == {f"layers.{i}.moe.expert_bias_E" for i in range(L)}
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(RecipeError, match="has no option 'drop-everything'"):
+        checkpoint.migrate(tmp_path / "tt_bias.safetensors", tmp_path / "x", recipe="torchtitan-moe-to-hf+drop-everything", model=model)
+    rep = checkpoint.migrate(tmp_path / "tt_bias.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf+drop-expert-bias", model=model)
+    assert sorted(rep.dropped) == [f"layers.{i}.moe.expert_bias_E" for i in range(L)]
+    assert not any("e_score_correction_bias" in k or "expert_bias" in k for k in read(tmp_path / "hf"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert_same_model(lambda ids: model(ids).logits, again)
+
+
+# Megatron-core's norm names without Transformer Engine (Megatron-Bridge model bridges): the
+# test's own map to TE's fused names, which the reference forward reads.
+MEGATRON_LOCAL_TO_TE = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+                        ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}  # fmt: skip
+
+
+def test_megatron_local_norm_names_both_ways(tmp_path, capsys):
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 4)
+    checkpoint.save(hf, tmp_path / "hf")
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt@local", model=hf)
+    assert rep.layouts == {"target": "megatron local"}
+    mg = read(tmp_path / "mg")
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in mg and not any("layer_norm_weight" in k for k in mg)
+    te = {next((k.replace(a, b) for a, b in MEGATRON_LOCAL_TO_TE.items() if k.endswith(a)), k): v for k, v in mg.items()}
+    assert_same_model(lambda ids: refs.megatron_gpt_logits(te, NH, NKV, ids), hf)
+    back = checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=hf)
+    assert back.layouts == {"source": "megatron local"}  # detected from the names
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    from checkpoint.cli.main import main
+
+    assert main(["--json", "inspect", str(tmp_path / "mg")]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "megatron local (non-TE norm names)"
+
+
+def test_megatron_qwen3_qk_layernorm_both_ways(tmp_path):
+    """Qwen3 (per-head q / k norms) through Megatron's names (q_layernorm / k_layernorm, as
+    Megatron-Bridge maps them): HF -> Megatron -> HF bit-identical, the model loaded back gives the
+    original logits."""
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
+                                   num_attention_heads=NH, num_key_value_heads=NKV, head_dim=8, max_position_embeddings=64,
+                                   tie_word_embeddings=False)  # fmt: skip
+    hf = randomize(transformers.Qwen3ForCausalLM(cfg), 14)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt", model=hf)
+    mg = read(tmp_path / "mg")
+    assert torch.equal(mg["decoder.layers.1.self_attention.k_layernorm.weight"], hf.model.layers[1].self_attn.k_norm.weight)
+    checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=hf)
+    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert_same_model(lambda ids: hf(ids).logits, again)

@@ -17,7 +17,7 @@ from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
-from .layouts import LayoutError, meta_versioned, versioned
+from .layouts import LayoutError, meta_versioned, variant_versioned, versioned
 from .verify import GENERATION_CONFIG_NAME, dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
@@ -40,7 +40,7 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
             rec = entry.build(model)
             if rec.writes != "hf-model":  # only these name the model's FQNs
                 continue
-            rec, layouts = meta_versioned(rec, catalog, None) if rec.reads == "meta" else versioned(rec, catalog.keys(), None)
+            rec, layouts = _versioned(rec, catalog, None)
             plan = plan_conversion(catalog, rec, dims, model=model, source=source)
             plan.report.layouts = layouts
         except (ConversionError, TypeError, ValueError) as e:
@@ -52,6 +52,38 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
         why = f"several recipes fit: {[f[0] for f in fits]}" if fits else "no built-in recipe changes it into the model's layout"
         raise RecipeError(f"recipe='auto' for {source}: {why}" + ("" if fits else "; " + " | ".join(tried[:12])))
     return fits[0][1]
+
+
+# Recipe options (``NAME+option``): what each changes in the recipe.
+OPTIONS = {
+    "drop-expert-bias": ("torchtitan-moe-to-hf", "layers.{i}.moe.expert_bias",
+                         "drop torchtitan's MoE load-balancing bias (Qwen3-MoE in transformers has none)"),
+}
+
+
+def with_options(rec: Recipe, options: Sequence[str]) -> Recipe:
+    """``rec`` with each option of :data:`OPTIONS` applied (a dropped key is listed in the report).
+
+    Raises:
+        RecipeError: an option unknown or not for this recipe."""
+    from dataclasses import replace
+
+    for opt in options:
+        known = OPTIONS.get(opt)
+        if known is None or known[0] != rec.name:
+            raise RecipeError(f"recipe {rec.name!r} has no option {opt!r}; options: " +
+                              (", ".join(f"{r}+{o} ({w})" for o, (r, _, w) in OPTIONS.items()) or "none"))  # fmt: skip
+        rec = replace(rec, drop=rec.drop + (known[1],))
+    return rec
+
+
+def _versioned(rec: Recipe, catalog, asked: str | None) -> tuple[Recipe, dict[str, str]]:
+    """The recipe for the layout version of its source (detected) or target (asked / newest)."""
+    if "meta" in (rec.reads, rec.writes):
+        return meta_versioned(rec, catalog, asked)
+    if (rec.meta.get("inverse_of") or rec).meta.get("variants"):
+        return variant_versioned(rec, catalog.keys(), asked)
+    return versioned(rec, catalog.keys(), asked)
 
 
 def _tied(model: Any, catalog) -> bool:
@@ -86,9 +118,11 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
     catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
     src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
-        asked = None
-        if isinstance(recipe, str) and "@" in recipe:  # a layout version: hf-to-torchtitan-llama3@legacy
-            recipe, _, asked = recipe.partition("@")
+        asked, options = None, []
+        if isinstance(recipe, str):  # NAME[@version][+option...]: hf-to-torchtitan-llama3@legacy
+            recipe, *options = recipe.split("+")
+            if "@" in recipe:
+                recipe, _, asked = recipe.partition("@")
         entry = RECIPES.get(recipe) if isinstance(recipe, str) else None
         if model is None and entry is not None and entry.needs_model and catalog.hf_config is not None:
             try:  # the source's own config.json describes the model the recipe needs
@@ -103,11 +137,7 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
             plan = _auto(catalog, model, d, str(src))
         else:
             try:
-                rec = get_recipe(recipe, model)
-                if "meta" in (rec.reads, rec.writes):
-                    rec, layouts = meta_versioned(rec, catalog, asked)
-                else:
-                    rec, layouts = versioned(rec, catalog.keys(), asked)
+                rec, layouts = _versioned(with_options(get_recipe(recipe, model), options), catalog, asked)
             except LayoutError as e:
                 raise RecipeError(f"{src}: {e}") from None
             missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []

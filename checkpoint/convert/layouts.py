@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..layout_versions import FAMILIES, TORCHTITAN, Axis, Family, Respell, detect_layout, version_table
+from ..keypatterns import Pattern
 from .rules import Recipe
 
 
@@ -97,8 +98,38 @@ def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, 
     return out, {"source" if recipe.reads == "meta" else "target": f"meta {version}"}
 
 
+def variant_versioned(recipe: Recipe, keys, asked: str | None) -> tuple[Recipe, dict[str, str]]:
+    """A recipe whose framework spells some names by configuration (``recipe.meta["variants"]``:
+    ``{name: (marker source pattern, rules)}`` of the forward recipe, e.g. Megatron's Transformer
+    Engine vs local norm names): reading, the variant whose marker a source key matches (one
+    only); writing, ``asked`` or ``meta["default_variant"]``.
+
+    Raises:
+        LayoutError: keys of two variants, or an unknown one asked for."""
+    fwd = recipe.meta.get("inverse_of", recipe)
+    variants = fwd.meta.get("variants")
+    if not variants:
+        return recipe, {}
+    fam = fwd.meta.get("variant_family", fwd.name)
+    if asked is not None and asked not in variants:
+        raise LayoutError(f"{fam} has no layout variant {asked!r}; known: {sorted(variants)}")
+    reads = fwd is recipe
+    if reads:
+        keys = list(keys)
+        found = {name for name, (marker, _) in variants.items() if any(Pattern(marker).match(k) is not None for k in keys)}
+        if len(found) > 1:
+            raise LayoutError(f"the source mixes {fam} variants {sorted(found)}")
+        if asked is not None and found and asked not in found:
+            raise LayoutError(f"the source is {fam} {sorted(found)[0]}, not {asked!r}")
+        name = asked or (found.pop() if found else fwd.meta["default_variant"])
+    else:
+        name = asked or fwd.meta["default_variant"]
+    out = replace(fwd, rules=fwd.rules + variants[name][1], meta=_meta(fwd, name))
+    return (out if reads else out.inverse()), {"source" if reads else "target": f"{fam} {name}"}
+
+
 def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
     return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "variant_versioned", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]

@@ -353,4 +353,18 @@ class SplitShards(Op):
         return JoinShards(self.dim, self.heads)
 
 
-__all__ = ["same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]
+@dataclass(frozen=True)
+class Refuse(Op):
+    """A key the target layout has no place for: planning stops with ``why`` (the key named by
+    the plan's problem) instead of writing it where the target would ignore or reject it."""
+
+    why: str
+
+    def apply(self, values, dims):
+        raise OpError(self.why)
+
+    def inverse(self):
+        return self
+
+
+__all__ = ["Refuse", "same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]

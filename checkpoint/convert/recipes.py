@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .ops import Chunk, PermuteRope, PermuteRopeTail, SplitQKV, Transpose, Unstack
+from .ops import Chunk, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
 from .rules import Recipe, Rule
 
 R = Rule
@@ -56,6 +56,9 @@ TORCHTITAN_LLAMA3 = Recipe(
 )  # fmt: skip
 
 _WQ_A = "layers.{i}.attention.wq_a.weight"
+# Models whose transformers class reads a routing bias (DeepSeek-V3, GLM-4-MoE) have shared experts;
+# Qwen3-MoE has neither: the layer's shared expert tells them apart.
+_SHARED = "layers.{i}.moe.shared_experts.w1.weight"
 TORCHTITAN_MOE = Recipe(
     "torchtitan-moe-to-hf", "hf-to-torchtitan-moe",
     _llama_body(False, q_tail=True) + _dense_mlp() + (
@@ -74,7 +77,12 @@ TORCHTITAN_MOE = Recipe(
         R("layers.{i}.attention.kv_norm.weight", f"{_L}.self_attn.kv_a_layernorm.weight"),
         R("layers.{i}.attention.wkv_b.weight", f"{_L}.self_attn.kv_b_proj.weight"),
         R("layers.{i}.moe.router.gate.weight", f"{_L}.mlp.gate.weight", count_of=("e", 0)),
-        R("layers.{i}.moe.expert_bias", f"{_L}.mlp.gate.e_score_correction_bias", count_of=("e", 0)),
+        # DeepSeek-V3's routing bias (GLM-4-MoE's too); Qwen3-MoE in transformers has none (torchtitan
+        # keeps its load-balancing bias beside the router): refused by name there, +drop-expert-bias drops it.
+        R("layers.{i}.moe.expert_bias", f"{_L}.mlp.gate.e_score_correction_bias", count_of=("e", 0), when_present=_SHARED),
+        R("layers.{i}.moe.expert_bias", f"{_L}.mlp.gate.expert_bias", (Refuse(
+            "torchtitan's moe.expert_bias of a layer without shared experts (Qwen3-MoE) has no place in transformers' "
+            "model (DeepSeek-V3 / GLM-4-MoE read it as e_score_correction_bias; writing it there would be ignored): recipe 'torchtitan-moe-to-hf+drop-expert-bias' drops it"),), when_absent=_SHARED),
         R("layers.{i}.moe.experts.w1", f"{_L}.mlp.experts.{{*e}}.gate_proj.weight", (Unstack(0),)),
         R("layers.{i}.moe.experts.w3", f"{_L}.mlp.experts.{{*e}}.up_proj.weight", (Unstack(0),)),
         R("layers.{i}.moe.experts.w2", f"{_L}.mlp.experts.{{*e}}.down_proj.weight", (Unstack(0),)),
@@ -104,14 +112,25 @@ MEGATRON_GPT = Recipe(
         R(f"{_D}.self_attention.linear_qkv.weight",
           tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv"), (SplitQKV(),)),
         R(f"{_D}.self_attention.linear_qkv.bias", tuple(f"{_L}.self_attn.{p}_proj.bias" for p in "qkv"), (SplitQKV(),)),
-        R(f"{_D}.self_attention.linear_qkv.layer_norm_weight", f"{_L}.input_layernorm.weight"),
         R(f"{_D}.self_attention.linear_proj.weight", f"{_L}.self_attn.o_proj.weight"),
         R(f"{_D}.mlp.linear_fc1.weight", (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), (Chunk(0),)),
-        R(f"{_D}.mlp.linear_fc1.layer_norm_weight", f"{_L}.post_attention_layernorm.weight"),
         R(f"{_D}.mlp.linear_fc2.weight", f"{_L}.mlp.down_proj.weight"),
+        # Qwen3's per-head Q / K norms (Megatron-Bridge qwen3 bridge: q_layernorm / k_layernorm)
+        R(f"{_D}.self_attention.q_layernorm.weight", f"{_L}.self_attn.q_norm.weight"),
+        R(f"{_D}.self_attention.k_layernorm.weight", f"{_L}.self_attn.k_norm.weight"),
     ),
     writes="hf-model",
-    summary="Megatron-core GPT (fused grouped-query linear_qkv, linear_fc1 = [gate; up]) <-> HF Llama",
+    summary="Megatron-core GPT (fused grouped-query linear_qkv, linear_fc1 = [gate; up], Qwen3 q / k layernorm) <-> HF Llama / Qwen3",
+    # Norm names by Megatron's layer spec (Megatron-Bridge param_mapping / model bridges): Transformer
+    # Engine fuses each pre-norm into the next linear; the local (non-TE) spec keeps separate modules.
+    meta={"variants": {
+        "te": (f"{_D}.self_attention.linear_qkv.layer_norm_weight", (
+            R(f"{_D}.self_attention.linear_qkv.layer_norm_weight", f"{_L}.input_layernorm.weight"),
+            R(f"{_D}.mlp.linear_fc1.layer_norm_weight", f"{_L}.post_attention_layernorm.weight"))),
+        "local": (f"{_D}.input_layernorm.weight", (
+            R(f"{_D}.input_layernorm.weight", f"{_L}.input_layernorm.weight"),
+            R(f"{_D}.pre_mlp_layernorm.weight", f"{_L}.post_attention_layernorm.weight"))),
+    }, "variant_family": "megatron", "default_variant": "te"},
 )  # fmt: skip
 
 _STATIC = (META_LLAMA, TORCHTITAN_LLAMA3, TORCHTITAN_MOE, GPT2, MEGATRON_GPT)
