@@ -6,7 +6,8 @@ Each entry of the caller's ``Mapping[str, Any]`` is either
 - an object with ``state_dict()`` and ``load_state_dict()`` (LR schedulers, dataloaders, user
   objects): saved as its ``state_dict()``, restored in place with ``load_state_dict``; or
 - a plain value: ``None``, ``bool``, ``int`` (any size), ``float`` (including inf, -inf, nan and
-  -0.0, stored bit-exactly as ``float.hex``), ``str``, a tensor (e.g. ``torch.get_rng_state()``:
+  -0.0, stored bit-exactly as ``float.hex``), ``str``, ``bytes`` (kept exactly, never unpickled:
+  torchtitan's dataloader state is ``pickle.dumps`` bytes), a tensor (e.g. ``torch.get_rng_state()``:
   dtype, shape and bytes stored exactly, read back on CPU), and lists, tuples and dicts (str or
   int keys) of these; on load the caller's dict gets the saved value under the same key.
 
@@ -79,6 +80,14 @@ class StrNode(_Node):
     value: StrictStr
 
 
+class BytesNode(_Node):
+    """``bytes`` (base64), kept exactly and never interpreted: torchtitan's dataloader stores its
+    state as ``pickle.dumps`` bytes, which only its owner's ``load_state_dict`` unpickles."""
+
+    kind: Literal["bytes"] = "bytes"
+    data: StrictStr
+
+
 class TensorNode(_Node):
     """A dense tensor: safetensors ``dtype`` name, ``shape`` (elements), base64 of its bytes."""
 
@@ -109,7 +118,7 @@ class DictNode(_Node):
 
 
 Node = Annotated[
-    NoneNode | BoolNode | IntNode | FloatNode | StrNode | TensorNode | ListNode | DictNode,
+    NoneNode | BoolNode | IntNode | FloatNode | StrNode | BytesNode | TensorNode | ListNode | DictNode,
     Field(discriminator="kind"),
 ]
 ListNode.model_rebuild()
@@ -198,6 +207,8 @@ def _encode(v: Any, where: str, depth: int = 0) -> _Node:
         return FloatNode(hex=float(v).hex())
     if isinstance(v, str):
         return StrNode(value=v)
+    if isinstance(v, (bytes, bytearray)):
+        return BytesNode(data=base64.b64encode(bytes(v)).decode("ascii"))
     if isinstance(v, torch.Tensor):
         from torch.distributed.tensor import DTensor
 
@@ -220,7 +231,7 @@ def _encode(v: Any, where: str, depth: int = 0) -> _Node:
             items.append((k, _encode(x, f"{where}[{k!r}]", depth + 1)))
         return DictNode(items=items)
     raise TypeError(
-        f"extra_state {where!r} is a {type(v).__name__}: not a number, str, tensor, list, dict or an "
+        f"extra_state {where!r} is a {type(v).__name__}: not a number, str, bytes, tensor, list, dict or an "
         "object with state_dict() and load_state_dict()"
     )
 
@@ -230,6 +241,11 @@ def _decode(n: _Node, where: str) -> Any:
         return None
     if isinstance(n, (BoolNode, IntNode, StrNode)):
         return n.value
+    if isinstance(n, BytesNode):
+        try:
+            return base64.b64decode(n.data, validate=True)
+        except ValueError as e:
+            raise ValueError(f"{where}: bytes data is not base64") from e
     if isinstance(n, FloatNode):
         try:
             return float.fromhex(n.hex)
