@@ -27,7 +27,8 @@ class LoadReport(BaseModel):
 
     - ``missing_keys``: target tensors the checkpoint lacks (no name of their alias group stored).
     - ``unexpected_keys``: checkpoint tensors the target lacks.
-    - ``ignorable_keys``: checkpoint tensors that are non-persistent buffers of the target (not loaded).
+    - ``ignorable_keys``: checkpoint tensors that are non-persistent buffers of the target, and
+      stored extra-state entries the caller's ``extra_state`` does not name (not loaded).
     - ``shape_mismatched``: present in both with different shapes (not loaded).
     - ``dtype_converted``: loaded with a dtype conversion.
     - ``loaded_keys``: target tensors filled (canonical FQNs); never a no-op (meta targets are

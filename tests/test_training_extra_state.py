@@ -126,13 +126,16 @@ def test_missing_and_unexpected_entries_are_reported_like_tensors(tmp_path):
     with pytest.raises(CheckpointMismatchError) as ei:
         checkpoint.load(other, tmp_path / "ck", extra_state=target)
     assert ei.value.report.missing_keys == ["extra_state.new"]
-    assert ei.value.report.unexpected_keys == ["extra_state.old"]
+    # a stored entry the caller does not name is left unread: ignorable, never a failure
+    assert ei.value.report.ignorable_keys == ["extra_state.old"] and ei.value.report.unexpected_keys == []
     assert target == {"step": None, "new": 1.5}  # strict: nothing changed
     assert not torch.equal(other[0].weight, before["0.weight"])
     report = checkpoint.load(other, tmp_path / "ck", extra_state=target, strict=False)
-    assert (report.missing_keys, report.unexpected_keys) == (["extra_state.new"], ["extra_state.old"])
+    assert (report.missing_keys, report.ignorable_keys) == (["extra_state.new"], ["extra_state.old"])
     assert target == {"step": 3, "new": 1.5}
     assert torch.equal(other[0].weight, before["0.weight"])
+    only = {"step": None}  # naming a subset of the stored entries is a whole, strict load
+    assert checkpoint.load(_model(1), tmp_path / "ck", extra_state=only).ok and only == {"step": 3}
 
 
 def test_checkpoint_without_extra_state_reports_every_entry_missing(tmp_path):

@@ -183,8 +183,9 @@ def plan_extra_state(
     optimizer: Any = None,
 ) -> ExtraStateRestore:
     """Match the checkpoint's extra state with the caller's ``extra_state``, record the result in
-    ``report`` (``LoadReport``; entries are named ``extra_state.<key>`` in ``missing_keys``,
-    ``unexpected_keys`` and ``loaded_keys``) and check what matches (see module docstring).
+    ``report`` (``LoadReport``; entries are named ``extra_state.<key>`` in ``missing_keys``
+    (named by the caller, not stored: a strict failure), ``ignorable_keys`` (stored, not named:
+    not read) and ``loaded_keys``) and check what matches (see module docstring).
     Mutates nothing.
 
     ``reader``: the load's source (a :class:`~checkpoint.storage.reader.CheckpointReader`, whose
@@ -243,8 +244,11 @@ def plan_extra_state(
             _try_load(k, cur, e.value, where, memo)
         values[k] = e.value
         report.loaded_keys.append(REPORT_PREFIX + k)
-    report.unexpected_keys.extend(REPORT_PREFIX + k for k in (*stored, *per_rank_keys) if k not in extra_state)
-    for field in ("missing_keys", "unexpected_keys", "loaded_keys"):
+    # The caller's dict names what to restore: a stored entry it does not name (torchtitan's
+    # dataloader when only the scheduler is wanted) is left unread and listed as ignorable, as
+    # load(extra_state=None) leaves them all; a named entry the checkpoint lacks stays missing.
+    report.ignorable_keys.extend(REPORT_PREFIX + k for k in (*stored, *per_rank_keys) if k not in extra_state)
+    for field in ("missing_keys", "ignorable_keys", "loaded_keys"):
         getattr(report, field).sort()
     return ExtraStateRestore(extra_state, values)
 
