@@ -53,6 +53,7 @@ from .storage.writer import (
     SequentialFileWriter,
     create_shard_file,
     distributed_record,
+    hash_back,
     tensor_bytes,
 )
 from .gc_pause import gc_paused
@@ -542,6 +543,9 @@ def _save_distributed(
         split: list[tuple[str, str, int, int]] = []  # (file, fqn, begin, end) in file order
         my_digests: dict[str, str] = {}  # fqn -> digest computed on this rank
         own_back: list[tuple[str, str, int, int]] = []  # whole tensors this rank hashes back itself
+        # fqn -> (file offset, bytes) of the large runs of split tensors written from this rank's
+        # memory: the rank hashing such a tensor back reads only the others' bytes from the file.
+        kept: dict[str, list[tuple[int, memoryview]]] = {}
         writeback_on = not fskind.in_memory_dir(staging_dir)
         try:
             for part, lay in zip(parts, layouts):
@@ -563,6 +567,10 @@ def _save_distributed(
                             else:
                                 for block in blocks:
                                     w.write(slot, *block)
+                                    if not whole:  # hashed from here if this rank hashes the tensor
+                                        kept.setdefault(slot.spec.fqn, []).extend(
+                                            BlockWriter.runs_in_memory(slot, *block, _FROM_MEMORY)
+                                        )
                                 if whole:  # not one block (no placement known gives that): read back here
                                     own_back.append((f.name, slot.spec.fqn, slot.begin, slot.end))
                             if kill_after_tensor:
@@ -584,7 +592,7 @@ def _save_distributed(
             for name, fqn, b, e in own_back:
                 share.setdefault(name, []).append((fqn, b, e))
             pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
-            hashed = pool.submit(_hash_back, staging_dir, share) if pool is not None else None
+            hashed = pool.submit(_hash_back, staging_dir, share, kept) if pool is not None else None
             try:
                 for j, (_, f) in enumerate(files):
                     if j % world == rank:
@@ -597,7 +605,7 @@ def _save_distributed(
                         _faults.fault_point("after_file_fsync")
             finally:
                 ownership.settle([hashed])  # it reads the staged files: done before this call leaves
-            my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share))
+            my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share, kept))
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
@@ -671,10 +679,22 @@ def _hash_share(split: Sequence[tuple[str, str, int, int]], rank: int, world: in
     return out
 
 
-def _hash_back(staging_dir: str, share: Mapping[str, list]) -> dict[str, str]:
+_FROM_MEMORY = 1 << 20  # runs this large are hashed from the writer's memory (smaller: read back)
+
+
+def _hash_back(staging_dir: str, share: Mapping[str, list], kept: Mapping[str, list]) -> dict[str, str]:
+    """Digests of this rank's share of the split tensors (``{file: [(fqn, begin, end)]}``): the
+    runs this rank wrote (``kept``) from its memory, the other ranks' bytes read back."""
     out: dict[str, str] = {}
+    buf = memoryview(bytearray(_FROM_MEMORY))
     for name, spans in share.items():
-        out.update(digest.hash_spans(os.path.join(staging_dir, name), spans))
+        fd = os.open(os.path.join(staging_dir, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for fqn, b, e in spans:
+                mine = sorted(((o, v) for o, v in kept.get(fqn, ()) if b <= o and o + len(v) <= e), key=lambda r: r[0])
+                out[fqn] = hash_back(fd, b, e, mine, buf)
+        finally:
+            os.close(fd)
     return out
 
 

@@ -103,7 +103,7 @@ def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
         }
         hashed_back = []
         real = saving._hash_back
-        monkeypatch.setattr(saving, "_hash_back", lambda d, s: hashed_back.append(s) or real(d, s))
+        monkeypatch.setattr(saving, "_hash_back", lambda d, s, k: hashed_back.append(s) or real(d, s, k))
         idx = checkpoint.save(sd, tmp_path / "ck", max_shard_size=2000)
         assert hashed_back == [{}]  # every tensor whole on its writer: none read back
         assert idx.metadata.fqnckpt.tensor_digests() == {k: _xxh(v) for k, v in full.items()}
@@ -116,3 +116,57 @@ def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
             cdist.check_all_gather("x", KeyError("mine"), 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_hash_back_streams_memory_runs_and_file_bytes_in_order(tmp_path):
+    from checkpoint.storage.writer import hash_back
+
+    data = bytearray(os.urandom(10_000))
+    p = tmp_path / "f"
+    p.write_bytes(bytes(data))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = memoryview(bytearray(700))  # several reads per gap
+        same = [(1000, memoryview(data)[1000:3000]), (5000, memoryview(data)[5000:9000])]
+        assert hash_back(fd, 500, 9500, same, buf) == xxhash.xxh3_128_hexdigest(bytes(data[500:9500]))
+        # the runs really come from memory: different bytes there give the digest of the mix
+        other = bytes(2000)
+        mixed = bytes(data[500:1000]) + other + bytes(data[3000:9500])
+        assert hash_back(fd, 500, 9500, [(1000, memoryview(other))], buf) == xxhash.xxh3_128_hexdigest(mixed)
+        assert hash_back(fd, 0, 10_000, [], buf) == xxhash.xxh3_128_hexdigest(bytes(data))
+        with pytest.raises(OSError, match="cut short"):
+            hash_back(fd, 9000, 10_001, [], buf)
+    finally:
+        os.close(fd)
+
+
+def _two_rank_split_save(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    saving._FROM_MEMORY = 64  # every run of these small tensors is hashed from memory
+    read = []
+    real = saving.hash_back
+    saving.hash_back = lambda fd, b, e, mine, buf: read.append(sum(len(v) for _, v in mine)) or real(fd, b, e, mine, buf)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    full = {"rows": torch.randn(64, 33, generator=g), "cols": torch.randn(8, 512, generator=g),
+            "odd": torch.randn(13, 7, generator=g).to(torch.bfloat16)}  # fmt: skip
+    pl = {"rows": [Shard(0)], "cols": [Shard(1)], "odd": [Shard(0)]}
+    sd = {k: distribute_tensor(v, mesh, pl[k], src_data_rank=None) for k, v in full.items()}
+    idx = checkpoint.save(sd, path)
+    return idx.metadata.fqnckpt.tensor_digests(), read
+
+
+def test_two_ranks_hash_split_tensors_partly_from_memory(tmp_path):
+    from checkpoint.ranks.launch import run_ranks
+
+    res = run_ranks(_two_rank_split_save, 2, str(tmp_path / "ck"), backend="gloo", timeout=120)
+    g = torch.Generator().manual_seed(0)
+    full = {"rows": torch.randn(64, 33, generator=g), "cols": torch.randn(8, 512, generator=g),
+            "odd": torch.randn(13, 7, generator=g).to(torch.bfloat16)}  # fmt: skip
+    want = {k: _xxh(v) for k, v in full.items()}
+    assert res[0][0] == res[1][0] == want
+    assert checkpoint.verify(tmp_path / "ck").ok
+    from_memory = res[0][1] + res[1][1]
+    assert len(from_memory) == 3 and sum(from_memory) > 0  # each split tensor hashed once, partly from memory
