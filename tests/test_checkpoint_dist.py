@@ -428,7 +428,7 @@ def test_dtensor_2_and_4_ranks_and_resume(tmp_path):
     # The 2-rank save(recipe=) equals the one-process conversion of the same weights, bit for bit.
     checkpoint.save(hf, tmp_path / "tt-one", recipe="hf-to-torchtitan-llama3")
     with open_checkpoint(tmp_path / "hf-torchtitan") as a, open_checkpoint(tmp_path / "tt-one") as b:
-        assert a.keys() == b.keys() and "layers.0.attention.wq.weight" in a.keys()
+        assert a.keys() == b.keys() and "layers.0.attention.qkv_linear.wq.weight" in a.keys()  # torchtitan today
         assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
     first = [sum(x) for x in zip(*(r["losses"] for r in res2))]
