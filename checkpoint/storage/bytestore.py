@@ -128,10 +128,13 @@ class LocalStore:
         for e in entries:
             if e.name.startswith(_PART):
                 continue  # an unfinished writer's file is no object (see uploads)
-            if e.is_dir(follow_symlinks=False):
-                out[e.name] = ("directory", 0)
-            elif e.is_file(follow_symlinks=False):
-                out[e.name] = ("file", e.stat(follow_symlinks=False).st_size)
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    out[e.name] = ("directory", 0)
+                elif e.is_file(follow_symlinks=False):
+                    out[e.name] = ("file", e.stat(follow_symlinks=False).st_size)
+            except FileNotFoundError:
+                continue  # removed since the scan (another writer's cleanup)
         return out
 
     def get(self, name: str) -> bytes | None:

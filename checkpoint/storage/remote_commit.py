@@ -199,6 +199,14 @@ class RemoteCommit:
         self.manifest = StagingManifest(token=self.token, base=self.base, objects=sorted(set(objects)))
         self.store.put(staging_name(self.token), self.manifest.model_dump_json().encode())
 
+    def superseded(self) -> bool:
+        """Whether another save committed here since this one started (then what this save wrote
+        may have been removed by that commit's cleanup: its failure is a ConcurrentSaveError)."""
+        try:
+            return index_digest(self.store.get(MODEL_INDEX)) != self.base
+        except (OSError, CheckpointError):
+            return False
+
     def abort(self) -> None:
         """Remove what this save wrote (best effort: what stays is cleaned by the next commit)."""
         try:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _faults
-from ..errors import CheckpointError, CheckpointWriteError
+from ..errors import CheckpointError, CheckpointWriteError, ConcurrentSaveError
 from ..ranks import dist
 from . import digest
 from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
@@ -131,9 +131,11 @@ def save_remote(
         raise err
     try:
         return _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world)
-    except BaseException:
+    except BaseException as e:
         if commit is not None:
             commit.abort()  # best effort; a killed save's objects go with the next commit there
+            if isinstance(e, (OSError, CheckpointError)) and not isinstance(e, ConcurrentSaveError) and commit.superseded():
+                raise ConcurrentSaveError(store.url, f"another save committed there while this one was writing ({e})") from None
         raise
 
 
