@@ -1273,3 +1273,13 @@ def test_megatron_qwen3_qk_layernorm_both_ways(tmp_path):
     assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert_same_model(lambda ids: hf(ids).logits, again)
+
+
+def test_recipe_table_names_sources_versions_and_options():
+    from checkpoint.convert import recipe_table
+
+    rows = {r["name"]: r for r in recipe_table()}
+    assert all(r["source"] for r in rows.values()), [n for n, r in rows.items() if not r["source"]]
+    assert "b5bcd76" in rows["hf-to-torchtitan-moe"]["source"] and rows["hf-to-torchtitan-moe"]["versions"][-1] == "3101b42"
+    assert rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"] and rows["megatron-gpt-to-hf"]["versions"] == ["local", "te"]
+    assert rows["torchtitan-moe-to-hf"]["options"] == ["drop-expert-bias"]

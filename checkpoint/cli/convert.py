@@ -27,6 +27,12 @@ def run_recipes(args: argparse.Namespace) -> int:
     for r in rows:
         need = "  (needs --model or the source's config.json)" if r["needs_model"] else ""
         print(f"{r['name']:<{width}}  inverse {r['inverse']:<{width}}  {r['summary']}{need}")
+        if r.get("versions"):
+            print(f"{'':<{width}}  layout versions (@): {', '.join(r['versions'])}")
+        if r.get("options"):
+            print(f"{'':<{width}}  options (+): {', '.join(r['options'])}")
+        if r.get("source"):
+            print(f"{'':<{width}}  follows: {r['source']}")
     return EXIT_OK
 
 

@@ -250,8 +250,30 @@ def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write:
 
 
 def recipe_table() -> list[dict[str, Any]]:
-    """``[{name, inverse, needs_model, summary}]`` of the built-in recipes."""
-    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary} for n, e in RECIPES.items()]
+    """``[{name, inverse, needs_model, summary, source, versions, options}]`` of the built-in
+    recipes: ``source`` the code (repository, commit, file) each follows, ``versions`` the layout
+    versions a name takes after ``@`` (the first read by detection, the last written by default),
+    ``options`` what ``+option`` adds."""
+    from ..layout_versions import FAMILIES
+    from .layouts import META_VERSIONS
+    from .recipes import SOURCES
+
+    def versions(name: str, e) -> list[str]:
+        try:
+            rec = e.build(None)
+        except Exception:  # noqa: BLE001 - a recipe that needs a model has no layout versions
+            return []
+        fwd = rec.meta.get("inverse_of", rec)
+        if "meta" in (rec.reads, rec.writes):
+            return [v for v, _ in META_VERSIONS]
+        if fwd.meta.get("variants"):
+            return sorted(fwd.meta["variants"])
+        fam = FAMILIES.get(fwd.meta.get("family", ""))
+        return [v for v, _, _ in fam.versions] if fam else []
+
+    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
+             "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
+             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()]  # fmt: skip
 
 
 __all__ = ["open_conversion", "run_recipe", "side_files", "recipe_table"]

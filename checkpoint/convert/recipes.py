@@ -142,6 +142,20 @@ def _experts(model: Any) -> Recipe:
     return experts_recipe(model)
 
 
+# The sources each recipe follows (repository, commit, file): what `fqnckpt recipes` names.
+SOURCES: dict[str, str] = {
+    "meta-llama-to-hf": "transformers convert_llama_weights_to_hf.py (permute, concat_dim by Llama version); "
+                        "meta-llama/llama-models (VocabParallelEmbedding, apply_scaling)",
+    "torchtitan-llama3-to-hf": "pytorch/torchtitan b5bcd76 torchtitan/models/llama3/state_dict_adapter.py "
+                               "(+ the name history in checkpoint.layout_versions)",
+    "torchtitan-moe-to-hf": "pytorch/torchtitan b5bcd76 torchtitan/models/{qwen3,deepseek_v3}/state_dict_adapter.py",
+    "gpt2-conv1d-to-linear": "transformers pytorch_utils.Conv1D",
+    "megatron-gpt-to-hf": "NVIDIA-NeMo/Megatron-Bridge param_mapping.py (QKVMapping, GatedMLPMapping) and the "
+                          "qwen3 / llama bridges (q_layernorm, TE layer_norm_weight vs local norms)",
+    "experts-to-fused": "transformers 5.24 conversion_mapping.get_model_conversion_mapping (the installed one, read at run time)",
+}
+
+
 class RecipeEntry(NamedTuple):
     """A built-in recipe: ``build(model)`` gives it in the named direction."""
 
