@@ -450,7 +450,8 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     assert stats.bytes_read >= rep.total_bytes
     (f,) = (tmp_path / "tt").glob("*.safetensors")
     tt = safetensors.torch.load_file(str(f))
-    assert "layers.1.attention.wk.weight" in tt and len(tt) == len(hf.state_dict())
+    # torchtitan's names of today's layout (the recipe's default output; the layout names are the convert tests')
+    assert any(k.startswith("layers.1.") and k.endswith(".wk.weight") for k in tt) and len(tt) == len(hf.state_dict())
     checkpoint.save(tt, "s3://bkt/conv/tt", storage_options=opts)
     fresh = transformers.LlamaForCausalLM(cfg)
     stats.reset()
