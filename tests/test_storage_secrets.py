@@ -99,3 +99,16 @@ def test_registered_options_scrub_every_later_message():
 
         warnings.warn(secrets.scrub("retention could not remove it (RegisteredPW123)"), stacklevel=1)
     assert "RegisteredPW123" not in str(w[0].message)
+
+
+def test_log_records_of_any_logger_are_scrubbed(caplog):
+    import logging
+
+    secrets.register({"endpoint_url": "http://127.0.0.1:1/?apitoken=LogTOKEN9999"})
+    with caplog.at_level(logging.DEBUG, logger="botocore.endpoint"):
+        logging.getLogger("botocore.endpoint").debug(
+            "Sending http request: <AWSPreparedRequest url=%s, headers={'Authorization': b'AWS4 Credential=AK/1'}>",
+            "http://127.0.0.1:1/b/k?apitoken=LogTOKEN9999&X-Amz-Signature=sig0123",
+        )
+    text = caplog.text
+    assert "LogTOKEN9999" not in text and "sig0123" not in text and "Sending http request" in text

@@ -147,6 +147,8 @@ def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = Non
     listing = store.listing() if listing is None else listing
     mans = staged_saves(store, listing)
     named = set().union(*(_named(m) for m in mans)) if mans else set()
+    # a save killed after its commit, before its cleanup, leaves a manifest naming live objects
+    named -= owned_objects(store, parse_index(store.get(MODEL_INDEX)))
     return {
         "staging": [staging_name(m.token) for m in mans],
         "objects": sorted(n for n in named if n in listing),

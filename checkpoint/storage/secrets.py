@@ -92,11 +92,42 @@ def secrets_of(options: Mapping | None) -> set[str]:
 
 
 def register(options: Mapping | None) -> None:
-    """Remember the credentials of ``options`` so that every later :func:`scrub` removes them."""
+    """Remember the credentials of ``options`` so that every later :func:`scrub` removes them, and
+    scrub every log record from then on (:func:`install_log_scrubber`)."""
     found = secrets_of(options)
     if found:
         with _lock:
             _registered.update(found)
+    install_log_scrubber()
+
+
+_log_installed = False
+
+
+def install_log_scrubber() -> None:
+    """Scrub the message of every ``logging`` record made from now on, whoever logs it (botocore /
+    s3fs / fsspec log requests, URLs and headers at DEBUG): installed once, by the first store of
+    a URL, through :func:`logging.setLogRecordFactory` (a handler or logger filter would miss
+    records of loggers configured elsewhere). Records are only made for enabled levels."""
+    global _log_installed
+    import logging
+
+    with _lock:
+        if _log_installed:
+            return
+        _log_installed = True
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = previous(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record stays as logging would show it
+            return record
+        record.msg, record.args = scrub(text), ()
+        return record
+
+    logging.setLogRecordFactory(factory)
 
 
 def scrubber(options: Mapping | None = None):
@@ -136,4 +167,4 @@ def scrub_data(data: Any) -> Any:
     return data
 
 
-__all__ = ["scrub", "scrub_url", "scrub_data", "scrubber", "register", "secrets_of", "MASK"]
+__all__ = ["scrub", "scrub_url", "scrub_data", "scrubber", "register", "secrets_of", "install_log_scrubber", "MASK"]
