@@ -1283,3 +1283,30 @@ def test_recipe_table_names_sources_versions_and_options():
     assert "b5bcd76" in rows["hf-to-torchtitan-moe"]["source"] and rows["hf-to-torchtitan-moe"]["versions"][-1] == "3101b42"
     assert rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"] and rows["megatron-gpt-to-hf"]["versions"] == ["local", "te"]
     assert rows["torchtitan-moe-to-hf"]["options"] == ["drop-expert-bias"]
+
+
+def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
+    """torchtitan's DeepSeek-V3 multi-token-prediction layer (mtp_layers.0.*: a whole MoE block plus
+    enorm / hnorm / eh_proj / mtp_norm) is HF's model.layers.{n_layers}.* (shared_head.norm for
+    mtp_norm), as torchtitan's adapter maps it; torchtitan -> HF -> torchtitan bit-identical."""
+    import safetensors.torch
+
+    model = deepseek_v3(16)
+    model.save_pretrained(tmp_path / "hub")
+    checkpoint.migrate(tmp_path / "hub", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    tt = read(tmp_path / "tt")
+    g = torch.Generator().manual_seed(3)
+    mtp = {k.replace("layers.2.", "mtp_layers.0.", 1): v + 1 for k, v in tt.items() if k.startswith("layers.2.")}
+    mtp |= {"mtp_layers.0.enorm.weight": torch.randn(H, generator=g), "mtp_layers.0.hnorm.weight": torch.randn(H, generator=g),
+            "mtp_layers.0.eh_proj.weight": torch.randn(H, 2 * H, generator=g), "mtp_layers.0.mtp_norm.weight": torch.randn(H, generator=g)}  # fmt: skip
+    safetensors.torch.save_file(tt | mtp, tmp_path / "tt_mtp.safetensors")
+    with pytest.raises(ConversionError, match="mtp_layers.0.enorm.weight' matches no rule"):  # n_layers unknown: no place for them
+        checkpoint.migrate(tmp_path / "tt_mtp.safetensors", tmp_path / "x", recipe="torchtitan-moe-to-hf")
+    checkpoint.migrate(tmp_path / "tt_mtp.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf", model=model)
+    hf = read(tmp_path / "hf")
+    assert torch.equal(hf["model.layers.3.shared_head.norm.weight"], mtp["mtp_layers.0.mtp_norm.weight"])
+    assert torch.equal(hf["model.layers.3.eh_proj.weight"], mtp["mtp_layers.0.eh_proj.weight"])
+    assert torch.equal(hf["model.layers.3.mlp.experts.5.down_proj.weight"], mtp["mtp_layers.0.moe.routed_experts.inner_experts.w2_EDF"][5])
+    assert not any(k.startswith("model.layers.4.") for k in hf)
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")  # n_layers from config.json
+    assert_equal_sd(read(tmp_path / "back"), tt | mtp)

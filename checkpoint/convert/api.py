@@ -17,7 +17,7 @@ from ..storage.layout import TensorSpec
 from .hf_files import hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
-from .layouts import LayoutError, meta_versioned, variant_versioned, versioned
+from .layouts import LayoutError, bind_dims, meta_versioned, variant_versioned, versioned
 from .verify import GENERATION_CONFIG_NAME, dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
 from .recipes import RECIPES, RecipeError, get_recipe
@@ -140,6 +140,7 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
                 rec, layouts = _versioned(with_options(get_recipe(recipe, model), options), catalog, asked)
             except LayoutError as e:
                 raise RecipeError(f"{src}: {e}") from None
+            rec = bind_dims(rec, d)
             missing = [k for k in PARAMS_DIMS if k not in d] if rec.writes == "meta" else []
             if missing:
                 raise RecipeError(f"recipe {rec.name!r} writes params.json: dims {missing} unknown for {src} (model=, config.json or --dim)")

@@ -38,9 +38,13 @@ def layer_problems(keys: Iterable[str], dims: Mapping[str, int]) -> list[Problem
         return []
     prefix = max(layers, key=lambda p: (len(layers[p]), p))
     by_index = layers[prefix]
+    want = dims.get("n_layers")
+    if want is not None:  # DeepSeek-V3's multi-token-prediction layers follow the decoder's (eh_proj marks them)
+        by_index = {i: r for i, r in by_index.items() if not (i >= want and "eh_proj.weight" in r)}
+    if not by_index:
+        return []
     problems: list[Problem] = []
     indices = sorted(by_index)
-    want = dims.get("n_layers")
     if indices != list(range(len(indices))) or (want is not None and len(indices) != want):
         n = want if want is not None else indices[-1] + 1
         absent = sorted(set(range(n)) - set(indices))

@@ -3,7 +3,7 @@ versions as data, torch-free, for ``fqnckpt inspect`` too)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..layout_versions import FAMILIES, TORCHTITAN, Axis, Family, Respell, detect_layout, version_table
@@ -128,8 +128,55 @@ def variant_versioned(recipe: Recipe, keys, asked: str | None) -> tuple[Recipe, 
     return (out if reads else out.inverse()), {"source" if reads else "target": f"{fam} {name}"}
 
 
+@dataclass(frozen=True)
+class LayerShift:
+    """DeepSeek-V3's multi-token-prediction layers: torchtitan's ``mtp_layers.{j}.*`` are HF's
+    ``model.layers.{n_layers + j}.*`` (torchtitan deepseek_v3 state_dict_adapter
+    ``_map_from_hf_layer_key``). Renames ``mtp_layers.{j}.`` -> ``layers.{offset + j}.`` (the
+    canonical names the rules read), or back when ``forward`` is False (layers from ``offset``
+    on). Unbound (``offset`` None) it renames nothing: :func:`bind_dims` gives it ``n_layers``."""
+
+    offset: int | None = None
+    forward: bool = True
+
+    def apply(self, key: str) -> str:
+        if self.offset is None:
+            return key
+        head, _, rest = key.partition(".")
+        idx, _, tail = rest.partition(".")
+        if not idx.isdigit() or not tail:
+            return key
+        if self.forward and head == "mtp_layers":
+            return f"layers.{self.offset + int(idx)}.{tail}"
+        if not self.forward and head == "layers" and int(idx) >= self.offset:
+            return f"mtp_layers.{int(idx) - self.offset}.{tail}"
+        return key
+
+    def inverse(self) -> LayerShift:
+        return LayerShift(self.offset, not self.forward)
+
+    def describe(self) -> str:
+        n = "n_layers" if self.offset is None else str(self.offset)
+        return f"mtp_layers.{{j}} -> layers.{{{n} + j}}" if self.forward else f"layers.{{{n} + j}} -> mtp_layers.{{j}}"
+
+
+def bind_dims(recipe: Recipe, dims) -> Recipe:
+    """``recipe`` with every :class:`LayerShift` given ``dims["n_layers"]`` (unchanged without it)."""
+    fwd = recipe.meta.get("inverse_of")
+    if fwd is not None:
+        return bind_dims(fwd, dims).inverse()
+    n = dims.get("n_layers")
+    if n is None or not any(isinstance(r, LayerShift) for r in recipe.pre + recipe.post):
+        return recipe
+
+    def bound(rs):
+        return tuple(LayerShift(n, r.forward) if isinstance(r, LayerShift) else r for r in rs)
+
+    return replace(recipe, pre=bound(recipe.pre), post=bound(recipe.post))
+
+
 def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
     return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "variant_versioned", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "LayerShift", "bind_dims", "variant_versioned", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]

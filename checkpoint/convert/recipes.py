@@ -15,6 +15,12 @@ from typing import Any, NamedTuple
 from .ops import Chunk, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
 from .rules import Recipe, Rule
 
+
+def _layer_shift():
+    from .layouts import LayerShift  # layouts imports rules, not recipes
+
+    return LayerShift()
+
 R = Rule
 _L = "model.layers.{i}"
 
@@ -75,6 +81,11 @@ TORCHTITAN_MOE = Recipe(
         R("layers.{i}.attention.wq_b.weight", f"{_L}.self_attn.q_b_proj.weight", (PermuteRopeTail("n_heads"),)),
         R("layers.{i}.attention.wkv_a.weight", f"{_L}.self_attn.kv_a_proj_with_mqa.weight", (PermuteRopeTail(None),)),
         R("layers.{i}.attention.kv_norm.weight", f"{_L}.self_attn.kv_a_layernorm.weight"),
+        # DeepSeek-V3 multi-token prediction (mtp_layers.{j} = HF layer n_layers + j: LayerShift)
+        R("layers.{i}.enorm.weight", f"{_L}.enorm.weight"),
+        R("layers.{i}.hnorm.weight", f"{_L}.hnorm.weight"),
+        R("layers.{i}.eh_proj.weight", f"{_L}.eh_proj.weight"),
+        R("layers.{i}.mtp_norm.weight", f"{_L}.shared_head.norm.weight"),
         R("layers.{i}.attention.wkv_b.weight", f"{_L}.self_attn.kv_b_proj.weight"),
         R("layers.{i}.moe.router.gate.weight", f"{_L}.mlp.gate.weight", count_of=("e", 0)),
         # DeepSeek-V3's routing bias (GLM-4-MoE's too); Qwen3-MoE in transformers has none (torchtitan
@@ -90,7 +101,7 @@ TORCHTITAN_MOE = Recipe(
         R(f"layers.{{i}}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{p}.weight")
         for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
     ),
-    writes="hf", meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
+    writes="hf", pre=(_layer_shift(),), meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
     summary="torchtitan Qwen3 / DeepSeek-V3 stacked experts <-> HF per-expert keys (router, expert bias)",
 )  # fmt: skip
 
