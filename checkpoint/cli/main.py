@@ -449,6 +449,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(arguments_for={command}).parse_args(argv)
     except UsageError as e:
         return report_error(e, argparse.Namespace(), command or "", as_json)
+    for name in _PATH_ARGS:  # a quoted "~/run" reaches us unexpanded: as every API call, expanded here
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
     try:
         code = args._run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
@@ -465,6 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return report_error(e, args, args.command, args.json)
         except BrokenPipeError:
             return _stdout_closed()
+
+
+_PATH_ARGS = ("path", "src", "dst", "a", "b")
 
 
 def _stdout_closed() -> int:

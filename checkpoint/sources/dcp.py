@@ -196,7 +196,10 @@ def open_metadata(path: Path, fmt: str) -> tuple[Any, Any, Path]:
     root = path
     if fmt == "dcp-hf-sharded" and (path / "sharded").is_dir() and is_dcp_hf(path / "sharded"):
         root = path / "sharded"
-    reader = safe_fs(str(root)) if fmt == "dcp" else safe_hf(str(root))
+    # HuggingFaceStorageReader records each shard as the path it globbed (``run/shard-...`` for a
+    # relative ``run``): given the absolute path, every record is ``root/<name>`` however the
+    # user typed it (relative, ``./``, trailing slash), which _check_storage_paths accepts.
+    reader = safe_fs(str(root)) if fmt == "dcp" else safe_hf(os.path.abspath(root))
     with dcp_errors(root / ".metadata" if fmt == "dcp" else root, [".metadata"]):
         md = reader.read_metadata()
     return reader, md, root
@@ -597,13 +600,9 @@ def dcp_format(path: str | os.PathLike) -> str | None:
         return None
     if is_dcp(p):
         return "dcp"
-    if (p / "sharded").is_dir() and is_dcp_hf(p / "sharded"):
-        return "dcp-hf-sharded"
-    if (
-        not (p / "model.safetensors.index.json").exists()
-        and not (p / "model.safetensors").exists()
-        and is_dcp_hf(p)
-    ):
+    if (p / "model.safetensors.index.json").exists() or (p / "model.safetensors").exists():
+        return None  # the consolidated Hugging Face files win over DCP's sharded/ (see sniff)
+    if ((p / "sharded").is_dir() and is_dcp_hf(p / "sharded")) or is_dcp_hf(p):
         return "dcp-hf-sharded"
     return None
 

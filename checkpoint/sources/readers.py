@@ -70,7 +70,7 @@ def open_source(
         if key is not None:
             raise AmbiguousSourceError(str(path), [], f"key={key!r} applies to pickles and DCP only")
         return open_remote_source(path)
-    p = Path(path)
+    p = Path(os.path.expanduser(path))  # "~/run" typed in Python: no shell expanded it
     fmt = sniff(p)
     if fmt in ("torch-zip", "torch-legacy"):
         f = pickle_files(p)[0] if p.is_dir() else p

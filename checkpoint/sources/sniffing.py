@@ -113,10 +113,14 @@ def sniff(path: str | os.PathLike) -> str:
         raise CheckpointNotFoundError(str(p), "not a regular file or a directory")
     if is_dcp(p):
         return "dcp"
-    if (p / "sharded").is_dir() and is_dcp_hf(p / "sharded"):
-        return "dcp-hf-sharded"
+    # HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) leaves DCP's
+    # per-rank shards in sharded/ and the consolidated Hugging Face files beside it: the latter
+    # are the checkpoint (what from_pretrained reads), chosen alike by every command; sharded/
+    # alone (consolidation off or not finished) is read through DCP.
     if index_files(p):
         return "safetensors-sharded"
+    if (p / "sharded").is_dir() and is_dcp_hf(p / "sharded"):
+        return "dcp-hf-sharded"
     if st_files(p):
         return "dcp-hf-sharded" if is_dcp_hf(p) else "safetensors-sharded"
     pickles = pickle_files(p)

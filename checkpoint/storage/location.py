@@ -17,7 +17,7 @@ def is_remote(where: Any) -> bool:
 
 
 def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = None) -> Any:
-    """``path`` as the local path string it is, or the byte store of a URL: a
+    """``path`` as the local path string it is (``~`` expanded), or the byte store of a URL: a
     :class:`~checkpoint.storage.bytestore.LocalStore` for ``file://``, an fsspec
     :class:`~checkpoint.storage.objstore.ObjectStore` for ``s3://``, ``memory://``, ...
     (``storage_options`` / ``transfer`` apply to it only). A byte store is returned as is.
@@ -34,7 +34,7 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
     if not is_url(p):
         if storage_options or transfer is not None:
             raise TypeError(f"storage_options / transfer apply to URLs (s3://...), not to the local path {p!r}")
-        return p
+        return os.path.expanduser(p)  # "~/run" as typed in Python, where no shell expands it
     if url_scheme(p) == "file" and not storage_options:  # the local byte store: no fsspec
         from .bytestore import LocalStore
 
