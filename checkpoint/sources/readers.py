@@ -52,8 +52,8 @@ def open_source(
             container holding model tensors is used.
         trusted_globals: classes / functions (or ``"module.name"`` strings) a pickle may
             reference beyond the ``weights_only`` safe set; nothing else is ever unpickled.
-        mmap_window: bytes copied out of one mmap (pickle or safetensors file) before it is
-            re-opened (bounds RSS).
+        mmap_window: bytes copied out of one pickle's mmap before it is re-opened (bounds RSS);
+            safetensors files are read with ``preadv``, never mapped.
 
     Raises:
         CheckpointNotFoundError: nothing readable at ``path``.
