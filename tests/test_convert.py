@@ -1197,6 +1197,10 @@ def test_hf_llama3_scaled_rope_to_meta_and_back(tmp_path):
     assert params["use_scaled_rope"] is True and params["rope_theta"] == 500000.0 and params["max_seq_len"] == 131072
     checkpoint.migrate(tmp_path / "meta", tmp_path / "hf2", recipe="meta-llama-to-hf")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    # with the model given, config.json is the model's, with 4.x's RoPE keys beside 5's
+    checkpoint.migrate(tmp_path / "meta", tmp_path / "hf3", recipe="meta-llama-to-hf", model=transformers.LlamaForCausalLM(cfg))
+    old = read_config_as_transformers_4(tmp_path / "hf3")
+    assert old["rope_theta"] == 500000.0 and old["rope_scaling"]["rope_type"] == "llama3" and old["rope_scaling"]["factor"] == 8.0
     assert again.config.rope_parameters == hf.config.rope_parameters
     assert again.config.max_position_embeddings == 131072 and again.config.intermediate_size == FF
     assert_same_model(lambda ids: hf(ids).logits, again)

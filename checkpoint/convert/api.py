@@ -14,7 +14,7 @@ import torch
 
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
-from .hf_files import hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config
+from .hf_files import hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config, with_transformers4_rope
 from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
 from .layouts import LayoutError, bind_dims, meta_versioned, variant_versioned, versioned
@@ -169,6 +169,8 @@ def _build_side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
         out[PARAMS_NAME] = write_params_json(plan.dims, hf_config_of(model) or plan.catalog.hf_config)
     elif plan.recipe.writes in ("hf", "hf-model") and model is not None:
         out.update(hf_config_files(model))
+        if HF_CONFIG_NAME in out:
+            out[HF_CONFIG_NAME] = with_transformers4_rope(out[HF_CONFIG_NAME])
     elif plan.recipe.writes == "hf-model" and plan.catalog.params is not None:  # Meta -> HF, no model
         out[HF_CONFIG_NAME] = _meta_llama_config(plan)
         out[GENERATION_CONFIG_NAME] = llama_generation_config(json.loads(out[HF_CONFIG_NAME]))

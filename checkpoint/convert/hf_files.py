@@ -186,6 +186,27 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
 
+def with_transformers4_rope(data: bytes) -> bytes:
+    """``config.json`` bytes that transformers 4.x reads with the same RoPE as 5: where 5's
+    ``rope_parameters`` is written without 4.x's ``rope_theta`` / ``rope_scaling``, they are added
+    (4.x ignores ``rope_parameters`` and would run theta 10000 unscaled)."""
+    cfg = json.loads(data)
+    targets = [cfg] + ([cfg["text_config"]] if isinstance(cfg.get("text_config"), dict) else [])
+    changed = False
+    for c in targets:
+        rope = c.get("rope_parameters")
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            continue
+        if "rope_theta" not in c:
+            c["rope_theta"] = rope["rope_theta"]
+            changed = True
+        kind = rope.get("rope_type", "default")
+        if "rope_scaling" not in c:
+            c["rope_scaling"] = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+            changed = True
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode() if changed else data
+
+
 def llama_generation_config(config: dict[str, Any]) -> bytes:
     """``generation_config.json`` beside a config from :func:`llama_config_from_meta`: its bos /
     eos ids (what ``GenerationConfig.from_model_config`` takes from the config)."""
@@ -194,4 +215,5 @@ def llama_generation_config(config: dict[str, Any]) -> bytes:
 
 
 __all__ = ["architecture_class", "hf_config_files", "is_peft_model", "unwrap_model", "llama_config_from_meta", "meta_model_from_config",
-           "RUNTIME_ONLY", "META_PARAMS_KEY", "meta_token_ids", "meta_max_positions", "llama_generation_config"]
+           "RUNTIME_ONLY", "META_PARAMS_KEY", "meta_token_ids", "meta_max_positions", "llama_generation_config",
+           "with_transformers4_rope"]
