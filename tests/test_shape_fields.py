@@ -49,6 +49,8 @@ def test_header_shape_torch_cannot_hold_is_refused_on_every_path(tmp_path, shape
             open_(p)
         assert "m.safetensors" in str(e.value)
     assert not checkpoint.verify(p).ok
+    if shape != BAD[0]:
+        return  # the CLI (two interpreters) once: it goes through the readers above
     cli = [sys.executable, "-m", "checkpoint"]
     v = subprocess.run([*cli, "verify", str(p)], capture_output=True, text=True, timeout=120)
     i = subprocess.run([*cli, "inspect", str(p)], capture_output=True, text=True, timeout=120)
