@@ -1314,3 +1314,31 @@ def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
     assert not any(k.startswith("model.layers.4.") for k in hf)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")  # n_layers from config.json
     assert_equal_sd(read(tmp_path / "back"), tt | mtp)
+
+
+@pytest.mark.parametrize("how", ["w3-rows", "w2-cols", "w2-dtype"])
+def test_expert_stacks_of_one_layer_agree_in_shape_and_dtype(tmp_path, how):
+    """Counts equal but w3 narrower than w1, w2 not w1 transposed, or w2 of another dtype: per-expert
+    tensors no model loads; refused naming both stacks, both directions, nothing written."""
+    import safetensors.torch
+
+    g = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    E, F = 4, 16
+    tt = {"layers.0.moe.router.gate.weight": r(E, H), "layers.0.moe.experts.w1": r(E, F, H),
+          "layers.0.moe.experts.w3": r(E, F // 2 if how == "w3-rows" else F, H),
+          "layers.0.moe.experts.w2": r(E, H, F // 2 if how == "w2-cols" else F)}  # fmt: skip
+    if how == "w2-dtype":
+        tt["layers.0.moe.experts.w2"] = tt["layers.0.moe.experts.w2"].bfloat16()
+    safetensors.torch.save_file(tt, tmp_path / "tt.safetensors")
+    with pytest.raises(ConversionError, match="the stacks of one layer must agree") as e:
+        checkpoint.migrate(tmp_path / "tt.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf")
+    assert {p.kind for p in e.value.report.problems} == {"inconsistent"}
+    hf = {"model.layers.0.mlp.gate.weight": tt["layers.0.moe.router.gate.weight"]}
+    for i in range(E):
+        for p, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            hf[f"model.layers.0.mlp.experts.{i}.{p}.weight"] = tt[f"layers.0.moe.experts.{w}"][i].clone()
+    safetensors.torch.save_file(hf, tmp_path / "hf.safetensors")
+    with pytest.raises(ConversionError, match="the stacks of one layer must agree"):
+        checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "tt").exists()

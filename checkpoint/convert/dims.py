@@ -10,6 +10,7 @@ disagreement is refused naming both sources and both values.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -48,8 +49,9 @@ def check_value(name: str, value: Any, where: str, from_caller: bool = False) ->
             string) or not positive (0 / 1 for ``rope_interleave``)."""
     if name not in KNOWN_DIMS:
         raise DimError(f"{where}: unknown dimension {name!r}; known: {sorted(KNOWN_DIMS)}", name, from_caller)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy / torch ints are integers too
         raise DimError(f"{where}: dimension {name} must be a positive integer, got {value!r}", name, from_caller)
+    value = int(value)
     if name in _ZERO_OK:
         if value not in (0, 1):
             raise DimError(f"{where}: dimension {name} must be 0 or 1, got {value}", name, from_caller)

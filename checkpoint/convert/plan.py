@@ -279,6 +279,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
             g.specs.append(TensorSpec(tgt, tuple(t.shape), t.dtype))
         ok_groups.append(g)
     problems.extend(_count_problems(ok_groups, meta_of, catalog))
+    problems.extend(_agree_problems(recipe, renamed, catalog, staged, report))
     report.checks.append("every gathered stack / expert list and every rule with count_of agree per layer on the count (counts, shapes, dtypes of stacked parts checked by the ops on meta tensors)")
     if shards > 1:
         problems.extend(_replicated_problems(ok_groups, catalog))
@@ -335,6 +336,39 @@ def _count_problems(groups: list[Group], meta_of: dict[int, list[Value]], catalo
         if len({n for _, n in obs}) > 1:
             out.append(Problem(kind="inconsistent", keys=[w for w, _ in obs],
                                message=f"stacks of one layer disagree on the {{*{name}}} count: " + ", ".join(f"{w} has {n}" for w, n in obs)))  # fmt: skip
+    return out
+
+
+def _agree_problems(recipe: Recipe, renamed: dict[str, str], catalog: Catalog, staged, report: ConversionReport) -> list[Problem]:
+    """``recipe.meta["agree"]``: ``(pattern a, pattern b, permutation)`` in the names of the
+    framework side (source names after ``pre`` when it reads the framework, target names before
+    ``post`` when it writes it): every tensor matching ``a`` and its ``b`` have the same dtype and
+    ``b``'s shape is ``a``'s permuted (``w1`` / ``w3`` stacks equal, ``w2`` with its last two dims
+    swapped). Stacks of one layer that differ would give per-expert tensors no model loads."""
+    pairs = recipe.meta.get("agree") or (recipe.meta.get("inverse_of") or recipe).meta.get("agree") or ()
+    if not pairs:
+        return []
+    if recipe.writes in ("hf", "hf-model"):
+        specs = {n: (tuple(catalog.specs(k)[0].shape), str(catalog.specs(k)[0].dtype)) for n, k in renamed.items()}
+    else:
+        specs = {n: (tuple(t.shape), str(t.dtype)) for _, outs in staged for n, t in outs if not isinstance(t, list)}
+    out = []
+    for a, b, perm in pairs:
+        pa, pb = Pattern(a), Pattern(b)
+        for name, (shape, dtype) in specs.items():
+            vals = pa.match(name)
+            if vals is None:
+                continue
+            other = pb.format(vals)
+            if other not in specs:
+                continue
+            want = tuple(shape[i] for i in perm) if perm else shape
+            oshape, odtype = specs[other]
+            if oshape != want or odtype != dtype:
+                out.append(Problem(kind="inconsistent", keys=[name, other], message=(
+                    f"{name!r} is {list(shape)} {dtype} but {other!r} is {list(oshape)} {odtype} "
+                    f"(expected {list(want)} {dtype}): the stacks of one layer must agree")))  # fmt: skip
+    report.checks.append(f"stacks that must agree in shape and dtype: {[(a, b) for a, b, _ in pairs]}")
     return out
 
 

@@ -101,7 +101,10 @@ TORCHTITAN_MOE = Recipe(
         R(f"layers.{{i}}.moe.shared_experts.{w}.weight", f"{_L}.mlp.shared_experts.{p}.weight")
         for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
     ),
-    writes="hf", pre=(_layer_shift(),), meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
+    writes="hf", pre=(_layer_shift(),), meta={"family": "torchtitan", "agree": (
+        ("layers.{i}.moe.experts.w1", "layers.{i}.moe.experts.w3", None),  # gate / up: [E, F, D]
+        ("layers.{i}.moe.experts.w1", "layers.{i}.moe.experts.w2", (0, 2, 1)),  # down: [E, D, F]
+    ), "tied": (("output.weight", "tok_embeddings.weight"),)},
     summary="torchtitan Qwen3 / DeepSeek-V3 stacked experts <-> HF per-expert keys (router, expert bias)",
 )  # fmt: skip
 
