@@ -70,8 +70,7 @@ OWNED_NAMES = frozenset(
     [index_name(p) for p in PREFIXES]
     + [f"{p}.safetensors" for p in PREFIXES]
     + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
-    + ["adapter_config.json", "adapter_model.safetensors"]  # peft's adapter (checkpoint.peft_state)
-)
+)  # peft's adapter files, config.json, ...: owned when the model index's metadata.fqnckpt.objects names them
 _FORMAT_GLOBBED = re.compile(r"^consolidated\.\d{2,}\.pth$")
 # Meta's model-parallel shards (checkpoint.convert.meta_files): that format has no file list, its
 # readers glob these names, so a stale one left by an overwrite would be read; the only names
@@ -217,6 +216,9 @@ def owned_files(path: str) -> set[str]:
         except (OSError, ValidationError, ValueError):
             continue  # no index, or unreadable: only the fixed names above
         owned.update(n for n in idx.weight_map.values() if _plain(n) and n in names)
+        meta = idx.metadata.fqnckpt if prefix == MODEL_PREFIX else None
+        if meta is not None and meta.objects:  # the other files the save wrote (its record)
+            owned.update(n for n in meta.objects.values() if _plain(n) and n in names)
     owned.update(n for n in _per_rank_files(path) if n in names)
     return {
         n for n in owned if os.path.islink(os.path.join(path, n)) or os.path.isfile(os.path.join(path, n))
@@ -408,7 +410,9 @@ class StagedCheckpoint:
         return self
 
     def write_file(self, name: str, data: bytes) -> None:
-        """Write ``data`` to ``name`` inside the staging dir and fsync it."""
+        """Write ``data`` to ``name`` inside the staging dir and fsync it (``written`` records it:
+        the model index names these files, the record :func:`owned_files` goes by)."""
+        self.__dict__.setdefault("written", set()).add(name)
         fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view, done = memoryview(data), 0

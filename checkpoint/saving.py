@@ -150,6 +150,12 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
     """Data is in place: write the index files last, then move the checkpoint into place."""
     _faults.fault_point("after_data_written")
     _faults.fault_point("before_index_write")
+    # The model index records every other file of the save (as on object storage): overwrite and
+    # retention remove the files a record names, never a file for its name (checkpoint.atomic).
+    others = sorted((getattr(staged, "written", set()) | {index_name(p.prefix) for p in parts}) - {index_name(MODEL_PREFIX)})
+    for part, idx in zip(parts, indexes):
+        if part.prefix == MODEL_PREFIX and idx.metadata.fqnckpt is not None and others:
+            idx.metadata.fqnckpt.objects = {n: n for n in others}
     for part, idx in zip(parts, indexes):
         staged.write_file(index_name(part.prefix), idx.to_json_bytes())
     _faults.fault_point("after_index_write")

@@ -403,3 +403,22 @@ def test_interrupted_commit_without_write_permission_is_named(tmp_path, monkeypa
     assert snapshot(tmp_path) == before
     monkeypatch.undo()
     assert _load_values(path) == {2.0}
+
+
+def test_overwrite_removes_the_files_the_model_index_records_only(tmp_path):
+    """Ownership by record on a local path: the files a save wrote beside its shards are listed in
+    its model index (metadata.fqnckpt.objects); an overwrite removes those and keeps a file of
+    the same name that no record names."""
+    from checkpoint.storage.layout import TensorSpec
+
+    path = tmp_path / "ck"
+    w = torch.arange(4.0)
+    spec = [TensorSpec.of("w", w)]
+    idx = checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"notes.json": b"{}", "adapter_config.json": b"{}"})
+    assert idx.metadata.fqnckpt.objects == {"notes.json": "notes.json", "adapter_config.json": "adapter_config.json"}
+    assert {"notes.json", "adapter_config.json"} <= atomic.owned_files(str(path))
+    checkpoint.save({"w": w}, path, overwrite=True)  # writes neither: the recorded ones go
+    assert sorted(os.listdir(path)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    (path / "adapter_config.json").write_bytes(b"the user's")  # no record names it now
+    checkpoint.save({"w": w}, path, overwrite=True)
+    assert (path / "adapter_config.json").read_bytes() == b"the user's"
