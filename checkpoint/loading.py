@@ -24,6 +24,7 @@ from .errors import CheckpointMismatchError, DCPLoadError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
 from .plan.model import plan_load
+from .peft_state import adapter_only_state, find_peft, has_adapter, open_adapter_reader, saved_names_state
 from .plan.values import check_tied_values, guarded_get
 from .progress import copy_progress
 from .ranks import dist
@@ -157,6 +158,13 @@ def load(
     if fmt is not None and verify:
         raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
     state = object_state(obj)
+    peft_dir = None  # "both": model part + peft's adapter files; "adapter": a peft adapter directory
+    if isinstance(obj, torch.nn.Module) and find_peft(obj) is not None and recipe is None:
+        # A PeftModel target is planned under the names its files use (checkpoint.peft_state).
+        local = None if remote or fmt is not None else os.fspath(path)
+        if local is not None and os.path.isdir(local) and has_adapter(local):
+            peft_dir = "both" if _has_model_part(local) else "adapter"
+        state = adapter_only_state(obj, state) if peft_dir == "adapter" else saved_names_state(obj, state)
     collective = state.has_dtensor and dist.active()
     err: BaseException | None = None
     agreed = False
@@ -172,7 +180,12 @@ def load(
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
         with _view(path):
-            reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
+            if peft_dir == "adapter":
+                reader = open_adapter_reader(os.fspath(path))
+            else:
+                reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
+            if peft_dir == "both":
+                reader = open_adapter_reader(os.fspath(path), reader)
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else str(path), strict=strict, optimizer=optimizer, dtype=dtype,
                 assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
@@ -207,6 +220,13 @@ def load(
         if reader is not None:
             reader.close()
     return plan.report
+
+
+def _has_model_part(path: str) -> bool:
+    """A model index or ``model.safetensors`` beside peft's adapter files (save(peft="adapter"))."""
+    return os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or os.path.isfile(
+        os.path.join(path, "model.safetensors")
+    )
 
 
 def _view(path):

@@ -164,4 +164,69 @@ def adapter_files(pm, adapters: list[str]) -> dict[str, bytes]:
     return {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: st_save(tensors, metadata={"format": "pt"})}
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_MODES", "base_name", "find_peft", "peft_state"]
+
+
+def saved_names_state(obj: Any, state: ModuleState) -> ModuleState:
+    """``state`` of a model holding a ``PeftModel`` with every entry named as the files name it:
+    base tensors by their eager base names (``<X>.weight``), the active adapter's tensors by
+    peft's saved names (``base_model.model.<X>.lora_A.weight``: peft's ``get_peft_model_state_dict``
+    drops ``.<adapter>``), each keeping its PEFT names as aliases (older checkpoints that stored
+    them load too). What ``load`` plans a PEFT target against and how the optimizer of a PEFT
+    model is saved; tensors are the model's own (``assign`` replaces them in place)."""
+    pm = find_peft(obj)
+    adapters = _adapters(pm)
+    prefix = getattr(pm.base_model, "prefix", "lora_")
+    out: list[Entry] = []
+    for e in state.entries:
+        base, _ = base_name(e.fqn, prefix, adapters) if e.fqn.startswith(_ROOT) else (None, None)
+        if base is not None:
+            fqn = base
+        elif e.fqn.startswith(_ROOT) and len(adapters) == 1:  # peft.utils.save_and_load's own rules
+            a = adapters[0]
+            fqn = e.fqn.replace(f".modules_to_save.{a}.", ".") if f".modules_to_save.{a}." in e.fqn else e.fqn.replace(f".{a}", "")
+        else:
+            fqn = e.fqn
+        aliases = [n for n in dict.fromkeys(e.names) if n != fqn]
+        out.append(Entry(fqn, e.tensor, e.kind, aliases, list(e.module_names)))
+    return ModuleState(out, state.non_persistent, state.fqn_map)
+
+
+def adapter_only_state(obj: Any, state: ModuleState) -> ModuleState:
+    """:func:`saved_names_state` less the base tensors: what a peft adapter directory (no base
+    weights in it) fills; the base model comes from elsewhere."""
+    named = saved_names_state(obj, state)
+    keep = [e for e in named.entries if e.fqn.startswith(_ROOT)]  # base tensors lost the prefix
+    return ModuleState(keep, named.non_persistent, named.fqn_map)
+
+
+def has_adapter(path: str) -> bool:
+    """``path`` is a local directory holding peft's adapter files."""
+    return os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_MODES", "adapter_only_state", "base_name", "find_peft",
+           "has_adapter", "peft_state", "saved_names_state"]
+
+
+def open_adapter_reader(path: str, base_reader: Any = None) -> Any:
+    """The load reader of a checkpoint directory holding peft's adapter files: ``base_reader``
+    (the model part, opened already) with ``adapter_model.safetensors``'s tensors added under
+    peft's names, or the adapter file alone when ``base_reader`` is None (a peft adapter
+    directory). The file passes the same header checks as every shard (one reader, one rule).
+
+    Raises:
+        DuplicateTensorError: a name is in both the model part and the adapter file."""
+    from .errors import DuplicateTensorError
+    from .storage.reader import open_checkpoint
+
+    if base_reader is None:
+        return open_checkpoint(os.path.join(path, ADAPTER_WEIGHTS))
+    with open_checkpoint(os.path.join(path, ADAPTER_WEIGHTS)) as ad:
+        names = ad.keys()
+    both = [k for k in names if k in base_reader]
+    if both:
+        raise DuplicateTensorError(both[0], [base_reader.file_of(both[0]), ADAPTER_WEIGHTS])
+    base_reader._key_file.update({k: ADAPTER_WEIGHTS for k in names})
+    base_reader.files = sorted(set(base_reader._key_file.values()))
+    base_reader._load_headers()
+    return base_reader

@@ -29,7 +29,7 @@ from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
 from .errors import CheckpointError, CheckpointWriteError
-from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state
+from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
 from .progress import counted_fetches
 from .ranks import dist, shards
 from .state import Entry, object_state
@@ -282,8 +282,9 @@ def save(
     ``adapter_model.safetensors`` beside it (``AutoModelForCausalLM.from_pretrained(path)`` attaches
     the adapter; ``PeftModel.from_pretrained(base, path)`` reads it); ``"merged"`` writes one plain
     model with the LoRA weights merged as peft's ``merge_and_unload`` does (see
-    :mod:`checkpoint.peft_state`). Ignored for other models. An optimizer's state keeps peft's
-    names (``base_model.model.<X>.lora_A.default.weight``), as a ``load`` into the PeftModel wants.
+    :mod:`checkpoint.peft_state`). Ignored for other models. An optimizer's state is keyed by the
+    same names (``<X>.weight``, peft's ``base_model.model.<X>.lora_A.weight``), as ``load`` into
+    the PeftModel plans them.
 
     ``optimizer``: also writes ``optimizer-0000k-of-0000n.safetensors`` +
     ``optimizer.safetensors.index.json`` (state by FQN, see :mod:`checkpoint.optim`); needs a module.
@@ -421,7 +422,9 @@ def _prepare(
             raise TypeError("saving an optimizer needs the nn.Module (parameters are matched by identity)")
         from .optim import optimizer_entries
 
-        opt_entries, opt_meta = optimizer_entries(optimizer, state)
+        # A PEFT model's optimizer is keyed by the names its files use (load plans by the same)
+        named = saved_names_state(obj, state) if model_state is not state else state
+        opt_entries, opt_meta = optimizer_entries(optimizer, named)
         parts_entries.append((OPTIMIZER_PREFIX, opt_entries, [], None, opt_meta))
     parts = []
     for prefix, entries, groups, fm, om in parts_entries:

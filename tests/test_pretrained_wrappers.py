@@ -153,3 +153,70 @@ def test_peft_bad_mode_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="peft='both'"):
         checkpoint.save(lora_model(), tmp_path / "ck", peft="both")
     assert not (tmp_path / "ck").exists()
+
+
+def _fresh_lora(seed, modules_to_save=None):
+    """The same PEFT architecture, other values everywhere (base and adapter)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    from tests.models import hf_llama
+
+    base = hf_llama(layers=2)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+    pm = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    return pm.eval()
+
+
+def test_peft_training_checkpoint_loads_back_into_the_peft_model(tmp_path):
+    """save(peft_model, optimizer=opt) then load into another PeftModel: base from the model part,
+    adapter from peft's file, optimizer state by the same names; exact values and logits."""
+    pm = lora_model(modules_to_save=["lm_head"])
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    pm.train()
+    pm(input_ids=TOKENS, labels=TOKENS).loss.backward()
+    opt.step()
+    pm.eval()
+    checkpoint.save(pm, tmp_path / "ck", optimizer=opt)
+    other = _fresh_lora(5, modules_to_save=["lm_head"])
+    opt2 = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
+    rep = checkpoint.load(other, tmp_path / "ck", optimizer=opt2)
+    assert rep.ok and rep.optimizer_loaded
+    assert other.state_dict().keys() == pm.state_dict().keys()
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in pm.state_dict().items())
+    assert torch.equal(logits(other), logits(pm))
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[i][k], s2[i][k]) for i in s1 for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_peft_adapter_directory_is_a_source(tmp_path):
+    """peft's own save_pretrained directory (adapter files only) loads into a PeftModel: the
+    adapter tensors, by peft's names; the base stays (it comes from elsewhere). Oracle: peft's
+    PeftModel.from_pretrained over the same base."""
+    peft = pytest.importorskip("peft")
+    pm = lora_model()
+    pm.save_pretrained(tmp_path / "adapter")
+    want = logits(pm)
+    target = _fresh_lora(5)
+    checkpoint.load(target, _saved_base(pm, tmp_path / "base"))  # the same base as pm ...
+    with torch.no_grad():  # ... and other adapter values, which the adapter directory replaces
+        for n, p in target.named_parameters():
+            if "lora_" in n:
+                p.normal_()
+    assert not torch.equal(logits(target), want)
+    base_before = {k: v.clone() for k, v in target.state_dict().items() if "lora_" not in k}
+    rep = checkpoint.load(target, tmp_path / "adapter")
+    assert rep.ok and sorted(rep.loaded_keys) == sorted(
+        k for k in peft.get_peft_model_state_dict(pm))  # fmt: skip
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in base_before.items())
+    assert torch.equal(logits(target), want)
+    oracle = peft.PeftModel.from_pretrained(base_from(tmp_path / "base"), tmp_path / "adapter")
+    assert torch.equal(logits(oracle.eval()), want)
+
+
+def _saved_base(pm, path):
+    checkpoint.save(pm, path)  # base + adapter of pm
+    return path
