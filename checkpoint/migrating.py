@@ -46,6 +46,7 @@ from .storage.extra_state import (
     read_extra_state_file,
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
+from .storage import paths
 from .storage.location import is_remote, resolve
 from .storage.urls import is_url
 from .storage.reader import open_checkpoint
@@ -171,6 +172,7 @@ def migrate(
                 for t, s in opt_plan.items()
             ]
         extra_files = _extra_state_files(source, opt_part, report)
+        extra_files.update(_adapter_files(report, plan))
         opt_src = opt_part if opt_part is not None else source
         for s in plan.values():  # refused before anything is written, naming file and key
             why = dtype_problem(source.spec(s).dtype)
@@ -196,6 +198,25 @@ def migrate(
         source.close()
         if opt_part is not None:
             opt_part.close()
+
+
+def _adapter_files(report: MigrationReport, plan: dict[str, str]) -> dict[str, bytes]:
+    """peft's adapter files beside a PEFT model's base (``save(peft="adapter")``), carried byte
+    for byte: their names are peft's (``base_model.model.<X>.lora_A.weight``), which a rename of
+    the base does not reach, so a migration that renames base tensors says so in a note."""
+    from .peft_state import ADAPTER_CONFIG, ADAPTER_WEIGHTS, has_adapter
+
+    root = report.source
+    if not isinstance(root, str) or not os.path.isdir(root) or not has_adapter(root):
+        return {}
+    out = {}
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        with open(paths.member(root, name), "rb") as f:
+            out[name] = f.read()
+    renamed = any(t != s for t, s in plan.items())
+    report.notes.append("peft adapter files carried unchanged" + (
+        " (base tensors were renamed: the adapter's names follow peft's, not the new base names)" if renamed else ""))
+    return out
 
 
 def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, bytes]:

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-values", action="store_true", help="compare keys, shapes and dtypes only")
     p.add_argument(
         "--part",
-        choices=("model", "optimizer", "extra_state", "all"),
+        choices=("model", "optimizer", "extra_state", "adapter", "all"),
         default="all",
         help="what to compare (default all: every part either side holds)",
     )
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         ma = stack.enter_context(_open(args.a, "model", pa, args.trust))
         mb = stack.enter_context(_open(args.b, "model", pb, args.trust))
-        wanted = ("model", "optimizer", "extra_state") if args.part == "all" else (args.part,)
+        wanted = ("model", "optimizer", "extra_state", "adapter") if args.part == "all" else (args.part,)
         sides: dict[str, tuple[Any, Any]] = {}
         if "model" in wanted:
             sides["model"] = (_model_side(ma, pa, resolve, model is not None),
@@ -269,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
             sb = _optimizer_side(ob, pb, fqn_name) if pb is None or pb.optimizer else None
             sides["optimizer"] = (sa, sb)
             ga, gb = _groups_json(pa, ma, fqn_name), _groups_json(pb, mb, fqn_name)
+        if "adapter" in wanted:  # peft's adapter file beside a PEFT model's base, by peft's names
+            sides["adapter"] = tuple(
+                _model_side(stack.enter_context(_open(x, "adapter", p, args.trust)), None, resolve, False)
+                if p is not None and p.adapter else None
+                for x, p in ((args.a, pa), (args.b, pb))
+            )
         total = sum(s[0].src.nbytes(k[0]) for s in sides.values() if s[0] is not None and s[1] is not None
                     for k in s[0].names.values()) if not args.no_values else 0  # fmt: skip
         with progress_bar(total, "diff", None) as bar:

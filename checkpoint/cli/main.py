@@ -165,8 +165,11 @@ def _inspect_parts(parts, data: dict) -> list[str]:
 
     opt, extra = optimizer_summary(parts), extra_state_summary(parts)
     data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra}
+    if parts.adapter is not None:
+        data["parts"]["adapter"] = os.path.basename(parts.adapter)
     lines = [f"  parts: model ({os.path.basename(parts.model)})"
-             + (f", optimizer ({opt['index']})" if opt else "") + (", extra state (extra_state.json)" if extra else "")]  # fmt: skip
+             + (f", optimizer ({opt['index']})" if opt else "") + (", extra state (extra_state.json)" if extra else "")
+             + (", peft adapter (adapter_model.safetensors + adapter_config.json)" if parts.adapter else "")]  # fmt: skip
     if opt is not None:
         lines.append(f"  optimizer: {opt['optimizer_class']}, {opt['tensors']} state tensors "
                      f"({', '.join(opt['state_slots'])}) for {opt['params']} params, "

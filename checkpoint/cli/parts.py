@@ -18,7 +18,8 @@ from typing import Any
 from ..storage.format import EXTRA_STATE_FILE, MODEL_PREFIX, OPTIMIZER_PREFIX, OptimizerMeta, index_name
 from .errors import BadInput
 
-PARTS = ("model", "optimizer", "extra_state")
+PARTS = ("model", "optimizer", "extra_state", "adapter")
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's adapter beside the base (checkpoint.peft_state)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Parts:
     alias_groups: list[list[str]] = field(default_factory=list)
     optimizer_meta: OptimizerMeta | None = None
     store: Any = None  # the ObjectStore of a checkpoint at a URL (paths above are then URLs)
+    adapter: str | None = None  # peft's adapter_model.safetensors beside the model (save of a PeftModel)
 
 
 def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: list[str] | None = None):
@@ -85,6 +87,7 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
         extra if _plain_file(extra) else None,
         [list(g) for g in meta.alias_groups],
         opt_meta.optimizer if opt_meta is not None else None,
+        adapter=os.path.join(root, ADAPTER_FILE) if _plain_file(os.path.join(root, ADAPTER_FILE)) else None,
     )
 
 
@@ -126,7 +129,7 @@ def part_index(parts: Parts, part: str, flag: str) -> str:
     Raises:
         BadInput: the checkpoint has no such part (``flag`` named).
     """
-    path = parts.model if part == "model" else parts.optimizer if part == "optimizer" else None
+    path = {"model": parts.model, "optimizer": parts.optimizer, "adapter": parts.adapter}.get(part)
     if path is None:
         have = [p for p in PARTS if getattr(parts, p) is not None]
         raise BadInput(f"{parts.root} has no {part} part (it has {have})", flag=flag, file=parts.root)
