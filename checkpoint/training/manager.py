@@ -114,6 +114,9 @@ def is_complete(path: str) -> bool:
 
 
 RNG_KEY = "fqnckpt.rng"  # the manager's per-rank RNG entry in extra_state
+# A plain (DDP-style) module saved on several ranks: one process's save writes the checkpoint, so
+# every rank's RNG states are gathered (list by rank) into one shared entry instead.
+RNG_RANKS_KEY = "fqnckpt.rng.ranks"
 
 
 def _per_rank_savable(module: Any) -> bool:
@@ -166,9 +169,11 @@ class CheckpointManager:
     state entry ``"fqnckpt.rng"``, and restore them in :meth:`load_latest` (on the same rank; on
     another world size re-derived per rank by :meth:`RNGState.reshard`), whether or not it is
     given an ``extra_state`` dict (with ``None`` the RNG states alone are read: exact resume by
-    default; ``rng_state=False`` restores none). Skipped for a save of a
-    module without DTensors on several ranks (one process saves it: other ranks' states cannot be
-    kept) and, on load, for checkpoints that hold none.
+    default; ``rng_state=False`` restores none). A module without DTensors on several ranks (DDP)
+    is written by one process's save, so every rank's states are gathered into the shared entry
+    ``"fqnckpt.rng.ranks"`` (a list by rank; call ``save`` on every rank, as every method) and
+    each rank takes its own back (another world size: :meth:`RNGState.reshard`). Checkpoints that
+    hold none restore none.
 
     ``root`` may be a URL (``s3://bucket/run``, ``memory://...``): steps are object prefixes
     committed by their model index (see the module docstring); ``storage_options`` go to the
@@ -280,8 +285,12 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
         path = self._where(step)
-        if self.rng_state and RNG_KEY not in (extra_state or {}) and _per_rank_savable(module):
-            extra_state = {**(extra_state or {}), RNG_KEY: PerRank(RNGState())}
+        if self.rng_state and RNG_KEY not in (extra_state or {}):
+            if _per_rank_savable(module):
+                extra_state = {**(extra_state or {}), RNG_KEY: PerRank(RNGState())}
+            else:  # every rank calls save (this class's contract): each rank's states, gathered
+                states = dist.check_all_gather("gathering every rank's RNG states", None, RNGState().state_dict())
+                extra_state = {**(extra_state or {}), RNG_RANKS_KEY: states}
         kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
         if self._saver is None:
             from ..saving import save
@@ -370,7 +379,10 @@ class CheckpointManager:
             elif saved_rng:
                 # No extra_state: the RNG states alone (exact resume by default), checked before the
                 # model changes and set after it loaded; other saved entries stay unread.
-                rng = self._plan_rng(where)
+                rng = self._plan_rng(where, {RNG_KEY: PerRank(RNGState())})
+            gathered = None
+            if self.rng_state and not saved_rng and self._has_gathered_rng(step):
+                gathered = self._plan_rng(where, {RNG_RANKS_KEY: None})
             try:
                 self.last_report = load(
                     module, where, optimizer=optimizer, extra_state=extra_state, **load_kwargs
@@ -380,6 +392,13 @@ class CheckpointManager:
                     del extra_state[RNG_KEY]
             if rng is not None:
                 rng.apply()
+            if gathered is not None:
+                gathered.apply()
+                states = gathered.target[RNG_RANKS_KEY]
+                rank, world = (dist.rank(), dist.world_size()) if dist.active() else (0, 1)
+                RNGState().load_state_dict(
+                    states[rank] if len(states) == world else RNGState.reshard(states, rank, world)
+                )
         self._prepare_soon(module, optimizer)
         return step
 
@@ -388,7 +407,12 @@ class CheckpointManager:
         doc = read_extra_state_file(self.path(step))
         return doc is not None and doc.per_rank is not None and RNG_KEY in doc.per_rank.keys
 
-    def _plan_rng(self, where: Any):
+    def _has_gathered_rng(self, step: int) -> bool:
+        """Whether step ``step`` holds every rank's RNG states gathered (a plain module's save)."""
+        doc = read_extra_state_file(self.path(step))
+        return doc is not None and RNG_RANKS_KEY in doc.entries
+
+    def _plan_rng(self, where: Any, targets: dict[str, Any]):
         """This rank's saved RNG states, checked (:func:`plan_extra_state`), ready to apply. On many
         ranks a failure on any rank is agreed before the collective load starts."""
         from ..loading import open_target_reader
@@ -399,7 +423,7 @@ class CheckpointManager:
         try:
             reader = open_target_reader(where, read_optimizer=False)
             try:
-                restore = plan_extra_state(reader, {RNG_KEY: PerRank(RNGState())}, LoadReport(path=str(where)))
+                restore = plan_extra_state(reader, targets, LoadReport(path=str(where)))
             finally:
                 reader.close()
         except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting in load
