@@ -1342,3 +1342,17 @@ def test_expert_stacks_of_one_layer_agree_in_shape_and_dtype(tmp_path, how):
     with pytest.raises(ConversionError, match="the stacks of one layer must agree"):
         checkpoint.migrate(tmp_path / "hf.safetensors", tmp_path / "tt", recipe="hf-to-torchtitan-moe")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "tt").exists()
+
+
+def test_cli_layout_flag_writes_legacy_torchtitan_names(tmp_path, capsys):
+    from checkpoint.cli.main import main
+
+    hf = randomize(transformers.LlamaForCausalLM(llama_config()), 1)
+    checkpoint.save(hf, tmp_path / "hf")
+    assert main(["--json", "migrate", str(tmp_path / "hf"), str(tmp_path / "tt"), "--recipe", "hf-to-torchtitan-llama3", "--layout", "legacy"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"] == {"target": "torchtitan legacy"}
+    assert {"output.weight", "layers.0.attention.wq.weight"} <= set(read(tmp_path / "tt"))
+    code = main(["--json", "migrate", str(tmp_path / "hf"), str(tmp_path / "x"), "--recipe", "hf-to-torchtitan-llama3", "--layout", "v0"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["flag"] == "--recipe" and "no layout version 'v0'" in out["message"]
+    assert not (tmp_path / "x").exists()

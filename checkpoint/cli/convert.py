@@ -65,6 +65,11 @@ def run_migrate(args: argparse.Namespace, model) -> int:
     from ..errors import CheckpointExistsError
     from ..migrating import migrate
 
+    if getattr(args, "layout", None):
+        if "@" in args.recipe:
+            raise BadInput("give the layout version once: --layout or --recipe NAME@VERSION", flag="--layout")
+        name, *opts = args.recipe.split("+")
+        args.recipe = "+".join([f"{name}@{args.layout}", *opts])
     if args.rule or args.fqn_map:
         raise BadInput("--recipe does the renaming itself: drop --rule / --fqn-map", flag="--recipe")
     try:

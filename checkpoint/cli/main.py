@@ -247,6 +247,9 @@ def _migrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
     p.add_argument("--recipe", help="convert tensors between layouts ('fqnckpt recipes' lists them; 'auto')")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="model dimension for --recipe")
+    p.add_argument("--layout", metavar="VERSION", help="layout version --recipe writes or expects "
+                   "(e.g. legacy for torchtitan's old names, llama2 for Meta's column-split shards; "
+                   "'fqnckpt recipes' lists them): the same as --recipe NAME@VERSION")
 
 
 def _check_migrate_flags(args: argparse.Namespace):
@@ -279,6 +282,8 @@ def _migrate(args: argparse.Namespace) -> int:
     from ..migrating import migrate
 
     rules, fmap = _check_migrate_flags(args)
+    if getattr(args, "layout", None) and not args.recipe:
+        raise BadInput("--layout names the layout version of a --recipe conversion", flag="--layout")
     model = load_model(args.model) if args.model else None
     if args.recipe:
         return importlib.import_module("checkpoint.cli.convert").run_migrate(args, model)
