@@ -564,3 +564,15 @@ def test_dcp_per_rank_files_must_cover_each_tensor(tmp_path):
     os.remove(tmp_path / "shard-00002-model-00001-of-00001.safetensors")
     with pytest.raises(BaseException, match="do not cover"):
         dcp.load({"a": torch.zeros(6, 4)}, storage_reader=StorageReader(str(tmp_path)))
+
+
+def test_non_tensor_inside_a_list_beside_a_tensor_loads_back(tmp_path):
+    # A list holding a tensor and a number: the tensor goes to the shard file, the number to
+    # extra_state.json as [None, 3]; torch's flatten of that stops at the list, the caller's does not.
+    path = str(tmp_path / "ck")
+    dcp.save({"m": {"a": torch.ones(2), "l": [torch.arange(3.0), 3, {"k": "v"}]}, "step": 5},
+             storage_writer=StorageWriter(path))  # fmt: skip
+    target = {"m": {"a": torch.zeros(2), "l": [torch.zeros(3), 0, {"k": ""}]}, "step": 0}
+    dcp.load(target, storage_reader=StorageReader(path))
+    assert target["step"] == 5 and target["m"]["l"][1] == 3 and target["m"]["l"][2] == {"k": "v"}
+    assert torch.equal(target["m"]["l"][0], torch.arange(3.0)) and torch.equal(target["m"]["a"], torch.ones(2))

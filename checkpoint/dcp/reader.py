@@ -90,6 +90,23 @@ class _Source:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         self.extra, self.paths = flatten_state_dict(extra) if extra else ({}, {})
+        # torch's flatten stops at a list holding no tensor: [None, 3] once the tensor slot went to
+        # the shard files. The loading caller's list still holds its tensor, so DCP flattens it to
+        # "m.l.0" (tensor) and "m.l.1": such a list is offered element by element, as the caller has it.
+        def expand(key: str, path: tuple, v: Any) -> None:
+            if isinstance(v, list) and any(c.startswith(key + ".") for c in chunks):
+                del self.extra[key], self.paths[key]
+                for i, x in enumerate(v):
+                    k = f"{key}.{i}"
+                    if k not in chunks:
+                        self.extra[k], self.paths[k] = x, (*path, i)
+                        expand(k, (*path, i), x)
+
+        for k in list(self.extra):
+            if k in chunks:  # the None left where the tensor was: the tensor is in the shard files
+                del self.extra[k], self.paths[k]
+            else:
+                expand(k, tuple(self.paths.get(k, (k,))), self.extra[k])
         self.where, self.readers, self.chunks = where, readers, chunks
         self.local = not any(getattr(r, "store", None) is not None for r in readers)
 
