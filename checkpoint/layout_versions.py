@@ -76,6 +76,9 @@ class Family:
     name: str
     versions: tuple[tuple[str, str, str], ...]  # (version, date, source)
     axes: tuple[Axis, ...]
+    # key prefixes only this family's names have: ``detect_layout`` names the family only when a key
+    # starts with one (HF Llama's ``lm_head.weight`` alone is no torchtitan evidence)
+    own_prefixes: tuple[str, ...] = ()
 
     @property
     def newest(self) -> str:
@@ -144,6 +147,7 @@ TORCHTITAN = Family(
             ((f"{_I}.attention.qkv_linear.{{w}}.weight", f"{_I}.attention.qkv_linear.wq.weight"), "70dd945"),
         ), requires=(None, f"{_I}.attention.wk.weight")),  # fmt: skip
     ),
+    own_prefixes=("tok_embeddings.", "layers.", "norm.", "output."),  # torchtitan's unprefixed module names
 )
 
 FAMILIES = {"torchtitan": TORCHTITAN}
@@ -157,6 +161,8 @@ def detect_layout(keys) -> str | None:
     model-parallel splits differ by shapes (``conversion_report.json`` of a conversion says which)."""
     keys = list(keys)
     for fam in FAMILIES.values():
+        if fam.own_prefixes and not any(k.startswith(fam.own_prefixes) for k in keys):
+            continue
         fits, evidence = fam.detect(keys)
         if evidence and fits:
             return f"{fam.name} {fits[0]}" if len(fits) == 1 else f"{fam.name} {fits[0]}..{fits[-1]}"
