@@ -419,7 +419,7 @@ def _member_bytes(root: str, name: str) -> bytes | None:
     A URL is read from the checkpoint this thread holds open (its model index names the object:
     :func:`checkpoint.storage.remote_reader.remote_view`)."""
     if is_url(root):
-        from .remote_reader import current_view
+        from .views import current_view
 
         view = current_view(root)
         if view is None:
