@@ -13,27 +13,15 @@ at 128 MiB and 0.92-1.02x at 512 MiB, where the device's rate bounds every side.
 
 from __future__ import annotations
 
-import sys
+
+from .libc import libc_function
 
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
-_call = None
-
 
 def _load():
-    global _call
-    if _call is None:
-        _call = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
+    import ctypes
 
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _call = fn
-            except (OSError, AttributeError):  # no libc symbol: writeback starts at fsync
-                pass
-    return _call
+    return libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
 
 
 def available() -> bool:

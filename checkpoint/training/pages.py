@@ -14,31 +14,19 @@ staging buffer that a save overwrites); bytes outside it are never written.
 
 from __future__ import annotations
 
-import sys
 
 import torch
+
+from ..storage.libc import libc_function
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 PAGE = 4096
 _CHUNK = 8 << 20
-_madvise = None
-
 
 def _load():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
+    import ctypes
 
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def populate(buf: torch.Tensor) -> None:
