@@ -12,10 +12,11 @@ saved by each side, then loaded into ``Shard(0)`` targets (a resume) and ``Shard
 
 Each round runs the three sides in rotating order; a time is the slowest rank's, from a barrier
 to a barrier; every side starts on a new directory, and the page cache is flushed (``os.sync``)
-before each timed step. Printed per world size: each reference's time over ours per round
+before each timed step; a round's load time is the median of ``--repeat`` loads (the 2 cores are
+shared: one load is ~50 ms, easily hit by another process). Printed per world size: each reference's time over ours per round
 (> 1: ours is faster), as median and range. Values are checked after every load.
 
-    python tests/bench/dcp_storage.py [--mib 64] [--tensors 8] [--rounds 5] [--dir /dev/shm/x] [--worlds 2 4]
+    python tests/bench/dcp_storage.py [--mib 64] [--tensors 8] [--rounds 5] [--repeat 3] [--dir /dev/shm/x] [--worlds 2 4]
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _reader(side: str, path: str):
     return FileSystemReader(path)
 
 
-def worker(rank, world, root, n, rows, cols, rounds):
+def worker(rank, world, root, n, rows, cols, rounds, repeat):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,12 +97,15 @@ def worker(rank, world, root, n, rows, cols, rounds):
             path = os.path.join(root, f"{side}-{r}")
             times[side]["save"].append(timed(lambda: dcp.save(sd, storage_writer=_writer(side, path))))
             for what, target in targets.items():
-                for v in target.values():
-                    v.to_local().zero_()
-                times[side][what].append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path))))
-                for i, (k, v) in enumerate(target.items()):
-                    if not torch.equal(v.full_tensor(), full(i, rows, cols)):
-                        raise AssertionError(f"{side}: {k} loaded wrong values ({what})")
+                took = []
+                for _ in range(repeat):  # this round's time: the median of `repeat` loads
+                    for v in target.values():
+                        v.to_local().zero_()
+                    took.append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path))))
+                    for i, (k, v) in enumerate(target.items()):
+                        if not torch.equal(v.full_tensor(), full(i, rows, cols)):
+                            raise AssertionError(f"{side}: {k} loaded wrong values ({what})")
+                times[side][what].append(statistics.median(took))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -121,6 +125,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="MiB of float32 in all")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3, help="loads per round and side (their median is the round's time)")
     ap.add_argument("--dir", default="/dev/shm/fqnckpt-dcp-bench")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     a = ap.parse_args()
@@ -131,10 +136,10 @@ def main() -> None:
         shutil.rmtree(a.dir, ignore_errors=True)
         os.makedirs(a.dir)
         try:
-            res = run_ranks(worker, world, a.dir, a.tensors, rows, cols, a.rounds, backend="gloo", timeout=1800)[0]
+            res = run_ranks(worker, world, a.dir, a.tensors, rows, cols, a.rounds, a.repeat, backend="gloo", timeout=1800)[0]
         finally:
             shutil.rmtree(a.dir, ignore_errors=True)
-        print(f"{world} ranks, {a.tensors} tensors, {size / 2**20:.0f} MiB float32, {a.rounds} rounds, rotating order, {a.dir}")
+        print(f"{world} ranks, {a.tensors} tensors, {size / 2**20:.0f} MiB float32, {a.rounds} rounds ({a.repeat} loads each), rotating order, {a.dir}; load average {os.getloadavg()}")
         for side in ("torch-hf", "dcp-distcp"):
             for what in res[side]:
                 print(ratio_line(f"{side} {what} / ours", res[side][what], res["ours"][what]))
