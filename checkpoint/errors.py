@@ -21,6 +21,20 @@ class CheckpointError(Exception):
 
         super().__init__(*(scrub(a) if isinstance(a, str) else a for a in args))
 
+    def __reduce__(self) -> tuple:
+        # Errors cross processes pickled (DCP gathers every rank's exception to every rank;
+        # multiprocessing): subclasses' __init__ take other arguments than ``args``, so rebuild
+        # from ``args`` and the attributes, without calling __init__ again.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> CheckpointError:
+    """An error of ``cls`` unpickled: its ``args`` and attributes as they were."""
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint (index, ``model.safetensors`` or ``.safetensors`` file) at ``path``."""

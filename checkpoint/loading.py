@@ -142,7 +142,11 @@ def load(
         TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module.
         RankAgreementError: another rank failed (when loading DTensors).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
-    copying (nothing checkable is left to that phase).
+    copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole differs
+    from the index's xxh3-128 digest (checked on the bytes just read: a flipped byte no longer
+    loads silently). Both stop the load there: tensors copied before it hold the checkpoint's
+    values, the optimizer and ``extra_state`` are not applied; ``verify=True`` checks every
+    file before anything changes.
     """
     path = resolve(path, storage_options, transfer)
     remote = is_remote(path)

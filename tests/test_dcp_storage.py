@@ -485,6 +485,51 @@ def _train_state(root, mesh1) -> dict[str, bool]:
     return {"train:resume": same and state["train_state"] == {"step": 1}}
 
 
+def _digests(root, world, mesh1) -> dict[str, bool]:
+    """Split-tensor digests (each rank wrote part of a Shard(0) tensor; its digest was hashed
+    back): a load reading tensors whole (Replicate) or through all their rows (Shard(1)) checks
+    each tensor on exactly one rank; a flipped byte is then refused on every rank, by name."""
+    import torch.distributed as dist
+
+    from checkpoint.storage.reader import CheckpointReader
+
+    g = torch.arange(64.0).view(8, 8)
+    path, out = f"{root}/digests", {}
+    sd = {"w": _dist(g, mesh1, "S0"), "v": _dist(g + 1, mesh1, "S0")}
+    dcp.save(sd, storage_writer=StorageWriter(path))
+    counts: dict[str, int] = {}
+    real = CheckpointReader.check_digest
+
+    def counting(self, key, data):
+        counts[key] = counts.get(key, 0) + 1
+        return real(self, key, data)
+
+    CheckpointReader.check_digest = counting
+    try:
+        for code in ("R", "S1"):
+            tgt = {k: _dist(torch.zeros(8, 8), mesh1, code) for k in sd}
+            dcp.load(tgt, storage_reader=StorageReader(path))
+            every: list = [None] * world
+            dist.all_gather_object(every, counts)
+            once = all(sum(c.get(k, 0) for c in every) == 1 for k in sd)
+            out[f"digest:{code}:once"] = once and torch.equal(tgt["v"].full_tensor(), g + 1)
+            counts.clear()
+    finally:
+        CheckpointReader.check_digest = real
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _flip_byte(path, "v", 3)
+    dist.barrier()
+    for code in ("R", "S1"):
+        tgt = {k: _dist(torch.zeros(8, 8), mesh1, code) for k in sd}
+        try:
+            dcp.load(tgt, storage_reader=StorageReader(path))
+            out[f"digest:{code}:refused"] = False
+        except BaseException as e:  # DCP's CheckpointException, on every rank
+            out[f"digest:{code}:refused"] = "CorruptCheckpointError" in str(e) and "tensor 'v'" in str(e)
+    return out
+
+
 def _ranks_worker(rank, world, root, s3_port):
     mesh1, mesh2 = _meshes(world)
     out = _placement_and_mesh_changes(root, world, mesh1, mesh2)
@@ -494,6 +539,8 @@ def _ranks_worker(rank, world, root, s3_port):
     out.update(_titan_export(root, mesh1))
     out.update(_train_state(root, mesh1))
     out.update(_torch_hf_output(root, world, mesh1, mesh2))
+    if world > 1:
+        out.update(_digests(root, world, mesh1))
     if s3_port is not None:
         from tests.s3_server import storage_options
 
@@ -522,6 +569,7 @@ def test_ranks(tmp_path, world, request):
     names = set(res[0]["ok"])
     assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
     assert {"empty-shards", "async:thread", "train:resume"} <= names and (world != 2 or {"async:process", "s3"} <= names)
+    assert world == 1 or {"digest:R:once", "digest:S1:once", "digest:R:refused", "digest:S1:refused"} <= names
     # What StorageWriter wrote is an fqnckpt checkpoint: verifies, each byte written once (the
     # ranks' pwrites, headers included, add up to the files' sizes), safetensors reads it.
     every = f"{root}/every"
@@ -576,3 +624,52 @@ def test_non_tensor_inside_a_list_beside_a_tensor_loads_back(tmp_path):
     dcp.load(target, storage_reader=StorageReader(path))
     assert target["step"] == 5 and target["m"]["l"][1] == 3 and target["m"]["l"][2] == {"k": "v"}
     assert torch.equal(target["m"]["l"][0], torch.arange(3.0)) and torch.equal(target["m"]["a"], torch.ones(2))
+
+
+def _flip_byte(path: str, key: str, at: int = 5) -> None:
+    """Flip one bit of tensor ``key``'s stored bytes (its byte ``at``) in checkpoint ``path``."""
+    with checkpoint.open_checkpoint(path) as rd:
+        name, (begin, _) = rd.file_of(key), rd._spans[key]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(begin + at)
+        b = f.read(1)
+        f.seek(begin + at)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_flipped_byte_is_refused_by_both_load_paths(tmp_path):
+    """A byte flipped in a shard file: dcp.load through StorageReader and checkpoint.load raise
+    CorruptCheckpointError naming file and tensor (safetensors has no checksum; before, both
+    loaded it silently). checkpoint.load then applies no optimizer state and no extra state."""
+    from checkpoint.errors import CorruptCheckpointError
+
+    path = str(tmp_path / "ck")
+    sd = {"a": torch.arange(64.0).view(8, 8), "b": torch.ones(5), "step": 3}
+    dcp.save(sd, storage_writer=StorageWriter(path))
+    _flip_byte(path, "a", 17)
+    with pytest.raises(BaseException, match="CorruptCheckpointError.*model-00001-of-00001.safetensors: tensor 'a'") as e:
+        dcp.load({"a": torch.zeros(8, 8), "b": torch.zeros(5), "step": 0}, storage_reader=StorageReader(path))
+    assert "xxh3-128 digest" in str(e.value)
+    target, extra = {"a": torch.zeros(8, 8), "b": torch.zeros(5)}, {"step": 0}
+    with pytest.raises(CorruptCheckpointError, match="tensor 'a'") as e:
+        checkpoint.load(target, path, extra_state=extra)
+    assert e.value.key == "a" and e.value.file.endswith("model-00001-of-00001.safetensors")
+    import pickle  # DCP hands a rank's error to every rank pickled: it must come back whole
+
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is CorruptCheckpointError and (back.file, back.key, str(back)) == (e.value.file, "a", str(e.value))
+    assert extra == {"step": 0}  # not applied
+    # A tensor read through a window (a column block of it spanning every row) is checked too.
+    from checkpoint.dcp.reader import read_block_by_rows
+
+    with checkpoint.open_checkpoint(path) as rd:
+        out = torch.zeros(8, 3)
+        assert read_block_by_rows(rd, "a", out, (slice(0, 8), slice(2, 5)))  # not asked to check
+        with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
+            read_block_by_rows(rd, "a", out, (slice(0, 8), slice(2, 5)), check=True)
+        assert read_block_by_rows(rd, "a", torch.zeros(7, 3), (slice(1, 8), slice(2, 5)), check=True)  # not every row
+    # The untouched tensor still loads; `fqnckpt verify` names the damaged one.
+    target = {"b": torch.zeros(5)}
+    dcp.load(target, storage_reader=StorageReader(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(target["b"], torch.ones(5))
+    assert not checkpoint.verify(path).ok

@@ -34,7 +34,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError
 from ..ranks import shards
+from ..storage import digest
 from ..storage.format import index_name
 from ..storage.location import is_remote, resolve
 
@@ -212,7 +213,29 @@ class StorageReader(dcp_storage.StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator: give each rank the stored tensors it checks against the index's digests
+        (``LoadPlan.storage_data``, a frozenset of ``(reader, key)``): each tensor some rank reads
+        whole (or all of its rows, a column block) is checked by one of those ranks, the one with
+        the fewest elements to check so far, so no tensor is hashed twice."""
+        readers_of: dict[tuple[int, str], set[int]] = {}
+        size: dict[tuple[int, str], int] = {}
+        for r, p in enumerate(plans):
+            for it in p.items:
+                c = self.storage_data.get(it.storage_index) if it.type != LoadItemType.BYTE_IO else None
+                if not isinstance(c, StoredChunk):
+                    continue
+                lengths, offsets = tuple(it.lengths), tuple(it.storage_offsets)
+                rows = len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0]
+                if lengths == c.shape or rows:
+                    readers_of.setdefault((c.reader, c.key), set()).add(r)
+                    size[(c.reader, c.key)] = math.prod(c.shape)
+        load = [0] * len(plans)
+        mine: list[set[tuple[int, str]]] = [set() for _ in plans]
+        for k, ranks in readers_of.items():
+            r = min(ranks, key=lambda r: (load[r], r))
+            load[r] += size[k]
+            mine[r].add(k)
+        return [replace(p, storage_data=frozenset(m)) for p, m in zip(plans, mine)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner's targets (see module docstring); the
@@ -255,6 +278,9 @@ class StorageReader(dcp_storage.StorageReader):
         return state
 
     def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
+        # Tensors this rank checks against the index's digests (prepare_global_plan); every
+        # tensor it reads whole when DCP planned without the coordinator.
+        assigned = plan.storage_data if isinstance(plan.storage_data, frozenset) else None
         pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
         strided_done: set[str] = set()
         for item in plan.items:
@@ -287,14 +313,15 @@ class StorageReader(dcp_storage.StorageReader):
             reader = src.readers[r]
             keys = [self.storage_data[it.storage_index].key for it, _, _ in items]
             pairs = [(k, t) if sl is None else (k, t, sl) for k, (_, t, sl) in zip(keys, items)]
+            check: Any = True if assigned is None else {k for rr, k in assigned if rr == r}
             many = getattr(reader, "read_many", None)
-            done = many(pairs) if many is not None else [False] * len(pairs)
+            done = many(pairs, check) if many is not None else [False] * len(pairs)
             for k, (item, target, sl), ok in zip(keys, items, done):
                 # Else a column block through whole rows (local files, same dtype), or through
                 # one reused window into the target, converting dtype on the way (local files),
                 # or a new tensor copied in (object storage).
                 if not ok and src.local and sl is not None:
-                    ok = read_block_by_rows(reader, k, target, sl)
+                    ok = read_block_by_rows(reader, k, target, sl, check is True or k in check)
                 if not ok and not (src.local and reader.copy_into(k, target, sl)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
@@ -303,13 +330,17 @@ class StorageReader(dcp_storage.StorageReader):
 _ROWS_WINDOW = 4 << 20  # bytes of whole rows per read: measured 1, 4, 16 MiB (4 best, 16 slowest)
 
 
-def read_block_by_rows(reader: Any, key: str, target: torch.Tensor, slices: Sequence[slice]) -> bool:
+def read_block_by_rows(
+    reader: Any, key: str, target: torch.Tensor, slices: Sequence[slice], check: bool = False
+) -> bool:
     """Block ``tensor[slices]`` of ``key`` (step-1 slices, one per dim) into ``target``, a
     contiguous CPU tensor of the block's shape in the stored dtype, when the block is not one
     range of the file (a ``Shard(1)`` column block): the block's whole rows of dim 0 are read
     :data:`_ROWS_WINDOW` bytes (at least one row) at a time by ``reader.read_many`` (``preadv``)
     into a reused window, and the block picked out of each window by one numpy byte copy. False
     (nothing read) when ``target`` is not such a tensor or a row is over ``tensor_read.WINDOW``.
+    ``check``: when the block spans every row (all of the tensor's bytes pass through the
+    window), hash them on the way and check the index's digest (``reader.check_digest``).
 
     Why (issue 33, tests/bench/dcp_storage.py, 4 ranks on 2 cores): torch's ``copy_`` from the
     window's strided view is an OpenMP region that took ~10 ms per 2 MiB there (4 processes'
@@ -352,13 +383,19 @@ def read_block_by_rows(reader: Any, key: str, target: torch.Tensor, slices: Sequ
     lo, hi = bounds[0]
     per = max(1, _ROWS_WINDOW // row)
     whole = tuple(slice(None) for _ in shape[1:])
+    hasher = digest.new() if check and (lo, hi) == (0, shape[0]) and reader.recorded_digest(key) else None
     for r0 in range(lo, hi, per):
         r1 = min(hi, r0 + per)
         window = _scratch((r1 - r0) * row)[: (r1 - r0) * row]
         rows = window.view(dtype).view(r1 - r0, *shape[1:])
-        if not reader.read_many([(key, rows, (slice(r0, r1), *whole))])[0]:
+        if not reader.read_many([(key, rows, (slice(r0, r1), *whole))], False)[0]:
             return False  # (not reached: whole rows are one range of the file)
-        np.copyto(out[r0 - lo : r1 - lo], window.numpy().reshape(r1 - r0, *shape[1:-1], shape[-1] * item)[(slice(None), *inner)])
+        raw = window.numpy()
+        if hasher is not None:
+            hasher.update(raw)
+        np.copyto(out[r0 - lo : r1 - lo], raw.reshape(r1 - r0, *shape[1:-1], shape[-1] * item)[(slice(None), *inner)])
+    if hasher is not None:
+        reader.check_digest(key, hasher)
     return True
 
 

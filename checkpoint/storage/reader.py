@@ -17,7 +17,7 @@ import math
 import os
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
@@ -203,7 +203,38 @@ class CheckpointReader:
         spec = self.spec(key)
         t = _tread.read_tensor(at, key, begin, spec.shape, spec.dtype)
         stats.bytes_read += t.numel() * t.element_size()
+        self.check_digest(key, tensor_bytes(t))
         return t
+
+    def recorded_digest(self, key: str) -> str | None:
+        """The xxh3-128 hex digest the index records for tensor ``key`` (fqnckpt format version
+        2), else None (no index, a foreign index, format version 1)."""
+        meta = self.meta
+        if meta is None:
+            return None
+        rec = meta.files.get(self._key_file.get(key, ""))
+        return rec.tensors.get(key) if isinstance(rec, FileRecordV2) else None
+
+    def check_digest(self, key: str, data: object) -> None:
+        """Check ``data`` (all of tensor ``key``'s stored bytes, any buffer: a target read whole,
+        or an ``xxhash`` hasher fed every byte) against the index's digest of ``key``; nothing
+        when the index records none. One hash of bytes already in memory (xxh3-128, ~10 GB/s on
+        one core here): safetensors has no checksum, so without it a flipped byte loads silently.
+
+        Raises:
+            CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
+        """
+        want = self.recorded_digest(key)
+        if want is None:
+            return
+        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
+        if got != want:
+            raise CorruptCheckpointError(
+                os.path.join(self.root, self._key_file[key]),
+                f"tensor {key!r}: its bytes differ from the index's xxh3-128 digest ({got} != {want}); "
+                "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
+                key=key,
+            )
 
     def copy_into(self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None) -> bool:
         """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, a CPU
@@ -300,7 +331,7 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
-    def read_many(self, pairs: Sequence[tuple]) -> list[bool]:
+    def read_many(self, pairs: Sequence[tuple], check: bool | Container[str] = True) -> list[bool]:
         """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
         DTensor's local shard, or a block of it) when that block is one contiguous range of the
@@ -308,11 +339,17 @@ class CheckpointReader:
         read by one ``preadv`` into all their targets, large ones in pieces, and all of the
         runs and pieces of the call shared by a few threads (:func:`~.pread.read_runs`).
 
+        A tensor read whole (a pair, or a triple whose block is the whole tensor) is checked
+        against its xxh3-128 digest in the index (:meth:`check_digest`, hashed from the target's
+        memory after the read) when ``check`` is True or holds its key.
+
         Raises:
-            CorruptCheckpointError: a file ends early (file and tensor named).
+            CorruptCheckpointError: a file ends early, or a tensor read whole differs from its
+                digest (file and tensor named; the targets hold what was read).
             LoadError: torch or the OS fails on a tensor (key and file named).
         """
         done = [False] * len(pairs)
+        whole: list[tuple[str, memoryview]] = []  # tensors read whole, to check against the index
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str, torch.Tensor]]] = {}
@@ -333,6 +370,10 @@ class CheckpointReader:
                         continue
                     done[i] = True
                     name = self._key_file[key]
+                    if (len(pair) == 2 or e - b == self._spans[key][1] - self._spans[key][0]) and (
+                        check is True or (check and key in check)
+                    ):
+                        whole.append((key, view))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
                         runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,)))
                     elif e > b:
@@ -355,6 +396,8 @@ class CheckpointReader:
                     )
                     start = j
             stats.bytes_read += read_runs(runs)
+            for key, view in whole:
+                self.check_digest(key, view)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
             # (autograd's saved-tensor check, and autoparallel's never-written check, read them).
