@@ -547,61 +547,86 @@ def _save_distributed(
     try:
         staging_dir = dist.check_all_gather(f"preparing {path}", err, staging_dir)[0]
         err = None
-        # Tensors no rank holds whole (split over ranks) are hashed back from the page cache after
-        # every rank wrote; a tensor its writer holds whole is hashed from memory beside its pwrite.
-        split: list[tuple[str, str, int, int]] = []  # (file, fqn, begin, end) in file order
+        # Tensors no rank holds whole (split over ranks) are hashed back from the page cache once
+        # every rank wrote them, in groups of the write order (see _hash_groups), each hashed on a
+        # thread while the ranks write the next; a tensor its writer holds whole is hashed from
+        # memory beside its pwrite.
         my_digests: dict[str, str] = {}  # fqn -> digest computed on this rank
-        own_back: list[tuple[str, str, int, int]] = []  # whole tensors this rank hashes back itself
+        own_back: dict[str, list] = {}  # whole tensors this rank hashes back itself: {file: [(fqn, b, e)]}
         # fqn -> (file offset, bytes) of the large runs of split tensors written from this rank's
         # memory: the rank hashing such a tensor back reads only the others' bytes from the file.
         kept: dict[str, list[tuple[int, memoryview]]] = {}
         writeback_on = not fskind.in_memory_dir(staging_dir)
+        order = [(part, lay, f, i, slot) for part, lay in zip(parts, layouts) for f in lay.files for i, slot in enumerate(f.slots)]
+        owners, groups = _hash_groups([slot.end - slot.begin for *_, slot in order], world)
+        pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
+        hashing: list = []  # futures (or, on one CPU, shares hashed at the end)
+        share: dict[str, list] = {}  # this rank's split tensors of the group being written
+        group_split = False  # a split tensor in the group being written (the same on every rank)
+        stopped = False  # a rank failed: every rank stops writing at the same group boundary
         try:
-            for part, lay in zip(parts, layouts):
-                for f in lay.files:
-                    w = None
-                    kill_after_tensor = _faults.armed("after_tensor_write")
-                    try:
-                        for i, slot in enumerate(f.slots):
+            w, w_name = None, None
+            kill_after_tensor = _faults.armed("after_tensor_write")
+            try:
+                for k, (part, lay, f, i, slot) in enumerate(order):
+                    if err is None and not stopped:
+                        try:
+                            if w_name != f.name and w is not None:
+                                w.close()
+                                w, w_name = None, None
                             t = _fetch_any(part, slot.spec)
                             whole = _whole_on_writer(t)
                             if not whole:
-                                split.append((f.name, slot.spec.fqn, slot.begin, slot.end))
+                                group_split = True
+                                if owners[k] == rank:
+                                    share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
                             blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
-                            if not blocks:
-                                continue
-                            w = w if w is not None else BlockWriter(os.path.join(staging_dir, f.name), writeback_on)
-                            if whole and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
-                                my_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
-                            else:
-                                for block in blocks:
-                                    w.write(slot, *block)
-                                    if not whole:  # hashed from here if this rank hashes the tensor
-                                        kept.setdefault(slot.spec.fqn, []).extend(
-                                            BlockWriter.runs_in_memory(slot, *block, _FROM_MEMORY)
-                                        )
-                                if whole:  # not one block (no placement known gives that): read back here
-                                    own_back.append((f.name, slot.spec.fqn, slot.begin, slot.end))
-                            if kill_after_tensor:
-                                _faults.fault_point("after_tensor_write")
-                    finally:
-                        if w is not None:
-                            w.close()
+                            if blocks:
+                                if w is None:
+                                    w, w_name = BlockWriter(os.path.join(staging_dir, f.name), writeback_on), f.name
+                                if whole and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
+                                    my_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
+                                else:
+                                    for block in blocks:
+                                        w.write(slot, *block)
+                                        if not whole:  # hashed from here if this rank hashes the tensor
+                                            kept.setdefault(slot.spec.fqn, []).extend(
+                                                BlockWriter.runs_in_memory(slot, *block, _FROM_MEMORY)
+                                            )
+                                    if whole:  # not one block (no placement known gives that): read back here
+                                        own_back.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
+                                if kill_after_tensor:
+                                    _faults.fault_point("after_tensor_write")
+                        except BaseException as e:  # noqa: BLE001 - agreed at the next boundary
+                            err = e
+                    if k + 1 in groups and group_split and not stopped:
+                        # Every rank wrote this group: its split tensors can be hashed back. One
+                        # small collective (also carrying any rank's failure so far).
+                        stopped = dist.any_true(err is not None)
+                        if not stopped and share:
+                            hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
+                        share, group_split = {}, False
+            finally:
+                if w is not None:
+                    w.close()
         except BaseException as e:  # noqa: BLE001
-            err = (
-                CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
-            )
-        dist.check_all(f"writing {path}", err)
+            err = err or e
+        if err is not None and isinstance(err, OSError):
+            err = CheckpointWriteError(path, f"{type(err).__name__}: {err}", rank)
+        try:
+            dist.check_all(f"writing {path}", err)
+        except BaseException:
+            ownership.settle(f for f in hashing if not isinstance(f, dict))  # they read this rank's memory
+            raise
         # Every file is fsynced by one rank (fsync flushes all ranks' pages of the file; each
-        # writer started their writeback already) while this rank's share of the split tensors,
-        # balanced by bytes, is hashed back on the hash thread.
+        # writer started their writeback already) while the last group of this rank's share of
+        # the split tensors is hashed back on the hash thread.
         err = None
         try:
-            share = _hash_share(split, rank, world)
-            for name, fqn, b, e in own_back:
-                share.setdefault(name, []).append((fqn, b, e))
-            pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
-            hashed = pool.submit(_hash_back, staging_dir, share, kept) if pool is not None else None
+            for name, spans in own_back.items():
+                share.setdefault(name, []).extend(spans)
+            if share:
+                hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
             try:
                 for j, (_, f) in enumerate(files):
                     if j % world == rank:
@@ -613,8 +638,10 @@ def _save_distributed(
                             os.close(fd)
                         _faults.fault_point("after_file_fsync")
             finally:
-                ownership.settle([hashed])  # it reads the staged files: done before this call leaves
-            my_digests.update(hashed.result() if hashed is not None else _hash_back(staging_dir, share, kept))
+                # They read the staged files and this rank's memory: done before this call leaves.
+                ownership.settle(f for f in hashing if not isinstance(f, dict))
+            for h in hashing:
+                my_digests.update(_hash_back(staging_dir, h, kept) if isinstance(h, dict) else h.result())
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
@@ -673,19 +700,34 @@ def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
     return hashed.result()
 
 
-def _hash_share(split: Sequence[tuple[str, str, int, int]], rank: int, world: int) -> dict[str, list]:
-    """This rank's part of the split tensors to hash back: ``{file: [(fqn, begin, end)]}``, the
-    list cut into ``world`` runs of about equal bytes (a tensor goes to the rank whose run holds
-    its middle byte); the same cut on every rank."""
-    total = sum(e - b for _, _, b, e in split)
-    out: dict[str, list] = {}
-    done = 0
-    for name, fqn, b, e in split:
-        owner = min(world - 1, (2 * done + (e - b)) * world // (2 * total)) if total else 0
-        done += e - b
-        if owner == rank:
-            out.setdefault(name, []).append((fqn, b, e))
-    return out
+_GROUP_BYTES = 128 << 20  # bytes of the write order per hashing group (one collective each)
+_MAX_GROUPS = 16
+
+
+def _hash_groups(sizes: Sequence[int], world: int) -> tuple[list[int], set[int]]:
+    """From the byte sizes of the slots in write order (the same on every rank): the rank that
+    hashes each slot if it is a split tensor (the rank whose run of ``world`` runs of about equal
+    bytes holds the slot's middle byte), and the group boundaries (indices ``k``: a group ends
+    before slot ``k``), cutting the order into groups of about :data:`_GROUP_BYTES`.
+
+    Why groups: writes of several ranks into one file are serialized by the kernel (one inode
+    lock; on tmpfs the writes are the save), so while one rank copies, the others wait; a group's
+    split tensors, hashed back on a thread once every rank wrote the group, use that time instead
+    of following the writes (issue 35)."""
+    total = sum(sizes)
+    n = max(1, min(_MAX_GROUPS, total // _GROUP_BYTES))
+    owners: list[int] = []
+    bounds: set[int] = set()
+    done, g = 0, 1
+    for k, size in enumerate(sizes):
+        owners.append(min(world - 1, (2 * done + size) * world // (2 * total)) if total else 0)
+        done += size
+        if g < n and done * n >= g * total:
+            bounds.add(k + 1)
+            while g < n and done * n >= g * total:
+                g += 1
+    bounds.discard(len(sizes))  # the last group ends at the writing check
+    return owners, bounds
 
 
 _FROM_MEMORY = 1 << 20  # runs this large are hashed from the writer's memory (smaller: read back)

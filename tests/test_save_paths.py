@@ -21,15 +21,20 @@ def _xxh(t: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
-def test_hash_share_cuts_by_bytes_each_tensor_once():
-    split = [("a", f"t{i}", 100 * i, 100 * i + n) for i, n in enumerate([10, 50, 5, 5, 30, 0, 90, 10])]
+def test_hash_groups_balance_owners_and_cut_the_write_order(monkeypatch):
+    sizes = [10, 50, 5, 5, 30, 0, 90, 10]
     for world in (1, 2, 3, 4, 9):
-        shares = [saving._hash_share(split, r, world) for r in range(world)]
-        got = sorted(fqn for s in shares for spans in s.values() for fqn, _, _ in spans)
-        assert got == sorted(fqn for _, fqn, _, _ in split)  # every tensor exactly once
-        loads = [sum(e - b for spans in s.values() for _, b, e in spans) for s in shares]
+        owners, bounds = saving._hash_groups(sizes, world)
+        assert len(owners) == len(sizes) and owners == sorted(owners) and set(owners) <= set(range(world))
+        loads = [sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world)]
         assert sum(loads) == 200 and (world == 1 or max(loads) <= 200 // world + 90)
-    assert saving._hash_share([], 0, 2) == {}
+        assert bounds == set()  # 200 bytes: one group, no collective before the writing check
+    monkeypatch.setattr(saving, "_GROUP_BYTES", 50)
+    # groups of about 50 bytes: ends after the slots where 50, 100, 150 bytes are reached
+    assert saving._hash_groups(sizes, 2)[1] == {2, 5, 7}
+    monkeypatch.setattr(saving, "_GROUP_BYTES", 1)
+    assert len(saving._hash_groups([1] * 40, 2)[1]) == saving._MAX_GROUPS - 1
+    assert saving._hash_groups([], 2) == ([], set()) and saving._hash_groups([0, 0], 3) == ([0, 0], set())
 
 
 def test_hash_spans_reads_ranges_and_refuses_past_end(tmp_path):
@@ -105,7 +110,7 @@ def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
         real = saving._hash_back
         monkeypatch.setattr(saving, "_hash_back", lambda d, s, k: hashed_back.append(s) or real(d, s, k))
         idx = checkpoint.save(sd, tmp_path / "ck", max_shard_size=2000)
-        assert hashed_back == [{}]  # every tensor whole on its writer: none read back
+        assert hashed_back == []  # every tensor whole on its writer: none read back
         assert idx.metadata.fqnckpt.tensor_digests() == {k: _xxh(v) for k, v in full.items()}
         assert checkpoint.verify(tmp_path / "ck").ok
         loaded = {k: torch.zeros_like(v) for k, v in full.items()}
@@ -170,3 +175,70 @@ def test_two_ranks_hash_split_tensors_partly_from_memory(tmp_path):
     assert checkpoint.verify(tmp_path / "ck").ok
     from_memory = res[0][1] + res[1][1]
     assert len(from_memory) == 3 and sum(from_memory) > 0  # each split tensor hashed once, partly from memory
+
+
+_GROUPED_PL = ["S0", "R", "S1", "S0", "R", "S0"]  # split, whole, split, split, whole, split
+
+
+def _two_rank_grouped_saves(rank, world, root):
+    """A group per tensor (a collective after each group holding a split tensor, its share hashed
+    on a thread while the next is written); then rank 1 fails writing t2: agreed at the next
+    boundary, nothing written after it, nothing committed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from checkpoint.ranks import dist as cdist
+
+    saving._GROUP_BYTES = 1
+    flags, hashed, wrote = [], [], []
+    real_any, real_back, real_write = cdist.any_true, saving._hash_back, saving.BlockWriter.write
+    cdist.any_true = lambda flag: flags.append(flag) or real_any(flag)
+    saving._hash_back = lambda d, share, kept: hashed.append(sorted(f for v in share.values() for f, _, _ in v)) or real_back(d, share, kept)
+
+    def write(self, slot, local, offset):
+        wrote.append(slot.spec.fqn)
+        if rank == 1 and slot.spec.fqn == "t2" and failing:
+            raise OSError(28, "No space left on device")
+        return real_write(self, slot, local, offset)
+
+    saving.BlockWriter.write = write
+    mesh = init_device_mesh("cpu", (world,))
+    pl = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
+    sd = {f"t{i}": distribute_tensor(v, mesh, pl[_GROUPED_PL[i]], src_data_rank=None) for i, v in enumerate(_grouped_full())}
+    failing = False
+    idx = checkpoint.save(sd, os.path.join(root, "ok"), max_shard_size=2000)  # a file per tensor
+    ok = (idx.metadata.fqnckpt.tensor_digests(), list(flags), list(hashed))
+    flags.clear(), hashed.clear(), wrote.clear()
+    failing = True
+    try:
+        checkpoint.save(sd, os.path.join(root, "bad"), max_shard_size=2000)
+        outcome = "saved"
+    except Exception as e:  # noqa: BLE001 - compared below
+        outcome = f"{type(e).__name__}: {e}"
+    return ok, (list(flags), list(hashed), sorted(set(wrote)), outcome)
+
+
+def _grouped_full() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(16, 24, generator=g) for _ in range(5)] + [torch.randn(16, 24, generator=g).to(torch.bfloat16)]
+
+
+def test_two_ranks_hash_split_tensors_group_by_group(tmp_path):
+    from checkpoint.ranks.launch import run_ranks
+
+    res = run_ranks(_two_rank_grouped_saves, 2, str(tmp_path), backend="gloo", timeout=120)
+    want = {f"t{i}": _xxh(v) for i, v in enumerate(_grouped_full())}
+    (d0, flags0, hashed0), (d1, flags1, hashed1) = res[0][0], res[1][0]
+    assert d0 == d1 == want
+    assert checkpoint.verify(tmp_path / "ok").ok
+    # one collective after each group holding a split tensor but the last (the writing check)
+    assert flags0 == flags1 == [False, False, False]
+    # each split tensor hashed once, by the rank holding its middle byte, group by group
+    assert hashed0 == [["t0"], ["t2"]] and hashed1 == [["t3"], ["t5"]]
+    (bflags0, bhashed0, bwrote0, out0), (bflags1, bhashed1, bwrote1, out1) = res[0][1], res[1][1]
+    assert bflags0 == [False, False] and bflags1 == [False, True]  # rank 1's failure told after t2's group
+    assert bwrote0 == ["t0", "t1", "t2"] and bwrote1 == ["t0", "t2"]  # nothing after the boundary
+    assert bhashed0 == [["t0"]] and bhashed1 == []
+    assert out1.startswith("CheckpointWriteError") and "No space left" in out1
+    assert out0.startswith("RankAgreementError") and "rank 1" in out0
+    assert not (tmp_path / "bad").exists() and sorted(os.listdir(tmp_path)) == ["ok"]

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, RankAgreementError
@@ -96,6 +97,23 @@ def check_all_gather(what: str, error: BaseException | None, value: Any) -> list
     raise RankAgreementError(what, failures)
 
 
+def any_true(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank. One ``all_reduce`` of one element (a
+    barrier that also carries a yes / no), where :func:`check_all` gathers pickled messages (two
+    collectives); the tensor lives where the group's backend reduces (CPU for gloo, the current
+    accelerator otherwise)."""
+    group = _group()
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        device = torch.device("cpu")
+    else:
+        acc = torch.accelerator.current_accelerator()
+        device = torch.device(acc.type, torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def barrier() -> None:
     dist.barrier(group=_group())
 
@@ -109,6 +127,7 @@ __all__ = [
     "check_all",
     "check_all_gather",
     "barrier",
+    "any_true",
     "using_group",
     "CheckpointError",
 ]
