@@ -59,7 +59,7 @@ def cli_run(*argv):
 
 run("get", lambda: checkpoint.open_checkpoint(src).get("w"))
 run("get_slice", lambda: checkpoint.open_checkpoint(src).get_slice("m", [slice(0, 1024), slice(0, 512)]))
-tensor_read.DIRECT_RUN = 1 << 30  # the windowed-rows path
+tensor_read.SPAN = 1 << 30  # the windowed-rows path
 run("get_slice_rows", lambda: checkpoint.open_checkpoint(src).get_slice("m", [slice(0, 1024), slice(3, 5)]))
 run("load_convert", lambda: checkpoint.load({"w": torch.zeros(n, dtype=torch.float64), "m": torch.zeros(1024, 1024)}, src))
 run("load_strided", lambda: checkpoint.load({"w": torch.zeros(2 * n)[::2], "m": torch.zeros(1024, 1024)}, src))
@@ -103,7 +103,8 @@ def test_cut_file_is_a_named_error_on_every_read_path(tmp_path):
 
 
 def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
-    """``get_slice`` through both block paths (direct runs, windowed rows) and any step equals
+    """``get_slice`` through every block path (runs read straight with or without holes read
+    into the junk buffer, windowed rows, tiny windows) and any step equals
     slicing the whole tensor; ``get`` of every dtype and a 0-dim / empty tensor is exact."""
     import random
 
@@ -120,10 +121,11 @@ def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
     rnd = random.Random(1)
     with checkpoint.open_checkpoint(tmp_path / "c") as r:
         assert all(torch.equal(r.get(k), v) for k, v in sd.items())
-        for direct, window in ((16 << 10, 8 << 20), (1 << 30, 1000)):
-            monkeypatch.setattr(tensor_read, "DIRECT_RUN", direct)
+        for span, gap, window in ((2 << 10, 16 << 10, 8 << 20), (1 << 30, 16 << 10, 1000), (0, 0, 1000), (0, 64, 1 << 20)):
+            monkeypatch.setattr(tensor_read, "SPAN", span)
+            monkeypatch.setattr(tensor_read, "GAP", gap)
             monkeypatch.setattr(tensor_read, "WINDOW", window)
-            for _ in range(150):
+            for _ in range(100):
                 k = rnd.choice("abci")
                 v = sd[k]
                 sl = []
@@ -132,3 +134,14 @@ def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
                     sl.append(slice(lo, rnd.randint(lo, n), rnd.choice([1, 1, 2, 3])))
                 sl = sl[: rnd.randint(1, len(sl))]
                 assert torch.equal(r.get_slice(k, sl), v[tuple(sl)]), (k, sl)
+                # The load path: the step-1 block into a contiguous target of the stored dtype
+                # (straight), another dtype (converted) and a strided view (through the window).
+                step1 = [slice(s.start, s.stop) for s in sl]
+                want = v[tuple(step1)]
+                for dtype, strided in ((v.dtype, False), (torch.float64, False), (v.dtype, True)):
+                    base = torch.full((*want.shape[:-1], 2 * want.shape[-1]) if strided else want.shape, 7, dtype=dtype)
+                    out = base[..., ::2] if strided else base
+                    assert r.copy_into(k, out, step1)
+                    assert torch.equal(out, want.to(dtype)), (k, step1, dtype, strided)
+                    if strided:
+                        assert torch.equal(base[..., 1::2], torch.full_like(base[..., 1::2], 7))  # untouched

@@ -11,36 +11,58 @@ in Python can catch it). ``preadv`` reports both as a short read or an ``OSError
 go through :func:`~.pread.read_runs` (pieces shared by the read pool, under the rules of
 :mod:`~.ownership`).
 
-Blocks (``tensor[slices]``, a rank's shard): the block's contiguous runs of the file are read
-straight into the new tensor when each run is at least :data:`DIRECT_RUN` bytes; smaller runs
-(e.g. a few columns of a wide matrix) are read as whole rows of the outer dimension, a window of
-at most :data:`WINDOW` bytes at a time, and the block copied out of the window (one ``preadv`` per
-window instead of one per tiny run). Targets that are not contiguous in the stored dtype (a
-converting or strided load target: :func:`copy_into`) are filled the same way, window by window,
-so no intermediate tensor of the whole size is made.
+Blocks (``tensor[slices]``, a rank's ``Shard(1)`` columns, a narrow column block): the block's
+contiguous runs are read straight into the target (a new tensor, or a load target contiguous in
+the stored dtype) by one ``preadv`` per segment of the file, the holes between runs (up to
+:data:`GAP` bytes) read into a small junk buffer by the same call: no copy pass, no per-row
+syscall (a call costs ~3-7 us on this 2-core VM, the kernel copies 64 KiB in about that). The
+iovec arrays are built by numpy and passed to libc's ``preadv`` through ctypes (``os.preadv``
+wants one Python buffer object per iovec). Blocks of many tiny runs (:data:`SPAN`) and targets
+not contiguous in the stored dtype (a converting or strided load target: :func:`copy_into`) are
+read a window of dim-0 rows at a time into a reused scratch buffer (only the block's runs,
+packed) and copied by one ``copy_`` per window, so no intermediate tensor of the whole size.
 
-Cost (tests/bench/read_paths.py, 128 MiB in 8 tensors, 2 busy cores, load average 3-9): whole
-``get`` 0.72x [0.21-0.90] of the former mapped ``get_tensor`` + ``copy_``; a converting load
-(float32 -> float64) 0.5-0.95x: the mapped copy read the page cache once, here ``preadv`` copies
-it into the window first (~30 ms per 128 MiB), the price of a named error instead of SIGBUS. The
-load of same-dtype contiguous targets (``read_many``) never went through the mapping: unchanged.
+Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / ``get_slice`` +
+``copy_``; tests/bench/read_paths.py, 128 MiB in 8 tensors, 2 cores shared with other jobs):
+see the closing figures in README's issue 34 notes. Paths that copy once either way (a
+``Shard(1)`` block into a contiguous target, a narrow column block) are at or above 1.0x. Paths
+that need a second pass over the bytes cannot be: a converting or strided load (``preadv`` into
+the window, then ``copy_``) and a whole ``get`` (a new tensor, where the mapping returned a lazy
+view) cost one more kernel copy (~7-10 GB/s here) than a copy from the page cache mapping; that
+copy is the price of a named error instead of SIGBUS (a mapping cannot report a file cut or an
+I/O error any other way: see :mod:`~.pread`). The load of same-dtype contiguous targets
+(``read_many``) never went through the mapping: unchanged.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ..errors import CorruptCheckpointError, LoadError
 from . import pread as _pread
-from .writer import block_runs, tensor_bytes
+from .libc import libc_function
+from .writer import tensor_bytes
 
-DIRECT_RUN = 16 << 10  # bytes: block runs from this size on are read straight into the block
-# Bytes read into the scratch window at a time (whole rows of a block of small runs; a converting
-# or strided target). Large: each window costs a copy_ (an OpenMP region, ~ms on a busy machine).
+# Bytes of a hole between two runs of a block read into a junk buffer by the same ``preadv``
+# (one call instead of two): a call costs ~1 us here, about what the kernel copies in 8 KiB.
+GAP = 64 << 10
+# A block whose runs and holes are this small (a few elements of many rows, over 64 runs) is read
+# as whole rows through the window instead: ~0.4 us of Python per run would cost more than a copy_.
+SPAN = 1 << 10
+# Bytes read into the scratch window at a time (a converting or strided target). Large: each
+# window costs a copy_ (an OpenMP region, ~ms on a busy machine).
 WINDOW = 16 << 20
+
+_JUNK = np.empty(GAP, dtype=np.uint8)  # holes land here (kernel writes only; never read)
+_JUNK_ADDR = _JUNK.ctypes.data
+_JUNK_VIEW = memoryview(_JUNK)
 
 
 class Where:
@@ -69,18 +91,210 @@ def release_scratch() -> None:
     _local.buf = None
 
 
+def _direct(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the stored bytes can be read straight into ``out`` (contiguous, same dtype, CPU)."""
+    return out.dtype == dtype and out.is_cpu and out.is_contiguous() and not out.is_conj() and not out.is_neg()
+
+
 def _read_as(at: Where, key: str, offset: int, out: torch.Tensor, dtype: torch.dtype) -> None:
     """Stored bytes (``dtype``, ``out``'s shape) at ``offset`` into ``out``, any CPU tensor of
     that shape: straight into it when it is contiguous in ``dtype``, else one window at a time
     through the scratch buffer and ``copy_`` (converting dtype, writing through strides)."""
     if not out.numel():
         return
-    if out.dtype == dtype and out.is_contiguous() and not out.is_conj() and not out.is_neg() and out.is_cpu:
+    if _direct(out, dtype):
         _pread.read_runs([_pread.Run(at.fd, [tensor_bytes(out)], [key], offset, at.root, at.name, (out,))])
         return
-    shape = tuple(out.shape)
-    _rows(at, key, offset, shape if shape else (1,), dtype, [(0, n) for n in (shape if shape else (1,))],
-          out if shape else out.view(1))  # fmt: skip
+    shape = tuple(out.shape) or (1,)
+    _fill(at, key, offset, shape, dtype, [(0, n) for n in shape], out if out.dim() else out.view(1))
+
+
+def _preadv():
+    """libc's ``preadv`` through ctypes (False off Linux): one call over an iovec array built by
+    numpy, where ``os.preadv`` wants one Python buffer object per iovec (~1 us each in Python)."""
+    import ctypes
+
+    return libc_function("preadv", (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64), ctypes.c_ssize_t)
+
+
+class _IovRun:
+    """Reads of a block's runs into ``iov`` (``uint64`` rows of ``(address, length)``: the runs in
+    ``owner``'s memory, short holes between them in the junk buffer), one ``preadv`` per segment
+    ``(file offset, first row, end row, bytes)`` of consecutive file bytes, with the interface
+    :func:`~.pread.read_runs` uses (``fd``, ``offset``, ``nbytes``, ``read``; no ``views`` to cut).
+    ``owner`` keeps the memory the addresses point into alive while the run exists (rule 3 of
+    :mod:`~.ownership`)."""
+
+    __slots__ = ("fd", "offset", "iov", "segs", "nbytes", "key", "path", "owner", "views")
+
+    def __init__(self, at: Where, key: str, iov: np.ndarray, segs: list[tuple[int, int, int, int]], owner):
+        self.fd, self.iov, self.segs, self.key, self.owner = at.fd, iov, segs, key, owner
+        self.offset = segs[0][0]
+        self.nbytes = sum(s[3] for s in segs)
+        self.path = os.path.join(at.root, at.name)
+        self.views = ()
+
+    def read(self) -> int:
+        """Fill every iovec (``IOV_MAX`` per call, a short read resumed where it stopped);
+        returns the bytes read. Raises what :func:`~.pread.pread_run` raises."""
+        fn, iov, addr, step = _preadv(), self.iov, self.iov.ctypes.data, self.iov.strides[0]
+        for pos, r0, r1, nb in self.segs:
+            if r1 - r0 <= _pread.IOV_MAX and fn(self.fd, addr + r0 * step, r1 - r0, pos) == nb:
+                continue  # the usual case: one call, every byte
+            self._slow(fn, iov[r0:r1].copy(), pos)
+        return self.nbytes
+
+    def _slow(self, fn, iov: np.ndarray, pos: int) -> None:
+        """One segment from scratch on its own copy of the iovecs: ``IOV_MAX`` per call, short
+        reads resumed, errors named (file ends early: CorruptCheckpointError; else LoadError)."""
+        import ctypes
+
+        i = 0
+        while i < len(iov):
+            cnt = min(_pread.IOV_MAX, len(iov) - i)
+            n = fn(self.fd, iov.ctypes.data + i * iov.strides[0], cnt, pos)
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                e = OSError(err, os.strerror(err))
+                raise LoadError(self.key, self.path, f"{type(e).__name__}: {e}") from e
+            if n == 0:
+                raise CorruptCheckpointError(self.path, f"tensor {self.key!r}: file ends early")
+            pos += n
+            cum = np.cumsum(iov[i : i + cnt, 1])
+            j = int(np.searchsorted(cum, n, side="right"))  # iovecs filled whole
+            rest = n - (int(cum[j - 1]) if j else 0)
+            i += j
+            if rest:  # a short read inside one iovec: the rest of it next
+                iov[i, 0] += rest
+                iov[i, 1] -= rest
+
+
+def _run_starts(shape: Sequence[int], lens: Sequence[int], lo: Sequence[int]) -> tuple[int, np.ndarray]:
+    """The contiguous runs of block ``lens`` at ``lo`` in a row-major tensor of ``shape``: (run
+    length in elements, file element offset of each run in row-major order of the block); the
+    trailing dims the block spans whole join each run (as :func:`~.writer.block_runs`)."""
+    nd = len(shape)
+    k = nd - 1
+    while k > 0 and lens[k] == shape[k]:
+        k -= 1
+    gstride = [math.prod(shape[d + 1 :]) for d in range(nd)]
+    run = lens[k] * gstride[k]
+    base = sum(lo[d] * gstride[d] for d in range(k + 1))
+    starts = np.full(1, base, dtype=np.int64)
+    for d in range(k - 1, -1, -1):  # outer dims, innermost first: broadcast sums stay row-major
+        starts = (np.arange(lens[d], dtype=np.int64) * gstride[d])[:, None] + starts[None, :]
+        starts = starts.reshape(-1)
+    return run, starts
+
+
+def _scatter(at: Where, key: str, begin: int, item: int, run: int, starts: np.ndarray, out: torch.Tensor) -> None:
+    """The runs (``run`` elements at file element offsets ``starts``, file order) of a block into
+    consecutive runs of ``out`` (contiguous, the stored dtype). Runs whose hole is at most
+    :data:`GAP` bytes share one ``preadv`` (the hole read into a junk buffer); each read covers at
+    most :data:`~.pread.PIECE` bytes of the file, so the read pool shares them
+    (:func:`~.pread.read_runs`, under the rules of :mod:`~.ownership`)."""
+    rb, gap = run * item, min(GAP, len(_JUNK))
+    off = begin + starts * item
+    if len(off) == 1:  # one range: pread's pieces share it
+        _pread.read_runs([_pread.Run(at.fd, [tensor_bytes(out)], [key], int(off[0]), at.root, at.name, (out,))])
+        return
+    holes = off[1:] - off[:-1] - rb
+    long = np.concatenate(([True], holes > gap))  # a new read after each long hole ...
+    first = off[np.flatnonzero(long)][np.cumsum(long) - 1]
+    piece = (off - first) // _pread.PIECE  # ... every PIECE bytes of the file ...
+    cut = long | np.concatenate(([False], piece[1:] != piece[:-1]))
+    cut[:: _pread.IOV_MAX // 2] = True  # ... and within IOV_MAX iovecs
+    cuts = np.concatenate((np.flatnonzero(cut), [len(off)]))
+    if _preadv():
+        iov = np.empty((2 * len(off) - 1, 2), dtype=np.uint64)
+        iov[0::2, 0] = out.data_ptr() + np.arange(len(off), dtype=np.uint64) * rb
+        iov[0::2, 1] = rb
+        iov[1::2, 0] = _JUNK_ADDR
+        iov[1::2, 1] = holes  # read only inside a segment: there at most GAP
+        owner, jobs, segs, size = (out, _JUNK), [], [], 0
+        ends = (off[cuts[1:] - 1] + rb - off[cuts[:-1]]).tolist()
+        for a, b, first, nb in zip(cuts[:-1].tolist(), cuts[1:].tolist(), off[cuts[:-1]].tolist(), ends):
+            segs.append((first, 2 * a, 2 * b - 1, nb))
+            size += nb
+            if size >= _pread.PIECE:  # a job of the read pool
+                jobs.append(_IovRun(at, key, iov, segs, owner))
+                segs, size = [], 0
+        if segs:
+            jobs.append(_IovRun(at, key, iov, segs, owner))
+    else:  # no ctypes preadv: a memoryview per run and hole
+        view, jobs = tensor_bytes(out), []
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            views: list[memoryview] = []
+            for i in range(a, b):
+                if i > a and holes[i - 1]:
+                    views.append(_JUNK_VIEW[: int(holes[i - 1])])
+                views.append(view[i * rb : (i + 1) * rb])
+            jobs.append(_pread.Run(at.fd, views, [key] * len(views), int(off[a]), at.root, at.name, (out,)))
+    _pread.read_runs(jobs)
+
+
+def _dense(shape: Sequence[int], lens: Sequence[int], item: int) -> bool:
+    """Whether a block is many tiny runs close together (see :data:`SPAN`): then whole rows of the
+    file are read through the window and the block copied out of it by one ``copy_`` per window."""
+    k = len(shape) - 1
+    while k > 0 and lens[k] == shape[k]:
+        k -= 1
+    if k == 0 or math.prod(lens[:k]) <= 64:
+        return False
+    inner = math.prod(shape[k + 1 :]) * item
+    return shape[k] * inner < SPAN  # a run and its hole
+
+
+def _fill(
+    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` (any CPU tensor of the block's shape) with the block ``bounds`` (one
+    ``(lo, hi)`` per dim) of the tensor of ``shape`` / ``dtype`` stored at ``begin``.
+
+    Straight into ``out`` when it is contiguous in ``dtype`` (:func:`_scatter`); else, and for
+    dense blocks (:func:`_dense`), window by window of dim-0 rows through the scratch buffer and
+    one ``copy_`` per window (dtype conversion, strides); a row over :data:`WINDOW` bytes is filled
+    row by row of its own dim 0."""
+    if not out.numel():
+        return
+    item = dtype.itemsize
+    lens = tuple(hi - lo for lo, hi in bounds)
+    starts = [lo for lo, _ in bounds]
+    dense = _dense(shape, lens, item)
+    if not dense and _direct(out, dtype):
+        _scatter(at, key, begin, item, *_run_starts(shape, lens, starts), out)
+        return
+    lo, hi = bounds[0]
+    if len(shape) == 1:
+        per = max(1, WINDOW // item)
+        for a in range(lo, hi, per):
+            b = min(hi, a + per)
+            window = _scratch((b - a) * item)[: (b - a) * item].view(dtype)
+            _read_as(at, key, begin + a * item, window, dtype)
+            out[a - lo : b - lo].copy_(window)
+        return
+    row = math.prod(shape[1:]) * item
+    wrow = row if dense else math.prod(lens[1:]) * item  # bytes per dim-0 row in the window
+    if wrow > WINDOW:
+        for r in range(lo, hi):
+            _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
+        return
+    inner = tuple(slice(a, b) for a, b in bounds[1:])
+    per = max(1, WINDOW // max(1, wrow))
+    for r0 in range(lo, hi, per):
+        r1 = min(hi, r0 + per)
+        buf = _scratch((r1 - r0) * wrow)[: (r1 - r0) * wrow]
+        if dense:  # whole rows, then the block out of them
+            window = buf.view(dtype).view(r1 - r0, *shape[1:])
+            _read_as(at, key, begin + r0 * row, window, dtype)
+            out[r0 - lo : r1 - lo].copy_(window[(slice(None), *inner)])
+        else:  # only the block's runs, packed
+            window = buf.view(dtype).view(r1 - r0, *lens[1:])
+            _scatter(at, key, begin, item, *_run_starts(shape, window.shape, (r0, *starts[1:])), window)
+            out[r0 - lo : r1 - lo].copy_(window)
 
 
 def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -101,8 +315,9 @@ def copy_into(
     slices: Sequence[slice] | None = None,
 ) -> None:
     """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, any CPU
-    tensor of that shape (another dtype, non-contiguous: ``copy_``'s rules), through a reused
-    window: no intermediate tensor of the whole size. Raises what :func:`read_tensor` raises."""
+    tensor of that shape (another dtype, non-contiguous: ``copy_``'s rules): straight into it
+    when it is contiguous in the stored dtype, else through a reused window (no intermediate
+    tensor of the whole size). Raises what :func:`read_tensor` raises."""
     shape = tuple(shape)
     if not shape:
         _read_as(at, key, begin, out, dtype)
@@ -116,8 +331,7 @@ def copy_into(
         bounds.append((lo, max(lo, hi)))
     if tuple(out.shape) != tuple(hi - lo for lo, hi in bounds):
         raise ValueError(f"tensor {key!r}: block {tuple(hi - lo for lo, hi in bounds)} into a target of shape {tuple(out.shape)}")
-    if out.numel():
-        _rows(at, key, begin, shape, dtype, bounds, out)
+    _fill(at, key, begin, shape, dtype, bounds, out)
 
 
 def read_block(
@@ -125,7 +339,8 @@ def read_block(
 ) -> torch.Tensor:
     """Block ``tensor[slices]`` of tensor ``key`` (stored ``shape`` / ``dtype`` at ``begin``; one
     slice per leading dim, missing ones whole; any step) as a new contiguous CPU tensor, reading
-    only the rows the block needs (see the module docstring). Raises what :func:`read_tensor` raises."""
+    only the runs of the file the block needs (see the module docstring). Raises what
+    :func:`read_tensor` raises."""
     shape = tuple(shape)
     slices = tuple(slices) + (slice(None),) * (len(shape) - len(slices))
     if len(slices) != len(shape):
@@ -142,65 +357,6 @@ def read_block(
     if any(st != 1 for st in steps):  # the step-1 cover, then the stepped view of it
         cover = read_block(at, key, begin, shape, dtype, [slice(lo, hi) for lo, hi in bounds])
         return cover[tuple(slice(None, None, st) for st in steps)].contiguous()
-    lens = tuple(hi - lo for lo, hi in bounds)
-    out = torch.empty(lens, dtype=dtype)
-    if out.numel() == 0:
-        return out
-    item = out.element_size()
-    runs = list(block_runs(shape, lens, [lo for lo, _ in bounds])) if _few_runs(shape, lens, item) else None
-    if runs is not None:
-        view = tensor_bytes(out)
-        _pread.read_runs(
-            [
-                _pread.Run(at.fd, [view[lo * item : (lo + n) * item]], [key], begin + g * item, at.root, at.name, (out,))
-                for g, lo, n in runs
-            ]
-        )
-        return out
-    _rows(at, key, begin, shape, dtype, bounds, out)
+    out = torch.empty(tuple(hi - lo for lo, hi in bounds), dtype=dtype)
+    _fill(at, key, begin, shape, dtype, bounds, out)
     return out
-
-
-def _few_runs(shape: tuple[int, ...], lens: tuple[int, ...], item: int) -> bool:
-    """Whether the block's contiguous runs are at least :data:`DIRECT_RUN` bytes (or at most 16)."""
-    k = len(shape) - 1
-    while k > 0 and lens[k] == shape[k]:
-        k -= 1
-    run = lens[k] * math.prod(shape[k + 1 :]) * item
-    return run >= DIRECT_RUN or math.prod(lens[:k]) <= 16
-
-
-def _rows(
-    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor,
-) -> None:
-    """Fill ``out`` (the block ``bounds`` of a tensor of ``shape`` / ``dtype`` at ``begin``; any
-    CPU tensor of the block's shape) from windows of whole rows of dim 0 read into the scratch
-    buffer; a row over :data:`WINDOW` bytes is filled row by row of its own dim 0. A 1-D block is
-    one contiguous range: read straight into ``out`` when it can be (:func:`_read_as`)."""
-    item = dtype.itemsize
-    lo, hi = bounds[0]
-    if len(shape) == 1:
-        n = (hi - lo) * item
-        if out.dtype == dtype and out.is_contiguous() and not out.is_conj() and not out.is_neg() and out.is_cpu:
-            _read_as(at, key, begin + lo * item, out, dtype)
-            return
-        per = max(1, WINDOW // item)
-        for a in range(lo, hi, per):
-            b = min(hi, a + per)
-            window = _scratch((b - a) * item)[: (b - a) * item].view(dtype)
-            _read_as(at, key, begin + a * item, window, dtype)
-            out[a - lo : b - lo].copy_(window)
-        return
-    row = math.prod(shape[1:]) * item
-    if row > WINDOW:
-        for r in range(lo, hi):
-            _rows(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
-        return
-    inner = tuple(slice(a, b) for a, b in bounds[1:])
-    per = max(1, WINDOW // max(1, row))
-    for r0 in range(lo, hi, per):
-        r1 = min(hi, r0 + per)
-        window = _scratch((r1 - r0) * row)[: (r1 - r0) * row].view(dtype).view(r1 - r0, *shape[1:])
-        _read_as(at, key, begin + r0 * row, window, dtype)
-        out[r0 - lo : r1 - lo].copy_(window[(slice(None), *inner)])
