@@ -102,6 +102,21 @@ def is_checkpoint_dir(path: str) -> bool:
     )
 
 
+def enclosing_checkpoint(path: str) -> str | None:
+    """The nearest directory above ``path`` that is a checkpoint (an index or one
+    ``model.safetensors``: what readers and ``overwrite`` treat as one), else None. A checkpoint
+    saved there would sit inside another one's folder, whose overwrite and retention manage only
+    their own files."""
+    cur = os.path.dirname(os.path.abspath(path))
+    while True:
+        if any(os.path.isfile(os.path.join(cur, n)) for n in (index_name(MODEL_PREFIX), f"{MODEL_PREFIX}.safetensors")):
+            return cur
+        up = os.path.dirname(cur)
+        if up == cur:
+            return None
+        cur = up
+
+
 def fsync_path(path: str) -> None:
     """fsync a file or directory by path."""
     fd = os.open(path, os.O_RDONLY)

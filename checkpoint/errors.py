@@ -59,6 +59,18 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
         return self.args[0]
 
 
+class NestedCheckpointError(CheckpointError, ValueError):
+    """A save to ``path``, which lies inside the folder of checkpoint ``outer``: refused."""
+
+    def __init__(self, path: str, outer: str):
+        self.path, self.outer = str(path), str(outer)
+        super().__init__(
+            f"refusing to save a checkpoint at {self.path}: it is inside the checkpoint {self.outer} "
+            "(a save, overwrite or retention of that checkpoint manages only its own files); "
+            "save it beside it instead"
+        )
+
+
 class MissingShardError(CheckpointError, FileNotFoundError):
     """The index names shard file(s) that are not on disk. ``shards`` lists them."""
 

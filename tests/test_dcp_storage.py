@@ -23,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+from torch.distributed.checkpoint.planner import WriteItemType
+
 from checkpoint.dcp import SavePlanner, StorageReader, StorageWriter
 from checkpoint.ranks.launch import run_ranks
 from checkpoint.storage.layout import DTYPE_TO_ST
@@ -530,6 +532,75 @@ def _digests(root, world, mesh1) -> dict[str, bool]:
     return out
 
 
+class _FailingPlanner(SavePlanner):
+    """Raises on the last rank while it writes its first tensor (a rank failing mid-write)."""
+
+    def resolve_data(self, write_item):
+        import torch.distributed as dist
+
+        if dist.get_rank() == dist.get_world_size() - 1 and write_item.type != WriteItemType.BYTE_IO:
+            raise OSError(28, "No space left on device (injected on the last rank)")
+        return super().resolve_data(write_item)
+
+
+class _OverwrittenReader(StorageReader):
+    """Rank 0 opens the checkpoint, then overwrites it (a save of another process), then the
+    other ranks open it: the ranks hold different checkpoints."""
+
+    def read_metadata(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            md = super().read_metadata()
+            checkpoint.save({"w": torch.full((8, 8), 7.0), "v": torch.full((8, 8), 7.0)}, self.path, overwrite=True)
+        dist.barrier()
+        if dist.get_rank() != 0:
+            md = super().read_metadata()
+        return md
+
+
+def _hostile(root, world, mesh1) -> dict[str, bool]:
+    """A rank failing mid-write: every rank gets the same named error, nothing is committed
+    (the previous checkpoint stays whole, no staging left once the writer is gone) and a retry
+    commits. An overwrite landing while the ranks open a checkpoint for dcp.load: every rank
+    gets a named error instead of a mix of two checkpoints."""
+    import gc
+
+    import torch.distributed as dist
+
+    g = torch.arange(64.0).view(8, 8)
+    path, out = f"{root}/hostile", {}
+    sd = {"w": _dist(g, mesh1, "S0"), "v": _dist(g + 1, mesh1, "S0")}
+    dcp.save(sd, storage_writer=StorageWriter(path))
+    new = {"w": _dist(g * 2, mesh1, "S0"), "v": _dist(g * 3, mesh1, "S0")}
+    try:
+        dcp.save(new, storage_writer=StorageWriter(path), planner=_FailingPlanner())
+        out["fail:raised"] = False
+    except BaseException as e:  # DCP's CheckpointException, the failing rank's error inside
+        out["fail:raised"] = "No space left on device (injected on the last rank)" in str(e)
+    gc.collect()  # the failed save's writer is gone: its staging directory and lock with it
+    dist.barrier()
+    with checkpoint.open_checkpoint(path) as rd:
+        out["fail:old-kept"] = torch.equal(rd.get("w"), g) and torch.equal(rd.get("v"), g + 1)
+    out["fail:no-staging"] = [n for n in os.listdir(root) if n.startswith(".hostile")] == [] and all(
+        not n.startswith(".") for n in os.listdir(path)
+    )
+    dist.barrier()
+    dcp.save(new, storage_writer=StorageWriter(path))
+    tgt = {k: _dist(torch.zeros(8, 8), mesh1, "R") for k in sd}
+    dcp.load(tgt, storage_reader=StorageReader(path))
+    out["fail:retry"] = torch.equal(tgt["w"].full_tensor(), g * 2) and torch.equal(tgt["v"].full_tensor(), g * 3)
+    try:
+        dcp.load(tgt, storage_reader=_OverwrittenReader(path))
+        out["overwrite:refused"] = False
+    except BaseException as e:
+        out["overwrite:refused"] = "opened another checkpoint than rank 0" in str(e)
+    dist.barrier()
+    dcp.load(tgt, storage_reader=StorageReader(path))  # one checkpoint again: loads whole
+    out["overwrite:after"] = torch.equal(tgt["w"].full_tensor(), torch.full((8, 8), 7.0))
+    return out
+
+
 def _ranks_worker(rank, world, root, s3_port):
     mesh1, mesh2 = _meshes(world)
     out = _placement_and_mesh_changes(root, world, mesh1, mesh2)
@@ -541,6 +612,7 @@ def _ranks_worker(rank, world, root, s3_port):
     out.update(_torch_hf_output(root, world, mesh1, mesh2))
     if world > 1:
         out.update(_digests(root, world, mesh1))
+        out.update(_hostile(root, world, mesh1))
     if s3_port is not None:
         from tests.s3_server import storage_options
 
@@ -570,6 +642,7 @@ def test_ranks(tmp_path, world, request):
     assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
     assert {"empty-shards", "async:thread", "train:resume"} <= names and (world != 2 or {"async:process", "s3"} <= names)
     assert world == 1 or {"digest:R:once", "digest:S1:once", "digest:R:refused", "digest:S1:refused"} <= names
+    assert world == 1 or {"fail:raised", "fail:old-kept", "fail:no-staging", "fail:retry", "overwrite:refused"} <= names
     # What StorageWriter wrote is an fqnckpt checkpoint: verifies, each byte written once (the
     # ranks' pwrites, headers included, add up to the files' sizes), safetensors reads it.
     every = f"{root}/every"
@@ -673,3 +746,19 @@ def test_flipped_byte_is_refused_by_both_load_paths(tmp_path):
     dcp.load(target, storage_reader=StorageReader(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert torch.equal(target["b"], torch.ones(5))
     assert not checkpoint.verify(path).ok
+
+
+def test_save_inside_another_checkpoint_is_refused(tmp_path):
+    from checkpoint.errors import NestedCheckpointError
+
+    outer = tmp_path / "ck"
+    dcp.save({"a": torch.ones(2)}, storage_writer=StorageWriter(str(outer)))
+    before = sorted(os.listdir(outer))
+    for inner in (outer / "sub", outer / "deeper" / "sub"):
+        with pytest.raises(BaseException, match="NestedCheckpointError.*inside the checkpoint") as e:
+            dcp.save({"b": torch.zeros(3)}, storage_writer=StorageWriter(str(inner)))
+        assert str(outer) in str(e.value)
+    assert sorted(os.listdir(outer)) == before  # nothing written inside it
+    err = NestedCheckpointError(str(outer / "sub"), str(outer))
+    assert str(err).startswith(f"refusing to save a checkpoint at {outer / 'sub'}: it is inside the checkpoint {outer}")
+    dcp.save({"b": torch.zeros(3)}, storage_writer=StorageWriter(str(tmp_path / "beside")))  # beside it: fine

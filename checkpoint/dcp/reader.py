@@ -210,13 +210,28 @@ class StorageReader(dcp_storage.StorageReader):
             self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """This rank's plan, carrying which checkpoint this rank opened (:func:`_identity`) for
+        the coordinator to compare."""
+        return replace(plan, storage_data=_identity(self._open()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: give each rank the stored tensors it checks against the index's digests
         (``LoadPlan.storage_data``, a frozenset of ``(reader, key)``): each tensor some rank reads
         whole (or all of its rows, a column block) is checked by one of those ranks, the one with
-        the fewest elements to check so far, so no tensor is hashed twice."""
+        the fewest elements to check so far, so no tensor is hashed twice.
+
+        Raises :class:`~checkpoint.errors.CorruptCheckpointError` (on every rank, through DCP)
+        when the ranks opened different checkpoints: a save replaced it while they opened it, and
+        each rank would load another one's values."""
+        seen = [p.storage_data for p in plans]
+        if len({x for x in seen if x is not None}) > 1:
+            first = next(x for x in seen if x is not None)
+            other = [r for r, x in enumerate(seen) if x is not None and x != first]
+            raise CorruptCheckpointError(
+                str(self.path),
+                f"ranks {other} opened another checkpoint than rank {seen.index(first)}: a save replaced it "
+                "during this load (each rank would load another one's values); load again",
+            )
         readers_of: dict[tuple[int, str], set[int]] = {}
         size: dict[tuple[int, str], int] = {}
         for r, p in enumerate(plans):
@@ -397,6 +412,21 @@ def read_block_by_rows(
     if hasher is not None:
         reader.check_digest(key, hasher)
     return True
+
+
+def _identity(src: _Source) -> tuple:
+    """Which checkpoint ``src`` opened: the index's own xxh3-128 digest (fqnckpt format 2: it
+    covers every tensor's digest), else each open file's inode, size and mtime."""
+    out = []
+    for r in src.readers:
+        meta = getattr(r, "meta", None)
+        if meta is not None and meta.index_xxh3_128:
+            out.append(meta.index_xxh3_128)
+            continue
+        for name, fd in sorted(getattr(r, "_fds", {}).items()):
+            st = os.fstat(fd)
+            out.append((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _planned(planner: LoadPlanner, fqn: str) -> Any:

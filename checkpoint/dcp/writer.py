@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..atomic import StagedCheckpoint
-from ..errors import CheckpointError, CheckpointWriteError, UnsavableError
+from ..atomic import StagedCheckpoint, enclosing_checkpoint
+from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, UnsavableError
 from ..ranks import dist
 from ..saving import _fetch_any, _index, _Part, _write_indexes_and_commit
 from ..storage import limits
@@ -147,7 +147,8 @@ class StorageWriter(dcp_storage.StorageWriter):
     ``TypeError`` for a dtype it cannot store or a non-tensor value extra state cannot hold (both
     naming the key), ``ValueError`` for keys missing from ``fqn_to_index_mapping`` or tensors whose
     shape or dtype differ between ranks, :class:`~checkpoint.errors.CheckpointWriteError` for an OS
-    error (the previous checkpoint at ``path`` stays whole).
+    error (the previous checkpoint at ``path`` stays whole), :class:`~checkpoint.errors.NestedCheckpointError`
+    when ``path`` lies inside another checkpoint's folder.
     """
 
     def __init__(
@@ -209,6 +210,9 @@ class StorageWriter(dcp_storage.StorageWriter):
         if is_remote(where):
             data = _RemotePlan(layout, tuple(extra_keys))
             return [replace(p, storage_data=data) for p in plans]
+        outer = enclosing_checkpoint(where)
+        if outer is not None:
+            raise NestedCheckpointError(where, outer)
         _abort(self.path)  # a failed save of this process still holding the lock
         st = StagedCheckpoint(where, self.overwrite).__enter__()
         try:
