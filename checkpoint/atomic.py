@@ -1,13 +1,14 @@
 """How a checkpoint directory is committed, and how readers see exactly one checkpoint.
 
-What a checkpoint owns. A checkpoint directory may hold files fqnckpt did not write
-(``config.json``, tokenizer files, subfolders: Hugging Face's layout keeps them beside the shards);
-``overwrite=True`` replaces only what the previous checkpoint owns (:func:`owned_files`): the
-files its indexes (``model`` / ``optimizer`` ``.safetensors.index.json``) name, the indexes
-themselves, the per-rank extra-state files ``extra_state.json`` lists, the fixed names in
-:data:`OWNED_NAMES` (``model.safetensors``, the report ``migrate`` writes, ...) and Meta's
-``consolidated.NN.pth`` (a format without a file list). Nothing is owned for looking like a shard
-(``model-00001-of-00003.safetensors`` that no index names stays). Everything else stays, byte for byte.
+This is the commit point of :class:`~checkpoint.storage.bytestore.LocalStore` (plain local paths
+and ``file://``): everything else, what a checkpoint owns (only what a record of fqnckpt's names:
+the model index's ``metadata.fqnckpt.objects``, the shards its indexes name; see
+:func:`checkpoint.storage.commit.owned_objects`), the removal of what killed saves left
+(:func:`checkpoint.storage.commit.clean_dead`), the manager's retention and completeness, is the
+code every byte store shares. A checkpoint directory may hold files fqnckpt did not write
+(``config.json``, tokenizer files, subfolders: Hugging Face's layout keeps them beside the
+shards); ``overwrite=True`` replaces only what the previous checkpoint owns. Everything else
+stays, byte for byte.
 
 Commit protocol (one writer at a time: an ``fcntl.flock`` on ``.<name>.fqnckpt-lock`` beside
 ``path``, held for the whole save; never deleted, so two savers always lock the same inode):
@@ -47,59 +48,28 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
 import shutil
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from . import _faults
 from .errors import CheckpointExistsError, InterruptedCommitError
-from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
+from .storage.bytestore import COMMIT_TAG, LOCK_TAG, OLD_TAG, STAGING_TAG, LocalStore, checkpoint_lock, sibling
+from .storage.commit import check_clashes, clean_dead, holds_checkpoint, owned_objects
 
-STAGING_TAG = ".fqnckpt-staging-"
-COMMIT_TAG = ".fqnckpt-commit-"
-OLD_TAG = ".fqnckpt-old-"  # rename-aside leftovers of the earlier protocol: removed, never restored
-LOCK_TAG = ".fqnckpt-lock"
 MANIFEST = ".fqnckpt-manifest.json"  # hidden: extra_files names cannot start with "."
-PREFIXES = (MODEL_PREFIX, OPTIMIZER_PREFIX)
-# Files a checkpoint owns by name alone (besides what its indexes name).
-OWNED_NAMES = frozenset(
-    [index_name(p) for p in PREFIXES]
-    + [f"{p}.safetensors" for p in PREFIXES]
-    + ["migration_report.json", "extra_state.json"]  # extra_state.json: checkpoint.storage.extra_state
-)  # peft's adapter files, config.json, ...: owned when the model index's metadata.fqnckpt.objects names them
-_FORMAT_GLOBBED = re.compile(r"^consolidated\.\d{2,}\.pth$")
-# Meta's model-parallel shards (checkpoint.convert.meta_files): that format has no file list, its
-# readers glob these names, so a stale one left by an overwrite would be read; the only names
-# owned by form. Hugging Face shards and per-rank extra state are owned only when a record of the
-# checkpoint (its indexes, extra_state.json's per_rank) names them.
-
-
-def _split(path: str) -> tuple[str, str]:
-    path = os.path.abspath(path)
-    return os.path.dirname(path), os.path.basename(path)
-
-
-def sibling(path: str, tag: str, suffix: str = "") -> str:
-    """``/a/ckpt`` + tag -> ``/a/.ckpt<tag><suffix>``."""
-    parent, name = _split(path)
-    return os.path.join(parent, f".{name}{tag}{suffix}")
-
-
+__all__ = ["StagedCheckpoint", "read_view", "checkpoint_lock", "sibling", "owned_files", "fsync_path", "LOCK_TAG", "COMMIT_TAG"]
 def is_leftover_name(name: str) -> bool:
     """True for names fqnckpt uses for staging / commit / lock entries (never checkpoint files)."""
     return name.startswith(".") and any(t in name for t in (STAGING_TAG, COMMIT_TAG, OLD_TAG, LOCK_TAG))
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A directory holding an index, a single ``model.safetensors`` or Meta's first shard."""
-    return any(
-        os.path.isfile(os.path.join(path, n))
-        for n in (index_name(MODEL_PREFIX), f"{MODEL_PREFIX}.safetensors", "consolidated.00.pth")
-    )
+    """A directory holding a checkpoint (:func:`checkpoint.storage.commit.holds_checkpoint`)."""
+    return os.path.isdir(path) and holds_checkpoint(LocalStore(path))
 
 
 def enclosing_checkpoint(path: str) -> str | None:
@@ -137,39 +107,6 @@ class CommitManifest(BaseModel):
 
 
 # -- locks ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def checkpoint_lock(path: str) -> Iterator[None]:
-    """Exclusive ``fcntl.flock`` on ``.<name>.fqnckpt-lock`` beside ``path`` (blocks until free):
-    one save at a time. The lock file exists only while a save holds it (nothing is left beside a
-    checkpoint): it is unlinked before the lock is released, and a waiter that then wins the lock
-    on the unlinked inode sees that the name no longer leads to its inode and locks afresh (the
-    usual lock-file-with-unlink protocol; flock alone would let two savers lock different inodes)."""
-    parent, _ = _split(path)
-    os.makedirs(parent, exist_ok=True)
-    lock = sibling(path, LOCK_TAG)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held = os.fstat(fd)
-            now = os.stat(lock)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
-        os.close(fd)  # releases the lock
 
 
 _NO_LOCKS = (errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF)
@@ -218,40 +155,11 @@ def _plain(name: object) -> bool:
 
 def owned_files(path: str) -> set[str]:
     """Names of the regular files (or symlinks) in checkpoint directory ``path`` that its checkpoint
-    owns (see module docstring); never a directory, never anything outside ``path``."""
-    try:
-        names = set(os.listdir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-    owned = {n for n in names if n in OWNED_NAMES or _FORMAT_GLOBBED.match(n)}
-    for prefix in PREFIXES:
-        try:
-            with open(os.path.join(path, index_name(prefix)), "rb") as f:
-                idx = IndexFile.model_validate_json(f.read())
-        except (OSError, ValidationError, ValueError):
-            continue  # no index, or unreadable: only the fixed names above
-        owned.update(n for n in idx.weight_map.values() if _plain(n) and n in names)
-        meta = idx.metadata.fqnckpt if prefix == MODEL_PREFIX else None
-        if meta is not None and meta.objects:  # the other files the save wrote (its record)
-            owned.update(n for n in meta.objects.values() if _plain(n) and n in names)
-    owned.update(n for n in _per_rank_files(path) if n in names)
-    return {
-        n for n in owned if os.path.islink(os.path.join(path, n)) or os.path.isfile(os.path.join(path, n))
-    }
-
-
-def _per_rank_files(path: str) -> list[str]:
-    """The per-rank extra-state files ``path/extra_state.json`` lists (its ``per_rank``)."""
-    from .storage.extra_state import ExtraStateFile, rank_file_name
-
-    try:
-        with open(os.path.join(path, "extra_state.json"), "rb") as f:
-            doc = ExtraStateFile.model_validate_json(f.read())
-    except (OSError, ValidationError, ValueError):
-        return []
-    if doc.per_rank is None:
-        return []
-    return [rank_file_name(r, doc.per_rank.world_size) for r in range(doc.per_rank.world_size)]
+    owns (:func:`checkpoint.storage.commit.owned_objects` on its
+    :class:`~checkpoint.storage.bytestore.LocalStore`); never a directory, never anything outside ``path``."""
+    store = LocalStore(path)
+    listing = store.listing()
+    return {n for n in owned_objects(store, listing=listing) if n in listing and listing[n][0] != "directory"}
 
 
 # -- recovery ---------------------------------------------------------------------------------------
@@ -263,15 +171,6 @@ def _inner(path: str, tag: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(os.path.join(path, e) for e in entries if e.startswith(tag))
-
-
-def _leftovers(path: str, tag: str) -> list[str]:
-    parent, name = _split(path)
-    try:
-        entries = os.listdir(parent)
-    except FileNotFoundError:
-        return []
-    return sorted(os.path.join(parent, e) for e in entries if e.startswith(f".{name}{tag}"))
 
 
 def pending_commits(path: str) -> list[str]:
@@ -319,10 +218,10 @@ def complete_interrupted(path: str) -> None:
 
 
 def cleanup_leftovers(path: str) -> None:
-    """Remove staging directories of earlier interrupted saves (beside and inside ``path``) and
-    old-protocol rename-aside leftovers. Call with the writer lock held; nothing is restored."""
-    for d in _leftovers(path, STAGING_TAG) + _leftovers(path, OLD_TAG) + _inner(path, STAGING_TAG):
-        shutil.rmtree(d, ignore_errors=True)
+    """Remove what earlier interrupted saves left (staging directories beside and inside ``path``,
+    old-protocol rename-aside copies, dead object-store staging manifests and what they name):
+    :func:`checkpoint.storage.commit.clean_dead`. Call with the writer lock held; nothing is restored."""
+    clean_dead(LocalStore(path), set())
 
 
 # -- readers ----------------------------------------------------------------------------------------
@@ -457,7 +356,9 @@ class StagedCheckpoint:
                 raise CheckpointExistsError(
                     dst, "a directory has the name of a checkpoint file; refusing to replace it"
                 )
-        manifest = CommitManifest(files=files, remove=sorted(owned_files(self.path) - set(files)))
+        owned = owned_files(self.path)
+        check_clashes(LocalStore(self.path), files, owned)
+        manifest = CommitManifest(files=files, remove=sorted(owned - set(files)))
         self.write_file(MANIFEST, manifest.model_dump_json().encode())
         fsync_path(self.dir)
         commit_dir = os.path.join(self.path, COMMIT_TAG + uuid.uuid4().hex)
@@ -468,6 +369,9 @@ class StagedCheckpoint:
             self.committed = True
             _faults.fault_point("after_commit_rename")
             _roll_forward(self.path, commit_dir)
+        # What saves left that could commit only onto the index just replaced (the same rule as
+        # an object store's commit; under the writer lock no other save runs).
+        clean_dead(LocalStore(self.path), set(files))
 
     def __exit__(self, *exc) -> None:
         try:
@@ -479,14 +383,14 @@ class StagedCheckpoint:
 
 
 def check_target(path: str, overwrite: bool) -> None:
-    """Raise :class:`CheckpointExistsError` unless ``path`` may be (re)placed by a checkpoint."""
+    """Raise :class:`CheckpointExistsError` unless ``path`` may be (re)placed by a checkpoint: a
+    checkpoint there (:func:`checkpoint.storage.commit.holds_checkpoint`, the rule of every byte
+    store) without ``overwrite``, or a file or symlink at ``path``. A directory of other files
+    is no checkpoint: a save goes in beside them (each file it would replace is checked at the
+    commit, :func:`checkpoint.storage.commit.check_clashes`)."""
     if not os.path.lexists(path):
         return
-    if not overwrite:
-        raise CheckpointExistsError(path)
     if os.path.islink(path) or not os.path.isdir(path):
-        raise CheckpointExistsError(path, "it is not a checkpoint directory; refusing to replace it")
-    if any(not is_leftover_name(n) for n in os.listdir(path)) and not is_checkpoint_dir(path):
-        raise CheckpointExistsError(
-            path, "it is a non-empty directory that is not a checkpoint; refusing to replace it"
-        )
+        raise CheckpointExistsError(path, "it is not a checkpoint directory; refusing to replace it") if overwrite else CheckpointExistsError(path)
+    if not overwrite and holds_checkpoint(LocalStore(path)):
+        raise CheckpointExistsError(path)

@@ -46,7 +46,7 @@ from .storage.format import (
 )
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
-from .storage.location import is_remote, resolve
+from .storage.location import is_remote, local_target, resolve
 from .storage import digest, fskind, ownership, threads
 from .storage.writer import (
     BlockWriter,
@@ -77,12 +77,8 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
     Meta's ``consolidated.NN.pth`` files; committed atomically either way."""
 
     def write(specs, fetch, extra, layout=None) -> None:
-        if layout == "meta":
-            if is_remote(resolve(path)):
-                raise CheckpointWriteError(
-                    str(path), "Meta's consolidated.NN.pth files are written to local paths only (save locally, then upload)"
-                )
-            write_meta_checkpoint(resolve(path), specs, fetch, extra, overwrite)
+        if layout == "meta":  # local or any byte store (checkpoint.convert.meta_files)
+            write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
             return
         _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
 
@@ -165,6 +161,7 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
 def _save_parts(
     path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes]
 ) -> list[IndexFile]:
+    path = local_target(path)  # file:// commits as a local path
     for name in extra_files:
         _check_extra_name(name)
     layouts = _plan_checked(path, parts, max_shard_size)
@@ -304,7 +301,7 @@ def save(
 
     ``path`` may be a URL (``s3://bucket/run/step-100``, ``memory://...``, ``file://...``): written
     through fsspec, committed without rename, each rank uploading its own files in bounded
-    multipart uploads (:mod:`checkpoint.storage.remote_commit`, :mod:`checkpoint.storage.remote_save`).
+    multipart uploads (:mod:`checkpoint.storage.commit`, :mod:`checkpoint.storage.remote_save`).
     ``storage_options`` go to the fsspec filesystem (s3fs: ``endpoint_url``, ``key``, ``secret``,
     ...); ``transfer``: a :class:`checkpoint.storage.objstore.TransferConfig` (part size, parts in
     flight, retries). A URL whose scheme has no installed backend raises
@@ -319,8 +316,6 @@ def save(
     :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = resolve(path, storage_options, transfer)
-    if recipe is not None and is_remote(path):
-        raise NotImplementedError(f"save(recipe=...) to {path}: save to a local path, then copy")
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
@@ -337,8 +332,10 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
     ``path`` (the destination's filesystem, which every rank of a distributed save writes), then
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
     the report or raises (rank 0's own error; :class:`RankAgreementError` on the others)."""
-    parent = os.path.dirname(os.path.abspath(path))
     distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
+    if is_remote(path) and distributed:  # the ranks' shared temporary directory would be local
+        raise NotImplementedError(f"save(recipe=...) of DTensors to {path}: save to a shared local path, then migrate")
+    parent = None if is_remote(path) else os.path.dirname(os.path.abspath(path))  # a URL: converted from a local temp dir
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
@@ -485,6 +482,7 @@ def _save_distributed(
     overwrite: bool,
     extra_files: Mapping[str, bytes] | None = None,
 ) -> list[IndexFile]:
+    path = local_target(path)  # file:// commits as a local path
     extra_files = extra_files or {}
     for name in extra_files:
         _check_extra_name(name)

@@ -225,7 +225,7 @@ def test_report_shapes_dtypes_and_dtype_option(tmp_path):
     assert torch.equal(half.emb.weight, src.emb.weight.to(torch.bfloat16))
 
 
-def test_exists_overwrite_and_refuse_foreign_dir(tmp_path):
+def test_exists_overwrite_and_files_beside(tmp_path):
     checkpoint.save({"w": torch.ones(2)}, tmp_path / "ck")
     with pytest.raises(CheckpointExistsError, match="overwrite=True"):
         checkpoint.save({"w": torch.zeros(2)}, tmp_path / "ck")
@@ -234,12 +234,23 @@ def test_exists_overwrite_and_refuse_foreign_dir(tmp_path):
     checkpoint.save({"v": torch.zeros(3)}, tmp_path / "ck", overwrite=True)
     with open_checkpoint(tmp_path / "ck") as r:
         assert r.keys() == ["v"]
+    # A directory of other files is no checkpoint (as an object-store prefix is not): a save goes
+    # in beside them and keeps them; a file it would replace that no record names is refused.
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("mine")
-    with pytest.raises(CheckpointExistsError, match="not a checkpoint"):
-        checkpoint.save({"w": torch.ones(2)}, tmp_path / "home", overwrite=True)
+    (tmp_path / "home" / "extra_state.json").write_text("also mine")
+    with pytest.raises(CheckpointExistsError, match=r"\['extra_state.json'\] exist there and no record"):
+        checkpoint.save({"w": torch.ones(2)}, tmp_path / "home", overwrite=True, extra_state={"step": 1})
+    assert sorted(os.listdir(tmp_path / "home")) == ["extra_state.json", "notes.txt"]
+    checkpoint.save({"w": torch.ones(2)}, tmp_path / "home")
     assert (tmp_path / "home" / "notes.txt").read_text() == "mine"
-    assert sorted(os.listdir(tmp_path)) == ["ck", "home"]
+    assert (tmp_path / "home" / "extra_state.json").read_text() == "also mine"
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):  # a checkpoint now
+        checkpoint.save({"w": torch.ones(2)}, tmp_path / "home")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointExistsError, match="not a checkpoint"):
+        checkpoint.save({"w": torch.ones(2)}, tmp_path / "file", overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "file", "home"]
 
 
 def test_verify_reports_flipped_byte_with_its_file(tmp_path):

@@ -214,9 +214,14 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
         with pytest.raises(OSError, match="disk full"):
             checkpoint.migrate(tmp_path / "hf", tmp_path / "half", recipe="hf-to-meta-llama", dims={"shards": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    # Overwriting a 2-shard Meta dir with one shard leaves no stale consolidated.01.pth.
+    # Overwriting a 2-shard Meta dir with one shard leaves no stale consolidated.01.pth: the first
+    # save's record (.fqnckpt-record.json) named it; a user's file beside them stays.
+    written = ["consolidated.00.pth", "consolidated.01.pth", "conversion_report.json", "params.json"]
+    assert json.loads((tmp_path / "meta" / ".fqnckpt-record.json").read_text())["objects"] == written
+    (tmp_path / "meta" / "tokenizer.model").write_bytes(b"mine")
     checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == ["consolidated.00.pth", "conversion_report.json", "params.json"]
+    assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == [
+        ".fqnckpt-record.json", "consolidated.00.pth", "conversion_report.json", "params.json", "tokenizer.model"]
     assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts, "llama3"))
 
 

@@ -18,27 +18,14 @@ pytest.importorskip("moto")
 
 import checkpoint  # noqa: E402
 from checkpoint.cli import main as cli_main  # noqa: E402
-from tests.s3_server import make_bucket, start_moto, storage_options  # noqa: E402
+from tests import backends  # noqa: E402
 
 ANSWERS: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="module")
-def moto_opts():
-    server, port = start_moto()
-    make_bucket(port, "par")
-    yield storage_options(port)
-    server.stop()
+moto_opts = backends.moto_fixture("par")
 
 
 def _roots(backend, tmp_path, moto_opts):
-    if backend == "local":
-        return str(tmp_path / "r"), None
-    if backend == "file":  # the local byte store under the object-store stages
-        return f"file://{tmp_path}/f", None
-    if backend == "memory":
-        return f"memory://par-{uuid.uuid4().hex[:8]}", None
-    return f"s3://par/{uuid.uuid4().hex[:8]}", moto_opts
+    return backends.fresh(backend, tmp_path, moto_opts, "par")
 
 
 def _trained(seed: int, steps: int):
@@ -139,25 +126,11 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
 
 
 def _put_user_object(path, opts) -> None:
-    if opts is None and ("://" not in path or path.startswith("file://")):
-        with open(f"{path.removeprefix('file://')}/notes.0123456789ab.txt", "wb") as f:
-            f.write(b"mine")
-        return
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path, **(opts or {}))
-    fs.pipe_file(f"{p}/notes.0123456789ab.txt", b"mine")
+    backends.put(path, opts, "notes.0123456789ab.txt", b"mine")
 
 
 def _get_user_object(path, opts) -> bool:
-    if opts is None and ("://" not in path or path.startswith("file://")):
-        with open(f"{path.removeprefix('file://')}/notes.0123456789ab.txt", "rb") as f:
-            return f.read() == b"mine"
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path, **(opts or {}))
-    fs.invalidate_cache()
-    return fs.cat_file(f"{p}/notes.0123456789ab.txt") == b"mine"
+    return backends.get(path, opts, "notes.0123456789ab.txt") == b"mine"
 
 
 def _recipe(root, tmp_path, kw):

@@ -17,9 +17,8 @@ pytest.importorskip("moto")
 
 import checkpoint  # noqa: E402
 from checkpoint.errors import ConcurrentSaveError  # noqa: E402
-from checkpoint.storage import remote_commit  # noqa: E402
-from checkpoint.storage.location import resolve  # noqa: E402
-from tests.s3_server import make_bucket, start_moto, storage_options  # noqa: E402
+from checkpoint.storage import commit as remote_commit  # noqa: E402
+from tests import backends  # noqa: E402
 
 # Names a user (or another tool) may well give: git short SHAs, content hashes, our own shapes.
 USER_NAMES = [
@@ -34,36 +33,24 @@ USER_NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def moto_opts():
-    server, port = start_moto()
-    make_bucket(port, "rec")
-    yield storage_options(port)
-    server.stop()
+moto_opts = backends.moto_fixture("rec")
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
 def where(request, moto_opts, tmp_path):
-    """``(url, storage_options)`` of a fresh, empty prefix on each byte store (``file://``: the
-    local one, :class:`checkpoint.storage.bytestore.LocalStore`)."""
-    tag = uuid.uuid4().hex[:8]
-    if request.param == "file":
-        return f"file://{tmp_path}/ck", None
-    if request.param == "memory":
-        return f"memory://rec-{tag}/ck", None
-    return f"s3://rec/{tag}/ck", moto_opts
+    """``(url, storage_options)`` of a fresh, empty place on each byte store (``file://``: a local
+    path, :class:`checkpoint.storage.bytestore.LocalStore` under its commit)."""
+    return backends.fresh(request.param, tmp_path, moto_opts, "rec")
 
 
-def _store(url, opts):
-    return resolve(url, opts)
+@pytest.fixture(params=["memory", "s3"])
+def object_store(request, moto_opts, tmp_path):
+    """``where`` on the object stores only: their commit is a conditional index write that a
+    second save can overtake in the same thread (a local save holds the writer lock instead)."""
+    return backends.fresh(request.param, tmp_path, moto_opts, "rec")
 
 
-def _put(url, opts, name, data: bytes) -> None:
-    _store(url, opts).put(name, data)
-
-
-def _names(url, opts) -> set[str]:
-    return set(_store(url, opts).listing())
+_store, _put, _names = backends.store, backends.put, backends.names
 
 
 def test_user_objects_of_any_name_survive_save_overwrite_and_removal(where):
@@ -142,8 +129,8 @@ def _racing(monkeypatch, url, opts, other):
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_two_saves_race_one_whole_checkpoint_later_commit_refused(where, monkeypatch, existing):
-    url, opts = where
+def test_two_saves_race_one_whole_checkpoint_later_commit_refused(object_store, monkeypatch, existing):
+    url, opts = object_store
     if existing:
         checkpoint.save({"w": torch.zeros(5)}, url, storage_options=opts)
     winner = {}
@@ -162,8 +149,8 @@ def test_two_saves_race_one_whole_checkpoint_later_commit_refused(where, monkeyp
     assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.full((5,), 2.0))
 
 
-def test_first_save_refused_when_another_committed_first(where, monkeypatch):
-    url, opts = where
+def test_first_save_refused_when_another_committed_first(object_store, monkeypatch):
+    url, opts = object_store
     _racing(monkeypatch, url, opts, lambda: checkpoint.save({"w": torch.ones(2)}, url, storage_options=opts))
     with pytest.raises(ConcurrentSaveError):  # overwrite=False: If-None-Match refuses it
         checkpoint.save({"w": torch.zeros(2)}, url, storage_options=opts)
@@ -171,8 +158,8 @@ def test_first_save_refused_when_another_committed_first(where, monkeypatch):
     assert checkpoint.load(t, url, storage_options=opts).ok and torch.equal(t["w"], torch.ones(2))
 
 
-def test_removal_racing_a_save_keeps_the_new_checkpoint(where, monkeypatch):
-    url, opts = where
+def test_removal_racing_a_save_keeps_the_new_checkpoint(object_store, monkeypatch):
+    url, opts = object_store
     checkpoint.save({"w": torch.zeros(3)}, url, storage_options=opts)
     store = _store(url, opts)
     real = type(store).get_tagged
@@ -190,15 +177,15 @@ def test_removal_racing_a_save_keeps_the_new_checkpoint(where, monkeypatch):
     assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.ones(3))
 
 
-@pytest.mark.parametrize("atomic_backend", ["file", "s3"])
-def test_concurrent_saves_leave_one_whole_checkpoint(atomic_backend, moto_opts, tmp_path):
-    """Four threads save to one checkpoint at once (overwrite=True), on the backends whose index
-    write is atomic compare-and-swap: each save commits or raises ConcurrentSaveError; the
-    checkpoint left is whole (verify reads every byte), holds the values of a save that returned,
-    and nothing is left behind (no staging manifest, no object no index names)."""
+def test_concurrent_saves_leave_one_whole_checkpoint(where):
+    """Four threads save to one checkpoint at once (overwrite=True), on every backend (local: one
+    at a time under the writer lock, the last wins; ``memory://`` and S3: atomic compare-and-swap
+    of the index): each save commits or raises ConcurrentSaveError; the checkpoint left is whole
+    (verify reads every byte), holds the values of a save that returned, and nothing is left
+    behind (no staging manifest or directory, no object no index names)."""
     import threading
 
-    url, opts = (f"file://{tmp_path}/ck", None) if atomic_backend == "file" else (f"s3://rec/{uuid.uuid4().hex[:8]}/ck", moto_opts)
+    url, opts = where
     checkpoint.save({"w": torch.zeros(64)}, url, storage_options=opts)
     barrier, results = threading.Barrier(4), {}
 
@@ -225,3 +212,22 @@ def test_concurrent_saves_leave_one_whole_checkpoint(atomic_backend, moto_opts, 
     index = remote_commit.parse_index(store.get("model.safetensors.index.json"))
     assert _names(url, opts) == {"model.safetensors.index.json", *index.files()}
     assert store.uploads() == []
+
+
+def test_local_removal_waits_for_a_save_holding_the_writer_lock(tmp_path):
+    """Local retention racing a save: the removal takes the checkpoint's writer lock, so it runs
+    before or after a save, never between its commit and its cleanup (local names are not unique
+    per save: a removal in between would delete the new checkpoint's files)."""
+    import threading
+
+    path = str(tmp_path / "ck")
+    checkpoint.save({"w": torch.zeros(3)}, path)
+    store = backends.store(path, None)
+    done = threading.Event()
+    with store.writer_lock():  # what a save holds from its start to its cleanup
+        t = threading.Thread(target=lambda: (remote_commit.remove_checkpoint(store), done.set()))
+        t.start()
+        assert not done.wait(0.3)
+        assert "model.safetensors.index.json" in store.listing()
+    t.join(10)
+    assert done.is_set() and not (tmp_path / "ck").exists()

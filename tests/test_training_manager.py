@@ -110,7 +110,7 @@ def test_bad_arguments():
 
 BEFORE_COMMIT = ["after_lock", "after_file_create", "after_tensor_write", "after_file_fsync",
                  "before_index_write", "after_staging_fsync", "before_commit_rename"]  # fmt: skip
-AFTER_COMMIT = ["after_commit_rename", "manager_before_retention", "manager_after_retention_rename"]
+AFTER_COMMIT = ["after_commit_rename", "manager_before_retention", "removal_after_index"]
 
 
 @pytest.mark.slow
@@ -145,7 +145,7 @@ def test_kills_during_background_writes_leave_latest_complete(tmp_path):
         assert extra["step"] == step and checkpoint.verify(mgr.latest()).ok, what
         # Retention ran after step 1 (kept 0, 1); after step 2's commit it may not have run yet.
         assert mgr.steps() in (([0, 1, 2], [1, 2]) if step == 2 else ([0, 1],)), what
-        if trial.get("point") == "manager_after_retention_rename":
+        if trial.get("point") == "removal_after_index":  # step 0's index gone, its shards not yet
             assert mgr.steps() == [1, 2], what
         # Nothing half-written is left beside the checkpoints once the job restarted and saved.
         mgr.save(3, target)

@@ -184,21 +184,18 @@ def _inspect_parts(parts, data: dict) -> list[str]:
 
 
 def _inspect_leftovers(path, data: dict) -> list[str]:
-    """``data["leftovers"]`` and text lines: what killed saves left at a URL checkpoint (staging
-    manifests, the objects they name, incomplete multipart uploads), removed by the next save there."""
-    from ..storage.urls import is_url
+    """``data["leftovers"]`` and text lines: what killed saves left at a checkpoint, local or at a
+    URL (staging manifests and directories, the objects they name, incomplete multipart uploads),
+    removed by the next save there (:func:`checkpoint.storage.commit.leftovers`)."""
+    from ..storage.location import resolve, store_of
+    from ..storage.commit import leftovers
 
-    if not is_url(path):
-        return []
-    from ..storage.location import resolve
-    from ..storage.remote_commit import leftovers
-
-    left = leftovers(resolve(path))
+    left = leftovers(store_of(resolve(path)))
     if not any(left.values()):
         return []
     data["leftovers"] = left
     return [
-        f"  leftovers of unfinished saves (removed by the next save here): {len(left['staging'])} staging manifest(s) "
+        f"  leftovers of unfinished saves (removed by the next save here): {len(left['staging'])} staging manifest(s) / dir(s) "
         f"{left['staging']}, objects {left['objects']}, incomplete multipart uploads {left['uploads']}"
     ]
 

@@ -154,38 +154,25 @@ class ManagerRoot:
 def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     """``path`` as a manager root (a directory that is no checkpoint itself, with ``step-*``
     entries), else None. Changes nothing (a manager's constructor would clean up leftovers)."""
+    from ..storage.bytestore import LocalStore
+    from ..storage.commit import is_committed
+    from ..storage.location import resolve
     from ..storage.urls import is_url
 
     if is_url(path):
-        return _remote_manager_root(path)
-    root = os.fspath(path)
-    if not os.path.isdir(root) or os.path.isfile(os.path.join(root, index_name(MODEL_PREFIX))):
-        return None
-    names = os.listdir(root)
-    if not any(n.startswith("step-") for n in names):
-        return None
-    if any(n == ".metadata" or n.endswith((".safetensors", ".index.json", ".pt", ".pth", ".bin")) for n in names):
-        return None  # a checkpoint of another format that happens to hold a step-* entry
-    from ..training.manager import foreign_step_entries, list_steps, step_dir_name
-
-    steps = [(s, os.path.join(root, step_dir_name(s)), ok) for s, ok in list_steps(root)]
-    return ManagerRoot(root, steps, foreign_step_entries(root))
-
-
-
-
-def _remote_manager_root(url) -> ManagerRoot | None:
-    """:func:`manager_root` of a URL prefix: the same rule over a listing of its objects."""
-    from ..storage.location import resolve
-    from ..storage.remote_commit import is_committed
-    from ..training.manager import parse_step_dir_name
-
-    store = resolve(url)
+        store = resolve(path)
+    else:  # the same rule over the local byte store
+        root = os.fspath(path)
+        if not os.path.isdir(root):
+            return None
+        store = LocalStore(root, root)
     listing = store.listing()
     if index_name(MODEL_PREFIX) in listing or not any(n.startswith("step-") for n in listing):
         return None
     if any(n == ".metadata" or n.endswith((".safetensors", ".index.json", ".pt", ".pth", ".bin")) for n in listing):
-        return None
+        return None  # a checkpoint of another format that happens to hold a step-* entry
+    from ..training.manager import parse_step_dir_name
+
     steps, foreign = [], []
     for name, (kind, _) in sorted(listing.items()):
         step = parse_step_dir_name(name)

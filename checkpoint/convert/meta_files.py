@@ -13,13 +13,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ..atomic import StagedCheckpoint, fsync_path
+from ..errors import CheckpointExistsError
+from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, owned_objects
 from ..storage.layout import TensorSpec
+from ..storage.location import is_remote
 
 SHARD_FILE = "consolidated.{:02d}.pth"
 _TARGET = re.compile(r"^consolidated\.(\d+)\.pth/(.+)$")
@@ -36,10 +40,19 @@ def split_shard_target(name: str) -> tuple[int, str]:
     return (int(m.group(1)), m.group(2)) if m else (0, name)
 
 
-def write_meta_checkpoint(path: str | os.PathLike, specs: Sequence[TensorSpec], fetch: Callable[[TensorSpec], torch.Tensor],
+def write_meta_checkpoint(path, specs: Sequence[TensorSpec], fetch: Callable[[TensorSpec], torch.Tensor],
                           extra: Mapping[str, bytes], overwrite: bool) -> None:  # fmt: skip
     """Write ``specs`` (named by :func:`shard_target` when there are several shards) as Meta's
-    ``consolidated.NN.pth`` files plus the ``extra`` files (``params.json``, the report) at ``path``.
+    ``consolidated.NN.pth`` files plus the ``extra`` files (``params.json``, the report) at ``path``
+    (a local path, or a byte store: ``memory://``, ``s3://``), with fqnckpt's record
+    (:data:`checkpoint.storage.commit.RECORD`, every file written): an overwrite or a removal
+    deletes what the record names, never a file for its name.
+
+    Locally committed atomically like every checkpoint (:class:`checkpoint.atomic.StagedCheckpoint`).
+    On object storage the files keep their names (Meta's readers glob ``consolidated.*.pth``): the
+    previous checkpoint's record is removed first, the files are uploaded, the record written last
+    (the commit marker), then what only the previous record named is deleted; an overwrite killed
+    midway leaves no record (see the README's storage section).
 
     Every tensor gets its own storage (a shard's piece of a joined tensor is a view; saved as is,
     its whole base would be pickled). Memory: ``torch.save`` pickles a whole dict per file, so each
@@ -49,24 +62,65 @@ def write_meta_checkpoint(path: str | os.PathLike, specs: Sequence[TensorSpec], 
     the cost of writing each byte twice. The spill files are removed before the commit.
 
     Raises:
-        CheckpointExistsError: ``path`` exists and ``overwrite`` is False (or is not a checkpoint).
-        OSError: writing failed; nothing is committed at ``path``.
+        CheckpointExistsError: a checkpoint is at ``path`` and ``overwrite`` is False, or a file
+            the save writes is there and no record names it.
+        OSError / CheckpointWriteError: writing failed; nothing is committed at ``path``.
     """
-    by_shard: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    if is_remote(path):
+        with tempfile.TemporaryDirectory(prefix=".fqnckpt-meta-") as tmp:
+            names = _write_files(tmp, specs, fetch, extra)
+            _upload(path, tmp, names, overwrite)
+        return
     with StagedCheckpoint(os.fspath(path), overwrite) as st:
-        spill = os.path.join(st.dir, ".spill")
-        os.mkdir(spill)
-        for i, spec in enumerate(specs):  # group order: the plan computes each group once
-            shard, key = split_shard_target(spec.fqn)
-            by_shard[shard][key] = _spilled(fetch(spec), os.path.join(spill, str(i)))
-        for shard in sorted(by_shard):
-            f = os.path.join(st.dir, SHARD_FILE.format(shard))
-            torch.save(by_shard.pop(shard), f)
-            fsync_path(f)
-        shutil.rmtree(spill)
-        for name, data in extra.items():
-            st.write_file(name, data)
+        names = _write_files(st.dir, specs, fetch, extra)
+        st.write_file(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode())
         st.commit()
+
+
+def _write_files(d: str, specs, fetch, extra: Mapping[str, bytes]) -> list[str]:
+    """The shard files and ``extra`` written and fsynced into directory ``d``; their names."""
+    by_shard: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    spill = os.path.join(d, ".spill")
+    os.mkdir(spill)
+    for i, spec in enumerate(specs):  # group order: the plan computes each group once
+        shard, key = split_shard_target(spec.fqn)
+        by_shard[shard][key] = _spilled(fetch(spec), os.path.join(spill, str(i)))
+    names = []
+    for shard in sorted(by_shard):
+        names.append(SHARD_FILE.format(shard))
+        f = os.path.join(d, names[-1])
+        torch.save(by_shard.pop(shard), f)
+        fsync_path(f)
+    shutil.rmtree(spill)
+    for name, data in extra.items():
+        with open(os.path.join(d, name), "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        names.append(name)
+    return names
+
+
+def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
+    """Commit the files ``names`` of directory ``d`` to object store ``store`` (see
+    :func:`write_meta_checkpoint`): the same ownership and clash rules as every save."""
+    if not overwrite and holds_checkpoint(store):
+        raise CheckpointExistsError(store.url)
+    previous = owned_objects(store)
+    check_clashes(store, names, previous)
+    store.delete([RECORD])  # from here the previous checkpoint is no longer one of ours
+    for name in names:
+        w = store.open_writer(name, os.path.getsize(os.path.join(d, name)))
+        try:
+            with open(os.path.join(d, name), "rb") as f:
+                while chunk := f.read(8 << 20):
+                    w.write(chunk)
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+    store.put(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode())
+    store.delete(sorted(previous - set(names) - {RECORD}))
 
 
 def _spilled(t: torch.Tensor, f: str) -> torch.Tensor:

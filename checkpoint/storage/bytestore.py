@@ -11,6 +11,8 @@
 ``open_writer``             a streaming writer (multipart on S3; ``close`` makes it appear)
 ``uploads`` / ``abort_upload``  writers that never finished (S3 multipart uploads, partial files)
 ``delete`` / ``delete_if``  removal, optionally only if the tag still matches
+``staging_areas``           where unfinished saves of the rename commit staged (local only)
+``writer_lock``             held by a save or removal for its whole run (local only)
 ``child`` / ``url_of``      a sub-prefix, an object's URL for messages
 ==========================  ============================================================
 
@@ -18,7 +20,7 @@ Implementations: :class:`FsspecStore` (``s3://`` through s3fs with S3's conditio
 ``memory://``, any fsspec backend; :mod:`checkpoint.storage.objstore`) and :class:`LocalStore`
 (a local directory, ``file://``: ``pread``, a temporary file renamed into place, and an ``flock``
 making the conditional writes atomic between processes). The stages above (commit:
-:mod:`~checkpoint.storage.remote_commit`, save: :mod:`~checkpoint.storage.remote_save`, read:
+:mod:`~checkpoint.storage.commit`, save: :mod:`~checkpoint.storage.remote_save`, read:
 :mod:`~checkpoint.storage.remote_reader`, the manager's retention, every CLI command) call only
 these methods, so they are written once and do not know the backend. No fsspec import here.
 """
@@ -30,13 +32,14 @@ import errno
 import fcntl
 import hashlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from .secrets import scrub, scrub_url
 
-__all__ = ["ByteStore", "ByteWriter", "LocalStore", "FsspecStore", "PreconditionFailed"]
+__all__ = ["ByteStore", "ByteWriter", "LocalStore", "FsspecStore", "PreconditionFailed", "checkpoint_lock", "sibling"]
 
 
 @runtime_checkable
@@ -69,6 +72,9 @@ class ByteStore(Protocol):
     def delete(self, names: Sequence[str]) -> None: ...
     def delete_if(self, name: str, tag: str | None) -> None: ...
     def remove_dir_if_empty(self) -> None: ...
+    def staging_areas(self) -> list[str]: ...
+    def remove_staging_area(self, name: str) -> None: ...
+    def writer_lock(self) -> contextlib.AbstractContextManager: ...
 
 
 def __getattr__(name: str):  # FsspecStore / PreconditionFailed without importing objstore up front
@@ -84,6 +90,57 @@ def _tag(data: bytes | None) -> str | None:
 
 
 _PART = ".fqnckpt-part."  # a LocalStore writer's file until close: ".fqnckpt-part.<id>.<name>"
+# The rename commit's entries (checkpoint.atomic): a save's staging directory (inside the
+# checkpoint directory, or beside a new one as ".<name>.fqnckpt-staging-<uuid>"), a decided commit
+# being rolled forward, the writer lock file beside, the earlier protocol's rename-aside copies.
+STAGING_TAG = ".fqnckpt-staging-"
+COMMIT_TAG = ".fqnckpt-commit-"
+OLD_TAG = ".fqnckpt-old-"
+LOCK_TAG = ".fqnckpt-lock"
+
+
+def split_path(path: str) -> tuple[str, str]:
+    path = os.path.abspath(path)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def sibling(path: str, tag: str, suffix: str = "") -> str:
+    """``/a/ckpt`` + tag -> ``/a/.ckpt<tag><suffix>``."""
+    parent, name = split_path(path)
+    return os.path.join(parent, f".{name}{tag}{suffix}")
+
+
+@contextlib.contextmanager
+def checkpoint_lock(path: str) -> Iterator[None]:
+    """Exclusive ``fcntl.flock`` on ``.<name>.fqnckpt-lock`` beside ``path`` (blocks until free):
+    one save (or removal) of a local checkpoint at a time. The lock file exists only while a save holds it (nothing is left beside a
+    checkpoint): it is unlinked before the lock is released, and a waiter that then wins the lock
+    on the unlinked inode sees that the name no longer leads to its inode and locks afresh (the
+    usual lock-file-with-unlink protocol; flock alone would let two savers lock different inodes)."""
+    parent, _ = split_path(path)
+    os.makedirs(parent, exist_ok=True)
+    lock = sibling(path, LOCK_TAG)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            now = os.stat(lock)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)  # releases the lock
 
 
 class LocalStore:
@@ -133,6 +190,8 @@ class LocalStore:
                     out[e.name] = ("directory", 0)
                 elif e.is_file(follow_symlinks=False):
                     out[e.name] = ("file", e.stat(follow_symlinks=False).st_size)
+                elif e.is_symlink():  # a name of the checkpoint all the same (removed, never followed, by removals)
+                    out[e.name] = ("link", e.stat().st_size if e.is_file() else 0)
             except FileNotFoundError:
                 continue  # removed since the scan (another writer's cleanup)
         return out
@@ -140,7 +199,7 @@ class LocalStore:
     def get(self, name: str) -> bytes | None:
         try:
             fd = os.open(self._p(name), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR):
@@ -246,6 +305,33 @@ class LocalStore:
         with contextlib.suppress(OSError):
             if not os.listdir(self.root):
                 os.rmdir(self.root)
+
+    def writer_lock(self) -> contextlib.AbstractContextManager:
+        """The checkpoint's writer lock (:func:`checkpoint_lock`): saves and removals one at a time."""
+        return checkpoint_lock(self.root)
+
+    def staging_areas(self) -> list[str]:
+        """Staging directories of rename commits that never committed (a killed save; under the
+        writer lock every one is dead) and the earlier protocol's rename-aside copies: inside
+        the directory (``.fqnckpt-staging-<uuid>``) and beside it (``.<name>.fqnckpt-...``)."""
+        parent, base = split_path(self.root)
+        inner = [n for n in _names(self.root) if n.startswith(STAGING_TAG)]
+        beside = [n for n in _names(parent) if n.startswith((f".{base}{STAGING_TAG}", f".{base}{OLD_TAG}"))]
+        return sorted(inner + beside)
+
+    def remove_staging_area(self, name: str) -> None:
+        parent, base = split_path(self.root)
+        if name.startswith(STAGING_TAG) and "/" not in name:
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        elif name.startswith((f".{base}{STAGING_TAG}", f".{base}{OLD_TAG}")) and "/" not in name:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _names(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 class LocalWriter:

@@ -102,7 +102,7 @@ class FqnckptMeta(BaseModel):
     alias_groups: list[Annotated[list[str], Field(min_length=2)]] = Field(default_factory=list)
     fqn_map: FQNMapFile | None = None
     optimizer: OptimizerMeta | None = None
-    # Object-store saves (checkpoint.storage.remote_commit): {file name readers ask for (e.g.
+    # Object-store saves (checkpoint.storage.commit): {file name readers ask for (e.g.
     # "extra_state.json", "optimizer.safetensors.index.json"): the object holding it in this save}.
     objects: dict[str, str] | None = None
     # xxh3-128 of the index file's bytes with this value zeroed (version 2; set when serialized).

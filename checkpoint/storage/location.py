@@ -1,6 +1,8 @@
-"""Where a checkpoint lives: a local path (today's code path, untouched: fsspec is not imported)
-or an :class:`~checkpoint.storage.objstore.ObjectStore` for a URL. Entry points call
-:func:`resolve` once and branch on :func:`is_remote`."""
+"""Where a checkpoint lives: a local path (a plain path or ``file://``; fsspec is not imported)
+or an :class:`~checkpoint.storage.objstore.ObjectStore` for any other URL. Entry points call
+:func:`resolve` once and branch on :func:`is_remote`; :func:`store_of` gives the byte store of
+either (:class:`~checkpoint.storage.bytestore.LocalStore` for a local path), the one the commit
+layer (:mod:`checkpoint.storage.commit`) works on."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ def is_remote(where: Any) -> bool:
 
 def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = None) -> Any:
     """``path`` as the local path string it is (``~`` expanded), or the byte store of a URL: a
-    :class:`~checkpoint.storage.bytestore.LocalStore` for ``file://``, an fsspec
+    :class:`~checkpoint.storage.bytestore.LocalStore` for ``file://`` (saved through the same
+    commit as a plain path: :func:`local_target`), an fsspec
     :class:`~checkpoint.storage.objstore.ObjectStore` for ``s3://``, ``memory://``, ...
     (``storage_options`` / ``transfer`` apply to it only). A byte store is returned as is.
 
@@ -44,4 +47,23 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
     return open_store(p, storage_options, transfer)
 
 
-__all__ = ["resolve", "is_remote"]
+def local_target(where: Any) -> Any:
+    """What a save writes to: a :class:`~checkpoint.storage.bytestore.LocalStore` (``file://``)
+    as its directory path, committed by rename like any local path (one commit per byte store
+    kind, :mod:`checkpoint.storage.commit`); anything else as it is."""
+    from .bytestore import LocalStore
+
+    return where.root if isinstance(where, LocalStore) else where
+
+
+def store_of(where: Any) -> Any:
+    """The byte store of :func:`resolve`'s result: itself for a URL's, a
+    :class:`~checkpoint.storage.bytestore.LocalStore` for a local path."""
+    if is_remote(where):
+        return where
+    from .bytestore import LocalStore
+
+    return LocalStore(os.fspath(where), os.fspath(where))
+
+
+__all__ = ["resolve", "is_remote", "store_of", "local_target"]

@@ -19,6 +19,7 @@ object uploads one part at a time).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -33,6 +34,7 @@ from .secrets import register, scrub, scrubber
 from .urls import redact_url, url_scheme
 from . import ownership
 
+_MEMORY_CAS = threading.Lock()  # memory:// conditional writes: compare and swap under one lock
 S3_MIN_PART = 5 << 20  # S3 refuses smaller parts (except the last one of an upload)
 
 
@@ -279,10 +281,29 @@ class ObjectStore:
     # -- writes --------------------------------------------------------------------------------
     @property
     def conditional(self) -> bool:
-        """Whether :meth:`put` / :meth:`delete_if` are atomic compare-and-swap on this backend (S3's
-        conditional requests, ``If-Match`` / ``If-None-Match``). Elsewhere (``memory://``,
-        ``file://``, other fsspec backends) they are check-then-act: a narrow race remains."""
-        return self.s3
+        """Whether :meth:`put` / :meth:`delete_if` are atomic compare-and-swap on this backend: S3's
+        conditional requests (``If-Match`` / ``If-None-Match``); ``memory://``, visible to this
+        process only, under one process-wide lock. Elsewhere (other fsspec backends) they are
+        check-then-act: a narrow race remains."""
+        return self.s3 or self._in_process
+
+    @property
+    def _in_process(self) -> bool:
+        return "memory" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def _cas(self) -> contextlib.AbstractContextManager:
+        """Held around a check-then-act conditional write or delete: atomic for ``memory://``."""
+        return _MEMORY_CAS if self._in_process else contextlib.nullcontext()
+
+    def writer_lock(self) -> contextlib.AbstractContextManager:
+        """None on object storage: its commits are conditional index writes (see :mod:`~checkpoint.storage.commit`)."""
+        return contextlib.nullcontext()
+
+    def staging_areas(self) -> list[str]:
+        return []  # object-store saves stage under their own names, listed by their manifests
+
+    def remove_staging_area(self, name: str) -> None:
+        pass
 
     def get_tagged(self, name: str) -> tuple[bytes | None, str | None]:
         """``(bytes, tag)`` of object ``name`` read in one request; ``tag`` is S3's ETag (for
@@ -320,9 +341,11 @@ class ObjectStore:
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         what = f"writing {self.url_of(name)}"
         if not self.s3 and (if_match is not None or if_absent):  # check-then-act: see `conditional`
-            if _digest_tag(self.get(name)) != (None if if_absent else if_match):
-                raise PreconditionFailed(f"{what}: the object changed")
-            if_match, if_absent = None, False
+            with self._cas():
+                if _digest_tag(self.get(name)) != (None if if_absent else if_match):
+                    raise PreconditionFailed(f"{what}: the object changed")
+                self.call(what, self._put, self.key(name), body)
+            return
         self.call(what, self._put, self.key(name), body, IfMatch=if_match, IfNoneMatch="*" if if_absent else None)
 
     def _put(self, key: str, data: bytes | bytearray, IfMatch: str | None = None, IfNoneMatch: str | None = None) -> None:  # noqa: N803 - S3's names
@@ -354,9 +377,12 @@ class ObjectStore:
 
         Raises:
             PreconditionFailed: it changed (nothing removed). ObjectStoreError: failed for good."""
-        if not self.s3 and tag is not None and _digest_tag(self.get(name)) not in (tag, None):
-            raise PreconditionFailed(f"removing {self.url_of(name)}: the object changed")
-        if not (self.s3 and tag):
+        if not self.s3:
+            with self._cas():
+                if tag is not None and _digest_tag(self.get(name)) not in (tag, None):
+                    raise PreconditionFailed(f"removing {self.url_of(name)}: the object changed")
+                return self.delete([name])
+        if not tag:
             return self.delete([name])
         bucket, path, _ = self.fs.split_path(self.key(name))
         try:

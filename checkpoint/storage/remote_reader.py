@@ -1,4 +1,4 @@
-"""Read a checkpoint on object storage (see :mod:`checkpoint.storage.remote_commit`) with ranged
+"""Read a checkpoint on object storage (see :mod:`checkpoint.storage.commit`) with ranged
 reads only: per shard object one GET of its header, then per tensor (or per rank's slice of it)
 only its byte ranges.
 

@@ -1,5 +1,5 @@
 """Write a planned checkpoint to object storage, committed without rename
-(:mod:`checkpoint.storage.remote_commit`): one process, or every rank of a distributed save.
+(:mod:`checkpoint.storage.commit`): one process, or every rank of a distributed save.
 
 Each shard file is uploaded by one rank (file ``j`` by rank ``j % world_size``), front to back
 through the byte store's streaming writer (a bounded multipart upload on S3, a renamed file locally); its
@@ -26,7 +26,7 @@ from . import digest
 from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
 from .layout import FilePlan, Layout, TensorSlot
 from .bytestore import ByteStore, ByteWriter
-from .remote_commit import MODEL_INDEX, RemoteCommit, stored_name
+from .commit import MODEL_INDEX, RemoteCommit, stored_name
 from .writer import check_matches, stats, tensor_bytes
 
 # Files of a save renamed per save (readers find them through the model index); other extra
@@ -121,7 +121,7 @@ def save_remote(
             named = [stored_name(f.name, token) for _, _, f in files]
             named += [_object_name(x, token) for x in extra_files if _object_name(x, token) != x]
             named += [stored_name(index_name(p.prefix), token) for p in parts if p.prefix != MODEL_PREFIX]
-            commit.begin(named)
+            commit.begin(named, plain=[x for x in extra_files if _object_name(x, token) == x])
         except BaseException as e:  # noqa: BLE001 - agreed below
             err = _wrap(store, e, 0 if distributed else None)
     if distributed:

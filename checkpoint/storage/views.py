@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from . import paths
 from .bytestore import ByteStore
-from .remote_commit import MODEL_INDEX
+from .commit import MODEL_INDEX
 from .st_header import parse_index_bytes
 
 _views = threading.local()

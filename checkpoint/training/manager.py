@@ -4,18 +4,18 @@ with retention.
 ``root/step-00000100`` is a checkpoint in fqnckpt's (Hugging Face) layout, committed atomically by
 :func:`checkpoint.save` / :func:`checkpoint.async_save`, so a step directory is visible only once
 complete and a kill at any moment leaves :meth:`CheckpointManager.latest` on a complete checkpoint.
-Retention removes a checkpoint by first renaming it to a hidden ``.step-X.fqnckpt-deleting-<uuid>``
-(atomic, so it disappears whole), then deleting that; leftovers of a killed removal are deleted
-by the next manager on rank 0.
-
 Under a URL root (``s3://bucket/run``, ``memory://...``; ``storage_options`` go to fsspec) a step
 is the object prefix ``root/step-00000100/``, committed by its model index written last
-(:mod:`checkpoint.storage.remote_commit`); retention deletes a step's model index first, then the
-objects it owned.
+(:mod:`checkpoint.storage.commit`). Steps, completeness and retention are one code path over the
+root's byte store (:class:`~checkpoint.storage.bytestore.LocalStore` for a local root):
+retention removes a step with :func:`checkpoint.storage.commit.remove_checkpoint`, its model
+index first (from then on the step is incomplete, never loaded), then only the files its records
+name; a user's file in a step directory stays (and so does the directory). A step left without
+an index by a killed save or removal is removed by the next retention.
 
 Fault points (``checkpoint._faults``) of the manager, for crash tests:
-``manager_before_retention`` (committed, nothing removed) and ``manager_after_retention_rename``
-(one old checkpoint renamed aside, not yet deleted).
+``manager_before_retention`` (committed, nothing removed) and ``manager_after_retention_removal``
+(one old checkpoint removed).
 """
 
 from __future__ import annotations
@@ -24,23 +24,20 @@ import contextlib
 import os
 import re
 import shutil
-import uuid
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 from .. import _faults, atomic
-from ..atomic import fsync_path
 from ..ranks import dist
 from ..errors import CheckpointError
-from ..storage.extra_state import PerRank, rank_file_name, read_extra_state_file
-from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
+from ..storage.extra_state import PerRank, read_extra_state_file
+from ..storage.bytestore import LocalStore
 from ..storage.location import is_remote, resolve
-from ..storage.remote_commit import is_committed, remove_checkpoint
+from ..storage.commit import is_committed, remove_checkpoint
 from .async_save import AsyncSaver, SaveFuture
 from .rng_state import RNGState
 
@@ -79,38 +76,13 @@ def _own_hidden(name: str, pattern: re.Pattern) -> bool:
 
 
 def is_complete(path: str) -> bool:
-    """A committed checkpoint directory: its model index (and optimizer index, if any) parses,
-    every shard file it names exists with the byte size recorded, and so does every per-rank
-    extra-state file its ``extra_state.json`` lists. No tensor data is read."""
+    """A committed checkpoint directory (:func:`checkpoint.storage.commit.is_committed` on its
+    :class:`~checkpoint.storage.bytestore.LocalStore`, as on object storage): its model index (and
+    optimizer index, if any) parses, every file its records name exists, shards with the byte
+    size recorded. No tensor data is read."""
     if not os.path.isdir(path) or os.path.islink(path):
         return False
-    model_index = os.path.join(path, index_name(MODEL_PREFIX))
-    if not os.path.isfile(model_index):
-        return False
-    for prefix in (MODEL_PREFIX, OPTIMIZER_PREFIX):
-        p = os.path.join(path, index_name(prefix))
-        if prefix != MODEL_PREFIX and not os.path.isfile(p):
-            continue
-        try:
-            with open(p, "rb") as f:
-                index = IndexFile.model_validate_json(f.read())
-        except (OSError, ValidationError, ValueError):
-            return False
-        meta = index.metadata.fqnckpt
-        for name in index.files():
-            fp = os.path.join(path, name)
-            if "/" in name or not os.path.isfile(fp):
-                return False
-            if meta is not None and name in meta.files and os.path.getsize(fp) != meta.files[name].size:
-                return False
-    try:  # every per-rank extra-state file extra_state.json lists (a corrupt file: load names it)
-        doc = read_extra_state_file(path)
-    except CheckpointError:
-        return True
-    if doc is not None and doc.per_rank is not None:
-        w = doc.per_rank.world_size
-        return all(os.path.isfile(os.path.join(path, rank_file_name(r, w))) for r in range(w))
-    return True
+    return is_committed(LocalStore(path))
 
 
 RNG_KEY = "fqnckpt.rng"  # the manager's per-rank RNG entry in extra_state
@@ -128,30 +100,33 @@ def _per_rank_savable(module: Any) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def list_steps(root: str) -> list[tuple[int, bool]]:
-    """``(step, complete)`` for each directory under ``root`` named as :func:`step_dir_name` names
+def _steps_in(store: Any) -> list[tuple[int, bool]]:
+    """``(step, complete)`` of each directory under ``store`` named as :func:`step_dir_name` names
     it (a plain directory, not a symlink), ascending. Reads indexes only; changes nothing."""
-    out = []
-    for name in os.listdir(root):
-        step = parse_step_dir_name(name)
-        p = os.path.join(root, name)
-        if step is not None and os.path.isdir(p) and not os.path.islink(p):
-            out.append((step, is_complete(p)))
-    return sorted(out)
+    return [
+        (step, is_committed(store.child(name))) for name, (kind, _) in sorted(store.listing().items())
+        if kind == "directory" and (step := parse_step_dir_name(name)) is not None
+    ]  # fmt: skip
+
+
+def _foreign_in(store: Any) -> list[str]:
+    """Names under ``store`` starting ``step-`` that a manager did not write: another spelling
+    (``step-5``, ``step-abc``, ``step-00000005.bak``), or not a plain directory (a file or a
+    symlink named ``step-00000007``). Sorted."""
+    return sorted(
+        n for n, (kind, _) in store.listing().items()
+        if n.startswith("step-") and (parse_step_dir_name(n) is None or kind != "directory")
+    )  # fmt: skip
+
+
+def list_steps(root: str) -> list[tuple[int, bool]]:
+    """:func:`_steps_in` of local directory ``root``."""
+    return _steps_in(LocalStore(root))
 
 
 def foreign_step_entries(root: str) -> list[str]:
-    """Names under ``root`` starting ``step-`` that a manager did not write: another spelling
-    (``step-5``, ``step-abc``, ``step-00000005.bak``), or not a plain directory (a file or a
-    symlink named ``step-00000007``). Sorted."""
-    out = []
-    for name in os.listdir(root):
-        if not name.startswith("step-"):
-            continue
-        p = os.path.join(root, name)
-        if parse_step_dir_name(name) is None or os.path.islink(p) or not os.path.isdir(p):
-            out.append(name)
-    return sorted(out)
+    """:func:`_foreign_in` of local directory ``root``."""
+    return _foreign_in(LocalStore(root))
 
 
 class CheckpointManager:
@@ -203,8 +178,10 @@ class CheckpointManager:
         ):
             raise ValueError(f"keep_latest must be None or an int >= 1, got {keep_latest!r}")
         where = resolve(root, storage_options, transfer)
-        self._store = where if is_remote(where) else None  # object storage (s3://...): see module docstring
-        self.root = str(where) if self._store is not None else os.path.abspath(where)
+        self._remote = is_remote(where)  # a URL: steps saved and read through its byte store
+        self.root = str(where) if self._remote else os.path.abspath(where)
+        # One byte store under both: steps, retention and leftovers are the same code locally.
+        self._store = where if self._remote else LocalStore(self.root)
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
         self.background_staging = background_staging
@@ -212,10 +189,10 @@ class CheckpointManager:
         self._future: SaveFuture | None = None
         self._step_hook: Any = None  # see _prepare_soon
         self.last_report = None  # LoadReport of the last load_latest
-        if self._store is None:
+        if not self._remote:
             os.makedirs(self.root, exist_ok=True)
         if dist.rank() == 0:
-            if self._store is None:
+            if not self._remote:
                 self._remove_deleting()
             foreign = self.foreign_entries()
             if foreign:
@@ -229,33 +206,22 @@ class CheckpointManager:
     # -- finding checkpoints -------------------------------------------------------------------
     def path(self, step: int) -> str:
         """Where step ``step`` is (or would be) saved (a URL under an ``s3://`` root)."""
-        if self._store is not None:
+        if self._remote:
             return f"{self.root}/{step_dir_name(step)}"
         return os.path.join(self.root, step_dir_name(step))
 
     def _where(self, step: int) -> Any:
         """Where :func:`checkpoint.save` / :func:`checkpoint.load` take step ``step``."""
-        return self._store.child(step_dir_name(step)) if self._store is not None else self.path(step)
+        return self._store.child(step_dir_name(step)) if self._remote else self.path(step)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints under ``root``, ascending: only directories named as
         :func:`step_dir_name` names them (see :meth:`foreign_entries` for the rest)."""
-        if self._store is not None:
-            return [
-                step for name, (kind, _) in sorted(self._store.listing().items())
-                if kind == "directory" and (step := parse_step_dir_name(name)) is not None
-                and is_committed(self._store.child(name))
-            ]  # fmt: skip
-        return [step for step, complete in list_steps(self.root) if complete]
+        return [step for step, complete in _steps_in(self._store) if complete]
 
     def foreign_entries(self) -> list[str]:
         """See :func:`foreign_step_entries`: never loaded, never removed by retention."""
-        if self._store is not None:
-            return sorted(
-                n for n, (kind, _) in self._store.listing().items()
-                if n.startswith("step-") and (parse_step_dir_name(n) is None or kind != "directory")
-            )  # fmt: skip
-        return foreign_step_entries(self.root)
+        return _foreign_in(self._store)
 
     def latest(self) -> str | None:
         """Path of the newest (highest step) complete checkpoint, or None."""
@@ -441,7 +407,7 @@ class CheckpointManager:
         without a :meth:`prepare` by hand (issue 35: 10.7x without). Optimizer state that does not
         exist yet (AdamW's before its first step) is touched after the optimizer's next ``step()``
         (a step post-hook that removes itself). Not for object storage, whose staging differs."""
-        if self._saver is None or self._store is not None:
+        if self._saver is None or self._remote:
             return
         try:
             self._saver.prepare(module, optimizer=optimizer, background=True)
@@ -464,7 +430,7 @@ class CheckpointManager:
         self._step_hook = optimizer.register_step_post_hook(after_first_step)
 
     def _view(self, where: Any):
-        if self._store is None:
+        if not self._remote:
             return contextlib.nullcontext()
         from ..storage.remote_reader import remote_view
 
@@ -479,32 +445,18 @@ class CheckpointManager:
         keep = set(steps[-self.keep_latest :]) | {written}
         if steps:
             keep.add(steps[-1])
-        if self._store is not None:  # also older step prefixes without a committed index: leftovers
-            listed = [parse_step_dir_name(n) for n, (kind, _) in self._store.listing().items() if kind == "directory"]
-            steps = sorted(set(steps) | {s for s in listed if s is not None and s < written})
+        # also older step directories without a committed index: leftovers of killed saves or removals
+        listed = [parse_step_dir_name(n) for n, (kind, _) in self._store.listing().items() if kind == "directory"]
+        steps = sorted(set(steps) | {s for s in listed if s is not None and s < written})
         for step in steps:
             if step in keep:
                 continue
-            if self._store is not None:  # the index first: from then on no reader takes it
-                try:
-                    remove_checkpoint(self._where(step), unborn=True)  # older steps: no save may still write there
-                except (OSError, CheckpointError) as e:  # the new step is committed: not its failure
-                    warnings.warn(f"{self.path(step)}: retention could not remove it ({e}); retried after the next save", stacklevel=2)
+            try:  # the model index first: from then on no reader takes it for a checkpoint
+                remove_checkpoint(self._store.child(step_dir_name(step)), unborn=True)  # older steps: no save may still write there
+            except (OSError, CheckpointError) as e:  # the new step is committed: not its failure
+                warnings.warn(f"{self.path(step)}: retention could not remove it ({e}); retried after the next save", stacklevel=2)
                 continue
-            path = self.path(step)
-            aside = os.path.join(self.root, f".{step_dir_name(step)}{DELETING_TAG}{uuid.uuid4().hex}")
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                continue  # removed by someone else meanwhile
-            fsync_path(self.root)
-            _faults.fault_point("manager_after_retention_rename")
-            shutil.rmtree(aside, ignore_errors=True)
-            # The lock file would otherwise stay forever, one per step ever saved; a save of this
-            # retired step racing with its removal is not a use the manager has.
-            with atomic.checkpoint_lock(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(atomic.sibling(path, atomic.LOCK_TAG))
+            _faults.fault_point("manager_after_retention_removal")
 
     def _remove_deleting(self) -> None:
         """Remove leftovers of killed removals, and of killed saves (staging dirs; an interrupted

@@ -1,0 +1,440 @@
+"""How a checkpoint is committed on a byte store, what it owns, what killed saves leave and how it
+is removed: written once over :class:`~checkpoint.storage.bytestore.ByteStore` for every backend
+(plain local paths and ``file://`` through :class:`~checkpoint.storage.bytestore.LocalStore`,
+``memory://`` and ``s3://`` through fsspec). Only the commit point differs, by what the store
+offers:
+
+- **rename** (:class:`~checkpoint.storage.bytestore.LocalStore`): the save's files are written
+  in a staging directory under the checkpoint's writer lock and renamed into place
+  (:class:`checkpoint.atomic.StagedCheckpoint`); file names stay Hugging Face's.
+- **no rename** (object stores, :class:`RemoteCommit` below): the model index is the commit
+  marker, every other object carries the save's token.
+
+Written once for both (this module): what a checkpoint owns (:func:`owned_objects`: only what a
+record fqnckpt wrote names), whether it is complete (:func:`is_committed`), what killed saves
+left (:func:`leftovers`, listed by ``inspect``) and their removal (:func:`clean_dead`, by every
+commit), the removal of a checkpoint (:func:`remove_checkpoint`, the manager's retention). What
+each backend guarantees to concurrent writers is in the README (storage section).
+
+The object-store commit:
+
+1. The save reads the model index there (its bytes and, on S3, its ETag) and writes a staging
+   manifest, ``.fqnckpt-staging.<token>.json`` (:class:`StagingManifest`), before its first
+   part: the save's token (12 hex digits), the digest of the index it started from (``base``) and
+   every object name it will write.
+2. Every object of the save except the model index gets a name unique to the save: the token
+   after the first dot, ``model-00001-of-00002.<token>.safetensors``, ``extra_state.<token>.json``,
+   ``optimizer.<token>.safetensors.index.json`` (Hugging Face configs such as ``config.json``
+   keep their names: transformers reads them by name). Each rank uploads its own shard files;
+   rank 0 the small files.
+3. Once every rank's uploads are complete, rank 0 writes ``model.safetensors.index.json`` as one
+   PUT (readers see the old bytes or the new, whole), conditional on the index it started from:
+   S3 ``If-Match: <ETag>`` (``If-None-Match: *`` when there was none), so of two concurrent saves
+   the later commit is refused (:class:`~checkpoint.errors.ConcurrentSaveError`, its own objects
+   removed) and the index never names objects another save deleted. Backends without conditional
+   writes (``memory://``, ``file://``) re-read the index just before the PUT: a narrow race
+   remains there (one writer at a time, as the README says per backend).
+4. Only then are deleted: the objects the previous index owned (:func:`owned_objects`) and not
+   the new one; and of every other staging manifest that can no longer commit (its ``base`` is not
+   the new index), the objects it names that carry its token, its incomplete multipart uploads
+   (S3 ``list_multipart_uploads`` filtered to those names) and the manifest. Our manifest last.
+   Objects no fqnckpt record names are never deleted, whatever their names.
+
+A reader fetches the model index once and reads only the objects it names (see
+:mod:`checkpoint.storage.remote_reader`): a killed save (no new index) leaves the previous
+checkpoint readable; a checkpoint without an index is not one; the objects of two saves never
+mix, since names are unique per save. A reader still reading a checkpoint whose objects a newer
+save deleted gets :class:`~checkpoint.errors.MissingShardError` / ``LoadError``, never the
+newer bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+import warnings
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .. import _faults
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError, LoadError
+from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
+from .bytestore import ByteStore
+from .objstore import PreconditionFailed
+
+MODEL_INDEX = index_name(MODEL_PREFIX)
+_TOKENED = re.compile(r"^[^./\\]+\.([0-9a-f]{12})\..+$")
+STAGING_PREFIX = ".fqnckpt-staging."
+_STAGING = re.compile(r"^\.fqnckpt-staging\.([0-9a-f]{12})\.json$")
+
+
+class StagingManifest(BaseModel):
+    """``.fqnckpt-staging.<token>.json``: written by a save before its first part (see module
+    docstring). ``base``: sha256 (hex) of the model index bytes the save started from, None when
+    there was none; ``objects``: the names the save writes (each carries ``token``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["fqnckpt-staging-1"] = "fqnckpt-staging-1"
+    token: str = Field(pattern=r"^[0-9a-f]{12}$")
+    base: str | None
+    objects: list[str]
+
+
+def staging_name(token: str) -> str:
+    return f"{STAGING_PREFIX}{token}.json"
+
+
+def index_digest(raw: bytes | None) -> str | None:
+    return hashlib.sha256(raw).hexdigest() if raw is not None else None
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def stored_name(name: str, token: str) -> str:
+    """``model-00001-of-00002.safetensors`` -> ``model-00001-of-00002.<token>.safetensors``."""
+    head, _, rest = name.partition(".")
+    return f"{head}.{token}.{rest}" if rest else f"{head}.{token}"
+
+
+def token_of(name: str) -> str | None:
+    """The save token in an object name fqnckpt wrote, else None."""
+    m = _TOKENED.match(name)
+    return m.group(1) if m else None
+
+
+def parse_index(raw: bytes | None) -> IndexFile | None:
+    if raw is None:
+        return None
+    try:
+        return IndexFile.model_validate_json(raw)
+    except (ValidationError, ValueError):
+        return None
+
+
+# Files a checkpoint without a record of fqnckpt's (another tool's, or fqnckpt's before its model
+# index listed every file) owns by name: the ones its readers open by name or glob, so that an
+# overwrite leaves none of them stale. With a record, only what the record names is owned.
+UNRECORDED_NAMES = frozenset(
+    [MODEL_INDEX, index_name(OPTIMIZER_PREFIX), f"{MODEL_PREFIX}.safetensors", f"{OPTIMIZER_PREFIX}.safetensors",
+     "migration_report.json", "conversion_report.json", "extra_state.json"]
+)  # fmt: skip
+_MODEL_PARALLEL = re.compile(r"^consolidated\.\d{2,}\.pth$")  # Meta's shards: its readers glob these names
+RECORD = ".fqnckpt-record.json"  # the record of a checkpoint without a model index (Meta's layout)
+
+
+class ObjectRecord(BaseModel):
+    """:data:`RECORD`: every object a save of a layout without a model index wrote (Meta's
+    ``consolidated.NN.pth``, ``params.json``, the report), written last; what an overwrite or a
+    removal of that checkpoint deletes."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["fqnckpt-record-1"] = "fqnckpt-record-1"
+    objects: list[str]
+
+
+def _plain(name: object) -> bool:
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
+def _record(store: ByteStore) -> ObjectRecord | None:
+    try:
+        return ObjectRecord.model_validate_json(store.get(RECORD) or b"")
+    except (ValidationError, ValueError):
+        return None
+
+
+def _per_rank_files(store: ByteStore) -> list[str]:
+    """The per-rank extra-state files an unrecorded checkpoint's ``extra_state.json`` lists
+    (``per_rank.world_size``; read as plain JSON: inspect imports no torch)."""
+    try:
+        doc = json.loads(store.get("extra_state.json") or b"null")
+        world = doc["per_rank"]["world_size"] if isinstance(doc, dict) and isinstance(doc.get("per_rank"), dict) else None
+    except (ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(world, int) or isinstance(world, bool) or not 0 < world < 1 << 20:
+        return []
+    return [f"extra_state.rank-{r:05d}-of-{world:05d}.json" for r in range(world)]  # extra_state.rank_file_name
+
+
+_UNREAD = object()
+
+
+def owned_objects(store: ByteStore, index: IndexFile | None | object = _UNREAD, listing: Iterable[str] | None = None) -> set[str]:
+    """Objects the checkpoint at ``store`` owns, from its records only: its model index (``index``
+    when already fetched and parsed), the shards it names, the objects of its
+    ``metadata.fqnckpt.objects`` and the shards of the optimizer index named there; or, without a
+    model index, what :data:`RECORD` names. A checkpoint without any fqnckpt record (another
+    tool's) owns the names its readers open (:data:`UNRECORDED_NAMES`, Meta's
+    ``consolidated.NN.pth`` among ``listing``) and the files its indexes name. Plain names only;
+    the same on every byte store."""
+    if index is _UNREAD:
+        index = parse_index(store.get(MODEL_INDEX))
+    owned: set[str] = set()
+    objects = None
+    if index is not None:
+        owned |= {MODEL_INDEX, *index.files()}
+        meta = index.metadata.fqnckpt
+        objects = dict(meta.objects) if meta is not None and meta.objects is not None else None
+    record = _record(store)
+    if record is not None:
+        owned |= {RECORD, *record.objects}
+    opt_name = index_name(OPTIMIZER_PREFIX)
+    if objects is not None:
+        owned.update(objects.values())
+        opt_name = objects.get(opt_name)
+    elif record is None:  # no record of ours: the names readers of this layout open
+        listing = store.listing() if listing is None else listing
+        if index is None and not holds_checkpoint(store, listing):
+            return set()  # no checkpoint: nothing here is one's
+        owned |= UNRECORDED_NAMES | set(_per_rank_files(store))
+        meta = {n for n in listing if _MODEL_PARALLEL.match(n)}
+        owned |= meta | ({"params.json"} if meta else set())  # Meta's layout: its shards and their params
+    if opt_name is not None and (index is not None or record is None):
+        opt = parse_index(store.get(opt_name)) if _plain(opt_name) else None
+        if opt is not None:
+            owned.update(opt.files())
+    return {n for n in owned if _plain(n)}
+
+
+def staged_saves(store: ByteStore, listing: Iterable[str] | None = None) -> list[StagingManifest]:
+    """The staging manifests under ``store`` (saves started and not yet cleaned up: running, or
+    killed). An object with a manifest's name whose content is not one (or whose token differs
+    from its name's) is not ours: skipped, never deleted."""
+    out = []
+    for name in sorted(store.listing() if listing is None else listing):
+        m = _STAGING.match(name)
+        if m is None:
+            continue
+        try:
+            man = StagingManifest.model_validate_json(store.get(name) or b"")
+        except (ValidationError, ValueError, LoadError):
+            continue
+        if man.token == m.group(1):
+            out.append(man)
+    return out
+
+
+def _named(man: StagingManifest) -> set[str]:
+    """The objects ``man`` names that carry its token (a manifest never leads to another name)."""
+    return {n for n in man.objects if "/" not in n and "\\" not in n and token_of(n) == man.token}
+
+
+def holds_checkpoint(store: ByteStore, listing: Iterable[str] | None = None) -> bool:
+    """Whether a checkpoint is at ``store`` (what a save without ``overwrite`` refuses to replace):
+    a model index, fqnckpt's :data:`RECORD`, a single ``model.safetensors`` or Meta's first shard."""
+    listing = store.listing() if listing is None else listing
+    return any(n in listing for n in (MODEL_INDEX, RECORD, f"{MODEL_PREFIX}.safetensors", "consolidated.00.pth"))
+
+
+def check_clashes(store: ByteStore, names: Iterable[str], owned: set[str], listing: Iterable[str] | None = None) -> None:
+    """Refuse a save that would replace an object no fqnckpt record names (a user's
+    ``config.json``, a foreign ``model-00001-of-00001.safetensors`` beside no index): ``names``
+    are the names the save writes as they are, ``owned`` what the checkpoint there owns.
+
+    Raises:
+        CheckpointExistsError: naming the objects; nothing of the save is committed."""
+    listing = store.listing() if listing is None else listing
+    clash = sorted(n for n in set(names) - owned - {MODEL_INDEX} if n in listing and not n.startswith("."))
+    if clash:
+        raise CheckpointExistsError(
+            store.url, f"{clash} exist there and no record of the checkpoint names them (not written by fqnckpt); "
+            "refusing to replace them: move them away, or save elsewhere",
+        )
+
+
+def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = None) -> dict[str, list[str]]:
+    """What unfinished saves left under ``store`` that no record of the checkpoint names:
+    ``{"staging": staging manifests and staging directories, "objects": objects the manifests
+    name that exist, "uploads": unfinished writers of those objects (S3 multipart uploads, a
+    local writer's partial file)}``. ``inspect`` lists them; the next save there removes those of
+    saves that can no longer commit (:func:`clean_dead`). The same on every byte store."""
+    listing = store.listing() if listing is None else listing
+    mans = staged_saves(store, listing)
+    named = set().union(*(_named(m) for m in mans)) if mans else set()
+    # a save killed after its commit, before its cleanup, leaves a manifest naming live objects
+    named -= owned_objects(store, listing=listing)
+    return {
+        "staging": sorted([staging_name(m.token) for m in mans] + store.staging_areas()),
+        "objects": sorted(n for n in named if n in listing),
+        "uploads": sorted(n for n, _ in store.uploads() if n in named) if mans else [],
+    }
+
+
+def _clean(store: ByteStore, dead: list[StagingManifest], keep: set[str]) -> None:
+    """Abort the uploads and delete the objects (but ``keep``) of saves ``dead``, then their manifests."""
+    if not dead:
+        return
+    named = set().union(*(_named(m) for m in dead)) - keep
+    for name, upload_id in store.uploads():
+        if name in named:
+            store.abort_upload(name, upload_id)
+    store.delete(sorted(named))
+    store.delete([staging_name(m.token) for m in dead])
+
+
+def clean_dead(store: ByteStore, keep: set[str], *, token: str | None = None, unborn: bool = False) -> None:
+    """Remove what saves that can no longer commit at ``store`` left (but ``keep``): the staging
+    manifests whose ``base`` is not the model index there now (``unborn``: also those started
+    where there was none), the objects they name and their unfinished uploads, and the store's
+    staging areas (:meth:`~checkpoint.storage.bytestore.ByteStore.staging_areas`: a local
+    save's staging directories, dead once the writer lock is held). ``token``: this save's own
+    manifest, skipped. Called by every commit and removal; the same on every byte store."""
+    now = index_digest(store.get(MODEL_INDEX))
+    dead = [m for m in staged_saves(store) if m.token != token and (m.base != now or (unborn and m.base is None))]
+    _clean(store, dead, keep)
+    for area in store.staging_areas():
+        store.remove_staging_area(area)
+
+
+class RemoteCommit:
+    """One save's commit on ``store`` (see module docstring). Create it (checks the target),
+    :meth:`begin` with the names the save writes, name objects with :meth:`name`, then
+    :meth:`commit` with the model index bytes (or :meth:`abort`).
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is False.
+        CheckpointWriteError: the model index could not be read.
+    """
+
+    def __init__(self, store: ByteStore, overwrite: bool):
+        self.store, self.token = store, new_token()
+        try:
+            raw, self.tag = store.get_tagged(MODEL_INDEX)
+        except LoadError as e:  # a save: the failure is a write failure, named as such
+            raise CheckpointWriteError(store.url, str(e)) from None
+        if not overwrite and (raw is not None or holds_checkpoint(store)):
+            raise CheckpointExistsError(store.url)
+        self.raw = raw
+        self.base = index_digest(raw)
+        self.previous = parse_index(raw)  # an index that does not parse owns nothing we can name
+        self.manifest: StagingManifest | None = None
+        self.committed = False
+
+    def name(self, logical: str) -> str:
+        """The object name of file ``logical`` in this save (the model index keeps its name)."""
+        return logical if logical == MODEL_INDEX else stored_name(logical, self.token)
+
+    def begin(self, objects: Iterable[str], plain: Iterable[str] = ()) -> None:
+        """Write the staging manifest naming ``objects`` (before the first part of the save);
+        ``plain``: the names the save writes as they are (``config.json``), checked first.
+
+        Raises:
+            CheckpointExistsError: a ``plain`` name exists and no record of the checkpoint there
+                names it (:func:`check_clashes`); nothing written."""
+        prev = owned_objects(self.store, self.previous) if self.previous is not None or self.raw is None else set()
+        check_clashes(self.store, plain, prev)
+        self.manifest = StagingManifest(token=self.token, base=self.base, objects=sorted(set(objects)))
+        self.store.put(staging_name(self.token), self.manifest.model_dump_json().encode())
+
+    def superseded(self) -> bool:
+        """Whether another save committed here since this one started (then what this save wrote
+        may have been removed by that commit's cleanup: its failure is a ConcurrentSaveError)."""
+        try:
+            return index_digest(self.store.get(MODEL_INDEX)) != self.base
+        except (OSError, CheckpointError):
+            return False
+
+    def abort(self) -> None:
+        """Remove what this save wrote (best effort: what stays is cleaned by the next commit)."""
+        try:
+            if self.manifest is not None and not self.committed:
+                _clean(self.store, [self.manifest], set())
+        except (OSError, CheckpointError):
+            pass
+
+    def commit(self, index_bytes: bytes, new_owned: set[str]) -> None:
+        """PUT the model index (the commit point) if the index is still the one this save started
+        from, then delete what only the previous checkpoint owned and what dead saves left.
+
+        Raises:
+            ConcurrentSaveError: another save committed there meanwhile (this one is removed).
+        """
+        old = owned_objects(self.store, self.previous) if self.previous is not None or self.raw is None else set()
+        try:
+            self.store.put(MODEL_INDEX, index_bytes, if_match=self.tag, if_absent=self.raw is None)
+        except PreconditionFailed:
+            self.abort()
+            raise ConcurrentSaveError(self.store.url) from None
+        self.committed = True
+        try:  # committed: a failure from here on leaves only unnamed objects, never a bad checkpoint
+            self.store.delete(sorted(old - new_owned - {MODEL_INDEX}))
+            clean_dead(self.store, new_owned, token=self.token)
+            self.store.delete([staging_name(self.token)])
+        except (OSError, CheckpointError) as e:
+            warnings.warn(
+                f"{self.store.url}: committed, but removing the replaced objects failed ({e}); "
+                "the next save there removes them",
+                stacklevel=2,
+            )
+
+
+__all__ = [
+    "RemoteCommit", "StagingManifest", "ObjectRecord", "owned_objects", "stored_name", "token_of", "parse_index",
+    "leftovers", "clean_dead", "check_clashes", "holds_checkpoint", "staged_saves", "is_committed", "remove_checkpoint", "MODEL_INDEX",
+    "RECORD", "UNRECORDED_NAMES",
+]  # fmt: skip
+
+
+def is_committed(store: ByteStore, listing: dict[str, tuple[str, int]] | None = None) -> bool:
+    """A complete checkpoint at ``store``: its model index parses and every object it owns
+    (:func:`owned_objects`) exists, shards (and the optimizer's) with the byte size recorded;
+    an unrecorded checkpoint's per-rank extra-state files too. No tensor data is read. The same
+    on every byte store (the manager's steps)."""
+    index = parse_index(store.get(MODEL_INDEX))
+    if index is None:
+        return False
+    listing = store.listing() if listing is None else listing
+    meta = index.metadata.fqnckpt
+    objects = dict(meta.objects) if meta is not None and meta.objects is not None else None
+    opt_name = objects.get(index_name(OPTIMIZER_PREFIX)) if objects is not None else index_name(OPTIMIZER_PREFIX)
+    if objects is None and opt_name not in listing:
+        opt_name = None  # unrecorded: an optimizer index only where there is one
+    opt = parse_index(store.get(opt_name)) if opt_name is not None and _plain(opt_name) else None
+    if opt_name is not None and opt is None:
+        return False
+
+    def present(name: str) -> bool:
+        return name in listing and listing[name][0] != "directory"
+
+    for idx in (index, opt):
+        if idx is None:
+            continue
+        recs = idx.metadata.fqnckpt.files if idx.metadata.fqnckpt is not None else {}
+        for name in idx.files():
+            if not present(name) or (name in recs and listing[name][1] != recs[name].size):
+                return False
+    named = objects.values() if objects is not None else _per_rank_files(store)
+    return all(present(name) for name in named)
+
+
+def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
+    """Delete the checkpoint at ``store`` under its writer lock (a local save's; object stores
+    have none): its model index first (from then on no reader takes it for a checkpoint; on S3
+    and ``memory://`` only if unchanged since read, so a save committed meanwhile stays), then
+    the objects it owned (:func:`owned_objects`), and what saves that can no longer commit left
+    (:func:`clean_dead`; with ``unborn`` also saves started where there was none: retention of a
+    step that no save may still be writing). Objects no fqnckpt record names stay, and so does
+    the directory holding them. The same on every byte store (the manager's retention).
+
+    Raises:
+        ConcurrentSaveError: a save committed there after the index was read (nothing removed).
+    """
+    with store.writer_lock():
+        raw, tag = store.get_tagged(MODEL_INDEX)
+        owned = owned_objects(store, parse_index(raw))
+        if raw is not None:
+            try:
+                store.delete_if(MODEL_INDEX, tag)
+            except PreconditionFailed:
+                raise ConcurrentSaveError(store.url, "a save committed there while it was being removed; it stays") from None
+        _faults.fault_point("removal_after_index")
+        store.delete(sorted(owned - {MODEL_INDEX, RECORD}))
+        store.delete([RECORD])
+        clean_dead(store, set(), unborn=unborn)
+        store.remove_dir_if_empty()
