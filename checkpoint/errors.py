@@ -51,9 +51,14 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """``path`` exists and ``overwrite=True`` was not given (or it is not a checkpoint directory)."""
 
+    agreed = True  # every rank of a distributed save raises it (checkpoint.ranks.dist.check_all)
+
     def __init__(self, path: str, why: str = "pass overwrite=True to replace it"):
-        self.path = str(path)
+        self.path, self.why = str(path), why
         super().__init__(f"{self.path} already exists; {why}")
+
+    def agreed_args(self) -> tuple[str, str]:
+        return self.path, self.why
 
     def __str__(self) -> str:
         return self.args[0]
@@ -228,8 +233,14 @@ class ConcurrentSaveError(CheckpointWriteError):
     one was refused and what it wrote removed; the other checkpoint is whole and stays. Raised
     where the store has conditional writes (S3), or found by a re-read just before the commit."""
 
+    agreed = True  # every rank of a distributed save raises it (checkpoint.ranks.dist.check_all)
+
     def __init__(self, path: str, why: str = "another save committed there after this save started; this save was refused"):
+        self.why = why
         super().__init__(path, why)
+
+    def agreed_args(self) -> tuple[str, str]:
+        return self.path, self.why
 
 
 class SnapshotChangedError(CheckpointError, RuntimeError):

@@ -4,6 +4,7 @@ remains after the next save."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -14,6 +15,9 @@ import torch
 import checkpoint
 from checkpoint import open_checkpoint
 from checkpoint._faults import POINTS
+from checkpoint.cli.main import main as cli_main
+from checkpoint.storage.bytestore import LocalStore
+from checkpoint.storage.commit import leftovers
 
 OLD = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
 NEW = {f"t{i}": torch.full((64,), 100.0 + i) for i in range(4)}
@@ -66,7 +70,7 @@ def _visible(path):
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_kill_at_every_point_leaves_old_or_new(tmp_path, point):
+def test_kill_at_every_point_leaves_old_or_new(tmp_path, point, capsys):
     path = tmp_path / "ck"
     checkpoint.save(OLD, path, max_shard_size=OLD_SHARD)
     _add_user_files(path)
@@ -78,6 +82,12 @@ def test_kill_at_every_point_leaves_old_or_new(tmp_path, point):
     assert checkpoint.verify(path).ok, point
     assert {rel: (path / rel).read_bytes() for rel in USER} == USER
     assert _visible(path) == sorted(files + ["config.json", "tokenizer"])
+    # inspect lists the killed save's staging directory (the same leftovers() as object storage)
+    staged = point not in ("after_lock", *NEW_FROM)
+    assert len(leftovers(LocalStore(str(path)))["staging"]) == staged, point
+    capsys.readouterr()
+    assert cli_main(["inspect", str(path), "--json"]) == 0
+    assert ("leftovers" in json.loads(capsys.readouterr().out)) == staged, point
     # Leftovers carry hidden names, are never a checkpoint, and the next save removes them.
     checkpoint.save(NEW, path, overwrite=True, max_shard_size=NEW_SHARD)
     assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -349,7 +349,7 @@ def _full_state() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(8, 6, generator=g), "v": torch.randn(4, 10, generator=g), "count": torch.arange(5)}
 
 
-def _two_rank_main(rank, world, endpoint):
+def _two_rank_main(rank, world, endpoint, local):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -378,24 +378,61 @@ def _two_rank_main(rank, world, endpoint):
     }
     stats.reset()
     assert mgr.load_latest(target) == 4
+    read = stats.bytes_read
     return {
+        "refused": _agreed_refusals(rank, state, opts, local),
         "uploaded": uploaded,
         "w": target["w"].to_local().clone(),
         "v": target["v"].to_local().clone(),
         "count": target["count"].clone(),
-        "read": stats.bytes_read,
+        "read": read,
         "t": (t1 - t0, time.perf_counter() - t1),
     }
 
 
+def _agreed_refusals(rank, state, opts, local) -> list[tuple[str, bool]]:
+    """Refusals every rank must raise alike (not RankAgreementError on all but one): another save
+    overtaking a 2-rank S3 save at its commit (ConcurrentSaveError), a local target that exists
+    (CheckpointExistsError); with whether the message names the refusal."""
+    from checkpoint.storage import commit as commit_mod
+
+    out = []
+    url = "s3://bkt/ranks/race"
+    checkpoint.save(state, url, storage_options=opts)
+    real = commit_mod.RemoteCommit.commit
+
+    def overtaken(self, *a, **k):  # rank 0's commit: a one-process save committed just before
+        checkpoint.save({"other": torch.ones(2)}, url, overwrite=True, storage_options=opts)
+        return real(self, *a, **k)
+
+    commit_mod.RemoteCommit.commit = overtaken
+    try:
+        checkpoint.save(state, url, overwrite=True, storage_options=opts)
+    except Exception as e:  # noqa: BLE001 - the class is the result
+        out.append((type(e).__name__, "another save committed" in str(e)))
+    finally:
+        commit_mod.RemoteCommit.commit = real
+    checkpoint.save(state, local, overwrite=True)
+    try:
+        checkpoint.save(state, local)
+    except Exception as e:  # noqa: BLE001
+        out.append((type(e).__name__, "already exists" in str(e)))
+    return out
+
+
 @pytest.fixture(scope="module")
 def two_ranks(s3):
-    return run_ranks(_two_rank_main, 2, f"http://127.0.0.1:{s3['port']}", backend="gloo", timeout=120)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return run_ranks(_two_rank_main, 2, f"http://127.0.0.1:{s3['port']}", f"{d}/ck", backend="gloo", timeout=120)
 
 
 def test_two_rank_save_each_rank_uploads_and_resharded_load(two_ranks, s3):
     full = _full_state()
     for rank, res in enumerate(two_ranks):
+        # the same named errors on every rank (the rank-agreement exchange carries them)
+        assert res["refused"] == [("ConcurrentSaveError", True), ("CheckpointExistsError", True)], (rank, res["refused"])
         assert res["uploaded"] >= 1  # each rank uploaded its own shard files
         assert torch.equal(res["w"], full["w"][:, 3 * rank : 3 * rank + 3])
         assert torch.equal(res["v"], full["v"][2 * rank : 2 * rank + 2])

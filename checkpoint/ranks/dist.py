@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, RankAgreementError
+from ..errors import CheckpointError, CheckpointExistsError, ConcurrentSaveError, RankAgreementError
+
+_AGREED = {c.__name__: c for c in (ConcurrentSaveError, CheckpointExistsError)}
 
 _local = threading.local()
 
@@ -67,34 +69,58 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def _message(error: BaseException | None) -> Any:
+    """What a rank sends of its ``error``: its message, and for an error every rank must raise
+    alike (a class with ``agreed = True``: ConcurrentSaveError, CheckpointExistsError) its class
+    name and constructor arguments."""
+    if error is None:
+        return None
+    msg = f"{type(error).__name__}: {error}"
+    if getattr(type(error), "agreed", False) and type(error).__name__ in _AGREED:
+        return (msg, type(error).__name__, tuple(error.agreed_args()))
+    return msg
+
+
+def _raise_for(what: str, error: BaseException | None, sent: dict[int, Any]) -> None:
+    """Raise on this rank: its own ``error``; else the first failed rank's agreed error rebuilt
+    (the same class on every rank, the RankAgreementError as its cause); else RankAgreementError."""
+    if error is not None:
+        raise error
+    failures = {r: m if isinstance(m, str) else m[0] for r, m in sent.items()}
+    agreement = RankAgreementError(what, failures)
+    for r in sorted(sent):
+        m = sent[r]
+        if not isinstance(m, str) and m[1] in _AGREED:  # only our own classes, by name: nothing else is rebuilt
+            path, why = m[2]
+            raise _AGREED[m[1]](path, f"{why} (found on rank {r})") from agreement
+    raise agreement
+
+
 def check_all(what: str, error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank passes an ``error``.
 
     The failing rank re-raises its own exception; the others raise :class:`RankAgreementError`
-    naming the failed rank(s) and their messages.
+    naming the failed rank(s) and their messages, or, when a rank's error is one every rank must
+    raise alike (:class:`~checkpoint.errors.ConcurrentSaveError`,
+    :class:`~checkpoint.errors.CheckpointExistsError`), that error (the agreement as its cause).
     """
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    msgs = all_gather_object(msg)
+    msgs = all_gather_object(_message(error))
     failures = {r: m for r, m in enumerate(msgs) if m is not None}
     if not failures:
         return
-    if error is not None:
-        raise error
-    raise RankAgreementError(what, failures)
+    _raise_for(what, error, failures)
 
 
 def check_all_gather(what: str, error: BaseException | None, value: Any) -> list[Any]:
     """:func:`check_all` and :func:`all_gather_object` of ``value`` in one exchange (each
     collective costs milliseconds): every rank's ``value`` by rank, or the same raises as
     :func:`check_all` when any rank passes an ``error``."""
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    got = all_gather_object((msg, None if error is not None else value))
+    got = all_gather_object((_message(error), None if error is not None else value))
     failures = {r: m for r, (m, _) in enumerate(got) if m is not None}
     if not failures:
         return [v for _, v in got]
-    if error is not None:
-        raise error
-    raise RankAgreementError(what, failures)
+    _raise_for(what, error, failures)
+    raise AssertionError("unreachable")
 
 
 def any_true(flag: bool) -> bool:

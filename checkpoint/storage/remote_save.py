@@ -132,10 +132,19 @@ def save_remote(
     try:
         return _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world)
     except BaseException as e:
+        why = None
         if commit is not None:
             commit.abort()  # best effort; a killed save's objects go with the next commit there
             if isinstance(e, (OSError, CheckpointError)) and not isinstance(e, ConcurrentSaveError) and commit.superseded():
-                raise ConcurrentSaveError(store.url, f"another save committed there while this one was writing ({e})") from None
+                why = f"another save committed there while this one was writing ({store.scrub(str(e))})"
+        if distributed and isinstance(e, (OSError, CheckpointError)):
+            # Every rank left the same agreed collective with an error: rank 0's verdict on whether
+            # another save overtook this one is every rank's (the same named error everywhere).
+            why = dist.broadcast_object(why)
+            if isinstance(e, ConcurrentSaveError):
+                raise
+        if why is not None:
+            raise ConcurrentSaveError(store.url, why) from None
         raise
 
 
