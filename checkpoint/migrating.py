@@ -11,6 +11,7 @@ ambiguous, colliding or unknown keys stop the migration with the report unless
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -48,6 +49,7 @@ from .storage.extra_state import (
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage import paths
 from .storage.location import is_remote, resolve
+from .storage.opening import open_checkpoint as open_any_checkpoint
 from .storage.urls import is_url
 from .storage.reader import open_checkpoint
 from .tensor_checks import dtype_problem
@@ -117,87 +119,100 @@ def migrate(
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
                           storage_options=storage_options if is_url(src) else None)  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
-    fmap = _load_fqn_map(fqn_map)
-    compiled = compile_rules(rules)
-    src_path = Path(src)
-    opt_part = None
-    if src_path.is_dir() and (src_path / index_name(OPTIMIZER_PREFIX)).is_file():
-        # An fqnckpt checkpoint with optimizer state (e.g. a CheckpointManager step): the model
-        # part is the source, the optimizer part is carried over under the new names.
-        with external_errors(os.fspath(src), what="reading"):
-            opt_part = open_checkpoint(src_path, prefix=OPTIMIZER_PREFIX)
-        src_path = src_path / index_name(MODEL_PREFIX)
-    try:
-        with external_errors(os.fspath(src), what="reading"):
-            source = open_source(src_path if opt_part is not None else src, key=key, trusted_globals=trusted_globals)
-    except BaseException:
-        if opt_part is not None:
-            opt_part.close()
-        raise
-    try:
-        report = MigrationReport(
-            source=str(src),
-            source_format=source.format,
-            container=source.container,
-            destination=None if dry_run else str(dst),
-            dry_run=dry_run,
-            skipped=dict(source.skipped),
-            notes=list(source.notes),
-        )
-        keys = source.keys()
-        specs = {k: (tuple(source.spec(k).shape), source.spec(k).dtype) for k in keys}
-        info = source.optimizer
-        opt_plan: dict[str, str] = {}
-        if info is not None and not info.separate:  # the chosen container is an optimizer
-            plan = _plan_optimizer(source, model, fmap, compiled, report, keys, report.entries)
-        else:
-            plan = _plan_model(source, keys, specs, model, fmap, compiled, report)
-            if info is not None:
-                opt_keys = list(info.state)
-                opt_plan = _plan_optimizer(
-                    source, model, fmap, compiled, report, opt_keys, report.optimizer_entries
-                )
-        if not report.ok and not allow_unresolved:
-            raise MigrationError(report, report.problems())
-        opt_meta = None
-        if opt_part is not None:
-            opt_plan, opt_meta = carry_fqnckpt_optimizer(opt_part, report.mapping)
-            report.notes.append(f"optimizer part {index_name(OPTIMIZER_PREFIX)} carried over by FQN")
-            report.optimizer_entries = [
-                KeyDecision.model_construct(
-                    source=s, target=t, decided_by=["fqnckpt optimizer part"] if s == t else ["renamed FQN"],
-                    shape=list(opt_part.spec(s).shape), dtype=str(opt_part.spec(s).dtype).removeprefix("torch."),
-                    file=opt_part.file_of(s),
-                )  # fmt: skip
-                for t, s in opt_plan.items()
-            ]
-        extra_files = _extra_state_files(source, opt_part, report)
-        extra_files.update(_adapter_files(report, plan))
-        opt_src = opt_part if opt_part is not None else source
-        for s in plan.values():  # refused before anything is written, naming file and key
-            why = dtype_problem(source.spec(s).dtype)
-            if why is not None:
-                raise UnsupportedTensorError(_file_of(source, s), s, why)
-        for s in opt_plan.values():
-            why = dtype_problem(opt_src.spec(s).dtype)
-            if why is not None:
-                raise UnsupportedTensorError(_file_of(source, s), s, why)
-        report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
-            opt_src.spec(s).nbytes for s in opt_plan.values()
-        )
-        for srcs in report.tied_sources:  # never let one alias silently stand for a different one
-            check_tied_values(source, srcs, str(src))
-        if info is not None and info.separate:
-            opt_meta = _optimizer_meta(source, report, opt_plan)
-        if dry_run:
+    # A URL source: every part read from the one model index fetched (optimizer, extra state),
+    # as from a local checkpoint directory.
+    stack, view = contextlib.ExitStack(), None
+    if is_url(src):
+        from .storage.remote_reader import remote_view
+
+        src_where = resolve(src, storage_options)
+        if is_remote(src_where):
+            view = stack.enter_context(remote_view(src_where))
+    with stack:
+        fmap = _load_fqn_map(fqn_map)
+        compiled = compile_rules(rules)
+        src_path = Path(src)
+        opt_part = None
+        if view is not None and view.object_of(index_name(OPTIMIZER_PREFIX)) is not None:  # a URL: the same parts
+            with external_errors(os.fspath(src), what="reading"):
+                opt_part = open_any_checkpoint(view.store, prefix=OPTIMIZER_PREFIX)
+        elif src_path.is_dir() and (src_path / index_name(OPTIMIZER_PREFIX)).is_file():
+            # An fqnckpt checkpoint with optimizer state (e.g. a CheckpointManager step): the model
+            # part is the source, the optimizer part is carried over under the new names.
+            with external_errors(os.fspath(src), what="reading"):
+                opt_part = open_checkpoint(src_path, prefix=OPTIMIZER_PREFIX)
+            src_path = src_path / index_name(MODEL_PREFIX)
+        try:
+            with external_errors(os.fspath(src), what="reading"):
+                source = open_source(src_path if opt_part is not None and view is None else src, key=key, trusted_globals=trusted_globals)
+        except BaseException:
+            if opt_part is not None:
+                opt_part.close()
+            raise
+        try:
+            report = MigrationReport(
+                source=str(src),
+                source_format=source.format,
+                container=source.container,
+                destination=None if dry_run else str(dst),
+                dry_run=dry_run,
+                skipped=dict(source.skipped),
+                notes=list(source.notes),
+            )
+            keys = source.keys()
+            specs = {k: (tuple(source.spec(k).shape), source.spec(k).dtype) for k in keys}
+            info = source.optimizer
+            opt_plan: dict[str, str] = {}
+            if info is not None and not info.separate:  # the chosen container is an optimizer
+                plan = _plan_optimizer(source, model, fmap, compiled, report, keys, report.entries)
+            else:
+                plan = _plan_model(source, keys, specs, model, fmap, compiled, report)
+                if info is not None:
+                    opt_keys = list(info.state)
+                    opt_plan = _plan_optimizer(
+                        source, model, fmap, compiled, report, opt_keys, report.optimizer_entries
+                    )
+            if not report.ok and not allow_unresolved:
+                raise MigrationError(report, report.problems())
+            opt_meta = None
+            if opt_part is not None:
+                opt_plan, opt_meta = carry_fqnckpt_optimizer(opt_part, report.mapping)
+                report.notes.append(f"optimizer part {index_name(OPTIMIZER_PREFIX)} carried over by FQN")
+                report.optimizer_entries = [
+                    KeyDecision.model_construct(
+                        source=s, target=t, decided_by=["fqnckpt optimizer part"] if s == t else ["renamed FQN"],
+                        shape=list(opt_part.spec(s).shape), dtype=str(opt_part.spec(s).dtype).removeprefix("torch."),
+                        file=opt_part.file_of(s),
+                    )  # fmt: skip
+                    for t, s in opt_plan.items()
+                ]
+            extra_files = _extra_state_files(source, opt_part, report, view)
+            extra_files.update(_adapter_files(report, plan))
+            opt_src = opt_part if opt_part is not None else source
+            for s in plan.values():  # refused before anything is written, naming file and key
+                why = dtype_problem(source.spec(s).dtype)
+                if why is not None:
+                    raise UnsupportedTensorError(_file_of(source, s), s, why)
+            for s in opt_plan.values():
+                why = dtype_problem(opt_src.spec(s).dtype)
+                if why is not None:
+                    raise UnsupportedTensorError(_file_of(source, s), s, why)
+            report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
+                opt_src.spec(s).nbytes for s in opt_plan.values()
+            )
+            for srcs in report.tied_sources:  # never let one alias silently stand for a different one
+                check_tied_values(source, srcs, str(src))
+            if info is not None and info.separate:
+                opt_meta = _optimizer_meta(source, report, opt_plan)
+            if dry_run:
+                return report
+            _write(source, plan, dst if is_remote(dst) else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
+                   opt_src, extra_files)  # fmt: skip
             return report
-        _write(source, plan, dst if is_remote(dst) else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
-               opt_src, extra_files)  # fmt: skip
-        return report
-    finally:
-        source.close()
-        if opt_part is not None:
-            opt_part.close()
+        finally:
+            source.close()
+            if opt_part is not None:
+                opt_part.close()
 
 
 def _adapter_files(report: MigrationReport, plan: dict[str, str]) -> dict[str, bytes]:
@@ -219,7 +234,7 @@ def _adapter_files(report: MigrationReport, plan: dict[str, str]) -> dict[str, b
     return out
 
 
-def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, bytes]:
+def _extra_state_files(source, opt_part, report: MigrationReport, view=None) -> dict[str, bytes]:
     """``extra_state.json`` for the migrated checkpoint: an fqnckpt source's own file, or the
     DCP entries that are neither model nor optimizer (torchtitan's ``lr_scheduler``,
     ``dataloader``, ``train_state``, top-level values), each classified in ``report.entry_kinds``.
@@ -227,8 +242,9 @@ def _extra_state_files(source, opt_part, report: MigrationReport) -> dict[str, b
     Raises:
         MigrationError: an entry has no exact encoding in extra state (names it).
     """
-    root = Path(report.source)
-    if opt_part is not None or (root.is_dir() and (root / EXTRA_STATE_FILE).is_file()):
+    root = view.store.url if view is not None else Path(report.source)
+    has_file = view.member_bytes(EXTRA_STATE_FILE) is not None if view is not None else (root.is_dir() and (root / EXTRA_STATE_FILE).is_file())
+    if opt_part is not None or has_file:
         doc = read_extra_state_file(str(root))
         if doc is None:
             return {}

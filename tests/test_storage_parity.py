@@ -108,8 +108,14 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["manager"] = (mgr.steps(), rc, out["format"], [(s["step"], s["complete"]) for s in out["steps"]],
                       out["latest"].rsplit("/", 1)[-1])  # fmt: skip
 
-    # a conversion recipe reading this backend, written locally
+    # migrate through the CLI onto the same backend
+    rc, _ = _cli(capsys, "migrate", a, f"{root}/cli-mig")
+    ans["cli_migrate"] = (rc, _diff(capsys, a, f"{root}/cli-mig"))
+
+    # conversion recipes: reading this backend (written locally), writing to it (save(recipe=),
+    # Meta's consolidated.NN.pth with its record, overwritten with fewer shards)
     ans["recipe"] = _recipe(root, tmp_path, kw)
+    ans["recipe_out"] = _recipe_out(root, kw)
 
     assert ans["user_object_kept"] is True
     assert ans["load"] == (True, True, 2, True)
@@ -120,6 +126,9 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     assert ans["inspect"][7] is False  # no leftovers
     assert ans["migrate"][0] and ans["migrate"][2:] == (True, True)
     assert ans["manager"] == ([2, 3], 0, "checkpoint-manager", [(2, True), (3, True)], "step-00000003")
+    assert ans["cli_migrate"] == (0, (0, {"model": True, "optimizer": True, "extra_state": True}))
+    meta_names = [".fqnckpt-record.json", "consolidated.00.pth", "conversion_report.json", "params.json"]
+    assert ans["recipe_out"] == (True, meta_names + ["tokenizer.model"], meta_names[1:], True)
     ANSWERS[backend] = ans
     if backend != "local" and "local" in ANSWERS:
         assert ans == ANSWERS["local"]
@@ -150,3 +159,27 @@ def _recipe(root, tmp_path, kw):
     back = checkpoint.load(fresh, out, recipe="torchtitan-llama3-to-hf").ok
     same = all(torch.equal(v, fresh.state_dict()[k]) for k, v in hf.state_dict().items())
     return (rep.dims["n_heads"], rep.dims["n_kv_heads"], sorted(tt), back, same)
+
+
+def _recipe_out(root, kw):
+    """Conversions written to this backend: ``save(recipe=...)`` read back through the inverse
+    recipe, and Meta's layout (two shards, then one over it: the record removes the stale
+    ``consolidated.01.pth``, a user's ``tokenizer.model`` stays)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(cfg)
+    checkpoint.save(hf, f"{root}/tt-out", recipe="hf-to-torchtitan-llama3", **kw)
+    fresh = transformers.LlamaForCausalLM(cfg)
+    back = checkpoint.load(fresh, f"{root}/tt-out", recipe="torchtitan-llama3-to-hf", **kw).ok
+    back = back and all(torch.equal(v, fresh.state_dict()[k]) for k, v in hf.state_dict().items())
+    checkpoint.save(hf, f"{root}/hf-src", **kw)
+    meta = f"{root}/meta"
+    checkpoint.migrate(f"{root}/hf-src", meta, recipe="hf-to-meta-llama", dims={"shards": 2}, **kw)
+    opts = kw.get("storage_options")
+    two = backends.names(meta, opts)
+    backends.put(meta, opts, "tokenizer.model", b"mine")
+    checkpoint.migrate(f"{root}/hf-src", meta, recipe="hf-to-meta-llama", overwrite=True, **kw)
+    record = json.loads(backends.get(meta, opts, ".fqnckpt-record.json"))["objects"]
+    return (back, sorted(backends.names(meta, opts)), record, "consolidated.01.pth" in two and backends.get(meta, opts, "tokenizer.model") == b"mine")

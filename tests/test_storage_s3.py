@@ -6,6 +6,7 @@ with a resharded load (one spawn), and URLs never taken as local paths."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -402,6 +403,7 @@ def _agreed_refusals(rank, state, opts, local) -> list[tuple[str, bool]]:
     real = commit_mod.RemoteCommit.commit
 
     def overtaken(self, *a, **k):  # rank 0's commit: a one-process save committed just before
+        commit_mod.RemoteCommit.commit = real
         checkpoint.save({"other": torch.ones(2)}, url, overwrite=True, storage_options=opts)
         return real(self, *a, **k)
 
@@ -497,9 +499,13 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     assert stats.bytes_read >= rep.total_bytes
     _same(fresh, hf)  # the RoPE permute undone: the original tensors, bit for bit
     fs, root = fsspec.core.url_to_fs("s3://bkt/conv/tt", **opts)
-    with pytest.raises(checkpoint.CheckpointWriteError, match="local paths only"):  # Meta's .pth files
-        checkpoint.migrate("s3://bkt/conv/hf", "s3://bkt/conv/meta", recipe="hf-to-meta-llama", storage_options=opts)
-    assert not fs.exists("bkt/conv/meta")
+    # Meta's consolidated.NN.pth files on S3 too, with fqnckpt's record of them
+    checkpoint.migrate("s3://bkt/conv/hf", "s3://bkt/conv/meta", recipe="hf-to-meta-llama", storage_options=opts)
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("bkt/conv/meta")) == [
+        ".fqnckpt-record.json", "consolidated.00.pth", "conversion_report.json", "params.json"]
+    meta_sd = torch.load(io.BytesIO(fs.cat_file("bkt/conv/meta/consolidated.00.pth")), weights_only=True)
+    assert torch.equal(meta_sd["tok_embeddings.weight"], hf.model.embed_tokens.weight.detach())
     shard = next(p for p in fs.find(root) if p.endswith(".safetensors"))
     fs.rm_file(shard)
     target = transformers.LlamaForCausalLM(cfg)
