@@ -369,8 +369,8 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
         # on 4 ranks a rank holding one row of a column-sharded tensor reads it directly too.
         other = sorted(k for k, c in load_pl.items() if not _row_blocks(c))
         assert set(r["sliced"]) <= set(other) and (world > 2 or r["sliced"] == other), r["sliced"]
-    assert res[0]["again"] == "CheckpointExistsError"
-    assert all(r["again"] == "RankAgreementError" for r in res[1:])
+    # rank 0's refusal is every rank's, under its own name (the rank agreement carries it)
+    assert all(r["again"] == "CheckpointExistsError" for r in res), [r["again"] for r in res]
     # A single process reads the plain HF layout with exact values.
     with open_checkpoint(path) as rd:
         assert rd.keys() == sorted(ref)

@@ -291,7 +291,8 @@ torch.save({k: v.clone() for k, v in m.state_dict().items()}, os.path.join(root,
 mgr = checkpoint.CheckpointManager(os.path.join(root, "mgr"))
 mgr.save(1, m, opt, {"step": 1})        # in flight at exit: must commit
 os.makedirs(os.path.join(root, "taken"))
-fut = checkpoint.async_save(m, os.path.join(root, "taken"))  # fails: the path exists
+open(os.path.join(root, "taken", "model.safetensors.index.json"), "w").close()  # a checkpoint there
+fut = checkpoint.async_save(m, os.path.join(root, "taken"))  # fails: a checkpoint exists
 if mode == "seen":
     try:
         fut.result()
@@ -318,7 +319,7 @@ def test_saves_in_flight_at_exit_commit_and_an_unseen_failure_fails_the_process(
     got = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     assert checkpoint.CheckpointManager(tmp_path / "mgr").load_latest(got) == 1
     assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
-    assert sorted(os.listdir(tmp_path / "taken")) == []  # the failed save wrote nothing there
+    assert sorted(os.listdir(tmp_path / "taken")) == ["model.safetensors.index.json"]  # the failed save wrote nothing there
     if mode == "unseen":
         assert p.returncode == 1, p.stderr
         line = [ln for ln in p.stderr.splitlines() if ln.startswith("fqnckpt: async save")]
