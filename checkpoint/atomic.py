@@ -59,6 +59,7 @@ from . import _faults
 from .errors import CheckpointExistsError, InterruptedCommitError
 from .storage.bytestore import COMMIT_TAG, LOCK_TAG, OLD_TAG, STAGING_TAG, LocalStore, checkpoint_lock, sibling
 from .storage.commit import check_clashes, clean_dead, holds_checkpoint, owned_objects
+from .storage.format import MODEL_PREFIX, index_name
 
 MANIFEST = ".fqnckpt-manifest.json"  # hidden: extra_files names cannot start with "."
 __all__ = ["StagedCheckpoint", "read_view", "checkpoint_lock", "sibling", "owned_files", "fsync_path", "LOCK_TAG", "COMMIT_TAG"]
