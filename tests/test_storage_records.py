@@ -231,3 +231,71 @@ def test_local_removal_waits_for_a_save_holding_the_writer_lock(tmp_path):
         assert "model.safetensors.index.json" in store.listing()
     t.join(10)
     assert done.is_set() and not (tmp_path / "ck").exists()
+
+
+class _Killed(BaseException):
+    """A process killed at a fault point, in-process: nothing of ours catches a BaseException."""
+
+
+def test_overwrite_killed_between_index_and_cleanup_leaks_nothing(object_store, monkeypatch, capsys):
+    """An overwrite killed right after its index PUT (the commit) and before deleting what it
+    replaced: the new checkpoint is whole; the replaced checkpoint's objects are named by the
+    killed save's staging manifest (``replaces``), listed by ``inspect`` and removed by the next
+    commit there, instead of staying unowned forever."""
+    url, opts = object_store
+    checkpoint.save({"w": torch.zeros(4)}, url, storage_options=opts)
+    first = set(_names(url, opts))
+    real = remote_commit._faults.fault_point
+
+    def kill(name):
+        if name == "after_index_put":
+            raise _Killed
+        return real(name)
+
+    monkeypatch.setattr(remote_commit._faults, "fault_point", kill)
+    with pytest.raises(_Killed):
+        checkpoint.save({"w": torch.ones(4)}, url, overwrite=True, storage_options=opts)
+    monkeypatch.setattr(remote_commit._faults, "fault_point", real)
+    t = {"w": torch.zeros(4)}
+    assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.ones(4))
+    store = _store(url, opts)
+    old_shards = {n for n in first if n.endswith(".safetensors")}
+    assert old_shards <= set(store.listing())  # the killed save did not delete them
+    assert set(remote_commit.leftovers(store)["objects"]) == old_shards
+    third = checkpoint.save({"w": torch.full((4,), 3.0)}, url, overwrite=True, storage_options=opts)
+    assert _names(url, opts) == {"model.safetensors.index.json", *third.weight_map.values()}
+
+
+def test_a_users_file_with_a_name_the_save_writes_is_never_replaced(where):
+    """A save (``overwrite`` or not) refuses to replace a file no record of the checkpoint there
+    names (here the user's ``config.json``, which a transformers save writes): the same refusal
+    on every backend, before anything is written; with the file moved away it goes through."""
+    url, opts = where
+    _put(url, opts, "config.json", b"the user's")
+    specs = [checkpoint.TensorSpec("w", (3,), torch.float32)]
+    for overwrite in (False, True):
+        with pytest.raises(checkpoint.CheckpointExistsError, match=r"\['config.json'\] exist there"):
+            checkpoint.save_streaming(url, specs, lambda s: torch.ones(3), extra_files={"config.json": b"ours"},
+                                      overwrite=overwrite, storage_options=opts)  # fmt: skip
+        assert _names(url, opts) == {"config.json"} and backends.get(url, opts, "config.json") == b"the user's"
+    _store(url, opts).delete(["config.json"])
+    checkpoint.save_streaming(url, specs, lambda s: torch.ones(3), extra_files={"config.json": b"ours"}, storage_options=opts)
+    assert backends.get(url, opts, "config.json") == b"ours"  # recorded now: an overwrite may replace it
+    checkpoint.save_streaming(url, specs, lambda s: torch.ones(3), extra_files={"config.json": b"ours 2"}, overwrite=True,
+                              storage_options=opts)  # fmt: skip
+    assert backends.get(url, opts, "config.json") == b"ours 2"
+
+
+def test_retention_keeps_a_users_file_in_a_step(where):
+    """The manager's retention removes only what a step's records name, on every backend: a
+    user's file in a retired step stays (and so does the step's folder, incomplete, never loaded)."""
+    url, opts = where
+    mgr = checkpoint.CheckpointManager(url, keep_latest=1, async_save=False, rng_state=False, storage_options=opts)
+    mgr.save(1, {"w": torch.zeros(2)})
+    step1 = f"{url}/step-00000001"
+    _put(step1, opts, "notes.txt", b"mine")
+    mgr.save(2, {"w": torch.ones(2)})
+    assert mgr.steps() == [2]
+    assert _names(step1, opts) == {"notes.txt"} and backends.get(step1, opts, "notes.txt") == b"mine"
+    mgr.save(3, {"w": torch.ones(2)})  # the retired step is retried: still only the user's file
+    assert mgr.steps() == [3] and _names(step1, opts) == {"notes.txt"}

@@ -75,13 +75,17 @@ _STAGING = re.compile(r"^\.fqnckpt-staging\.([0-9a-f]{12})\.json$")
 class StagingManifest(BaseModel):
     """``.fqnckpt-staging.<token>.json``: written by a save before its first part (see module
     docstring). ``base``: sha256 (hex) of the model index bytes the save started from, None when
-    there was none; ``objects``: the names the save writes (each carries ``token``)."""
+    there was none; ``objects``: the names the save writes (each carries ``token``);
+    ``replaces``: the objects of the checkpoint of ``base`` that carry another save's token (what
+    the commit deletes after its index PUT; a save killed in between leaves them named here, so
+    the next commit there removes them instead of leaving them unowned forever)."""
 
     model_config = ConfigDict(extra="forbid")
     format: Literal["fqnckpt-staging-1"] = "fqnckpt-staging-1"
     token: str = Field(pattern=r"^[0-9a-f]{12}$")
     base: str | None
     objects: list[str]
+    replaces: list[str] = []
 
 
 def staging_name(token: str) -> str:
@@ -225,6 +229,12 @@ def _named(man: StagingManifest) -> set[str]:
     return {n for n in man.objects if "/" not in n and "\\" not in n and token_of(n) == man.token}
 
 
+def _replaced(man: StagingManifest) -> set[str]:
+    """The objects of the checkpoint ``man``'s save started from (``replaces``): garbage once
+    that checkpoint's index is no longer there (the manifest is dead), tokened names only."""
+    return {n for n in man.replaces if _plain(n) and token_of(n) not in (None, man.token)}
+
+
 def holds_checkpoint(store: ByteStore, listing: Iterable[str] | None = None) -> bool:
     """Whether a checkpoint is at ``store`` (what a save without ``overwrite`` refuses to replace):
     a model index, fqnckpt's :data:`RECORD`, a single ``model.safetensors`` or Meta's first shard."""
@@ -256,7 +266,8 @@ def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = Non
     saves that can no longer commit (:func:`clean_dead`). The same on every byte store."""
     listing = store.listing() if listing is None else listing
     mans = staged_saves(store, listing)
-    named = set().union(*(_named(m) for m in mans)) if mans else set()
+    now = index_digest(store.get(MODEL_INDEX))
+    named = set().union(*(_named(m) | (_replaced(m) if m.base != now else set()) for m in mans)) if mans else set()
     # a save killed after its commit, before its cleanup, leaves a manifest naming live objects
     named -= owned_objects(store, listing=listing)
     return {
@@ -266,11 +277,12 @@ def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = Non
     }
 
 
-def _clean(store: ByteStore, dead: list[StagingManifest], keep: set[str]) -> None:
-    """Abort the uploads and delete the objects (but ``keep``) of saves ``dead``, then their manifests."""
+def _clean(store: ByteStore, dead: list[StagingManifest], keep: set[str], replaced: bool = True) -> None:
+    """Abort the uploads and delete the objects (but ``keep``) of saves ``dead`` (``replaced``:
+    and what they replaced: only for manifests whose base index is gone), then their manifests."""
     if not dead:
         return
-    named = set().union(*(_named(m) for m in dead)) - keep
+    named = set().union(*(_named(m) | (_replaced(m) if replaced else set()) for m in dead)) - keep
     for name, upload_id in store.uploads():
         if name in named:
             store.abort_upload(name, upload_id)
@@ -285,9 +297,10 @@ def clean_dead(store: ByteStore, keep: set[str], *, token: str | None = None, un
     staging areas (:meth:`~checkpoint.storage.bytestore.ByteStore.staging_areas`: a local
     save's staging directories, dead once the writer lock is held). ``token``: this save's own
     manifest, skipped. Called by every commit and removal; the same on every byte store."""
-    now = index_digest(store.get(MODEL_INDEX))
+    raw = store.get(MODEL_INDEX)
+    now = index_digest(raw)
     dead = [m for m in staged_saves(store) if m.token != token and (m.base != now or (unborn and m.base is None))]
-    _clean(store, dead, keep)
+    _clean(store, dead, keep | owned_objects(store, parse_index(raw)) if raw is not None else keep)
     for area in store.staging_areas():
         store.remove_staging_area(area)
 
@@ -329,7 +342,8 @@ class RemoteCommit:
                 names it (:func:`check_clashes`); nothing written."""
         prev = owned_objects(self.store, self.previous) if self.previous is not None or self.raw is None else set()
         check_clashes(self.store, plain, prev)
-        self.manifest = StagingManifest(token=self.token, base=self.base, objects=sorted(set(objects)))
+        replaces = sorted(n for n in prev if token_of(n) not in (None, self.token))
+        self.manifest = StagingManifest(token=self.token, base=self.base, objects=sorted(set(objects)), replaces=replaces)
         self.store.put(staging_name(self.token), self.manifest.model_dump_json().encode())
 
     def superseded(self) -> bool:
@@ -343,8 +357,8 @@ class RemoteCommit:
     def abort(self) -> None:
         """Remove what this save wrote (best effort: what stays is cleaned by the next commit)."""
         try:
-            if self.manifest is not None and not self.committed:
-                _clean(self.store, [self.manifest], set())
+            if self.manifest is not None and not self.committed:  # what it replaces is still live
+                _clean(self.store, [self.manifest], set(), replaced=False)
         except (OSError, CheckpointError):
             pass
 
@@ -362,6 +376,7 @@ class RemoteCommit:
             self.abort()
             raise ConcurrentSaveError(self.store.url) from None
         self.committed = True
+        _faults.fault_point("after_index_put")  # killed here: our manifest names what we replace
         try:  # committed: a failure from here on leaves only unnamed objects, never a bad checkpoint
             self.store.delete(sorted(old - new_owned - {MODEL_INDEX}))
             clean_dead(self.store, new_owned, token=self.token)
