@@ -3,7 +3,9 @@ error (CorruptCheckpointError / LoadError naming file and tensor, or a verify mi
 SIGBUS. The paths run in one child process (a SIGBUS would kill pytest): ``open_checkpoint.get``,
 ``get_slice`` (direct runs and windowed rows), loads converting dtypes and into non-contiguous
 targets, the migration source (``open_source`` get / get_slice, ``migrate``), ``verify`` and the
-CLI's ``diff`` / ``migrate`` / ``verify``."""
+CLI's ``diff`` / ``migrate`` / ``verify``; a ``torch.save`` zip file (read per tensor with
+``preadv``, never through ``torch.load(mmap=True)``) cut while read at several points and cut
+before it is opened, through ``open_source(...).get``, ``migrate`` and the CLI."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def cut_after(real):
     def wrapped(*a, **k):
         out = real(*a, **k)
         if cut["on"]:
-            for f in glob.glob(os.path.join(src, "*.safetensors")):
+            for f in glob.glob(os.path.join(cut.get("dir", src), "*.safetensors")):
                 os.truncate(f, 4096)  # header kept, data gone: after validation, before the read
         return out
     return wrapped
@@ -81,6 +83,52 @@ def size_then_cut(p):
 os.path.getsize = size_then_cut
 run("verify", lambda: checkpoint.verify(src).ok)
 run("cli_verify", lambda: cli_run("verify", src))
+os.path.getsize = real_size
+
+# DCP's per-rank safetensors shards (HuggingFaceStorageWriter): torch's reader copies from
+# safe_open's mapping; the migration source reads them with preadv.
+import warnings
+import torch.distributed.checkpoint as dcp
+hf = os.path.join(root, "hf")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    dcp.save({"w": torch.ones(n), "m": torch.ones(1024, 1024)}, no_dist=True,
+             storage_writer=dcp.HuggingFaceStorageWriter(hf, save_distributed=True))
+cut["dir"] = hf
+run("dcp_hf_migrate", lambda: checkpoint.migrate(hf, os.path.join(root, "o5"), overwrite=True))
+del cut["dir"]
+
+# torch.save zip files: structure read through map_location="meta", bytes with preadv. Cut after
+# the records were checked (inside the data of each tensor and in the zip directory), and cut
+# before opening: a named error every time, never a SIGBUS from a mapping.
+import checkpoint.sources.pickle_files as PF
+pt = os.path.join(root, "p.pt")
+torch.save({"w": torch.ones(n), "m": torch.ones(1024, 1024)}, pt)
+whole = open(pt, "rb").read()
+real_check = PF._check_records
+cut_at = {"n": 0}
+def check_then_cut(path, fd, tensors):
+    real_check(path, fd, tensors)
+    if cut["on"]:
+        os.truncate(path, cut_at["n"])
+PF._check_records = check_then_cut
+def run_pt(what, fn, at, before=False):
+    with open(pt, "wb") as f:
+        f.write(whole[:at] if before else whole)
+    cut_at["n"] = at
+    cut["on"] = not before
+    try:
+        print(f"{what}|returned|{fn()}")
+    except Exception as e:
+        print(f"{what}|{type(e).__name__}|{str(e)[:300]}".replace("\n", " "))
+    finally:
+        cut["on"] = False
+for i, at in enumerate((4096, len(whole) // 2, len(whole) - 4 * 1024 * 1024 + 512, len(whole) - 200)):
+    run_pt(f"pt_get_{i}", lambda: (lambda s: [s.get(k).sum().item() for k in ("w", "m")])(open_source(pt)), at)
+    run_pt(f"pt_migrate_{i}", lambda: checkpoint.migrate(pt, os.path.join(root, "o3"), overwrite=True), at)
+    run_pt(f"pt_precut_{i}", lambda: open_source(pt).get("m").sum().item(), at, before=True)
+run_pt("pt_cli_migrate", lambda: cli_run("migrate", pt, os.path.join(root, "o4")), len(whole) // 2)
+run_pt("pt_whole", lambda: (lambda s: [s.get(k).sum().item() for k in ("w", "m")])(open_source(pt)), len(whole), before=True)
 print("ALIVE")
 """
 
@@ -90,7 +138,8 @@ def test_cut_file_is_a_named_error_on_every_read_path(tmp_path):
     assert p.returncode == 0, f"child died ({p.returncode}): {p.stdout[-3000:]} {p.stderr[-3000:]}"
     lines = dict(line.split("|", 1) for line in p.stdout.splitlines() if "|" in line)
     assert "ALIVE" in p.stdout
-    named = ("get", "get_slice", "get_slice_rows", "load_convert", "load_strided", "source_get", "source_get_slice", "migrate")
+    named = ("get", "get_slice", "get_slice_rows", "load_convert", "load_strided", "source_get", "source_get_slice", "migrate",
+             "dcp_hf_migrate")  # fmt: skip
     for what in named:
         kind, msg = lines[what].split("|", 1)
         assert kind in ("CorruptCheckpointError", "LoadError"), (what, lines[what])
@@ -100,6 +149,19 @@ def test_cut_file_is_a_named_error_on_every_read_path(tmp_path):
         assert kind == "returned" and not msg.startswith("exit 0"), (what, msg)
         assert "Traceback" not in msg and (".safetensors" in msg or "MISMATCH" in msg), (what, msg)
     assert lines["verify"] == "returned|False", lines["verify"]
+    for i in range(4):  # a .pt cut while read or before: named, file and tensor (or its archive)
+        for what in (f"pt_get_{i}", f"pt_migrate_{i}", f"pt_precut_{i}") if i < 3 else ("pt_precut_3",):
+            kind, msg = lines[what].split("|", 1)
+            assert kind in ("CorruptCheckpointError", "LoadError", "MigrationError"), (what, lines[what])
+            assert "p.pt" in msg, (what, msg)
+            if what.startswith("pt_get"):
+                assert "'w'" in msg or "'m'" in msg, (what, msg)
+    # Only the zip directory cut away after opening: every tensor byte is there, read right.
+    assert lines["pt_get_3"] == f"returned|{[float(3 << 20), float(1 << 20)]}", lines["pt_get_3"]
+    assert lines["pt_migrate_3"].startswith("returned|"), lines["pt_migrate_3"]
+    kind, msg = lines["pt_cli_migrate"].split("|", 1)
+    assert kind == "returned" and not msg.startswith("exit 0") and "p.pt" in msg and "Traceback" not in msg, msg
+    assert lines["pt_whole"] == f"returned|{[float(3 << 20), float(1 << 20)]}", lines["pt_whole"]
 
 
 def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):

@@ -32,8 +32,8 @@ from .pickle_files import open_pickle, resolve_globals, unsafe_globals
 from .safetensors_files import HFIndex, open_safetensors_source
 from .sniffing import pickle_files, sniff, sniff_file
 
-# Bytes read through one pickle mmap before it is dropped and re-opened: touched pages of a mapped
-# file stay resident (they count in RSS) until the mapping goes, so this bounds peak memory.
+# Kept for callers: no source maps files any more (pickles and safetensors are read per tensor
+# with preadv, so only the tensor asked for is resident); the window is accepted and unused.
 DEFAULT_MMAP_WINDOW = 16 << 20
 
 
@@ -52,8 +52,9 @@ def open_source(
             container holding model tensors is used.
         trusted_globals: classes / functions (or ``"module.name"`` strings) a pickle may
             reference beyond the ``weights_only`` safe set; nothing else is ever unpickled.
-        mmap_window: bytes copied out of one pickle's mmap before it is re-opened (bounds RSS);
-            safetensors files are read with ``preadv``, never mapped.
+        mmap_window: accepted, unused: pickles (zip) and safetensors files are read tensor by
+            tensor with ``preadv``, never mapped (a file cut while read is a named error, not a
+            SIGBUS), so memory holds only the tensor asked for.
 
     Raises:
         CheckpointNotFoundError: nothing readable at ``path``.

@@ -143,19 +143,27 @@ def load_dcp_metadata(f: BinaryIO, file: str) -> Any:
 
 
 def torch_load(
-    f: str | BinaryIO | io.BytesIO, file: str, trusted: Iterable[Any] = (), mmap: bool = False
+    f: str | BinaryIO | io.BytesIO, file: str, trusted: Iterable[Any] = (), mmap: bool = False,
+    map_location: str | None = None,
 ) -> Any:
     """``torch.load(f, weights_only=True)`` with ``trusted`` (objects) allowed through
-    ``torch.serialization.safe_globals``.
+    ``torch.serialization.safe_globals``. ``map_location="meta"``: structure only, no tensor bytes
+    read (each storage carries ``_checkpoint_offset``, its record's offset in the file).
 
     Raises:
+        NotImplementedError: with ``map_location="meta"``, a tensor kind torch cannot build on the
+            meta device (quantized, nested): load it another way.
         UnsafePickleError: torch's ``weights_only`` unpickler refused (its message names the global).
         CorruptCheckpointError: a damaged file (torch's zip reader, a malformed pickle).
     """
     try:
         with torch.serialization.safe_globals(list(trusted)), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(f, mmap=mmap, weights_only=True)
+            return torch.load(f, mmap=mmap, weights_only=True, map_location=map_location)
+    except NotImplementedError:
+        if map_location == "meta":
+            raise
+        raise CorruptCheckpointError(file, "damaged torch.save file: NotImplementedError") from None
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(file, _refused_globals(f, trusted), why=str(e).splitlines()[0]) from None
     except RuntimeError as e:  # torch's zip reader on a damaged archive
