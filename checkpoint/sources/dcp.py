@@ -137,7 +137,7 @@ def _readers():
             straight into the planner's target. Not torch's ``read_data``: it copies from
             ``safe_open``'s mapping (``get_slice``), and a shard cut or failing while mapped kills
             the process with SIGBUS; here it is an error naming file and tensor."""
-            from concurrent.futures import Future
+            from torch.futures import Future
 
             from ..storage.opening import open_checkpoint
 
