@@ -154,12 +154,12 @@ def _plain(name: object) -> bool:
     )
 
 
-def owned_files(path: str) -> set[str]:
+def owned_files(path: str, listing: dict | None = None) -> set[str]:
     """Names of the regular files (or symlinks) in checkpoint directory ``path`` that its checkpoint
     owns (:func:`checkpoint.storage.commit.owned_objects` on its
     :class:`~checkpoint.storage.bytestore.LocalStore`); never a directory, never anything outside ``path``."""
     store = LocalStore(path)
-    listing = store.listing()
+    listing = store.listing() if listing is None else listing
     return {n for n in owned_objects(store, listing=listing) if n in listing and listing[n][0] != "directory"}
 
 
@@ -357,8 +357,9 @@ class StagedCheckpoint:
                 raise CheckpointExistsError(
                     dst, "a directory has the name of a checkpoint file; refusing to replace it"
                 )
-        owned = owned_files(self.path)
-        check_clashes(LocalStore(self.path), files, owned)
+        listing = LocalStore(self.path).listing()
+        owned = owned_files(self.path, listing)
+        check_clashes(LocalStore(self.path), files, owned, listing)
         manifest = CommitManifest(files=files, remove=sorted(owned - set(files)))
         self.write_file(MANIFEST, manifest.model_dump_json().encode())
         fsync_path(self.dir)

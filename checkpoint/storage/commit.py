@@ -31,13 +31,15 @@ The object-store commit:
    PUT (readers see the old bytes or the new, whole), conditional on the index it started from:
    S3 ``If-Match: <ETag>`` (``If-None-Match: *`` when there was none), so of two concurrent saves
    the later commit is refused (:class:`~checkpoint.errors.ConcurrentSaveError`, its own objects
-   removed) and the index never names objects another save deleted. Backends without conditional
-   writes (``memory://``, ``file://``) re-read the index just before the PUT: a narrow race
-   remains there (one writer at a time, as the README says per backend).
+   removed) and the index never names objects another save deleted. ``memory://`` compares and
+   swaps under one process-wide lock; other fsspec backends without conditional writes re-read
+   the index just before the PUT: a narrow race remains there (as the README says per backend).
 4. Only then are deleted: the objects the previous index owned (:func:`owned_objects`) and not
    the new one; and of every other staging manifest that can no longer commit (its ``base`` is not
    the new index), the objects it names that carry its token, its incomplete multipart uploads
-   (S3 ``list_multipart_uploads`` filtered to those names) and the manifest. Our manifest last.
+   (S3 ``list_multipart_uploads`` filtered to those names), what it ``replaces`` (the objects of
+   its base checkpoint: a save killed between its index PUT and this step leaves them named
+   there) and the manifest. Our manifest last.
    Objects no fqnckpt record names are never deleted, whatever their names.
 
 A reader fetches the model index once and reads only the objects it names (see
@@ -297,10 +299,13 @@ def clean_dead(store: ByteStore, keep: set[str], *, token: str | None = None, un
     staging areas (:meth:`~checkpoint.storage.bytestore.ByteStore.staging_areas`: a local
     save's staging directories, dead once the writer lock is held). ``token``: this save's own
     manifest, skipped. Called by every commit and removal; the same on every byte store."""
-    raw = store.get(MODEL_INDEX)
-    now = index_digest(raw)
-    dead = [m for m in staged_saves(store) if m.token != token and (m.base != now or (unborn and m.base is None))]
-    _clean(store, dead, keep | owned_objects(store, parse_index(raw)) if raw is not None else keep)
+    mans = [m for m in staged_saves(store) if m.token != token]
+    if mans:  # the index is read only when there are manifests (a local save has none)
+        raw = store.get(MODEL_INDEX)
+        now = index_digest(raw)
+        dead = [m for m in mans if m.base != now or (unborn and m.base is None)]
+        if dead:
+            _clean(store, dead, keep | owned_objects(store, parse_index(raw)) if raw is not None else keep)
     for area in store.staging_areas():
         store.remove_staging_area(area)
 
