@@ -443,13 +443,26 @@ def _torch_hf_output(root, world, mesh1, mesh2) -> dict[str, bool]:
 
 
 def _remote(url, opts, mesh1) -> dict[str, bool]:
+    """An object-storage save on the caller's process group (a gloo group of every rank, as for
+    async_save): the save's own collectives run on it, not on the default group."""
+    import torch.distributed as dist
+
+    from checkpoint.ranks import dist as fdist
+
     g = torch.arange(40.0).view(10, 4)
     sd = {"w": _dist(g, mesh1, "S0"), "s": _dist(g[:, :1].contiguous(), mesh1, "SS0/2"), "step": 4}
-    dcp.save(sd, storage_writer=StorageWriter(url, storage_options=opts), planner=SavePlanner())
+    group, used = dist.new_group(backend="gloo"), []
+    real = fdist.broadcast_object
+    fdist.broadcast_object = lambda obj, src=0: (used.append(fdist._group()), real(obj, src))[1]
+    try:
+        dcp.save(sd, storage_writer=StorageWriter(url, storage_options=opts, process_group=group),
+                 planner=SavePlanner(), process_group=group)  # fmt: skip
+    finally:
+        fdist.broadcast_object = real
     tgt = {"w": _dist(torch.zeros(10, 4), mesh1, "S1"), "s": _dist(torch.zeros(10, 1), mesh1, "R"), "step": 0}
     dcp.load(tgt, storage_reader=StorageReader(url, storage_options=opts))
     return {"s3": torch.equal(tgt["w"].full_tensor(), g) and torch.equal(tgt["s"].full_tensor(), g[:, :1])
-            and tgt["step"] == 4}  # fmt: skip
+            and tgt["step"] == 4, "s3:group": bool(used) and all(u is group for u in used)}  # fmt: skip
 
 
 def _train_state(root, mesh1) -> dict[str, bool]:
@@ -598,6 +611,19 @@ def _hostile(root, world, mesh1) -> dict[str, bool]:
     dist.barrier()
     dcp.load(tgt, storage_reader=StorageReader(path))  # one checkpoint again: loads whole
     out["overwrite:after"] = torch.equal(tgt["w"].full_tensor(), torch.full((8, 8), 7.0))
+    # use_collectives=False: refused on every rank, saying why, nothing written.
+    try:
+        dcp.save(sd, storage_writer=StorageWriter(f"{root}/nocoll"), use_collectives=False)
+        out["nocoll:refused"] = False
+    except ValueError as e:
+        out["nocoll:refused"] = "use_collectives=False" in str(e) and "shared Hugging Face shard files" in str(e)
+    dist.barrier()
+    out["nocoll:nothing"] = not os.path.exists(f"{root}/nocoll")
+    # Per-rank extra state written by checkpoint.save (PerRank): each rank reads back its own.
+    checkpoint.save({"w": sd["w"]}, f"{root}/perrank", extra_state={"pos": checkpoint.PerRank(100 + dist.get_rank()), "step": 9})
+    tgt = {"w": _dist(torch.zeros(8, 8), mesh1, "R"), "pos": -1, "step": 0}
+    dcp.load(tgt, storage_reader=StorageReader(f"{root}/perrank"))
+    out["perrank:read"] = tgt["pos"] == 100 + dist.get_rank() and tgt["step"] == 9 and torch.equal(tgt["w"].full_tensor(), g)
     return out
 
 
@@ -642,7 +668,9 @@ def test_ranks(tmp_path, world, request):
     assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
     assert {"empty-shards", "async:thread", "train:resume"} <= names and (world != 2 or {"async:process", "s3"} <= names)
     assert world == 1 or {"digest:R:once", "digest:S1:once", "digest:R:refused", "digest:S1:refused"} <= names
-    assert world == 1 or {"fail:raised", "fail:old-kept", "fail:no-staging", "fail:retry", "overwrite:refused"} <= names
+    assert world == 1 or {"fail:raised", "fail:old-kept", "fail:no-staging", "fail:retry", "overwrite:refused",
+                          "nocoll:refused", "perrank:read"} <= names  # fmt: skip
+    assert world != 2 or "s3:group" in names
     # What StorageWriter wrote is an fqnckpt checkpoint: verifies, each byte written once (the
     # ranks' pwrites, headers included, add up to the files' sizes), safetensors reads it.
     every = f"{root}/every"

@@ -57,7 +57,8 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateT
 from ..ranks import shards
 from ..storage import digest
 from ..storage.format import index_name
-from ..storage.location import is_remote, resolve
+from ..storage.location import is_remote
+from .location import Located
 
 _DCP_SHARD = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 _SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py
@@ -138,7 +139,7 @@ class _Source:
         self.readers = []
 
 
-class StorageReader(dcp_storage.StorageReader):
+class StorageReader(Located, dcp_storage.StorageReader):
     """DCP ``StorageReader`` of fqnckpt / Hugging Face checkpoints and DCP's HF output (see the
     module docstring): ``dcp.load(state_dict, storage_reader=StorageReader(path))``.
 
@@ -163,21 +164,14 @@ class StorageReader(dcp_storage.StorageReader):
         transfer: Any = None,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path) if path is not None else None
-        self.storage_options = dict(storage_options) if storage_options else None
-        self.transfer = transfer
+        self._locate(path, storage_options, transfer)
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self.load_id: str | None = None
         self.is_coordinator = False
         self._source: _Source | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._close()
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
-        import uuid
-
-        self.load_id = uuid.uuid4().hex
+        self._relocate(checkpoint_id)
         self.storage_data = {}
 
     def read_metadata(self) -> Metadata:
@@ -201,7 +195,7 @@ class StorageReader(dcp_storage.StorageReader):
         self.storage_data = storage
         planner_data = {k: (k,) for k in src.chunks} | src.paths
         md = Metadata(state_dict_metadata=sdm, storage_data=storage, planner_data=planner_data)
-        md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+        md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.run_id)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -264,16 +258,10 @@ class StorageReader(dcp_storage.StorageReader):
         fut.set_result(None)
         return fut
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
     # -- helpers -------------------------------------------------------------------------------
     def _open(self) -> _Source:
         if self._source is None:
-            if self.path is None:
-                raise ValueError("checkpoint.dcp.StorageReader: no path (pass one, or checkpoint_id= to dcp.load)")
-            self._source = _open_source(resolve(self.path, self.storage_options, self.transfer))
+            self._source = _open_source(self._where())
         return self._source
 
     def _close(self) -> None:
@@ -494,10 +482,28 @@ def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
 
 
 def _extra_values(root: str) -> dict[str, Any]:
-    from ..storage.extra_state import _decode, read_extra_state_file
+    """``extra_state.json``'s values, and this rank's per-rank values (``PerRank`` entries of
+    ``checkpoint.save``, from ``extra_state.rank-RRRRR-of-WWWWW.json``) when the load runs on as
+    many ranks as the save. Raises ValueError naming the entries on another world size (their
+    ``reshard`` rules live in the saving program: ``checkpoint.load(extra_state=...)`` applies
+    them)."""
+    from ..ranks import dist
+    from ..storage.extra_state import _decode, read_extra_state_file, read_rank_file
 
     doc = read_extra_state_file(root)
-    return {k: _decode(e.value, k) for k, e in doc.entries.items()} if doc is not None else {}
+    if doc is None:
+        return {}
+    entries = dict(doc.entries)
+    if doc.per_rank is not None:
+        saved, world = doc.per_rank.world_size, dist.world_size()
+        if saved != world:
+            raise ValueError(
+                f"{root}: extra-state entries {doc.per_rank.keys[:10]} were saved per rank by {saved} ranks; "
+                f"this load runs on {world}: load them with checkpoint.load(extra_state={{key: PerRank(..., "
+                "reshard=...)}}), whose reshard rule derives each rank's value"
+            )
+        entries.update(read_rank_file(root, doc, dist.rank()).entries)
+    return {k: _decode(e.value, k) for k, e in entries.items()}
 
 
 def _files(root: str, paths: list[str]) -> _Source:

@@ -31,11 +31,11 @@ so ``write_data`` hands the whole save to :func:`checkpoint.storage.remote_save.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import math
 import os
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -57,7 +57,8 @@ from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
-from ..storage.location import is_remote, resolve
+from ..storage.location import is_remote
+from .location import Located
 from ..storage import digest, fskind
 from ..storage.digest import hash_spans
 from ..storage.format import FileRecordV2
@@ -123,7 +124,7 @@ def _abort(path: str | None) -> None:
         st.__exit__(None, None, None)  # removes the staging directory, releases the lock
 
 
-class StorageWriter(dcp_storage.StorageWriter):
+class StorageWriter(Located, dcp_storage.StorageWriter):
     """DCP ``StorageWriter`` writing an fqnckpt checkpoint at ``path`` (see module docstring).
 
     ``dcp.save(state_dict, storage_writer=StorageWriter(path))``; ``dcp.async_save`` (thread or
@@ -149,6 +150,16 @@ class StorageWriter(dcp_storage.StorageWriter):
     shape or dtype differ between ranks, :class:`~checkpoint.errors.CheckpointWriteError` for an OS
     error (the previous checkpoint at ``path`` stays whole), :class:`~checkpoint.errors.NestedCheckpointError`
     when ``path`` lies inside another checkpoint's folder.
+
+    ``process_group``: the group ``dcp.save`` runs on (DCP does not hand it to storage writers,
+    so pass the same one here: ``dcp.save(sd, process_group=g, storage_writer=StorageWriter(url,
+    process_group=g))``); the collectives of an object-storage save run on it (a local save
+    needs none beyond DCP's own). ``use_collectives=False`` is refused on several ranks: one
+    index and shared shard files need every rank's tensors, which only a collective plan shows
+    the coordinator. Tensors sharing storage under two keys (tied weights) are written under
+    each key, as torch's ``FileSystemWriter`` and ``HuggingFaceStorageWriter`` do (DCP plans each
+    key as its own tensor and hands the storage layer no storage identity); a load fills each
+    key (``checkpoint.save`` of the model stores them once, as an alias group).
     """
 
     def __init__(
@@ -160,17 +171,16 @@ class StorageWriter(dcp_storage.StorageWriter):
         overwrite: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         transfer: Any = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path) if path is not None else None
+        self._locate(path, storage_options, transfer)
+        self.process_group = process_group
         self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
         self.max_shard_size = max_shard_size
         self.overwrite = overwrite
-        self.storage_options = dict(storage_options) if storage_options else None
-        self.transfer = transfer
         self.is_coordinator = False
         self.rank = 0
-        self.save_id = uuid.uuid4().hex
         self._layout: Layout | None = None
         self._staged_path: str | None = None
 
@@ -178,23 +188,31 @@ class StorageWriter(dcp_storage.StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new save: ``checkpoint_id`` (a path or URL) replaces ``path`` when given."""
         self._abandon()
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
+        self._relocate(checkpoint_id)
         self._layout = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Raises ValueError for ``use_collectives=False`` on several ranks: the shared files
-        are laid out from every rank's plan, which only the coordinator of a collective save sees."""
+        """Raises ValueError for ``use_collectives=False`` on several ranks (see the class
+        docstring), NotImplementedError for an object-storage save on a ``process_group`` that
+        is not every rank."""
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         if kwargs.get("use_collectives") is False and dist.world_size() > 1:
             raise ValueError(
-                "checkpoint.dcp.StorageWriter needs use_collectives=True: ranks write into shared "
-                "Hugging Face shard files laid out from every rank's plan"
+                f"saving {self.path}: checkpoint.dcp.StorageWriter cannot save with use_collectives=False "
+                "on several ranks: the ranks write into shared Hugging Face shard files and one index, "
+                "laid out from every rank's tensors, and without collectives no rank sees the others' "
+                "(DCP then writes per-rank metadata, which FileSystemWriter's .distcp format has and an "
+                "HF checkpoint has not). Save with use_collectives=True (DCP's default)"
             )
-        if self.path is None:
-            raise ValueError("checkpoint.dcp.StorageWriter: no path (pass one, or checkpoint_id= to dcp.save)")
+        path = self._require_path()
+        group = self.process_group
+        if group is not None and is_remote(path) and torch.distributed.get_world_size(group) != dist.world_size():
+            raise NotImplementedError(
+                f"saving {path}: an object-storage save agrees on its upload and commit through "
+                "collectives numbered by the default group; a process_group of some ranks only is not "
+                "supported (use a group of every rank, e.g. a gloo group for async_save)"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -282,17 +300,10 @@ class StorageWriter(dcp_storage.StorageWriter):
         finally:
             st.__exit__(None, None, None)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.path, save_id=self.run_id)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _where(self) -> Any:
-        return resolve(self.path, self.storage_options, self.transfer)
-
     def _abandon(self) -> None:
         if self._staged_path is not None:
             _abort(self._staged_path)
@@ -307,6 +318,7 @@ class StorageWriter(dcp_storage.StorageWriter):
     def __getstate__(self) -> dict[str, Any]:  # the process checkpointer pickles the writer
         state = dict(self.__dict__)
         state["_staged_path"] = None
+        state["process_group"] = None  # not picklable; the checkpointer process has its own
         return state
 
     def _plan_layout(self, specs: list[TensorSpec]) -> Layout:
@@ -382,7 +394,9 @@ class StorageWriter(dcp_storage.StorageWriter):
             values = {k: state[k] for k in data.extra_keys}
             files = extra_state_file_bytes(snapshot_extra_state(_nested(values, getattr(planner, "mappings", None))))
         part = _Part(MODEL_PREFIX, specs, lambda s: state[s.fqn])
-        save_remote(self._where(), [part], [data.layout], self.overwrite, files, _index, _fetch_any, dist.active())
+        group = dist.using_group(self.process_group) if self.process_group is not None else contextlib.nullcontext()
+        with group:  # the ranks agree on upload and commit on the caller's group, not the default one
+            save_remote(self._where(), [part], [data.layout], self.overwrite, files, _index, _fetch_any, dist.active())
         return [
             WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items
         ]
