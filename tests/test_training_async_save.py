@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,61 @@ def test_write_overlapping_the_background_copy_is_never_committed_torn(tmp_path,
     back = _model(1)
     checkpoint.load(back, tmp_path / "ck")
     assert torch.equal(back[0].weight, at_call), "a torn or changed tensor was committed"
+
+
+def test_first_save_faults_fresh_staging_ahead_of_the_copy_piece_by_piece(tmp_path, monkeypatch):
+    """The first save (no prepare): fresh staging pages are faulted in on a pool thread one piece
+    ahead of the copy, each piece copied only once faulted in; the staged bytes are the sources',
+    the buffers count as touched; a copy that fails stops the thread before the call raises."""
+    from checkpoint.training import pages
+
+    am = importlib.import_module("checkpoint.training.async_save")
+    monkeypatch.setattr(am, "_PIECE", 3 * 4096)
+    events, lock = [], threading.Lock()
+    real_pop, real_copyto = pages.populate, am.np.copyto
+
+    def pop(b):
+        with lock:
+            events.append(("pop", b.data_ptr(), threading.current_thread().name))
+        real_pop(b)
+
+    def copyto(dst, src):
+        with lock:
+            events.append(("copy", dst.ctypes.data, threading.current_thread().name))
+        real_copyto(dst, src)
+
+    monkeypatch.setattr(pages, "populate", pop)
+    monkeypatch.setattr(am.np, "copyto", copyto)
+    g = torch.Generator().manual_seed(3)
+    sd = {"a": torch.randn(10_000, generator=g), "b": torch.randn(77, 5, generator=g).t(),  # b: not contiguous
+          "c": torch.randint(0, 200, (50_001,), generator=g, dtype=torch.uint8)}  # fmt: skip
+    saver = AsyncSaver()
+    saver.save(sd, tmp_path / "a").result()
+    pops = [e for e in events if e[0] == "pop"]
+    copies = [e for e in events if e[0] == "copy"]
+    assert {e[2] for e in pops} == {"fqnckpt-stage-touch_0"} and {e[2] for e in copies} == {"MainThread"}
+    assert len(pops) == len(copies) == -(-40_000 // (3 * 4096)) + -(-50_001 // (3 * 4096))  # a, c piecewise
+    for ptr in (e[1] for e in copies):  # each piece copied after it was faulted in
+        assert events.index(next(e for e in pops if e[1] == ptr)) < events.index(next(e for e in copies if e[1] == ptr))
+    assert all(saver._pool.touched(b) for b in saver._pool.buffers.values())
+    assert all(torch.equal(saver._pool.buffers[("model", k)], v) for k, v in sd.items())
+    got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
+    checkpoint.load(got, tmp_path / "a")
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    events.clear()
+    saver.save(sd, tmp_path / "b").result()  # buffers touched: plain copies, no thread
+    assert [e[0] for e in events] == ["copy", "copy"]
+
+    def failing(dst, src):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(am.np, "copyto", failing)
+    monkeypatch.setattr(pages, "populate", lambda b: (time.sleep(0.02), pop(b)))
+    fresh = AsyncSaver()
+    events.clear()
+    with pytest.raises(MemoryError, match="copy failed"):
+        fresh.save(sd, tmp_path / "c")
+    n = len(events)
+    time.sleep(0.1)
+    assert len(events) == n < len(pops)  # the thread stopped before the call raised, pieces left
+    assert not (tmp_path / "c").exists()
