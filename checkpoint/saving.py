@@ -150,7 +150,7 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
     # retention remove the files a record names, never a file for its name (checkpoint.atomic).
     others = sorted((getattr(staged, "written", set()) | {index_name(p.prefix) for p in parts}) - {index_name(MODEL_PREFIX)})
     for part, idx in zip(parts, indexes):
-        if part.prefix == MODEL_PREFIX and idx.metadata.fqnckpt is not None and others:
+        if part.prefix == MODEL_PREFIX and idx.metadata.fqnckpt is not None:  # a record, empty or not
             idx.metadata.fqnckpt.objects = {n: n for n in others}
     for part, idx in zip(parts, indexes):
         staged.write_file(index_name(part.prefix), idx.to_json_bytes())
