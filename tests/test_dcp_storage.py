@@ -790,3 +790,37 @@ def test_save_inside_another_checkpoint_is_refused(tmp_path):
     err = NestedCheckpointError(str(outer / "sub"), str(outer))
     assert str(err).startswith(f"refusing to save a checkpoint at {outer / 'sub'}: it is inside the checkpoint {outer}")
     dcp.save({"b": torch.zeros(3)}, storage_writer=StorageWriter(str(tmp_path / "beside")))  # beside it: fine
+
+
+def test_reader_gives_checkpoint_save_optimizer_state(tmp_path):
+    """checkpoint.save(model, optimizer=...) writes the optimizer part by FQN; a DCP user's
+    get_optimizer_state_dict loads it through StorageReader (state tensors, step, param groups)
+    and the next step matches the saved optimizer's."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2 * (seed + 1), betas=(0.8, 0.95 + seed / 100))
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+        return m, o
+
+    (m, o), (m2, o2) = make(0), make(1)
+    checkpoint.save(m, str(tmp_path / "ck"), optimizer=o)
+    m2.load_state_dict(m.state_dict())
+    osd = get_optimizer_state_dict(m2, o2)
+    dcp.load(osd, storage_reader=StorageReader(str(tmp_path / "ck")))
+    set_optimizer_state_dict(m2, o2, osd)
+    ref = get_optimizer_state_dict(m, o)
+    assert osd["param_groups"] == ref["param_groups"] and sorted(osd["state"]) == sorted(ref["state"])
+    for fqn, d in ref["state"].items():
+        assert sorted(osd["state"][fqn]) == sorted(d)
+        assert all(torch.equal(torch.as_tensor(osd["state"][fqn][n]), torch.as_tensor(v)) for n, v in d.items())
+    for model, opt in ((m, o), (m2, o2)):
+        model(x).sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))

@@ -6,8 +6,10 @@ What it reads (:func:`_open_source`):
   index is authoritative: only the files it names are read, through
   :func:`checkpoint.open_checkpoint`, which validates every header and path, hub-cache snapshots
   included), a directory with one ``model.safetensors``, one ``.safetensors`` file, or a URL;
-  ``extra_state.json`` entries come back as DCP's non-tensor values, tied names fqnckpt stored
-  once (its alias groups) under every name;
+  ``extra_state.json`` entries come back as DCP's non-tensor values (a rank's ``PerRank``
+  entries on the same world size), tied names fqnckpt stored once (its alias groups) under every
+  name, and ``checkpoint.save``'s optimizer part under ``get_optimizer_state_dict``'s keys
+  (``state.<fqn>.<name>``, ``param_groups``);
 - torch's ``HuggingFaceStorageWriter(save_distributed=True)`` output without consolidation: the
   per-rank ``shard-0000r-model-0000k-of-0000n.safetensors`` files (in the directory or its
   ``sharded/`` folder), each tensor's chunks placed by the ``DCP_SHARDING_INFO`` offsets in
@@ -23,7 +25,14 @@ read item's block straight into its target where the bytes are one range of the 
 converting dtype on copy; no file is mapped. A target
 DTensor with ``_StridedShard`` placements is filled block by block from
 :func:`checkpoint.ranks.shards.local_blocks` (DCP's default planner places its local shard at
-its first row only, which would load wrong values without an error).
+its first row only, which would load wrong values without an error). A column block
+(``Shard(1)``) is read as whole rows through a reused window (:func:`read_block_by_rows`).
+
+Integrity: a tensor read whole, or through all of its rows, is checked against the index's
+xxh3-128 digest by one rank (the coordinator assigns each such tensor to one of the ranks reading
+it); a mismatch raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file and tensor,
+on every rank. Ranks that opened different checkpoints (an overwrite landing while they opened
+it) are refused the same way instead of loading a mix.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from torch.futures import Future
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError
 from ..ranks import shards
 from ..storage import digest
-from ..storage.format import index_name
+from ..storage.format import OPTIMIZER_PREFIX, index_name
 from ..storage.location import is_remote
 from .location import Located
 
@@ -471,6 +480,19 @@ def _open_source(where: Any) -> _Source:
 
 def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
     chunks = {k: [StoredChunk(0, k, (0,) * len(rd.spec(k).shape), rd.spec(k).shape)] for k in rd.keys()}
+    readers = [rd]
+    opt = _optimizer_part(rd)
+    if opt is not None:
+        part, keys, values = opt
+        readers.append(part)
+        for k in keys:
+            if k in chunks:
+                raise DuplicateTensorError(k, [rd.file_of(k), part.file_of(k)])
+            chunks[k] = [StoredChunk(1, k, (0,) * len(part.spec(k).shape), part.spec(k).shape)]
+        clash = sorted(set(values) & (set(extra) | set(chunks)))
+        if clash:
+            raise CorruptCheckpointError(where, f"optimizer state keys {clash[:10]} are also model tensors or extra state")
+        extra = {**extra, **values}
     # Tied names fqnckpt stored once (alias groups, stored name first): a state_dict holding
     # every name (``lm_head.weight`` beside ``model.embed_tokens.weight``) finds each of them.
     for group in rd.alias_groups:
@@ -478,7 +500,36 @@ def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
         for alias in group:
             if stored is not None and alias not in chunks:
                 chunks[alias] = chunks[stored]
-    return _Source(where, [rd], chunks, extra)
+    return _Source(where, readers, chunks, extra)
+
+
+def _optimizer_part(rd) -> tuple[Any, list[str], dict[str, Any]] | None:
+    """``checkpoint.save``'s optimizer part (``optimizer.safetensors.index.json``), under the keys
+    of DCP's ``get_optimizer_state_dict`` flattened: ``state.<fqn>.<name>`` (tensors from the
+    part's files; Python numbers and other values as non-tensor values) and ``param_groups``
+    (hyper-parameters with ``params`` as FQNs): ``(part reader, tensor keys, values)``, None
+    without one. Raises what :func:`checkpoint.plan.optimizer.saved_fqnckpt_optimizer` raises."""
+    opener = getattr(rd, "open_part", None)
+    part = opener(OPTIMIZER_PREFIX) if opener is not None else None
+    if part is None:
+        return None
+    try:
+        from ..plan.optimizer import saved_fqnckpt_optimizer
+
+        saved = saved_fqnckpt_optimizer(part)
+        values: dict[str, Any] = {f"state.{f}.{n}": v for f, d in saved.values.items() for n, v in d.items()}
+        keys = []
+        for d in saved.tensors.values():
+            for k in d.values():
+                if k in saved.scalars:  # a Python number in the optimizer, stored as a 0-d tensor
+                    values[k] = part.get(k).item()
+                else:
+                    keys.append(k)
+        values["param_groups"] = [{**hyper, "params": list(params)} for params, hyper in saved.groups]
+    except BaseException:
+        part.close()
+        raise
+    return part, keys, values
 
 
 def _extra_values(root: str) -> dict[str, Any]:
