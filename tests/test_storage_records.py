@@ -299,3 +299,17 @@ def test_retention_keeps_a_users_file_in_a_step(where):
     assert _names(step1, opts) == {"notes.txt"} and backends.get(step1, opts, "notes.txt") == b"mine"
     mgr.save(3, {"w": torch.ones(2)})  # the retired step is retried: still only the user's file
     assert mgr.steps() == [3] and _names(step1, opts) == {"notes.txt"}
+
+
+def test_a_save_owns_only_what_it_wrote_even_with_no_other_file(where):
+    """A save that wrote no file but its shards and index still records that (an empty
+    ``metadata.fqnckpt.objects``): its overwrite removes none of the files a checkpoint without a
+    record would own by name (a user's ``extra_state.json`` / ``migration_report.json`` stay)."""
+    url, opts = where
+    checkpoint.save({"w": torch.zeros(2)}, url, storage_options=opts)
+    _put(url, opts, "extra_state.json", b"mine")
+    _put(url, opts, "migration_report.json", b"mine too")
+    idx = checkpoint.save({"w": torch.ones(2)}, url, overwrite=True, storage_options=opts)
+    assert idx.metadata.fqnckpt.objects == {}
+    assert backends.get(url, opts, "extra_state.json") == b"mine"
+    assert backends.get(url, opts, "migration_report.json") == b"mine too"
