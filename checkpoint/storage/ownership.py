@@ -3,7 +3,7 @@
 fqnckpt reads checkpoint bytes straight into the caller's tensors (``preadv`` from pool threads,
 through raw addresses), hashes tensors on a second thread while they are written, stages and
 writes snapshots on an async-save thread, and moves bytes to and from object storage on transfer
-threads. For all of them:
+threads. For all of them (rules 1-4), and for the snapshots async saves take (rule 5):
 
 1. **Finished before the starting call leaves.** Every thread, executor task or kernel call that
    writes into caller memory (or reads memory the caller may free or reuse) has stopped before
@@ -24,6 +24,24 @@ threads. For all of them:
    async save's staging and write, an upload part) holds references to every buffer it reads
    until it finished, and the process waits for it at exit (see
    :mod:`checkpoint.training.async_save`); nothing it touches belongs to a call that returned.
+
+5. **A snapshot is taken at the call, or refused; what that covers.** ``async_save`` copies
+   each tensor at the call, except, with ``background_staging``, the host tensors
+   ``optimizer.step()`` writes, which its thread copies later while a step pre-hook holds the
+   optimizer. For those deferred host (CPU) tensors the staged bytes are the values at the call
+   or the save fails with :class:`~checkpoint.SnapshotChangedError` and writes nothing, for
+   in-place writes from any Python thread (also through views, ``to_local()``, ``.data``) that
+   finished before the last check or changed bytes before the copy was compared: version
+   counters before and after, sampled elements, the copy compared with the tensor byte for byte
+   (``_stage_deferred`` in :mod:`checkpoint.training.async_save`). Not covered: a write (a
+   kernel thread, numpy, a raw pointer) that started before that comparison and is still running
+   after it: its later bytes are not in the snapshot, and the snapshot may hold part of it.
+   Callers must not write those tensors other than through ``optimizer.step()`` before
+   ``wait_staged()``. Accelerator tensors (CUDA and others) are copied at the call,
+   ``non_blocking`` on the device's current stream, and the background thread waits on an event
+   recorded there after the copies: kernels queued before on that stream are in the snapshot,
+   kernels queued later (the next step) run after the copies. Writes on other streams are not
+   ordered by fqnckpt: the caller orders them (``wait_stream`` / an event) before the call.
 
 The pools themselves are :mod:`checkpoint.storage.threads`. Exceptions raised by workers are
 re-raised in the calling thread after rule 1 is met (the first one; a ``BaseException`` the

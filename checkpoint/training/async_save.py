@@ -11,9 +11,10 @@ optimizer until then (see :func:`async_save`).
 Staging buffers: one host tensor per saved tensor (per local shard for DTensors this rank writes),
 pinned when the source is on CUDA, kept by the :class:`AsyncSaver` and reused by the next save of
 the same names, shapes and dtypes; they take as many bytes as this rank writes
-(``AsyncSaver.staging_bytes``, ``SaveFuture.staging_bytes``). CUDA copies are issued
-``non_blocking`` on the current stream and the background thread waits on an event, so training
-kernels queued later on that stream (e.g. the optimizer step) run after the copies.
+(``AsyncSaver.staging_bytes``, ``SaveFuture.staging_bytes``). Accelerator copies are
+issued ``non_blocking`` on the current stream and the background thread waits on an event
+recorded there, so training kernels queued later on that stream (e.g. the optimizer step) run
+after the copies (rule 5 of :mod:`checkpoint.storage.ownership` says what is and is not covered).
 
 Many ranks: a DTensor with ``Partial`` placements is reduced on the calling thread (as ``save``
 would); every other collective of the save runs in the background thread on a separate gloo
@@ -514,10 +515,9 @@ class AsyncSaver:
                     for c in deferred:  # checked by _stage_deferred after its copy
                         c.sample = _sample(c.src)
                 _stage_copies(self._pool, copies)
-                event = None
-                if any(c.src.device.type == "cuda" for c in copies):
-                    event = torch.cuda.Event()
-                    event.record()
+                # Stream order, any accelerator: an event on each source device's current stream
+                # after the copies, waited by the background thread (rule 5 of ownership).
+                event = [_record_event(d) for d in {c.src.device for c in copies if c.src.device.type != "cpu"}] or None
             for key in set(self._pool.buffers) - used:  # names gone since the last save
                 del self._pool.buffers[key]
             group = self._background_group() if distributed and dist.active() else None
@@ -546,6 +546,14 @@ class AsyncSaver:
             return "", None
         err = last._future.exception()
         return last.path, None if last.seen else err
+
+
+def _record_event(device: torch.device) -> torch.Event:
+    """An event recorded on ``device``'s current stream (work queued there so far: the staging
+    copies) for the background thread to wait on; any accelerator, not only CUDA."""
+    ev = torch.Event(device=device)
+    ev.record(torch.accelerator.current_stream(device))
+    return ev
 
 
 def _stage_deferred(path: str, deferred: list[_Copy]) -> None:
@@ -602,8 +610,8 @@ def _write(
         err = e
     finally:
         staged_event.set()  # also on error: the optimizer step must not wait forever
-    if event is not None:
-        event.synchronize()
+    for e in event or ():
+        e.synchronize()
     if distributed:
         with dist.using_group(group):
             if background:  # same on every rank (an argument of the call): every rank stops if one is torn
