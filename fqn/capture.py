@@ -1,4 +1,6 @@
-"""Build an :class:`FQNMap` during capture, by tensor identity.
+"""Fill an :class:`~fqn.registry.FQNMap` during capture, by tensor identity (the map is made by
+:meth:`FQNMap.from_capture` / :meth:`FQNMap.from_exported_program`, which call the ``fill_*``
+functions here: this module never imports the registry, so the two form no import cycle).
 
 Why identity: dynamo and export flatten names lossily (``a_b.c`` and ``a.b_c`` both become
 ``a_b_c``), and ``gm.meta["dynamo_flat_name_to_original_fqn"]`` maps colliding names to the wrong
@@ -21,9 +23,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from .eager import TensorKind, eager_tensors
+from .eager import TensorKind, dtype_name, eager_tensors
 from .errors import CaptureMismatchError, UnknownNameError
-from .registry import FQNMap, Provenance, TensorRecord, dtype_name
+from .schema import Provenance, TensorRecord
 from .rules import canonical_fqn, flatten_name
 
 _DYNAMO_META = "dynamo_flat_name_to_original_fqn"
@@ -124,10 +126,11 @@ def graph_input_tensors(gm: torch.fx.GraphModule, args: tuple = (), kwargs: dict
     return tuple(seen[0]) if seen else ()
 
 
-def map_from_capture(
-    model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Sequence | None = None
-) -> FQNMap:
-    """FQN map of ``gm`` captured from ``model``, keyed by tensor identity.
+def fill_from_capture(
+    fmap, model: nn.Module, gm: torch.fx.GraphModule, example_inputs: Sequence | None = None
+) -> None:
+    """Fill ``fmap`` (an ``FQNMap`` of ``model``'s eager names, provenance ``identity``) with the
+    captured names of ``gm`` captured from ``model``, keyed by tensor identity.
 
     Works for GraphModules from a ``torch.compile`` backend (pass the backend's
     ``example_inputs``: they are the model's own tensors; the same for the backend of
@@ -147,17 +150,15 @@ def map_from_capture(
     """
     records = eager_tensors(model)
     by_id = {id(t.tensor): t.fqn for t in records}
-    fmap = FQNMap.from_module(model, Provenance.identity)
     for name, t in _graph_tensors(gm, example_inputs):
         fqn = by_id.get(id(t))
         if fqn is not None:
             fmap.add_captured(fqn, name)
     spellings = {t.fqn: {*t.names, *t.module_names} for t in records}
     _cross_check_meta(fmap, gm, spellings)
-    return fmap
 
 
-def _cross_check_meta(fmap: FQNMap, gm: torch.fx.GraphModule, spellings: dict[str, set[str]]) -> None:
+def _cross_check_meta(fmap, gm: torch.fx.GraphModule, spellings: dict[str, set[str]]) -> None:
     meta = getattr(gm, "meta", {}).get(_DYNAMO_META) or {}
     for flat, claimed in meta.items():
         if flat not in fmap:
@@ -177,8 +178,9 @@ def _cross_check_meta(fmap: FQNMap, gm: torch.fx.GraphModule, spellings: dict[st
 _SPEC_KIND = {"PARAMETER": TensorKind.parameter, "CONSTANT_TENSOR": TensorKind.constant}
 
 
-def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
-    """FQN map of a ``torch.export.ExportedProgram`` from ``ep.graph_signature.input_specs``.
+def fill_from_exported_program(fmap, ep, model: nn.Module | None = None) -> None:
+    """Fill ``fmap`` (an empty ``FQNMap``) with the names of a ``torch.export.ExportedProgram``
+    from ``ep.graph_signature.input_specs``.
 
     Each PARAMETER / BUFFER / CONSTANT_TENSOR spec gives ``spec.target`` (the eager FQN) and
     ``spec.arg.name`` (the placeholder, e.g. ``p_enc_block_0_weight_0``). Values come from
@@ -199,7 +201,6 @@ def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
     # Without a model, ep.state_dict holds the model's tensor objects: two targets naming one
     # object are aliases (non-strict export lifts a tied alias as its own placeholder).
     seen_ids: dict[int, str] = {}
-    fmap = FQNMap()
     for spec in ep.graph_signature.input_specs:
         if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             continue
@@ -267,11 +268,10 @@ def map_from_exported_program(ep, model: nn.Module | None = None) -> FQNMap:
                     provenance=Provenance.rule,
                 )
             )
-    return fmap
 
 
-def fmap_aliases(fmap: FQNMap, fqn: str) -> list[str]:
+def fmap_aliases(fmap, fqn: str) -> list[str]:
     return list(fmap.record(fqn).aliases) if fqn in fmap else []
 
 
-__all__ = ["graph_input_tensors", "map_from_capture", "map_from_exported_program", "UnknownNameError"]
+__all__ = ["fill_from_capture", "fill_from_exported_program", "graph_input_tensors", "UnknownNameError"]

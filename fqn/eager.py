@@ -18,6 +18,11 @@ from .rules import canonical_fqn
 from .schema import TensorKind
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class EagerTensor:
     """One tensor of a module: ``fqn`` (canonical), ``aliases`` (other FQNs), its ``kind``.

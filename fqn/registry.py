@@ -6,15 +6,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .eager import eager_tensors
+from .eager import dtype_name, eager_tensors
 from .errors import CaptureMismatchError, FQNCollisionError, UnknownNameError
 # The on-disk schemas live in .schema (no torch import: the CLI reads them without torch).
 from .schema import FQNMapFile, Provenance, TensorRecord
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 class FQNMap:
@@ -88,17 +83,22 @@ class FQNMap:
 
     @classmethod
     def from_capture(cls, model: nn.Module, gm: torch.fx.GraphModule, example_inputs=None) -> FQNMap:
-        """Registry of a captured graph, by tensor identity. See :func:`fqn.capture.map_from_capture`."""
-        from .capture import map_from_capture
+        """Registry of a captured graph, by tensor identity. See :func:`fqn.capture.fill_from_capture`
+        (which fills the map made here; it does not import this module)."""
+        from .capture import fill_from_capture
 
-        return map_from_capture(model, gm, example_inputs)
+        fmap = cls.from_module(model, Provenance.identity)
+        fill_from_capture(fmap, model, gm, example_inputs)
+        return fmap
 
     @classmethod
     def from_exported_program(cls, ep, model: nn.Module | None = None) -> FQNMap:
-        """Registry of an ``ExportedProgram``. See :func:`fqn.capture.map_from_exported_program`."""
-        from .capture import map_from_exported_program
+        """Registry of an ``ExportedProgram``. See :func:`fqn.capture.fill_from_exported_program`."""
+        from .capture import fill_from_exported_program
 
-        return map_from_exported_program(ep, model)
+        fmap = cls()
+        fill_from_exported_program(fmap, ep, model)
+        return fmap
 
     # -- lookups ------------------------------------------------------------------------------
     def to_eager(self, name: str) -> str:

@@ -8,6 +8,7 @@ stage in turn."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -21,6 +22,24 @@ def _outcome(fn):
         return "ok"
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+@contextlib.contextmanager
+def _failing(rank, on, owner, name, error):
+    """``owner.name`` raises ``error`` on rank ``on`` only (the real one on the others), restored
+    after the block."""
+    real = getattr(owner, name)
+
+    def fails(*a, **k):
+        if rank == on:
+            raise error
+        return real(*a, **k)
+
+    setattr(owner, name, fails)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
 
 
 def _stages(rank, world, root):
@@ -56,18 +75,8 @@ def _stages(rank, world, root):
     stage("save_extra", lambda: checkpoint.save(m, p, overwrite=True, extra_state=extra))
 
     # planning fails on rank 1 only (inside the distributed save)
-    real_plan = saving._plan_checked
-
-    def plan_fails(*a, **k):
-        if rank == 1:
-            raise ValueError("planning failed here")
-        return real_plan(*a, **k)
-
-    saving._plan_checked = plan_fails
-    try:
+    with _failing(rank, 1, saving, "_plan_checked", ValueError("planning failed here")):
         stage("save_plan", lambda: checkpoint.save(m, p, overwrite=True))
-    finally:
-        saving._plan_checked = real_plan
 
     for bg in (False, True):
         def async_bad(bg=bg):
@@ -77,49 +86,19 @@ def _stages(rank, world, root):
         stage(f"async_extra_bg{bg}", async_bad)
 
     # save(recipe=): rank 0 cannot make its temporary directory
-    real_mkdtemp = saving.tempfile.mkdtemp
-
-    def mkdtemp_fails(*a, **k):
-        if rank == 0:
-            raise PermissionError("no temporary directory here")
-        return real_mkdtemp(*a, **k)
-
-    saving.tempfile.mkdtemp = mkdtemp_fails
-    try:
+    with _failing(rank, 0, saving.tempfile, "mkdtemp", PermissionError("no temporary directory here")):
         stage("save_recipe", lambda: checkpoint.save(m, os.path.join(root, "r"), recipe="hf-to-torchtitan-llama3"))
-    finally:
-        saving.tempfile.mkdtemp = real_mkdtemp
 
     # load: rank 1 cannot open the checkpoint
     checkpoint.save(m, p, overwrite=True)
-    real_open = loading.open_target_reader
-
-    def open_fails(*a, **k):
-        if rank == 1:
-            raise OSError("cannot open here")
-        return real_open(*a, **k)
-
-    loading.open_target_reader = open_fails
-    try:
+    with _failing(rank, 1, loading, "open_target_reader", OSError("cannot open here")):
         stage("load_open", lambda: checkpoint.load(model(), p))
-    finally:
-        loading.open_target_reader = real_open
 
     # manager: rank 1 cannot list the steps
     mgr = CheckpointManager(os.path.join(root, "mgr"), async_save=False)
     mgr.save(0, m)
-    real_steps = CheckpointManager.steps
-
-    def steps_fail(self):
-        if rank == 1:
-            raise OSError("listing failed here")
-        return real_steps(self)
-
-    CheckpointManager.steps = steps_fail
-    try:
+    with _failing(rank, 1, CheckpointManager, "steps", OSError("listing failed here")):
         stage("manager_latest", lambda: mgr.load_latest(model()))
-    finally:
-        CheckpointManager.steps = real_steps
     return out
 
 
