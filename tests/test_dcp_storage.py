@@ -741,7 +741,8 @@ def _flip_byte(path: str, key: str, at: int = 5) -> None:
 def test_flipped_byte_is_refused_by_both_load_paths(tmp_path):
     """A byte flipped in a shard file: dcp.load through StorageReader and checkpoint.load raise
     CorruptCheckpointError naming file and tensor (safetensors has no checksum; before, both
-    loaded it silently). checkpoint.load then applies no optimizer state and no extra state."""
+    loaded it silently). checkpoint.load then applies no extra state; with verify=True (files
+    checked whole first, then not hashed again on read) nothing changes at all."""
     from checkpoint.errors import CorruptCheckpointError
 
     path = str(tmp_path / "ck")
@@ -760,6 +761,11 @@ def test_flipped_byte_is_refused_by_both_load_paths(tmp_path):
     back = pickle.loads(pickle.dumps(e.value))
     assert type(back) is CorruptCheckpointError and (back.file, back.key, str(back)) == (e.value.file, "a", str(e.value))
     assert extra == {"step": 0}  # not applied
+    # verify=True promises all or nothing: refused before any target changes.
+    target = {"a": torch.full((8, 8), -1.0), "b": torch.full((5,), -1.0)}
+    with pytest.raises(checkpoint.ChecksumMismatchError):
+        checkpoint.load(target, path, verify=True, extra_state=extra)
+    assert torch.equal(target["a"], torch.full((8, 8), -1.0)) and torch.equal(target["b"], torch.full((5,), -1.0))
     # A tensor read through a window (a column block of it spanning every row) is checked too.
     from checkpoint.dcp.reader import read_block_by_rows
 

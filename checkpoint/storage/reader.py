@@ -158,6 +158,7 @@ class CheckpointReader:
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self._spec_objs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
+        self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
 
     # -- lookups ------------------------------------------------------------------------------
     @property
@@ -225,8 +226,8 @@ class CheckpointReader:
             CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
         """
         want = self.recorded_digest(key)
-        if want is None:
-            return
+        if want is None or self._key_file[key] in self._verified:
+            return  # no digest, or its whole file was checked already (load(verify=True))
         got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
         if got != want:
             raise CorruptCheckpointError(
@@ -432,6 +433,7 @@ class CheckpointReader:
         check = check_file(src, rec)  # the file opened, even if a save replaced it since
         if check.problem is not None:
             raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
+        self._verified.add(name)
         return check.digest
 
     def check_index_digest(self) -> None:

@@ -118,6 +118,7 @@ class RemoteCheckpointReader(CheckpointReader):
         name, b, e, shape, dtype = self._span(key)
         out = torch.empty(shape, dtype=dtype)
         self._fill(tensor_bytes(out), name, [(b, e)], key)
+        self.check_digest(key, tensor_bytes(out))  # read whole: checked as local reads are
         return out
 
     # Not the local batched preadv of CheckpointReader: each tensor goes through read_into (ranged GETs).
@@ -137,6 +138,7 @@ class RemoteCheckpointReader(CheckpointReader):
             self._fill(tensor_bytes(out), name, [(b, e)], key)
         finally:
             increment_version(out)  # written behind torch's back, as copy_ would count it
+        self.check_digest(key, tensor_bytes(out))
         return True
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
