@@ -830,3 +830,36 @@ def test_reader_gives_checkpoint_save_optimizer_state(tmp_path):
         model(x).sum().backward()
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_tied_tensors_written_once_with_save_planner(tmp_path):
+    """One tensor under two keys (tied embeddings): DCP's planners write it under each key, as
+    torch's writers do; SavePlanner writes it once and records the alias group, as
+    checkpoint.save does. Both load back into every key, and from_pretrained reads the result."""
+    from transformers import LlamaForCausalLM
+
+    from tests.test_checkpoint_interop import TOKENS, tiny_llama
+
+    model = tiny_llama(6, tie=True)
+    sd = model.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+    once, twice = str(tmp_path / "once"), str(tmp_path / "twice")
+    dcp.save(sd, storage_writer=StorageWriter(once), planner=SavePlanner())
+    dcp.save(sd, storage_writer=StorageWriter(twice))
+    idx = json.loads(open(f"{once}/model.safetensors.index.json").read())
+    assert "lm_head.weight" not in idx["weight_map"] and "model.embed_tokens.weight" in idx["weight_map"]
+    assert idx["metadata"]["fqnckpt"]["alias_groups"] == [["model.embed_tokens.weight", "lm_head.weight"]]
+    size = sd["lm_head.weight"].nbytes
+    twice_idx = json.loads(open(f"{twice}/model.safetensors.index.json").read())
+    assert twice_idx["metadata"]["total_size"] - idx["metadata"]["total_size"] == size
+    assert checkpoint.verify(once).ok
+    for path in (once, twice):
+        back = tiny_llama(7, tie=True)
+        target = back.state_dict()
+        dcp.load(target, storage_reader=StorageReader(path))
+        back.load_state_dict(target)
+        with torch.no_grad():
+            assert torch.equal(back(TOKENS).logits, model(TOKENS).logits)
+    model.config.save_pretrained(once)
+    with torch.no_grad():
+        assert torch.equal(LlamaForCausalLM.from_pretrained(once).eval()(TOKENS).logits, model(TOKENS).logits)

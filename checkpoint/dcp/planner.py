@@ -25,9 +25,37 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..ranks import shards
 
 
+@dataclasses.dataclass(frozen=True)
+class TiedKeys:
+    """``SavePlan.storage_data`` set by :class:`SavePlanner`: keys of one tensor (same storage,
+    offset, shape, strides, dtype; DTensors also the same placements), each group's first key
+    the one planned; :class:`~checkpoint.dcp.StorageWriter` records the groups as the index's
+    alias groups, as ``checkpoint.save`` does for tied weights."""
+
+    groups: tuple[tuple[str, ...], ...]
+
+
+def tied_groups(state_dict: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Groups of keys of ``state_dict`` (DCP's flattened one) holding the same tensor, in key
+    order; tensors without elements are never grouped."""
+    by: dict[tuple, list[str]] = {}
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        local, extra = (v.to_local(), (tuple(v.placements), id(v.device_mesh))) if isinstance(v, DTensor) else (v, ())
+        if not local.numel() or local.is_meta:
+            continue
+        ident = (local.untyped_storage().data_ptr(), local.device, local.storage_offset(), tuple(local.shape),
+                 tuple(local.stride()), local.dtype, tuple(v.shape), extra)  # fmt: skip
+        by.setdefault(ident, []).append(k)
+    return [tuple(g) for g in by.values() if len(g) > 1]
+
+
 class SavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` (same arguments) with ``_StridedShard`` DTensors planned block by
-    block (see module docstring): ``dcp.save(sd, storage_writer=..., planner=SavePlanner())``."""
+    block (see module docstring), and tied tensors (one tensor under several keys: tied
+    embeddings) planned once under their first key, the others recorded as its aliases
+    (:class:`TiedKeys`): ``dcp.save(sd, storage_writer=..., planner=SavePlanner())``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,7 +87,13 @@ class SavePlanner(DefaultSavePlanner):
                         ),
                     )
                 )
-        if changed:
+        groups = tied_groups(self.state_dict)
+        if groups:
+            drop = {k for g in groups for k in g[1:]}
+            items = [it for it in items if it.index.fqn not in drop]
+            plan = dataclasses.replace(plan, items=items, storage_data=TiedKeys(tuple(groups)))
+            self.plan = plan
+        elif changed:
             plan = dataclasses.replace(plan, items=items)
             self.plan = plan
         return plan
@@ -71,4 +105,4 @@ class SavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-__all__ = ["SavePlanner"]
+__all__ = ["SavePlanner", "TiedKeys", "tied_groups"]

@@ -62,6 +62,7 @@ from .location import Located
 from ..storage import digest, fskind
 from ..storage.digest import hash_spans
 from ..storage.format import FileRecordV2
+from .planner import TiedKeys
 from ..storage.writer import BlockWriter, create_shard_file, distributed_record, tensor_bytes
 
 
@@ -81,6 +82,7 @@ class _RemotePlan:
 
     layout: Layout
     extra_keys: tuple[str, ...]
+    aliases: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,9 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
     the coordinator. Tensors sharing storage under two keys (tied weights) are written under
     each key, as torch's ``FileSystemWriter`` and ``HuggingFaceStorageWriter`` do (DCP plans each
     key as its own tensor and hands the storage layer no storage identity); a load fills each
-    key (``checkpoint.save`` of the model stores them once, as an alias group).
+    key (``checkpoint.save`` of the model stores them once, as an alias group); with
+    :class:`checkpoint.dcp.SavePlanner` they are written once and the other keys recorded as
+    aliases, as ``checkpoint.save`` does.
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self._layout: Layout | None = None
+        self._aliases: list[list[str]] = []
         self._staged_path: str | None = None
 
     # -- DCP interface -------------------------------------------------------------------------
@@ -221,12 +226,17 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         """Coordinator: plan the files from every rank's items, create them (local paths), and give
         each rank where its items go. Raises before anything is written (see class docstring)."""
         where = self._where()
+        tied = next((p.storage_data for p in plans if isinstance(p.storage_data, TiedKeys)), None)
+        self._aliases = [list(g) for g in tied.groups] if tied is not None else []
         plans = _dedup(plans)
         specs, extra_keys = _specs_of(plans, str(self.path))
         layout = self._plan_layout(specs)
+        for g in self._aliases:
+            for name in g:
+                limits.check_name(name, str(self.path))
         self._layout = layout
         if is_remote(where):
-            data = _RemotePlan(layout, tuple(extra_keys))
+            data = _RemotePlan(layout, tuple(extra_keys), tuple(tuple(g) for g in self._aliases))
             return [replace(p, storage_data=data) for p in plans]
         outer = enclosing_checkpoint(where)
         if outer is not None:
@@ -286,7 +296,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
                 raise CheckpointWriteError(
                     str(self.path), f"no rank wrote {missing[:10]}{' ...' if len(missing) > 10 else ''}"
                 )
-            part = _Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None)
+            part = _Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None, self._aliases)
             index = _index(part, layout, _records(st.dir, layout, known))
             if extra:
                 entries = snapshot_extra_state(_nested(extra, metadata.planner_data))
@@ -393,7 +403,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         if dist.rank() == 0 and data.extra_keys:
             values = {k: state[k] for k in data.extra_keys}
             files = extra_state_file_bytes(snapshot_extra_state(_nested(values, getattr(planner, "mappings", None))))
-        part = _Part(MODEL_PREFIX, specs, lambda s: state[s.fqn])
+        part = _Part(MODEL_PREFIX, specs, lambda s: state[s.fqn], [list(g) for g in data.aliases])
         group = dist.using_group(self.process_group) if self.process_group is not None else contextlib.nullcontext()
         with group:  # the ranks agree on upload and commit on the caller's group, not the default one
             save_remote(self._where(), [part], [data.layout], self.overwrite, files, _index, _fetch_any, dist.active())
