@@ -104,6 +104,10 @@ def check_all(what: str, error: BaseException | None) -> None:
     raise alike (:class:`~checkpoint.errors.ConcurrentSaveError`,
     :class:`~checkpoint.errors.CheckpointExistsError`), that error (the agreement as its cause).
     """
+    # One small all_reduce when every rank is fine (the common case); the messages are gathered
+    # (two collectives and pickling) only when some rank failed.
+    if not any_true(error is not None):
+        return
     msgs = all_gather_object(_message(error))
     failures = {r: m for r, m in enumerate(msgs) if m is not None}
     if not failures:
