@@ -170,17 +170,20 @@ def test_overwrite_keeps_user_files_and_drops_stale_files(tmp_path):
 def test_owned_files_rule(tmp_path):
     d = tmp_path / "ck"
     checkpoint.save({"a": torch.ones(2)}, d)
-    (d / "model.safetensors").write_bytes(b"x")  # HF single-file name: a stale one would shadow the index
+    (d / "model.safetensors").write_bytes(b"x")  # HF single-file name: no record names it
     (d / "model-00007-of-00009.safetensors").write_bytes(b"x")  # an HF shard name no index names: kept
     (d / "extra_state.rank-00000-of-00002.json").write_bytes(b"x")  # no extra_state.json lists it: kept
-    (d / "migration_report.json").write_bytes(b"{}")
+    (d / "migration_report.json").write_bytes(b"{}")  # the save's record does not name it: kept
     (d / "weights.safetensors").write_bytes(b"x")  # not ours: kept
     (d / "model-00003-of-00004.safetensors.bak").write_bytes(b"x")  # not ours: kept
     os.mkdir(d / "optimizer.safetensors")  # a directory is never owned
-    assert atomic.owned_files(str(d)) == {
-        "model-00001-of-00001.safetensors", "model.safetensors.index.json", "model.safetensors",
-        "migration_report.json",
-    }  # fmt: skip
+    assert atomic.owned_files(str(d)) == {"model-00001-of-00001.safetensors", "model.safetensors.index.json"}
+    # A model.safetensors no record names would shadow the new index for transformers: refused.
+    with pytest.raises(checkpoint.CheckpointExistsError, match=r"\['model.safetensors'\]"):
+        checkpoint.save({"a": torch.zeros(2)}, d, overwrite=True)
+    # A checkpoint without fqnckpt's record (another tool's index) owns the names readers open.
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00001.safetensors"}}')
+    assert {"model.safetensors", "migration_report.json"} <= atomic.owned_files(str(d))
     # An index naming files by other names owns them; entries leading elsewhere are never owned.
     (d / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "custom.bin", "b": "../x.safetensors", "c": "sub/y.safetensors"}}'

@@ -244,15 +244,19 @@ def holds_checkpoint(store: ByteStore, listing: Iterable[str] | None = None) -> 
     return any(n in listing for n in (MODEL_INDEX, RECORD, f"{MODEL_PREFIX}.safetensors", "consolidated.00.pth"))
 
 
+SHADOWING = frozenset({"model.safetensors"})  # transformers opens it before any index: a stale one shadows ours
+
+
 def check_clashes(store: ByteStore, names: Iterable[str], owned: set[str], listing: Iterable[str] | None = None) -> None:
     """Refuse a save that would replace an object no fqnckpt record names (a user's
-    ``config.json``, a foreign ``model-00001-of-00001.safetensors`` beside no index): ``names``
-    are the names the save writes as they are, ``owned`` what the checkpoint there owns.
+    ``config.json``, a foreign ``model-00001-of-00001.safetensors`` beside no index), or leave
+    beside it one that readers open instead of its index (:data:`SHADOWING`): ``names`` are the
+    names the save writes as they are, ``owned`` what the checkpoint there owns.
 
     Raises:
         CheckpointExistsError: naming the objects; nothing of the save is committed."""
     listing = store.listing() if listing is None else listing
-    clash = sorted(n for n in set(names) - owned - {MODEL_INDEX} if n in listing and not n.startswith("."))
+    clash = sorted(n for n in (set(names) | SHADOWING) - owned - {MODEL_INDEX} if n in listing and not n.startswith("."))
     if clash:
         raise CheckpointExistsError(
             store.url, f"{clash} exist there and no record of the checkpoint names them (not written by fqnckpt); "
