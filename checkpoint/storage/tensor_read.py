@@ -23,14 +23,14 @@ read a window of dim-0 rows at a time into a reused scratch buffer (only the blo
 packed) and copied by one ``copy_`` per window, so no intermediate tensor of the whole size.
 
 Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / ``get_slice`` +
-``copy_``; tests/bench/read_paths.py, 128 MiB in 8 tensors, 2 cores shared with other jobs):
-see the closing figures in README's issue 34 notes. Paths that copy once either way (a
-``Shard(1)`` block into a contiguous target, a narrow column block) are at or above 1.0x. Paths
-that need a second pass over the bytes cannot be: a converting or strided load (``preadv`` into
-the window, then ``copy_``) and a whole ``get`` (a new tensor, where the mapping returned a lazy
-view) cost one more kernel copy (~7-10 GB/s here) than a copy from the page cache mapping; that
-copy is the price of a named error instead of SIGBUS (a mapping cannot report a file cut or an
-I/O error any other way: see :mod:`~.pread`). The load of same-dtype contiguous targets
+``copy_``; tests/bench/read_paths.py and a 3-way run with the code before this change, 128 MiB in
+8 tensors, 2 cores at load average 3.6, 9 rotated rounds): a ``Shard(1)`` block into a contiguous
+target 1.20x [0.69-1.95] (was 0.47x), ``get_slice`` of a column block 0.80x (was 0.44x), of a narrow
+one 0.85x (was 0.45x). Paths that need a second pass over the bytes cannot reach 1.0x: a converting
+load 0.71x (0.75x before), a strided one 0.77x, a whole ``get`` 0.77x (a new tensor, where the
+mapping returned a lazy view): ``preadv`` copies the page cache once more (~7-10 GB/s here) than a
+copy straight from it, the price of a named error instead of SIGBUS (a mapping cannot report a file
+cut or an I/O error any other way: see :mod:`~.pread`). The load of same-dtype contiguous targets
 (``read_many``) never went through the mapping: unchanged.
 """
 
