@@ -188,6 +188,13 @@ class BlockWriter:
     Why: measured on a 2-rank, 1 GiB save to ext4 (issue 35), ranks wrote in 0.2 s and the one
     ``fsync`` after them then flushed the whole file alone for 0.45 s; with writeback started by
     each writer the flush runs during the writes, as in :class:`SequentialFileWriter`.
+
+    Ranks writing one file take turns: Linux holds the file's inode lock across each write's copy
+    (``shmem_file_write_iter`` on tmpfs, buffered ext4 alike). Measured on tmpfs (issue 35, 2
+    processes, 256 MiB each, 2 cores): each into a file of its own 0.2 s, both into one file 0.4 s
+    (0.2 s CPU each: the waiting one sleeps), writing through a shared mapping (no inode lock) 0.41-0.52 s
+    (a fault and a zero-fill per 4 KiB page). So a save of whole-tensor files is bound by one file's
+    write rate there, about 1/ranks of per-rank files (tests/bench/dist_save.py ``raw_shared``).
     """
 
     PIECE = 8 << 20  # bytes per pwrite of a large run
