@@ -18,13 +18,13 @@ threads. For all of them (rules 1-4), and for the snapshots async saves take (ru
    reading from it has stopped (rule 1 makes the starting call's ``finally`` a safe place).
 3. **Raw views keep their memory alive.** A view over raw memory (a ``ctypes`` array from an
    address, a ``memoryview`` of a tensor's bytes) is held together with the object that owns the
-   memory (:class:`~checkpoint.storage.pread.Run` keeps its target tensors), so no thread ever
+   memory (:class:`~checkpoint.storage.pread.Run` keeps its target tensors, a raw iovec array of
+   :mod:`~checkpoint.storage.tensor_read` its target and junk buffer), so no thread ever
    writes into memory that was freed, even while rule 1 is being honoured.
 4. **Work that outlives its call owns what it touches.** A deliberately asynchronous task (an
    async save's staging and write, an upload part) holds references to every buffer it reads
    until it finished, and the process waits for it at exit (see
    :mod:`checkpoint.training.async_save`); nothing it touches belongs to a call that returned.
-
 5. **A snapshot is taken at the call, or refused; what that covers.** ``async_save`` copies
    each tensor at the call, except, with ``background_staging``, the host tensors
    ``optimizer.step()`` writes, which its thread copies later while a step pre-hook holds the
