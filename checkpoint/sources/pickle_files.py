@@ -445,9 +445,13 @@ def _read_meta(fd: int | None, path: Path, key: str, t: torch.Tensor) -> torch.T
     base = t.untyped_storage()._checkpoint_offset + lo * item
     read_runs([Run(fd, [tensor_bytes(buf)], [key], base, str(path.parent), path.name, (buf,))])
     vals = buf.view(t.dtype)
-    if t.is_contiguous():
-        return vals.view(t.shape)
-    return torch.as_strided(vals, t.shape, t.stride(), 0).contiguous()
+    out = vals.view(t.shape) if t.is_contiguous() else torch.as_strided(vals, t.shape, t.stride(), 0)
+    # The stored bytes are the base's; a conjugate or negative view's values need its bit applied.
+    if t.is_conj():
+        out = out.conj()
+    if t.is_neg():
+        out = torch._neg_view(out)
+    return out.resolve_conj().resolve_neg().contiguous()
 
 
 def open_pickle(path: Path, fmt: str, key: str | None, trusted_globals: Iterable[Any], window: int) -> Source:
