@@ -107,15 +107,28 @@ def test_settle_waits_through_ctrl_c():
     from concurrent.futures import ThreadPoolExecutor
 
     done = threading.Event()
+    main_id = threading.main_thread().ident
+
+    def in_settle() -> bool:  # the main thread is inside ownership.settle now
+        f = sys._current_frames().get(main_id)
+        while f is not None:
+            if f.f_code is ownership.settle.__code__:
+                return True
+            f = f.f_back
+        return False
 
     def slow():
+        # Ctrl-C only once the caller waits in settle (no timer race on a busy machine), then
+        # keep working a while after it: settle must still wait for this worker.
+        deadline = time.monotonic() + 30
+        while not in_settle() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(main_id, signal.SIGINT)
         time.sleep(0.2)
         done.set()
 
-    main_id = threading.main_thread().ident
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(slow)
-        threading.Timer(0.02, lambda: signal.pthread_kill(main_id, signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt):
             ownership.settle([fut])
         assert done.is_set() and fut.done()  # raised only once the worker finished
