@@ -45,12 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from checkpoint.ranks.launch import preload, run_ranks  # noqa: E402
-
-
-def make_large(total_bytes: int, n: int = 8) -> dict[str, torch.Tensor]:
-    rows = max(1, total_bytes // (n * 4096 * 4))
-    g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)}
+from checkpoint_bench import make_large  # noqa: E402  (tests/bench is the script's directory)
 
 
 def _instrument(phases: dict[str, float]) -> None:
@@ -58,17 +53,10 @@ def _instrument(phases: dict[str, float]) -> None:
     from checkpoint import saving
     from checkpoint.ranks import dist as cdist
 
+    from save_phases import wrap_timed
+
     def wrap(obj, name, label):
-        f = getattr(obj, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, timed)
+        wrap_timed(phases, obj, name, label)
 
     wrap(saving, "_plan_checked", "plan")
     wrap(saving.dist, "all_gather_object", "exchanges")  # layout / extra-state check, checks

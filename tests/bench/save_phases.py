@@ -36,18 +36,14 @@ import checkpoint  # noqa: E402
 import checkpoint.saving as saving  # noqa: E402
 from checkpoint import atomic  # noqa: E402
 from checkpoint.storage import writer  # noqa: E402
-
-
-def make_large(total_bytes: int, n: int = 8) -> dict[str, torch.Tensor]:
-    rows = max(1, total_bytes // (n * 4096 * 4))
-    g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)}
+from checkpoint_bench import make_large  # noqa: E402  (tests/bench is the script's directory)
 
 
 PHASES: dict[str, float] = {}
 
 
-def _wrap(obj, name: str, label: str) -> None:
+def wrap_timed(phases: dict[str, float], obj, name: str, label: str) -> None:
+    """Replace ``obj.name`` by a wrapper adding its seconds into ``phases[label]`` (also when it raises)."""
     f = getattr(obj, name)
 
     def timed(*a, **k):
@@ -55,9 +51,13 @@ def _wrap(obj, name: str, label: str) -> None:
         try:
             return f(*a, **k)
         finally:
-            PHASES[label] = PHASES.get(label, 0.0) + time.perf_counter() - t
+            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
 
     setattr(obj, name, timed)
+
+
+def _wrap(obj, name: str, label: str) -> None:
+    wrap_timed(PHASES, obj, name, label)
 
 
 def instrument() -> None:
