@@ -183,10 +183,13 @@ def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
     rnd = random.Random(1)
     with checkpoint.open_checkpoint(tmp_path / "c") as r:
         assert all(torch.equal(r.get(k), v) for k, v in sd.items())
-        for span, gap, window in ((2 << 10, 16 << 10, 8 << 20), (1 << 30, 16 << 10, 1000), (0, 0, 1000), (0, 64, 1 << 20)):
-            monkeypatch.setattr(tensor_read, "SPAN", span)
+        for span, gap, window, rows in (
+            (2 << 10, 16 << 10, 8 << 20, 1 << 20), (1 << 30, 16 << 10, 1000, 300), (0, 0, 1000, 1000), (0, 64, 1 << 20, 1)
+        ):
+            monkeypatch.setattr(tensor_read, "SHORT_RUN", span)
             monkeypatch.setattr(tensor_read, "GAP", gap)
             monkeypatch.setattr(tensor_read, "WINDOW", window)
+            monkeypatch.setattr(tensor_read, "ROWS_WINDOW", rows)
             for _ in range(100):
                 k = rnd.choice("abci")
                 v = sd[k]
@@ -203,7 +206,8 @@ def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
                 for dtype, strided in ((v.dtype, False), (torch.float64, False), (v.dtype, True)):
                     base = torch.full((*want.shape[:-1], 2 * want.shape[-1]) if strided else want.shape, 7, dtype=dtype)
                     out = base[..., ::2] if strided else base
-                    assert r.copy_into(k, out, step1)
+                    # check=True: a block of every row is hashed on the way (a wrong hash raises).
+                    assert r.copy_into(k, out, step1, check=True)
                     assert torch.equal(out, want.to(dtype)), (k, step1, dtype, strided)
                     if strided:
                         assert torch.equal(base[..., 1::2], torch.full_like(base[..., 1::2], 7))  # untouched

@@ -766,15 +766,16 @@ def test_flipped_byte_is_refused_by_both_load_paths(tmp_path):
     with pytest.raises(checkpoint.ChecksumMismatchError):
         checkpoint.load(target, path, verify=True, extra_state=extra)
     assert torch.equal(target["a"], torch.full((8, 8), -1.0)) and torch.equal(target["b"], torch.full((5,), -1.0))
-    # A tensor read through a window (a column block of it spanning every row) is checked too.
-    from checkpoint.dcp.reader import read_block_by_rows
-
+    # A tensor read through a window (a column block of it spanning every row, same dtype or
+    # converting) is checked too.
     with checkpoint.open_checkpoint(path) as rd:
         out = torch.zeros(8, 3)
-        assert read_block_by_rows(rd, "a", out, (slice(0, 8), slice(2, 5)))  # not asked to check
-        with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
-            read_block_by_rows(rd, "a", out, (slice(0, 8), slice(2, 5)), check=True)
-        assert read_block_by_rows(rd, "a", torch.zeros(7, 3), (slice(1, 8), slice(2, 5)), check=True)  # not every row
+        assert rd.copy_into("a", out, (slice(0, 8), slice(2, 5)))  # not asked to check
+        assert torch.equal(out[1:], torch.arange(64.0).view(8, 8)[1:, 2:5])  # (the flipped byte is in row 0)
+        for target in (torch.zeros(8, 3), torch.zeros(8, 3, dtype=torch.float64), torch.zeros(3, 8).t()):
+            with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
+                rd.copy_into("a", target, (slice(0, 8), slice(2, 5)), check=True)
+        assert rd.copy_into("a", torch.zeros(7, 3), (slice(1, 8), slice(2, 5)), check=True)  # not every row
     # The untouched tensor still loads; `fqnckpt verify` names the damaged one.
     target = {"b": torch.zeros(5)}
     dcp.load(target, storage_reader=StorageReader(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))

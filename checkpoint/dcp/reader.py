@@ -26,7 +26,8 @@ converting dtype on copy; no file is mapped. A target
 DTensor with ``_StridedShard`` placements is filled block by block from
 :func:`checkpoint.ranks.shards.local_blocks` (DCP's default planner places its local shard at
 its first row only, which would load wrong values without an error). A column block
-(``Shard(1)``) is read as whole rows through a reused window (:func:`read_block_by_rows`).
+(``Shard(1)``) goes through the package's one block read (``CheckpointReader.copy_into``:
+:func:`checkpoint.storage.tensor_read.copy_into`).
 
 Integrity: a tensor read whole, or through all of its rows, is checked against the index's
 xxh3-128 digest by one rank (the coordinator assigns each such tensor to one of the ranks reading
@@ -329,86 +330,12 @@ class StorageReader(Located, dcp_storage.StorageReader):
             many = getattr(reader, "read_many", None)
             done = many(pairs, check) if many is not None else [False] * len(pairs)
             for k, (item, target, sl), ok in zip(keys, items, done):
-                # Else a column block through whole rows (local files, same dtype), or through
-                # one reused window into the target, converting dtype on the way (local files),
-                # or a new tensor copied in (object storage).
-                if not ok and src.local and sl is not None:
-                    ok = read_block_by_rows(reader, k, target, sl, check is True or k in check)
-                if not ok and not (src.local and reader.copy_into(k, target, sl)):
+                # Else (a column block, a converting target) the package's one block read
+                # (local files; checked against the digest when all rows pass through it), or a
+                # new tensor copied in (object storage).
+                if not ok and not (src.local and reader.copy_into(k, target, sl, check is True or k in check)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
-
-
-_ROWS_WINDOW = 4 << 20  # bytes of whole rows per read: measured 1, 4, 16 MiB (4 best, 16 slowest)
-
-
-def read_block_by_rows(
-    reader: Any, key: str, target: torch.Tensor, slices: Sequence[slice], check: bool = False
-) -> bool:
-    """Block ``tensor[slices]`` of ``key`` (step-1 slices, one per dim) into ``target``, a
-    contiguous CPU tensor of the block's shape in the stored dtype, when the block is not one
-    range of the file (a ``Shard(1)`` column block): the block's whole rows of dim 0 are read
-    :data:`_ROWS_WINDOW` bytes (at least one row) at a time by ``reader.read_many`` (``preadv``)
-    into a reused window, and the block picked out of each window by one numpy byte copy. False
-    (nothing read) when ``target`` is not such a tensor or a row is over ``tensor_read.WINDOW``.
-    ``check``: when the block spans every row (all of the tensor's bytes pass through the
-    window), hash them on the way and check the index's digest (``reader.check_digest``).
-
-    Why (issue 33, tests/bench/dcp_storage.py, 4 ranks on 2 cores): torch's ``copy_`` from the
-    window's strided view is an OpenMP region that took ~10 ms per 2 MiB there (4 processes'
-    thread pools on 2 cores), ~5x numpy's single-threaded strided copy; ``preadv`` with one
-    buffer per row run (gaps into a junk buffer) measured ~6x slower than the window here
-    (per-iovec cost on tmpfs, also with the iovecs built by numpy and ``preadv`` through ctypes:
-    1.3x). Steady state (same files loaded 11 times, rotating with torch's HF reader, load average
-    2-4): 2 ranks 53 ms against torch's 81 ms, 4 ranks 82 ms against 178 ms. Raises what
-    ``read_many`` raises (key and file named)."""
-    import numpy as np
-
-    from ..storage.tensor_read import WINDOW, _scratch
-
-    spec = reader.spec(key)
-    shape, dtype = tuple(spec.shape), spec.dtype
-    if (
-        len(shape) < 2
-        or len(slices) != len(shape)
-        or target.dtype != dtype
-        or not target.is_cpu
-        or not target.is_contiguous()
-        or target.is_conj()
-        or target.is_neg()
-        or any(s.step not in (None, 1) for s in slices)
-    ):
-        return False
-    bounds = [s.indices(n)[:2] for s, n in zip(slices, shape)]
-    lens = tuple(max(0, hi - lo) for lo, hi in bounds)
-    if tuple(target.shape) != lens:
-        return False
-    item = dtype.itemsize
-    row = math.prod(shape[1:]) * item
-    if row > WINDOW or row == 0:
-        return False
-    if not target.numel():
-        return True
-    # Byte views (any dtype: bf16, fp8, complex, bool): the last dim counted in bytes.
-    out = target.view(torch.uint8).numpy().reshape(*lens[:-1], lens[-1] * item)
-    inner = tuple(slice(lo, hi) for lo, hi in bounds[1:-1]) + (slice(bounds[-1][0] * item, bounds[-1][1] * item),)
-    lo, hi = bounds[0]
-    per = max(1, _ROWS_WINDOW // row)
-    whole = tuple(slice(None) for _ in shape[1:])
-    hasher = digest.new() if check and (lo, hi) == (0, shape[0]) and reader.recorded_digest(key) else None
-    for r0 in range(lo, hi, per):
-        r1 = min(hi, r0 + per)
-        window = _scratch((r1 - r0) * row)[: (r1 - r0) * row]
-        rows = window.view(dtype).view(r1 - r0, *shape[1:])
-        if not reader.read_many([(key, rows, (slice(r0, r1), *whole))], False)[0]:
-            return False  # (not reached: whole rows are one range of the file)
-        raw = window.numpy()
-        if hasher is not None:
-            hasher.update(raw)
-        np.copyto(out[r0 - lo : r1 - lo], raw.reshape(r1 - r0, *shape[1:-1], shape[-1] * item)[(slice(None), *inner)])
-    if hasher is not None:
-        reader.check_digest(key, hasher)
-    return True
 
 
 def _identity(src: _Source) -> tuple:

@@ -237,25 +237,38 @@ class CheckpointReader:
                 key=key,
             )
 
-    def copy_into(self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None) -> bool:
+    def copy_into(
+        self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
+    ) -> bool:
         """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, a CPU
-        tensor of that shape in any dtype and layout (``copy_``'s conversions), through one reused
-        window (:func:`~.tensor_read.copy_into`): no intermediate tensor of the tensor's size, no
-        mapping. False (nothing read) when ``out`` is not on the CPU.
+        tensor of that shape in any dtype and layout (``copy_``'s conversions): the package's one
+        block read (:func:`~.tensor_read.copy_into`: the block's runs straight into ``out``, or
+        whole rows through one reused window; no intermediate tensor of the tensor's size, no
+        mapping). False (nothing read) when ``out`` is not on the CPU.
+
+        ``check``: when the read passes all of the tensor's bytes through memory (a block of
+        every row, such as a ``Shard(1)`` column block: :func:`~.tensor_read.hashable`), they are
+        hashed on the way and checked against the index's digest (:meth:`check_digest`).
 
         Raises:
-            CorruptCheckpointError: the file ends before the tensor (file and tensor named).
+            CorruptCheckpointError: the file ends before the tensor (file and tensor named), or
+                a checked tensor's bytes differ from its digest.
             LoadError: the read fails (tensor and file named).
         """
         if not out.is_cpu:
             return False
         at, begin = self._where(self._known(key))
         spec = self.spec(key)
+        hasher = None
+        if check and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified:
+            hasher = _digest.new()
         try:
-            _tread.copy_into(at, key, begin, spec.shape, spec.dtype, out, slices)
+            hashed = _tread.copy_into(at, key, begin, spec.shape, spec.dtype, out, slices, hasher)
         finally:
             increment_version(out)  # preadv may have written behind torch's back, as in read_many
         stats.bytes_read += out.numel() * spec.dtype.itemsize
+        if hashed:
+            self.check_digest(key, hasher)
         return True
 
     def _where(self, key: str) -> tuple[_tread.Where, int]:

@@ -17,10 +17,17 @@ the stored dtype) by one ``preadv`` per segment of the file, the holes between r
 :data:`GAP` bytes) read into a small junk buffer by the same call: no copy pass, no per-row
 syscall (a call costs ~3-7 us on this 2-core VM, the kernel copies 64 KiB in about that). The
 iovec arrays are built by numpy and passed to libc's ``preadv`` through ctypes (``os.preadv``
-wants one Python buffer object per iovec). Blocks of many tiny runs (:data:`SPAN`) and targets
-not contiguous in the stored dtype (a converting or strided load target: :func:`copy_into`) are
-read a window of dim-0 rows at a time into a reused scratch buffer (only the block's runs,
-packed) and copied by one ``copy_`` per window, so no intermediate tensor of the whole size.
+wants one Python buffer object per iovec). Blocks of many short runs (:data:`SHORT_RUN`: a
+``Shard(1)`` block of rows of a few KiB), targets not contiguous in the stored dtype (a
+converting or strided load target: :func:`copy_into`) and blocks checked against their digest
+are read a window of whole dim-0 rows at a time by one ``pread`` into a reused scratch buffer
+and the block copied out of it (:func:`_rows`: ``np.copyto`` into a same-dtype target, 1 MiB
+windows that stay in cache between the read and the copy; else ``copy_``); no intermediate
+tensor of the whole size. This is the package's one column-block read: ``get_slice``,
+``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
+migrations). One ``pread`` per run (skipping the holes) was measured at ~3.7 us a call from
+Python here (8 KiB runs with 56 KiB holes: 0.53x of the mapped copy), so holes up to
+:data:`GAP` are read, not skipped.
 
 Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / ``get_slice`` +
 ``copy_``; tests/bench/read_paths.py and a 3-way run with the code before this change, 128 MiB in
@@ -53,12 +60,19 @@ from .writer import tensor_bytes
 # Bytes of a hole between two runs of a block read into a junk buffer by the same ``preadv``
 # (one call instead of two): a call costs ~1 us here, about what the kernel copies in 8 KiB.
 GAP = 64 << 10
-# A block whose runs and holes are this small (a few elements of many rows, over 64 runs) is read
-# as whole rows through the window instead: ~0.4 us of Python per run would cost more than a copy_.
-SPAN = 1 << 10
+# A block of runs shorter than this (over 64 of them, holes of at most GAP) is read as whole rows
+# through the window (:func:`_rows`) instead of one iovec per run and hole: measured (8 tensors of
+# 8 MiB, tmpfs, against safe_open's mapped copy) runs of 256 B: window 1.06x, iovecs 0.71x; 512 B:
+# 1.22x / 1.08x; 1 KiB runs with 7 KiB holes: 1.09x / 1.14x; 8 KiB runs: 1.10x / 1.19x.
+SHORT_RUN = 1 << 10
 # Bytes read into the scratch window at a time (a converting or strided target). Large: each
 # window costs a copy_ (an OpenMP region, ~ms on a busy machine).
 WINDOW = 16 << 20
+# Bytes of whole rows per read when the block is copied out by numpy (:func:`_rows`, a same-dtype
+# target). Measured (8 tensors of 8 MiB, a half / quarter column block, tmpfs, against safe_open's
+# mapped copy): 64 KiB 0.72-0.81x (Python per window), 256 KiB 0.94-1.14x, 1 MiB 1.06-1.22x,
+# 4 MiB 0.98-1.21x (the window leaves the core's cache before the copy reads it back).
+ROWS_WINDOW = 1 << 20
 
 _JUNK = np.empty(GAP, dtype=np.uint8)  # holes land here (kernel writes only; never read)
 _JUNK_ADDR = _JUNK.ctypes.data
@@ -236,39 +250,127 @@ def _scatter(at: Where, key: str, begin: int, item: int, run: int, starts: np.nd
 
 
 def _dense(shape: Sequence[int], lens: Sequence[int], item: int) -> bool:
-    """Whether a block is many tiny runs close together (see :data:`SPAN`): then whole rows of the
-    file are read through the window and the block copied out of it by one ``copy_`` per window."""
+    """Whether a block is many short runs (under :data:`SHORT_RUN` bytes, more than 64 of them)
+    with holes of at most :data:`GAP` between them: then whole dim-0 rows are read through the
+    window (:func:`_rows`) and the block copied out of it, where one iovec per run and hole would
+    cost more in the kernel than the second copy (see :data:`SHORT_RUN`)."""
     k = len(shape) - 1
     while k > 0 and lens[k] == shape[k]:
         k -= 1
     if k == 0 or math.prod(lens[:k]) <= 64:
         return False
     inner = math.prod(shape[k + 1 :]) * item
-    return shape[k] * inner < SPAN  # a run and its hole
+    run, stretch = lens[k] * inner, shape[k] * inner
+    return run < SHORT_RUN and stretch - run <= GAP
+
+
+def _pread_into(at: Where, key: str, addr: int, nbytes: int, pos: int, view: memoryview | None) -> None:
+    """``nbytes`` file bytes at ``pos`` into memory at ``addr`` (``view``: the same bytes as a
+    buffer, for ``os.preadv`` off Linux): libc ``pread`` through ctypes, no Python object per
+    call; a short read resumed where it stopped. Raises :class:`CorruptCheckpointError` (file
+    ends early) or :class:`LoadError` (the read fails), naming file and tensor."""
+    fn = _pread_fn()
+    done = 0
+    while done < nbytes:
+        if fn:
+            n = fn(at.fd, addr + done, nbytes - done, pos + done)
+            err = 0
+            if n < 0:
+                import ctypes
+
+                err = ctypes.get_errno()
+        else:
+            try:
+                n, err = os.preadv(at.fd, [view[done:nbytes]], pos + done), 0
+            except OSError as e:
+                n, err = -1, e.errno or errno.EIO
+        if n < 0:
+            if err == errno.EINTR:
+                continue
+            e = OSError(err, os.strerror(err))
+            raise LoadError(key, os.path.join(at.root, at.name), f"{type(e).__name__}: {e}") from e
+        if n == 0:
+            raise CorruptCheckpointError(os.path.join(at.root, at.name), f"tensor {key!r}: file ends early")
+        done += n
+
+
+def _pread_fn():
+    """libc's ``pread`` through ctypes (False off Linux)."""
+    import ctypes
+
+    return libc_function("pread", (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64), ctypes.c_ssize_t)
+
+
+def _rows(
+    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
+    out: torch.Tensor, hasher=None,
+) -> None:
+    """Block ``bounds`` of the tensor (``shape`` / ``dtype`` at ``begin``, at least 2 dims, a
+    dim-0 row of at most :data:`WINDOW` bytes) into ``out`` through whole dim-0 rows: one
+    ``pread`` of a window of rows into this thread's scratch buffer, then the block's part of it
+    copied out: by ``np.copyto`` on byte views when ``out`` is contiguous in ``dtype``
+    (single-threaded, no OpenMP region per window; windows of :data:`ROWS_WINDOW` bytes, which
+    stay in the core's cache between the read and the copy), else by ``copy_`` (dtype
+    conversion, strides; windows of :data:`WINDOW` bytes). ``hasher``: fed every byte of the
+    tensor in order (the block must span all rows)."""
+    item = dtype.itemsize
+    row = math.prod(shape[1:]) * item
+    lo, hi = bounds[0]
+    direct = _direct(out, dtype)
+    per = max(1, (ROWS_WINDOW if direct else WINDOW) // row)
+    buf = _scratch(min(hi - lo, per) * row)
+    raw = buf.numpy()
+    addr = buf.data_ptr()
+    view = memoryview(raw) if not _pread_fn() else None
+    if direct:  # byte views: any dtype (bf16, fp8, complex, bool); the last dim counted in bytes
+        lens = [b - a for a, b in bounds]
+        dst = out.view(torch.uint8).numpy().reshape(*lens[:-1], lens[-1] * item)
+        inner = tuple(slice(a, b) for a, b in bounds[1:-1]) + (slice(bounds[-1][0] * item, bounds[-1][1] * item),)
+        tail = (*shape[1:-1], shape[-1] * item)
+    else:
+        inner = tuple(slice(a, b) for a, b in bounds[1:])
+    for r0 in range(lo, hi, per):
+        r1 = min(hi, r0 + per)
+        nb = (r1 - r0) * row
+        _pread_into(at, key, addr, nb, begin + r0 * row, view)
+        if hasher is not None:
+            hasher.update(raw[:nb])
+        if direct:
+            np.copyto(dst[r0 - lo : r1 - lo], raw[:nb].reshape(r1 - r0, *tail)[(slice(None), *inner)])
+        else:
+            window = buf[:nb].view(dtype).view(r1 - r0, *shape[1:])
+            out[r0 - lo : r1 - lo].copy_(window[(slice(None), *inner)])
 
 
 def _fill(
     at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor,
+    out: torch.Tensor, hasher=None,
 ) -> None:
     """Fill ``out`` (any CPU tensor of the block's shape) with the block ``bounds`` (one
-    ``(lo, hi)`` per dim) of the tensor of ``shape`` / ``dtype`` stored at ``begin``.
+    ``(lo, hi)`` per dim) of the tensor of ``shape`` / ``dtype`` stored at ``begin``: the one
+    column-block read of the package (``get_slice``, ``copy_into``, ``dcp.load``'s ``Shard(1)``
+    blocks, migrations).
 
-    Straight into ``out`` when it is contiguous in ``dtype`` (:func:`_scatter`); else, and for
-    dense blocks (:func:`_dense`), window by window of dim-0 rows through the scratch buffer and
-    one ``copy_`` per window (dtype conversion, strides); a row over :data:`WINDOW` bytes is filled
-    row by row of its own dim 0."""
+    Straight into ``out`` when it is contiguous in ``dtype`` and the block's runs are long
+    (:func:`_scatter`: no second copy); else, for many short runs (:func:`_dense`), converting
+    or strided targets, and when ``hasher`` is given (every byte of the tensor must pass through
+    memory: the block spans all rows), through whole dim-0 rows (:func:`_rows`); a block of
+    long runs into a converting target is read packed into the window (:func:`_scatter`) and
+    copied by one ``copy_`` per window; a row over :data:`WINDOW` bytes is filled row by row of
+    its own dim 0."""
     if not out.numel():
         return
     item = dtype.itemsize
     lens = tuple(hi - lo for lo, hi in bounds)
     starts = [lo for lo, _ in bounds]
     dense = _dense(shape, lens, item)
-    if not dense and _direct(out, dtype):
+    if hasher is None and not dense and _direct(out, dtype):
         _scatter(at, key, begin, item, *_run_starts(shape, lens, starts), out)
         return
     lo, hi = bounds[0]
     if len(shape) == 1:
+        if hasher is not None:
+            raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of a tensor of 2 dims or more")
         per = max(1, WINDOW // item)
         for a in range(lo, hi, per):
             b = min(hi, a + per)
@@ -277,24 +379,37 @@ def _fill(
             out[a - lo : b - lo].copy_(window)
         return
     row = math.prod(shape[1:]) * item
-    wrow = row if dense else math.prod(lens[1:]) * item  # bytes per dim-0 row in the window
+    if hasher is not None and not hashable(shape, dtype, bounds):
+        raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of at most {WINDOW} bytes each")
+    if dense or hasher is not None:
+        if row > WINDOW:
+            for r in range(lo, hi):
+                _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo], hasher)
+        else:
+            _rows(at, key, begin, shape, dtype, bounds, out, hasher)
+        return
+    wrow = math.prod(lens[1:]) * item  # bytes per dim-0 row in the window: the block's runs, packed
     if wrow > WINDOW:
         for r in range(lo, hi):
             _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
         return
-    inner = tuple(slice(a, b) for a, b in bounds[1:])
     per = max(1, WINDOW // max(1, wrow))
     for r0 in range(lo, hi, per):
         r1 = min(hi, r0 + per)
-        buf = _scratch((r1 - r0) * wrow)[: (r1 - r0) * wrow]
-        if dense:  # whole rows, then the block out of them
-            window = buf.view(dtype).view(r1 - r0, *shape[1:])
-            _read_as(at, key, begin + r0 * row, window, dtype)
-            out[r0 - lo : r1 - lo].copy_(window[(slice(None), *inner)])
-        else:  # only the block's runs, packed
-            window = buf.view(dtype).view(r1 - r0, *lens[1:])
-            _scatter(at, key, begin, item, *_run_starts(shape, window.shape, (r0, *starts[1:])), window)
-            out[r0 - lo : r1 - lo].copy_(window)
+        window = _scratch((r1 - r0) * wrow)[: (r1 - r0) * wrow].view(dtype).view(r1 - r0, *lens[1:])
+        _scatter(at, key, begin, item, *_run_starts(shape, window.shape, (r0, *starts[1:])), window)
+        out[r0 - lo : r1 - lo].copy_(window)
+
+
+def hashable(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[int, int]]) -> bool:
+    """Whether reading block ``bounds`` of a tensor of ``shape`` / ``dtype`` passes every byte of
+    the tensor through memory, in order (:func:`_rows`), so a hasher can check its digest: at
+    least 2 dims, every dim-0 row, a row of at most :data:`WINDOW` bytes."""
+    return (
+        len(shape) >= 2
+        and tuple(bounds[0]) == (0, shape[0])
+        and 0 < math.prod(shape[1:]) * dtype.itemsize <= WINDOW
+    )
 
 
 def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -312,16 +427,18 @@ def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
 
 def copy_into(
     at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype, out: torch.Tensor,
-    slices: Sequence[slice] | None = None,
-) -> None:
+    slices: Sequence[slice] | None = None, hasher=None,
+) -> bool:
     """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, any CPU
     tensor of that shape (another dtype, non-contiguous: ``copy_``'s rules): straight into it
     when it is contiguous in the stored dtype, else through a reused window (no intermediate
-    tensor of the whole size). Raises what :func:`read_tensor` raises."""
+    tensor of the whole size). ``hasher`` (an ``xxhash`` hasher): fed every byte of the tensor
+    in order when the block allows it (:func:`hashable`); returns whether it was (then the
+    caller checks its digest). Raises what :func:`read_tensor` raises."""
     shape = tuple(shape)
     if not shape:
         _read_as(at, key, begin, out, dtype)
-        return
+        return False
     slices = tuple(slices or ()) + (slice(None),) * (len(shape) - len(slices or ()))
     bounds = []
     for s, n in zip(slices, shape):
@@ -331,7 +448,10 @@ def copy_into(
         bounds.append((lo, max(lo, hi)))
     if tuple(out.shape) != tuple(hi - lo for lo, hi in bounds):
         raise ValueError(f"tensor {key!r}: block {tuple(hi - lo for lo, hi in bounds)} into a target of shape {tuple(out.shape)}")
-    _fill(at, key, begin, shape, dtype, bounds, out)
+    if hasher is not None and not (out.numel() and hashable(shape, dtype, bounds)):
+        hasher = None
+    _fill(at, key, begin, shape, dtype, bounds, out, hasher)
+    return hasher is not None
 
 
 def read_block(
