@@ -26,7 +26,7 @@ windows that stay in cache between the read and the copy; else ``copy_``); no in
 tensor of the whole size. This is the package's one column-block read: ``get_slice``,
 ``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
 migrations). One ``pread`` per run (skipping the holes) was measured at ~3.7 us a call from
-Python here (8 KiB runs with 56 KiB holes: 0.53x of the mapped copy), so holes up to
+Python here (4 KiB runs with 4 KiB holes: 0.53x of the mapped copy; 1 KiB with 7 KiB: 0.56x), so holes up to
 :data:`GAP` are read, not skipped.
 
 Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / ``get_slice`` +
