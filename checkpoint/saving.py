@@ -492,9 +492,10 @@ def _save_distributed(
             "(torch.distributed.init_process_group, of any world size, one rank included)"
         )
     rank, world = dist.rank(), dist.world_size()
-    layouts, fingerprint, extras, mine, failed = None, None, None, {}, None
+    layouts, fingerprint, extras, mine, failed, split_here = None, None, None, {}, None, False
     try:
         layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
+        split_here = _any_split(parts, layouts)
         fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
         mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
         extra_files = {n: d for n, d in extra_files.items() if n not in mine}
@@ -504,14 +505,17 @@ def _save_distributed(
     # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
     # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
     # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
-    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine))
-    if len({hash(tuple(fp)) for fp, _, _ in gathered}) != 1:
+    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, split_here))
+    # Whether any tensor is split over ranks, agreed: the write loop's group boundaries are
+    # collectives only then (one count on every rank).
+    any_split = any(g[3] for g in gathered)
+    if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
-    rank_files = {n: d for _, _, m in gathered for n, d in m.items()}
+    rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
     if rank_files and len(rank_files) != world:  # the same verdict on every rank
         raise CheckpointError(f"saving {path}: PerRank extra_state passed on {len(rank_files)} of {world} ranks")
     extra_files.update(rank_files if rank == 0 else {})
-    differ = [r for r, (_, e, _) in enumerate(gathered) if e != gathered[0][1]]
+    differ = [r for r, (_, e, _, _) in enumerate(gathered) if e != gathered[0][1]]
     if differ and rank == 0:
         # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
         # would come back as rank 0's on every rank.
@@ -557,16 +561,23 @@ def _save_distributed(
         writeback_on = not fskind.in_memory_dir(staging_dir)
         order = [(part, lay, f, i, slot) for part, lay in zip(parts, layouts) for f in lay.files for i, slot in enumerate(f.slots)]
         owners, groups = _hash_groups([slot.end - slot.begin for *_, slot in order], world)
+        walks = _write_orders([f.name for *_, f, _, _ in order], world)  # rank r writes order[walks[r][p]] p-th
+        # Position in its walk after which every rank has written order[k] (the same on every rank).
+        written_by_all = [0] * len(order)
+        for walk in walks:
+            for p, k in enumerate(walk):
+                written_by_all[k] = max(written_by_all[k], p + 1)
         pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
         hashing: list = []  # futures (or, on one CPU, shares hashed at the end)
-        share: dict[str, list] = {}  # this rank's split tensors of the group being written
-        group_split = False  # a split tensor in the group being written (the same on every rank)
+        split: set[int] = set()  # indices into order of the split tensors met so far
+        queued: set[int] = set()  # split tensors this rank has queued for hashing back
         stopped = False  # a rank failed: every rank stops writing at the same group boundary
         try:
             w, w_name = None, None
             kill_after_tensor = _faults.armed("after_tensor_write")
             try:
-                for k, (part, lay, f, i, slot) in enumerate(order):
+                for pos, k in enumerate(walks[rank]):
+                    part, lay, f, i, slot = order[k]
                     if err is None and not stopped:
                         try:
                             if w_name != f.name and w is not None:
@@ -575,9 +586,7 @@ def _save_distributed(
                             t = _fetch_any(part, slot.spec)
                             whole = _whole_on_writer(t)
                             if not whole:
-                                group_split = True
-                                if owners[k] == rank:
-                                    share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
+                                split.add(k)
                             blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
                             if blocks:
                                 if w is None:
@@ -597,13 +606,15 @@ def _save_distributed(
                                     _faults.fault_point("after_tensor_write")
                         except BaseException as e:  # noqa: BLE001 - agreed at the next boundary
                             err = e
-                    if k + 1 in groups and group_split and not stopped:
-                        # Every rank wrote this group: its split tensors can be hashed back. One
-                        # small collective (also carrying any rank's failure so far).
+                    if pos + 1 in groups and any_split and not stopped:
+                        # Every rank reached this boundary: the split tensors every rank has written
+                        # by now can be hashed back. One small collective (also carrying any rank's
+                        # failure so far).
                         stopped = dist.any_true(err is not None)
-                        if not stopped and share:
-                            hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
-                        share, group_split = {}, False
+                        if not stopped:
+                            share = _share_done(order, split, owners, written_by_all, pos + 1, rank, queued)
+                            if share:
+                                hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
             finally:
                 if w is not None:
                     w.close()
@@ -621,6 +632,7 @@ def _save_distributed(
         # the split tensors is hashed back on the hash thread.
         err = None
         try:
+            share = _share_done(order, split, owners, written_by_all, len(order), rank, queued)
             for name, spans in own_back.items():
                 share.setdefault(name, []).extend(spans)
             if share:
@@ -671,6 +683,20 @@ def _save_distributed(
             staged.__exit__(None, None, None)
 
 
+def _any_split(parts: Sequence[_Part], layouts) -> bool:
+    """Whether a tensor of the save is split over ranks (:func:`_whole_on_writer` false); a value
+    that cannot be fetched counts as split (the write loop reports it)."""
+    for part, lay in zip(parts, layouts):
+        for f in lay.files:
+            for slot in f.slots:
+                try:
+                    if not _whole_on_writer(_fetch_any(part, slot.spec)):
+                        return True
+                except Exception:  # noqa: BLE001 - raised again, agreed, by the write loop
+                    return True
+    return False
+
+
 def _whole_on_writer(t: torch.Tensor) -> bool:
     """Whether the rank that writes ``t`` holds all of it (a plain tensor; a DTensor sharded on no
     mesh dim of more than one rank): decided from placements alone, so every rank agrees."""
@@ -696,6 +722,42 @@ def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
     finally:
         ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
     return hashed.result()
+
+
+def _write_orders(file_names: Sequence[str], world: int) -> list[list[int]]:
+    """For the slots in the common order (``file_names[k]``: the shard file of slot ``k``, slots of
+    one file consecutive): the order each rank writes them in, as indices. Rank ``r`` starts at
+    file ``r * files // world`` and wraps around, so while there are as many files as ranks, ranks
+    write different files at a time.
+
+    Why: the kernel serializes writers of one file (the inode lock, held across each write's copy on
+    tmpfs), so ranks going through the files in one order wait for each other. Measured on tmpfs
+    (issue 35, tests/bench/shared_writes.py, 256 MiB per process, 2 cores): 2 processes writing
+    their slices of 2 files in one order took 0.30 s, starting at different files 0.18 s, each into
+    a file of its own 0.16 s; 4 processes 0.52 s / 0.36 s / 0.32 s."""
+    starts: list[int] = []  # index of each file's first slot
+    for k, name in enumerate(file_names):
+        if k == 0 or name != file_names[k - 1]:
+            starts.append(k)
+    n = len(file_names)
+    out = []
+    for r in range(world):
+        first = starts[r * len(starts) // world] if starts else 0
+        out.append(list(range(first, n)) + list(range(first)))
+    return out
+
+
+def _share_done(order, split: set[int], owners, written_by_all, upto: int, rank: int, queued: set[int]) -> dict:
+    """This rank's split tensors (``owners``) that every rank has written once each rank went
+    ``upto`` slots along its write order, not queued before: ``{file: [(fqn, begin, end)]}``
+    (marked queued)."""
+    share: dict[str, list] = {}
+    for k in sorted(split):
+        if owners[k] == rank and k not in queued and written_by_all[k] <= upto:
+            queued.add(k)
+            _, _, f, _, slot = order[k]
+            share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
+    return share
 
 
 _GROUP_BYTES = 128 << 20  # bytes of the write order per hashing group (one collective each)

@@ -37,6 +37,18 @@ def test_hash_groups_balance_owners_and_cut_the_write_order(monkeypatch):
     assert saving._hash_groups([], 2) == ([], set()) and saving._hash_groups([0, 0], 3) == ([0, 0], set())
 
 
+def test_write_orders_start_ranks_at_different_files():
+    names = ["a", "a", "b", "c", "c", "c", "d"]  # slots in file order
+    assert saving._write_orders(names, 1) == [list(range(7))]
+    assert saving._write_orders(names, 2) == [list(range(7)), [3, 4, 5, 6, 0, 1, 2]]
+    assert saving._write_orders(names, 4) == [
+        list(range(7)), [2, 3, 4, 5, 6, 0, 1], [3, 4, 5, 6, 0, 1, 2], [6, 0, 1, 2, 3, 4, 5]
+    ]
+    # fewer files than ranks: ranks share starting files; every rank writes every slot once
+    assert saving._write_orders(["a", "b"], 3) == [[0, 1], [0, 1], [1, 0]]
+    assert saving._write_orders(["a"] * 3, 2) == [[0, 1, 2]] * 2 and saving._write_orders([], 2) == [[], []]
+
+
 def test_hash_spans_reads_ranges_and_refuses_past_end(tmp_path):
     p = tmp_path / "f"
     data = os.urandom(5000)
@@ -181,9 +193,10 @@ _GROUPED_PL = ["S0", "R", "S1", "S0", "R", "S0"]  # split, whole, split, split, 
 
 
 def _two_rank_grouped_saves(rank, world, root):
-    """A group per tensor (a collective after each group holding a split tensor, its share hashed
-    on a thread while the next is written); then rank 1 fails writing t2: agreed at the next
-    boundary, nothing written after it, nothing committed."""
+    """A file and a group per tensor (a collective after each group, the split tensors every rank
+    has written by then hashed on a thread while the next is written; rank 1 starts at the fourth
+    file); then rank 1 fails writing t3, its first: agreed at the next boundary, nothing written
+    after it, nothing committed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -204,7 +217,7 @@ def _two_rank_grouped_saves(rank, world, root):
 
     def write(self, slot, local, offset):
         wrote.append(slot.spec.fqn)
-        if rank == 1 and slot.spec.fqn == "t2" and failing:
+        if rank == 1 and slot.spec.fqn == "t3" and failing:
             raise OSError(28, "No space left on device")
         return real_write(self, slot, local, offset)
 
@@ -214,7 +227,7 @@ def _two_rank_grouped_saves(rank, world, root):
     sd = {f"t{i}": distribute_tensor(v, mesh, pl[_GROUPED_PL[i]], src_data_rank=None) for i, v in enumerate(_grouped_full())}
     failing = False
     idx = checkpoint.save(sd, os.path.join(root, "ok"), max_shard_size=2000)  # a file per tensor
-    ok = (idx.metadata.fqnckpt.tensor_digests(), list(flags), list(hashed))
+    ok = (idx.metadata.fqnckpt.tensor_digests(), list(flags), list(hashed), list(wrote))
     flags.clear(), hashed.clear(), wrote.clear()
     failing = True
     try:
@@ -235,17 +248,21 @@ def test_two_ranks_hash_split_tensors_group_by_group(tmp_path):
 
     res = run_ranks(_two_rank_grouped_saves, 2, str(tmp_path), backend="gloo", timeout=120)
     want = {f"t{i}": _xxh(v) for i, v in enumerate(_grouped_full())}
-    (d0, flags0, hashed0), (d1, flags1, hashed1) = res[0][0], res[1][0]
+    (d0, flags0, hashed0, wrote0), (d1, flags1, hashed1, wrote1) = res[0][0], res[1][0]
     assert d0 == d1 == want
     assert checkpoint.verify(tmp_path / "ok").ok
-    # one collective after each group holding a split tensor but the last (the writing check)
-    assert flags0 == flags1 == [False, False, False]
-    # each split tensor hashed once, by the rank holding its middle byte, group by group
+    # rank 0 writes the files from the first, rank 1 from the fourth (different files at a time);
+    # the replicated t1, t4 are rank 0's
+    assert wrote0 == ["t0", "t1", "t2", "t3", "t4", "t5"] and wrote1 == ["t3", "t5", "t0", "t2"]
+    # one collective after each group but the last (the writing check)
+    assert flags0 == flags1 == [False] * 5
+    # each split tensor hashed once, by the rank holding its middle byte, once both ranks wrote it:
+    # t0 and t3 after 4 slots each, t2 and t5 only at the end
     assert hashed0 == [["t0"], ["t2"]] and hashed1 == [["t3"], ["t5"]]
     (bflags0, bhashed0, bwrote0, out0), (bflags1, bhashed1, bwrote1, out1) = res[0][1], res[1][1]
-    assert bflags0 == [False, False] and bflags1 == [False, True]  # rank 1's failure told after t2's group
-    assert bwrote0 == ["t0", "t1", "t2"] and bwrote1 == ["t0", "t2"]  # nothing after the boundary
-    assert bhashed0 == [["t0"]] and bhashed1 == []
+    assert bflags0 == [False] and bflags1 == [True]  # rank 1's failure told after the first group
+    assert bwrote0 == ["t0"] and bwrote1 == ["t3"]  # nothing after the boundary
+    assert bhashed0 == [] and bhashed1 == []
     assert out1.startswith("CheckpointWriteError") and "No space left" in out1
     assert out0.startswith("RankAgreementError") and "rank 1" in out0
     assert not (tmp_path / "bad").exists() and sorted(os.listdir(tmp_path)) == ["ok"]

@@ -3,7 +3,7 @@ collected by pytest).
 
     python tests/bench/dist_save.py [--worlds 2,4] [--sizes 256,1024] [--rounds 5]
                                     [--disk /var/tmp/fqnckpt-dist] [--tmpfs /dev/shm/fqnckpt-dist]
-                                    [--phases] [--plain]
+                                    [--phases] [--plain] [--max-shard-size 5GB]
 
 Each rank holds its ``Shard(0)`` rows of 8 float32 tensors of ``size`` MiB in all. Sides, each
 timed from a barrier to a barrier (the slowest rank), into a path removed beforehand (freeing the
@@ -21,7 +21,10 @@ previous step's pages is not part of a save) and after ``os.sync()``:
   file (``shmem_file_write_iter`` holds the inode lock across the copy), so this is about 1/ranks
   of ``raw`` there (see the closing note of issue 35);
 - ``dcp_hf``: DCP's ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)``
-  (per-rank files, then consolidated HF files: every byte written twice; beside, no goal).
+  (per-rank files, then consolidated HF files: every byte written twice; beside, no goal);
+- ``ours_one_order``: ours with every rank going through the shard files in the same order (as
+  before issue 35; ours starts rank ``r`` at file ``r * files // ranks``), to show what the
+  rotation gains when ``--max-shard-size`` gives several files.
 
 Goals: ours >= 1.0x ``dcp`` and >= 0.9x ``raw`` (ratios are reference time / our time per round,
 printed as median [range] over rounds whose side order rotates), disk and tmpfs, 2 and 4 ranks.
@@ -80,7 +83,7 @@ def _instrument(phases: dict[str, float]) -> None:
 
 
 def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int], rounds: int, want_phases: bool,
-          only: tuple[str, ...] = ()):
+          only: tuple[str, ...] = (), max_shard_size: str = "5GB"):
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -136,8 +139,20 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
                 finally:
                     os.close(fd)
 
+            def ours_one_order():
+                # ours with every rank writing the files in one order (before issue 35's rotation)
+                from checkpoint import saving
+
+                real = saving._write_orders
+                saving._write_orders = lambda names, world: [list(range(len(names)))] * world
+                try:
+                    checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size)
+                finally:
+                    saving._write_orders = real
+
             sides = {
-                "ours": lambda: checkpoint.save(sd, paths["ours"]),
+                "ours": lambda: checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size),
+                "ours_one_order": ours_one_order,
                 "raw_shared": raw_shared_write,
                 "dcp": lambda: dcp.save(sd, checkpoint_id=paths["dcp"]),
                 "raw": raw_write,
@@ -225,22 +240,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--disk", default="/var/tmp/fqnckpt-dist", help="a directory on a real disk ('' to skip)")
     ap.add_argument("--tmpfs", default="/dev/shm/fqnckpt-dist", help="a directory on tmpfs ('' to skip)")
-    ap.add_argument("--sides", default="", help="comma-separated subset of ours,raw,raw_shared,dcp,dcp_hf")
+    ap.add_argument("--sides", default="", help="comma-separated subset of ours,raw,raw_shared,dcp,dcp_hf,ours_one_order (default: all)")
     ap.add_argument("--phases", action="store_true", help="per-rank phase times of ours")
     ap.add_argument("--plain", action="store_true", help="also plain tensors vs DTensors, world of one")
+    ap.add_argument("--max-shard-size", default="5GB",
+                    help="ours' max_shard_size: e.g. 128MB gives several shard files, which ranks "
+                    "start writing at different files")  # fmt: skip
     args = ap.parse_args()
     roots = [(m, r) for m, r in (("disk", args.disk), ("tmpfs", args.tmpfs)) if r]
     for _, r in roots:
         os.makedirs(r, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     preload("checkpoint.saving", "torch.distributed.checkpoint")
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ratios = reference time / our time per "
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, ours with max_shard_size={args.max_shard_size}; ratios = reference time / our time per "
           f"round, median [range] over {args.rounds} rounds, rotating order")  # fmt: skip
     try:
         for world in (int(w) for w in args.worlds.split(",")):
             la = os.getloadavg()[0]
             only = tuple(x for x in args.sides.split(",") if x)
-            res = run_ranks(_rank, world, roots, sizes, args.rounds, args.phases, only, backend="gloo", timeout=3600)
+            res = run_ranks(
+                _rank, world, roots, sizes, args.rounds, args.phases, only, args.max_shard_size,
+                backend="gloo", timeout=3600,
+            )  # fmt: skip
             print(f"\n{world} ranks (load average {la:.1f} -> {os.getloadavg()[0]:.1f})")
             for key in res[0]:
                 size, medium = key
@@ -255,6 +276,7 @@ def main() -> None:
                     ("raw", "raw parallel write, one file per rank (goal >= 0.9)"),
                     ("raw_shared", "raw write of the same bytes into one shared file"),
                     ("dcp_hf", "DCP HF writer + consolidation"),
+                    ("ours_one_order", "ours with every rank writing the files in one order"),
                 ]
                 print("    vs " + "; ".join(f"{label}: {ratio(times[n], ours)}" for n, label in refs if n in times))
                 if "raw" in times and "raw_shared" in times:
