@@ -171,13 +171,19 @@ def test_background_prepare_touches_fresh_buffers_on_the_writer_thread(tmp_path,
     assert base[0] == 7
 
 
-def test_manager_touches_staging_at_load_latest_and_after_the_first_step(tmp_path):
-    """No prepare by hand: load_latest (nothing to load yet) touches the model's staging in the
-    background; AdamW's state, made by its first step, is touched after that step."""
+@pytest.mark.parametrize("start", ["load_latest", "constructor"])
+def test_manager_touches_staging_at_start_and_after_the_first_step(tmp_path, start):
+    """No prepare by hand: load_latest (nothing to load yet), or the manager given the module and
+    optimizer when created, touches the model's staging in the background; AdamW's state, made by
+    its first step, is touched after that step."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    mgr = checkpoint.CheckpointManager(tmp_path / "m")
-    assert mgr.load_latest(model, opt) is None
+    if start == "constructor":
+        mgr = checkpoint.CheckpointManager(tmp_path / "m", module=model, optimizer=opt)
+    else:
+        mgr = checkpoint.CheckpointManager(tmp_path / "m")
+        assert mgr.staging_bytes == 0
+        assert mgr.load_latest(model, opt) is None
     mgr._saver.wait()
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert mgr.staging_bytes == model_bytes and mgr._step_hook is not None
@@ -196,6 +202,9 @@ def test_manager_touches_staging_at_load_latest_and_after_the_first_step(tmp_pat
     got, got_opt = _model(1), None
     assert checkpoint.CheckpointManager(tmp_path / "m", async_save=False).load_latest(got, got_opt) == 1
     assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+    # synchronous saves hold no staging; a state save refuses is refused by the save, not here
+    assert checkpoint.CheckpointManager(tmp_path / "s", async_save=False, module=model).staging_bytes == 0
+    assert checkpoint.CheckpointManager(tmp_path / "t", module={"w": "not a tensor"}).staging_bytes == 0
 
 
 class _HeldStaging:

@@ -155,6 +155,12 @@ class CheckpointManager:
     fsspec filesystem, ``transfer`` (:class:`~checkpoint.storage.objstore.TransferConfig`) sets
     upload part size, parts in flight and retries.
 
+    ``module`` / ``optimizer`` (optional): the state later saves take. With ``async_save`` the
+    staging memory of the first save is then touched in the background from the start (as
+    :meth:`load_latest` does; see ``_prepare_soon``), so that save blocks about as long as later
+    ones; the optimizer's state that does not exist yet is touched after its first ``step()``.
+    Nothing is read or written on disk for them here, and no collective runs.
+
     On many ranks create it and call every method on every rank; rank 0 removes old checkpoints.
 
     Raises:
@@ -172,6 +178,8 @@ class CheckpointManager:
         rng_state: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         transfer: Any = None,
+        module: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ):
         if keep_latest is not None and (
             isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1
@@ -202,6 +210,8 @@ class CheckpointManager:
                     ForeignEntryWarning,
                     stacklevel=2,
                 )
+        if module is not None:
+            self._prepare_soon(module, optimizer)
 
     # -- finding checkpoints -------------------------------------------------------------------
     def path(self, step: int) -> str:

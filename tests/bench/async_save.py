@@ -26,10 +26,12 @@ ranges of each time and of the per-round ratios to ``save``, and the staging mem
 
 First save (issue 22, item 4: the first call blocks <= 2x a later one): each round runs, in a
 fresh process (fresh host memory), ``async_save`` calls of one saver: the first, then 3 later
-ones, for four sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, a
+ones, for five sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, a
 ``CheckpointManager`` with ``prepare`` first, and (``auto``, issue 35) a ``CheckpointManager``
 whose ``load_latest`` at the start of the run (nothing to load) touches the staging memory in the
-background by itself; every side runs 3 optimizer steps before its first save. ``--first-only``
+background by itself, and (``ctor``) a ``CheckpointManager`` given the module and optimizer when
+created (it touches the staging in the background from then); every side runs 3 optimizer steps
+before its first save. ``--first-only``
 runs only this part.
 """
 
@@ -81,12 +83,15 @@ def _first_child(mode: str, mib: float, root: str) -> None:
     model, opt = make_state(int(mib * 2**20))
     out: dict = {"mode": mode}
     x = torch.randn(8, IN, generator=torch.Generator().manual_seed(1))
-    if mode in ("manager", "auto"):
-        mgr = checkpoint.CheckpointManager(root, keep_latest=1)
+    if mode in ("manager", "auto", "ctor"):
         t = time.perf_counter()
+        if mode == "ctor":  # given the state when created: staging touched in the background from then
+            mgr = checkpoint.CheckpointManager(root, keep_latest=1, module=model, optimizer=opt)
+        else:
+            mgr = checkpoint.CheckpointManager(root, keep_latest=1)
         if mode == "manager":
             mgr.prepare(model, opt)
-        else:  # what a run does at its start: nothing saved yet; staging touched in the background
+        elif mode == "auto":  # what a run does at its start: nothing saved yet; staging touched in the background
             mgr.load_latest(model, opt)
         out["prepare"] = time.perf_counter() - t
 
@@ -119,7 +124,7 @@ def _first_child(mode: str, mib: float, root: str) -> None:
 
 
 def first_vs_later(mib: float, n_rounds: int, root: str) -> None:
-    modes = ["plain", "prepare", "manager", "auto"]
+    modes = ["plain", "prepare", "manager", "auto", "ctor"]
     res: dict[str, list[dict]] = {m: [] for m in modes}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     load = os.getloadavg()[0]
