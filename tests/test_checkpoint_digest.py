@@ -159,3 +159,62 @@ def test_version_1_index_with_version_2_records_is_refused(tmp_path):
     ip.write_text(json.dumps(data))
     with pytest.raises(checkpoint.CorruptCheckpointError, match="format version 1"):
         open_checkpoint(tmp_path / "ck")
+
+
+def test_run_hashes_in_any_order_from_threads_equal_one_hash():
+    """RunHashes (a load's check, fed by the read pool as pieces land): ranges landing out of
+    order, from several threads, hash each wanted view exactly as one call does; an unwanted
+    view is not hashed; a range never landing leaves it incomplete (then the load hashes the
+    target itself)."""
+    import random
+    import threading
+
+    rnd = random.Random(0)
+    views = [bytearray(rnd.randbytes(n)) for n in (1, 4096, 0, 70_001, 3)]
+    want = [True, True, True, False, True]
+    total = sum(map(len, views))
+    for trial in range(20):
+        cuts = sorted({0, total, *(rnd.randrange(total) for _ in range(rnd.randrange(1, 30)))})
+        ranges = list(zip(cuts[:-1], cuts[1:]))
+        rnd.shuffle(ranges)
+        h = digest.RunHashes(views, want)
+        parts = [ranges[i::3] for i in range(3)]
+        ts = [threading.Thread(target=lambda p=p: [h.landed(a, b) for a, b in p]) for p in parts]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert h.complete()
+        for i, v in enumerate(views):
+            assert (h.hasher(i).hexdigest() if want[i] else h.hasher(i)) == (digest.hexdigest(bytes(v)) if want[i] else None)
+    h = digest.RunHashes(views, want)
+    h.landed(10, total)  # the first range never lands (its read failed)
+    assert not h.complete()
+
+
+def test_flipped_byte_found_in_every_piece_of_a_pooled_load(tmp_path, monkeypatch):
+    """checkpoint.load hashes on the read pool's threads as pieces land: a byte flipped in any
+    piece of a tensor read in pieces (small PIECE: many of them, shared by threads), or in one
+    of many small tensors read by one preadv, is a CorruptCheckpointError naming that tensor;
+    the unflipped checkpoint loads and checks clean."""
+    from checkpoint.errors import CorruptCheckpointError
+    from checkpoint.storage import pread
+
+    monkeypatch.setattr(pread, "PIECE", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    g = torch.Generator().manual_seed(1)
+    sd = {"big": torch.randn(64, 257, generator=g), **{f"s{i}": torch.randn(7, generator=g) for i in range(40)}}
+    idx = checkpoint.save(sd, tmp_path / "ck")
+    (name,) = idx.files()
+    p = tmp_path / "ck" / name
+    n = int.from_bytes(p.read_bytes()[:8], "little")
+    head = json.loads(p.read_bytes()[8 : 8 + n])
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(target, tmp_path / "ck")
+    assert all(torch.equal(target[k], v) for k, v in sd.items())
+    b, e = head["big"]["data_offsets"]
+    spots = [("big", at) for at in (b, b + 4096 + 5, (b + e) // 2, e - 1)] + [("s17", head["s17"]["data_offsets"][0] + 3)]
+    for key, at in spots:
+        raw = flipped(p, 8 + n + at)
+        with pytest.raises(CorruptCheckpointError, match=f"tensor '{key}'") as err:
+            checkpoint.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+        assert err.value.key == key
+        p.write_bytes(raw)

@@ -20,10 +20,12 @@ tensor. The index carries ``index_xxh3_128``, the digest of its own bytes with t
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -35,6 +37,72 @@ INDEX_FIELD = "index_xxh3_128"
 
 hexdigest = xxhash.xxh3_128_hexdigest
 new = xxhash.xxh3_128
+
+
+class RunHashes:
+    """xxh3-128 of each of ``views`` (consecutive buffers of one read run) whose ``wanted`` flag
+    is set, fed by byte ranges ``[lo, hi)`` of their concatenation as reads land
+    (:meth:`landed`: a :class:`~.pread.Run`'s ``after``), in any order and from any thread.
+    Ranges are hashed in order: by the thread whose range comes next, right after its read
+    (while the bytes are in its core's cache); a range landing early is left for the thread
+    hashing the one before it, so no thread waits. Why: a load checked after all reads hashed
+    every byte once more from memory on the calling thread alone (checked load 0.80x of
+    unchecked, 256 MiB warm cache)."""
+
+    __slots__ = ("views", "hashers", "starts", "total", "next", "pending", "busy", "lock")
+
+    def __init__(self, views: Sequence, wanted: Sequence[bool]):
+        self.views = [memoryview(v).cast("B") if not isinstance(v, memoryview) else v for v in views]
+        self.hashers = [new() if w else None for w in wanted]
+        self.starts, pos = [], 0
+        for v in self.views:
+            self.starts.append(pos)
+            pos += len(v)
+        self.total, self.next, self.busy = pos, 0, False
+        self.pending: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def landed(self, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` were read: hash them now if they come next (and every range waiting
+        after them), else leave them to the thread hashing the range before."""
+        with self.lock:
+            self.pending[lo] = hi
+            if self.busy:
+                return
+            self.busy = True
+        done = None
+        try:
+            while True:
+                with self.lock:
+                    if done is not None:
+                        self.next = done
+                    end = self.pending.pop(self.next, None)
+                    if end is None:
+                        self.busy = False
+                        return
+                    start = self.next
+                self._feed(start, end)
+                done = end
+        except BaseException:
+            with self.lock:
+                self.busy = False
+            raise
+
+    def _feed(self, lo: int, hi: int) -> None:
+        i = bisect.bisect_right(self.starts, lo) - 1
+        while i < len(self.views) and self.starts[i] < hi:
+            h, s = self.hashers[i], self.starts[i]
+            if h is not None:
+                h.update(self.views[i][max(lo, s) - s : min(hi, s + len(self.views[i])) - s])
+            i += 1
+
+    def complete(self) -> bool:
+        """Whether every byte was hashed (False after a failed read)."""
+        return self.next == self.total
+
+    def hasher(self, i: int):
+        """The hasher of view ``i`` (None when not wanted)."""
+        return self.hashers[i]
 
 
 def combine(header: str, tensors: Iterable[str]) -> str:

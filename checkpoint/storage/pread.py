@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpointError, LoadError
@@ -55,7 +55,11 @@ class Run:
     """Targets ``views`` (flat byte views of tensors ``keys``) filled from consecutive bytes of
     ``fd`` (file ``name`` under ``root``) from ``offset`` on, in file order. ``owners`` are the
     objects owning the views' memory (the target tensors): held while the run exists, so a view
-    over a raw address never outlives its memory (rule 3 of :mod:`~.ownership`)."""
+    over a raw address never outlives its memory (rule 3 of :mod:`~.ownership`). ``after``:
+    called as ``after(lo, hi)`` by the thread that read the run, right after bytes ``[lo, hi)``
+    of its views (counted from the first view's start) landed, while they are in that core's
+    cache (a load's digest check: :class:`~.reader.CheckpointReader.read_many`); a run cut into
+    pieces calls it once per piece, in whatever order the pieces land."""
 
     fd: int
     views: list[memoryview]
@@ -64,14 +68,18 @@ class Run:
     root: str
     name: str
     owners: tuple = field(default=(), repr=False, compare=False)
+    after: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self.views)
 
     def read(self) -> int:
-        """:func:`pread_run` of this run; returns the bytes read."""
-        return pread_run(self.fd, self.views, self.keys, self.offset, self.root, self.name)
+        """:func:`pread_run` of this run, then ``after``; returns the bytes read."""
+        n = pread_run(self.fd, self.views, self.keys, self.offset, self.root, self.name)
+        if self.after is not None:
+            self.after(0, n)
+        return n
 
 
 def _pieces(runs: Sequence[Run]) -> list[Run]:
@@ -81,11 +89,19 @@ def _pieces(runs: Sequence[Run]) -> list[Run]:
         if len(r.views) == 1 and len(r.views[0]) >= 2 * PIECE:
             v = memoryview(r.views[0])  # (a ctypes array slices to a list)
             out.extend(
-                Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name, r.owners) for a in range(0, len(v), PIECE)
+                Run(r.fd, [v[a : a + PIECE]], r.keys, r.offset + a, r.root, r.name, r.owners, _shifted(r.after, a))
+                for a in range(0, len(v), PIECE)
             )
         else:
             out.append(r)
     return out
+
+
+def _shifted(after: Callable[[int, int], None] | None, by: int) -> Callable[[int, int], None] | None:
+    """``after`` of a whole run, for its piece starting ``by`` bytes in."""
+    if after is None:
+        return None
+    return lambda lo, hi: after(lo + by, hi + by)
 
 
 _PROBES = 8  # pages tested per load

@@ -216,6 +216,11 @@ class CheckpointReader:
         rec = meta.files.get(self._key_file.get(key, ""))
         return rec.tensors.get(key) if isinstance(rec, FileRecordV2) else None
 
+    def _digest_due(self, key: str) -> bool:
+        """Whether a whole read of ``key`` is to be checked: the index records its digest and its
+        file was not checked whole already."""
+        return self.recorded_digest(key) is not None and self._key_file[key] not in self._verified
+
     def check_digest(self, key: str, data: object) -> None:
         """Check ``data`` (all of tensor ``key``'s stored bytes, any buffer: a target read whole,
         or an ``xxhash`` hasher fed every byte) against the index's digest of ``key``; nothing
@@ -354,8 +359,9 @@ class CheckpointReader:
         runs and pieces of the call shared by a few threads (:func:`~.pread.read_runs`).
 
         A tensor read whole (a pair, or a triple whose block is the whole tensor) is checked
-        against its xxh3-128 digest in the index (:meth:`check_digest`, hashed from the target's
-        memory after the read) when ``check`` is True or holds its key.
+        against its xxh3-128 digest in the index (:meth:`check_digest`) when ``check`` is True or
+        holds its key: hashed by the read pool's thread that read its bytes, right after they
+        landed (:class:`~.digest.RunHashes`), compared once every read finished.
 
         Raises:
             CorruptCheckpointError: a file ends early, or a tensor read whole differs from its
@@ -364,6 +370,7 @@ class CheckpointReader:
         """
         done = [False] * len(pairs)
         whole: list[tuple[str, memoryview]] = []  # tensors read whole, to check against the index
+        hashed: dict[str, tuple[_digest.RunHashes, int]] = {}  # their hashes, fed as reads land
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str, torch.Tensor]]] = {}
@@ -384,14 +391,20 @@ class CheckpointReader:
                         continue
                     done[i] = True
                     name = self._key_file[key]
-                    if (len(pair) == 2 or e - b == self._spans[key][1] - self._spans[key][0]) and (
+                    checked = (len(pair) == 2 or e - b == self._spans[key][1] - self._spans[key][0]) and (
                         check is True or (check and key in check)
-                    ):
+                    ) and self._digest_due(key)
+                    if checked:
                         whole.append((key, view))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
-                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,)))
+                        hashes = _digest.RunHashes([view], [True]) if checked else None
+                        if hashes is not None:
+                            hashed[key] = (hashes, 0)
+                        runs.append(
+                            _pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), hashes and hashes.landed)
+                        )
                     elif e > b:
-                        small.setdefault(name, []).append((b, e, view, key, out))
+                        small.setdefault(name, []).append((b, e, view, key, out, checked))
                 except CheckpointError:
                     raise
                 except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
@@ -405,13 +418,21 @@ class CheckpointReader:
                     if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
                         continue
                     run = items[start:j]
+                    hashes = None
+                    if any(x[5] for x in run):  # hashed by the thread that read them, in its cache
+                        hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run])
+                        hashed.update((x[3], (hashes, i)) for i, x in enumerate(run) if x[5])
                     runs.append(
-                        _pread.Run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name, tuple(x[4] for x in run))
+                        _pread.Run(
+                            fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name,
+                            tuple(x[4] for x in run), hashes and hashes.landed,
+                        )
                     )
                     start = j
             stats.bytes_read += read_runs(runs)
             for key, view in whole:
-                self.check_digest(key, view)
+                hashes, i = hashed.get(key, (None, 0))
+                self.check_digest(key, hashes.hasher(i) if hashes is not None and hashes.complete() else view)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
             # (autograd's saved-tensor check, and autoparallel's never-written check, read them).
