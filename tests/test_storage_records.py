@@ -313,3 +313,53 @@ def test_a_save_owns_only_what_it_wrote_even_with_no_other_file(where):
     assert idx.metadata.fqnckpt.objects == {}
     assert backends.get(url, opts, "extra_state.json") == b"mine"
     assert backends.get(url, opts, "migration_report.json") == b"mine too"
+
+
+def test_dcp_written_checkpoint_is_owned_by_record_like_ours(where):
+    """A checkpoint written by ``dcp.save(storage_writer=StorageWriter(...))`` carries the record
+    ``checkpoint.save`` writes (its model index's ``metadata.fqnckpt.objects``, written by the
+    same commit), on every backend: what it owns is exactly what it wrote; an overwrite (by DCP
+    or by ``checkpoint.save``) and a removal delete only what its records name, never a user's
+    object, also one with a name a checkpoint without a record would own (``extra_state.json``);
+    ``verify`` and ``checkpoint.load`` read it."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.dcp import StorageWriter
+
+    url, opts = where
+    for n in USER_NAMES:
+        _put(url, opts, n, b"the user's own data")
+    user = set(USER_NAMES)
+
+    def dsave(sd):
+        dcp.save(sd, storage_writer=StorageWriter(url, storage_options=opts), no_dist=True)
+        return checkpoint.open_checkpoint(url, storage_options=opts)
+
+    with dsave({"w": torch.arange(8.0), "step": 3}) as rd:
+        objects = rd.meta.objects
+        shards = set(rd.index.files())
+    assert set(objects) == {"extra_state.json"}  # the record: the file besides shards and index
+    written = {"model.safetensors.index.json", *shards, *objects.values()}
+    assert _names(url, opts) == user | written
+    assert remote_commit.owned_objects(_store(url, opts)) == written
+    with dsave({"w": torch.ones(3)}) as rd:  # DCP's default: overwrite; no extra state this time
+        assert rd.meta.objects == {}  # a record, empty: it wrote nothing but shards and index
+        shards = set(rd.index.files())
+    assert _names(url, opts) == user | {"model.safetensors.index.json", *shards}  # the old extra state went
+    _put(url, opts, "extra_state.json", b"mine")  # a name an unrecorded checkpoint would own
+    with dsave({"w": torch.full((3,), 2.0)}) as rd:
+        shards = set(rd.index.files())
+    assert backends.get(url, opts, "extra_state.json") == b"mine"
+    assert _names(url, opts) == user | {"extra_state.json", "model.safetensors.index.json", *shards}
+    assert checkpoint.verify(url, storage_options=opts).ok
+    if opts is None:  # (the CLI takes no storage options: file:// and memory:// here)
+        from checkpoint.cli import main as fqnckpt
+
+        assert fqnckpt(["verify", url]) == 0
+    t = {"w": torch.zeros(3)}
+    assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.full((3,), 2.0))
+    checkpoint.save({"w": torch.ones(3)}, url, overwrite=True, storage_options=opts)  # ours over DCP's: same rules
+    assert backends.get(url, opts, "extra_state.json") == b"mine"
+    remote_commit.remove_checkpoint(_store(url, opts), unborn=True)
+    assert _names(url, opts) == user | {"extra_state.json"}
+    assert all(_store(url, opts).get(n) == b"the user's own data" for n in USER_NAMES if "staging" not in n)
