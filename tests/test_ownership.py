@@ -230,3 +230,50 @@ def test_process_interrupted_mid_load_exits_cleanly(tmp_path):
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() in ("interrupted", "loaded"), p.stdout
+
+
+@pytest.mark.parametrize("raise_at", [0, 3])
+def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first(tmp_path, monkeypatch, raise_at):
+    """Ctrl-C in the calling thread's own piece of a converting ``copy_into`` (pieces read and
+    copied by several threads) or of a ``get`` hashed while read: no thread is still working
+    when it raises, and the target is never written afterwards."""
+    from checkpoint.storage import tensor_read
+
+    monkeypatch.setattr(tensor_read, "CHUNK", 4096)
+    monkeypatch.setattr(pread, "PIECE", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
+    checkpoint.save({"w": torch.randn(64, 1024)}, tmp_path / "ck")
+    state = {"active": 0, "main": 0}
+    lock = threading.Lock()
+    real_run, real_pread = pread.Run.read, pread.pread_run
+
+    def slow(fn, *a):
+        if threading.current_thread() is threading.main_thread():
+            state["main"] += 1
+            if state["main"] > raise_at:
+                raise KeyboardInterrupt
+        with lock:
+            state["active"] += 1
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.01)
+            return fn(*a)
+        finally:
+            with lock:
+                state["active"] -= 1
+
+    monkeypatch.setattr(pread.Run, "read", lambda self: slow(real_run, self))
+    monkeypatch.setattr(pread, "pread_run", lambda *a: slow(real_pread, *a))
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        out = torch.zeros(64, 1024, dtype=torch.float64)
+        with pytest.raises(KeyboardInterrupt):
+            r.copy_into("w", out)
+        assert state["active"] == 0, "a pool thread was still reading when copy_into raised"
+        out.fill_(-1.0)
+        time.sleep(0.08)  # longer than a pool thread's piece
+        assert bool((out == -1.0).all()), "bytes from the file appeared after copy_into raised"
+        state["main"] = 0
+        with pytest.raises(KeyboardInterrupt):
+            r.get("w")
+        assert state["active"] == 0, "a pool thread was still reading when get raised"

@@ -299,3 +299,86 @@ def test_mount_points_with_escaped_characters_are_matched(tmp_path):
     got = {p: fskind._mount_type(p, str(info)) for p in ("/tmp/a b/x", "/tmp/t\tab", "/tmp/b\\s/y/z", "/tmp/a", "/tmp/b\\sx")}
     assert got == {"/tmp/a b/x": "tmpfs", "/tmp/t\tab": "ramfs", "/tmp/b\\s/y/z": "tmpfs", "/tmp/a": "ext4", "/tmp/b\\sx": "ext4"}
     assert fskind._mount_type("/x", str(tmp_path / "missing")) == ""
+
+
+def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small_pieces, monkeypatch):
+    """``get`` of a tensor of many pieces: exact bytes, pieces read by the calling and pool
+    threads and hashed in file order as they come in (``read_hashed``); a byte flipped in a
+    middle piece still fails the digest, naming tensor and file."""
+    import threading
+
+    from checkpoint.storage import tensor_read
+
+    g = torch.Generator().manual_seed(7)
+    sd = {"big": torch.randn(64, 1000, generator=g), "small": torch.arange(6.0)}
+    checkpoint.save(sd, tmp_path / "ck")
+    monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
+    readers, real = [], pread.Run.read
+
+    def read(self):
+        readers.append(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.002)  # pool threads take pieces meanwhile
+        return real(self)
+
+    monkeypatch.setattr(pread.Run, "read", read)
+    hashed = []
+    real_hashed = tensor_read.read_hashed
+    monkeypatch.setattr(tensor_read, "read_hashed", lambda *a: hashed.append(a[1]) or real_hashed(*a))
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        assert torch.equal(r.get("big"), sd["big"]) and torch.equal(r.get("small"), sd["small"])
+        begin, end = r._spans["big"]
+        shard = os.path.join(r.root, r.files[0])
+    assert hashed == ["big", "small"] and len(readers) >= 60  # 256000 bytes in 4096-byte pieces
+    assert threading.main_thread().name in readers and any(n.startswith("fqnckpt-read") for n in readers)
+    with open(shard, "r+b") as f:  # one bit of a middle piece
+        f.seek((begin + end) // 2)
+        b = f.read(1)
+        f.seek((begin + end) // 2)
+        f.write(bytes([b[0] ^ 1]))
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        with pytest.raises(CorruptCheckpointError, match=r"'big'.*xxh3-128") as e:
+            r.get("big")
+        assert e.value.key == "big" and r.files[0] in str(e.value)
+        assert torch.equal(r.get("small"), sd["small"])
+
+
+def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp_path, monkeypatch):
+    """Targets not read straight (another dtype, strides, a column block of either) are filled
+    in pieces of ``CHUNK`` bytes shared by the calling thread and pool threads, each piece read
+    and copied by one thread with torch's kernels on that thread alone; exact values, bytes
+    outside a strided target untouched, and torch's thread count unchanged afterwards."""
+    import threading
+
+    from checkpoint.storage import tensor_read
+
+    g = torch.Generator().manual_seed(9)
+    sd = {"w": torch.randn(96, 300, generator=g), "v": torch.randn(5000, generator=g)}
+    checkpoint.save(sd, tmp_path / "ck")
+    monkeypatch.setattr(tensor_read, "CHUNK", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    seen, real = [], pread.pread_run
+
+    def pread_run(*a):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.002)
+        return real(*a)
+
+    monkeypatch.setattr(pread, "pread_run", pread_run)
+    before = torch.get_num_threads()
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        for key, slices in (("w", None), ("w", [slice(3, 90), slice(10, 290)]), ("v", None)):
+            want = sd[key][tuple(slices)] if slices else sd[key]
+            for dtype in (torch.float64, torch.bfloat16):
+                out = torch.zeros(want.shape, dtype=dtype)
+                assert r.copy_into(key, out, slices)
+                assert torch.equal(out, want.to(dtype)), (key, slices, dtype)
+            base = torch.full((*want.shape[:-1], 2 * want.shape[-1]), 7.0)
+            assert r.copy_into(key, base[..., ::2], slices)
+            assert torch.equal(base[..., ::2], want) and bool((base[..., 1::2] == 7.0).all())
+    assert torch.get_num_threads() == before
+    names = {n for n, _ in seen}
+    assert threading.main_thread().name in names and any(n.startswith("fqnckpt-read") for n in names)
+    if tensor_read._omp() is not None:  # every piece's copy ran on its own thread alone
+        assert {k for _, k in seen} == {1}, seen

@@ -53,6 +53,18 @@ from .pread import read_runs
 from .st_header import open_safetensors_with_header, read_index
 from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
 
+class _Hashed:
+    """A digest already computed, in the form :meth:`CheckpointReader.check_digest` takes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def hexdigest(self) -> str:
+        return self.value
+
+
 class StrayFileWarning(UserWarning):
     """A ``.safetensors`` file in the checkpoint directory is not named by the index (not read)."""
 
@@ -202,9 +214,14 @@ class CheckpointReader:
         """
         at, begin = self._where(key)
         spec = self.spec(key)
-        t = _tread.read_tensor(at, key, begin, spec.shape, spec.dtype)
+        if not self._digest_due(key):
+            t = _tread.read_tensor(at, key, begin, spec.shape, spec.dtype)
+            stats.bytes_read += t.numel() * t.element_size()
+            return t
+        # Hashed while it is read (pieces hashed from cache as they land: no second pass).
+        t, got = _tread.read_hashed(at, key, begin, spec.shape, spec.dtype)
         stats.bytes_read += t.numel() * t.element_size()
-        self.check_digest(key, tensor_bytes(t))
+        self.check_digest(key, _Hashed(got))
         return t
 
     def recorded_digest(self, key: str) -> str | None:

@@ -18,12 +18,16 @@ the stored dtype) by one ``preadv`` per segment of the file, the holes between r
 syscall (a call costs ~3-7 us on this 2-core VM, the kernel copies 64 KiB in about that). The
 iovec arrays are built by numpy and passed to libc's ``preadv`` through ctypes (``os.preadv``
 wants one Python buffer object per iovec). Blocks of many short runs (:data:`SHORT_RUN`: a
-``Shard(1)`` block of rows of a few KiB), targets not contiguous in the stored dtype (a
-converting or strided load target: :func:`copy_into`) and blocks checked against their digest
-are read a window of whole dim-0 rows at a time by one ``pread`` into a reused scratch buffer
-and the block copied out of it (:func:`_rows`: ``np.copyto`` into a same-dtype target, 1 MiB
-windows that stay in cache between the read and the copy; else ``copy_``); no intermediate
-tensor of the whole size. This is the package's one column-block read: ``get_slice``,
+``Shard(1)`` block of rows of a few KiB) into a same-dtype target and blocks checked against
+their digest are read a window of whole dim-0 rows at a time by one ``pread`` into a reused
+scratch buffer and the block copied out of it (:func:`_rows`: ``np.copyto`` into a same-dtype
+target, 1 MiB windows that stay in cache between the read and the copy; else ``copy_``).
+Targets not contiguous in the stored dtype (a converting or strided load target:
+:func:`copy_into`) are filled in pieces of :data:`CHUNK` bytes (whole rows, or the block's runs
+packed), each read into a thread's scratch and copied out by ``copy_`` on the same thread while
+the bytes are in its core's cache, the pieces shared by the calling thread and the read pool with
+each thread's ``copy_`` on that thread alone (:func:`_run_pieces`, :func:`_serial_copies`): the
+read of one piece overlaps the conversion of another. No intermediate tensor of the whole size. This is the package's one column-block read: ``get_slice``,
 ``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
 migrations). One ``pread`` per run (skipping the holes) was measured at ~3.7 us a call from
 Python here (4 KiB runs with 4 KiB holes: 0.53x of the mapped copy; 1 KiB with 7 KiB: 0.56x), so holes up to
@@ -43,7 +47,10 @@ cut or an I/O error any other way: see :mod:`~.pread`). The load of same-dtype c
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import itertools
 import math
 import os
 import threading
@@ -53,6 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, LoadError
+from . import ownership
 from . import pread as _pread
 from .libc import libc_function
 from .writer import tensor_bytes
@@ -65,9 +73,13 @@ GAP = 64 << 10
 # 8 MiB, tmpfs, against safe_open's mapped copy) runs of 256 B: window 1.06x, iovecs 0.71x; 512 B:
 # 1.22x / 1.08x; 1 KiB runs with 7 KiB holes: 1.09x / 1.14x; 8 KiB runs: 1.10x / 1.19x.
 SHORT_RUN = 1 << 10
-# Bytes read into the scratch window at a time (a converting or strided target). Large: each
-# window costs a copy_ (an OpenMP region, ~ms on a busy machine).
+# Largest scratch window (whole rows checked against a digest; the row limit of hashable blocks).
 WINDOW = 16 << 20
+# Bytes of one piece of a converting or strided read (:func:`_run_pieces`): read into the thread's
+# scratch and copied into the target by the same thread while the bytes are still in its core's
+# cache (L2 512 KiB, shared L3 32 MiB here). Measured 128 KiB-4 MiB: under 1 MiB the per-piece
+# calls dominate, 4 MiB leaves the cache.
+CHUNK = 2 << 20
 # Bytes of whole rows per read when the block is copied out by numpy (:func:`_rows`, a same-dtype
 # target). Measured (8 tensors of 8 MiB, a half / quarter column block, tmpfs, against safe_open's
 # mapped copy): 64 KiB 0.72-0.81x (Python per window), 256 KiB 0.94-1.14x, 1 MiB 1.06-1.22x,
@@ -352,12 +364,12 @@ def _fill(
     blocks, migrations).
 
     Straight into ``out`` when it is contiguous in ``dtype`` and the block's runs are long
-    (:func:`_scatter`: no second copy); else, for many short runs (:func:`_dense`), converting
-    or strided targets, and when ``hasher`` is given (every byte of the tensor must pass through
-    memory: the block spans all rows), through whole dim-0 rows (:func:`_rows`); a block of
-    long runs into a converting target is read packed into the window (:func:`_scatter`) and
-    copied by one ``copy_`` per window; a row over :data:`WINDOW` bytes is filled row by row of
-    its own dim 0."""
+    (:func:`_scatter`: no second copy); a converting or strided target (no ``hasher``) in pieces
+    of :data:`CHUNK` bytes, each read into a thread's scratch and copied out by that thread,
+    shared by the calling thread and the read pool (:func:`_plan`, :func:`_run_pieces`); for
+    many short runs into a same-dtype target (:func:`_dense`), and when ``hasher`` is given
+    (every byte of the tensor must pass through memory: the block spans all rows), through whole
+    dim-0 rows (:func:`_rows`), a row over :data:`WINDOW` bytes row by row of its own dim 0."""
     if not out.numel():
         return
     item = dtype.itemsize
@@ -367,38 +379,164 @@ def _fill(
     if hasher is None and not dense and _direct(out, dtype):
         _scatter(at, key, begin, item, *_run_starts(shape, lens, starts), out)
         return
-    lo, hi = bounds[0]
-    if len(shape) == 1:
-        if hasher is not None:
-            raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of a tensor of 2 dims or more")
-        per = max(1, WINDOW // item)
-        for a in range(lo, hi, per):
-            b = min(hi, a + per)
-            window = _scratch((b - a) * item)[: (b - a) * item].view(dtype)
-            _read_as(at, key, begin + a * item, window, dtype)
-            out[a - lo : b - lo].copy_(window)
+    if hasher is None and not _direct(out, dtype):  # converting / strided: pieces shared by threads
+        jobs: list = []
+        _plan(at, key, begin, shape, dtype, bounds, out, dense, min(WINDOW, CHUNK), jobs)
+        _run_pieces(at, key, dtype, jobs)
         return
+    # Left: a digest to feed (every byte in order), or many short runs into a same-dtype target.
+    lo, hi = bounds[0]
+    if len(shape) == 1:  # (a 1-D block is one run: never dense)
+        raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of a tensor of 2 dims or more")
     row = math.prod(shape[1:]) * item
     if hasher is not None and not hashable(shape, dtype, bounds):
         raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of at most {WINDOW} bytes each")
-    if dense or hasher is not None:
-        if row > WINDOW:
-            for r in range(lo, hi):
-                _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo], hasher)
-        else:
-            _rows(at, key, begin, shape, dtype, bounds, out, hasher)
-        return
-    wrow = math.prod(lens[1:]) * item  # bytes per dim-0 row in the window: the block's runs, packed
-    if wrow > WINDOW:
+    if row > WINDOW:
         for r in range(lo, hi):
-            _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
+            _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo], hasher)
+    else:
+        _rows(at, key, begin, shape, dtype, bounds, out, hasher)
+
+
+class _Span:
+    """A piece of a converting or strided read: ``nbytes`` consecutive file bytes at ``offset``,
+    seen as ``shape`` in the stored dtype (``pick`` then selects the block's part of them, or
+    None), copied into ``out``. Everything but the read and the copy is computed before the
+    threads start: on a busy machine each GIL hand-over between them costs a wake-up."""
+
+    __slots__ = ("offset", "nbytes", "shape", "pick", "out")
+
+    def __init__(self, offset: int, nbytes: int, shape: tuple[int, ...], pick, out: torch.Tensor):
+        self.offset, self.nbytes, self.shape, self.pick, self.out = offset, nbytes, shape, pick, out
+
+
+def _plan(
+    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
+    out: torch.Tensor, dense: bool, size: int, jobs: list,
+) -> None:
+    """Append to ``jobs`` one piece per ``size`` bytes of window (whole dim-0 rows; a row over
+    ``size`` bytes split along its own dims): a :class:`_Span` when the piece is one range of the
+    file, else a callable reading the block's runs of its rows (see :func:`_fill`)."""
+    item = dtype.itemsize
+    lo, hi = bounds[0]
+    if len(shape) == 1:
+        per = max(1, size // item)
+        for a in range(lo, hi, per):
+            b = min(hi, a + per)
+            jobs.append(_Span(begin + a * item, (b - a) * item, (b - a,), None, out[a - lo : b - lo]))
         return
-    per = max(1, WINDOW // max(1, wrow))
+    lens = tuple(b - a for a, b in bounds[1:])
+    row = math.prod(shape[1:]) * item
+    wrow = row if dense else math.prod(lens) * item  # bytes per dim-0 row in the window
+    if wrow > size:
+        sub_dense = _dense(shape[1:], lens, item)
+        for r in range(lo, hi):
+            sub = out[r - lo]
+            if not sub_dense and _direct(sub, dtype):  # a row of a target strided in dim 0 only
+                jobs.append(functools.partial(_fill, at, key, begin + r * row, shape[1:], dtype, bounds[1:], sub))
+            else:
+                _plan(at, key, begin + r * row, shape[1:], dtype, bounds[1:], sub, sub_dense, size, jobs)
+        return
+    whole = lens == tuple(shape[1:])  # whole rows: one range of the file per piece
+    pick = None if whole or not dense else (slice(None), *(slice(a, b) for a, b in bounds[1:]))
+    per = max(1, size // max(1, wrow))
     for r0 in range(lo, hi, per):
         r1 = min(hi, r0 + per)
-        window = _scratch((r1 - r0) * wrow)[: (r1 - r0) * wrow].view(dtype).view(r1 - r0, *lens[1:])
-        _scatter(at, key, begin, item, *_run_starts(shape, window.shape, (r0, *starts[1:])), window)
-        out[r0 - lo : r1 - lo].copy_(window)
+        part = out[r0 - lo : r1 - lo]
+        if whole or dense:
+            jobs.append(_Span(begin + r0 * row, (r1 - r0) * row, (r1 - r0, *shape[1:]), pick, part))
+        else:
+            jobs.append(functools.partial(_piece_rows, at, key, begin, shape, dtype, bounds, r0, r1, wrow, part))
+
+
+def _piece_rows(at, key, begin, shape, dtype, bounds, r0, r1, wrow, out) -> None:
+    """Only the block's runs of rows ``r0:r1``, packed into the window, then into ``out``."""
+    window = _scratch((r1 - r0) * wrow)[: (r1 - r0) * wrow].view(dtype).view(r1 - r0, *(b - a for a, b in bounds[1:]))
+    starts = (r0, *(a for a, _ in bounds[1:]))
+    _scatter(at, key, begin, dtype.itemsize, *_run_starts(shape, window.shape, starts), window)
+    out.copy_(window)
+
+
+def _run_pieces(at: Where, key: str, dtype: torch.dtype, jobs: list) -> None:
+    """Run every piece of :func:`_plan`. Two or more: shared by the calling thread and pool
+    threads, each taking the next piece (read and copy on one thread: the copy reads the bytes
+    from that core's cache), with ``copy_`` on one thread each (:func:`_serial_copies`; an
+    OpenMP team per copy would put 2 threads per core on the cores the readers use). Every
+    thread has stopped before this returns or raises, Ctrl-C included (:mod:`~.ownership`)."""
+
+    def one(job, windows: dict) -> None:
+        if type(job) is not _Span:
+            job()
+            return
+        got = windows.get((job.nbytes, job.shape))
+        if got is None:
+            buf = _scratch(job.nbytes)[: job.nbytes]
+            win = buf.view(dtype).view(job.shape)
+            got = windows[job.nbytes, job.shape] = (memoryview(buf.numpy()), win if job.pick is None else win[job.pick])
+        _pread.pread_run(at.fd, [got[0]], [key], job.offset, at.root, at.name)
+        job.out.copy_(got[1])
+
+    if len(jobs) < 2 or _pread._THREADS == 1 or _omp() is None:
+        windows: dict = {}
+        for job in jobs:
+            one(job, windows)
+        return
+    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
+    errors: list[BaseException] = []
+
+    def work(stop) -> None:
+        windows: dict = {}  # this thread's views of its scratch
+        with _serial_copies():
+            while not errors and not stop.is_set():
+                j = next(counter)
+                if j >= len(jobs):
+                    return
+                try:
+                    one(jobs[j], windows)
+                except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
+                    errors.append(e)
+
+    ownership.share("read", _pread._THREADS, work, min(_pread._THREADS, len(jobs)) - 1)
+    if errors:
+        raise errors[0]
+
+
+@functools.cache
+def _omp():
+    """``(omp_get_max_threads, omp_set_num_threads)`` of the OpenMP runtime torch's CPU kernels
+    run on (found among the loaded libraries), or None (another parallel backend, none found):
+    then pieces run one after another on the calling thread."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        import ctypes
+
+        with open("/proc/self/maps") as f:
+            libs = {ln.split()[-1] for ln in f if ln.rstrip().endswith((".so", ".so.1", ".so.5"))}
+        for path in sorted(libs):
+            if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp")):
+                lib = ctypes.CDLL(path)  # already loaded: the same handle
+                get, put = lib.omp_get_max_threads, lib.omp_set_num_threads
+                get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+                return get, put
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def _serial_copies():
+    """While inside: torch's CPU kernels called from this thread run on this thread alone.
+    OpenMP's thread count is a per-thread setting (the ``nthreads-var`` ICV of the calling
+    thread's task), so other threads, and torch's own count, are untouched; restored on exit."""
+    get, put = _omp()
+    torch.get_num_threads()  # torch's first call on a thread sets the count: before ours
+    prev = get()
+    put(1)
+    try:
+        yield
+    finally:
+        put(prev)
 
 
 def hashable(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[int, int]]) -> bool:
@@ -412,6 +550,35 @@ def hashable(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[in
     )
 
 
+# Transparent huge pages for new tensors from this size on (where THP is "madvise"): a new
+# 128 MiB tensor filled by preadv took 61 ms in 4 KiB faults, 15 ms in 2 MiB pages.
+_HUGE = 4 << 20
+_MADV_HUGEPAGE = 14  # <linux/mman.h>
+
+
+def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype)``, its 2 MiB-aligned interior advised ``MADV_HUGEPAGE`` when it
+    is large (:data:`_HUGE`): the read's first touch then faults 2 MiB pages, not 4 KiB ones (a
+    fault each, the dominant cost of reading into new memory). Advice only: memory the
+    allocator already mapped is unchanged, and any failure is ignored."""
+    out = torch.empty(tuple(shape), dtype=dtype)
+    n = out.numel() * dtype.itemsize
+    if n >= _HUGE:
+        fn = _madvise()
+        if fn:
+            lo = (out.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1)
+            hi = (out.data_ptr() + n) & ~((2 << 20) - 1)
+            if hi > lo:
+                fn(lo, hi - lo, _MADV_HUGEPAGE)
+    return out
+
+
+def _madvise():
+    import ctypes
+
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+
+
 def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The whole tensor ``key`` (``shape``, ``dtype``; its bytes at absolute file offset ``begin``)
     as a new contiguous CPU tensor.
@@ -420,9 +587,25 @@ def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
         CorruptCheckpointError: the file ends before the tensor does (file and tensor named).
         LoadError: the read fails (tensor and file named).
     """
-    out = torch.empty(tuple(shape), dtype=dtype)
+    out = _fresh(shape, dtype)
     _read_as(at, key, begin, out, dtype)
     return out
+
+
+def read_hashed(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """:func:`read_tensor` and the xxh3-128 hex digest of the bytes read, hashed while the read
+    goes on: each piece hashed right after it landed, by the thread that read it, in file order
+    (:class:`~.digest.RunHashes` on :func:`~.pread.read_runs`' pieces, as ``read_many`` does), so
+    no second pass over the tensor from memory. Raises what :func:`read_tensor` raises."""
+    from . import digest
+
+    out = _fresh(shape, dtype)
+    if not out.numel():
+        return out, digest.hexdigest(b"")
+    view = tensor_bytes(out)
+    hashes = digest.RunHashes([view], [True])
+    _pread.read_runs([_pread.Run(at.fd, [view], [key], begin, at.root, at.name, (out,), hashes.landed)])
+    return out, (hashes.hasher(0) if hashes.complete() else digest.new(view)).hexdigest()
 
 
 def copy_into(
@@ -477,6 +660,6 @@ def read_block(
     if any(st != 1 for st in steps):  # the step-1 cover, then the stepped view of it
         cover = read_block(at, key, begin, shape, dtype, [slice(lo, hi) for lo, hi in bounds])
         return cover[tuple(slice(None, None, st) for st in steps)].contiguous()
-    out = torch.empty(tuple(hi - lo for lo, hi in bounds), dtype=dtype)
+    out = _fresh(tuple(hi - lo for lo, hi in bounds), dtype)
     _fill(at, key, begin, shape, dtype, bounds, out)
     return out
