@@ -194,7 +194,9 @@ class BlockWriter:
     processes, 256 MiB each, 2 cores): each into a file of its own 0.2 s, both into one file 0.4 s
     (0.2 s CPU each: the waiting one sleeps), writing through a shared mapping (no inode lock) 0.41-0.52 s
     (a fault and a zero-fill per 4 KiB page). So a save of whole-tensor files is bound by one file's
-    write rate there, about 1/ranks of per-rank files (tests/bench/dist_save.py ``raw_shared``).
+    write rate there, about 1/ranks of per-rank files (tests/bench/dist_save.py ``raw_shared``),
+    unless there are several files: then ranks start at different ones
+    (``checkpoint.saving._write_orders``; tests/bench/shared_writes.py).
     """
 
     PIECE = 8 << 20  # bytes per pwrite of a large run
