@@ -211,3 +211,43 @@ def test_blocks_read_by_pread_equal_torch_slices(tmp_path, monkeypatch):
                     assert torch.equal(out, want.to(dtype)), (k, step1, dtype, strided)
                     if strided:
                         assert torch.equal(base[..., 1::2], torch.full_like(base[..., 1::2], 7))  # untouched
+
+
+def test_no_file_of_the_checkpoint_is_ever_mapped(tmp_path):
+    """Headers are validated by safetensors on a private sealed copy of their bytes and tensor
+    bytes are read with preadv: while a reader is open (open, get, get_slice, converting and
+    strided copy_into, load, a DCP-style file source) no file of the checkpoint appears in the
+    process's mappings, so none can SIGBUS whatever happens to it; a header cut to half still
+    names the file."""
+    import torch
+
+    import checkpoint
+    from checkpoint.errors import CorruptCheckpointError
+
+    sd = {"a": torch.randn(64, 33), "b": torch.arange(10)}
+    ck = tmp_path / "ck"
+    checkpoint.save(sd, ck)
+
+    def mapped() -> list[str]:
+        with open("/proc/self/maps") as f:
+            return [ln.split()[-1] for ln in f if str(tmp_path) in ln]
+
+    with checkpoint.open_checkpoint(ck) as r:
+        assert torch.equal(r.get("a"), sd["a"]) and torch.equal(r.get_slice("a", [slice(1, 5)]), sd["a"][1:5])
+        out = torch.empty(64, 66, dtype=torch.float64)[:, ::2]
+        assert r.copy_into("a", out) and torch.equal(out, sd["a"].double())
+        got = {k: torch.zeros_like(v) for k, v in sd.items()}
+        checkpoint.load(got, ck)
+        assert all(torch.equal(got[k], v) for k, v in sd.items())
+        assert mapped() == []
+        shard = ck / r.files[0]
+    with open(shard, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    import os
+
+    import pytest
+
+    os.truncate(shard, 8 + n // 2)
+    with pytest.raises(CorruptCheckpointError, match="not a valid safetensors file") as e:
+        checkpoint.open_checkpoint(ck)
+    assert str(shard) in str(e.value) and mapped() == []

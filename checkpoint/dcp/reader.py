@@ -487,9 +487,8 @@ def _extra_values(root: str) -> dict[str, Any]:
 def _files(root: str, paths: list[str]) -> _Source:
     """Several ``.safetensors`` files without an index: DCP's per-rank shard files (chunks placed
     by ``DCP_SHARDING_INFO``) or plain files (a tensor in two of them is refused)."""
-    from safetensors import safe_open
-
     from ..storage.opening import open_checkpoint
+    from ..storage.st_header import open_safetensors_with_header
 
     readers: list = []
     chunks: dict[str, list[StoredChunk]] = {}
@@ -498,8 +497,7 @@ def _files(root: str, paths: list[str]) -> _Source:
         for p in paths:
             rd = open_checkpoint(p)
             readers.append(rd)
-            with safe_open(p, framework="pt") as f:
-                meta = f.metadata() or {}
+            meta = open_safetensors_with_header(p)[0].metadata() or {}  # (the file is never mapped)
             info = None
             if _SHARDING_KEY in meta:
                 try:

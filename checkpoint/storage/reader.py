@@ -3,9 +3,12 @@
 The index is authoritative: only files it names are opened (a stray ``.safetensors`` is ignored
 with a warning), and everything is validated before any tensor is returned — a named file that is
 missing, an entry leading outside the directory, a tensor missing from its file or stored in two
-files, a corrupt header. Headers and data go through ``safetensors.safe_open`` (which also rejects
-overlapping / out-of-range offsets, size-vs-shape mismatches and truncated files), reading whole
-tensors or only the slices a rank needs.
+files, a corrupt header. Headers are validated by ``safetensors.safe_open`` (which also rejects
+overlapping / out-of-range offsets, size-vs-shape mismatches and truncated files) on a private
+copy of the header bytes read through the reader's descriptor
+(:func:`~.st_header.validate_header`: no file of the checkpoint is ever mapped, so a file cut
+while read cannot SIGBUS); tensor bytes are read with ``preadv``, whole tensors or only the
+slices a rank needs.
 """
 
 from __future__ import annotations
@@ -562,10 +565,11 @@ class CheckpointReader:
 
     def _open_file(self, name: str):
         path = os.path.join(self.root, name)
-        # The raw fd first: safe_open maps the same inode (no commit can run: see atomic.read_view).
+        # The raw fd first; the header is read and validated through it (never mapped: a file cut
+        # while mapped kills the process by SIGBUS), so header and data come from one inode.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            h, head = open_safetensors_with_header(path)
+            h, head = open_safetensors_with_header(path, fd=fd)
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         except BaseException:
             os.close(fd)
@@ -627,7 +631,7 @@ class CheckpointReader:
                 self._spans.pop(k, None)
 
     def close(self) -> None:
-        self._handles.clear()  # safe_open handles release their mmap when dropped
+        self._handles.clear()  # safe_open handles of the headers' private copies (st_header.validate_header)
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)

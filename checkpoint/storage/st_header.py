@@ -122,30 +122,103 @@ def check_header_shapes(path: str, head: dict) -> None:
             raise CorruptCheckpointError(path, f"tensor {k!r} {why}")
 
 
-def open_safetensors_with_header(path: str, framework: str = "pt") -> tuple[object, dict]:
-    """``safetensors.safe_open(path, framework=framework)`` plus the one check it lacks (a tensor
-    name twice in the JSON header), and the parsed JSON header, so that shapes and dtypes of 10^5
-    tensors come from one ``json.loads`` instead of a call per tensor. ``framework="numpy"`` parses
-    and validates the same header without importing torch (``fqnckpt inspect``).
+_HEADER_MAX = 100_000_000  # safetensors' MAX_HEADER_SIZE: longer headers are rejected unread
+
+
+def _pread_all(fd: int, n: int, pos: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), pos + len(out))
+        if not got:
+            break  # cut short: the copy is shorter, and safetensors says what is missing
+        out += got
+    return bytes(out)
+
+
+def validate_header(raw: bytes, size: int, where: str, framework: str = "pt") -> object:
+    """safetensors' own validation of a file's first bytes ``raw`` (the 8-byte length and the
+    JSON header, or what there is of them) for a file of ``size`` bytes, without mapping that
+    file: ``safe_open`` of a private copy holding ``raw``, extended to ``size`` bytes with a hole
+    (no data bytes stored) and sealed against shrinking (``memfd_create``; a private temporary
+    file where there is none). safetensors checks every rule (JSON, dtypes, shapes against byte
+    sizes, offsets inside the data and covering it) on exactly these bytes, and the real file is
+    never mapped: a mapping of a file cut short while in use kills the process with SIGBUS,
+    which nothing in Python can catch. Returns the ``safe_open`` handle (of the copy: for keys
+    and metadata only; tensor bytes are read from the real file with ``preadv``).
+
+    Raises:
+        CorruptCheckpointError: safetensors rejects the bytes (names ``where``).
+    """
+    fd, tmp = -1, None
+    try:
+        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+            fd = os.memfd_create("fqnckpt-header", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+            copy = f"/proc/self/fd/{fd}"
+        else:
+            import tempfile
+
+            fd, tmp = tempfile.mkstemp(suffix=".safetensors")
+            copy = tmp
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.ftruncate(fd, size)  # a hole: no data bytes
+        if tmp is None:
+            import fcntl
+
+            seals = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_WRITE", 0)
+            if seals and hasattr(fcntl, "F_ADD_SEALS"):
+                try:
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+                except OSError:
+                    pass  # private to this process either way
+        try:
+            return safe_open(copy, framework=framework)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CorruptCheckpointError(
+                where, f"not a valid safetensors file (bad or truncated header or offsets): {str(e).replace(copy, where)}"
+            ) from e
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            os.unlink(tmp)
+
+
+def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | None = None) -> tuple[object, dict]:
+    """The header of safetensors file ``path`` (read through descriptor ``fd`` when given: the
+    file a reader holds open) validated by safetensors without mapping the file
+    (:func:`validate_header`), plus the one check safetensors lacks (a tensor name twice in the
+    JSON header), and the parsed JSON header of the same bytes, so that shapes and dtypes of
+    10^5 tensors come from one ``json.loads`` instead of a call per tensor. Returns ``(handle,
+    header)``; ``framework="numpy"`` validates the same header without importing torch
+    (``fqnckpt inspect``).
 
     Raises:
         CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
             where it can, and Git LFS pointers), the header repeats a tensor name, or a shape is
             one torch cannot hold (:func:`shape_problem`).
     """
+    own = fd is None
     try:
-        handle = safe_open(path, framework=framework)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptCheckpointError(
-            path,
-            f"not a valid safetensors file (bad or truncated header or offsets): {e}"
-            f"{_header_problem(path)}{_lfs_hint(path)}",
-        ) from e
-    with open(path, "rb") as f:  # safe_open has validated the length already
-        (n,) = struct.unpack("<Q", f.read(8))
-        raw = f.read(n)
-    head = json.loads(raw)
-    _check_unique_header_keys(path, raw, head)
+        if own:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            first = _pread_all(fd, 8, 0)
+            n = struct.unpack("<Q", first)[0] if len(first) == 8 else 0
+            raw = first + _pread_all(fd, min(n, _HEADER_MAX, max(0, size - 8)), 8) if len(first) == 8 else first
+        finally:
+            if own:
+                os.close(fd)
+    except OSError as e:
+        raise CorruptCheckpointError(path, f"not a valid safetensors file (cannot be read): {e}{_lfs_hint(path)}") from e
+    try:
+        handle = validate_header(raw, size, path, framework)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(path, f"{str(e).split(': ', 1)[-1]}{_header_problem(path)}{_lfs_hint(path)}") from e
+    head = json.loads(raw[8 : 8 + n])  # the bytes safetensors validated
+    _check_unique_header_keys(path, raw[8 : 8 + n], head)
     check_header_shapes(path, head)  # safetensors holds u64 dims; torch int64 (every reader, inspect too)
     return handle, head
 
@@ -193,4 +266,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "open_safetensors_with_header", "parse_index_bytes", "read_index", "shape_problem"]
+__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "open_safetensors_with_header", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
