@@ -9,6 +9,7 @@ ranks holding DTensors each write only the bytes they own into the same full-ten
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -561,22 +563,19 @@ def _save_distributed(
         writeback_on = not fskind.in_memory_dir(staging_dir)
         order = [(part, lay, f, i, slot) for part, lay in zip(parts, layouts) for f in lay.files for i, slot in enumerate(f.slots)]
         owners, groups = _hash_groups([slot.end - slot.begin for *_, slot in order], world)
-        walks = _write_orders([f.name for *_, f, _, _ in order], world)  # rank r writes order[walks[r][p]] p-th
-        # Position in its walk after which every rank has written order[k] (the same on every rank).
-        written_by_all = [0] * len(order)
-        for walk in walks:
-            for p, k in enumerate(walk):
-                written_by_all[k] = max(written_by_all[k], p + 1)
+        firsts = _walk_starts([f.name for *_, f, _, _ in order], world)
+        walk = _walk(firsts[rank], len(order))  # this rank writes order[walk[p]] p-th
+        # Slots along its walk after which every rank has written order[k] (the same on every rank).
+        written_by_all = _written_by_all(firsts, len(order))
         pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
         hashing: list = []  # futures (or, on one CPU, shares hashed at the end)
-        split: set[int] = set()  # indices into order of the split tensors met so far
-        queued: set[int] = set()  # split tensors this rank has queued for hashing back
+        mine: list[tuple[int, int]] = []  # heap of the split tensors this rank hashes, met but not queued
         stopped = False  # a rank failed: every rank stops writing at the same group boundary
         try:
             w, w_name = None, None
             kill_after_tensor = _faults.armed("after_tensor_write")
             try:
-                for pos, k in enumerate(walks[rank]):
+                for pos, k in enumerate(walk):
                     part, lay, f, i, slot = order[k]
                     if err is None and not stopped:
                         try:
@@ -585,8 +584,8 @@ def _save_distributed(
                                 w, w_name = None, None
                             t = _fetch_any(part, slot.spec)
                             whole = _whole_on_writer(t)
-                            if not whole:
-                                split.add(k)
+                            if not whole and owners[k] == rank:
+                                heapq.heappush(mine, (written_by_all[k], k))
                             blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
                             if blocks:
                                 if w is None:
@@ -612,7 +611,7 @@ def _save_distributed(
                         # failure so far).
                         stopped = dist.any_true(err is not None)
                         if not stopped:
-                            share = _share_done(order, split, owners, written_by_all, pos + 1, rank, queued)
+                            share = _share_done(order, mine, pos + 1)
                             if share:
                                 hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
             finally:
@@ -632,7 +631,7 @@ def _save_distributed(
         # the split tensors is hashed back on the hash thread.
         err = None
         try:
-            share = _share_done(order, split, owners, written_by_all, len(order), rank, queued)
+            share = _share_done(order, mine, len(order))
             for name, spans in own_back.items():
                 share.setdefault(name, []).extend(spans)
             if share:
@@ -735,28 +734,37 @@ def _write_orders(file_names: Sequence[str], world: int) -> list[list[int]]:
     (issue 35, tests/bench/shared_writes.py, 256 MiB per process, 2 cores): 2 processes writing
     their slices of 2 files in one order took 0.30 s, starting at different files 0.18 s, each into
     a file of its own 0.16 s; 4 processes 0.52 s / 0.36 s / 0.32 s."""
-    starts: list[int] = []  # index of each file's first slot
-    for k, name in enumerate(file_names):
-        if k == 0 or name != file_names[k - 1]:
-            starts.append(k)
     n = len(file_names)
-    out = []
-    for r in range(world):
-        first = starts[r * len(starts) // world] if starts else 0
-        out.append(list(range(first, n)) + list(range(first)))
-    return out
+    return [_walk(first, n) for first in _walk_starts(file_names, world)]
 
 
-def _share_done(order, split: set[int], owners, written_by_all, upto: int, rank: int, queued: set[int]) -> dict:
-    """This rank's split tensors (``owners``) that every rank has written once each rank went
-    ``upto`` slots along its write order, not queued before: ``{file: [(fqn, begin, end)]}``
-    (marked queued)."""
+def _walk_starts(file_names: Sequence[str], world: int) -> list[int]:
+    """The slot each rank starts its walk at (see :func:`_write_orders`)."""
+    starts = [k for k, name in enumerate(file_names) if k == 0 or name != file_names[k - 1]]
+    return [starts[r * len(starts) // world] if starts else 0 for r in range(world)]
+
+
+def _walk(first: int, n: int) -> list[int]:
+    return list(range(first, n)) + list(range(first))
+
+
+def _written_by_all(firsts: Sequence[int], n: int) -> list[int]:
+    """For each slot ``k`` of ``n``: how many slots every rank has walked (from its start in
+    ``firsts``) once all of them wrote ``k``: the largest position of ``k`` in any walk, plus one."""
+    if not n:
+        return []
+    k = np.arange(n, dtype=np.int64)
+    return (np.max((k[None, :] - np.asarray(firsts, dtype=np.int64)[:, None]) % n, axis=0) + 1).tolist()
+
+
+def _share_done(order, mine: list[tuple[int, int]], upto: int) -> dict:
+    """This rank's split tensors that every rank has written once each rank went ``upto`` slots
+    along its write order: ``{file: [(fqn, begin, end)]}``, taken off heap ``mine`` (``(slots
+    after which every rank wrote it, index into order)`` of each split tensor this rank hashes)."""
     share: dict[str, list] = {}
-    for k in sorted(split):
-        if owners[k] == rank and k not in queued and written_by_all[k] <= upto:
-            queued.add(k)
-            _, _, f, _, slot = order[k]
-            share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
+    while mine and mine[0][0] <= upto:
+        _, _, f, _, slot = order[heapq.heappop(mine)[1]]
+        share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
     return share
 
 

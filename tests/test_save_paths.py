@@ -47,6 +47,14 @@ def test_write_orders_start_ranks_at_different_files():
     # fewer files than ranks: ranks share starting files; every rank writes every slot once
     assert saving._write_orders(["a", "b"], 3) == [[0, 1], [0, 1], [1, 0]]
     assert saving._write_orders(["a"] * 3, 2) == [[0, 1, 2]] * 2 and saving._write_orders([], 2) == [[], []]
+    # slots every rank has walked once all of them wrote slot k: its last position in any walk, + 1
+    for world in (1, 2, 3, 4):
+        last = [0] * len(names)
+        for walk in saving._write_orders(names, world):
+            for p, k in enumerate(walk):
+                last[k] = max(last[k], p + 1)
+        assert saving._written_by_all(saving._walk_starts(names, world), len(names)) == last
+    assert saving._written_by_all(saving._walk_starts(names, 2), 7) == [5, 6, 7, 4, 5, 6, 7]
 
 
 def test_hash_spans_reads_ranges_and_refuses_past_end(tmp_path):
