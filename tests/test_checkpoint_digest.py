@@ -184,7 +184,12 @@ def test_run_hashes_in_any_order_from_threads_equal_one_hash():
         [t.join() for t in ts]
         assert h.complete()
         for i, v in enumerate(views):
-            assert (h.hasher(i).hexdigest() if want[i] else h.hasher(i)) == (digest.hexdigest(bytes(v)) if want[i] else None)
+            assert h.digest(i) == (digest.hexdigest(bytes(v)) if want[i] else None)
+    h = digest.RunHashes(views, want)
+    h.landed(0, total)  # one read of the whole run: one hash per view
+    assert h.complete() and [h.digest(i) for i in range(len(views))] == [
+        digest.hexdigest(bytes(v)) if w else None for v, w in zip(views, want)
+    ]
     h = digest.RunHashes(views, want)
     h.landed(10, total)  # the first range never lands (its read failed)
     assert not h.complete()

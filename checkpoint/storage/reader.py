@@ -243,7 +243,7 @@ class CheckpointReader:
 
     def check_digest(self, key: str, data: object) -> None:
         """Check ``data`` (all of tensor ``key``'s stored bytes, any buffer: a target read whole,
-        or an ``xxhash`` hasher fed every byte) against the index's digest of ``key``; nothing
+        an ``xxhash`` hasher fed every byte, or their hex digest) against the index's digest of ``key``; nothing
         when the index records none. One hash of bytes already in memory (xxh3-128, ~10 GB/s on
         one core here): safetensors has no checksum, so without it a flipped byte loads silently.
 
@@ -253,7 +253,10 @@ class CheckpointReader:
         want = self.recorded_digest(key)
         if want is None or self._key_file[key] in self._verified:
             return  # no digest, or its whole file was checked already (load(verify=True))
-        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
+        if isinstance(data, str):  # a hex digest already taken
+            got = data
+        else:
+            got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
         if got != want:
             raise CorruptCheckpointError(
                 os.path.join(self.root, self._key_file[key]),
@@ -452,7 +455,7 @@ class CheckpointReader:
             stats.bytes_read += read_runs(runs)
             for key, view in whole:
                 hashes, i = hashed.get(key, (None, 0))
-                self.check_digest(key, hashes.hasher(i) if hashes is not None and hashes.complete() else view)
+                self.check_digest(key, hashes.digest(i) if hashes is not None and hashes.complete() else view)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
             # (autograd's saved-tensor check, and autoparallel's never-written check, read them).
