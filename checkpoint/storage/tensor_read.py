@@ -605,7 +605,7 @@ def read_hashed(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
     view = tensor_bytes(out)
     hashes = digest.RunHashes([view], [True])
     _pread.read_runs([_pread.Run(at.fd, [view], [key], begin, at.root, at.name, (out,), hashes.landed)])
-    return out, (hashes.hasher(0) if hashes.complete() else digest.new(view)).hexdigest()
+    return out, hashes.digest(0) if hashes.complete() else digest.hexdigest(view)
 
 
 def copy_into(
