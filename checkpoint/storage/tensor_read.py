@@ -550,33 +550,12 @@ def hashable(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[in
     )
 
 
-# Transparent huge pages for new tensors from this size on (where THP is "madvise"): a new
-# 128 MiB tensor filled by preadv took 61 ms in 4 KiB faults, 15 ms in 2 MiB pages.
-_HUGE = 4 << 20
-_MADV_HUGEPAGE = 14  # <linux/mman.h>
-
-
 def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)``, its 2 MiB-aligned interior advised ``MADV_HUGEPAGE`` when it
-    is large (:data:`_HUGE`): the read's first touch then faults 2 MiB pages, not 4 KiB ones (a
-    fault each, the dominant cost of reading into new memory). Advice only: memory the
-    allocator already mapped is unchanged, and any failure is ignored."""
-    out = torch.empty(tuple(shape), dtype=dtype)
-    n = out.numel() * dtype.itemsize
-    if n >= _HUGE:
-        fn = _madvise()
-        if fn:
-            lo = (out.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1)
-            hi = (out.data_ptr() + n) & ~((2 << 20) - 1)
-            if hi > lo:
-                fn(lo, hi - lo, _MADV_HUGEPAGE)
-    return out
-
-
-def _madvise():
-    import ctypes
-
-    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    """A new tensor for a whole read: plain ``torch.empty``. Not advised ``MADV_HUGEPAGE``: with
+    THP's defrag in "madvise" mode the first such tensor of a process stalls in direct compaction
+    (a 128 MiB ``get`` took 0.9-1.9 s against 0.11-0.15 s with 4 KiB pages, here); later ones
+    were faster, but a one-off load is the common case."""
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
