@@ -37,12 +37,23 @@ Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / `
 ``copy_``; tests/bench/read_paths.py and a 3-way run with the code before this change, 128 MiB in
 8 tensors, 2 cores at load average 3.6, 9 rotated rounds): a ``Shard(1)`` block into a contiguous
 target 1.20x [0.69-1.95] (was 0.47x), ``get_slice`` of a column block 0.80x (was 0.44x), of a narrow
-one 0.85x (was 0.45x). Paths that need a second pass over the bytes cannot reach 1.0x: a converting
-load 0.71x (0.75x before), a strided one 0.77x, a whole ``get`` 0.77x (a new tensor, where the
-mapping returned a lazy view): ``preadv`` copies the page cache once more (~7-10 GB/s here) than a
-copy straight from it, the price of a named error instead of SIGBUS (a mapping cannot report a file
-cut or an I/O error any other way: see :mod:`~.pread`). The load of same-dtype contiguous targets
-(``read_many``) never went through the mapping: unchanged.
+one 0.85x (was 0.45x). Paths that need a second pass over the bytes cannot reach 1.0x of a copy
+straight from the page cache: ``preadv`` copies every byte once more (~10-13 GB/s per core here),
+the price of a named error instead of SIGBUS (a mapping cannot report a file cut or an I/O error
+any other way: see :mod:`~.pread`). Measured where the time goes (one 128 MiB float32 tensor,
+warm cache): the mapped copy into a float64 target 21 ms; ``preadv`` alone 10 ms on one thread,
+the conversion alone from cache 22 ms on one thread; the former path (16 MiB windows: a read
+shared by 2 threads, then a 2-thread OpenMP ``copy_``) 40 ms, the pieces of :func:`_run_pieces`
+(2 MiB, read and copy on one thread, 2 threads) 25 ms. Bench (issue 34, tests/bench/read_paths.py,
+8 tensors of 16 MiB, 2 shared cores at load average 2.2-2.7, 11 alternated rounds, 2 runs, new
+against the code before in the same runs): converting to float64 0.63-0.65x (before 0.40-0.51x),
+to bfloat16 0.40-0.61x (0.30-0.41x), a strided target 0.61-0.67x (0.60-0.61x); at load average 4
+the pieces beat the mapped copy (1.25-1.70x: its OpenMP team waits for its slowest thread). A
+whole ``get`` returns a new tensor where the mapping returned a lazy view, so ``get`` + ``copy_``
+is two passes against one: 0.28-0.35x in the bench, the same before; ``get`` of one 128 MiB
+tensor went from 82-112 ms to 25-40 ms: the digest is fed as pieces land (:func:`read_hashed`, was a second pass of 11 ms) and a new tensor's pages are
+2 MiB ones (:func:`_fresh`: 4 KiB first-touch faults cost 50 ms of it). The load of same-dtype
+contiguous targets (``read_many``) never went through the mapping: unchanged.
 """
 
 from __future__ import annotations
