@@ -50,9 +50,10 @@ against the code before in the same runs): converting to float64 0.63-0.65x (bef
 to bfloat16 0.40-0.61x (0.30-0.41x), a strided target 0.61-0.67x (0.60-0.61x); at load average 4
 the pieces beat the mapped copy (1.25-1.70x: its OpenMP team waits for its slowest thread). A
 whole ``get`` returns a new tensor where the mapping returned a lazy view, so ``get`` + ``copy_``
-is two passes against one: 0.28-0.35x in the bench, the same before; ``get`` of one 128 MiB
-tensor went from 82-112 ms to 25-40 ms: the digest is fed as pieces land (:func:`read_hashed`, was a second pass of 11 ms) and a new tensor's pages are
-2 MiB ones (:func:`_fresh`: 4 KiB first-touch faults cost 50 ms of it). The load of same-dtype
+is two passes against one: 0.28-0.35x in the bench, the same before. Its digest is now fed as
+pieces land (:func:`read_hashed`; the second pass cost 11 ms of 128 MiB); what remains is the new
+tensor's first touch: 4 KiB page faults, ~50 ms of a 128 MiB ``get`` of ~100 ms here (2 MiB pages
+took 15 ms, but see :func:`_fresh`). The load of same-dtype
 contiguous targets (``read_many``) never went through the mapping: unchanged.
 """
 
