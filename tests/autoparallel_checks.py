@@ -432,15 +432,15 @@ def grad_agreement_checks(rank: int, mesh: DeviceMesh) -> dict:
         return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), reduction="sum") / targets.numel()
 
     fp16_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
-    for kind, reduce, policy, loss_of in [
-        ("mean", "mean", None, mean_loss),
-        ("mean mixed plan", "mean", None, mean_loss),
-        ("sum", "sum", None, global_sum),
-        ("mean fp16 reduce", "mean", fp16_reduce, mean_loss),
+    for kinds, reduce, policy, loss_of in [
+        (("mean", "mean mixed plan"), "mean", None, mean_loss),  # one capture, two plans
+        (("sum",), "sum", None, global_sum),
+        (("mean fp16 reduce",), "mean", fp16_reduce, mean_loss),
     ]:
         with AutoParallel(model, lambda: tokens, mesh, mp_policy=policy, reduce=reduce) as autop:
-            plan = _mixed_plan(autop.fqn_map, mesh) if "mixed" in kind else autop.optimize_placement()
-            run(kind, autop.apply_placement(plan), loss_of)
+            for kind in kinds:
+                plan = _mixed_plan(autop.fqn_map, mesh) if "mixed" in kind else autop.optimize_placement()
+                run(kind, autop.apply_placement(plan), loss_of)
     for kind, policy in [("fsdp2", None), ("fsdp2 fp16 reduce", fp16_reduce)]:
         fsdp = copy.deepcopy(model)
         for block in fsdp.layers:
@@ -476,9 +476,11 @@ def replaced_param_checks(rank: int, mesh: DeviceMesh) -> dict:
     ref_out = ref(ids)[0]
     (ref_out * w).sum().backward()
     diffs = []
+    # reduce="sum": two modules of one capture, the second kept untouched for the refusals below.
+    summed, untouched = _bucket_pmods(model, mesh, ids, caps=(None, None))
     for reduce in ("sum", "mean"):
         factor = 1 / world if reduce == "mean" else 1.0
-        (pmod,) = _bucket_pmods(model, mesh, ids, reduce=reduce)
+        (pmod,) = (summed,) if reduce == "sum" else _bucket_pmods(model, mesh, ids, reduce="mean")
         for fqn, placements in (("a.weight", (Replicate(),)), ("c", (Shard(1),))):
             mod, leaf = (pmod.a, "weight") if fqn == "a.weight" else (pmod, "c")
             setattr(mod, leaf, torch.nn.Parameter(distribute_tensor(new[fqn].clone(), mesh, placements)))
@@ -495,7 +497,7 @@ def replaced_param_checks(rank: int, mesh: DeviceMesh) -> dict:
     # Refusals: named, before any collective, nothing changed.
     from tests.snapshot import Snapshot
 
-    (pmod,) = _bucket_pmods(model, mesh, ids)
+    pmod = untouched
     partial = DTensor.from_local(torch.zeros(4, 6), mesh, [Partial()], run_check=False)
     bad = [
         ("a.weight", torch.nn.Parameter(distribute_tensor(torch.zeros(5, 7), mesh, [Shard(0)])), r"shape \(5, 7\)"),
