@@ -40,13 +40,17 @@ def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_pa
     sd["tiny"] = torch.arange(3, dtype=torch.int8)
     checkpoint.save(sd, tmp_path / "ck")
     readers, real = [], os.preadv
+    main_read = threading.Event()
 
     def preadv(fd, bufs, off, *flags):  # the calling thread is slow: pool threads take pieces meanwhile
         if flags:  # the page-cache probe
             return real(fd, bufs, off, *flags)
         readers.append(threading.current_thread().name)
         if threading.current_thread() is threading.main_thread():
+            main_read.set()
             time.sleep(0.02)
+        else:  # a pool thread may start while the calling thread still waits in Thread.start():
+            main_read.wait(2.0)  # let the calling thread take its first piece (bounded: a miss fails below)
         return real(fd, bufs, off)
 
     monkeypatch.setattr(os, "preadv", preadv)
