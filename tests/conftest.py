@@ -12,5 +12,12 @@ preload(
     "autoparallel",
     "transformers.modeling_utils",
     "transformers.models.llama.modeling_llama",
+    # What a rank's first capture imports otherwise (about 360 modules: aot_autograd, export,
+    # networkx, ...; measured 0.3-0.4 s of CPU a rank), and the other transformers models captured.
+    "fqn.capture",
+    "torch._functorch.aot_autograd",
+    "torch.export._trace",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
     "tests.rank_threads",
 )
