@@ -121,17 +121,18 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
     return t
 
 
-def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size) -> list[Layout]:
+def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size, world: int = 1) -> list[Layout]:
     """Plan every part's files and check everything safetensors must be able to read back (names,
     header sizes; dtypes were checked when the specs were made) before anything is written: a
-    checkpoint no reader can open is never committed. Linear in the number of tensors."""
+    checkpoint no reader can open is never committed. Linear in the number of tensors.
+    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`)."""
     for part in parts:
         for spec in part.specs:
             limits.check_name(spec.fqn, path)
         for group in part.alias_groups:
             for name in group:
                 limits.check_name(name, path)
-    layouts = [plan_layout(p.specs, max_shard_size, p.prefix) for p in parts]
+    layouts = [plan_layout(p.specs, max_shard_size, p.prefix, world) for p in parts]
     for lay in layouts:
         for f in lay.files:
             limits.check_header(f, path)
@@ -249,7 +250,7 @@ def save(
     obj: torch.nn.Module | Mapping[str, torch.Tensor],
     path: str | os.PathLike,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     overwrite: bool = False,
     extra_state: Mapping[str, Any] | None = None,
@@ -270,6 +271,15 @@ def save(
     Single process (no DTensor): streamed through :func:`save_streaming`. With DTensors, call on
     every rank: each rank writes only the bytes it owns, once, into the final files (no gather, no
     per-rank files). With a plain replicated model (DDP) call it on one rank only.
+
+    ``max_shard_size``: bytes of tensor data per shard file (int, ``"5GB"`` = 5*10**9,
+    ``"2GiB"``), honoured as given. Default (``None``): 5 GB for a single-process save; a
+    distributed save (world size > 1) splits each part into at least world-size files once it holds
+    world size * 64 MiB (``min(5 GB, max(64 MiB, ceil(bytes / world size)))``,
+    :func:`checkpoint.storage.layout.default_shard_size`), so that ranks start writing in different
+    files (the kernel serializes writers of one file); a 1 GiB state on 4 ranks is 4 files of
+    256 MiB instead of one. The HF layout is unchanged (readers follow the index; torch's DCP
+    ``HuggingFaceStorageWriter`` also writes per-rank files); the layout depends on the world size.
 
     A transformers model (under any of these wrappers) also gets ``config.json`` (+
     ``generation_config.json``) naming its eager class (``LlamaForCausalLM``, never
@@ -496,7 +506,7 @@ def _save_distributed(
     rank, world = dist.rank(), dist.world_size()
     layouts, fingerprint, extras, mine, failed, split_here = None, None, None, {}, None, False
     try:
-        layouts = _plan_checked(path, parts, max_shard_size)  # same specs on every rank: same verdict
+        layouts = _plan_checked(path, parts, max_shard_size, world)  # same specs on every rank: same verdict
         split_here = _any_split(parts, layouts)
         fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
         mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}

@@ -37,6 +37,25 @@ def test_hash_groups_balance_owners_and_cut_the_write_order(monkeypatch):
     assert saving._hash_groups([], 2) == ([], set()) and saving._hash_groups([0, 0], 3) == ([0, 0], set())
 
 
+def test_default_shard_size_splits_distributed_saves_into_world_files():
+    from checkpoint.storage import layout
+
+    mib = 2**20
+    specs = [TensorSpec(f"w{i}", (64 * mib,), torch.uint8) for i in range(16)]  # 1 GiB, 64 MiB each
+    assert layout.default_shard_size(specs, 1) == 5 * 10**9  # one process: transformers' 5 GB
+    assert layout.default_shard_size(specs, 4) == 256 * mib and layout.default_shard_size(specs, 3) == -(-2**30 // 3)
+    assert layout.default_shard_size(specs, 64) == layout.MIN_SPLIT_SHARD_BYTES == 64 * mib  # the floor
+    assert layout.default_shard_size([], 4) == 64 * mib
+    big = [TensorSpec(f"x{i}", (10**9,), torch.float32) for i in range(4)]
+    assert layout.default_shard_size(big, 2) == 5 * 10**9  # 16 GB on 2 ranks: capped at 5 GB
+    for world, n in ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (32, 16)):
+        assert len(plan_layout(specs, None, world=world).files) == n
+        assert len(plan_layout(specs, "5GB", world=world).files) == 1  # explicit: as given
+    small = [TensorSpec(f"s{i}", (mib,), torch.uint8) for i in range(100)]  # 100 MiB < 2 x 64 MiB
+    assert len(plan_layout(small, None, world=2).files) == 2 and len(plan_layout(small, None, world=4).files) == 2
+    assert len(plan_layout(small[:60], None, world=4).files) == 1  # under the floor: one file
+
+
 def test_write_orders_start_ranks_at_different_files():
     names = ["a", "a", "b", "c", "c", "c", "d"]  # slots in file order
     assert saving._write_orders(names, 1) == [list(range(7))]
@@ -243,7 +262,24 @@ def _two_rank_grouped_saves(rank, world, root):
         outcome = "saved"
     except Exception as e:  # noqa: BLE001 - compared below
         outcome = f"{type(e).__name__}: {e}"
-    return ok, (list(flags), list(hashed), sorted(set(wrote)), outcome)
+    bad = (list(flags), list(hashed), sorted(set(wrote)), outcome)
+    # Issue 35: the default max_shard_size cuts a distributed save into >= world-size files (the
+    # 64 MiB floor lowered so these 8 KiB count as large); an explicit one is honoured as before;
+    # below the floor the state stays one file.
+    from checkpoint.storage import layout
+
+    saving.BlockWriter.write, cdist.any_true, saving._hash_back = real_write, real_any, real_back
+    floor, layout.MIN_SPLIT_SHARD_BYTES = layout.MIN_SPLIT_SHARD_BYTES, 1
+    try:
+        files = {
+            "split": checkpoint.save(sd, os.path.join(root, "split")).files(),
+            "one": checkpoint.save(sd, os.path.join(root, "one"), max_shard_size="5GB").files(),
+            "each": checkpoint.save(sd, os.path.join(root, "each"), max_shard_size=2000).files(),
+        }
+    finally:
+        layout.MIN_SPLIT_SHARD_BYTES = floor
+    files["tiny"] = checkpoint.save(sd, os.path.join(root, "tiny")).files()
+    return ok, bad, files
 
 
 def _grouped_full() -> list[torch.Tensor]:
@@ -273,4 +309,22 @@ def test_two_ranks_hash_split_tensors_group_by_group(tmp_path):
     assert bhashed0 == [] and bhashed1 == []
     assert out1.startswith("CheckpointWriteError") and "No space left" in out1
     assert out0.startswith("RankAgreementError") and "rank 1" in out0
-    assert not (tmp_path / "bad").exists() and sorted(os.listdir(tmp_path)) == ["ok"]
+    assert not (tmp_path / "bad").exists()
+    assert sorted(os.listdir(tmp_path)) == ["each", "ok", "one", "split", "tiny"]
+    # default max_shard_size, 2 ranks: 8448 bytes cut at ceil(8448 / 2) = 4224 bytes a file
+    # (greedy in name order: t0+t1, t2+t3, t4+t5); the same plan on both ranks
+    files = res[0][2]
+    assert files == res[1][2]
+    assert files["split"] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert files["one"] == files["tiny"] == ["model-00001-of-00001.safetensors"]
+    assert files["each"] == [f"model-0000{k}-of-00006.safetensors" for k in range(1, 7)]
+    from safetensors.torch import load_file  # the outside reader: each file, by the index
+
+    for name in ("split", "one", "tiny", "each"):
+        assert checkpoint.verify(tmp_path / name).ok
+        idx = checkpoint.storage.format.IndexFile.model_validate_json((tmp_path / name / "model.safetensors.index.json").read_bytes())
+        got = {}
+        for f in idx.files():
+            got.update(load_file(tmp_path / name / f))
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in zip(want, _grouped_full()))
+        assert all(got[k].dtype == v.dtype for k, v in zip(want, _grouped_full()))

@@ -243,7 +243,7 @@ def _plain_written_elsewhere(parts, max_shard_size, by_file: bool = False) -> se
     j = 0
     for part in parts:
         k = 0
-        for f in plan_layout(part.specs, max_shard_size, part.prefix).files:
+        for f in plan_layout(part.specs, max_shard_size, part.prefix, world).files:
             for slot in f.slots:
                 if (j if by_file else k) % world != rank:
                     out.add((part.prefix, slot.spec.fqn))
@@ -261,7 +261,7 @@ def _gathered_for_files(parts, max_shard_size, elsewhere: set[tuple[str, str]]) 
     out = []
     for part in parts:
         kept: dict[str, Any] = {}
-        for f in plan_layout(part.specs, max_shard_size, part.prefix).files:
+        for f in plan_layout(part.specs, max_shard_size, part.prefix, dist.world_size()).files:
             for slot in f.slots:
                 t = part.fetch(slot.spec)
                 if isinstance(t, DTensor):
@@ -431,7 +431,7 @@ class AsyncSaver:
         obj: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str | None = None,
         background: bool = False,
     ) -> int:
         """Allocate and touch the staging buffers the first :meth:`save` of ``obj`` (and
@@ -449,7 +449,8 @@ class AsyncSaver:
         itself (see its ``load_latest``).
 
         Raises: what :meth:`save` raises before writing (``TypeError`` / ``ValueError``)."""
-        parse_size(max_shard_size)
+        if max_shard_size is not None:
+            parse_size(max_shard_size)
         with self._lock:
             if not background:  # a background touch queues behind a save in flight instead
                 self.wait()
@@ -476,7 +477,7 @@ class AsyncSaver:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         extra_state: Mapping[str, Any] | None = None,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str | None = None,
         overwrite: bool = False,
         background_staging: bool = False,
         after_commit: Callable[[], None] | None = None,
@@ -487,7 +488,8 @@ class AsyncSaver:
         is committed (its error becomes the future's; used for the manager's retention)."""
         path = local_target(resolve(path, storage_options, transfer))  # file:// commits as a local path
         remote = is_remote(path)
-        parse_size(max_shard_size)  # a bad size fails here, not in the background
+        if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
+            parse_size(max_shard_size)  # a bad size fails here, not in the background
         with self._lock:
             self.wait()
             if self._hook is not None:  # the previous save is staged: its hook is a no-op now
@@ -681,7 +683,7 @@ def prepare_async_save(
     module_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
 ) -> int:
     """Allocate and touch the staging memory of the first :func:`async_save` of this state up
     front (:meth:`AsyncSaver.prepare` of :func:`default_saver`), so that call blocks no longer
@@ -697,7 +699,7 @@ def async_save(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     extra_state: Mapping[str, Any] | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     overwrite: bool = False,
     background_staging: bool = False,
     storage_options: Mapping[str, Any] | None = None,

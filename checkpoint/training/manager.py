@@ -246,7 +246,7 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer | None = None,
         extra_state: Mapping[str, Any] | None = None,
         *,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str | None = None,
     ) -> SaveFuture | None:
         """Save ``module`` (+ ``optimizer``, ``extra_state``) as step ``step`` (replacing a
         checkpoint of the same step atomically), then apply retention. Async: first waits for the
@@ -288,7 +288,7 @@ class CheckpointManager:
         module: torch.nn.Module | Mapping[str, torch.Tensor],
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str | None = None,
     ) -> int:
         """Allocate and touch the staging memory the first async :meth:`save` of ``module`` (+
         ``optimizer``) needs, so it blocks no longer than later saves (see

@@ -3,7 +3,7 @@ collected by pytest).
 
     python tests/bench/dist_save.py [--worlds 2,4] [--sizes 256,1024] [--rounds 5]
                                     [--disk /var/tmp/fqnckpt-dist] [--tmpfs /dev/shm/fqnckpt-dist]
-                                    [--phases] [--plain] [--max-shard-size 5GB]
+                                    [--phases] [--plain] [--max-shard-size 5GB]  (default: save's)
 
 Each rank holds its ``Shard(0)`` rows of 8 float32 tensors of ``size`` MiB in all. Sides, each
 timed from a barrier to a barrier (the slowest rank), into a path removed beforehand (freeing the
@@ -83,7 +83,7 @@ def _instrument(phases: dict[str, float]) -> None:
 
 
 def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int], rounds: int, want_phases: bool,
-          only: tuple[str, ...] = (), max_shard_size: str = "5GB"):
+          only: tuple[str, ...] = (), max_shard_size: str | None = None):
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -243,10 +243,11 @@ def main() -> None:
     ap.add_argument("--sides", default="", help="comma-separated subset of ours,raw,raw_shared,dcp,dcp_hf,ours_one_order (default: all)")
     ap.add_argument("--phases", action="store_true", help="per-rank phase times of ours")
     ap.add_argument("--plain", action="store_true", help="also plain tensors vs DTensors, world of one")
-    ap.add_argument("--max-shard-size", default="5GB",
-                    help="ours' max_shard_size: e.g. 128MB gives several shard files, which ranks "
-                    "start writing at different files")  # fmt: skip
+    ap.add_argument("--max-shard-size", default="",
+                    help="ours' max_shard_size: e.g. 128MB or 5GB (one file for 1 GiB); default: not passed "
+                    "(save's default: at least world-size files of >= 64 MiB)")  # fmt: skip
     args = ap.parse_args()
+    args.max_shard_size = args.max_shard_size or None
     roots = [(m, r) for m, r in (("disk", args.disk), ("tmpfs", args.tmpfs)) if r]
     for _, r in roots:
         os.makedirs(r, exist_ok=True)
