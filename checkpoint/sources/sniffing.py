@@ -10,7 +10,6 @@ import re
 import os
 from pathlib import Path
 
-from safetensors import safe_open
 
 from ..errors import (
     AmbiguousSourceError,
@@ -81,9 +80,10 @@ def is_dcp_hf(d: Path) -> bool:
     files = st_files(d)
     if not files:
         return False
-    try:
-        with safe_open(str(files[0]), framework="pt") as h:
-            return DCP_SHARDING_KEY in (h.metadata() or {})
+    from ..storage.st_header import open_safetensors_with_header
+
+    try:  # the header only, read without mapping the file (a cut file must not SIGBUS)
+        return DCP_SHARDING_KEY in (open_safetensors_with_header(str(files[0]))[0].metadata() or {})
     except Exception:  # a bad file is reported by the reader that opens it
         return False
 

@@ -80,8 +80,11 @@ def _safe_member(root: str, entry: str) -> str:
 
 
 def open_safetensors(path: str):
-    """``safetensors.safe_open(path, framework="pt")`` plus the one check it lacks: a tensor name
-    appearing twice in the JSON header (safetensors keeps the last entry silently).
+    """``safetensors.safe_open`` of ``path``'s validated header plus the one check it lacks: a
+    tensor name appearing twice in the JSON header (safetensors keeps the last entry silently).
+    The handle is for keys and metadata only: it maps a private copy holding the header and a
+    hole, never the file (:func:`~.st_header.validate_header`); its tensors would read as zeros,
+    so tensor bytes come from :class:`CheckpointReader`.
 
     Raises:
         CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
