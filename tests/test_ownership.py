@@ -127,11 +127,17 @@ def test_settle_waits_through_ctrl_c():
         time.sleep(0.2)
         done.set()
 
-    with ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(slow)
-        with pytest.raises(KeyboardInterrupt):
-            ownership.settle([fut])
-        assert done.is_set() and fut.done()  # raised only once the worker finished
+    # Python's own Ctrl-C handler for this test: a handler another test or library left behind
+    # (seen once in a full suite: "DID NOT RAISE") would swallow the signal.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(slow)
+            with pytest.raises(KeyboardInterrupt):
+                ownership.settle([fut])
+            assert done.is_set() and fut.done()  # raised only once the worker finished
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def test_crew_helper_that_had_not_started_never_runs():
