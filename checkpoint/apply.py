@@ -157,7 +157,7 @@ def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
     if copy is None or t.is_meta:
         return False
     if not isinstance(t, DTensor):
-        return t.is_cpu and copy(key, t)
+        return t.is_cpu and copy(key, t, check=True)  # all its bytes pass through: digest checked
     local = t._local_tensor
     if not local.is_cpu or not t.dim():
         return False

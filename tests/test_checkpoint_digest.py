@@ -223,3 +223,37 @@ def test_flipped_byte_found_in_every_piece_of_a_pooled_load(tmp_path, monkeypatc
             checkpoint.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
         assert err.value.key == key
         p.write_bytes(raw)
+
+
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided"])
+def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatch, kind):
+    """A plain target read through ``copy_into`` (another dtype, or not contiguous: the bytes go
+    through the read window) is checked against the index's digest too: a flipped byte anywhere
+    in the tensor is a CorruptCheckpointError naming it (before round 5 a float64 target loaded
+    the flipped value silently); the unflipped checkpoint loads exactly."""
+    from checkpoint.errors import CorruptCheckpointError
+    from checkpoint.storage import pread
+
+    monkeypatch.setattr(pread, "PIECE", 4096)  # many pieces, shared by threads
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    g = torch.Generator().manual_seed(2)
+    sd = {"w": torch.randn(96, 130, generator=g)}
+    idx = checkpoint.save(sd, tmp_path / "ck")
+    (name,) = idx.files()
+    p = tmp_path / "ck" / name
+    n = int.from_bytes(p.read_bytes()[:8], "little")
+    b, e = json.loads(p.read_bytes()[8 : 8 + n])["w"]["data_offsets"]
+
+    def target() -> torch.Tensor:
+        if kind == "strided":
+            return torch.zeros(130, 96).t()
+        return torch.zeros(96, 130, dtype=getattr(torch, kind))
+
+    t = target()
+    checkpoint.load({"w": t}, tmp_path / "ck")
+    assert torch.equal(t, sd["w"].to(t.dtype))
+    for at in (b, (b + e) // 2, e - 1):
+        raw = flipped(p, 8 + n + at)
+        with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
+            checkpoint.load({"w": target()}, tmp_path / "ck")
+        p.write_bytes(raw)

@@ -249,7 +249,7 @@ def test_error_from_torch_while_copying_is_ours_naming_key_and_file(tmp_path, mo
             if attr == "get":
                 m.setattr(CheckpointReader, "_target_view", lambda self, key, out: None)
                 # The windowed copy path fails the same way (it reads with preadv, as get does).
-                m.setattr(CheckpointReader, "copy_into", lambda self, key, out, sl=None: key == "b" and broken(self, key))
+                m.setattr(CheckpointReader, "copy_into", lambda self, key, out, sl=None, check=False: key == "b" and broken(self, key))
             with pytest.raises(LoadError, match="simulated") as ei:
                 checkpoint.load(Net(), d)
             assert ei.value.key == "b" and ei.value.file.endswith(".safetensors") and str(d) in ei.value.file
