@@ -10,15 +10,14 @@ headers are valid, the index matches them.
 
 Headers are validated by safetensors itself: its Python API validates a header only through
 ``safe_open`` (a local path, memory-mapped) or ``deserialize`` (the whole file's bytes), so the
-fetched header bytes are placed in a sparse local file of the object's size (no data bytes
-stored or fetched) and opened with ``safe_open``.
+fetched header bytes go through the local reader's own check
+(:func:`~.st_header.header_of_bytes`: a sealed in-memory copy of the object's size, the data a
+hole, opened with ``safe_open``; no data bytes stored or fetched).
 """
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -42,32 +41,13 @@ from .reader import (
     compare_record,
 )
 from .views import RemoteView, current_view, remote_view  # noqa: F401 (re-exported)
-from .st_header import open_safetensors_with_header, parse_index_bytes
+from .st_header import header_of_bytes, parse_index_bytes
 from .writer import block_runs, stats, tensor_bytes
 
 _HEAD_GUESS = 64 << 10  # first ranged GET per shard: the header of most files fits
 _VERIFY_CHUNK = 16 << 20
 _READ_AHEAD = 64 << 20  # bytes fetched ahead at once (RemoteCheckpointReader.expect)
 _RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
-
-def _validate_header(where: str, head_bytes: bytes, size: int, tmpdir: str) -> dict:
-    """safetensors' own validation of a header (see module docstring); returns the parsed header."""
-    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=tmpdir)
-    try:
-        try:
-            os.write(fd, head_bytes)
-            os.ftruncate(fd, size)  # sparse: no data bytes on disk
-        finally:
-            os.close(fd)
-        try:
-            handle, head = open_safetensors_with_header(tmp)
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(where, str(e).split(": ", 1)[-1].replace(tmp, where), e.key) from None
-        del handle
-        return head
-    finally:
-        os.unlink(tmp)
-
 
 class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
@@ -84,7 +64,6 @@ class RemoteCheckpointReader(CheckpointReader):
         self.index_raw = b""  # the index object's bytes (set by open_remote_checkpoint)
         self._totals: dict[str, int] = {}  # data bytes per shard header (verify)
         self._heads: dict[str, bytes] = {}  # first bytes of each shard, fetched together
-        self._tmp = tempfile.TemporaryDirectory(prefix="fqnckpt-remote-")
 
     # -- headers --------------------------------------------------------------------------------
     def _open_file(self, name: str):
@@ -99,7 +78,7 @@ class RemoteCheckpointReader(CheckpointReader):
         if 8 + n > size:
             raise CorruptCheckpointError(where, f"not a valid safetensors file: header of {n} bytes in {size}")
         head_bytes = first[: 8 + n] if 8 + n <= len(first) else first + self.store.get_range(name, len(first), 8 + n)
-        head = _validate_header(where, head_bytes, size, self._tmp.name)
+        head = header_of_bytes(head_bytes, size, where)[1]
         self._totals[name] = sum(
             v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__"
         )
@@ -278,7 +257,7 @@ class RemoteCheckpointReader(CheckpointReader):
         return self.store.url_of(name)
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        """Nothing to release: no file is held open (every read is a ranged GET)."""
 
     def __del__(self) -> None:
         pass

@@ -35,26 +35,21 @@ ST_DTYPES: dict[str, tuple[str, int]] = {
 _LFS_MAGIC = b"version https://git-lfs"
 
 
-def _lfs_hint(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return ""
-    if head.startswith(_LFS_MAGIC):
+def _lfs_hint(raw: bytes) -> str:
+    """A hint when a file's first bytes ``raw`` are a Git LFS pointer, else ''."""
+    if raw.startswith(_LFS_MAGIC):
         return " - this is a git-lfs pointer file, not the data: run `git lfs pull` (or download the file)"
     return ""
 
 
-def _header_problem(path: str) -> str:
-    """The tensor at fault in a header safetensors rejected, for the message (safetensors' own
-    errors often do not name it): the spec's rules checked in order; '' if none is found."""
+def _header_problem(raw: bytes, size: int) -> str:
+    """The tensor at fault in a header safetensors rejected (``raw``: the file's first bytes as
+    read, ``size``: its length), for the message (safetensors' own errors often do not name it):
+    the spec's rules checked in order; '' if none is found."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            head = json.loads(f.read(n)) if n <= size - 8 else None
-    except (OSError, struct.error, ValueError, RecursionError):  # deeply nested JSON
+        (n,) = struct.unpack("<Q", raw[:8])
+        head = json.loads(raw[8 : 8 + n]) if n <= size - 8 and len(raw) >= 8 + n else None
+    except (struct.error, ValueError, RecursionError):  # deeply nested JSON
         return ""
     if not isinstance(head, dict):
         return ""
@@ -185,42 +180,66 @@ def validate_header(raw: bytes, size: int, where: str, framework: str = "pt") ->
             os.unlink(tmp)
 
 
-def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | None = None) -> tuple[object, dict]:
-    """The header of safetensors file ``path`` (read through descriptor ``fd`` when given: the
-    file a reader holds open) validated by safetensors without mapping the file
-    (:func:`validate_header`), plus the one check safetensors lacks (a tensor name twice in the
-    JSON header), and the parsed JSON header of the same bytes, so that shapes and dtypes of
-    10^5 tensors come from one ``json.loads`` instead of a call per tensor. Returns ``(handle,
-    header)``; ``framework="numpy"`` validates the same header without importing torch
-    (``fqnckpt inspect``).
+def read_header_bytes(fd: int, path: str) -> tuple[bytes, int]:
+    """The first bytes of safetensors file ``path`` (open as ``fd``): its 8-byte length and JSON
+    header, or what there is of them (at most safetensors' 100 MB header limit), and the file's
+    size, read with ``pread`` (no mapping).
 
     Raises:
-        CorruptCheckpointError: safetensors rejects the file (message names the tensor at fault
+        CorruptCheckpointError: the file cannot be read (names ``path``).
+    """
+    try:
+        size = os.fstat(fd).st_size
+        first = _pread_all(fd, 8, 0)
+        n = struct.unpack("<Q", first)[0] if len(first) == 8 else 0
+        return (first + _pread_all(fd, min(n, _HEADER_MAX, max(0, size - 8)), 8) if len(first) == 8 else first), size
+    except OSError as e:
+        raise CorruptCheckpointError(path, f"not a valid safetensors file (cannot be read): {e}") from e
+
+
+def header_of_bytes(raw: bytes, size: int, where: str, framework: str = "pt") -> tuple[object, dict]:
+    """The checks of a safetensors header from its bytes ``raw`` (as :func:`read_header_bytes`
+    reads them; ``size``: the file's length; ``where``: the file's path or URL, for messages):
+    safetensors' own validation (:func:`validate_header`, no mapping of the file), the one check
+    safetensors lacks (a tensor name twice in the JSON header), and the shapes torch can hold
+    (:func:`check_header_shapes`). Returns ``(handle, header)``: the handle of the validated
+    copy (keys and metadata only) and the parsed JSON header of the same bytes, so that shapes
+    and dtypes of 10^5 tensors come from one ``json.loads`` instead of a call per tensor.
+
+    Raises:
+        CorruptCheckpointError: safetensors rejects the bytes (message names the tensor at fault
             where it can, and Git LFS pointers), the header repeats a tensor name, or a shape is
             one torch cannot hold (:func:`shape_problem`).
     """
-    own = fd is None
     try:
-        if own:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            size = os.fstat(fd).st_size
-            first = _pread_all(fd, 8, 0)
-            n = struct.unpack("<Q", first)[0] if len(first) == 8 else 0
-            raw = first + _pread_all(fd, min(n, _HEADER_MAX, max(0, size - 8)), 8) if len(first) == 8 else first
-        finally:
-            if own:
-                os.close(fd)
-    except OSError as e:
-        raise CorruptCheckpointError(path, f"not a valid safetensors file (cannot be read): {e}{_lfs_hint(path)}") from e
-    try:
-        handle = validate_header(raw, size, path, framework)
+        handle = validate_header(raw, size, where, framework)
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(path, f"{str(e).split(': ', 1)[-1]}{_header_problem(path)}{_lfs_hint(path)}") from e
+        raise CorruptCheckpointError(where, f"{str(e).split(': ', 1)[-1]}{_header_problem(raw, size)}{_lfs_hint(raw)}") from e
+    n = struct.unpack("<Q", raw[:8])[0]
     head = json.loads(raw[8 : 8 + n])  # the bytes safetensors validated
-    _check_unique_header_keys(path, raw[8 : 8 + n], head)
-    check_header_shapes(path, head)  # safetensors holds u64 dims; torch int64 (every reader, inspect too)
+    _check_unique_header_keys(where, raw[8 : 8 + n], head)
+    check_header_shapes(where, head)  # safetensors holds u64 dims; torch int64 (every reader, inspect too)
     return handle, head
+
+
+def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | None = None) -> tuple[object, dict]:
+    """:func:`header_of_bytes` of safetensors file ``path``'s header, read through descriptor
+    ``fd`` when given (the file a reader holds open), else through one opened here; the file is
+    never mapped. ``framework="numpy"`` validates the same header without importing torch
+    (``fqnckpt inspect``). Raises what :func:`read_header_bytes` and :func:`header_of_bytes` raise.
+    """
+    if fd is None:
+        try:
+            own = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise CorruptCheckpointError(path, f"not a valid safetensors file (cannot be read): {e}") from e
+        try:
+            raw, size = read_header_bytes(own, path)
+        finally:
+            os.close(own)
+    else:
+        raw, size = read_header_bytes(fd, path)
+    return header_of_bytes(raw, size, path, framework)
 
 
 def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
@@ -266,4 +285,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "open_safetensors_with_header", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
+__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
