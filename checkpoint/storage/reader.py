@@ -293,8 +293,11 @@ class CheckpointReader:
         hasher = None
         if check and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified:
             hasher = _digest.new()
+        shape = spec.shape
+        if len(shape) > 32:  # numpy (the block copies' byte views) holds 32 (1.x) / 64 dims; torch more
+            shape, out, slices = _unit_dims_dropped(shape, out, slices)
         try:
-            hashed = _tread.copy_into(at, key, begin, spec.shape, spec.dtype, out, slices, hasher)
+            hashed = _tread.copy_into(at, key, begin, shape, spec.dtype, out, slices, hasher)
         finally:
             increment_version(out)  # preadv may have written behind torch's back, as in read_many
         stats.bytes_read += out.numel() * spec.dtype.itemsize
@@ -328,7 +331,7 @@ class CheckpointReader:
         n = out.nbytes
         if 0 < n < _SMALL_TARGET:
             return _bytes_at(out.data_ptr(), n)
-        if out.dtype in _NUMPY_DTYPES and n:
+        if out.dtype in _NUMPY_DTYPES and n and out.dim() <= 32:  # numpy 1 holds 32 dims
             return memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
         return tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
 
@@ -655,6 +658,24 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
+
+
+def _unit_dims_dropped(
+    shape: tuple[int, ...], out: torch.Tensor, slices: Sequence[slice] | None
+) -> tuple[tuple[int, ...], torch.Tensor, list[slice] | None]:
+    """``(shape, out, slices)`` without the stored tensor's size-1 dims (views of ``out``; the
+    row-major byte order is the same), so that a tensor of more dims than numpy holds (torch
+    holds any number; at most 63 of them can exceed 1) reads through the numpy block copies."""
+    keep = [i for i, d in enumerate(shape) if d != 1]
+    if slices is not None:
+        slices = list(slices) + [slice(None)] * (len(shape) - len(slices))
+        if any(slices[i].indices(1)[:2] != (0, 1) for i in range(len(shape)) if shape[i] == 1):
+            return shape, out, slices  # an empty block: nothing to read, the normal path says so
+        slices = [slices[i] for i in keep]
+    if out.dim() == len(shape) and all(out.shape[i] == 1 for i in range(len(shape)) if shape[i] == 1):
+        # as_strided: squeeze of a list of dims holds at most 64 of them
+        out = out.as_strided([out.shape[i] for i in keep], [out.stride(i) for i in keep], out.storage_offset())
+    return tuple(shape[i] for i in keep), out, slices
 
 
 def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> CheckpointReader:

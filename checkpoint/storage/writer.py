@@ -58,7 +58,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.cpu()
     if t.is_conj() or t.is_neg() or not t.is_contiguous():
         t = t.resolve_conj().resolve_neg().contiguous()
-    if t.dtype in _NUMPY_DTYPES and t.numel():
+    if t.dtype in _NUMPY_DTYPES and t.numel() and t.dim() <= 32:  # numpy 1 holds 32 dims, 2 holds 64
         return memoryview(t.numpy()).cast("B")  # one call instead of two views (~2x faster)
     flat = t.view(-1)
     if flat.dtype != torch.uint8:

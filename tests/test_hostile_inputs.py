@@ -1,0 +1,69 @@
+"""Hostile inputs on the read and write paths added in the last rounds (header checks from bytes,
+column-block reads, the DCP readers): each test pins one kind of defect found by trying to break
+them. Bad input raises our error naming file and tensor (never a bare ``ValueError`` /
+``TypeError`` from numpy or torch), nothing is half-loaded, and every reader says the same as
+``verify``."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import CorruptCheckpointError
+from checkpoint.cli import main as cli_main
+
+
+def write_st(p, header_bytes: bytes, data: bytes = b"") -> None:
+    """A safetensors file by hand: u64 LE header length, header bytes (space-padded), data."""
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    p.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + data)
+
+
+# -- tensors of more dims than numpy holds -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("ndim", [33, 65])
+def test_tensor_of_more_dims_than_numpy_holds(tmp_path, capsys, monkeypatch, ndim):
+    """torch holds any number of dims, numpy 32 (1.x) or 64 (2.x): the byte views of save, get,
+    get_slice and the block copies (straight, converting, strided; every window size) raised a bare
+    ``ValueError: number of dimensions must be within [0, 64]``. Every path reads the exact values."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.dcp import StorageReader
+    from checkpoint.storage import tensor_read
+
+    a = torch.arange(60.0).reshape([1] * (ndim - 3) + [3, 4, 5])
+    ck = tmp_path / "ck"
+    checkpoint.save({"a": a, "b": torch.ones(2)}, ck)
+    assert checkpoint.verify(ck).ok
+    unit = [slice(0, 1)] * (ndim - 3)
+    with checkpoint.open_checkpoint(ck) as r:
+        assert torch.equal(r.get("a"), a)
+        for span, gap, window, rows in ((2 << 10, 16 << 10, 8 << 20, 1 << 20), (0, 0, 1000, 1000), (0, 64, 1 << 20, 1)):
+            monkeypatch.setattr(tensor_read, "SHORT_RUN", span)
+            monkeypatch.setattr(tensor_read, "GAP", gap)
+            monkeypatch.setattr(tensor_read, "WINDOW", window)
+            monkeypatch.setattr(tensor_read, "ROWS_WINDOW", rows)
+            for sl in (unit + [slice(1, 3), slice(0, 4), slice(1, 4)], unit + [slice(1, 3), slice(0, 4, 2)], unit + [slice(2, 3)]):
+                assert torch.equal(r.get_slice("a", sl), a[tuple(sl)]), sl
+                step1 = [slice(s.start, s.stop) for s in sl]
+                want = a[tuple(step1)]
+                for dtype, strided in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
+                    base = torch.full((*want.shape[:-1], 2 * want.shape[-1]) if strided else want.shape, 7, dtype=dtype)
+                    out = base[..., ::2] if strided else base
+                    assert r.copy_into("a", out, step1, check=True)
+                    assert torch.equal(out, want.to(dtype)), (step1, dtype, strided)
+    for out in (torch.zeros_like(a), torch.zeros_like(a, dtype=torch.float64), torch.zeros(*a.shape[:-1], 10)[..., ::2]):
+        checkpoint.load({"a": out, "b": torch.zeros(2)}, ck)
+        assert torch.equal(out, a.to(out.dtype))
+    target = {"a": torch.zeros_like(a), "b": torch.zeros(2)}
+    dcp.load(target, storage_reader=StorageReader(str(ck)), no_dist=True)
+    assert torch.equal(target["a"], a)
+    checkpoint.migrate(ck, tmp_path / "m")
+    assert torch.equal(checkpoint.open_checkpoint(tmp_path / "m").get("a"), a)
+    assert cli_main(["diff", str(ck), str(tmp_path / "m")]) == 0
+    capsys.readouterr()
