@@ -67,3 +67,39 @@ def test_tensor_of_more_dims_than_numpy_holds(tmp_path, capsys, monkeypatch, ndi
     assert torch.equal(checkpoint.open_checkpoint(tmp_path / "m").get("a"), a)
     assert cli_main(["diff", str(ck), str(tmp_path / "m")]) == 0
     capsys.readouterr()
+
+
+# -- a tensor named twice in a header, hidden by JSON escapes ----------------------------------------
+
+_F32 = b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        # the second entry's key spelled with an escape: safetensors (serde) keeps the last entry,
+        # and the count of the literal word "data_offsets" no longer betrayed the repeat
+        b'{"a":{"dtype":"F32","shape":[1],"d\\u0061ta_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
+        b'{"\\u0061":' + _F32 + b',"a":' + _F32 + b"}",
+        b'{"a":' + _F32 + b',"a":' + _F32 + b"}",
+    ],
+    ids=["escaped-field", "escaped-name", "plain"],
+)
+def test_tensor_named_twice_through_escapes_is_refused_everywhere(tmp_path, capsys, header):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    write_st(ck / "model.safetensors", header, b"\0\0\x80\x3f")
+    target = {"a": torch.zeros(1)}
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors.*header names tensor 'a' twice"):
+        checkpoint.open_checkpoint(ck)
+    with pytest.raises(CorruptCheckpointError, match="names tensor 'a' twice"):
+        checkpoint.load(target, ck)
+    assert torch.equal(target["a"], torch.zeros(1))
+    report = checkpoint.verify(ck)
+    assert not report.ok and any("names tensor 'a' twice" in p for p in report.problems), report.problems
+    for cmd in ("inspect", "verify", "migrate"):
+        argv = [cmd, str(ck)] + ([str(tmp_path / "out")] if cmd == "migrate" else [])
+        rc = cli_main(argv)
+        err = capsys.readouterr()
+        assert rc in (1, 2) and "names tensor 'a' twice" in err.out + err.err, (cmd, rc, err)
+    assert not (tmp_path / "out").exists()

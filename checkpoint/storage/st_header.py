@@ -243,10 +243,11 @@ def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | Non
 
 
 def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
-    # Fast path: every tensor entry has exactly one "data_offsets" key (safe_open checked), and the
-    # quoted word cannot occur inside an escaped name, so as many occurrences as distinct tensors
-    # means no name repeats. Otherwise (a repeat, or the word in __metadata__) the exact check runs.
-    if raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
+    # Fast path: every tensor entry has exactly one "data_offsets" key (safe_open checked), so
+    # without escapes (a key spelled "d\u0061ta_offsets" is that key too, uncounted) as many
+    # occurrences as distinct tensors means no name repeats. Otherwise (a repeat, an escape, or the
+    # word in __metadata__) the exact check runs.
+    if b"\\" not in raw and raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
         return
 
     def pairs(items):
