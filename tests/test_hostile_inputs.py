@@ -103,3 +103,75 @@ def test_tensor_named_twice_through_escapes_is_refused_everywhere(tmp_path, caps
         err = capsys.readouterr()
         assert rc in (1, 2) and "names tensor 'a' twice" in err.out + err.err, (cmd, rc, err)
     assert not (tmp_path / "out").exists()
+
+
+# -- DCP chunks that do not cover their tensor exactly ----------------------------------------------
+
+
+def _dcp_hf_shards(root, chunks) -> None:
+    """Per-rank shard files as torch's HuggingFaceStorageWriter(save_distributed=True) writes
+    them: one file per chunk of tensor ``w`` (``(offset, values)``), placed by DCP_SHARDING_INFO."""
+    root.mkdir()
+    for i, (off, vals) in enumerate(chunks):
+        data = torch.tensor(vals, dtype=torch.float32).numpy().tobytes()
+        head = {"w": {"dtype": "F32", "shape": [len(vals)], "data_offsets": [0, len(data)]},
+                "__metadata__": {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [off]}})}}  # fmt: skip
+        write_st(root / f"shard-0000{i + 1}-model-00001-of-00001.safetensors", json.dumps(head).encode(), data)
+
+
+@pytest.mark.parametrize(
+    "chunks, needle",
+    [
+        ([(0, [1, 2]), (1, [3, 4]), (4, [5, 6])], "overlap"),  # sums to the size [6], gap at 3
+        ([(0, [1, 2]), (4, [5, 6])], "leave a gap"),  # element 2, 3 stored nowhere
+        ([(0, [1, 2]), (0, [3, 4])], "leave a gap or overlap"),
+    ],
+    ids=["overlap-and-gap", "gap", "same-offsets"],
+)
+def test_dcp_chunks_not_covering_the_tensor_are_refused(tmp_path, capsys, chunks, needle):
+    """The migration source accepted any chunks inside the tensor: a gap came back as
+    uninitialised memory, and ``migrate`` wrote it into a new checkpoint. The DCP StorageReader
+    took equal volume and distinct offsets for coverage (an overlap and a gap of one size passed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint.dcp import StorageReader
+    from checkpoint.sources import open_source
+
+    src = tmp_path / "hf"
+    _dcp_hf_shards(src, chunks)
+    with pytest.raises(CorruptCheckpointError, match=f"'w'.*{needle}"):
+        open_source(src).get("w")
+    with pytest.raises(CorruptCheckpointError, match=f"'w'.*{needle}"):
+        checkpoint.migrate(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["migrate", str(src), str(tmp_path / "out2")]) == 2
+    assert "'w'" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+    target = {"w": torch.full((6,), 7.0)}
+    with pytest.raises(CheckpointException, match=f"(?s)'w'.*{needle}"):  # DCP wraps the reader's error
+        dcp.load(target, storage_reader=StorageReader(str(src)), no_dist=True)
+    assert torch.equal(target["w"], torch.full((6,), 7.0))
+
+
+def test_dcp_metadata_chunk_gap_is_refused(tmp_path):
+    """A DCP ``.metadata`` whose chunk covers part of its tensor: refused by name (it was read
+    with the rest uninitialised)."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.sources import open_source
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(6.0), "v": torch.ones(2)}, checkpoint_id=str(src), no_dist=True)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([4])
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match=r"dcp: DCP tensor 'w' has chunks holding 4 elements, not its 6"):
+        open_source(src).get("v")
+    with pytest.raises(CorruptCheckpointError, match="'w' has chunks holding 4"):
+        checkpoint.migrate(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -488,7 +488,7 @@ def _files(root: str, paths: list[str]) -> _Source:
     """Several ``.safetensors`` files without an index: DCP's per-rank shard files (chunks placed
     by ``DCP_SHARDING_INFO``) or plain files (a tensor in two of them is refused)."""
     from ..storage.opening import open_checkpoint
-    from ..storage.st_header import open_safetensors_with_header
+    from ..storage.st_header import cover_problem, open_safetensors_with_header, shape_problem
 
     readers: list = []
     chunks: dict[str, list[StoredChunk]] = {}
@@ -523,8 +523,9 @@ def _files(root: str, paths: list[str]) -> _Source:
             if any(len(c.shape) != dims for c in cs):
                 raise CorruptCheckpointError(root, f"{k!r} has chunks of different ranks in {where[k]}")
             size = [max(c.offsets[d] + c.shape[d] for c in cs) for d in range(dims)]
-            if sum(math.prod(c.shape) for c in cs) != math.prod(size) or len({c.offsets for c in cs}) != len(cs):
-                raise CorruptCheckpointError(root, f"the chunks of {k!r} in {where[k]} do not cover its {size} exactly")
+            why = shape_problem(size) or cover_problem(size, [(c.offsets, c.shape) for c in cs])
+            if why is not None:
+                raise CorruptCheckpointError(root, f"the chunks of {k!r} in {where[k]} do not cover its {size} exactly: {why}")
             dtypes = {readers[c.reader].spec(k).dtype for c in cs}
             if len(dtypes) > 1:
                 raise CorruptCheckpointError(root, f"{k!r} is stored with dtypes {sorted(map(str, dtypes))}")

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointError
 from ..storage import paths
-from ..storage.st_header import shape_problem
+from ..storage.st_header import cover_problem, shape_problem
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import is_dcp, is_dcp_hf
 from .unpickle import load_dcp_metadata, torch_load
@@ -58,21 +58,18 @@ def _check_storage_paths(root: Path, md: Any) -> None:
 
 def _check_dcp_shapes(path: Path, key: str, m: Any) -> None:
     """A DCP tensor's recorded size and every chunk's sizes and offsets: dims torch can hold
-    (:func:`~checkpoint.storage.st_header.shape_problem`), chunks inside the tensor.
+    (:func:`~checkpoint.storage.st_header.shape_problem`), chunks covering the tensor exactly once
+    (:func:`~checkpoint.storage.st_header.cover_problem`).
 
     Raises:
         CorruptCheckpointError: names the DCP checkpoint and the tensor.
     """
     size = list(getattr(m, "size", ()) or ())
+    chunks = [(list(c.offsets), list(c.sizes)) for c in getattr(m, "chunks", None) or ()]
     why = shape_problem(size)
-    for c in getattr(m, "chunks", None) or ():
-        if why is not None:
-            break
-        sizes, offsets = list(c.sizes), list(c.offsets)
-        why = shape_problem(sizes) or shape_problem(offsets)
-        if why is None and (len(sizes) != len(size) or len(offsets) != len(size)
-                            or any(o + n > d for o, n, d in zip(offsets, sizes, size))):  # fmt: skip
-            why = f"has a chunk at offsets {offsets} of sizes {sizes} outside its size {size}"
+    for offsets, sizes in chunks:
+        why = why or shape_problem(sizes) or shape_problem(offsets)
+    why = why or cover_problem(size, chunks)
     if why is not None:
         raise CorruptCheckpointError(str(path), f"DCP tensor {key!r} {why}")
 

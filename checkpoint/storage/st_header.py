@@ -103,6 +103,40 @@ def shape_problem(shape) -> str | None:
     return None
 
 
+def cover_problem(size, chunks) -> str | None:
+    """Why ``chunks`` (``(offsets, sizes)`` pairs: DCP's stored chunks of one tensor, from its
+    ``.metadata`` or ``DCP_SHARDING_INFO`` headers) do not cover a tensor of shape ``size``
+    exactly once, or None: every chunk inside the tensor, no two overlapping, their elements
+    summing to the tensor's. A load through chunks that leave a gap returns the gap's memory
+    uninitialised (DCP fills only what is stored). Dims are checked by :func:`shape_problem`
+    first. Torch-free."""
+    size = list(size)
+    total, boxes = 0, []
+    for offsets, sizes in chunks:
+        offsets, sizes = list(offsets), list(sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            return f"has a chunk at offsets {offsets} of sizes {sizes} outside its size {size}"
+        n = math.prod(sizes)
+        total += n
+        if n:
+            boxes.append((offsets, [o + k for o, k in zip(offsets, sizes)]))
+    if total != math.prod(size):
+        return f"has chunks holding {total} elements, not its {math.prod(size)} (size {size}): they leave a gap or overlap"
+    if len(boxes) > 1 and size:
+        # Disjoint boxes summing to the whole cover it. Sweep along the dim with the most distinct
+        # starts, comparing each box only with those still open there (a grid: one row of boxes).
+        d = max(range(len(size)), key=lambda i: len({b[0][i] for b in boxes}))
+        boxes.sort(key=lambda b: b[0][d])
+        open_: list = []
+        for lo, hi in boxes:
+            open_ = [b for b in open_ if b[1][d] > lo[d]]
+            for olo, ohi in open_:
+                if all(a < y and x < b for a, b, x, y in zip(lo, hi, olo, ohi)):
+                    return f"has chunks at offsets {olo} and {lo} that overlap"
+            open_.append((lo, hi))
+    return None
+
+
 def check_header_shapes(path: str, head: dict) -> None:
     """:func:`shape_problem` of every tensor of a parsed safetensors header.
 
@@ -286,4 +320,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
+__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "cover_problem", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
