@@ -175,3 +175,49 @@ def test_dcp_metadata_chunk_gap_is_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="'w' has chunks holding 4"):
         checkpoint.migrate(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# -- index entries no file system can hold -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["x" * 300 + ".safetensors", "\u00e9" * 130 + ".safetensors"], ids=["ascii", "multibyte"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_index_entry_longer_than_a_file_name_is_refused(tmp_path, capsys, name, where):
+    """An index naming a shard of over 255 bytes (NAME_MAX): ``open_source`` / ``migrate`` raised a
+    bare ``OSError: [Errno 36] File name too long`` from ``stat``; now the one path rule refuses it
+    on every reader, local or remote, before anything is read or written."""
+    import fsspec
+
+    from checkpoint.errors import UnsafePathError
+    from checkpoint.sources import open_source
+    from tests.snapshot import Snapshot
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"a": torch.ones(2), "b": torch.zeros(3)}, ck)
+    ip = ck / "model.safetensors.index.json"
+    idx = json.loads(ip.read_text())
+    idx["weight_map"]["a"] = name
+    del idx["metadata"]["fqnckpt"]  # another tool's index
+    ip.write_text(json.dumps(idx))
+    url = str(ck)
+    if where == "memory":
+        url = f"memory://hostile-{tmp_path.name}/ck"
+        for f in ck.iterdir():
+            fsspec.filesystem("memory").pipe(url.removeprefix("memory:/") + "/" + f.name, f.read_bytes())
+    target = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    snap = Snapshot(target)
+    refused = r"index entry '.*\.\.\.' of .*ck is refused: not a plain file name \(longer than 255 bytes"
+    with pytest.raises(UnsafePathError, match=refused):
+        checkpoint.open_checkpoint(url)
+    with pytest.raises(UnsafePathError, match=refused):
+        checkpoint.load(target, url)
+    snap.assert_unchanged()
+    report = checkpoint.verify(url)
+    assert not report.ok and any("longer than 255 bytes" in p for p in report.problems), report.problems
+    assert cli_main(["inspect", url]) == 2 and "longer than 255 bytes" in capsys.readouterr().err
+    if where == "local":
+        with pytest.raises(UnsafePathError, match=refused):
+            open_source(ck)
+        with pytest.raises(UnsafePathError, match=refused):
+            checkpoint.migrate(ck, tmp_path / "out")
+        assert not (tmp_path / "out").exists()

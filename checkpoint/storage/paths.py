@@ -3,7 +3,8 @@ in the directory, DCP's ``.metadata`` / ``*.distcp``), used by every reader: ``l
 ``migrate``, ``inspect``, ``diff``.
 
 * A name is a plain file name: not empty, no ``/``, ``\\`` or NUL, not ``.`` / ``..``, not
-  absolute, not starting with ``~``.
+  absolute, not starting with ``~``, at most 255 bytes (``NAME_MAX`` of Linux, macOS and
+  Windows file systems; no shard name fqnckpt or Hugging Face writes comes near it).
 * A symlink is followed only when its final target lies inside the checkpoint directory or, for
   the Hugging Face hub-cache layout (``<cache>/models--org--name/snapshots/<rev>/<file>`` ->
   ``../../blobs/<sha256>``, as ``huggingface_hub`` writes it; see its ``file_download.py``
@@ -22,6 +23,7 @@ from ..errors import UnsafePathError
 
 # Repository folder prefixes of the hub cache (huggingface_hub ``REPO_TYPES``).
 _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+NAME_MAX = 255
 
 
 def trust_root(root: str) -> str:
@@ -51,6 +53,8 @@ def check_name(root: str, name: str) -> None:
         raise UnsafePathError(
             name, root, "not a plain file name (contains '/', '\\' or a NUL, or is '.' / '..')"
         )
+    if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX:  # stat() raises ENAMETOOLONG on it
+        raise UnsafePathError(name[:60] + "...", root, f"not a plain file name (longer than {NAME_MAX} bytes, the file name limit)")
 
 
 def member(root: str | os.PathLike, name: str) -> str:
