@@ -225,19 +225,22 @@ def test_flipped_byte_found_in_every_piece_of_a_pooled_load(tmp_path, monkeypatc
         p.write_bytes(raw)
 
 
-@pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided"])
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D float64"])
 def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatch, kind):
     """A plain target read through ``copy_into`` (another dtype, or not contiguous: the bytes go
-    through the read window) is checked against the index's digest too: a flipped byte anywhere
-    in the tensor is a CorruptCheckpointError naming it (before round 5 a float64 target loaded
-    the flipped value silently); the unflipped checkpoint loads exactly."""
+    through pieces read, copied and hashed by several threads) is checked against the index's
+    digest too: a flipped byte anywhere in the tensor (first and last byte, either side of every
+    piece boundary, the middle) is a CorruptCheckpointError naming it (before round 5 a float64
+    target loaded the flipped value silently; a 1-D one until the hashed pieces); the unflipped
+    checkpoint loads exactly."""
     from checkpoint.errors import CorruptCheckpointError
-    from checkpoint.storage import pread
+    from checkpoint.storage import pread, tensor_read
 
     monkeypatch.setattr(pread, "PIECE", 4096)  # many pieces, shared by threads
+    monkeypatch.setattr(tensor_read, "CHUNK", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
     g = torch.Generator().manual_seed(2)
-    sd = {"w": torch.randn(96, 130, generator=g)}
+    sd = {"w": torch.randn(*((12480,) if kind.startswith("1-D") else (96, 130)), generator=g)}
     idx = checkpoint.save(sd, tmp_path / "ck")
     (name,) = idx.files()
     p = tmp_path / "ck" / name
@@ -247,12 +250,16 @@ def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatc
     def target() -> torch.Tensor:
         if kind == "strided":
             return torch.zeros(130, 96).t()
-        return torch.zeros(96, 130, dtype=getattr(torch, kind))
+        return torch.zeros(sd["w"].shape, dtype=getattr(torch, kind.split()[-1]))
 
     t = target()
     checkpoint.load({"w": t}, tmp_path / "ck")
     assert torch.equal(t, sd["w"].to(t.dtype))
-    for at in (b, (b + e) // 2, e - 1):
+    row = 130 * 4 if sd["w"].dim() == 2 else 4
+    step = 4096 // row * row  # bytes of a piece (whole rows)
+    cuts = [c + d for c in range(b + step, e, step) for d in (-1, 0)]
+    assert len(cuts) >= 20
+    for at in (b, (b + e) // 2, e - 1, *cuts):
         raw = flipped(p, 8 + n + at)
         with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
             checkpoint.load({"w": target()}, tmp_path / "ck")

@@ -238,11 +238,13 @@ def test_process_interrupted_mid_load_exits_cleanly(tmp_path):
     assert p.stdout.strip() in ("interrupted", "loaded"), p.stdout
 
 
+@pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("raise_at", [0, 3])
-def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first(tmp_path, monkeypatch, raise_at):
+def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first(tmp_path, monkeypatch, raise_at, check):
     """Ctrl-C in the calling thread's own piece of a converting ``copy_into`` (pieces read and
-    copied by several threads) or of a ``get`` hashed while read: no thread is still working
-    when it raises, and the target is never written afterwards."""
+    copied by several threads; ``check``: also hashed in file order, threads waiting for a
+    buffer) or of a ``get`` hashed while read: no thread is still working when it raises, and
+    the target is never written afterwards."""
     from checkpoint.storage import tensor_read
 
     monkeypatch.setattr(tensor_read, "CHUNK", 4096)
@@ -274,7 +276,7 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
     with checkpoint.open_checkpoint(tmp_path / "ck") as r:
         out = torch.zeros(64, 1024, dtype=torch.float64)
         with pytest.raises(KeyboardInterrupt):
-            r.copy_into("w", out)
+            r.copy_into("w", out, check=check)
         assert state["active"] == 0, "a pool thread was still reading when copy_into raised"
         out.fill_(-1.0)
         time.sleep(0.08)  # longer than a pool thread's piece

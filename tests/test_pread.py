@@ -386,3 +386,60 @@ def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp
     assert threading.main_thread().name in names and any(n.startswith("fqnckpt-read") for n in names)
     if tensor_read._omp() is not None:  # every piece's copy ran on its own thread alone
         assert {k for _, k in seen} == {1}, seen
+
+
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D", "columns", "3-D"])
+def test_checked_converting_read_hashes_pieces_landing_out_of_order(tmp_path, monkeypatch, kind):
+    """A checked converting or strided read (``copy_into(..., check=True)``): pieces read and
+    copied by the calling and pool threads, landing out of order (pool threads sleep a varying
+    time), are hashed in file order: the digest matches the index's, the values are exact, no
+    more than 2 piece buffers per thread are made, and every piece's raw bytes were hashed."""
+    import random
+    import threading
+
+    from checkpoint.storage import tensor_read
+
+    g = torch.Generator().manual_seed(11)
+    shape = {"1-D": (30000,), "3-D": (4, 9, 300)}.get(kind, (96, 300))
+    sd = {"w": torch.randn(*shape, generator=g)}
+    checkpoint.save(sd, tmp_path / "ck")
+    monkeypatch.setattr(tensor_read, "CHUNK", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    rnd, real = random.Random(5), pread.pread_run
+    landed, made = [], []
+
+    def pread_run(fd, views, keys, offset, *a):
+        if offset == first:  # the first piece lands last of a few: the others wait to be hashed
+            time.sleep(0.03)
+        elif threading.current_thread() is not threading.main_thread():
+            time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
+        return real(fd, views, keys, offset, *a)
+
+    real_landed, real_init = tensor_read._InOrder.landed, tensor_read._InOrder.__init__
+
+    def init(self, *a):
+        real_init(self, *a)
+        made.append(self)
+
+    monkeypatch.setattr(pread, "pread_run", pread_run)
+    monkeypatch.setattr(tensor_read._InOrder, "landed", lambda self, j, buf: landed.append(j) or real_landed(self, j, buf))
+    monkeypatch.setattr(tensor_read._InOrder, "__init__", init)
+    want, slices = sd["w"], None
+    if kind == "columns":
+        slices = [slice(0, 96), slice(40, 260)]
+        want = want[:, 40:260]
+    if kind == "strided":
+        out = torch.zeros(*want.shape[:-1], 2 * want.shape[-1])[..., ::2]
+    else:
+        out = torch.zeros(want.shape, dtype=torch.bfloat16 if kind == "bfloat16" else torch.float64)
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        first = r._spans["w"][0]  # the tensor's absolute offset: its first piece
+        checked = []
+        real_check = r.check_digest
+        r.check_digest = lambda key, data: checked.append(key) or real_check(key, data)
+        assert r.copy_into("w", out, slices, check=True)
+    assert checked == ["w"] and torch.equal(out, want.to(out.dtype))
+    (order,) = made
+    assert order.next == len(order.jobs) > 10 and sorted(landed) == list(range(len(order.jobs)))
+    assert landed != sorted(landed), "no piece landed out of order: the test proves nothing"
+    assert order.made <= 2 * 3
