@@ -221,3 +221,65 @@ def test_index_entry_longer_than_a_file_name_is_refused(tmp_path, capsys, name, 
         with pytest.raises(UnsafePathError, match=refused):
             checkpoint.migrate(ck, tmp_path / "out")
         assert not (tmp_path / "out").exists()
+
+
+# -- a flipped byte in a tensor the block copies do not hash -----------------------------------------
+
+
+def _flip_first_byte_of(path_or_store, key: str, where: str) -> None:
+    """Flip one bit of tensor ``key``'s first stored byte in the checkpoint's only shard."""
+    import fsspec
+
+    if where == "local":
+        (shard,) = [p for p in path_or_store.iterdir() if p.suffix == ".safetensors"]
+        raw = bytearray(shard.read_bytes())
+    else:
+        fs = fsspec.filesystem("memory")
+        (shard,) = [n for n in fs.ls(path_or_store, detail=False) if n.endswith(".safetensors")]
+        raw = bytearray(fs.cat(shard))
+    (n,) = struct.unpack("<Q", raw[:8])
+    raw[8 + n + json.loads(raw[8 : 8 + n])[key]["data_offsets"][0]] ^= 1
+    if where == "local":
+        shard.write_bytes(bytes(raw))
+    else:
+        fs.pipe(shard, bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("key", ["vec", "scalar", "mat"])
+def test_flipped_byte_of_any_rank_refused_by_converting_strided_and_sliced_reads(tmp_path, where, key):
+    """The digest check of converting / strided loads (``copy_into(check=True)``) hashed whole
+    rows of 2-D and wider tensors only: a flipped byte of a 1-D tensor (biases, norms) or a 0-D
+    one loaded silently into a float64, bfloat16 or strided target; ``get_slice`` of the whole
+    tensor returned it unchecked (local and remote). Every whole read is checked now, before the
+    target is written."""
+    from checkpoint.dcp import StorageReader
+
+    src = {"vec": torch.arange(5.0) + 1, "scalar": torch.tensor(3.5), "mat": torch.randn(3, 4)}
+    url = tmp_path / "ck" if where == "local" else f"memory://flip-{tmp_path.name}-{key}/ck"
+    checkpoint.save(src, url)
+    _flip_first_byte_of(url if where == "local" else url.removeprefix("memory:/"), key, where)
+    shape = src[key].shape
+    targets = [torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.bfloat16)]
+    if shape:
+        targets.append(torch.zeros(*shape[:-1], 2 * shape[-1])[..., ::2])
+    for out in targets:
+        target = {k: torch.zeros_like(v) for k, v in src.items()} | {key: out}
+        before = out.clone()
+        with pytest.raises(CorruptCheckpointError, match=f"tensor '{key}': its bytes differ from the index's xxh3-128 digest"):
+            checkpoint.load(target, url)
+        if len(shape) < 2:  # read whole and checked before the copy (rows are hashed as they land)
+            assert torch.equal(out, before), (out.dtype, out.stride())
+    with checkpoint.open_checkpoint(url) as r:
+        for slices in ([slice(None)] * len(shape), [slice(0, None)][: len(shape)]):
+            with pytest.raises(CorruptCheckpointError, match=f"tensor '{key}': its bytes differ"):
+                r.get_slice(key, slices)
+        if len(shape) == 2:  # a partial block cannot be checked: read as stored
+            assert r.get_slice(key, [slice(1, 3)]).shape == (2, 4)
+    if where == "local" and shape:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        target = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in src.items()}
+        with pytest.raises(CheckpointException, match=f"(?s)tensor '{key}': its bytes differ"):
+            dcp.load(target, storage_reader=StorageReader(str(url)), no_dist=True)

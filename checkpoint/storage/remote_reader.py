@@ -38,6 +38,7 @@ from .reader import (
     CheckpointReader,
     FileDigestCheck,
     _check_total_size,
+    _whole_block,
     compare_record,
 )
 from .views import RemoteView, current_view, remote_view  # noqa: F401 (re-exported)
@@ -124,8 +125,8 @@ class RemoteCheckpointReader(CheckpointReader):
         """Only the bytes of block ``tensor[slices]`` (step-1 slices), as few ranged GETs as the
         block's contiguous runs need (one covering GET when that reads at most twice the bytes)."""
         name, b, _, shape, dtype = self._span(key)
-        if not shape:
-            return self.get(key)
+        if _whole_block(shape, slices):
+            return self.get(key)  # the whole tensor: checked against its digest like any whole read
         starts, lens = [], []
         for s, dim in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape):
             lo, hi, step = s.indices(dim)
