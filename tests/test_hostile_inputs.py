@@ -251,8 +251,8 @@ def test_flipped_byte_of_any_rank_refused_by_converting_strided_and_sliced_reads
     """The digest check of converting / strided loads (``copy_into(check=True)``) hashed whole
     rows of 2-D and wider tensors only: a flipped byte of a 1-D tensor (biases, norms) or a 0-D
     one loaded silently into a float64, bfloat16 or strided target; ``get_slice`` of the whole
-    tensor returned it unchecked (local and remote). Every whole read is checked now, before the
-    target is written."""
+    tensor returned it unchecked (local and remote). Every whole read is checked now (a 0-D one
+    before the target is written)."""
     from checkpoint.dcp import StorageReader
 
     src = {"vec": torch.arange(5.0) + 1, "scalar": torch.tensor(3.5), "mat": torch.randn(3, 4)}
@@ -268,7 +268,7 @@ def test_flipped_byte_of_any_rank_refused_by_converting_strided_and_sliced_reads
         before = out.clone()
         with pytest.raises(CorruptCheckpointError, match=f"tensor '{key}': its bytes differ from the index's xxh3-128 digest"):
             checkpoint.load(target, url)
-        if len(shape) < 2:  # read whole and checked before the copy (rows are hashed as they land)
+        if not shape:  # read whole and checked before the copy (wider ones are hashed as they land)
             assert torch.equal(out, before), (out.dtype, out.stride())
     with checkpoint.open_checkpoint(url) as r:
         for slices in ([slice(None)] * len(shape), [slice(0, None)][: len(shape)]):

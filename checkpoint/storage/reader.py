@@ -292,12 +292,8 @@ class CheckpointReader:
         spec = self.spec(key)
         hasher = None
         if check and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified:
-            whole = [(0, n) for n in spec.shape]
-            if (_whole_block(spec.shape, slices) and tuple(out.shape) == tuple(spec.shape)
-                    and not _tread.hashable(spec.shape, spec.dtype, whole)):  # fmt: skip
-                # The block copies hash whole rows of 2-D and wider tensors only: a 0-D / 1-D
-                # tensor (or rows over the window) is read whole, checked, then copied.
-                out.copy_(self.get(key))
+            if not spec.shape and tuple(out.shape) == ():
+                out.copy_(self.get(key))  # 0-D: read whole and checked, then copied
                 return True
             hasher = _digest.new()
         shape = spec.shape
@@ -310,6 +306,8 @@ class CheckpointReader:
         stats.bytes_read += out.numel() * spec.dtype.itemsize
         if hashed:
             self.check_digest(key, hasher)
+        elif hasher is not None and out.numel() and _whole_block(spec.shape, slices):
+            self.get(key)  # a whole read the block copy could not hash: checked by a whole read
         return True
 
     def _where(self, key: str) -> tuple[_tread.Where, int]:
