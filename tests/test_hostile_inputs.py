@@ -283,3 +283,29 @@ def test_flipped_byte_of_any_rank_refused_by_converting_strided_and_sliced_reads
         target = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in src.items()}
         with pytest.raises(CheckpointException, match=f"(?s)tensor '{key}': its bytes differ"):
             dcp.load(target, storage_reader=StorageReader(str(url)), no_dist=True)
+
+
+@pytest.mark.parametrize("key", ["vec", "mat"])
+def test_migrate_refuses_flipped_bytes_instead_of_digesting_them_anew(tmp_path, capsys, key):
+    """The migration source read fqnckpt checkpoints without their index's digests: ``migrate``
+    copied a flipped byte into a new checkpoint with fresh digests, whose ``verify`` then said OK
+    (the corruption laundered). Whole reads of the source are checked like ``load``'s."""
+    from checkpoint.sources import open_source
+
+    src = {"vec": torch.arange(5.0) + 1, "mat": torch.randn(3, 4)}
+    ck = tmp_path / "ck"
+    checkpoint.save(src, ck)
+    _flip_first_byte_of(ck, key, "local")
+    refused = f"model-00001-of-00001.safetensors: tensor '{key}': its bytes differ from the index's xxh3-128 digest"
+    s = open_source(ck)
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        s.get(key)
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        s.get_slice(key, (slice(0, None),))
+    other = "mat" if key == "vec" else "vec"
+    assert torch.equal(s.get(other), src[other])
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        checkpoint.migrate(ck, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["migrate", str(ck), str(tmp_path / "out2")]) == 2
+    assert refused in capsys.readouterr().err and not (tmp_path / "out2").exists()

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from ..storage.layout import ST_TO_DTYPE
+from ..storage.reader import _whole_block, check_tensor_digest
+from ..storage.writer import tensor_bytes
 from ..storage.tensor_read import Where, read_block, read_tensor
 from .base import Source
 from .st_headers import HFIndex, scan_safetensors
@@ -31,8 +33,10 @@ class _FileReader:
     I/O error is a :class:`~checkpoint.errors.CorruptCheckpointError` / ``LoadError`` naming file
     and tensor (a copy from ``safe_open``'s mapping would die by SIGBUS)."""
 
-    def __init__(self, root: Path, files: dict[str, str], handles: dict[str, Any], spans: dict[str, tuple[int, int]], specs):
+    def __init__(self, root: Path, files: dict[str, str], handles: dict[str, Any], spans: dict[str, tuple[int, int]], specs,
+                 digests: dict[str, str] | None = None):  # fmt: skip
         self.root, self.files, self.spans, self.specs = root, files, spans, specs
+        self.digests = digests or {}  # an fqnckpt index's: whole reads are checked, as load's are
         self.handles = handles  # file -> safe_open handle, opened while reading the headers
         self.fds = {f: os.open(root / f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for f in handles}
 
@@ -45,11 +49,16 @@ class _FileReader:
     def get(self, key: str) -> torch.Tensor:
         at, begin = self._at(key)
         spec = self.specs[key]
-        return read_tensor(at, key, begin, spec.shape, spec.dtype)
+        t = read_tensor(at, key, begin, spec.shape, spec.dtype)
+        want = self.digests.get(key)
+        if want is not None:  # a migration must not copy flipped bytes into a checkpoint it digests anew
+            check_tensor_digest(str(self.root / self.files[key]), key, tensor_bytes(t), want)
+        return t
 
     def get_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
-        """Only the bytes of ``tensor[slices]`` (:func:`~checkpoint.storage.tensor_read.read_block`)."""
-        if not slices:
+        """Only the bytes of ``tensor[slices]`` (:func:`~checkpoint.storage.tensor_read.read_block`);
+        the whole tensor through :meth:`get` (checked)."""
+        if _whole_block(self.specs[key].shape, slices):
             return self.get(key)
         at, begin = self._at(key)
         spec = self.specs[key]
@@ -69,7 +78,7 @@ def open_safetensors_source(path: Path, window: int = DEFAULT_WINDOW) -> Source:
     index and headers, shared with ``fqnckpt inspect``'s torch-free path).
     """
     s = scan_safetensors(path, ST_TO_DTYPE, "pt")
-    reader = _FileReader(s.root, s.file_of, s.handles, s.spans, s.specs)
+    reader = _FileReader(s.root, s.file_of, s.handles, s.spans, s.specs, s.digests)
     src = Source(path if s.format == "safetensors" else s.root, s.format, s.files, s.specs, s.file_of, reader)
     src.notes.extend(s.notes)
     return src

@@ -256,17 +256,7 @@ class CheckpointReader:
         want = self.recorded_digest(key)
         if want is None or self._key_file[key] in self._verified:
             return  # no digest, or its whole file was checked already (load(verify=True))
-        if isinstance(data, str):  # a hex digest already taken
-            got = data
-        else:
-            got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
-        if got != want:
-            raise CorruptCheckpointError(
-                os.path.join(self.root, self._key_file[key]),
-                f"tensor {key!r}: its bytes differ from the index's xxh3-128 digest ({got} != {want}); "
-                "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
-                key=key,
-            )
+        check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want)
 
     def copy_into(
         self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
@@ -663,6 +653,27 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
+
+
+def check_tensor_digest(path: str, key: str, data: object, want: str) -> None:
+    """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, an ``xxhash`` hasher fed
+    every byte, or their hex digest) against ``want``, the index's xxh3-128 digest of ``key``
+    (file ``path``): the one check of every reader of fqnckpt checkpoints.
+
+    Raises:
+        CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
+    """
+    if isinstance(data, str):  # a hex digest already taken
+        got = data
+    else:
+        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
+    if got != want:
+        raise CorruptCheckpointError(
+            path,
+            f"tensor {key!r}: its bytes differ from the index's xxh3-128 digest ({got} != {want}); "
+            "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
+            key=key,
+        )
 
 
 def _whole_block(shape: Sequence[int], slices: Sequence[slice] | None) -> bool:
