@@ -309,3 +309,55 @@ def test_migrate_refuses_flipped_bytes_instead_of_digesting_them_anew(tmp_path, 
     assert not (tmp_path / "out").exists()
     assert cli_main(["migrate", str(ck), str(tmp_path / "out2")]) == 2
     assert refused in capsys.readouterr().err and not (tmp_path / "out2").exists()
+
+
+# -- a save beside another tool's checkpoint that readers would open instead --------------------------
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("writer", ["save", "dcp"])
+def test_save_beside_a_dcp_checkpoint_is_refused_not_shadowed(tmp_path, writer):
+    """A directory holding torch's DCP checkpoint (``.metadata`` + ``*.distcp``), saved over with
+    ``checkpoint.save(overwrite=True)`` or the DCP StorageWriter: the save committed beside it,
+    then ``checkpoint.load`` and the migration source read the old DCP checkpoint (they open a
+    directory with ``.metadata`` as DCP) while ``inspect`` and the StorageReader read the new one.
+    Refused like a stale ``model.safetensors``: nothing written, the old checkpoint intact."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint import CheckpointExistsError
+    from checkpoint.dcp import StorageWriter
+
+    d = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(d), no_dist=True)
+    before = _tree(d)
+    refused = r"(?s)\['\.metadata'\] exist there and no record of the checkpoint names them"
+    if writer == "save":
+        with pytest.raises(CheckpointExistsError, match=refused):
+            checkpoint.save({"w": torch.ones(3)}, d, overwrite=True)
+    else:
+        with pytest.raises(CheckpointException, match=refused), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(str(d)), no_dist=True)
+    assert _tree(d) == before
+    target = {"w": torch.full((3,), 7.0)}
+    checkpoint.load(target, d)
+    assert torch.equal(target["w"], torch.zeros(3))
+
+
+def test_remote_save_beside_a_dcp_metadata_object_is_refused(tmp_path):
+    from checkpoint import CheckpointExistsError
+    from tests.backends import names, put
+
+    url = f"memory://shadow-{tmp_path.name}/ck"
+    put(url, None, ".metadata", b"not ours")
+    with pytest.raises(CheckpointExistsError, match=r"\['\.metadata'\] exist there"):
+        checkpoint.save({"w": torch.ones(3)}, url, overwrite=True)
+    assert names(url, None) == {".metadata"}

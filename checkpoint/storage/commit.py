@@ -244,7 +244,10 @@ def holds_checkpoint(store: ByteStore, listing: Iterable[str] | None = None) -> 
     return any(n in listing for n in (MODEL_INDEX, RECORD, f"{MODEL_PREFIX}.safetensors", "consolidated.00.pth"))
 
 
-SHADOWING = frozenset({"model.safetensors"})  # transformers opens it before any index: a stale one shadows ours
+# Objects readers open instead of our index when they are there: transformers opens
+# model.safetensors before any index; fqnckpt's readers and DCP read a directory holding DCP's
+# .metadata as that DCP checkpoint. A stale one beside a new save would shadow it.
+SHADOWING = frozenset({"model.safetensors", ".metadata"})
 
 
 def check_clashes(store: ByteStore, names: Iterable[str], owned: set[str], listing: Iterable[str] | None = None) -> None:
@@ -256,11 +259,14 @@ def check_clashes(store: ByteStore, names: Iterable[str], owned: set[str], listi
     Raises:
         CheckpointExistsError: naming the objects; nothing of the save is committed."""
     listing = store.listing() if listing is None else listing
-    clash = sorted(n for n in (set(names) | SHADOWING) - owned - {MODEL_INDEX} if n in listing and not n.startswith("."))
+    clash = sorted(
+        n for n in (set(names) | SHADOWING) - owned - {MODEL_INDEX} if n in listing and (n in SHADOWING or not n.startswith("."))
+    )
     if clash:
         raise CheckpointExistsError(
             store.url, f"{clash} exist there and no record of the checkpoint names them (not written by fqnckpt); "
-            "refusing to replace them: move them away, or save elsewhere",
+            "refusing to replace them, or to leave them beside the new checkpoint where readers open them "
+            "instead of its index: move them away, or save elsewhere",
         )
 
 
