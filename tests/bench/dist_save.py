@@ -82,6 +82,15 @@ def _instrument(phases: dict[str, float]) -> None:
     del cdist
 
 
+def _cpu() -> float:
+    """CPU seconds (user + system) of this process, every thread: on a shared machine a side's
+    CPU cost is steadier than its wall time."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
 def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int], rounds: int, want_phases: bool,
           only: tuple[str, ...] = (), max_shard_size: str | None = None):
     import torch.distributed as tdist
@@ -166,6 +175,7 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
             }
             names = [n for n in sides if not only or n in only or n == "ours"]
             times: dict[str, list[float]] = {n: [] for n in names}
+            cpu: dict[str, list[float]] = {n: [] for n in names}  # this rank's CPU seconds (all threads)
             ph_rounds: list[dict[str, float]] = []
             written = 0
             for i in range(rounds + 1):  # round 0 untimed: first touch of memory and files
@@ -179,19 +189,21 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
                     tdist.barrier()
                     phases.clear()
                     stats.reset()
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), _cpu()
                     sides[n]()
+                    c = _cpu() - c
                     tdist.barrier()
                     dt = time.perf_counter() - t
                     if i:
                         times[n].append(dt)
+                        cpu[n].append(c)
                         if n == "ours":
                             ph_rounds.append(dict(phases))
                             written = stats.bytes_written
             tdist.barrier()
             if rank == 0:
                 shutil.rmtree(base, ignore_errors=True)
-            out[(size, medium)] = {"times": times, "phases": ph_rounds, "written": written}
+            out[(size, medium)] = {"times": times, "cpu": cpu, "phases": ph_rounds, "written": written}
         del sd
     return out
 
@@ -280,6 +292,9 @@ def main() -> None:
                     ("ours_one_order", "ours with every rank writing the files in one order"),
                 ]
                 print("    vs " + "; ".join(f"{label}: {ratio(times[n], ours)}" for n, label in refs if n in times))
+                print("    absolute wall s (median): " + ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in times.items()))
+                print("    CPU s per rank (median over rounds): " + "; ".join(
+                    f"{n} " + "/".join(f"{statistics.median(r[key]['cpu'][n]):.3f}" for r in res) for n in times))
                 if "raw" in times and "raw_shared" in times:
                     print(f"    raw_shared time / raw time: {ratio(times['raw_shared'], times['raw'])}")
                 if args.phases:
