@@ -55,7 +55,7 @@ class LoadReport(BaseModel):
 
 class FileCheck(BaseModel):
     """One file checked by verify: sizes in bytes, file-level hex ``digest`` of ``algorithm``
-    (``xxh3_128`` for format version 2, ``sha256`` for version 1), ``expected`` from the index;
+    (``xxh3_128`` for format versions 2 and 3, ``sha256`` for version 1), ``expected`` from the index;
     ``ok`` is False when the size, header or any tensor's digest differs."""
 
     file: str

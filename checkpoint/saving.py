@@ -9,7 +9,6 @@ ranks holding DTensors each write only the bytes they own into the same full-ten
 from __future__ import annotations
 
 import hashlib
-import heapq
 import os
 import shutil
 import tempfile
@@ -18,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
+import xxhash
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -55,7 +54,7 @@ from .storage.writer import (
     SequentialFileWriter,
     create_shard_file,
     distributed_record,
-    hash_back,
+    block_runs,
     tensor_bytes,
 )
 from .gc_pause import gc_paused
@@ -90,6 +89,7 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
 def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
     meta = FqnckptMeta(
         files=records,
+        tensor_digest_chunk=digest.TENSOR_CHUNK,
         alias_groups=[list(g) for g in part.alias_groups],
         fqn_map=part.fqn_map,
         optimizer=part.optimizer,
@@ -504,10 +504,9 @@ def _save_distributed(
             "(torch.distributed.init_process_group, of any world size, one rank included)"
         )
     rank, world = dist.rank(), dist.world_size()
-    layouts, fingerprint, extras, mine, failed, split_here = None, None, None, {}, None, False
+    layouts, fingerprint, extras, mine, failed = None, None, None, {}, None
     try:
         layouts = _plan_checked(path, parts, max_shard_size, world)  # same specs on every rank: same verdict
-        split_here = _any_split(parts, layouts)
         fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
         mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
         extra_files = {n: d for n, d in extra_files.items() if n not in mine}
@@ -517,17 +516,14 @@ def _save_distributed(
     # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
     # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
     # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
-    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, split_here))
-    # Whether any tensor is split over ranks, agreed: the write loop's group boundaries are
-    # collectives only then (one count on every rank).
-    any_split = any(g[3] for g in gathered)
+    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
-    rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
+    rank_files = {n: d for _, _, m in gathered for n, d in m.items()}
     if rank_files and len(rank_files) != world:  # the same verdict on every rank
         raise CheckpointError(f"saving {path}: PerRank extra_state passed on {len(rank_files)} of {world} ranks")
     extra_files.update(rank_files if rank == 0 else {})
-    differ = [r for r, (_, e, _, _) in enumerate(gathered) if e != gathered[0][1]]
+    differ = [r for r, (_, e, _) in enumerate(gathered) if e != gathered[0][1]]
     if differ and rank == 0:
         # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
         # would come back as rank 0's on every rank.
@@ -561,91 +557,56 @@ def _save_distributed(
     try:
         staging_dir = dist.check_all_gather(f"preparing {path}", err, staging_dir)[0]
         err = None
-        # Tensors no rank holds whole (split over ranks) are hashed back from the page cache once
-        # every rank wrote them, in groups of the write order (see _hash_groups), each hashed on a
-        # thread while the ranks write the next; a tensor its writer holds whole is hashed from
-        # memory beside its pwrite.
-        my_digests: dict[str, str] = {}  # fqn -> digest computed on this rank
-        own_back: dict[str, list] = {}  # whole tensors this rank hashes back itself: {file: [(fqn, b, e)]}
-        # fqn -> (file offset, bytes) of the large runs of split tensors written from this rank's
-        # memory: the rank hashing such a tensor back reads only the others' bytes from the file.
-        kept: dict[str, list[tuple[int, memoryview]]] = {}
+        # Tensor digests (format version 3: chunked, see checkpoint.storage.digest). A tensor its
+        # writer holds whole is hashed from memory beside its pwrite; of a tensor split over ranks
+        # each rank hashes the chunks lying in its own bytes from its own memory beside their
+        # pwrite, and notes the chunks starting in its bytes that run into another rank's: read
+        # back from the file once every rank wrote (at most two per tensor and rank for Shard(0)).
+        whole_digests: dict[str, str] = {}
+        chunks: dict[str, list[tuple[int, bytes]]] = {}  # fqn -> [(chunk index, 16-byte digest)] hashed here
+        back: dict[str, list[tuple[str, int, int, int]]] = {}  # file -> [(fqn, chunk, begin, end)] to read back
         writeback_on = not fskind.in_memory_dir(staging_dir)
         order = [(part, lay, f, i, slot) for part, lay in zip(parts, layouts) for f in lay.files for i, slot in enumerate(f.slots)]
-        owners, groups = _hash_groups([slot.end - slot.begin for *_, slot in order], world)
-        firsts = _walk_starts([f.name for *_, f, _, _ in order], world)
-        walk = _walk(firsts[rank], len(order))  # this rank writes order[walk[p]] p-th
-        # Slots along its walk after which every rank has written order[k] (the same on every rank).
-        written_by_all = _written_by_all(firsts, len(order))
-        pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
-        hashing: list = []  # futures (or, on one CPU, shares hashed at the end)
-        mine: list[tuple[int, int]] = []  # heap of the split tensors this rank hashes, met but not queued
-        stopped = False  # a rank failed: every rank stops writing at the same group boundary
+        walk = _walk(_walk_starts([f.name for *_, f, _, _ in order], world)[rank], len(order))
+        sizes = {slot.spec.fqn: slot.end - slot.begin for *_, slot in order}
+        w, w_name = None, None
         try:
-            w, w_name = None, None
             kill_after_tensor = _faults.armed("after_tensor_write")
-            try:
-                for pos, k in enumerate(walk):
-                    part, lay, f, i, slot = order[k]
-                    if err is None and not stopped:
-                        try:
-                            if w_name != f.name and w is not None:
-                                w.close()
-                                w, w_name = None, None
-                            t = _fetch_any(part, slot.spec)
-                            whole = _whole_on_writer(t)
-                            if not whole and owners[k] == rank:
-                                heapq.heappush(mine, (written_by_all[k], k))
-                            blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
-                            if blocks:
-                                if w is None:
-                                    w, w_name = BlockWriter(os.path.join(staging_dir, f.name), writeback_on), f.name
-                                if whole and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
-                                    my_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
-                                else:
-                                    for block in blocks:
-                                        w.write(slot, *block)
-                                        if not whole:  # hashed from here if this rank hashes the tensor
-                                            kept.setdefault(slot.spec.fqn, []).extend(
-                                                BlockWriter.runs_in_memory(slot, *block, _FROM_MEMORY)
-                                            )
-                                    if whole:  # not one block (no placement known gives that): read back here
-                                        own_back.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
-                                if kill_after_tensor:
-                                    _faults.fault_point("after_tensor_write")
-                        except BaseException as e:  # noqa: BLE001 - agreed at the next boundary
-                            err = e
-                    if pos + 1 in groups and any_split and not stopped:
-                        # Every rank reached this boundary: the split tensors every rank has written
-                        # by now can be hashed back. One small collective (also carrying any rank's
-                        # failure so far).
-                        stopped = dist.any_true(err is not None)
-                        if not stopped:
-                            share = _share_done(order, mine, pos + 1)
-                            if share:
-                                hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
-            finally:
-                if w is not None:
+            for k in walk:
+                part, lay, f, i, slot = order[k]
+                if w_name != f.name and w is not None:
                     w.close()
-        except BaseException as e:  # noqa: BLE001
-            err = err or e
+                    w, w_name = None, None
+                t = _fetch_any(part, slot.spec)
+                blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
+                if not blocks:
+                    continue
+                if w is None:
+                    w, w_name = BlockWriter(os.path.join(staging_dir, f.name), writeback_on), f.name
+                if _whole_on_writer(t) and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
+                    whole_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
+                else:
+                    mine = chunks.setdefault(slot.spec.fqn, [])
+                    for block in blocks:
+                        _write_chunked(w, slot, *block, mine, back.setdefault(f.name, []))
+                if kill_after_tensor:
+                    _faults.fault_point("after_tensor_write")
+        except BaseException as e:  # noqa: BLE001 - agreed below
+            err = e
+        finally:
+            if w is not None:
+                w.close()
         if err is not None and isinstance(err, OSError):
             err = CheckpointWriteError(path, f"{type(err).__name__}: {err}", rank)
-        try:
-            dist.check_all(f"writing {path}", err)
-        except BaseException:
-            ownership.settle(f for f in hashing if not isinstance(f, dict))  # they read this rank's memory
-            raise
+        dist.check_all(f"writing {path}", err)
         # Every file is fsynced by one rank (fsync flushes all ranks' pages of the file; each
-        # writer started their writeback already) while the last group of this rank's share of
-        # the split tensors is hashed back on the hash thread.
+        # writer started their writeback already) while the hash thread reads back this rank's
+        # straddling chunks.
         err = None
         try:
-            share = _share_done(order, mine, len(order))
-            for name, spans in own_back.items():
-                share.setdefault(name, []).extend(spans)
-            if share:
-                hashing.append(pool.submit(_hash_back, staging_dir, share, kept) if pool else share)
+            pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
+            todo = {n: v for n, v in back.items() if v}
+            reading = pool.submit(_read_back_chunks, staging_dir, todo) if pool and todo else None
             try:
                 for j, (_, f) in enumerate(files):
                     if j % world == rank:
@@ -657,17 +618,24 @@ def _save_distributed(
                             os.close(fd)
                         _faults.fault_point("after_file_fsync")
             finally:
-                # They read the staged files and this rank's memory: done before this call leaves.
-                ownership.settle(f for f in hashing if not isinstance(f, dict))
-            for h in hashing:
-                my_digests.update(_hash_back(staging_dir, h, kept) if isinstance(h, dict) else h.result())
+                ownership.settle([reading] if reading is not None else [])
+            got = reading.result() if reading is not None else _read_back_chunks(staging_dir, todo) if todo else {}
+            for fqn, more in got.items():
+                chunks.setdefault(fqn, []).extend(more)
         except BaseException as e:  # noqa: BLE001
             err = (
                 CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
             )
+        # Chunk digests travel as runs of consecutive chunks (16 bytes each): 1.6 MB per 100 GB.
         tensor_digests: dict[str, str] = {}
-        for d in dist.check_all_gather(f"hashing {path}", err, my_digests):
-            tensor_digests.update(d)
+        pieces: dict[str, list[tuple[int, bytes]]] = {}
+        for whole, runs in dist.check_all_gather(f"hashing {path}", err, (whole_digests, _chunk_runs(chunks))):
+            tensor_digests.update(whole)
+            for fqn, rs in runs.items():
+                pieces.setdefault(fqn, []).extend(rs)
+        for fqn, n in sizes.items():  # split tensors (an empty one has no chunk written)
+            if fqn not in tensor_digests:
+                tensor_digests[fqn] = _joined_digest(fqn, pieces.get(fqn, []), n)
         records = {f.name: distributed_record(f, tensor_digests) for _, f in files}
         indexes = [
             _index(part, lay, {f.name: records[f.name] for f in lay.files})
@@ -692,20 +660,6 @@ def _save_distributed(
             staged.__exit__(None, None, None)
 
 
-def _any_split(parts: Sequence[_Part], layouts) -> bool:
-    """Whether a tensor of the save is split over ranks (:func:`_whole_on_writer` false); a value
-    that cannot be fetched counts as split (the write loop reports it)."""
-    for part, lay in zip(parts, layouts):
-        for f in lay.files:
-            for slot in f.slots:
-                try:
-                    if not _whole_on_writer(_fetch_any(part, slot.spec)):
-                        return True
-                except Exception:  # noqa: BLE001 - raised again, agreed, by the write loop
-                    return True
-    return False
-
-
 def _whole_on_writer(t: torch.Tensor) -> bool:
     """Whether the rank that writes ``t`` holds all of it (a plain tensor; a DTensor sharded on no
     mesh dim of more than one rank): decided from placements alone, so every rank agrees."""
@@ -723,14 +677,108 @@ def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
     pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
     if pool is None:
         w.write(slot, local, offset)
-        return digest.hexdigest(tensor_bytes(local))
+        return digest.tensor_hexdigest(tensor_bytes(local))
     data = tensor_bytes(local)
-    hashed = pool.submit(digest.hexdigest, data)  # xxhash releases the GIL
+    hashed = pool.submit(digest.tensor_hexdigest, data)  # xxhash releases the GIL
     try:
         w.write(slot, local, offset)
     finally:
         ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
     return hashed.result()
+
+
+def _write_chunked(w: BlockWriter, slot, local: torch.Tensor, offset, got: list, back: list) -> None:
+    """Write block ``local`` (at element ``offset``) of a tensor split over ranks, hashing on the
+    hash thread, beside the pwrite, each digest chunk (:data:`digest.TENSOR_CHUNK` bytes of the
+    tensor) lying whole in one contiguous run of the block: ``(chunk index, 16-byte digest)``
+    appended to ``got``; each chunk starting in a run but running past its end (into bytes another
+    rank writes, or another run of this block) is appended to ``back`` as ``(fqn, chunk index,
+    file begin, file end)``, read back once every rank wrote (:func:`_read_back_chunks`). Every
+    chunk of the tensor is so hashed by the one rank writing its first byte."""
+    spec, item, c = slot.spec, slot.spec.itemsize, digest.TENSOR_CHUNK
+    nbytes = slot.end - slot.begin
+    data = tensor_bytes(local)
+    views: list[tuple[int, memoryview]] = []
+    for g, lo, n in block_runs(spec.shape, tuple(local.shape), tuple(offset)):
+        a, b, m = g * item, (g + n) * item, lo * item  # the run's tensor bytes [a, b), at m in data
+        j = -(-a // c)  # the first chunk starting in the run
+        while j * c < b:
+            end = min((j + 1) * c, nbytes)
+            if end <= b:
+                views.append((j, data[m + j * c - a : m + end - a]))
+            else:
+                back.append((spec.fqn, j, slot.begin + j * c, slot.begin + end))
+            j += 1
+    pool = threads.pool("hash", 1) if threads.cpus() >= 2 and views else None
+
+    def hash_views() -> list[tuple[int, bytes]]:
+        return [(j, xxhash.xxh3_128_digest(v)) for j, v in views]
+
+    if pool is None:
+        w.write(slot, local, offset)
+        got.extend(hash_views())
+        return
+    hashed = pool.submit(hash_views)  # xxhash releases the GIL
+    try:
+        w.write(slot, local, offset)
+    finally:
+        ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
+    got.extend(hashed.result())
+
+
+def _read_back_chunks(staging_dir: str, back: Mapping[str, list]) -> dict[str, list[tuple[int, bytes]]]:
+    """Digests of the chunks in ``back`` (``{file: [(fqn, chunk index, begin, end)]}``), read back
+    from the staged files with ``preadv`` (never through a mapping: a file cut short fails here
+    rather than killing the process with SIGBUS), once every rank wrote them.
+
+    Raises:
+        OSError: a file ends before a chunk does (cut short) or cannot be read.
+    """
+    out: dict[str, list[tuple[int, bytes]]] = {}
+    buf = memoryview(bytearray(digest.TENSOR_CHUNK))
+    for name, items in back.items():
+        fd = os.open(os.path.join(staging_dir, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for fqn, j, b, e in sorted(items, key=lambda x: x[2]):
+                view = buf[: e - b]
+                got = 0
+                while got < len(view):
+                    n = os.preadv(fd, [view[got:]], b + got)
+                    if n <= 0:
+                        raise OSError(f"{os.path.join(staging_dir, name)} ends before byte {e} of {fqn!r} (cut short?)")
+                    got += n
+                out.setdefault(fqn, []).append((j, xxhash.xxh3_128_digest(view)))
+        finally:
+            os.close(fd)
+    return out
+
+
+def _chunk_runs(chunks: Mapping[str, list[tuple[int, bytes]]]) -> dict[str, list[tuple[int, bytes]]]:
+    """``{fqn: [(first chunk index, concatenated digests of consecutive chunks)]}``: the chunk
+    digests of :func:`_write_chunked` packed for the gather."""
+    out: dict[str, list[tuple[int, bytes]]] = {}
+    for fqn, items in chunks.items():
+        runs: list[tuple[int, list[bytes]]] = []
+        for j, d in sorted(items):
+            if runs and runs[-1][0] + len(runs[-1][1]) == j:
+                runs[-1][1].append(d)
+            else:
+                runs.append((j, [d]))
+        out[fqn] = [(j, b"".join(ds)) for j, ds in runs]
+    return out
+
+
+def _joined_digest(fqn: str, runs: list[tuple[int, bytes]], nbytes: int) -> str:
+    """The tensor digest of ``fqn`` (``nbytes`` bytes) from every rank's runs of chunk digests
+    (:func:`_chunk_runs`); every chunk must be there exactly once."""
+    if nbytes == 0:
+        return digest.hexdigest(b"")
+    joined = b"".join(d for _, d in sorted(runs))
+    want = digest.chunk_count(nbytes, digest.TENSOR_CHUNK)
+    starts = sorted(runs)
+    if len(joined) != 16 * want or any(j != sum(len(d) for _, d in starts[:i]) // 16 for i, (j, _) in enumerate(starts)):
+        raise RuntimeError(f"{fqn!r}: the ranks hashed {len(joined) // 16} of its {want} digest chunks (a save bug)")
+    return joined.hex() if want == 1 else digest.hexdigest(joined)
 
 
 def _write_orders(file_names: Sequence[str], world: int) -> list[list[int]]:
@@ -756,75 +804,6 @@ def _walk_starts(file_names: Sequence[str], world: int) -> list[int]:
 
 def _walk(first: int, n: int) -> list[int]:
     return list(range(first, n)) + list(range(first))
-
-
-def _written_by_all(firsts: Sequence[int], n: int) -> list[int]:
-    """For each slot ``k`` of ``n``: how many slots every rank has walked (from its start in
-    ``firsts``) once all of them wrote ``k``: the largest position of ``k`` in any walk, plus one."""
-    if not n:
-        return []
-    k = np.arange(n, dtype=np.int64)
-    return (np.max((k[None, :] - np.asarray(firsts, dtype=np.int64)[:, None]) % n, axis=0) + 1).tolist()
-
-
-def _share_done(order, mine: list[tuple[int, int]], upto: int) -> dict:
-    """This rank's split tensors that every rank has written once each rank went ``upto`` slots
-    along its write order: ``{file: [(fqn, begin, end)]}``, taken off heap ``mine`` (``(slots
-    after which every rank wrote it, index into order)`` of each split tensor this rank hashes)."""
-    share: dict[str, list] = {}
-    while mine and mine[0][0] <= upto:
-        _, _, f, _, slot = order[heapq.heappop(mine)[1]]
-        share.setdefault(f.name, []).append((slot.spec.fqn, slot.begin, slot.end))
-    return share
-
-
-_GROUP_BYTES = 128 << 20  # bytes of the write order per hashing group (one collective each)
-_MAX_GROUPS = 16
-
-
-def _hash_groups(sizes: Sequence[int], world: int) -> tuple[list[int], set[int]]:
-    """From the byte sizes of the slots in write order (the same on every rank): the rank that
-    hashes each slot if it is a split tensor (the rank whose run of ``world`` runs of about equal
-    bytes holds the slot's middle byte), and the group boundaries (indices ``k``: a group ends
-    before slot ``k``), cutting the order into groups of about :data:`_GROUP_BYTES`.
-
-    Why groups: writes of several ranks into one file are serialized by the kernel (one inode
-    lock; on tmpfs the writes are the save), so while one rank copies, the others wait; a group's
-    split tensors, hashed back on a thread once every rank wrote the group, use that time instead
-    of following the writes (issue 35)."""
-    total = sum(sizes)
-    n = max(1, min(_MAX_GROUPS, total // _GROUP_BYTES))
-    owners: list[int] = []
-    bounds: set[int] = set()
-    done, g = 0, 1
-    for k, size in enumerate(sizes):
-        owners.append(min(world - 1, (2 * done + size) * world // (2 * total)) if total else 0)
-        done += size
-        if g < n and done * n >= g * total:
-            bounds.add(k + 1)
-            while g < n and done * n >= g * total:
-                g += 1
-    bounds.discard(len(sizes))  # the last group ends at the writing check
-    return owners, bounds
-
-
-_FROM_MEMORY = 1 << 20  # runs this large are hashed from the writer's memory (smaller: read back)
-
-
-def _hash_back(staging_dir: str, share: Mapping[str, list], kept: Mapping[str, list]) -> dict[str, str]:
-    """Digests of this rank's share of the split tensors (``{file: [(fqn, begin, end)]}``): the
-    runs this rank wrote (``kept``) from its memory, the other ranks' bytes read back."""
-    out: dict[str, str] = {}
-    buf = memoryview(bytearray(_FROM_MEMORY))
-    for name, spans in share.items():
-        fd = os.open(os.path.join(staging_dir, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            for fqn, b, e in spans:
-                mine = sorted(((o, v) for o, v in kept.get(fqn, ()) if b <= o and o + len(v) <= e), key=lambda r: r[0])
-                out[fqn] = hash_back(fd, b, e, mine, buf)
-        finally:
-            os.close(fd)
-    return out
 
 
 def _base(lay: Layout, f) -> int:

@@ -96,7 +96,7 @@ def verify(
     every file's header, offsets and dtypes, the index against the files (every indexed tensor
     in its file, no duplicates, sizes, ``total_size``), the index's own digest, and each file's
     byte size and digests against ``metadata.fqnckpt.files``, ``extra_state.json`` and every
-    per-rank extra-state file it lists (schema, digest, rank) (format version 2: xxh3-128 of the
+    per-rank extra-state file it lists (schema, digest, rank) (format versions 2 and 3: xxh3-128 of the
     header and of each tensor, see :mod:`checkpoint.storage.digest`; version 1: sha256 per file). An index without that block (e.g. transformers'
     ``save_pretrained``) is checked for structure, with a note that it is not checksummed. Any
     other format fqnckpt reads (``torch.save`` pickles, DCP) has no checksums: every tensor is

@@ -1,6 +1,7 @@
-"""Integrity digests (format version 2: xxh3-128 per tensor, header and index; version 1: sha256
-per file): one flipped byte anywhere is found, per-tensor digests do not depend on the layout, and
-checkpoints of the previous format version still verify."""
+"""Integrity digests (format version 3: xxh3-128 per tensor, chunked above 1 MiB, header and
+index; version 2: plain xxh3-128 per tensor; version 1: sha256 per file): one flipped byte anywhere
+is found, per-tensor digests do not depend on the layout, and checkpoints of the previous format
+versions still verify."""
 
 from __future__ import annotations
 
@@ -29,6 +30,40 @@ def state() -> dict[str, torch.Tensor]:
     }
 
 
+def v3_digest(b: bytes, chunk: int = 1 << 20) -> str:
+    """The oracle of format version 3's tensor digest, from xxhash itself: plain xxh3-128 up to
+    ``chunk`` bytes, else xxh3-128 of the chunks' 16-byte digests."""
+    import xxhash
+
+    if len(b) <= chunk:
+        return xxhash.xxh3_128_hexdigest(b)
+    return xxhash.xxh3_128_hexdigest(b"".join(xxhash.xxh3_128_digest(b[i : i + chunk]) for i in range(0, len(b), chunk)))
+
+
+def tbytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_chunked_digest_equals_the_oracle_however_fed():
+    rnd = __import__("random").Random(1)
+    for n in (0, 1, 99, 100, 101, 199, 200, 201, 1234):
+        b = rnd.randbytes(n)
+        assert digest.tensor_hexdigest(b, 100) == v3_digest(b, 100)
+        assert digest.tensor_hexdigest(b, None) == digest.hexdigest(b)  # version 2
+        for _ in range(10):
+            h, pos = digest.tensor_hasher(100), 0
+            while pos < n:
+                k = rnd.choice([1, 3, 99, 100, 101, 250])
+                h.update(memoryview(b)[pos : pos + k])
+                pos += k
+            assert h.hexdigest() == v3_digest(b, 100)
+        # a flipped bit anywhere changes it
+        for i in {0, n // 2, 99, 100, n - 1} & set(range(n)):
+            c = bytearray(b)
+            c[i] ^= 0x10
+            assert digest.tensor_hexdigest(bytes(c), 100) != digest.tensor_hexdigest(b, 100)
+
+
 def flipped(p, i: int, bit: int = 0x01) -> bytes:
     raw = p.read_bytes()
     b = bytearray(raw)
@@ -42,12 +77,11 @@ def test_digests_recorded_match_bytes_and_are_layout_independent(tmp_path):
     idx1 = checkpoint.save(sd, tmp_path / "one")
     idx2 = checkpoint.save(sd, tmp_path / "many", max_shard_size=64)
     meta1, meta2 = idx1.metadata.fqnckpt, idx2.metadata.fqnckpt
-    assert meta1.format_version == meta2.format_version == FORMAT_VERSION == 2
+    assert meta1.format_version == meta2.format_version == FORMAT_VERSION == 3
+    assert meta1.tensor_digest_chunk == digest.TENSOR_CHUNK == 1 << 20
     assert len(idx1.files()) == 1 and len(idx2.files()) > 2
-    want = {
-        k: digest.hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        for k, v in sd.items()
-    }
+    want = {k: v3_digest(tbytes(v)) for k, v in sd.items()}
+    assert want["c.big"] != digest.hexdigest(tbytes(sd["c.big"]))  # chunked: 1.2 MB
     assert meta1.tensor_digests() == meta2.tensor_digests() == want
     for idx, d in ((idx1, "one"), (idx2, "many")):
         rep = checkpoint.verify(tmp_path / d)
@@ -126,6 +160,7 @@ def _rewrite_as_version_1(root) -> dict[str, str]:
         meta["files"][name] = {"size": rec["size"], "sha256": shas[name]}
     meta["format_version"] = 1
     del meta["index_xxh3_128"]
+    del meta["tensor_digest_chunk"]
     with open(ip, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
     return shas
@@ -149,6 +184,62 @@ def test_previous_format_version_still_verifies(tmp_path):
     assert not rep.ok and rep.bad_files == [victim] and shas[victim] in rep.problems[0]
     with pytest.raises(ChecksumMismatchError, match=victim):
         checkpoint.load(state(), tmp_path / "ck", verify=True)
+
+
+def _rewrite_as_version_2(root, sd) -> None:
+    """Turn a checkpoint into what format version 2 wrote: plain xxh3-128 tensor digests (also
+    above 1 MiB), no ``tensor_digest_chunk``; file and index digests recomputed."""
+    from checkpoint.storage.format import IndexFile
+
+    ip = os.path.join(root, index_name())
+    data = json.loads(open(ip, "rb").read())
+    meta = data["metadata"]["fqnckpt"]
+    for name, rec in meta["files"].items():
+        rec["tensors"] = {k: digest.hexdigest(tbytes(sd[k])) for k in rec["tensors"]}
+        rec["digest"] = digest.combine(rec["header"], rec["tensors"].values())
+    meta["format_version"] = 2
+    del meta["tensor_digest_chunk"]
+    idx = IndexFile.model_validate(data)
+    with open(ip, "wb") as f:
+        f.write(idx.to_json_bytes())
+
+
+def test_version_2_checkpoints_still_verify_and_load_checked(tmp_path):
+    sd = state()
+    idx3 = checkpoint.save(sd, tmp_path / "ck", max_shard_size=64)
+    _rewrite_as_version_2(tmp_path / "ck", sd)
+    idx = read_index(str(tmp_path / "ck" / index_name()))
+    meta = idx.metadata.fqnckpt
+    assert meta.format_version == 2 and meta.tensor_digest_chunk is None
+    assert meta.tensor_digests()["c.big"] == digest.hexdigest(tbytes(sd["c.big"]))  # plain, as version 2 wrote
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert rep.ok, rep.problems
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    assert checkpoint.load(out, tmp_path / "ck").ok
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    victim = idx3.weight_map["c.big"]
+    flipped(tmp_path / "ck" / victim, -5)
+    rep = checkpoint.verify(tmp_path / "ck")
+    assert not rep.ok and rep.bad_files == [victim] and "['c.big']" in rep.problems[0]
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"c\.big") as e:
+        checkpoint.load({k: torch.empty_like(v) for k, v in sd.items()}, tmp_path / "ck")
+    assert victim in str(e.value)
+    with open_checkpoint(tmp_path / "ck") as rd, pytest.raises(checkpoint.CorruptCheckpointError, match=victim):
+        rd.get("c.big")
+
+
+def test_chunk_field_follows_the_format_version(tmp_path):
+    checkpoint.save(state(), tmp_path / "ck")
+    ip = tmp_path / "ck" / index_name()
+    good = ip.read_bytes()
+    for version, chunk in ((3, None), (2, 1 << 20)):
+        data = json.loads(good)
+        data["metadata"]["fqnckpt"]["format_version"] = version
+        if chunk is None:
+            del data["metadata"]["fqnckpt"]["tensor_digest_chunk"]
+        ip.write_text(json.dumps(data))
+        with pytest.raises(checkpoint.CorruptCheckpointError, match="tensor_digest_chunk"):
+            open_checkpoint(tmp_path / "ck")
 
 
 def test_version_1_index_with_version_2_records_is_refused(tmp_path):

@@ -377,14 +377,14 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
         assert all(torch.equal(rd.get(k), v) for k, v in ref.items())
         files = rd.files
     assert checkpoint.verify(path).ok and len(files) > 1
-    # Per-tensor digests (computed from one read-back after a distributed save) equal those of the
-    # tensors' bytes: the same in any layout or sharding.
+    # Per-tensor digests (each rank hashing the chunks in its own bytes, format version 3) equal
+    # those of the tensors' bytes: the same in any layout or sharding.
     with open_checkpoint(path) as rd:
         digests = rd.meta.tensor_digests()
     from checkpoint.storage import digest
 
     assert digests == {
-        k: digest.hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        k: digest.tensor_hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         for k, v in ref.items()
     }
     # Each byte written exactly once: bytes written over all ranks == bytes of all shard files.

@@ -376,7 +376,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
                     w.write(slot, local, offset)
                     n += local.numel() * local.element_size()
                     if tuple(local.shape) == slot.spec.shape:  # the whole tensor: hashed from memory
-                        whole = digest.hexdigest(tensor_bytes(local))
+                        whole = digest.tensor_hexdigest(tensor_bytes(local))
                 results.append(WriteResult(index=item.index, size_in_bytes=n,
                                            storage_data=Written(slot.file, slot.begin, slot.end, whole)))  # fmt: skip
         except OSError as e:

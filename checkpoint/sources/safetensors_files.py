@@ -34,9 +34,10 @@ class _FileReader:
     and tensor (a copy from ``safe_open``'s mapping would die by SIGBUS)."""
 
     def __init__(self, root: Path, files: dict[str, str], handles: dict[str, Any], spans: dict[str, tuple[int, int]], specs,
-                 digests: dict[str, str] | None = None):  # fmt: skip
+                 digests: dict[str, str] | None = None, digest_chunk: int | None = None):  # fmt: skip
         self.root, self.files, self.spans, self.specs = root, files, spans, specs
         self.digests = digests or {}  # an fqnckpt index's: whole reads are checked, as load's are
+        self.digest_chunk = digest_chunk
         self.handles = handles  # file -> safe_open handle, opened while reading the headers
         self.fds = {f: os.open(root / f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for f in handles}
 
@@ -52,7 +53,7 @@ class _FileReader:
         t = read_tensor(at, key, begin, spec.shape, spec.dtype)
         want = self.digests.get(key)
         if want is not None:  # a migration must not copy flipped bytes into a checkpoint it digests anew
-            check_tensor_digest(str(self.root / self.files[key]), key, tensor_bytes(t), want)
+            check_tensor_digest(str(self.root / self.files[key]), key, tensor_bytes(t), want, self.digest_chunk)
         return t
 
     def get_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
@@ -78,7 +79,7 @@ def open_safetensors_source(path: Path, window: int = DEFAULT_WINDOW) -> Source:
     index and headers, shared with ``fqnckpt inspect``'s torch-free path).
     """
     s = scan_safetensors(path, ST_TO_DTYPE, "pt")
-    reader = _FileReader(s.root, s.file_of, s.handles, s.spans, s.specs, s.digests)
+    reader = _FileReader(s.root, s.file_of, s.handles, s.spans, s.specs, s.digests, s.digest_chunk)
     src = Source(path if s.format == "safetensors" else s.root, s.format, s.files, s.specs, s.file_of, reader)
     src.notes.extend(s.notes)
     return src

@@ -93,7 +93,8 @@ class SafetensorsScan:
     handles: dict[str, Any]
     notes: list[str]
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> absolute [begin, end)
-    digests: dict[str, str] = field(default_factory=dict)  # key -> the index's xxh3-128 (fqnckpt v2)
+    digests: dict[str, str] = field(default_factory=dict)  # key -> the index's tensor digest (fqnckpt v2, v3)
+    digest_chunk: int | None = None  # the index's tensor_digest_chunk (v3; None: v2's plain xxh3-128)
 
 
 def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> SafetensorsScan:
@@ -152,23 +153,24 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
                 specs[key], file_of[key] = s, f
                 spans[key] = per_file[f][key]
     notes = [f"read the files named by {index_file.name} only"] if index_file is not None else []
-    digests = _recorded_digests(index.metadata) if index_file is not None else {}
-    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes, spans, digests)
+    digests, chunk = _recorded_digests(index.metadata) if index_file is not None else ({}, None)
+    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes, spans, digests, chunk)
 
 
-def _recorded_digests(metadata: dict[str, Any]) -> dict[str, str]:
-    """{key: xxh3-128 hex} of an fqnckpt index's ``metadata`` (format version 2), through the
-    index's own schema; {} for other indexes (a block that does not parse is reported by
-    ``verify``, which reads it with the checkpoint reader)."""
+def _recorded_digests(metadata: dict[str, Any]) -> tuple[dict[str, str], int | None]:
+    """({key: tensor digest hex}, tensor_digest_chunk) of an fqnckpt index's ``metadata`` (format
+    versions 2 and 3), through the index's own schema; ({}, None) for other indexes (a block that
+    does not parse is reported by ``verify``, which reads it with the checkpoint reader)."""
     from ..storage.format import FqnckptMeta
 
     block = metadata.get("fqnckpt") if isinstance(metadata, dict) else None
     if block is None:
-        return {}
+        return {}, None
     try:
-        return FqnckptMeta.model_validate(block).tensor_digests()
+        meta = FqnckptMeta.model_validate(block)
     except ValidationError:
-        return {}
+        return {}, None
+    return meta.tensor_digests(), meta.tensor_digest_chunk
 
 
 class _HeadersOnly:

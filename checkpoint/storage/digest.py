@@ -1,5 +1,5 @@
-"""Integrity digests of format version 2: xxh3-128 of each tensor's bytes, of each file's header,
-and of the index itself.
+"""Integrity digests of format versions 2 and 3: xxh3-128 of each tensor's bytes (version 3: in
+chunks above 1 MiB, see below), of each file's header, and of the index itself.
 
 Why xxh3-128 (measured on the 2-core development machine, 256 MiB buffer, one thread, heavily
 contended, median of 5): sha256 0.6 GB/s, zlib.crc32 1.5-1.8, blake3 2.3-2.5 (3.4 with threads),
@@ -16,6 +16,19 @@ bytes} and ``digest`` = :func:`combine` of those. The header fixes every tensor'
 the ranges cover the rest of the file, so every byte is covered. A tensor's digest does not depend
 on the file, offset or sharding it was saved with, so two checkpoints can be compared tensor by
 tensor. The index carries ``index_xxh3_128``, the digest of its own bytes with that value zeroed.
+
+Format version 3 (written now) changes one thing: a tensor of more than ``chunk`` bytes
+(``metadata.fqnckpt.tensor_digest_chunk``, :data:`TENSOR_CHUNK` = 1 MiB) is digested as xxh3-128
+of the concatenated 16-byte xxh3-128 digests of its consecutive ``chunk``-byte pieces (the last
+one shorter); a tensor of at most ``chunk`` bytes keeps version 2's plain digest
+(:func:`tensor_hexdigest`, :class:`ChunkedHasher`). Why: xxh3 cannot combine digests of parts, so
+with version 2 a tensor split over ranks (``Shard(0)``) had to be read back from the file and
+hashed by one rank after every rank wrote it (measured on 2 gloo ranks, 1 GiB on tmpfs: 0.10 s
+of CPU per rank on top of the raw write's 0.33 s, all of it the hashing and the reading back).
+With fixed chunks each rank hashes the chunks lying in its own bytes from its own memory while it
+writes them, and reads back only the at most two chunks per tensor and rank that straddle another
+rank's bytes. Still layout-independent (same digest whatever file, offset or sharding), every
+byte covered, any flipped byte changes its chunk's digest and so the tensor's.
 """
 
 from __future__ import annotations
@@ -37,6 +50,96 @@ INDEX_FIELD = "index_xxh3_128"
 
 hexdigest = xxhash.xxh3_128_hexdigest
 new = xxhash.xxh3_128
+TENSOR_CHUNK = 1 << 20  # format version 3's tensor digest chunk (bytes)
+
+
+def _bytes_view(data) -> memoryview:
+    v = data if isinstance(data, memoryview) else memoryview(data)
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+def tensor_hexdigest(data, chunk: int | None = 0) -> str:
+    """Digest of a tensor's row-major bytes ``data``: format version 3's chunked digest (see the
+    module docstring) with ``chunk``-byte chunks (0: :data:`TENSOR_CHUNK`, what saves write, read
+    when called), or version 2's plain xxh3-128 for ``chunk=None`` (and for any tensor of at most
+    ``chunk`` bytes: the two agree there)."""
+    chunk = chunk or TENSOR_CHUNK if chunk is not None else None
+    if chunk is None or len(data) <= chunk:
+        return hexdigest(data)
+    v = _bytes_view(data)
+    top = new()
+    for lo in range(0, len(v), chunk):
+        top.update(xxhash.xxh3_128_digest(v[lo : lo + chunk]))
+    return top.hexdigest()
+
+
+def combine_chunks(chunks: Sequence[bytes]) -> str:
+    """A format-version-3 tensor digest from the 16-byte digests of all its chunks, in order: what
+    :func:`tensor_hexdigest` returns for the tensor's bytes."""
+    if len(chunks) == 1:
+        return chunks[0].hex()  # at most one chunk: the plain digest
+    top = new()
+    for c in chunks:
+        top.update(c)
+    return top.hexdigest()
+
+
+def chunk_count(nbytes: int, chunk: int) -> int:
+    """Number of chunks of a tensor of ``nbytes`` bytes (one for an empty tensor)."""
+    return max(1, -(-nbytes // chunk))
+
+
+class ChunkedHasher:
+    """Streaming :func:`tensor_hexdigest` with ``chunk``-byte chunks: ``update`` with the tensor's
+    bytes in order (pieces of any size), then ``hexdigest``. Same interface as an ``xxhash``
+    hasher, so readers feed either."""
+
+    __slots__ = ("chunk", "top", "cur", "fill", "count", "first")
+
+    def __init__(self, chunk: int):
+        self.chunk, self.top, self.cur = chunk, new(), new()
+        self.fill = self.count = 0  # bytes in the current chunk; chunks finished
+        self.first = b""  # the first chunk's digest (the answer when it is the only one)
+
+    def update(self, data) -> None:
+        v = _bytes_view(data)
+        pos, n = 0, len(v)
+        while pos < n:
+            take = min(self.chunk - self.fill, n - pos)
+            if take == self.chunk:  # a whole chunk at once: no hasher state
+                d = xxhash.xxh3_128_digest(v[pos : pos + take])
+            else:
+                self.cur.update(v[pos : pos + take])
+                self.fill += take
+                pos += take
+                if self.fill < self.chunk:
+                    continue
+                d = self.cur.digest()
+                self.cur.reset()
+                self.fill = 0
+                take = 0
+            pos += take
+            if not self.count:
+                self.first = d
+            self.top.update(d)
+            self.count += 1
+
+    def hexdigest(self) -> str:
+        if self.count == 0:
+            return self.cur.hexdigest()
+        if self.count == 1 and self.fill == 0:
+            return self.first.hex()
+        if self.fill == 0:
+            return self.top.hexdigest()
+        top = self.top.copy()
+        top.update(self.cur.digest())
+        return top.hexdigest()
+
+
+def tensor_hasher(chunk: int | None = 0):
+    """A streaming hasher of a tensor's bytes for digests of chunk size ``chunk`` (0:
+    :data:`TENSOR_CHUNK`; None: format version 2's plain xxh3-128 hasher)."""
+    return new() if chunk is None else ChunkedHasher(chunk or TENSOR_CHUNK)
 
 
 class RunHashes:
@@ -48,12 +151,13 @@ class RunHashes:
     hashing the one before it, so no thread waits. A run read whole in one call (small tensors
     sharing one ``preadv``) is hashed view by view in one call each (no hasher object per
     tensor). Why: a load checked after all reads hashed every byte once more from memory on the
-    calling thread alone (checked load 0.80x of unchecked, 256 MiB warm cache)."""
+    calling thread alone (checked load 0.80x of unchecked, 256 MiB warm cache).
+    ``chunk``: the index's tensor digest chunk (format version 3), None for version 2."""
 
-    __slots__ = ("views", "wanted", "hashers", "digests", "starts", "total", "next", "pending", "busy", "lock")
+    __slots__ = ("views", "wanted", "chunk", "hashers", "digests", "starts", "total", "next", "pending", "busy", "lock")
 
-    def __init__(self, views: Sequence, wanted: Sequence[bool]):
-        self.views, self.wanted = views, wanted  # (byte views made when a first range is partial)
+    def __init__(self, views: Sequence, wanted: Sequence[bool], chunk: int | None = None):
+        self.views, self.wanted, self.chunk = views, wanted, chunk  # (byte views made when a first range is partial)
         self.hashers: list | None = None  # streaming hashers, made then too
         self.digests: list[str | None] = []
         self.starts: list[int] = []
@@ -65,7 +169,7 @@ class RunHashes:
         """Bytes ``[lo, hi)`` were read: hash them now if they come next (and every range waiting
         after them), else leave them to the thread hashing the range before."""
         if lo == 0 and hi == self.total and self.next == 0:  # the whole run at once
-            self.digests = [hexdigest(v) if w else None for v, w in zip(self.views, self.wanted)]
+            self.digests = [tensor_hexdigest(v, self.chunk) if w else None for v, w in zip(self.views, self.wanted)]
             self.next = hi
             return
         with self.lock:
@@ -79,7 +183,7 @@ class RunHashes:
                 for v in self.views:
                     self.starts.append(pos)
                     pos += len(v)
-                self.hashers = [new() if w else None for w in self.wanted]
+                self.hashers = [tensor_hasher(self.chunk) if w else None for w in self.wanted]
         done = None
         try:
             while True:
@@ -126,9 +230,10 @@ def combine(header: str, tensors: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
+def hash_file(path: str, chunk: int | None) -> tuple[int, str, dict[str, str]]:
     """Read shard file ``path`` once: ``(size, header digest, {tensor name: digest})``, tensors in
-    byte order. The header's own structure is validated elsewhere (``safe_open``); here a header
+    byte order, tensor digests with chunk size ``chunk`` (None: format version 2). The header's
+    own structure is validated elsewhere (``safe_open``); here a header
     that cannot be parsed yields no tensor digests (then they mismatch the index).
     """
     size = os.path.getsize(path)
@@ -153,12 +258,13 @@ def hash_file(path: str) -> tuple[int, str, dict[str, str]]:
         out: dict[str, str] = {}
         if not spans or size == base:
             return size, header, {k: hexdigest(b"") for b, e, k in spans if b == e}
-        out.update(_hash_ranges(f.fileno(), [(base + max(b, 0), min(base + e, size), k) for b, e, k in spans], size))
+        out.update(_hash_ranges(f.fileno(), [(base + max(b, 0), min(base + e, size), k) for b, e, k in spans], size, chunk))
     return size, header, out
 
 
-def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int) -> dict[str, str]:
-    """``{name: xxh3-128 of file bytes [begin, end)}`` for ``(begin, end, name)`` in byte order,
+def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int, chunk: int | None) -> dict[str, str]:
+    """``{name: tensor digest (chunk size ``chunk``) of file bytes [begin, end)}`` for
+    ``(begin, end, name)`` in byte order,
     read with ``preadv`` into one reused buffer, small ranges sharing one read. Not through a
     mapping: a file cut short while hashed (a checkpoint truncated or replaced under ``verify``)
     hashes what is there and mismatches, where a mapped read kills the process with SIGBUS."""
@@ -167,7 +273,7 @@ def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int) -> dict
     view = memoryview(buf)
     wlo = whi = 0  # file bytes [wlo, whi) are in buf
     for lo, hi, name in ranges:
-        h = new()
+        h = tensor_hasher(chunk)  # (0: TENSOR_CHUNK)
         while lo < hi:
             if not wlo <= lo < whi:
                 got = os.preadv(fd, [view], lo)
@@ -181,8 +287,8 @@ def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int) -> dict
     return out
 
 
-def hash_spans(path: str, spans: Iterable[tuple[str, int, int]]) -> dict[str, str]:
-    """``{name: xxh3-128 of bytes [begin, end) of file path}`` for each ``(name, begin, end)``,
+def hash_spans(path: str, spans: Iterable[tuple[str, int, int]], chunk: int | None = 0) -> dict[str, str]:
+    """``{name: tensor digest (chunk size ``chunk``) of bytes [begin, end) of file path}`` for each ``(name, begin, end)``,
     read with ``preadv`` (distributed saves: a tensor's bytes were written by several ranks, so one
     rank hashes it back from the page cache; never through a mapping, see :func:`_hash_ranges`).
 
@@ -200,7 +306,7 @@ def hash_spans(path: str, spans: Iterable[tuple[str, int, int]]) -> dict[str, st
                 out[name] = hexdigest(b"")
         todo = sorted((b, e, name) for name, b, e in spans if b < e)
         if todo:
-            out.update(_hash_ranges(f.fileno(), todo, size))
+            out.update(_hash_ranges(f.fileno(), todo, size, chunk))
     return out
 
 

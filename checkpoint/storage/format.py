@@ -6,10 +6,11 @@ The index follows Hugging Face's ``model.safetensors.index.json``
 ``metadata["fqnckpt"]`` (format version, per-file byte size and digests, alias groups, FQN map,
 optimizer param groups). Readers that do not know the block ignore it.
 
-Format versions: 1 recorded a sha256 per file (:class:`FileRecord`); 2 (written now) records
-xxh3-128 digests per tensor, per header and per file (:class:`FileRecordV2`) plus a digest of the
-index itself (see :mod:`checkpoint.storage.digest` for the scheme and the measurements behind it).
-Both verify.
+Format versions: 1 recorded a sha256 per file (:class:`FileRecord`); 2 records xxh3-128 digests
+per tensor, per header and per file (:class:`FileRecordV2`) plus a digest of the index itself; 3
+(written now) records the same, with each tensor of more than ``tensor_digest_chunk`` bytes
+digested in chunks of that size (so the ranks of a distributed save hash their own bytes; see
+:mod:`checkpoint.storage.digest` for the scheme and the measurements behind it). All verify.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fqn import FQNMapFile
 
 from . import digest as _digest
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MODEL_PREFIX = "model"
 OPTIMIZER_PREFIX = "optimizer"
 EXTRA_STATE_FILE = "extra_state.json"  # schema: checkpoint.storage.extra_state
@@ -55,9 +56,10 @@ _HEX128 = r"^[0-9a-f]{32}$"
 
 
 class FileRecordV2(BaseModel):
-    """One shard file, format version 2: ``size`` in bytes; xxh3-128 hex digests of the header
-    bytes ``[0, data_start)`` (``header``), of each tensor's bytes (``tensors``, by FQN, in byte
-    order) and ``digest`` = :func:`checkpoint.storage.digest.combine` of them."""
+    """One shard file, format versions 2 and 3: ``size`` in bytes; xxh3-128 hex digests of the
+    header bytes ``[0, data_start)`` (``header``), of each tensor's bytes (``tensors``, by FQN, in
+    byte order; version 3: :func:`checkpoint.storage.digest.tensor_hexdigest` with the index's
+    ``tensor_digest_chunk``) and ``digest`` = :func:`checkpoint.storage.digest.combine` of them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -97,7 +99,9 @@ class FqnckptMeta(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format_version: Literal[1, 2] = FORMAT_VERSION
+    format_version: Literal[1, 2, 3] = FORMAT_VERSION
+    # Version 3: bytes per chunk of a tensor's digest (checkpoint.storage.digest.tensor_hexdigest).
+    tensor_digest_chunk: int | None = Field(default=None, ge=1)
     files: dict[str, FileRecordV2 | FileRecord]
     alias_groups: list[Annotated[list[str], Field(min_length=2)]] = Field(default_factory=list)
     fqn_map: FQNMapFile | None = None
@@ -118,10 +122,16 @@ class FqnckptMeta(BaseModel):
                 )
         if self.format_version == 1 and self.index_xxh3_128 is not None:
             raise ValueError("index_xxh3_128 is not part of format version 1")
+        if (self.tensor_digest_chunk is None) != (self.format_version < 3):
+            raise ValueError(
+                f"tensor_digest_chunk is {'required by' if self.format_version >= 3 else 'not part of'} "
+                f"format version {self.format_version}"
+            )
         return self
 
     def tensor_digests(self) -> dict[str, str]:
-        """{FQN: xxh3-128 hex} over every file (empty for format version 1)."""
+        """{FQN: tensor digest hex} over every file (empty for format version 1; chunked per
+        :attr:`tensor_digest_chunk`)."""
         out: dict[str, str] = {}
         for rec in self.files.values():
             if isinstance(rec, FileRecordV2):

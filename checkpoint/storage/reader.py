@@ -109,9 +109,10 @@ class FileDigestCheck:
         )
 
 
-def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCheck:
+def check_file(path: str, rec: FileRecord | FileRecordV2 | None, chunk: int | None = None) -> FileDigestCheck:
     """Re-hash shard file ``path`` and compare it with its index record ``rec`` (None: nothing to
-    compare, sha256 reported). The problem text names the header or the tensors whose bytes changed."""
+    compare, sha256 reported); ``chunk``: the index's tensor digest chunk (format version 3, None
+    for version 2). The problem text names the header or the tensors whose bytes changed."""
     if not isinstance(rec, FileRecordV2):
         size, d = os.path.getsize(path), sha256_file(path)
         problem = None
@@ -120,7 +121,7 @@ def check_file(path: str, rec: FileRecord | FileRecordV2 | None) -> FileDigestCh
         elif rec is not None and d != rec.sha256:
             problem = "corrupted data"
         return FileDigestCheck(size, "sha256", d, {}, problem)
-    size, header, tensors = _digest.hash_file(path)
+    size, header, tensors = _digest.hash_file(path, chunk)
     return compare_record(rec, size, header, tensors)
 
 
@@ -185,6 +186,13 @@ class CheckpointReader:
         return self.index.metadata.fqnckpt if self.index is not None else None
 
     @property
+    def digest_chunk(self) -> int | None:
+        """Chunk size of the index's tensor digests (format version 3), None for version 2 (plain
+        xxh3-128) or without digests (:func:`checkpoint.storage.digest.tensor_hexdigest`)."""
+        meta = self.meta
+        return meta.tensor_digest_chunk if meta is not None else None
+
+    @property
     def alias_groups(self) -> list[list[str]]:
         return [list(g) for g in self.meta.alias_groups] if self.meta else []
 
@@ -225,7 +233,7 @@ class CheckpointReader:
             stats.bytes_read += t.numel() * t.element_size()
             return t
         # Hashed while it is read (pieces hashed from cache as they land: no second pass).
-        t, got = _tread.read_hashed(at, key, begin, spec.shape, spec.dtype)
+        t, got = _tread.read_hashed(at, key, begin, spec.shape, spec.dtype, self.digest_chunk)
         stats.bytes_read += t.numel() * t.element_size()
         self.check_digest(key, _Hashed(got))
         return t
@@ -256,7 +264,7 @@ class CheckpointReader:
         want = self.recorded_digest(key)
         if want is None or self._key_file[key] in self._verified:
             return  # no digest, or its whole file was checked already (load(verify=True))
-        check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want)
+        check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
 
     def copy_into(
         self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
@@ -285,7 +293,7 @@ class CheckpointReader:
             if not spec.shape and tuple(out.shape) == ():
                 out.copy_(self.get(key))  # 0-D: read whole and checked, then copied
                 return True
-            hasher = _digest.new()
+            hasher = _digest.tensor_hasher(self.digest_chunk)
         shape = spec.shape
         if len(shape) > 32:  # numpy (the block copies' byte views) holds 32 (1.x) / 64 dims; torch more
             shape, out, slices = _unit_dims_dropped(shape, out, slices)
@@ -421,7 +429,7 @@ class CheckpointReader:
                     if checked:
                         whole.append((key, view))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
-                        hashes = _digest.RunHashes([view], [True]) if checked else None
+                        hashes = _digest.RunHashes([view], [True], self.digest_chunk) if checked else None
                         if hashes is not None:
                             hashed[key] = (hashes, 0)
                         runs.append(
@@ -444,7 +452,7 @@ class CheckpointReader:
                     run = items[start:j]
                     hashes = None
                     if any(x[5] for x in run):  # hashed by the thread that read them, in its cache
-                        hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run])
+                        hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run], self.digest_chunk)
                         hashed.update((x[3], (hashes, i)) for i, x in enumerate(run) if x[5])
                     runs.append(
                         _pread.Run(
@@ -476,7 +484,7 @@ class CheckpointReader:
 
     def verify_file(self, name: str) -> str:
         """Re-hash shard ``name`` (one read); returns its file-level digest (xxh3-128 scheme of
-        format version 2, sha256 for version 1 or without fqnckpt metadata).
+        format versions 2 and 3, sha256 for version 1 or without fqnckpt metadata).
 
         Raises:
             ChecksumMismatchError: size, header or any tensor's digest differ from the index's
@@ -488,7 +496,7 @@ class CheckpointReader:
         path = os.path.join(self.root, name)
         src = self.held_path(name)
         rec = self.meta.files.get(name) if self.meta else None
-        check = check_file(src, rec)  # the file opened, even if a save replaced it since
+        check = check_file(src, rec, self.digest_chunk)  # the file opened, even if a save replaced it since
         if check.problem is not None:
             raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
         self._verified.add(name)
@@ -501,7 +509,7 @@ class CheckpointReader:
             raise ChecksumMismatchError(self.index_path, self.meta.index_xxh3_128 or "", problem)
 
     def verify_index(self) -> str | None:
-        """Problem with the index's own digest (format version 2), or None when it matches or the
+        """Problem with the index's own digest (format versions 2 and 3), or None when it matches or the
         index has none (older versions, foreign indexes)."""
         meta = self.meta
         if meta is None and self.index_path is not None:
@@ -514,7 +522,7 @@ class CheckpointReader:
         if meta is None or meta.format_version < 2:
             return None
         if meta.index_xxh3_128 is None:
-            return f"{self.index_path}: format version 2 index without {_digest.INDEX_FIELD}"
+            return f"{self.index_path}: format version {meta.format_version} index without {_digest.INDEX_FIELD}"
         raw = self._index_bytes()
         got = _digest.index_digest_of(raw, meta.index_xxh3_128)
         if got != meta.index_xxh3_128:
@@ -524,7 +532,7 @@ class CheckpointReader:
     def check_file(self, name: str) -> FileDigestCheck:
         """:func:`check_file` of shard ``name`` against its index record (one read of the file)."""
         rec = self.meta.files.get(name) if self.meta else None
-        return check_file(self.held_path(name), rec)
+        return check_file(self.held_path(name), rec, self.digest_chunk)
 
     def header_total(self, name: str) -> int:
         """Data bytes of every tensor in shard ``name``'s header (validated on open)."""
@@ -655,10 +663,11 @@ class CheckpointReader:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
 
 
-def check_tensor_digest(path: str, key: str, data: object, want: str) -> None:
-    """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, an ``xxhash`` hasher fed
-    every byte, or their hex digest) against ``want``, the index's xxh3-128 digest of ``key``
-    (file ``path``): the one check of every reader of fqnckpt checkpoints.
+def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int | None = None) -> None:
+    """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, a hasher of
+    :func:`~.digest.tensor_hasher` fed every byte, or their hex digest) against ``want``, the
+    index's digest of ``key`` (file ``path``; ``chunk``: the index's ``tensor_digest_chunk``,
+    None for format version 2): the one check of every reader of fqnckpt checkpoints.
 
     Raises:
         CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
@@ -666,7 +675,7 @@ def check_tensor_digest(path: str, key: str, data: object, want: str) -> None:
     if isinstance(data, str):  # a hex digest already taken
         got = data
     else:
-        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.hexdigest(data)
+        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.tensor_hexdigest(data, chunk)
     if got != want:
         raise CorruptCheckpointError(
             path,

@@ -238,7 +238,7 @@ class RemoteCheckpointReader(CheckpointReader):
         )
         tensors = {}
         for b, e, k in spans:
-            h = _digest.new()
+            h = _digest.tensor_hasher(self.digest_chunk)
             for lo in range(b, e, _VERIFY_CHUNK):
                 h.update(self.store.get_range(name, lo, min(e, lo + _VERIFY_CHUNK)))
             tensors[k] = h.hexdigest()

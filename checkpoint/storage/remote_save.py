@@ -49,7 +49,7 @@ class _ShardUpload:
         if slot.begin != self.pos:
             raise RuntimeError(f"{self.plan.name}: {slot.spec.fqn!r} planned at byte {slot.begin}, stream at {self.pos}")
         data = tensor_bytes(tensor)
-        h = digest.new()
+        h = digest.tensor_hasher()
         for lo in range(0, len(data), digest.CHUNK):
             piece = data[lo : lo + digest.CHUNK]
             h.update(piece)

@@ -768,8 +768,11 @@ def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
     return out
 
 
-def read_hashed(at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-    """:func:`read_tensor` and the xxh3-128 hex digest of the bytes read, hashed while the read
+def read_hashed(
+    at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype, chunk: int | None = None
+) -> tuple[torch.Tensor, str]:
+    """:func:`read_tensor` and the tensor digest (chunk size ``chunk``, see
+    :func:`~.digest.tensor_hexdigest`) of the bytes read, hashed while the read
     goes on: each piece hashed right after it landed, by the thread that read it, in file order
     (:class:`~.digest.RunHashes` on :func:`~.pread.read_runs`' pieces, as ``read_many`` does), so
     no second pass over the tensor from memory. Raises what :func:`read_tensor` raises."""
@@ -779,9 +782,9 @@ def read_hashed(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
     if not out.numel():
         return out, digest.hexdigest(b"")
     view = tensor_bytes(out)
-    hashes = digest.RunHashes([view], [True])
+    hashes = digest.RunHashes([view], [True], chunk)
     _pread.read_runs([_pread.Run(at.fd, [view], [key], begin, at.root, at.name, (out,), hashes.landed)])
-    return out, hashes.digest(0) if hashes.complete() else digest.hexdigest(view)
+    return out, hashes.digest(0) if hashes.complete() else digest.tensor_hexdigest(view, chunk)
 
 
 def copy_into(

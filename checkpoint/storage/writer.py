@@ -210,19 +210,6 @@ class BlockWriter:
     def write(self, slot: TensorSlot, local: torch.Tensor, offset: Sequence[int]) -> None:
         write_block(self.fd, slot, local, offset, self._wrote if self._on else None)
 
-    @staticmethod
-    def runs_in_memory(slot: TensorSlot, local: torch.Tensor, offset: Sequence[int], least: int):
-        """``(file offset, bytes)`` of each run of block ``local`` (as :meth:`write` wrote it) of at
-        least ``least`` bytes, viewing the block's own memory (the view keeps it alive): what a
-        rank can hash from memory instead of reading it back."""
-        data = tensor_bytes(local)
-        item = slot.spec.itemsize
-        return [
-            (slot.begin + g * item, data[lo * item : (lo + n) * item])
-            for g, lo, n in block_runs(slot.spec.shape, tuple(local.shape), tuple(offset))
-            if n * item >= least
-        ]
-
     def _wrote(self, begin: int, end: int) -> None:
         self._lo = begin if self._lo < 0 else min(self._lo, begin)
         self._hi = max(self._hi, end)
@@ -317,13 +304,13 @@ class SequentialFileWriter:
             if self._buf_len == 0:
                 self._buf_at = slot.begin
             self._buf_view[self._buf_len : self._buf_len + n] = data
-            self.tensor_digests[slot.spec.fqn] = digest.hexdigest(data)
+            self.tensor_digests[slot.spec.fqn] = digest.tensor_hexdigest(data)
             self._buf_len += n
         else:
             self._flush()
             pool = _hasher()
             # xxhash releases the GIL: the hash runs beside the pwrite of `data`.
-            hashed = pool.submit(digest.hexdigest, data) if pool is not None else None
+            hashed = pool.submit(digest.tensor_hexdigest, data) if pool is not None else None
             try:
                 for lo in range(0, n, self.PIECE):
                     pwrite_all(self.fd, data[lo : lo + self.PIECE], slot.begin + lo)
@@ -331,7 +318,7 @@ class SequentialFileWriter:
             finally:
                 # Waited for on every exit path, Ctrl-C included: the hash reads the caller's tensor.
                 ownership.settle([hashed])
-            self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else digest.hexdigest(data)
+            self.tensor_digests[slot.spec.fqn] = hashed.result() if hashed is not None else digest.tensor_hexdigest(data)
         self._next += 1
 
     def _wrote(self, end: int) -> None:
@@ -368,32 +355,6 @@ class SequentialFileWriter:
             self.fd = -1
 
 
-def hash_back(fd: int, begin: int, end: int, in_memory: Sequence[tuple[int, memoryview]], buf: memoryview) -> str:
-    """xxh3-128 of file bytes ``[begin, end)`` of a distributed save's shard file, streamed in
-    order: the ranges this rank wrote from memory it still holds (``in_memory``: ``(file offset,
-    bytes)``, sorted, inside the range) are hashed from that memory, the rest read back with
-    ``preadv`` into ``buf`` (not through a mapping: see :func:`checkpoint.storage.digest.hash_spans`).
-    Equal to the digest of the bytes in the file once every rank's writes are done.
-
-    Raises:
-        OSError: the file ends before ``end`` (cut short) or cannot be read.
-    """
-    h = digest.new()
-    at = begin
-    for off, view in list(in_memory) + [(end, None)]:
-        while at < off:
-            piece = buf[: min(len(buf), off - at)]
-            got = os.preadv(fd, [piece], at)
-            if got <= 0:
-                raise OSError(f"shard file ends at {at}, before byte {off} (cut short?)")
-            h.update(piece[:got])
-            at += got
-        if view is not None:
-            h.update(view)
-            at = off + len(view)
-    return h.hexdigest()
-
-
 def distributed_record(plan: FilePlan, tensor_digests: dict[str, str]) -> FileRecordV2:
     """Format-version-2 record of a shard file of a distributed save: the header digest from the
     plan's header bytes (the ones written), tensor digests (any order) put in byte order."""
@@ -403,11 +364,3 @@ def distributed_record(plan: FilePlan, tensor_digests: dict[str, str]) -> FileRe
         size=plan.size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors
     )
 
-
-def file_record(path: str) -> FileRecordV2:
-    """Format-version-2 record of a finished shard file, read back once (distributed saves,
-    where no single rank saw every byte)."""
-    size, header, tensors = digest.hash_file(path)
-    return FileRecordV2(
-        size=size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors
-    )

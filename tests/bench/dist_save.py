@@ -65,9 +65,9 @@ def _instrument(phases: dict[str, float]) -> None:
     wrap(saving.dist, "all_gather_object", "exchanges")  # layout / extra-state check, checks
     wrap(saving, "create_shard_file", "create files")
     wrap(saving.BlockWriter, "write", "write")
-    wrap(saving, "_write_hashed", "write + hash from memory")
-    wrap(saving, "_hash_back", "hash back (thread)")
-    wrap(saving.dist, "any_true", "group barriers")
+    wrap(saving, "_write_hashed", "write + hash whole tensors")
+    wrap(saving, "_write_chunked", "write + hash own chunks")
+    wrap(saving, "_read_back_chunks", "read back straddling chunks (thread)")
     wrap(saving, "_write_indexes_and_commit", "index + commit")
     real_fsync = saving.os.fsync
 
@@ -152,12 +152,12 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
                 # ours with every rank writing the files in one order (before issue 35's rotation)
                 from checkpoint import saving
 
-                real = saving._write_orders
-                saving._write_orders = lambda names, world: [list(range(len(names)))] * world
+                real = saving._walk_starts
+                saving._walk_starts = lambda names, world: [0] * world
                 try:
                     checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size)
                 finally:
-                    saving._write_orders = real
+                    saving._walk_starts = real
 
             sides = {
                 "ours": lambda: checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size),
