@@ -57,6 +57,9 @@ def test_chunked_digest_equals_the_oracle_however_fed():
                 h.update(memoryview(b)[pos : pos + k])
                 pos += k
             assert h.hexdigest() == v3_digest(b, 100)
+        if n % 4 == 0 and n:  # a typed buffer (float32 items): its bytes count, not its items
+            typed = memoryview(__import__("numpy").frombuffer(b, dtype="float32"))
+            assert digest.tensor_hexdigest(typed, 100) == v3_digest(b, 100)
         # a flipped bit anywhere changes it
         for i in {0, n // 2, 99, 100, n - 1} & set(range(n)):
             c = bytearray(b)
@@ -355,3 +358,52 @@ def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatc
         with pytest.raises(CorruptCheckpointError, match="tensor 'w'"):
             checkpoint.load({"w": target()}, tmp_path / "ck")
         p.write_bytes(raw)
+
+
+def test_every_reader_checks_chunked_digests_of_large_tensors(tmp_path):
+    """Format version 3 (tensors above 1 MiB digested in chunks) through every reader that checks
+    digests: load (plain and converting targets), get, the migration source, migrate, DCP's
+    StorageReader, verify, and a memory:// checkpoint's remote reader; then one flipped byte in
+    the middle of the large tensor is refused by each, naming file and tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.dcp import StorageReader
+    from checkpoint.sources import open_source
+
+    sd = state()
+    ck = tmp_path / "ck"
+    checkpoint.save(sd, ck)
+    checkpoint.save(sd, "memory://fqnckpt-chunked-digest/ck")
+    big = sd["c.big"]
+
+    def readers():
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        yield "load", lambda: checkpoint.load(out, ck) and out["c.big"]
+        wide = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in sd.items()}
+        yield "load float64", lambda: checkpoint.load(wide, ck) and wide["c.big"].float()
+        yield "get", lambda: open_checkpoint(ck).get("c.big")
+        yield "migration source", lambda: open_source(ck).get("c.big")
+        target = {"c.big": torch.zeros_like(big)}
+        yield "dcp", lambda: dcp.load(target, storage_reader=StorageReader(str(ck)), no_dist=True) or target["c.big"]
+
+    for name, read in readers():
+        assert torch.equal(read(), big), name
+    assert checkpoint.verify(ck).ok and checkpoint.verify("memory://fqnckpt-chunked-digest/ck").ok
+    remote = {k: torch.zeros_like(v) for k, v in sd.items()}
+    assert checkpoint.load(remote, "memory://fqnckpt-chunked-digest/ck").ok and torch.equal(remote["c.big"], big)
+    checkpoint.migrate(ck, tmp_path / "out")
+    assert checkpoint.verify(tmp_path / "out").ok
+    name = read_index(str(ck / index_name())).weight_map["c.big"]
+    head = (ck / name).read_bytes()
+    n = 8 + int.from_bytes(head[:8], "little")
+    begin = json.loads(head[8:n])["c.big"]["data_offsets"][0]
+    flipped(ck / name, n + begin + (1 << 20) + 5)  # in the second chunk
+    for what, read in readers():
+        with pytest.raises(BaseException) as e:  # DCP wraps ours in a CheckpointException (a BaseException)
+            read()
+        text = str(e.value) + "".join(str(f) for f in getattr(e.value, "failures", {}).values())
+        assert "'c.big'" in text and name in text and "digest" in text, what
+    rep = checkpoint.verify(ck)
+    assert not rep.ok and "['c.big']" in rep.problems[0]
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"c\.big"):
+        checkpoint.migrate(ck, tmp_path / "out2")

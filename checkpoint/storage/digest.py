@@ -64,9 +64,11 @@ def tensor_hexdigest(data, chunk: int | None = 0) -> str:
     when called), or version 2's plain xxh3-128 for ``chunk=None`` (and for any tensor of at most
     ``chunk`` bytes: the two agree there)."""
     chunk = chunk or TENSOR_CHUNK if chunk is not None else None
-    if chunk is None or len(data) <= chunk:
+    if chunk is None:
         return hexdigest(data)
-    v = _bytes_view(data)
+    v = _bytes_view(data)  # (len() of a typed view counts items, not bytes)
+    if len(v) <= chunk:
+        return hexdigest(v)
     top = new()
     for lo in range(0, len(v), chunk):
         top.update(xxhash.xxh3_128_digest(v[lo : lo + chunk]))
