@@ -40,6 +40,7 @@ from typing_extensions import TypeAliasType
 from .errors import CheckpointError, CorruptCheckpointError
 from .state import Entry, ModuleState
 from .storage.format import OptimizerMeta, ParamGroup
+from .storage.limits import json_int_problem
 
 
 class OptimizerMismatchError(CheckpointError):
@@ -127,6 +128,9 @@ def encode_value(v: object, where: str, store: Callable[[str, torch.Tensor], Non
     if isinstance(v, (bool, str)):
         return v
     if isinstance(v, numbers.Integral):
+        why = json_int_problem(int(v))
+        if why is not None:
+            raise TypeError(f"{where} {why}")
         return int(v)
     if isinstance(v, float):
         if math.isfinite(v):

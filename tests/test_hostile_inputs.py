@@ -7,6 +7,7 @@ them. Bad input raises our error naming file and tensor (never a bare ``ValueErr
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -361,3 +362,34 @@ def test_remote_save_beside_a_dcp_metadata_object_is_refused(tmp_path):
     with pytest.raises(CheckpointExistsError, match=r"\['\.metadata'\] exist there"):
         checkpoint.save({"w": torch.ones(3)}, url, overwrite=True)
     assert names(url, None) == {".metadata"}
+
+
+# -- ints JSON side files cannot carry --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["extra_state", "optimizer"])
+def test_int_over_the_json_digit_limit_is_refused_before_anything_is_written(tmp_path, where):
+    """An int of more than 4300 decimal digits (Python's int / str conversion limit) in extra state
+    or an optimizer param group: ``save`` failed in ``json.dumps`` with a bare ``ValueError``
+    ("Exceeds the limit (4300 digits)"). Refused by name while encoding, the old checkpoint kept;
+    an int just under the limit round-trips."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = tmp_path / "ck"
+    checkpoint.save(model, ck, optimizer=opt, extra_state={"step": 1})
+    before = _tree(ck)
+    huge = -(10**5000)
+    if where == "optimizer":
+        opt.param_groups[0]["huge"] = huge
+        kwargs, needle = {"optimizer": opt}, "optimizer param group 0 'huge' is an int of 16610 bits"
+    else:
+        kwargs, needle = {"extra_state": {"big": {"x": [1, huge]}}}, "extra_state \"big['x'][1]\" is an int of 16610 bits"
+    with pytest.raises(TypeError, match=re.escape(needle) + ".*more than 4300 decimal digits"):
+        checkpoint.save(model, ck, overwrite=True, **kwargs)
+    assert _tree(ck) == before
+    fits = 10**4000
+    opt.param_groups[0]["huge"] = fits
+    checkpoint.save(model, ck, overwrite=True, optimizer=opt, extra_state={"big": fits})
+    back, es = torch.optim.SGD(model.parameters(), lr=0.5), {"big": None}
+    checkpoint.load(model, ck, optimizer=back, extra_state=es)
+    assert back.param_groups[0]["huge"] == fits and es["big"] == fits

@@ -44,6 +44,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from .format import EXTRA_STATE_FILE
 from .urls import is_url
+from .limits import json_int_problem
 from .st_header import shape_problem
 
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
@@ -202,6 +203,9 @@ def _encode(v: Any, where: str, depth: int = 0) -> _Node:
     if isinstance(v, bool):
         return BoolNode(value=v)
     if isinstance(v, int):
+        why = json_int_problem(int(v))
+        if why is not None:
+            raise TypeError(f"extra_state {where!r} {why}")
         return IntNode(value=int(v))
     if isinstance(v, float):
         return FloatNode(hex=float(v).hex())
@@ -372,7 +376,10 @@ def _parse_checked(path: str, raw: bytes) -> ExtraStateFile:
         doc = ExtraStateFile.model_validate_json(raw)
     except (ValidationError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(path, f"does not follow the extra_state schema: {e}") from e
-    actual = _digest(doc.entries, doc.per_rank, doc.rank)
+    try:
+        actual = _digest(doc.entries, doc.per_rank, doc.rank)
+    except ValueError as e:  # an int over Python's int / str conversion limit (json.dumps refuses it)
+        raise CorruptCheckpointError(path, f"does not follow the extra_state schema: {e}") from e
     if actual != doc.sha256:
         raise ChecksumMismatchError(path, doc.sha256, actual)
     return doc

@@ -27,6 +27,27 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors/src/tensor.rs MAX_HEADER_SIZE
 RESERVED_NAME = "__metadata__"
 
 
+def json_int_problem(v: int) -> str | None:
+    """Why int ``v`` cannot be written as a JSON number (side files: extra state, optimizer
+    values), or None: its decimal form is over Python's int / str conversion limit
+    (``sys.get_int_max_str_digits()``, 4300 digits by default), so ``json.dumps`` raises a bare
+    ``ValueError`` (and readers could not parse it back). Cheap: the conversion is tried only
+    near the limit."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    if not limit or v.bit_length() <= 3 * limit:  # 3 bits < 1 decimal digit: below this it fits
+        return None
+    try:
+        str(v)
+    except ValueError:
+        return (
+            f"is an int of {v.bit_length()} bits, more than {limit} decimal digits: over Python's int / str "
+            "conversion limit for JSON (sys.get_int_max_str_digits()); store it as bytes (int.to_bytes) or a str"
+        )
+    return None
+
+
 def check_name(name: Any, path: str = "") -> None:
     """Raise :class:`UnsavableError` unless ``name`` can be a tensor name in a safetensors header.
 
