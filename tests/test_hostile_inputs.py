@@ -7,6 +7,7 @@ them. Bad input raises our error naming file and tensor (never a bare ``ValueErr
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 
@@ -393,3 +394,37 @@ def test_int_over_the_json_digit_limit_is_refused_before_anything_is_written(tmp
     back, es = torch.optim.SGD(model.parameters(), lr=0.5), {"big": None}
     checkpoint.load(model, ck, optimizer=back, extra_state=es)
     assert back.param_groups[0]["huge"] == fits and es["big"] == fits
+
+
+# -- a file rewritten in place while verify reads it -------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["header", "cut"])
+def test_verify_of_a_file_rewritten_in_place_reports_it(tmp_path, monkeypatch, capsys, change):
+    """A shard rewritten in place (same inode) after ``verify`` opened the checkpoint: verify
+    re-parsed the header to total its tensors and died with ``ExternalError: verifying failed:
+    JSONDecodeError`` (or ``struct.error`` on a cut file), naming no file. The totals come from the
+    header validated on open; the digests name the file and what changed."""
+    from checkpoint.storage import reader as R
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"a": torch.ones(4), "b": torch.zeros(2)}, ck)
+    (shard,) = [p for p in ck.iterdir() if p.suffix == ".safetensors"]
+    real = R.CheckpointReader.check_file
+
+    def rewritten(self, name):
+        if change == "header":
+            with open(shard, "r+b") as f:
+                f.seek(8)
+                f.write(b"garbage!")
+        else:
+            os.truncate(shard, 3)
+        return real(self, name)
+
+    monkeypatch.setattr(R.CheckpointReader, "check_file", rewritten)
+    report = checkpoint.verify(ck)
+    assert not report.ok
+    (problem,) = report.problems
+    assert problem.startswith(f"{shard}: xxh3_128 ") and "header bytes changed" in problem, problem
+    assert ("size 3 bytes, index says" in problem) == (change == "cut")
+    assert cli_main(["verify", str(ck)]) == 1 and "not a valid safetensors file" in capsys.readouterr().out  # damaged by now

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import os
 import struct
@@ -178,6 +177,7 @@ class CheckpointReader:
         self._spec_objs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
         self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
+        self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
 
     # -- lookups ------------------------------------------------------------------------------
     @property
@@ -535,11 +535,10 @@ class CheckpointReader:
         return check_file(self.held_path(name), rec, self.digest_chunk)
 
     def header_total(self, name: str) -> int:
-        """Data bytes of every tensor in shard ``name``'s header (validated on open)."""
-        with open(self.held_path(name), "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            head = json.loads(f.read(n))
-        return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__")
+        """Data bytes of every tensor in shard ``name``'s header, as validated on open (not read
+        again: a file rewritten in place since must not fail ``verify`` with a bare parse error;
+        its digests say it changed)."""
+        return self._totals[name]
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
@@ -615,16 +614,19 @@ class CheckpointReader:
         specs, spans = self._specs, self._spans
         for name in self.files:
             h, head, data_start = self._open_file(name)
+            total = 0
             for k, v in head.items():  # one pass, few lookups: headers hold 10^4-10^5 tensors
                 if k == "__metadata__":
                     continue
+                b, e = v["data_offsets"]
+                total += e - b
                 first = in_file.setdefault(k, name)
                 if first != name:
                     dups.setdefault(k, [first]).append(name)
                     continue
                 specs[k] = (tuple(v["shape"]), v["dtype"])
-                b, e = v["data_offsets"]
                 spans[k] = (data_start + b, data_start + e)
+            self._totals[name] = total
         if dups:
             k = next(k for k in in_file if k in dups)
             raise DuplicateTensorError(k, dups[k])
