@@ -443,3 +443,35 @@ def test_checked_converting_read_hashes_pieces_landing_out_of_order(tmp_path, mo
     assert order.next == len(order.jobs) > 10 and sorted(landed) == list(range(len(order.jobs)))
     assert landed != sorted(landed), "no piece landed out of order: the test proves nothing"
     assert order.made <= 2 * 3
+
+
+def test_a_new_tensor_read_whole_has_its_pages_populated_first(tmp_path, monkeypatch):
+    """``get`` reads into a new tensor: each piece's pages are faulted in by one
+    ``MADV_POPULATE_WRITE`` before its ``preadv`` (every byte of the tensor covered, values
+    exact); a load into the caller's tensors populates nothing; ``populate`` maps the pages of
+    fresh anonymous memory and skips memory already mapped."""
+    import ctypes
+    import mmap
+
+    monkeypatch.setattr(pread, "PIECE", 1 << 20)
+    g = torch.Generator().manual_seed(4)
+    sd = {"w": torch.randn(1024, 1024, generator=g)}  # 4 MiB: 4 pieces
+    checkpoint.save(sd, tmp_path / "ck")
+    seen, real = [], pread.populate
+    monkeypatch.setattr(pread, "populate", lambda v: seen.append(len(v)) or real(v))
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        assert torch.equal(r.get("w"), sd["w"])
+        assert sum(seen) == sd["w"].nbytes and len(seen) == 4
+        seen.clear()
+        out = torch.zeros(1024, 1024)
+        checkpoint.load({"w": out}, tmp_path / "ck")
+        assert torch.equal(out, sd["w"]) and seen == []
+    if pread.libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)):
+        m = mmap.mmap(-1, 64 << 10)
+        view = memoryview(m)
+        page = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        assert not pread._resident(page)
+        real(view)
+        assert pread._resident(page) and m[:] == bytes(64 << 10)
+        del view, page
+        m.close()

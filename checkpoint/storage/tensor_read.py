@@ -140,14 +140,15 @@ def _direct(out: torch.Tensor, dtype: torch.dtype) -> bool:
     return out.dtype == dtype and out.is_cpu and out.is_contiguous() and not out.is_conj() and not out.is_neg()
 
 
-def _read_as(at: Where, key: str, offset: int, out: torch.Tensor, dtype: torch.dtype) -> None:
+def _read_as(at: Where, key: str, offset: int, out: torch.Tensor, dtype: torch.dtype, fresh: bool = False) -> None:
     """Stored bytes (``dtype``, ``out``'s shape) at ``offset`` into ``out``, any CPU tensor of
     that shape: straight into it when it is contiguous in ``dtype``, else one window at a time
-    through the scratch buffer and ``copy_`` (converting dtype, writing through strides)."""
+    through the scratch buffer and ``copy_`` (converting dtype, writing through strides).
+    ``fresh``: ``out`` is new memory (its pages faulted in by each piece's reader first)."""
     if not out.numel():
         return
     if _direct(out, dtype):
-        _pread.read_runs([_pread.Run(at.fd, [tensor_bytes(out)], [key], offset, at.root, at.name, (out,))])
+        _pread.read_runs([_pread.Run(at.fd, [tensor_bytes(out)], [key], offset, at.root, at.name, (out,), fresh=fresh)])
         return
     shape = tuple(out.shape) or (1,)
     _fill(at, key, offset, shape, dtype, [(0, n) for n in shape], out if out.dim() else out.view(1))
@@ -764,7 +765,7 @@ def read_tensor(at: Where, key: str, begin: int, shape: Sequence[int], dtype: to
         LoadError: the read fails (tensor and file named).
     """
     out = _fresh(shape, dtype)
-    _read_as(at, key, begin, out, dtype)
+    _read_as(at, key, begin, out, dtype, fresh=True)
     return out
 
 
@@ -783,7 +784,7 @@ def read_hashed(
         return out, digest.hexdigest(b"")
     view = tensor_bytes(out)
     hashes = digest.RunHashes([view], [True], chunk)
-    _pread.read_runs([_pread.Run(at.fd, [view], [key], begin, at.root, at.name, (out,), hashes.landed)])
+    _pread.read_runs([_pread.Run(at.fd, [view], [key], begin, at.root, at.name, (out,), hashes.landed, True)])
     return out, hashes.digest(0) if hashes.complete() else digest.tensor_hexdigest(view, chunk)
 
 

@@ -7,7 +7,10 @@ against the former path (the code before issue 34, reconstructed): a reader's ``
 handle opened per load (a fresh mapping, faults counted, as each load's reader had) and
 ``get_tensor`` / ``get_slice`` of the same bytes, copied into the same warm targets. Not collected
 by pytest. Sides alternate order every round; ratios are reference / new time, median
-[min-max] over the rounds (>1: faster than before).
+[min-max] over the rounds (>1: faster than before). ``get`` three ways: + ``copy_`` into a warm
+target (the old side's tensor is a lazy mapped view: one pass against the new side's two, and
+unchecked against checked), then like with like: both sides returning a tensor of their own,
+both unchecked, then both checked against the index's xxh3-128 digest.
 
     flock /work/bench.lock python tests/bench/read_paths.py [--mib 256] [--rounds 7] [--only NAME] [--dir /tmp/...]
 """
@@ -22,11 +25,13 @@ import tempfile
 import time
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
+from checkpoint.storage.reader import CheckpointReader  # noqa: E402
 
 
 def main() -> None:
@@ -48,6 +53,21 @@ def main() -> None:
 
     def old(fn):  # the old path: each load's reader opened its own handle (a fresh mapping)
         return lambda: fn(safe_open(shard, framework="pt"))
+
+    due = CheckpointReader.recorded_digest
+
+    def unchecked(fn):  # as a checkpoint without digests
+        CheckpointReader.recorded_digest = lambda self, key: None
+        try:
+            return fn()
+        finally:
+            CheckpointReader.recorded_digest = due
+
+    def checked_copy(t, k):  # the old path plus the check the new one does
+        out = t.clone()
+        if xxhash.xxh3_128_hexdigest(out.numpy()) != r.recorded_digest(k):
+            raise AssertionError(k)
+        return out
 
     half = rows // 2
     # Each side copies its result into the same warm targets, as a load does (safetensors' tensors
@@ -76,9 +96,21 @@ def main() -> None:
             lambda: [r.copy_into(k, cols[k], [slice(0, rows), slice(0, 2048)]) for k in keys],
             old(lambda h: [cols[k].copy_(h.get_slice(k)[0:rows, 0:2048]) for k in keys]),
         ),
-        "get (whole)": (
+        # get + copy_: the old side's get_tensor is a lazy view of the mapping (no copy, no
+        # check), so this is one pass against two: what a caller copying a got tensor sees.
+        "get (whole) + copy_ (old: mapped view)": (
             lambda: [whole[k].copy_(r.get(k)) for k in keys],
             old(lambda h: [whole[k].copy_(h.get_tensor(k)) for k in keys]),
+        ),
+        # Like with like: both sides return tensors of their own (the old one copied out of
+        # the mapping), neither checked, then both checked (xxh3-128 of the stored bytes).
+        "get (whole) owned, unchecked": (
+            lambda: unchecked(lambda: [r.get(k) for k in keys]),
+            old(lambda h: [h.get_tensor(k).clone() for k in keys]),
+        ),
+        "get (whole) owned, checked": (
+            lambda: [r.get(k) for k in keys],
+            old(lambda h: [checked_copy(h.get_tensor(k), k) for k in keys]),
         ),
         "get_slice rows (Shard(0))": (
             lambda: [top[k].copy_(r.get_slice(k, [slice(0, half)])) for k in keys],
@@ -107,7 +139,7 @@ def main() -> None:
                 times[side] = time.perf_counter() - t0
                 del out
             ratios.append(times["ref"] / times["new"])
-        print(f"{name:32s} preadv / safe_open: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+        print(f"{name:40s} preadv / safe_open: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
               f" over {a.rounds} rounds, load avg {os.getloadavg()[0]:.1f}")
     r.close()
     import shutil
