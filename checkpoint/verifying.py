@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .atomic import read_view
@@ -163,8 +164,9 @@ def _verify_remote(store) -> VerifyReport:
     from .storage.remote_reader import remote_view
 
     report = VerifyReport(path=str(store))
-    with external_errors(str(store), what="verifying"), remote_view(store):
+    with external_errors(str(store), what="verifying"), contextlib.ExitStack() as held:
         try:
+            held.enter_context(remote_view(store))  # fetches and parses the model index: a problem too
             readers = [open_checkpoint(store)]
         except CheckpointNotFoundError:
             raise

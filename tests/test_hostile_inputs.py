@@ -428,3 +428,35 @@ def test_verify_of_a_file_rewritten_in_place_reports_it(tmp_path, monkeypatch, c
     assert problem.startswith(f"{shard}: xxh3_128 ") and "header bytes changed" in problem, problem
     assert ("size 3 bytes, index says" in problem) == (change == "cut")
     assert cli_main(["verify", str(ck)]) == 1 and "not a valid safetensors file" in capsys.readouterr().out  # damaged by now
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_index_number_over_the_digit_limit_is_corrupt(tmp_path, capsys, where):
+    """An index whose ``total_size`` has 5001 digits: ``json.loads`` raises a plain ``ValueError``
+    (Python's int / str limit), not ``JSONDecodeError``: ``open_checkpoint`` / ``load`` raised it
+    bare and ``verify`` / ``inspect`` wrapped it as "verifying failed"; a remote ``verify`` raised
+    on any index that does not parse instead of reporting it. Now the index is corrupt, by name,
+    on every reader (the migration source already said so through pydantic)."""
+    import fsspec
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"a": torch.ones(2)}, ck)
+    ip = ck / "model.safetensors.index.json"
+    raw = ip.read_text()
+    assert '"total_size": 8' in raw
+    ip.write_text(raw.replace('"total_size": 8', '"total_size": 1' + "0" * 5000))
+    url = str(ck)
+    if where == "memory":
+        url = f"memory://digits-{tmp_path.name}/ck"
+        for f in ck.iterdir():
+            fsspec.filesystem("memory").pipe(url.removeprefix("memory:/") + "/" + f.name, f.read_bytes())
+    refused = r"model\.safetensors\.index\.json.*index is not JSON: Exceeds the limit \(4300 digits\)"
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        checkpoint.open_checkpoint(url)
+    target = {"a": torch.zeros(2)}
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        checkpoint.load(target, url)
+    assert torch.equal(target["a"], torch.zeros(2))
+    report = checkpoint.verify(url)
+    assert not report.ok and any("index is not JSON" in p for p in report.problems), report.problems
+    assert cli_main(["inspect", url]) == 2 and "index is not JSON" in capsys.readouterr().err

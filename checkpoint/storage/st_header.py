@@ -312,7 +312,7 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, "is a git-lfs pointer file, not the index: run `git lfs pull`")
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting
+    except (ValueError, RecursionError) as e:  # not UTF-8 / JSON, an int over Python's 4300 digits; nesting
         raise CorruptCheckpointError(path, f"index is not JSON: {e}") from e
     try:
         return IndexFile.model_validate(data)
