@@ -460,3 +460,28 @@ def test_index_number_over_the_digit_limit_is_corrupt(tmp_path, capsys, where):
     report = checkpoint.verify(url)
     assert not report.ok and any("index is not JSON" in p for p in report.problems), report.problems
     assert cli_main(["inspect", url]) == 2 and "index is not JSON" in capsys.readouterr().err
+
+
+def test_remote_object_cut_after_open_names_file_and_tensor(tmp_path):
+    """An object of a remote checkpoint replaced by a shorter one after it was opened: a block
+    read in several ranged GETs (a column block: spread runs) assigned the short reply into the
+    target and raised a bare ``ValueError: memoryview assignment``; the other reads said "object
+    ends early" without the tensor. Every read names file and tensor now."""
+    import fsspec
+    from safetensors.torch import save as st_save
+
+    fs = fsspec.filesystem("memory")
+    where = f"/cut-{tmp_path.name}"
+    whole = st_save({"m": torch.ones(256, 256), "z": torch.ones(10)})
+    fs.pipe(f"{where}/model.safetensors", whole)
+    r = checkpoint.open_checkpoint(f"memory:/{where}")
+    fs.pipe(f"{where}/model.safetensors", whole[: len(whole) // 2])
+    named = rf"memory:/{where}/model\.safetensors: tensor '(m|z)': object ends early"
+    for read in (
+        lambda: r.get_slice("m", [slice(0, 256), slice(0, 2)]),  # 256 spread runs: concurrent ranged GETs
+        lambda: r.get_slice("m", [slice(200, 256)]),
+        lambda: r.get("m"),
+        lambda: r.get("z"),
+    ):
+        with pytest.raises(CorruptCheckpointError, match=named):
+            read()

@@ -150,6 +150,11 @@ class RemoteCheckpointReader(CheckpointReader):
             self._fill_spans(dst, name, spans)
         except LoadError as e:
             raise LoadError(key, e.file, str(e).split(" failed: ", 1)[-1]) from None
+        except CorruptCheckpointError as e:
+            if e.key is not None:
+                raise
+            why = str(e).removeprefix(f"{e.file}: ")
+            raise CorruptCheckpointError(e.file, f"tensor {key!r}: {why} (changed or cut since it was opened?)", key=key) from None
 
     def expect(self, keys: Sequence[str]) -> None:
         """Hint: whole tensors ``keys`` will be read in this order. They are then fetched ahead,
@@ -208,6 +213,8 @@ class RemoteCheckpointReader(CheckpointReader):
         else:
             at = 0
             for (b, e), data in zip(spans, self.store.get_ranges(name, spans)):
+                if len(data) != e - b:
+                    raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {e - b} bytes at {b})")
                 dst[at : at + e - b] = data
                 at += e - b
         stats.bytes_read += need
