@@ -319,23 +319,30 @@ def test_flipped_byte_found_in_every_piece_of_a_pooled_load(tmp_path, monkeypatc
         p.write_bytes(raw)
 
 
+@pytest.mark.parametrize("version", [3, 2])
 @pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D float64"])
-def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatch, kind):
+def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatch, kind, version):
     """A plain target read through ``copy_into`` (another dtype, or not contiguous: the bytes go
-    through pieces read, copied and hashed by several threads) is checked against the index's
+    through pieces read, copied and hashed by several threads: format 3's chunks hashed by each
+    piece's thread, format 2's plain digest fed in file order) is checked against the index's
     digest too: a flipped byte anywhere in the tensor (first and last byte, either side of every
     piece boundary, the middle) is a CorruptCheckpointError naming it (before round 5 a float64
     target loaded the flipped value silently; a 1-D one until the hashed pieces); the unflipped
     checkpoint loads exactly."""
     from checkpoint.errors import CorruptCheckpointError
     from checkpoint.storage import pread, tensor_read
+    from checkpoint.storage.reader import CheckpointReader
 
     monkeypatch.setattr(pread, "PIECE", 4096)  # many pieces, shared by threads
     monkeypatch.setattr(tensor_read, "CHUNK", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
     g = torch.Generator().manual_seed(2)
     sd = {"w": torch.randn(*((12480,) if kind.startswith("1-D") else (96, 130)), generator=g)}
+    if version == 3:
+        monkeypatch.setattr(digest, "TENSOR_CHUNK", 2048)  # pieces of 2 chunks, rows cut anywhere
     idx = checkpoint.save(sd, tmp_path / "ck")
+    if version == 2:  # the tensor is one chunk: its digest is version 2's; read as version 2
+        monkeypatch.setattr(CheckpointReader, "digest_chunk", property(lambda self: None))
     (name,) = idx.files()
     p = tmp_path / "ck" / name
     n = int.from_bytes(p.read_bytes()[:8], "little")
@@ -349,9 +356,11 @@ def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatc
     t = target()
     checkpoint.load({"w": t}, tmp_path / "ck")
     assert torch.equal(t, sd["w"].to(t.dtype))
-    row = 130 * 4 if sd["w"].dim() == 2 else 4
-    step = 4096 // row * row  # bytes of a piece (whole rows)
+    row = 130 * 4 if sd["w"].dim() == 2 and version == 2 else 4
+    step = 4096 // row * row  # bytes of a piece (whole rows in version 2)
     cuts = [c + d for c in range(b + step, e, step) for d in (-1, 0)]
+    if version == 3:
+        cuts += [c + d for c in range(b + 2048, e, 4096) for d in (-1, 0)]  # inside a piece, between chunks
     assert len(cuts) >= 20
     for at in (b, (b + e) // 2, e - 1, *cuts):
         raw = flipped(p, 8 + n + at)

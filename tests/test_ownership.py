@@ -238,16 +238,22 @@ def test_process_interrupted_mid_load_exits_cleanly(tmp_path):
     assert p.stdout.strip() in ("interrupted", "loaded"), p.stdout
 
 
-@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("check", [None, 3, 2])
 @pytest.mark.parametrize("raise_at", [0, 3])
 def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first(tmp_path, monkeypatch, raise_at, check):
     """Ctrl-C in the calling thread's own piece of a converting ``copy_into`` (pieces read and
-    copied by several threads; ``check``: also hashed in file order, threads waiting for a
-    buffer) or of a ``get`` hashed while read: no thread is still working when it raises, and
-    the target is never written afterwards."""
-    from checkpoint.storage import tensor_read
+    copied by several threads; ``check`` 3: each piece's digest chunks hashed by its thread;
+    ``check`` 2: a plain digest fed in file order, threads waiting for a buffer) or of a ``get``
+    hashed while read: no thread is still working when it raises, and the target is never
+    written afterwards."""
+    from checkpoint.storage import digest, tensor_read
+    from checkpoint.storage.reader import CheckpointReader
 
     monkeypatch.setattr(tensor_read, "CHUNK", 4096)
+    if check == 3:
+        monkeypatch.setattr(digest, "TENSOR_CHUNK", 4096)
+    if check == 2:  # (the tensor is one chunk: its digest is version 2's)
+        monkeypatch.setattr(CheckpointReader, "digest_chunk", property(lambda self: None))
     monkeypatch.setattr(pread, "PIECE", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
     monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
@@ -276,7 +282,7 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
     with checkpoint.open_checkpoint(tmp_path / "ck") as r:
         out = torch.zeros(64, 1024, dtype=torch.float64)
         with pytest.raises(KeyboardInterrupt):
-            r.copy_into("w", out, check=check)
+            r.copy_into("w", out, check=check is not None)
         assert state["active"] == 0, "a pool thread was still reading when copy_into raised"
         out.fill_(-1.0)
         time.sleep(0.08)  # longer than a pool thread's piece

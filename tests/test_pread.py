@@ -390,19 +390,23 @@ def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp
 
 @pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D", "columns", "3-D"])
 def test_checked_converting_read_hashes_pieces_landing_out_of_order(tmp_path, monkeypatch, kind):
-    """A checked converting or strided read (``copy_into(..., check=True)``): pieces read and
-    copied by the calling and pool threads, landing out of order (pool threads sleep a varying
-    time), are hashed in file order: the digest matches the index's, the values are exact, no
-    more than 2 piece buffers per thread are made, and every piece's raw bytes were hashed."""
+    """A checked converting or strided read (``copy_into(..., check=True)``) of a checkpoint whose
+    digests are plain xxh3-128 (format version 2: the tensor is at most one chunk, read as
+    version 2): pieces read and copied by the calling and pool threads, landing out of order
+    (pool threads sleep a varying time), are hashed in file order: the digest matches the
+    index's, the values are exact, no more than 2 piece buffers per thread are made, and every
+    piece's raw bytes were hashed."""
     import random
     import threading
 
     from checkpoint.storage import tensor_read
+    from checkpoint.storage.reader import CheckpointReader
 
     g = torch.Generator().manual_seed(11)
     shape = {"1-D": (30000,), "3-D": (4, 9, 300)}.get(kind, (96, 300))
     sd = {"w": torch.randn(*shape, generator=g)}
-    checkpoint.save(sd, tmp_path / "ck")
+    checkpoint.save(sd, tmp_path / "ck")  # one chunk: the plain digest
+    monkeypatch.setattr(CheckpointReader, "digest_chunk", property(lambda self: None))
     monkeypatch.setattr(tensor_read, "CHUNK", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
     rnd, real = random.Random(5), pread.pread_run
@@ -475,3 +479,63 @@ def test_a_new_tensor_read_whole_has_its_pages_populated_first(tmp_path, monkeyp
         assert pread._resident(page) and m[:] == bytes(64 << 10)
         del view, page
         m.close()
+
+
+@pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D", "columns", "3-D"])
+def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thread(tmp_path, monkeypatch, kind):
+    """Format version 3 (digests of fixed chunks): a checked converting or strided read cuts
+    the tensor into pieces of whole chunks (rows cut anywhere: 1200-byte rows in 8192-byte
+    pieces), each read, hashed and copied by the thread that took it, in any order (pool
+    threads sleep a varying time, the first piece lands last): exact values, bytes outside a
+    strided target untouched, the digest checked and equal to the index's, pieces taken by the
+    calling and pool threads."""
+    import random
+    import threading
+
+    from checkpoint.storage import digest, tensor_read
+
+    monkeypatch.setattr(digest, "TENSOR_CHUNK", 4096)
+    g = torch.Generator().manual_seed(12)
+    shape = {"1-D": (30001,), "3-D": (4, 9, 300)}.get(kind, (96, 300))
+    sd = {"w": torch.randn(*shape, generator=g)}
+    checkpoint.save(sd, tmp_path / "ck")
+    monkeypatch.setattr(tensor_read, "CHUNK", 8192)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    rnd, real = random.Random(6), pread.pread_run
+    seen = []
+
+    def pread_run(fd, views, keys, offset, *a):
+        if offset == first:
+            time.sleep(0.03)
+        elif threading.current_thread() is not threading.main_thread():
+            time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
+        n = real(fd, views, keys, offset, *a)
+        seen.append((offset, threading.current_thread().name))  # in the order pieces land
+        return n
+
+    monkeypatch.setattr(pread, "pread_run", pread_run)
+    want, slices = sd["w"], None
+    if kind == "columns":
+        slices = [slice(0, 96), slice(40, 260)]
+        want = want[:, 40:260]
+    if kind == "strided":
+        base = torch.full((*want.shape[:-1], 2 * want.shape[-1]), 7.0)
+        out = base[..., ::2]
+    else:
+        out = torch.zeros(want.shape, dtype=torch.bfloat16 if kind == "bfloat16" else torch.float64)
+    with checkpoint.open_checkpoint(tmp_path / "ck") as r:
+        assert r.digest_chunk == 4096
+        first = r._spans["w"][0]
+        checked = []
+        real_check = r.check_digest
+        r.check_digest = lambda key, data: checked.append(data.hexdigest()) or real_check(key, data)
+        assert r.copy_into("w", out, slices, check=True)
+        assert checked == [r.recorded_digest("w")]
+    assert torch.equal(out, want.to(out.dtype))
+    if kind == "strided":
+        assert bool((base[..., 1::2] == 7.0).all())
+    offsets = [o for o, _ in seen]
+    assert sorted(offsets) == list(range(first, first + sd["w"].nbytes, 8192))
+    assert offsets != sorted(offsets), "every piece landed in order: the test proves nothing"
+    names = {n for _, n in seen}
+    assert threading.main_thread().name in names and any(n.startswith("fqnckpt-read") for n in names)

@@ -126,6 +126,18 @@ class ChunkedHasher:
             self.top.update(d)
             self.count += 1
 
+    def add_chunks(self, digests: Sequence[bytes]) -> None:
+        """Feed the 16-byte digests of the next whole chunks (hashed elsewhere: by the threads
+        of a read, each chunk from its own memory, in any order), in order; the last may be the
+        tensor's shorter final chunk (then nothing may follow). Only at a chunk boundary."""
+        if self.fill:
+            raise ValueError("add_chunks inside a chunk")
+        for d in digests:
+            if not self.count:
+                self.first = d
+            self.top.update(d)
+            self.count += 1
+
     def hexdigest(self) -> str:
         if self.count == 0:
             return self.cur.hexdigest()

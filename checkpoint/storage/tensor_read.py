@@ -28,11 +28,15 @@ packed), each read into a thread's scratch and copied out by ``copy_`` on the sa
 the bytes are in its core's cache, the pieces shared by the calling thread and the read pool with
 each thread's ``copy_`` on that thread alone (:func:`_run_pieces`, :func:`_serial_copies`): the
 read of one piece overlaps the conversion of another. No intermediate tensor of the whole size.
-A checked read of such a target (the whole tensor, or every row of a column block) goes through
-the same pieces, each piece's raw bytes hashed in file order by the thread whose piece comes next
-while they are in cache, pieces landing early parked in their buffer until then (at most 2
-buffers per thread: :func:`_run_hashed`, :class:`_InOrder`); before, such reads went through one
-thread's window, hashed there (a 128 MiB float32 to float64 load 0.55x of the unchecked one).
+A checked read of such a target (the whole tensor, or every row of a column block) is shared by
+the threads too. Format 3 (digests of fixed chunks, :mod:`~.digest`): pieces of whole chunks,
+each read, hashed and copied by the thread that took it, in any order (:func:`_run_chunked`;
+rows cut anywhere, copied as row-major boxes: :func:`_boxes`). Format 2 (one plain digest):
+pieces of whole rows hashed in file order by the thread whose piece comes next, pieces landing
+early parked in their buffer until then (at most 2 buffers per thread: :func:`_run_hashed`,
+:class:`_InOrder`). Before, such reads went through one thread's window, hashed there: a 128 MiB
+float32 to float64 load 0.55x of the unchecked one; now 0.94x [0.57-1.23], a strided one 0.93x
+[0.83-1.11] (tests/bench/converting_load.py, 15 rotated rounds, load average 3-4).
 This is the package's one column-block read: ``get_slice``,
 ``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
 migrations). One ``pread`` per run (skipping the holes) was measured at ~3.7 us a call from
@@ -398,6 +402,9 @@ def _fill(
     if hasher is None and not dense and _direct(out, dtype):
         _scatter(at, key, begin, item, *_run_starts(shape, lens, starts), out)
         return
+    if hasher is not None and not _direct(out, dtype) and _chunk_of(hasher) and _hashed_pieces(shape, dtype, bounds):
+        _run_chunked(at, key, begin, shape, dtype, bounds, out, hasher)  # format 3: chunks in any order
+        return
     if not _direct(out, dtype) and (hasher is None or _hashed_pieces(shape, dtype, bounds)):
         # converting / strided: pieces shared by threads (hashed in file order when checked)
         jobs: list = []
@@ -697,6 +704,128 @@ def _run_hashed(at: Where, key: str, dtype: torch.dtype, jobs: list, hasher) -> 
         raise errors[0]
     if order.next != len(jobs):
         raise RuntimeError(f"tensor {key!r}: {len(jobs) - order.next} pieces of the read were not hashed")
+
+
+def _chunk_of(hasher) -> int | None:
+    """The chunk of a format-3 digest hasher not fed yet (:class:`~.digest.ChunkedHasher`: its
+    chunks can be hashed in any order), when a piece of whole chunks fits :data:`WINDOW`."""
+    from .digest import ChunkedHasher
+
+    if type(hasher) is ChunkedHasher and not hasher.count and not hasher.fill and hasher.chunk <= WINDOW:
+        return hasher.chunk
+    return None
+
+
+def _boxes(shape: Sequence[int], a: int, b: int):
+    """Elements ``[a, b)`` (row-major) of a tensor of ``shape`` as at most ``2 * ndim - 1``
+    boxes ``(start, lens)``, in order, each one consecutive range of the elements."""
+    if a >= b:
+        return
+    if len(shape) == 1:
+        yield (a,), (b - a,)
+        return
+    inner = math.prod(shape[1:])
+    r0, o0 = divmod(a, inner)
+    r1, o1 = divmod(b, inner)
+    if r0 == r1:
+        for st, ln in _boxes(shape[1:], o0, o1):
+            yield (r0, *st), (1, *ln)
+        return
+    if o0:
+        for st, ln in _boxes(shape[1:], o0, inner):
+            yield (r0, *st), (1, *ln)
+        r0 += 1
+    if r1 > r0:
+        yield (r0, *(0 for _ in shape[1:])), (r1 - r0, *shape[1:])
+    if o1:
+        for st, ln in _boxes(shape[1:], 0, o1):
+            yield (r1, *st), (1, *ln)
+
+
+def _run_chunked(
+    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
+    out: torch.Tensor, hasher,
+) -> None:
+    """A checked converting or strided read of a format-3 tensor (digest of ``c``-byte chunks,
+    :class:`~.digest.ChunkedHasher`): pieces of whole chunks (:data:`CHUNK` rounded to them)
+    shared by the calling thread and pool threads as in :func:`_run_pieces`; each thread reads
+    its piece into its scratch, hashes the piece's chunks there (in cache; each chunk's digest
+    stored at its index, so pieces need no order and no buffer waits), then copies the
+    block's part of each row-major box of the piece (:func:`_boxes`) into ``out``. The chunk
+    digests are fed to ``hasher`` in order at the end. Raises what :func:`~.pread.pread_run`
+    raises, or RuntimeError when a chunk was not hashed (a defect)."""
+    import xxhash
+
+    c = hasher.chunk
+    item = dtype.itemsize
+    total = math.prod(shape) * item
+    size = max(c, min(WINDOW, CHUNK) // c * c)  # piece bytes: whole chunks
+    digests: list = [None] * max(1, -(-total // c))
+    lo_b = [lo for lo, _ in bounds]
+    plan = []  # per piece: (offset, nbytes, first chunk, [(element offset in piece, lens, pick, target)])
+    for p0 in range(0, total, size):
+        p1 = min(total, p0 + size)
+        copies = []
+        for st, ln in _boxes(shape, p0 // item, p1 // item):
+            cut = [(max(s, lo), min(s + n, hi)) for s, n, (lo, hi) in zip(st, ln, bounds)]
+            if any(x >= y for x, y in cut):
+                continue  # no part of the block in this box (a column block's other columns)
+            pick = tuple((x - s, y - s) for (x, y), s in zip(cut, st))  # (slices are not hashable here)
+            dst = out[tuple(slice(x - lo, y - lo) for (x, y), lo in zip(cut, lo_b))]
+            flat = 0
+            for i, s in enumerate(st):
+                flat = flat * shape[i] + s
+            copies.append((flat - p0 // item, ln, None if all(y - x == n for (x, y), n in zip(cut, ln)) else pick, dst))
+        plan.append((begin + p0, p1 - p0, p0 // c, copies))
+
+    def one(job, windows: dict, h) -> None:
+        pos, nbytes, first, copies = job
+        got = windows.get(nbytes)
+        if got is None:
+            buf = _scratch(nbytes)[:nbytes]
+            got = windows[nbytes] = (buf, memoryview(buf.numpy()))
+        buf, raw = got
+        _pread.pread_run(at.fd, [raw], [key], pos, at.root, at.name)
+        for i, lo in enumerate(range(0, nbytes, c)):
+            h.reset()
+            h.update(raw[lo : lo + c])  # (a hasher's update gives up the GIL; the one-shot function does not)
+            digests[first + i] = h.digest()
+        for eoff, ln, pick, dst in copies:
+            k = (nbytes, eoff, ln, pick)  # (nbytes: the views of that piece size's buffer)
+            win = windows.get(k)
+            if win is None:
+                win = buf[eoff * item : (eoff + math.prod(ln)) * item].view(dtype).view(ln)
+                win = windows[k] = win if pick is None else win[tuple(slice(x, y) for x, y in pick)]
+            dst.copy_(win)
+
+    errors: list[BaseException] = []
+    if len(plan) < 2 or _pread._THREADS == 1 or _omp() is None:
+        windows: dict = {}
+        h = xxhash.xxh3_128()
+        for job in plan:
+            one(job, windows, h)
+    else:
+        counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
+
+        def work(stop) -> None:
+            windows: dict = {}  # this thread's views of its scratch
+            h = xxhash.xxh3_128()
+            with _serial_copies():
+                while not errors and not stop.is_set():
+                    j = next(counter)
+                    if j >= len(plan):
+                        return
+                    try:
+                        one(plan[j], windows, h)
+                    except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
+                        errors.append(e)
+
+        ownership.share("read", _pread._THREADS, work, min(_pread._THREADS, len(plan)) - 1)
+    if errors:
+        raise errors[0]
+    if any(d is None for d in digests):
+        raise RuntimeError(f"tensor {key!r}: a chunk of the read was not hashed")
+    hasher.add_chunks(digests)
 
 
 @functools.cache
