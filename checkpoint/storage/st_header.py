@@ -173,7 +173,9 @@ def validate_header(raw: bytes, size: int, where: str, framework: str = "pt") ->
     sizes, offsets inside the data and covering it) on exactly these bytes, and the real file is
     never mapped: a mapping of a file cut short while in use kills the process with SIGBUS,
     which nothing in Python can catch. Returns the ``safe_open`` handle (of the copy: for keys
-    and metadata only; tensor bytes are read from the real file with ``preadv``).
+    and metadata only; tensor bytes are read from the real file with ``preadv``), opened with
+    ``framework="numpy"`` whatever ``framework`` says: "pt" maps the copy through torch privately
+    writable, which the kernel accounts, so a file larger than RAM + swap could not be opened.
 
     Raises:
         CorruptCheckpointError: safetensors rejects the bytes (names ``where``).
@@ -202,10 +204,18 @@ def validate_header(raw: bytes, size: int, where: str, framework: str = "pt") ->
                 except OSError:
                     pass  # private to this process either way
         try:
-            return safe_open(copy, framework=framework)
+            # "numpy" whatever ``framework``: the handle serves keys and metadata only, and "pt"
+            # maps the copy through torch privately writable, which the kernel accounts: a file
+            # larger than RAM + swap (a 64 GiB single-file checkpoint on a 23 GiB machine) failed
+            # with a bare "RuntimeError: unable to mmap ... Cannot allocate memory".
+            return safe_open(copy, framework="numpy")
         except (SafetensorError, OSError, ValueError) as e:
             raise CorruptCheckpointError(
                 where, f"not a valid safetensors file (bad or truncated header or offsets): {str(e).replace(copy, where)}"
+            ) from e
+        except (MemoryError, RuntimeError) as e:  # no address space for a mapping of ``size`` bytes
+            raise CorruptCheckpointError(
+                where, f"its header cannot be validated: a file of {size} bytes cannot be mapped in this process ({e})"
             ) from e
     finally:
         if fd >= 0:
