@@ -515,3 +515,44 @@ def test_single_file_larger_than_memory_opens(tmp_path, capsys):
         assert r.keys() == ["big"] and tuple(r.spec("big").shape) == (n // 4096, 4096)
         assert torch.equal(r.get_slice("big", [slice(3, 5)]), torch.zeros(2, 4096, dtype=torch.uint8))
     assert cli_main(["inspect", str(ck)]) == 0 and "big" not in capsys.readouterr().err
+
+
+# -- optimizer param groups naming a parameter twice -------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["same-params-other-lr", "in-two-groups", "twice-in-one"])
+def test_saved_param_groups_naming_a_parameter_twice_are_refused(tmp_path, damage):
+    """Saved param groups holding one parameter twice (an invalid optimizer state: torch's
+    ``add_param_group`` refuses it): two groups with the same parameters and other learning rates
+    collapsed into one lookup and the last silently won (lr 99 restored). Refused by name, model
+    and optimizer unchanged."""
+    import copy
+
+    from tests.snapshot import Snapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(1, 2)).sum().backward()
+    opt.step()
+    ck = tmp_path / "ck"
+    checkpoint.save(model, ck, optimizer=opt)
+    ip = ck / "optimizer.safetensors.index.json"
+    idx = json.loads(ip.read_text())
+    groups = idx["metadata"]["fqnckpt"]["optimizer"]["param_groups"]
+    other = copy.deepcopy(groups[0]) | {"lr": 99.0}
+    if damage == "in-two-groups":
+        other["params"] = ["weight"]
+    if damage == "twice-in-one":
+        groups[0]["params"] = ["weight", "weight", "bias"]
+    else:
+        groups.append(other)
+    del idx["metadata"]["fqnckpt"]["index_xxh3_128"]  # damaged, not re-digested
+    ip.write_text(json.dumps(idx))
+    target = torch.nn.Linear(2, 2)
+    topt = torch.optim.Adam(target.parameters(), lr=0.5)
+    snap = Snapshot(target, topt)
+    needle = "param group 0 names 'weight' twice" if damage == "twice-in-one" else "param groups 0 and 1 both hold 'weight'"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{ip}: saved optimizer {needle}")):
+        checkpoint.load(target, ck, optimizer=topt)
+    snap.assert_unchanged()

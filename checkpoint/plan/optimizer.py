@@ -166,6 +166,14 @@ def plan_optimizer(
         n = aliases.get(n, n)
         return by_name[n].fqn if n in by_name else n
 
+    held_by: dict[str, int] = {}  # a parameter is in one group once (torch's add_param_group rule)
+    for gi, (fqns, _) in enumerate(saved.groups):
+        for n in fqns:
+            first = held_by.get(canon(n))
+            if first is not None:
+                twice = f"group {gi} names {n!r} twice" if first == gi else f"groups {first} and {gi} both hold {n!r}"
+                raise CorruptCheckpointError(where, f"saved optimizer param {twice}: a parameter belongs to one group, once")
+            held_by[canon(n)] = gi
     saved_groups = {frozenset(canon(n) for n in fqns): (fqns, hyper) for fqns, hyper in saved.groups}
     state_values = {canon(f): d for f, d in saved.values.items()}
     per_param = {canon(f): d for f, d in saved.tensors.items()}
