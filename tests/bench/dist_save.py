@@ -29,7 +29,8 @@ previous step's pages is not part of a save) and after ``os.sync()``:
 Goals: ours >= 1.0x ``dcp`` and >= 0.9x ``raw`` (ratios are reference time / our time per round,
 printed as median [range] over rounds whose side order rotates), disk and tmpfs, 2 and 4 ranks.
 ``--phases`` prints, per rank, the median seconds of each phase of ours (layout exchange,
-preparing, writes, hashing back / fsync, commit); ``--plain`` adds a world-of-one comparison of
+preparing, writes with their own-chunk hashing, straddling chunks read back / fsync, commit;
+CPU seconds per rank are printed for every side); ``--plain`` adds a world-of-one comparison of
 the same bytes saved as plain tensors and as DTensors on a one-rank mesh (rank 0 only).
 The load average is printed before and after each world.
 """
