@@ -556,3 +556,38 @@ def test_saved_param_groups_naming_a_parameter_twice_are_refused(tmp_path, damag
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{ip}: saved optimizer {needle}")):
         checkpoint.load(target, ck, optimizer=topt)
     snap.assert_unchanged()
+
+
+# -- get_slice arguments ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "source"])
+def test_get_slice_arguments_checked_alike_on_every_reader(tmp_path, where):
+    """``get_slice`` with more slices than dims: the remote reader ignored the extra one (zip) and
+    returned a block where the local reader raised ``IndexError``; a non-slice item raised a bare
+    ``AttributeError: 'int' object has no attribute 'indices'``; a step past the dim made torch fail
+    with "as_strided: Negative strides". One check on every reader; numpy ints index as in torch."""
+    import numpy as np
+
+    from checkpoint.sources import open_source
+
+    t = torch.arange(60.0).reshape(3, 4, 5)
+    url = tmp_path / "ck" if where != "memory" else f"memory://slices-{tmp_path.name}/ck"
+    checkpoint.save({"t": t}, url)
+    r = open_source(url) if where == "source" else checkpoint.open_checkpoint(url)
+    for sl in ([slice(1, 3), slice(0, 4, 2)], [slice(np.int64(1), np.int32(3), np.int64(2))], [slice(-2, None)]):
+        assert torch.equal(r.get_slice("t", sl), t[tuple(sl)]), sl
+    assert torch.equal(r.get_slice("t", [slice(1, 3, 2**70), slice(0, 4, 5)]), t[1:2, 0:1])  # step past the dim
+    for bad, kind, needle in (
+        ([slice(0, 1)] * 4, IndexError, "tensor 't' has 3 dims, got 4 slices"),
+        ([1], TypeError, "get_slice takes a slice of ints per dim, got 1 for dim 0"),
+        ([slice(0, 2), None], TypeError, "got None for dim 1"),
+        ([slice(0.5, 2)], TypeError, "got slice(0.5, 2, None) for dim 0"),
+        ([slice(None, None, -1)], ValueError, "slice step must be positive, got -1 for dim 0"),
+    ):
+        with pytest.raises(Exception) as e:  # noqa: PT011 - the source names file and tensor around it
+            r.get_slice("t", bad)
+        if where == "source":
+            assert isinstance(e.value, checkpoint.CheckpointError) and needle in str(e.value), e.value
+        else:
+            assert isinstance(e.value, kind) and needle in str(e.value), e.value

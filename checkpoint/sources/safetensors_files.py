@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..storage.layout import ST_TO_DTYPE
-from ..storage.reader import _whole_block, check_tensor_digest
+from ..storage.reader import _whole_block, block_slices, check_tensor_digest
 from ..storage.writer import tensor_bytes
 from ..storage.tensor_read import Where, read_block, read_tensor
 from .base import Source
@@ -59,6 +59,7 @@ class _FileReader:
     def get_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """Only the bytes of ``tensor[slices]`` (:func:`~checkpoint.storage.tensor_read.read_block`);
         the whole tensor through :meth:`get` (checked)."""
+        slices = block_slices(key, self.specs[key].shape, slices)
         if _whole_block(self.specs[key].shape, slices):
             return self.get(key)
         at, begin = self._at(key)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import operator
 import os
 import struct
 import warnings
@@ -474,7 +475,8 @@ class CheckpointReader:
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk with
         ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). Raises what :meth:`get` raises."""
-        if _whole_block(self._specs[self._known(key)][0], slices):
+        slices = block_slices(key, self._specs[self._known(key)][0], slices)
+        if _whole_block(self._specs[key][0], slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
         at, begin = self._where(key)
         spec = self.spec(key)
@@ -685,6 +687,31 @@ def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int
             "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
             key=key,
         )
+
+
+def block_slices(key: str, shape: Sequence[int], slices: Sequence[slice]) -> list[slice]:
+    """``slices`` of a block of tensor ``key`` (``shape``) checked, as every reader's
+    ``get_slice`` takes them: one ``slice`` per leading dim (missing ones whole), int bounds, a
+    positive step (a step past the dim is that dim, as the block is the same).
+
+    Raises:
+        TypeError: an item is not a slice or a bound not an int (tensor named).
+        IndexError: more slices than the tensor has dims.
+        ValueError: a step below 1.
+    """
+    slices = list(slices)
+    if len(slices) > len(shape):
+        raise IndexError(f"tensor {key!r} has {len(shape)} dims, got {len(slices)} slices")
+    out = []
+    for d, (s, n) in enumerate(zip(slices, shape)):
+        try:  # ints and what indexes like one (numpy integers), as torch takes them
+            lo, hi, step = (None if v is None else operator.index(v) for v in (s.start, s.stop, s.step))
+        except (AttributeError, TypeError):
+            raise TypeError(f"tensor {key!r}: get_slice takes a slice of ints per dim, got {s!r} for dim {d}") from None
+        if step is not None and step < 1:
+            raise ValueError(f"tensor {key!r}: slice step must be positive, got {step} for dim {d}")
+        out.append(slice(lo, hi, None if step is None else min(step, max(n, 1))))
+    return out
 
 
 def _whole_block(shape: Sequence[int], slices: Sequence[slice] | None) -> bool:

@@ -39,6 +39,7 @@ from .reader import (
     FileDigestCheck,
     _check_total_size,
     _whole_block,
+    block_slices,
     compare_record,
 )
 from .views import RemoteView, current_view, remote_view  # noqa: F401 (re-exported)
@@ -125,6 +126,7 @@ class RemoteCheckpointReader(CheckpointReader):
         """Only the bytes of block ``tensor[slices]`` (step-1 slices), as few ranged GETs as the
         block's contiguous runs need (one covering GET when that reads at most twice the bytes)."""
         name, b, _, shape, dtype = self._span(key)
+        slices = block_slices(key, shape, slices)
         if _whole_block(shape, slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
         starts, lens = [], []
