@@ -1,0 +1,177 @@
+"""Variants of the B-case name kinds that the listed cases do not cover, through the public API.
+
+Each test builds the checkpoint as the wrapping / capture / tool really writes it and states the
+right outcome as data: exact key maps, missing / unexpected / ignorable reports, values equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+import checkpoint
+import fqn
+from checkpoint import CheckpointMismatchError
+from snapshot import Snapshot
+
+
+class HasRealModuleChild(nn.Module):
+    """A real child literally named ``module`` beside another child."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(2, 2)
+        self.fc = nn.Linear(2, 1)
+
+
+# DataParallel(HasRealModuleChild()).state_dict(): the wrapper's `module.` before every key.
+DP_OF_REAL_CHILD = {
+    "module.module.weight": "module.weight",
+    "module.module.bias": "module.bias",
+    "module.fc.weight": "fc.weight",
+    "module.fc.bias": "fc.bias",
+}
+
+
+def test_dp_prefix_over_real_module_child_canonical_and_resolve():
+    dp = nn.DataParallel(HasRealModuleChild())
+    assert sorted(dp.state_dict()) == sorted(DP_OF_REAL_CHILD)  # the fixture is what torch writes
+    target = HasRealModuleChild()
+    assert {k: fqn.canonical_fqn(k, target) for k in DP_OF_REAL_CHILD} == DP_OF_REAL_CHILD
+    assert fqn.resolve(list(DP_OF_REAL_CHILD), target) == DP_OF_REAL_CHILD
+    # negative control: the eager names stay themselves
+    for k in DP_OF_REAL_CHILD.values():
+        assert fqn.canonical_fqn(k, target) == k
+
+
+@pytest.mark.parametrize("as_pickle", [False, True])
+def test_dp_prefix_over_real_module_child_loads_strictly(tmp_path, as_pickle):
+    torch.manual_seed(0)
+    dp = nn.DataParallel(HasRealModuleChild())
+    sd = dp.state_dict()
+    if as_pickle:
+        path = tmp_path / "dp.pt"
+        torch.save(sd, path)
+    else:
+        path = tmp_path / "dp.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    target = HasRealModuleChild()
+    rep = checkpoint.load(target, path)
+    assert rep.missing_keys == [] and rep.unexpected_keys == []
+    for src, dst in DP_OF_REAL_CHILD.items():
+        assert torch.equal(target.state_dict()[dst], sd[src]), dst
+
+
+def test_wrapper_segment_named_like_real_child_deeper():
+    """``_orig_mod`` of a per-block compile where the block also has a real child ``module``."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.proj = nn.Linear(2, 2)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+    src = Net()
+    src.layers[1] = nn.DataParallel(src.layers[1])  # DP on one ModuleList entry
+    keys = list(src.state_dict())
+    assert "layers.1.module.proj.weight" in keys and "layers.1.module.module.weight" in keys
+    target = Net()
+    got = {k: fqn.canonical_fqn(k, target) for k in keys}
+    assert got == {k: k.replace("layers.1.module.", "layers.1.") for k in keys}
+    assert sorted(got.values()) == sorted(target.state_dict())
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layer = nn.Linear(4, 4)
+
+
+class WithHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = Base()
+        self.classifier = nn.Linear(4, 3)
+
+
+def _write_source(kind, sd, tmp_path, name):
+    if kind == "safetensors":
+        path = tmp_path / f"{name}.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    elif kind == "hf-dir":
+        path = tmp_path / name
+        os.makedirs(path)
+        save_file({k: v.contiguous() for k, v in sd.items()}, path / "model.safetensors")
+    elif kind == "fqnckpt":
+        path = tmp_path / name
+        checkpoint.save(dict(sd), path)
+    else:
+        path = tmp_path / f"{name}.pt"
+        torch.save(sd, path)
+    return path
+
+
+SOURCE_KINDS = ["safetensors", "hf-dir", "fqnckpt", "pickle"]
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_base_checkpoint_into_model_with_head_every_source(tmp_path, kind):
+    """B28 for every source kind: one resolver, the same report (prefix added, head missing)."""
+    torch.manual_seed(0)
+    base = Base()
+    path = _write_source(kind, base.state_dict(), tmp_path, "base")
+    target = WithHead()
+    snap = Snapshot(target)
+    with pytest.raises(CheckpointMismatchError) as ei:
+        checkpoint.load(target, path)
+    snap.assert_unchanged()
+    assert ei.value.report.missing_keys == ["classifier.bias", "classifier.weight"]
+    assert ei.value.report.unexpected_keys == []
+    rep = checkpoint.load(target, path, strict=False)
+    assert rep.missing_keys == ["classifier.bias", "classifier.weight"] and rep.unexpected_keys == []
+    for k, v in base.state_dict().items():
+        assert torch.equal(target.state_dict()["backbone." + k], v)
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_head_checkpoint_into_base_model_every_source(tmp_path, kind):
+    torch.manual_seed(0)
+    head = WithHead()
+    path = _write_source(kind, head.state_dict(), tmp_path, "head")
+    target = Base()
+    rep = checkpoint.load(target, path, strict=False)
+    assert rep.missing_keys == [] and rep.unexpected_keys == ["classifier.bias", "classifier.weight"]
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, head.state_dict()["backbone." + k])
+
+
+class BufNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+@pytest.mark.parametrize("prefix", ["model.", "module."])
+def test_nonpersistent_buffer_under_prefix_is_ignorable(tmp_path, kind, prefix):
+    """B26 under a container / wrapper prefix: still ignorable, never unexpected; a stray key fails."""
+    src = BufNet()
+    sd = {prefix + k: v for k, v in dict(src.state_dict(), freqs=src.freqs.clone()).items()}
+    path = _write_source(kind, sd, tmp_path, "buf")
+    rep = checkpoint.load(BufNet(), path)
+    assert rep.ignorable_keys == [prefix + "freqs"] and rep.unexpected_keys == [] and rep.missing_keys == []
+    bad = _write_source(kind, dict(sd, **{prefix + "stray.weight": torch.zeros(1)}), tmp_path, "bad")
+    with pytest.raises(CheckpointMismatchError) as ei:
+        checkpoint.load(BufNet(), bad)
+    assert ei.value.report.unexpected_keys == [prefix + "stray.weight"]
