@@ -184,9 +184,10 @@ def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.M
     ``_orig_mod.weight`` where the model says ``_orig_mod`` is a wrapper) fills it; when several
     do, their values must be equal (:func:`check_tied_values`). Only when none does, a stored key
     whose index alias group names the entry fills it (an alias group never overrides stored values).
-    Where the reader says its names come from another tool (``reader.resolve_names``, DCP), keys
-    still unmatched go through :func:`plan_names` against the model (container prefixes such as
-    ``model.``, flattened spellings). Linear in the number of keys and entries.
+    Keys still unmatched go through :func:`plan_names` against the model (container prefixes such
+    as ``model.`` / ``backbone.``, flattened spellings) for every source, unless the reader named
+    its keys after the model already (``reader.resolve_names = False``, a conversion); one that
+    reaches a non-persistent buffer is ignorable. Linear in the number of keys and entries.
     """
     by_name = state.by_name()
     report = LoadReport(path=path)
@@ -213,14 +214,18 @@ def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.M
                 found = True
         if not found:
             unknown.append(key)
-    if unknown and model is not None and getattr(reader, "resolve_names", False):
-        # Names written by another tool (DCP): container prefixes, flattened spellings.
+    if unknown and model is not None and getattr(reader, "resolve_names", True):
+        # Keys no name of the target reaches, from any source (an fqnckpt / Hugging Face checkpoint
+        # too: a base model's keys into a model with a head, B28): container prefixes, flattened
+        # spellings, resolved against the model by the one resolver.
         specs = {k: (tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in unknown}
         planned, _bad = plan_names(unknown, specs, model=model, fqn_map=None, rules=())
         for key, (target, _) in planned.items():
             e = by_name.get(target)
             if e is not None:
                 direct.setdefault(id(e), []).append(key)
+            elif target in state.non_persistent:
+                ignorable.add(key)  # a non-persistent buffer under a prefix is still ignorable
         unknown = [k for k in unknown if not (k in planned and planned[k][0] in by_name)]
     pairs: list[tuple[Entry, str]] = []
     for e in state.entries:
