@@ -5,6 +5,10 @@ Never guesses: every spelling a name could have is generated *forward* from the 
 naming scheme, and a source name is compared against those spellings. A source matching tensors
 of more than one eager FQN raises :class:`AmbiguousFQNError`; one matching none is unknown.
 
+A dynamo Source name (``L['self']._modules['inner']._parameters['w']``, attribute and index
+spellings ``L['self'].inner[0].w``, a wrapper's child via ``.__dict__['_modules']['x']``) is
+invertible and read step by step; ``L['x']`` (a user input) is not model state.
+
 Schemes (torch 2.13 and older, see ``shared/reference/capture-names.md``), after dynamo's own
 lossy flattening (runs of non-alphanumerics -> ``_``), compared case-insensitively:
 
@@ -86,7 +90,7 @@ class _ModelNames:
         self.tensors = eager_tensors(model)
         self.dotted: dict[str, set[Hit]] = {}
         self.flat: dict[str, set[Hit]] = {}
-        receivers = {"self", _receiver(model)}
+        receivers = self.receivers = {"self", _receiver(model)}
         for i, t in enumerate(self.tensors):
             prefixes = ("p",) if t.kind == TensorKind.parameter else ("b",)
             leaf = "parameters" if t.kind == TensorKind.parameter else "buffers"
@@ -213,7 +217,36 @@ def _pick(name: str, hits: set[Hit], idx: _ModelNames, shapes: Mapping | None) -
     return i, fqn if fqn in eager_names else eager_names[0]
 
 
+# dynamo's Source names (``VariableBuilder``): ``L['self']._modules['inner']._parameters['w']``,
+# ``.__dict__['_modules']['x']`` for a wrapper's child, attribute / index spellings ``.inner[0]``.
+_SOURCE_ROOT = re.compile(r"^L\[(['\"])([A-Za-z_]\w*)\1\]")
+_SOURCE_STEP = re.compile(
+    r"""\.(?:_modules|_parameters|_buffers|__dict__\[(['"])_modules\1\])\[(['"])([^'"\[\]]+)\2\]"""
+    r"""|\.([A-Za-z_]\w*)|\[(\d+)\]|\[(['"])([^'"\[\]]+)\6\]"""
+)
+
+
+def _source_to_dotted(name: str, receivers: set[str]) -> str | None:
+    """The dotted name a dynamo Source name spells (invertible: every step is explicit), or None
+    when ``name`` is not one rooted at the model's receiver (``L['x']`` is a user input)."""
+    m = _SOURCE_ROOT.match(name)
+    if m is None or m.group(2) not in receivers:
+        return None
+    segs, pos = [], m.end()
+    while pos < len(name):
+        step = _SOURCE_STEP.match(name, pos)
+        if step is None:
+            return None
+        segs.append(next(g for g in (step.group(3), step.group(4), step.group(5), step.group(7)) if g is not None))
+        pos = step.end()
+    return ".".join(segs) if segs else None
+
+
 def _resolve_one(name: str, idx: _ModelNames, shapes: Mapping | None) -> Hit | None:
+    dotted = _source_to_dotted(name, idx.receivers)
+    if dotted is not None:
+        _check_flat_param(dotted)
+        return _pick(name, idx.dotted_hits(dotted), idx, shapes)
     _check_flat_param(name)
     if name in idx.dotted or "." in name:
         return _pick(name, idx.dotted_hits(name), idx, shapes)

@@ -175,3 +175,76 @@ def test_nonpersistent_buffer_under_prefix_is_ignorable(tmp_path, kind, prefix):
     with pytest.raises(CheckpointMismatchError) as ei:
         checkpoint.load(BufNet(), bad)
     assert ei.value.report.unexpected_keys == [prefix + "stray.weight"]
+
+
+class _FF(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+class _Sampler(nn.Module):
+    """Receiver not called ``self``, a ModuleDict, an ``extra_modules`` trap, a checkpoint-wrapped
+    block, a top-level parameter and buffer."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.blocks = nn.ModuleList([_FF(), checkpoint_wrapper(_FF())])
+        self.extra_modules = nn.ModuleDict({"proj_in": nn.Linear(4, 4)})
+        self.latents = nn.Parameter(torch.randn(4))
+        self.register_buffer("pos_scale", torch.ones(4))
+
+    def forward(s, x):  # noqa: N805 - dynamo spells the receiver's name into every Source name
+        x = s.extra_modules["proj_in"](x) + s.latents * s.pos_scale
+        for b in s.blocks:
+            x = b(x)
+        return x
+
+
+def _dynamo_source_names(model):
+    """``{Source name: eager FQN}`` by tensor identity, from a real torch.compile backend."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        for node, t in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+            seen[node.meta["grapharg"].source.name] = t
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(2, 4))
+    torch._dynamo.reset()
+    by_id = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    truth = {k: by_id[id(t)] for k, t in seen.items() if id(t) in by_id}
+    return truth, sorted(set(seen) - set(truth))
+
+
+def test_dynamo_source_names_resolve_by_their_steps(tmp_path):
+    torch.manual_seed(0)
+    model = _Sampler()
+    truth, user_inputs = _dynamo_source_names(model)
+    assert user_inputs == ["L['x']"]
+    assert len(truth) == len(model.state_dict())  # every tensor was a graph input
+    assert any("__dict__['_modules']['_checkpoint_wrapped_module']" in k for k in truth)
+    assert all(k.startswith("L['s']") for k in truth)
+    # eager target (no checkpoint wrapper): the wrapper step is removed
+    eager = _Sampler()
+    eager.blocks[1] = _FF()
+    want = {k: fqn.canonical_fqn(v) for k, v in truth.items()}
+    assert fqn.resolve(list(truth), eager) == want
+    # a user input is not model state, and an attribute / index spelling reads the same
+    rep = fqn.resolve_report(["L['x']", "L['s'].blocks[0].seq[2].weight"], eager)
+    assert rep.unexpected == ["L['x']"] and rep.mapping == {"L['s'].blocks[0].seq[2].weight": "blocks.0.seq.2.weight"}
+    # a pickle keyed by Source names loads strictly, values equal
+    sd = model.state_dict()
+    inv = {v: k for k, v in truth.items()}
+    path = tmp_path / "by_source.pt"
+    torch.save({inv[k]: v for k, v in sd.items()}, path)
+    rep = checkpoint.load(eager, path)
+    assert rep.missing_keys == [] and rep.unexpected_keys == []
+    for k, v in sd.items():
+        assert torch.equal(eager.state_dict()[fqn.canonical_fqn(k)], v)
