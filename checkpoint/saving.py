@@ -697,6 +697,8 @@ def _write_chunked(w: BlockWriter, slot, local: torch.Tensor, offset, got: list,
     chunk of the tensor is so hashed by the one rank writing its first byte."""
     spec, item, c = slot.spec, slot.spec.itemsize, digest.TENSOR_CHUNK
     nbytes = slot.end - slot.begin
+    if not local.is_contiguous():  # (a _StridedShard block's view): one copy for the write and the hash
+        local = local.contiguous()
     data = tensor_bytes(local)
     views: list[tuple[int, memoryview]] = []
     for g, lo, n in block_runs(spec.shape, tuple(local.shape), tuple(offset)):
