@@ -289,6 +289,8 @@ class CheckpointReader:
             return False
         at, begin = self._where(self._known(key))
         spec = self.spec(key)
+        if slices is not None:
+            slices = block_slices(key, spec.shape, slices)
         hasher = None
         if check and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified:
             if not spec.shape and tuple(out.shape) == ():
