@@ -289,6 +289,40 @@ def test_run_hashes_in_any_order_from_threads_equal_one_hash():
     assert not h.complete()
 
 
+def test_run_hashes_of_chunked_digests_hash_each_range_where_it_lands():
+    """RunHashes with a format-3 chunk and one wanted view: ranges of whole chunks landing in
+    any order from several threads are hashed by the thread that landed them (none left
+    pending), and the digest equals the chunked digest of the bytes; a range cutting a chunk,
+    or a range never landing, leaves the run incomplete (then the caller hashes the view)."""
+    import random
+    import threading
+
+    rnd = random.Random(1)
+    c = 4096
+    view = bytearray(rnd.randbytes(37 * c + 123))
+    total, want = len(view), digest.tensor_hexdigest(bytes(view), c)
+    for trial in range(10):
+        cuts = sorted({0, total, *(rnd.randrange(1, 38) * c for _ in range(rnd.randrange(1, 20)))})
+        ranges = list(zip(cuts[:-1], cuts[1:]))
+        rnd.shuffle(ranges)
+        h = digest.RunHashes([view], [True], c)
+        parts = [ranges[i::3] for i in range(3)]
+        ts = [threading.Thread(target=lambda p=p: [h.landed(a, b) for a, b in p]) for p in parts]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert h.complete() and h.digest(0) == want and not h.pending
+    h = digest.RunHashes([view], [True], c)
+    h.landed(0, c + 1)
+    h.landed(c + 1, total)  # a chunk cut in two
+    assert not h.complete()
+    h = digest.RunHashes([view], [True], c)
+    h.landed(c, total)  # the first chunk never lands
+    assert not h.complete()
+    h = digest.RunHashes([view], [True], c)
+    h.landed(0, total)  # one read of the whole run
+    assert h.complete() and h.digest(0) == want
+
+
 def test_flipped_byte_found_in_every_piece_of_a_pooled_load(tmp_path, monkeypatch):
     """checkpoint.load hashes on the read pool's threads as pieces land: a byte flipped in any
     piece of a tensor read in pieces (small PIECE: many of them, shared by threads), or in one

@@ -412,12 +412,17 @@ def test_checked_converting_read_hashes_pieces_landing_out_of_order(tmp_path, mo
     rnd, real = random.Random(5), pread.pread_run
     landed, made = [], []
 
+    other = threading.Event()
+
     def pread_run(fd, views, keys, offset, *a):
-        if offset == first:  # the first piece lands last of a few: the others wait to be hashed
-            time.sleep(0.03)
+        if offset == first:  # the first piece lands after another: that one waits to be hashed
+            other.wait(5)
         elif threading.current_thread() is not threading.main_thread():
             time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
-        return real(fd, views, keys, offset, *a)
+        n = real(fd, views, keys, offset, *a)
+        if offset != first:
+            other.set()
+        return n
 
     real_landed, real_init = tensor_read._InOrder.landed, tensor_read._InOrder.__init__
 
@@ -504,13 +509,17 @@ def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thr
     rnd, real = random.Random(6), pread.pread_run
     seen = []
 
+    other = threading.Event()
+
     def pread_run(fd, views, keys, offset, *a):
-        if offset == first:
-            time.sleep(0.03)
+        if offset == first:  # the first piece lands after another (a pool thread's)
+            other.wait(5)
         elif threading.current_thread() is not threading.main_thread():
             time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
         n = real(fd, views, keys, offset, *a)
         seen.append((offset, threading.current_thread().name))  # in the order pieces land
+        if offset != first:
+            other.set()
         return n
 
     monkeypatch.setattr(pread, "pread_run", pread_run)

@@ -166,9 +166,16 @@ class RunHashes:
     sharing one ``preadv``) is hashed view by view in one call each (no hasher object per
     tensor). Why: a load checked after all reads hashed every byte once more from memory on the
     calling thread alone (checked load 0.80x of unchecked, 256 MiB warm cache).
-    ``chunk``: the index's tensor digest chunk (format version 3), None for version 2."""
+    ``chunk``: the index's tensor digest chunk (format version 3), None for version 2. With a
+    chunk, one wanted view of more than a chunk and ranges made of whole chunks (a read's pieces
+    are multiples of it), each range's chunks are hashed by the thread that read them, in any
+    order, no range left for another thread (:attr:`chunks`); a range cutting a chunk leaves
+    the run incomplete (the caller hashes the view whole)."""
 
-    __slots__ = ("views", "wanted", "chunk", "hashers", "digests", "starts", "total", "next", "pending", "busy", "lock")
+    __slots__ = (
+        "views", "wanted", "chunk", "hashers", "digests", "starts", "total", "next", "pending", "busy", "lock",
+        "chunks", "cut",
+    )
 
     def __init__(self, views: Sequence, wanted: Sequence[bool], chunk: int | None = None):
         self.views, self.wanted, self.chunk = views, wanted, chunk  # (byte views made when a first range is partial)
@@ -178,13 +185,27 @@ class RunHashes:
         self.total, self.next, self.busy = sum(len(v) for v in views), 0, False
         self.pending: dict[int, int] = {}
         self.lock = threading.Lock()
+        self.chunks: list[bytes | None] | None = None  # format 3, one view: each chunk's digest, by index
+        self.cut = False  # a range cut a chunk (format 3, one view)
+        if chunk and len(views) == 1 and wanted[0] and self.total > chunk:
+            self.chunks = [None] * chunk_count(self.total, chunk)
 
     def landed(self, lo: int, hi: int) -> None:
         """Bytes ``[lo, hi)`` were read: hash them now if they come next (and every range waiting
-        after them), else leave them to the thread hashing the range before."""
+        after them), else leave them to the thread hashing the range before (format 3, one
+        view: hash the range's chunks now, whatever lands before or after)."""
         if lo == 0 and hi == self.total and self.next == 0:  # the whole run at once
             self.digests = [tensor_hexdigest(v, self.chunk) if w else None for v, w in zip(self.views, self.wanted)]
             self.next = hi
+            return
+        if self.chunks is not None:
+            c = self.chunk
+            if lo % c or (hi % c and hi != self.total):
+                self.cut = True
+                return
+            v = _bytes_view(self.views[0])
+            for a in range(lo, hi, c):  # (a hasher's update gives up the GIL; xxh3_128_digest does not)
+                self.chunks[a // c] = new(v[a : min(a + c, hi)]).digest()
             return
         with self.lock:
             self.pending[lo] = hi
@@ -226,10 +247,14 @@ class RunHashes:
 
     def complete(self) -> bool:
         """Whether every byte was hashed (False after a failed read)."""
-        return self.next == self.total
+        if self.next == self.total:
+            return True
+        return self.chunks is not None and not self.cut and all(d is not None for d in self.chunks)
 
     def digest(self, i: int) -> str | None:
         """The hex digest of view ``i`` (None when not wanted); call once :meth:`complete`."""
+        if self.chunks is not None and self.next != self.total:
+            return combine_chunks(self.chunks)
         if self.hashers is not None:
             h = self.hashers[i]
             return h.hexdigest() if h is not None else None
