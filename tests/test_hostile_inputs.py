@@ -594,3 +594,36 @@ def test_get_slice_arguments_checked_alike_on_every_reader(tmp_path, where):
         if where == "local" and kind is not ValueError:  # the block copy takes the same slices
             with pytest.raises(kind, match=re.escape(needle)):
                 r.copy_into("t", torch.zeros(1, 1, 1), bad)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_dtype_torch_cannot_hold_named_alike_by_every_reader(tmp_path, capsys, where):
+    """A tensor of a safetensors dtype fqnckpt has no torch dtype for (``F6_E2M3``, sub-byte):
+    the torch-free ``inspect`` / migration source said "<path>: tensor 'a' has dtype F6_E2M3 torch
+    cannot hold", the local reader "model.safetensors: tensor 'a' has unsupported dtype ..."
+    without the directory (so the DCP StorageReader's error named no checkpoint). One message, full
+    path, on every reader; the other tensors still read."""
+    import fsspec
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    head = {"a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [4, 7]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    write_st(ck / "model.safetensors", json.dumps(head).encode(), b"\0\0\x80\x3f\x11\x11\x11")
+    url = str(ck)
+    if where == "memory":
+        url = f"memory://f6-{tmp_path.name}/ck"
+        fsspec.filesystem("memory").pipe(url.removeprefix("memory:/") + "/model.safetensors", (ck / "model.safetensors").read_bytes())
+    with checkpoint.open_checkpoint(url) as r:
+        assert torch.equal(r.get("b"), torch.ones(1))
+        with pytest.raises(CorruptCheckpointError, match=re.escape(f"{url}/model.safetensors: tensor 'a' has dtype F6_E2M3 torch cannot hold")):
+            r.get("a")
+    if where == "local":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from checkpoint.dcp import StorageReader
+
+        with pytest.raises(CheckpointException, match=re.escape(f"{url}/model.safetensors: tensor 'a' has dtype F6_E2M3")):
+            dcp.load({"b": torch.zeros(1)}, storage_reader=StorageReader(url), no_dist=True)
+        assert cli_main(["inspect", url]) == 2
+        assert f"{url}/model.safetensors: tensor 'a' has dtype F6_E2M3 torch cannot hold" in capsys.readouterr().err

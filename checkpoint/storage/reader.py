@@ -214,7 +214,7 @@ class CheckpointReader:
             return spec
         shape, st = self._specs[self._known(key)]
         if st not in ST_TO_DTYPE:
-            raise CorruptCheckpointError(self.file_of(key), f"tensor {key!r} has unsupported dtype {st!r}")
+            raise CorruptCheckpointError(os.path.join(self.root, self.file_of(key)), f"tensor {key!r} has dtype {st} torch cannot hold", key=key)
         spec = self._spec_objs[key] = TensorSpec(key, shape, ST_TO_DTYPE[st])
         return spec
 

@@ -92,7 +92,7 @@ class RemoteCheckpointReader(CheckpointReader):
         b, e = self._spans[key]
         shape, st = self._specs[key]
         if st not in ST_TO_DTYPE:
-            raise CorruptCheckpointError(self.store.url_of(name), f"tensor {key!r} has unsupported dtype {st!r}")
+            raise CorruptCheckpointError(self.store.url_of(name), f"tensor {key!r} has dtype {st} torch cannot hold", key=key)
         return name, b, e, shape, ST_TO_DTYPE[st]
 
     def get(self, key: str) -> torch.Tensor:
