@@ -627,3 +627,25 @@ def test_dtype_torch_cannot_hold_named_alike_by_every_reader(tmp_path, capsys, w
             dcp.load({"b": torch.zeros(1)}, storage_reader=StorageReader(url), no_dist=True)
         assert cli_main(["inspect", url]) == 2
         assert f"{url}/model.safetensors: tensor 'a' has dtype F6_E2M3 torch cannot hold" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_save_of_file_names_readers_refuse_is_refused(tmp_path, where):
+    """``fqn_to_index_mapping`` with a file index of 300 digits: the shard's name is over the 255
+    bytes readers take. On ``memory://`` (object names of any length) the DCP save committed a
+    checkpoint that no reader could open (the old one gone); locally it failed with ENAMETOOLONG
+    from the staging directory. Refused by name before anything is written, on every backend."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint.dcp import StorageWriter
+
+    url = str(tmp_path / "ck") if where == "local" else f"memory://names-{tmp_path.name}/ck"
+    checkpoint.save({"w": torch.zeros(3)}, url)
+    with pytest.raises(CheckpointException, match=r"(?s)UnsavableError.*its file name is refused by every reader: .*longer than 255 bytes"):
+        dcp.save({"w": torch.ones(3), "v": torch.zeros(2)}, no_dist=True,
+                 storage_writer=StorageWriter(url, fqn_to_index_mapping={"w": 10**300, "v": 1}))  # fmt: skip
+    assert checkpoint.verify(url).ok
+    target = {"w": torch.full((3,), 7.0)}
+    checkpoint.load(target, url)
+    assert torch.equal(target["w"], torch.zeros(3))

@@ -82,7 +82,18 @@ def check_tensor(name: str, tensor: torch.Tensor, path: str = "") -> None:
 
 
 def check_header(plan: FilePlan, path: str = "") -> None:
-    """Raise :class:`UnsavableError` naming ``plan``'s file if its header exceeds safetensors' limit."""
+    """Raise :class:`UnsavableError` naming ``plan``'s file if its header exceeds safetensors' limit,
+    or its name is not one every reader takes (:func:`checkpoint.storage.paths.check_name`: e.g.
+    over 255 bytes, from ``fqn_to_index_mapping``'s file indexes): such a checkpoint, committed
+    on an object store that holds the name, could not be read back."""
+    from ..errors import UnsafePathError
+    from .paths import check_name as check_file_name
+
+    try:
+        # with the 13 bytes an object-store save adds to its names (".<12-hex token>", commit.stored_name)
+        check_file_name(path, plan.name.replace(".", "." + "0" * 12 + ".", 1))
+    except UnsafePathError as e:
+        raise UnsavableError(plan.name[:60] + "...", f"its file name is refused by every reader: {str(e).split(' is refused: ', 1)[-1]}", path) from None
     n = len(plan.header) - 8
     if n > MAX_HEADER_BYTES:
         first = plan.slots[0].spec.fqn if plan.slots else ""
