@@ -60,10 +60,15 @@ against the code before in the same runs): converting to float64 0.63-0.65x (bef
 to bfloat16 0.40-0.61x (0.30-0.41x), a strided target 0.61-0.67x (0.60-0.61x); at load average 4
 the pieces beat the mapped copy (1.25-1.70x: its OpenMP team waits for its slowest thread). A
 whole ``get`` returns a new tensor where the mapping returned a lazy view, so ``get`` + ``copy_``
-is two passes against one: 0.28-0.35x in the bench, the same before. Its digest is now fed as
-pieces land (:func:`read_hashed`; the second pass cost 11 ms of 128 MiB); what remains is the new
-tensor's first touch: 4 KiB page faults, ~50 ms of a 128 MiB ``get`` of ~100 ms here (2 MiB pages
-took 15 ms, but see :func:`_fresh`). The load of same-dtype
+is two passes against one, and checked against unchecked: 0.28-0.35x in the bench at load 2-3,
+0.62-0.72x at load 6.5 (the mapped copy's OpenMP team suffers more there), the same before and
+after issue 34's round 6. Like with like (both sides returning a tensor of their own, the old one
+copied out of the mapping; tests/bench/read_paths.py): unchecked 1.87-2.26x, both checked 1.91x.
+Its digest is fed as pieces land (:func:`read_hashed`; format 3: each piece's chunks by the
+thread that read it); what remains is the new tensor's first touch: 4 KiB page faults, ~50 ms of
+a 128 MiB ``get`` of ~100 ms here, now populated by each piece's reader in one call
+(:func:`~.pread.populate`: CPU -16% on a fresh 128 MiB tensor; 2 MiB pages took 15 ms, but see
+:func:`_fresh`). The load of same-dtype
 contiguous targets (``read_many``) never went through the mapping: unchanged.
 """
 
