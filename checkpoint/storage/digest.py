@@ -53,6 +53,13 @@ new = xxhash.xxh3_128
 TENSOR_CHUNK = 1 << 20  # format version 3's tensor digest chunk (bytes)
 
 
+def chunk_digest(data) -> bytes:
+    """The 16-byte xxh3-128 digest of ``data`` (a chunk), computed without the GIL: python-xxhash's
+    one-shot ``xxh3_128_digest`` holds it for the whole hash, a hasher object's update gives it
+    up, so threads hashing chunks (read and save pools) run side by side."""
+    return new(data).digest()
+
+
 def _bytes_view(data) -> memoryview:
     v = data if isinstance(data, memoryview) else memoryview(data)
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")
@@ -71,7 +78,7 @@ def tensor_hexdigest(data, chunk: int | None = 0) -> str:
         return hexdigest(v)
     top = new()
     for lo in range(0, len(v), chunk):
-        top.update(xxhash.xxh3_128_digest(v[lo : lo + chunk]))
+        top.update(chunk_digest(v[lo : lo + chunk]))
     return top.hexdigest()
 
 
@@ -109,7 +116,7 @@ class ChunkedHasher:
         while pos < n:
             take = min(self.chunk - self.fill, n - pos)
             if take == self.chunk:  # a whole chunk at once: no hasher state
-                d = xxhash.xxh3_128_digest(v[pos : pos + take])
+                d = chunk_digest(v[pos : pos + take])
             else:
                 self.cur.update(v[pos : pos + take])
                 self.fill += take
