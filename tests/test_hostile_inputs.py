@@ -649,3 +649,34 @@ def test_save_of_file_names_readers_refuse_is_refused(tmp_path, where):
     target = {"w": torch.full((3,), 7.0)}
     checkpoint.load(target, url)
     assert torch.equal(target["w"], torch.zeros(3))
+
+
+# -- DCP StorageReader targets ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference", "self-overlapping"])
+def test_dcp_reader_checks_every_target_before_the_first_read(tmp_path, kind):
+    """``dcp.load`` through the StorageReader into a target ``checkpoint.load`` refuses: an
+    expand()ed one failed midway in ``copy_`` with a bare ``RuntimeError`` (after other targets
+    were written), an inference tensor was written behind torch's back. The same named refusal
+    as ``checkpoint.load`` (:class:`UnwritableTargetError`), before any target or non-tensor
+    value changes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from checkpoint.dcp import StorageReader
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"a": torch.ones(3), "w": torch.arange(6.0).reshape(2, 3)}, ck, extra_state={"step": 7})
+    if kind == "expanded":
+        w = torch.zeros(3).expand(2, 3)
+    elif kind == "self-overlapping":
+        w = torch.zeros(4).as_strided((2, 3), (1, 1))
+    else:
+        with torch.inference_mode():
+            w = torch.zeros(2, 3)
+    sd = {"a": torch.zeros(3), "w": w, "step": 0}
+    needle = {"expanded": "share memory", "self-overlapping": "share memory", "inference": "inference tensor"}[kind]
+    with pytest.raises(CheckpointException, match=f"(?s)UnwritableTargetError: loading {re.escape(str(ck))}: target tensor 'w' .*{needle}"):
+        dcp.load(sd, storage_reader=StorageReader(str(ck)), no_dist=True)
+    assert torch.equal(sd["a"], torch.zeros(3)) and sd["step"] == 0 and not w.any()

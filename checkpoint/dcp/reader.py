@@ -65,7 +65,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError, UnwritableTargetError
+from ..plan.values import target_problem
 from ..ranks import shards
 from ..storage import digest
 from ..storage.format import OPTIMIZER_PREFIX, index_name
@@ -296,27 +297,30 @@ class StorageReader(Located, dcp_storage.StorageReader):
         # Tensors this rank checks against the index's digests (prepare_global_plan); every
         # tensor it reads whole when DCP planned without the coordinator.
         assigned = plan.storage_data if isinstance(plan.storage_data, frozenset) else None
+        # Every target checked before the first read or write, as checkpoint.load does
+        # (plan.values.target_problem): an expand()ed target failed mid-load in copy_ with a bare
+        # RuntimeError; an inference tensor was written behind torch's back (torch's own readers
+        # refuse it in copy_). Non-tensor values and scattered DTensors are applied after.
+        inference = torch.is_inference_mode_enabled()
+        later: list[ReadItem] = []
         pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
-        strided_done: set[str] = set()
         for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                buf = io.BytesIO()
-                torch.save(src.extra[item.storage_index.fqn], buf)
-                buf.seek(0)
-                planner.load_bytes(item, buf)
-                continue
             fqn = item.dest_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                later.append(item)
+                continue
             dt = _planned(planner, fqn)
             if _scattered(dt):
-                if fqn not in strided_done:  # the whole local shard, block by block
-                    local = dt._local_tensor
-                    for lsl, gsl in shards.local_blocks(dt):
-                        local[lsl] = src.read_global(item.storage_index.fqn, gsl, src.dtype(item.storage_index.fqn))
-                    strided_done.add(fqn)
-                planner.commit_tensor(item, planner.resolve_tensor(item))
+                why = target_problem(dt._local_tensor, inference)
+                if why is not None:
+                    raise UnwritableTargetError(fqn, src.where, why)
+                later.append(item)
                 continue
             c = self.storage_data[item.storage_index]
             target = planner.resolve_tensor(item).detach()
+            why = target_problem(target, inference)
+            if why is not None:
+                raise UnwritableTargetError(fqn, src.where, why)
             if tuple(target.shape) != tuple(item.lengths):
                 raise CorruptCheckpointError(
                     src.where, f"{fqn!r}: read item of {tuple(item.lengths)} for a target of {tuple(target.shape)}"
@@ -324,6 +328,22 @@ class StorageReader(Located, dcp_storage.StorageReader):
             slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
             whole = tuple(item.lengths) == c.shape
             pending.setdefault(c.reader, []).append((item, target, None if whole else slices))
+        strided_done: set[str] = set()
+        for item in later:
+            if item.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(src.extra[item.storage_index.fqn], buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            fqn = item.dest_index.fqn
+            if fqn not in strided_done:  # the whole local shard, block by block
+                dt = _planned(planner, fqn)
+                local = dt._local_tensor
+                for lsl, gsl in shards.local_blocks(dt):
+                    local[lsl] = src.read_global(item.storage_index.fqn, gsl, src.dtype(item.storage_index.fqn))
+                strided_done.add(fqn)
+            planner.commit_tensor(item, planner.resolve_tensor(item))
         for r, items in pending.items():
             reader = src.readers[r]
             keys = [self.storage_data[it.storage_index].key for it, _, _ in items]
