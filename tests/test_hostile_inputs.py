@@ -680,3 +680,20 @@ def test_dcp_reader_checks_every_target_before_the_first_read(tmp_path, kind):
     with pytest.raises(CheckpointException, match=f"(?s)UnwritableTargetError: loading {re.escape(str(ck))}: target tensor 'w' .*{needle}"):
         dcp.load(sd, storage_reader=StorageReader(str(ck)), no_dist=True)
     assert torch.equal(sd["a"], torch.zeros(3)) and sd["step"] == 0 and not w.any()
+
+
+def test_dcp_hf_shard_header_not_json_names_the_shards(tmp_path, capsys):
+    """DCP per-rank shards whose ``DCP_SHARDING_INFO`` is not JSON: the migration source said
+    "DCP read of '.metadata' failed" (there is no .metadata; torch builds it from the headers).
+    The error names the shard headers and files; the CLI exits 2 with it."""
+    from checkpoint.sources import open_source
+
+    src = tmp_path / "hf"
+    _dcp_hf_shards(src, [(0, [1, 2])])
+    p = src / "shard-00001-model-00001-of-00001.safetensors"
+    head = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"DCP_SHARDING_INFO": "{not json"}}
+    write_st(p, json.dumps(head).encode(), torch.tensor([1.0, 2.0]).numpy().tobytes())
+    needle = f"{src}: DCP read of 'DCP_SHARDING_INFO headers' in ['{p.name}'] failed: JSONDecodeError"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(needle)):
+        open_source(src)
+    assert cli_main(["inspect", str(src)]) == 2 and needle in capsys.readouterr().err

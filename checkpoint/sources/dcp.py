@@ -35,7 +35,7 @@ from ..errors import AmbiguousSourceError, CheckpointError, CorruptCheckpointErr
 from ..storage import paths
 from ..storage.st_header import cover_problem, shape_problem
 from .base import OptimizerInfo, Source, SourceSpec
-from .sniffing import is_dcp, is_dcp_hf
+from .sniffing import is_dcp, is_dcp_hf, st_files
 from .unpickle import load_dcp_metadata, torch_load
 
 # Bytes of tensors read by one dcp.load call when the read order is known (batches amortise
@@ -226,7 +226,11 @@ def open_metadata(path: Path, fmt: str) -> tuple[Any, Any, Path]:
     # relative ``run``): given the absolute path, every record is ``root/<name>`` however the
     # user typed it (relative, ``./``, trailing slash), which _check_storage_paths accepts.
     reader = safe_fs(str(root)) if fmt == "dcp" else safe_hf(os.path.abspath(root))
-    with dcp_errors(root / ".metadata" if fmt == "dcp" else root, [".metadata"]):
+    # DCP's per-rank safetensors shards have no .metadata: torch builds it from each shard's
+    # header (its DCP_SHARDING_INFO), so a failure there names the shards.
+    what = [".metadata"] if fmt == "dcp" else ["DCP_SHARDING_INFO headers"]
+    shards = None if fmt == "dcp" else [f.name for f in st_files(root)]
+    with dcp_errors(root / ".metadata" if fmt == "dcp" else root, what, shards):
         md = reader.read_metadata()
     return reader, md, root
 
