@@ -349,3 +349,30 @@ def test_two_ranks_write_files_apart_and_agree_on_a_failure(tmp_path):
             got.update(load_file(tmp_path / name / f))
         assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in zip(want, _grouped_full()))
         assert all(got[k].dtype == v.dtype for k, v in zip(want, _grouped_full()))
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch, inline):
+    """A single-process save hashes each 1 MiB digest chunk of a large tensor right after its
+    pwrite (or, HASH_INLINE off, on the hash thread beside it): either way the index holds format
+    version 3's digests computed from xxhash itself, for tensors of exactly one chunk, one chunk
+    and a byte, several and a half, and small ones through the staging buffer; the bytes read back
+    equal the tensors."""
+    from checkpoint.storage import writer
+
+    monkeypatch.setattr(writer.SequentialFileWriter, "HASH_INLINE", inline)
+    c = digest.TENSOR_CHUNK
+    sd = {
+        "one_chunk": torch.arange(c, dtype=torch.uint8),
+        "chunk_and_a_byte": torch.arange(c + 1, dtype=torch.int64).to(torch.uint8),
+        "three_and_a_half": torch.randn(7 * c // 8, generator=torch.Generator().manual_seed(3)),
+        "small": torch.randn(5, 3, generator=torch.Generator().manual_seed(4)).bfloat16(),
+        "empty": torch.zeros(0, 4),
+    }
+    idx = checkpoint.save(sd, tmp_path / "ck")
+    (rec,) = idx.metadata.fqnckpt.files.values()
+    assert rec.tensors == {k: _xxh(v) for k, v in sd.items()}
+    out = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    checkpoint.load(out, tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    checkpoint.verify(tmp_path / "ck")

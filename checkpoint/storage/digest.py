@@ -49,6 +49,7 @@ CHUNK = 8 << 20  # bytes hashed then written per step: stays in cache between th
 INDEX_FIELD = "index_xxh3_128"
 
 hexdigest = xxhash.xxh3_128_hexdigest
+xxh3_128_digest = xxhash.xxh3_128_digest  # (one chunk's 16-byte digest)
 new = xxhash.xxh3_128
 TENSOR_CHUNK = 1 << 20  # format version 3's tensor digest chunk (bytes)
 
