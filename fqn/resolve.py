@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from .eager import TensorKind, _transparent_name, eager_tensors
-from .errors import AmbiguousFQNError, FlatParamError, FQNCollisionError, UnknownNameError
+from .errors import AmbiguousFQNError, FlatParamError, FQNCollisionError, FQNError, UnknownNameError
 from .registry import dtype_name
 from .rules import FLAT_PARAM_SEGMENTS, WRAPPER_SEGMENTS, canonical_fqn, strip_transparent_parametrization
 
@@ -70,6 +70,7 @@ class NameMatch:
     parameters / persistent buffers no source name reached, sorted. ``non_persistent``: source
     names that reached a non-persistent buffer (resolved; the caller decides whether to load).
     ``prefix``: the container prefix applied, ``("add", "model")`` / ``("strip", "backbone")``.
+    ``refused``: with ``errors="report"``, each name's refusal (ambiguous, flat parameter) by name.
     """
 
     mapping: dict[str, str] = field(default_factory=dict)
@@ -77,6 +78,7 @@ class NameMatch:
     missing: list[str] = field(default_factory=list)
     non_persistent: list[str] = field(default_factory=list)
     prefix: tuple[str, str] | None = None
+    refused: dict[str, FQNError] = field(default_factory=dict)
 
 
 Hit = tuple[int, str]  # (tensor index in eager_tensors order, eager name of that tensor)
@@ -253,7 +255,47 @@ def _resolve_one(name: str, idx: _ModelNames, shapes: Mapping | None) -> Hit | N
     return _pick(name, idx.flat_hits(name), idx, shapes)
 
 
-def _prefix_ops(name: str, idx: _ModelNames, module_paths: list[str]) -> dict[tuple[str, str], str]:
+class _PrefixIndex:
+    """Where a prefix can be added: ``{module path suffix: [paths P with P.suffix a module]}`` and
+    ``{tensor leaf: [owner module paths]}``, built once, so each leftover name looks up its few
+    candidate prefixes instead of trying every module of the model (quadratic: minutes for a few
+    thousand keys)."""
+
+    def __init__(self, idx: _ModelNames):
+        paths = sorted({canonical_fqn(p, idx.model) for p, _ in idx.model.named_modules() if p} - {""})
+        self.by_suffix: dict[str, set[str]] = {}
+        for path in paths:
+            segs = path.split(".")
+            for i in range(1, len(segs)):
+                self.by_suffix.setdefault(".".join(segs[i:]), set()).add(".".join(segs[:i]))
+        known = set(paths)
+        self.by_leaf: dict[str, set[str]] = {}
+        for n in idx.known:
+            owner, _, leaf = n.rpartition(".")
+            if owner in known:
+                self.by_leaf.setdefault(leaf, set()).add(owner)
+
+    def candidates(self, name: str) -> set[str]:
+        """Module paths ``P`` under which ``P.name`` may resolve (checked by the caller): the longest
+        leading part of the name's module path (after wrapper / parametrization rules, which keep
+        its leading segments) that some ``P.part`` spells."""
+        out: set[str] = set()
+        forms = {name, canonical_fqn(name)}
+        forms |= {strip_transparent_parametrization(f) for f in forms}
+        for f in forms:
+            segs = f.split(".")
+            if len(segs) == 1:
+                out |= self.by_leaf.get(segs[0], set())
+                continue
+            for j in range(len(segs) - 1, 0, -1):
+                found = self.by_suffix.get(".".join(segs[:j]))
+                if found:
+                    out |= found
+                    break
+        return out
+
+
+def _prefix_ops(name: str, idx: _ModelNames, where: _PrefixIndex) -> dict[tuple[str, str], str]:
     """Container-prefix edits that make ``name`` resolve: ``{(op, prefix): edited name}``.
 
     Only dotted rules apply to the edited name (a flattened name never gains a prefix)."""
@@ -263,7 +305,7 @@ def _prefix_ops(name: str, idx: _ModelNames, module_paths: list[str]) -> dict[tu
         prefix, rest = ".".join(segs[:k]), ".".join(segs[k:])
         if idx.dotted_hits(rest):
             ops[("strip", prefix)] = rest
-    for path in module_paths:
+    for path in sorted(where.candidates(name)):
         added = f"{path}.{name}"
         if idx.dotted_hits(added):
             ops[("add", path)] = added
@@ -276,6 +318,7 @@ def resolve_report(
     shapes: Mapping[str, ShapeSpec] | None = None,
     *,
     spelling: Spelling = "eager",
+    errors: Literal["raise", "report"] = "raise",
 ) -> NameMatch:
     """Map source tensor ``names`` to ``model``'s eager FQNs; report what is left on both sides.
 
@@ -287,8 +330,12 @@ def resolve_report(
         spelling: ``"eager"`` returns canonical eager FQNs (an eager alias stays itself);
             ``"state_dict"`` returns the key ``model.state_dict()`` uses for that tensor (e.g.
             ``module.x`` for a ``DataParallel`` target), or the eager FQN of a non-persistent buffer.
+        errors: ``"raise"`` (below), or ``"report"``: each name's refusal goes to ``refused`` and
+            the other names still resolve together (one pass over the model, however many names
+            are refused); several prefixes fitting refuses the names they fit; two names on one
+            target are both mapped (the caller compares their values).
 
-    Raises:
+    Raises (``errors="raise"``):
         FlatParamError: a name is an FSDP1 ``_flat_param`` (no eager FQN exists).
         AmbiguousFQNError: a name matches tensors of more than one eager FQN (after ``shapes``),
             or several container prefixes fit equally.
@@ -300,16 +347,29 @@ def resolve_report(
     idx = _ModelNames(model)
     hits: dict[str, Hit] = {}
     unresolved: list[str] = []
+    refused: dict[str, FQNError] = {}
     for name in names:
-        hit = _resolve_one(name, idx, shapes)
+        try:
+            hit = _resolve_one(name, idx, shapes)
+        except FQNError as e:
+            if errors == "raise":
+                raise
+            refused[name] = e
+            continue
         if hit is None:
             unresolved.append(name)
         else:
             hits[name] = hit
-    prefix = _apply_prefix(unresolved, idx, shapes, hits)
-    unexpected = sorted(n for n in unresolved if n not in hits)
+    try:
+        prefix = _apply_prefix(unresolved, idx, shapes, hits)
+    except _PrefixAmbiguous as e:
+        if errors == "raise":
+            raise e.error from None
+        prefix = None
+        refused.update((n, e.error) for n in e.names)
+    unexpected = sorted(n for n in unresolved if n not in hits and n not in refused)
 
-    out = NameMatch(unexpected=unexpected, prefix=prefix)
+    out = NameMatch(unexpected=unexpected, prefix=prefix, refused=refused)
     sd_names = _state_dict_names(model, idx) if spelling == "state_dict" else {}
     owners: dict[str, str] = {}
     for name in names:
@@ -317,7 +377,7 @@ def resolve_report(
             continue
         i, eager = hits[name]
         target = sd_names.get((i, eager), sd_names.get((i, None), eager)) if sd_names else eager
-        if target in owners:
+        if target in owners and errors == "raise":
             raise FQNCollisionError(target, [owners[target], name])
         owners[target] = name
         out.mapping[name] = target
@@ -331,6 +391,13 @@ def resolve_report(
     return out
 
 
+class _PrefixAmbiguous(Exception):
+    """Several container prefixes fit every leftover name: ``error`` for ``names``."""
+
+    def __init__(self, error: AmbiguousFQNError, names: list[str]):
+        self.error, self.names = error, names
+
+
 def _apply_prefix(
     unresolved: list[str], idx: _ModelNames, shapes: Mapping | None, hits: dict[str, Hit]
 ) -> tuple[str, str] | None:
@@ -339,8 +406,8 @@ def _apply_prefix(
     dotted = list(unresolved)
     if not dotted:
         return None
-    module_paths = sorted({canonical_fqn(p, idx.model) for p, _ in idx.model.named_modules() if p} - {""})
-    per_name = {n: _prefix_ops(n, idx, module_paths) for n in dotted}
+    where = _PrefixIndex(idx)
+    per_name = {n: _prefix_ops(n, idx, where) for n in dotted}
     per_name = {n: ops for n, ops in per_name.items() if ops}
     if not per_name:
         return None
@@ -350,8 +417,11 @@ def _apply_prefix(
         return None  # the keys disagree: no prefix is applied, they stay unexpected
     if len(common) > 1:
         first = next(iter(per_name))
-        raise AmbiguousFQNError(
-            first, [per_name[first][op] for op in common], "several container prefixes fit every key"
+        raise _PrefixAmbiguous(
+            AmbiguousFQNError(
+                first, [per_name[first][op] for op in common], "several container prefixes fit every key"
+            ),
+            list(per_name),
         )
     (op,) = common
     for n, ops in per_name.items():

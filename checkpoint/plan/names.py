@@ -83,28 +83,14 @@ def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
 
 
 def _resolve(names: list[str], model: nn.Module, shapes: dict) -> tuple[dict[str, str], list[Unresolved]]:
-    """``fqn.resolve_report`` over all names at once (a container prefix must fit them all); when it
-    refuses (ambiguity, two names on one target) name by name, so each failure is reported."""
-    try:
-        rep = fqn.resolve_report(names, model, shapes)
-        bad = [Unresolved(source=n, reason="matches no tensor of the model") for n in rep.unexpected]
-        return dict(rep.mapping), bad
-    except fqn.FQNError:
-        pass
-    found: dict[str, str] = {}
-    bad = []
-    for n in names:
-        try:
-            rep = fqn.resolve_report([n], model, {n: shapes[n]})
-        except fqn.AmbiguousFQNError as e:
-            bad.append(Unresolved(source=n, reason=str(e), candidates=list(e.candidates)))
-            continue
-        except fqn.FQNError as e:
-            bad.append(Unresolved(source=n, reason=str(e)))
-            continue
-        found.update(rep.mapping)
-        bad.extend(Unresolved(source=u, reason="matches no tensor of the model") for u in rep.unexpected)
-    return found, bad
+    """``fqn.resolve_report`` over all names at once (a container prefix must fit them all), each
+    name's refusal (ambiguity, flat parameter) reported by name while the others still resolve:
+    one pass over the model however many names are refused (name by name it was quadratic)."""
+    rep = fqn.resolve_report(names, model, shapes, errors="report")
+    bad = [Unresolved(source=n, reason="matches no tensor of the model") for n in rep.unexpected]
+    for n, e in rep.refused.items():
+        bad.append(Unresolved(source=n, reason=str(e), candidates=list(getattr(e, "candidates", None) or [])))
+    return dict(rep.mapping), bad
 
 
 def _resolve_label(before: str, after: str) -> str:
