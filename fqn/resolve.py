@@ -22,7 +22,8 @@ lossy flattening (runs of non-alphanumerics -> ``_``), compared case-insensitive
 
 Dotted names go through the string rules of :mod:`fqn.rules` (wrapper segments removed where the
 model says so), fqnckpt's transparent parametrizations, the weight_norm spelling of the target
-model (``parametrizations.W.original0/1`` <-> ``W_g`` / ``W_v``), and a container prefix that
+model (``parametrizations.W.original0/1`` <-> ``W_g`` / ``W_v``), the spectral_norm spelling
+(``parametrizations.W.original`` / ``.0._u`` / ``.0._v`` <-> ``W_orig`` / ``W_u`` / ``W_v``), and a container prefix that
 every unresolved key agrees on (``model.`` added or removed, HF ``backbone.``).
 """
 
@@ -49,6 +50,12 @@ _RUNS = re.compile(r"[^a-zA-Z0-9]+")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
 _WN_NEW = re.compile(r"^(.*\.)?parametrizations\.([^.]+)\.original([01])$")
 _WN_OLD = re.compile(r"^(.*\.)?([^.]+)_([gv])$")
+# spectral_norm: parametrization ``W.original`` / ``W.0._u`` / ``W.0._v`` <-> legacy hook
+# ``W_orig`` / ``W_u`` / ``W_v`` (torch.nn.utils.parametrizations.spectral_norm vs
+# torch.nn.utils.spectral_norm: the same raw weight and power-iteration vectors).
+_SN_NEW = re.compile(r"^(.*\.)?parametrizations\.([^.]+)\.(original|0\._u|0\._v)$")
+_SN_OLD = re.compile(r"^(.*\.)?([^.]+)_(orig|u|v)$")
+_SN_PARTS = (("original", "orig"), ("0._u", "u"), ("0._v", "v"))
 # Wrapper segments inside a normalized flat name (dynamo reaches checkpoint_wrapper's child via
 # `__dict__['_modules']`). `module` is not listed: a real child may be called so.
 _FLAT_WRAPPERS = re.compile(
@@ -109,7 +116,7 @@ class _ModelNames:
             return set(self.dotted[name])
         forms = {canonical_fqn(name, self.model), canonical_fqn(name)}
         forms |= {strip_transparent_parametrization(f) for f in forms}
-        forms |= {w for f in forms for w in self._weight_norm_forms(f)}
+        forms |= {w for f in forms for w in self._weight_norm_forms(f) + self._spectral_norm_forms(f)}
         return {h for f in forms for h in self.dotted.get(f, ())}
 
     def flat_hits(self, name: str) -> set[Hit]:
@@ -125,6 +132,22 @@ class _ModelNames:
             if len({i for i, _ in base}) > 1:
                 hits |= base
         return hits
+
+    def _spectral_norm_forms(self, name: str) -> list[str]:
+        # Only where the target model has the *other* spelling with all three names present.
+        m = _SN_NEW.match(name)
+        if m:
+            owner, w = m.group(1) or "", m.group(2)
+            old = {new: f"{owner}{w}_{o}" for new, o in _SN_PARTS}
+            if all(n in self.dotted for n in old.values()):
+                return [old[m.group(3)]]
+        m = _SN_OLD.match(name)
+        if m:
+            owner, w = m.group(1) or "", m.group(2)
+            new = {o: f"{owner}parametrizations.{w}.{n}" for n, o in _SN_PARTS}
+            if all(n in self.dotted for n in new.values()):
+                return [new[m.group(3)]]
+        return []
 
     def _weight_norm_forms(self, name: str) -> list[str]:
         # Only where the target model has the *other* spelling with both halves present.

@@ -312,3 +312,48 @@ def test_prefix_and_refusals_resolve_in_one_pass_over_the_model(tmp_path, monkey
     assert rep.prefix == ("strip", "model") and len(rep.mapping) == n_keys - 1
     with pytest.raises(fqn.AmbiguousFQNError):
         fqn.resolve_report(list(sd), model)
+
+
+class _SN(nn.Module):
+    def __init__(self, legacy: bool):
+        super().__init__()
+        from torch.nn.utils import spectral_norm as legacy_sn
+        from torch.nn.utils.parametrizations import spectral_norm as new_sn
+
+        self.conv = (legacy_sn if legacy else new_sn)(nn.Conv1d(3, 4, 3, padding=1))
+        self.proj = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.proj(self.conv(x).mean(-1))
+
+
+SN_NEW_TO_LEGACY = {
+    "conv.parametrizations.weight.original": "conv.weight_orig",
+    "conv.parametrizations.weight.0._u": "conv.weight_u",
+    "conv.parametrizations.weight.0._v": "conv.weight_v",
+    "conv.bias": "conv.bias",
+    "proj.weight": "proj.weight",
+    "proj.bias": "proj.bias",
+}
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pickle"])
+@pytest.mark.parametrize("legacy_source", [False, True])
+def test_spectral_norm_spellings_migrate_to_the_target_spelling(tmp_path, kind, legacy_source):
+    """B13's kind for spectral_norm: parametrization names <-> legacy hook names, both ways."""
+    torch.manual_seed(0)
+    src = _SN(legacy_source).eval()
+    x = torch.randn(2, 3, 5)
+    src(x)  # eval: no power iteration, u / v as stored
+    want = SN_NEW_TO_LEGACY if not legacy_source else {v: k for k, v in SN_NEW_TO_LEGACY.items()}
+    assert sorted(src.state_dict()) == sorted(want)  # the fixture is what torch writes
+    target = _SN(not legacy_source).eval()
+    assert sorted(target.state_dict()) == sorted(want.values())
+    assert fqn.resolve(list(want), target) == want
+    path = _write_source(kind, src.state_dict(), tmp_path, "sn")
+    rep = checkpoint.load(target, path)
+    assert rep.missing_keys == [] and rep.unexpected_keys == []
+    for k, v in src.state_dict().items():
+        assert torch.equal(target.state_dict()[want[k]], v), k
+    with torch.no_grad():
+        assert torch.allclose(target(x), src(x), atol=1e-6)
