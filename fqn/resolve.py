@@ -21,8 +21,9 @@ lossy flattening (runs of non-alphanumerics -> ``_``), compared case-insensitive
 * a collision suffix ``_0`` / ``_1`` / ... on any of those.
 
 Dotted names go through the string rules of :mod:`fqn.rules` (wrapper segments removed where the
-model says so), fqnckpt's transparent parametrizations, the weight_norm spelling of the target
-model (``parametrizations.W.original0/1`` <-> ``W_g`` / ``W_v``), the spectral_norm spelling
+model says so; a transparent parametrization only where the target holds it: a stored
+``parametrizations.W.original`` is the parametrization's input, never taken as a plain target's
+``W``), the weight_norm spelling of the target model (``parametrizations.W.original0/1`` <-> ``W_g`` / ``W_v``), the spectral_norm spelling
 (``parametrizations.W.original`` / ``.0._u`` / ``.0._v`` <-> ``W_orig`` / ``W_u`` / ``W_v``), and a container prefix that
 every unresolved key agrees on (``model.`` added or removed, HF ``backbone.``).
 """
@@ -41,7 +42,7 @@ import torch.nn as nn
 from .eager import TensorKind, _transparent_name, eager_tensors
 from .errors import AmbiguousFQNError, FlatParamError, FQNCollisionError, FQNError, UnknownNameError
 from .registry import dtype_name
-from .rules import FLAT_PARAM_SEGMENTS, WRAPPER_SEGMENTS, canonical_fqn, strip_transparent_parametrization
+from .rules import FLAT_PARAM_SEGMENTS, WRAPPER_SEGMENTS, canonical_fqn
 
 Spelling = Literal["eager", "state_dict"]
 ShapeSpec = tuple[tuple[int, ...], "torch.dtype | str"]
@@ -111,11 +112,14 @@ class _ModelNames:
         self.known = sorted({n for t in self.tensors for n in t.names})
 
     def dotted_hits(self, name: str) -> set[Hit]:
-        """Exact name, then the string rules (wrappers, parametrizations, weight_norm)."""
+        """Exact name, then the string rules (wrappers, weight_norm / spectral_norm spellings).
+
+        ``X.parametrizations.W.original`` never becomes ``X.W`` by string: the stored value is the
+        parametrization's input, the weight only for an identity one, and the string cannot say
+        which (a target holding the parametrization names it so itself, via its module names)."""
         if name in self.dotted:
             return set(self.dotted[name])
         forms = {canonical_fqn(name, self.model), canonical_fqn(name)}
-        forms |= {strip_transparent_parametrization(f) for f in forms}
         forms |= {w for f in forms for w in self._weight_norm_forms(f) + self._spectral_norm_forms(f)}
         return {h for f in forms for h in self.dotted.get(f, ())}
 
@@ -304,7 +308,6 @@ class _PrefixIndex:
         its leading segments) that some ``P.part`` spells."""
         out: set[str] = set()
         forms = {name, canonical_fqn(name)}
-        forms |= {strip_transparent_parametrization(f) for f in forms}
         for f in forms:
             segs = f.split(".")
             if len(segs) == 1:

@@ -357,3 +357,47 @@ def test_spectral_norm_spellings_migrate_to_the_target_spelling(tmp_path, kind, 
         assert torch.equal(target.state_dict()[want[k]], v), k
     with torch.no_grad():
         assert torch.allclose(target(x), src(x), atol=1e-6)
+
+
+class _Symmetric(nn.Module):
+    def forward(self, X):
+        return X.triu() + X.triu(1).transpose(-1, -2)
+
+
+class _Param(nn.Module):
+    def __init__(self, how: str | None):
+        super().__init__()
+        import torch.nn.utils.parametrize as P
+        from torch.nn.utils.parametrizations import orthogonal
+
+        self.lin = nn.Linear(3, 3)
+        if how == "symmetric":
+            P.register_parametrization(self.lin, "weight", _Symmetric())
+        elif how == "orthogonal":
+            orthogonal(self.lin)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pickle"])
+@pytest.mark.parametrize("how", ["symmetric", "orthogonal"])
+def test_user_parametrization_input_never_loads_as_plain_weight(tmp_path, kind, how):
+    """``lin.parametrizations.weight.original`` holds the parametrization's input, not the weight:
+    into a plain model it is unexpected (and ``lin.weight`` missing), never silently copied."""
+    torch.manual_seed(0)
+    src = _Param(how)
+    assert not torch.equal(src.lin.weight, src.lin.parametrizations.weight.original)
+    path = _write_source(kind, src.state_dict(), tmp_path, "param")
+    target = _Param(None)
+    snap = Snapshot(target)
+    with pytest.raises(CheckpointMismatchError) as ei:
+        checkpoint.load(target, path)
+    snap.assert_unchanged()
+    assert "lin.parametrizations.weight.original" in ei.value.report.unexpected_keys
+    assert ei.value.report.missing_keys == ["lin.weight"]
+    assert "lin.parametrizations.weight.original" not in fqn.resolve_report(
+        list(src.state_dict()), target
+    ).mapping
+    # control: a target with the same parametrization loads it strictly, weights equal
+    same = _Param(how)
+    rep = checkpoint.load(same, path)
+    assert rep.missing_keys == [] and rep.unexpected_keys == []
+    assert torch.equal(same.lin.weight, src.lin.weight)
