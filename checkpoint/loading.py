@@ -12,7 +12,7 @@ of the file, else ``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -52,6 +52,8 @@ def load(
     recipe: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     transfer: Any = None,
+    key: str | None = None,
+    trusted_globals: Iterable[Any] = (),
 ) -> LoadReport:
     """Load a checkpoint into ``obj`` in place and return the :class:`LoadReport`.
 
@@ -115,6 +117,12 @@ def load(
     (:mod:`checkpoint.storage.remote_reader`); ``storage_options`` go to the fsspec filesystem,
     ``transfer`` (:class:`~checkpoint.storage.objstore.TransferConfig`) sets the retries; a read
     failing for good is a :class:`LoadError` naming the object.
+
+    ``key``: which container of a ``torch.save`` pickle or DCP checkpoint holds the model when
+    several do (``"model"``, ``"ema"``; the error without it lists them); ``TypeError`` for a
+    safetensors checkpoint, which has none. ``trusted_globals``: pickle globals allowed beyond
+    torch's ``weights_only`` safe set (classes / functions or ``"module.name"`` strings, as
+    ``migrate`` takes them): the explicit allow-list an :class:`UnsafePickleError` points to.
 
     ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): converted while loading
     (:mod:`checkpoint.convert.reader`; planned and checked against ``obj`` before a tensor is read,
@@ -187,7 +195,8 @@ def load(
             if peft_dir == "adapter":
                 reader = open_adapter_reader(os.fspath(path))
             else:
-                reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj)
+                reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj,
+                                            key=key, trusted_globals=trusted_globals)  # fmt: skip
             if peft_dir == "both":
                 reader = open_adapter_reader(os.fspath(path), reader)
             plan = plan_load(
@@ -242,7 +251,8 @@ def _view(path):
     return read_view(path)
 
 
-def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None):
+def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,
+                       key: str | None = None, trusted_globals: Iterable[Any] = ()):  # fmt: skip
     """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an
     fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle, the format
     sniffed; ``read_optimizer``: also read DCP's optimizer param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
@@ -252,8 +262,9 @@ def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | Non
         from .convert import open_conversion
         from .convert.reader import ConvertedReader
 
-        return ConvertedReader(open_conversion(path, recipe, model=model if isinstance(model, torch.nn.Module) else None))
-    return open_source_target(path, read_optimizer=read_optimizer)
+        model = model if isinstance(model, torch.nn.Module) else None
+        return ConvertedReader(open_conversion(path, recipe, model=model, key=key, trusted_globals=trusted_globals))
+    return open_source_target(path, read_optimizer=read_optimizer, key=key, trusted_globals=trusted_globals)
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

@@ -401,3 +401,65 @@ def test_user_parametrization_input_never_loads_as_plain_weight(tmp_path, kind, 
     rep = checkpoint.load(same, path)
     assert rep.missing_keys == [] and rep.unexpected_keys == []
     assert torch.equal(same.lin.weight, src.lin.weight)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+def test_load_takes_the_options_its_pickle_errors_name(tmp_path):
+    """B25 / B23 through ``load``: the refusal names the globals and the containers, and ``load``
+    has the options the messages point to (``trusted_globals=``, ``key=``), as ``migrate`` does."""
+    import argparse
+    import pickle
+
+    from checkpoint.errors import AmbiguousSourceError, UnsafePickleError
+
+    torch.manual_seed(0)
+    src, ema = _Tiny(), _Tiny()
+    path = tmp_path / "legacy.pth"
+    torch.save({"model": src.state_dict(), "ema": ema.state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
+    target = _Tiny()
+    snap = Snapshot(target)
+    with pytest.raises(UnsafePickleError) as ei:
+        checkpoint.load(target, path)
+    snap.assert_unchanged()
+    assert ei.value.globals == ["argparse.Namespace"] and str(path) in str(ei.value)
+    assert isinstance(ei.value, pickle.UnpicklingError)
+    with pytest.raises(AmbiguousSourceError) as ei:
+        checkpoint.load(target, path, trusted_globals=[argparse.Namespace])
+    snap.assert_unchanged()
+    assert sorted(ei.value.choices) == ["ema", "model"]
+    for key, want in (("model", src), ("ema", ema)):
+        rep = checkpoint.load(target, path, trusted_globals=["argparse.Namespace"], key=key)
+        assert rep.missing_keys == [] and rep.unexpected_keys == []
+        assert all(torch.equal(target.state_dict()[k], v) for k, v in want.state_dict().items())
+    # key= of a checkpoint with no containers is refused by name, nothing changed
+    st = tmp_path / "plain.safetensors"
+    save_file(src.state_dict(), st)
+    snap = Snapshot(target)
+    with pytest.raises(TypeError, match="key="):
+        checkpoint.load(target, st, key="model")
+    snap.assert_unchanged()
+
+
+def test_load_key_picks_a_dcp_container(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.errors import AmbiguousSourceError
+
+    torch.manual_seed(0)
+    src, ema = _Tiny(), _Tiny()
+    dcp.save({"model": src.state_dict(), "ema": ema.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    target = _Tiny()
+    snap = Snapshot(target)
+    with pytest.raises(AmbiguousSourceError) as ei:
+        checkpoint.load(target, tmp_path / "dcp")
+    snap.assert_unchanged()
+    assert sorted(ei.value.choices) == ["ema", "model"]
+    for key, want in (("model", src), ("ema", ema)):
+        rep = checkpoint.load(target, tmp_path / "dcp", key=key)
+        assert rep.missing_keys == [] and rep.unexpected_keys == []
+        assert all(torch.equal(target.state_dict()[k], v) for k, v in want.state_dict().items())

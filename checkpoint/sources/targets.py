@@ -15,7 +15,9 @@ planning and applying use).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, UnsupportedFormatError
 from ..storage.location import is_remote
@@ -28,25 +30,34 @@ from .sniffing import pickle_files, sniff
 from .target_reader import SourceTargetReader
 
 
-def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True):
+def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, key: str | None = None,
+                       trusted_globals: Iterable[Any] = ()):  # fmt: skip
     """The reader ``load`` plans against for the checkpoint at ``path`` (see module docstring);
-    ``read_optimizer``: also read a DCP checkpoint's optimizer param groups.
+    ``read_optimizer``: also read a DCP checkpoint's optimizer param groups; ``key``: the
+    container holding the model (pickle, DCP); ``trusted_globals``: the pickle allow-list.
 
     Raises what :func:`~checkpoint.storage.reader.open_checkpoint`, :func:`~.dcp.open_dcp` and
     :func:`~.pickle_files.open_pickle` raise; UnsupportedFormatError for a pickle that holds
-    an optimizer state_dict alone (no model)."""
+    an optimizer state_dict alone (no model); TypeError for ``key`` with a safetensors checkpoint
+    (it has no containers: nothing is opened)."""
+
+    def safetensors_checkpoint():
+        if key is not None:
+            raise TypeError(f"key={key!r} picks a container of a torch.save pickle or DCP checkpoint; "
+                            f"{path} is a safetensors checkpoint, which has none")  # fmt: skip
+        return open_checkpoint(path)
 
     if is_remote(path):  # a URL: fqnckpt / Hugging Face layouts through fsspec
-        return open_checkpoint(path)
+        return safetensors_checkpoint()
     path = os.fspath(path)
     fmt = dcp_format(path)
     if fmt is not None:
-        return DCPTargetReader(open_dcp(Path(path), fmt, read_optimizer=read_optimizer))
+        return DCPTargetReader(open_dcp(Path(path), fmt, key=key, read_optimizer=read_optimizer))
     pickled = pickle_path(path)
     if pickled is None:
-        return open_checkpoint(path)
+        return safetensors_checkpoint()
 
-    src = open_pickle(pickled[0], pickled[1], None, (), DEFAULT_MMAP_WINDOW)
+    src = open_pickle(pickled[0], pickled[1], key, trusted_globals, DEFAULT_MMAP_WINDOW)
     if src.optimizer is not None and not src.optimizer.separate:
         src.close()
         raise UnsupportedFormatError(
