@@ -41,10 +41,11 @@ class FlatParamError(FQNError):
     """An FSDP1 ``_flat_param`` key: its storage holds many parameters flattened together, so no
     single eager FQN exists. Re-save with ``FullStateDictConfig`` / ``get_model_state_dict``."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, where: str = ""):
+        self.name, self.where = name, where
+        at = f" in {where}" if where else ""
         super().__init__(
-            f"key {name!r} is an FSDP1 _flat_param (many parameters flattened into one tensor); "
+            f"key {name!r}{at} is an FSDP1 _flat_param (many parameters flattened into one tensor); "
             "it has no eager FQN. Save it again with a full or sharded state_dict "
             "(get_model_state_dict of torch's distributed checkpoint state_dict API)."
         )

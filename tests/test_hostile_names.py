@@ -463,3 +463,22 @@ def test_load_key_picks_a_dcp_container(tmp_path):
         rep = checkpoint.load(target, tmp_path / "dcp", key=key)
         assert rep.missing_keys == [] and rep.unexpected_keys == []
         assert all(torch.equal(target.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pickle"])
+def test_fsdp1_flat_param_refused_naming_key_and_file(tmp_path, kind):
+    """B06's flat parameters through ``load``: refused by name (key and file), nothing changed;
+    never dropped as merely unexpected, also with strict=False."""
+    sd = {
+        "_fsdp_wrapped_module.fc._fsdp_wrapped_module._flat_param": torch.zeros(6),
+        "_fsdp_wrapped_module.head.weight": torch.zeros(2, 2),
+    }
+    path = _write_source(kind, sd, tmp_path, "flat")
+    target = _Tiny()
+    snap = Snapshot(target)
+    for strict in (True, False):
+        with pytest.raises(fqn.FlatParamError) as ei:
+            checkpoint.load(target, path, strict=strict)
+        snap.assert_unchanged()
+        msg = str(ei.value)
+        assert "_fsdp_wrapped_module.fc._fsdp_wrapped_module._flat_param" in msg and str(path) in msg

@@ -186,7 +186,10 @@ def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.M
         found = False
         e = by_name.get(key)
         if e is None and model is not None:
-            canon = canonical_fqn(key, model)
+            try:
+                canon = canonical_fqn(key, model)
+            except fqn.FlatParamError:
+                raise fqn.FlatParamError(key, f"{path} ({reader.file_of(key)})") from None
             e = by_name.get(canon)
             if canon in state.non_persistent:
                 ignorable.add(key)
