@@ -351,16 +351,21 @@ def test_two_ranks_write_files_apart_and_agree_on_a_failure(tmp_path):
         assert all(got[k].dtype == v.dtype for k, v in zip(want, _grouped_full()))
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch, inline):
-    """A single-process save hashes each 1 MiB digest chunk of a large tensor right after its
-    pwrite (or, HASH_INLINE off, on the hash thread beside it): either way the index holds format
-    version 3's digests computed from xxhash itself, for tensors of exactly one chunk, one chunk
-    and a byte, several and a half, and small ones through the staging buffer; the bytes read back
-    equal the tensors."""
+@pytest.mark.parametrize("spare", [True, False])
+def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch, spare):
+    """A single-process save hashes a large tensor on the hash thread beside its pwrite when a CPU
+    is idle, else each 1 MiB digest chunk on the writing thread right after its pwrite: either way
+    the index holds format version 3's digests computed from xxhash itself, for tensors of exactly
+    one chunk, one chunk and a byte, several and a half, and small ones through the staging
+    buffer; the bytes read back equal the tensors."""
     from checkpoint.storage import writer
 
-    monkeypatch.setattr(writer.SequentialFileWriter, "HASH_INLINE", inline)
+    monkeypatch.setattr(writer, "_spare_core", lambda: spare)
+    monkeypatch.setattr(writer.threads, "cpus", lambda: 2)
+    ways = []
+    for name in ("_write_hashing", "_write_beside_hash"):
+        f = getattr(writer.SequentialFileWriter, name)
+        monkeypatch.setattr(writer.SequentialFileWriter, name, lambda self, *a, f=f, name=name: ways.append(name) or f(self, *a))
     c = digest.TENSOR_CHUNK
     sd = {
         "one_chunk": torch.arange(c, dtype=torch.uint8),
@@ -372,6 +377,7 @@ def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch,
     idx = checkpoint.save(sd, tmp_path / "ck")
     (rec,) = idx.metadata.fqnckpt.files.values()
     assert rec.tensors == {k: _xxh(v) for k, v in sd.items()}
+    assert ways == ["_write_beside_hash" if spare else "_write_hashing"] * 3  # the three large ones
     out = {k: torch.full_like(v, 7) for k, v in sd.items()}
     checkpoint.load(out, tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)

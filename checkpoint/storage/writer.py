@@ -256,12 +256,27 @@ def _hasher() -> ThreadPoolExecutor | None:
     return threads.pool("hash", 1) if threads.cpus() >= 2 else None
 
 
+def _spare_core() -> bool:
+    """Whether a CPU is idle right now besides the calling thread: Linux's count of running tasks
+    (``procs_running`` in /proc/stat, the caller included) below the CPU count. True where unknown.
+    One read (~40 us), once per shard file."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running "):
+                    return int(line.split()[1]) < (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
+
+
 class SequentialFileWriter:
     """Writes one shard file front to back from a single process, computing the format-version-3
     digests on the way (see :mod:`checkpoint.storage.digest`); the file is never read back.
 
-    A large tensor is written one digest chunk at a time, each chunk hashed right after its
-    ``pwrite`` while it is in cache (see :attr:`HASH_INLINE`), and on a real disk the kernel is told
+    A large tensor is hashed beside its ``pwrite`` on a second thread when a CPU is idle, else
+    one digest chunk at a time right after the chunk's ``pwrite``, while it is in cache (see
+    :attr:`HASH_INLINE`), and on a real disk the kernel is told
     to start writing back every :attr:`WRITEBACK` bytes (:mod:`checkpoint.storage.writeback`), so
     the device works while later bytes are copied. Small tensors are copied into one staging
     buffer and written with one ``pwrite`` per buffer instead of one syscall each (a checkpoint
@@ -271,15 +286,16 @@ class SequentialFileWriter:
 
     SMALL = 1 << 20  # tensors below this many bytes go through the staging buffer
     BUFFER = 8 << 20
-    # Large tensors: each 1 MiB digest chunk hashed on the writing thread right after its pwrite,
-    # from cache (HASH_INLINE). Measured (issue 35, tests/bench/save_phases.py, 512 MiB on tmpfs,
-    # 2 cores under load 6-9): process CPU 0.38 s inline against 0.40 s with a hash thread reading
-    # the tensor from memory beside the pwrite, wall 0.63 s against 0.82 s (the thread competes
-    # for the cores the writes need); the pwrite alone 0.35 s CPU. Issue 22 had measured the
-    # thread ahead on a quiet machine (0.94-0.99x of the raw write against 0.79-0.98x hashing
-    # 256 KiB pieces inline). HASH_INLINE = False keeps the thread (the bench's ``ours_thread``).
+    # Large tensors: hashed on the hash thread beside the pwrite when a CPU is idle as the file is
+    # started (_spare_core), else each 1 MiB digest chunk on the writing thread right after its
+    # pwrite, from cache. HASH_INLINE = True / False forces either (the bench's sides). Why:
+    # measured (issue 35, tests/bench/save_phases.py, 512 MiB on tmpfs, 2 cores under load 6-9,
+    # i.e. no idle core): process CPU 0.38 s inline against 0.40 s with the hash thread reading
+    # the tensor from memory, wall 0.63 s against 0.82 s (the thread takes the cores the writes
+    # need); the pwrite alone 0.35 s CPU. With an idle core the thread hides the hash (issue 22,
+    # quiet machine: 0.94-0.99x of the raw write against 0.79-0.98x inline).
     PIECE = 8 << 20  # bytes per pwrite of a large tensor hashed on the hash thread
-    HASH_INLINE = True
+    HASH_INLINE: bool | None = None
     WRITEBACK = 8 << 20  # bytes written between two writeback starts (real disks only)
 
     def __init__(self, path: str, plan: FilePlan):
@@ -294,6 +310,8 @@ class SequentialFileWriter:
         self._buf_at = plan.data_start  # file offset of the staging buffer's first byte
         self.fd = create_shard_file(path, plan)
         self._writeback = writeback.available() and not fskind.in_memory_dir(os.path.dirname(os.path.abspath(path)))
+        inline = self.HASH_INLINE
+        self._inline = _hasher() is None or (inline if inline is not None else not _spare_core())
         self._started = 0  # writeback started for bytes [0, _started)
 
     def write(self, slot: TensorSlot, tensor: torch.Tensor) -> None:
@@ -313,7 +331,7 @@ class SequentialFileWriter:
             self._buf_len += n
         else:
             self._flush()
-            if self.HASH_INLINE or _hasher() is None:
+            if self._inline:
                 self.tensor_digests[slot.spec.fqn] = self._write_hashing(data, slot.begin)
             else:
                 self.tensor_digests[slot.spec.fqn] = self._write_beside_hash(data, slot.begin)
@@ -337,8 +355,8 @@ class SequentialFileWriter:
         return d.hex() if n <= c else top.hexdigest()
 
     def _write_beside_hash(self, data: memoryview, at: int) -> str:
-        """Write ``data`` while the hash thread reads the same memory (kept for comparison:
-        tests/bench/save_phases.py ``ours_thread``)."""
+        """Write ``data`` at file offset ``at`` while the hash thread reads the same memory (both
+        from memory; neither waits for the other until the tensor's end); the tensor's digest."""
         n = len(data)
         # xxhash releases the GIL: the hash runs beside the pwrite of `data`.
         hashed = _hasher().submit(digest.tensor_hexdigest, data)

@@ -2,7 +2,7 @@
 write of the same bytes, measured in the same run (issue 35; not collected by pytest).
 
     python tests/bench/save_phases.py [--sizes 128,512] [--rounds 7] [--dir /dev/shm/fqnckpt-phases]
-        [--sides ours,ours_phases,ours_thread,st,raw]      (a disk: --dir /tmp/fqnckpt-phases)
+        [--sides ours,ours_phases,ours_thread,ours_inline,st,raw]   (a disk: --dir /tmp/fqnckpt-phases)
 
 The state is 8 float32 tensors of ``size`` MiB in all (as tests/bench/checkpoint_bench.py). Sides,
 in rotating order, each into a path removed beforehand, after ``os.sync()``:
@@ -11,11 +11,12 @@ in rotating order, each into a path removed beforehand, after ``os.sync()``:
   wrappers cost microseconds a call, so the ratios are taken from ``ours``): preparing the state
   (names, specs), planning (layout, header), the atomic staging (lock, leftovers, staging
   directory), creating the shard file (+ header), the tensor ``pwrite``s, their hashing (each
-  1 MiB chunk right after its pwrite), starting writeback (disks), the file's fsync, the index
+  1 MiB chunk right after its pwrite, or the wait for the hash thread: ``checkpoint.save`` picks
+  the thread when a CPU is idle), starting writeback (disks), the file's fsync, the index
   (record, serialized, written, fsynced) and the commit (renames, directory fsyncs, lock
   release); "other (python)" is the rest of the call;
-- ``ours_thread``: ``ours`` with each large tensor hashed on a second thread beside its pwrite
-  (``SequentialFileWriter.HASH_INLINE = False``, the way before issue 35's second step);
+- ``ours_thread`` / ``ours_inline``: ``ours`` with large tensors hashed always on the hash thread
+  beside the pwrite / always on the writing thread (``SequentialFileWriter.HASH_INLINE``);
 - ``st``: ``save_file(sd, path)`` then fsync (safetensors 0.8 writes each tensor from its memory
   with one ``write``, into a temporary file renamed into place, without fsync);
 - ``raw``: ``os.pwrite`` of every tensor's bytes into one file (8 MiB pieces) then fsync: no
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="128,512", help="MiB, comma-separated")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dir", default="/dev/shm/fqnckpt-phases")
-    ap.add_argument("--sides", default="ours,ours_phases,ours_thread,st,raw")
+    ap.add_argument("--sides", default="ours,ours_phases,ours_thread,ours_inline,st,raw")
     args = ap.parse_args()
     from safetensors.torch import save_file
 
@@ -178,17 +179,21 @@ def main() -> None:
                 finally:
                     TIMING[0] = False
 
-            def ours_thread():
-                writer.SequentialFileWriter.HASH_INLINE = False
-                try:
-                    checkpoint.save(sd, ours_p)
-                finally:
-                    writer.SequentialFileWriter.HASH_INLINE = True
+            def forced(inline: bool):
+                def run():
+                    writer.SequentialFileWriter.HASH_INLINE = inline
+                    try:
+                        checkpoint.save(sd, ours_p)
+                    finally:
+                        writer.SequentialFileWriter.HASH_INLINE = None
+
+                return run
 
             all_sides = {
                 "ours": lambda: checkpoint.save(sd, ours_p),
                 "ours_phases": ours_phases,
-                "ours_thread": ours_thread,
+                "ours_thread": forced(False),
+                "ours_inline": forced(True),
                 "st": lambda: (save_file(sd, st_p), fsync_path(st_p)),
                 "raw": raw,
             }
@@ -228,7 +233,7 @@ def main() -> None:
             print(f"\n{size} MiB, 8 tensors, {args.rounds} rounds, rotating order (load average {la[0]:.1f} {la[1]:.1f} {la[2]:.1f})")
             for n in names:
                 print(f"  {n:12s} wall {med(times[n])} s, cpu {med(cpus[n])} s")
-            for n in (x for x in names if x in ("ours", "ours_thread")):
+            for n in (x for x in names if x in ("ours", "ours_thread", "ours_inline")):
                 for ref in ("st", "raw"):
                     if ref in times:
                         print(f"  {n} vs {'save_file+fsync' if ref == 'st' else 'raw pwrite+fsync'}: {ratio(times[ref], times[n])} (ref/ours)")
