@@ -292,8 +292,9 @@ class SequentialFileWriter:
     # measured (issue 35, tests/bench/save_phases.py, 512 MiB on tmpfs, 2 cores under load 6-9,
     # i.e. no idle core): process CPU 0.38 s inline against 0.40 s with the hash thread reading
     # the tensor from memory, wall 0.63 s against 0.82 s (the thread takes the cores the writes
-    # need); the pwrite alone 0.35 s CPU. With an idle core the thread hides the hash (issue 22,
-    # quiet machine: 0.94-0.99x of the raw write against 0.79-0.98x inline).
+    # need); the pwrite alone 0.35 s CPU. With an idle core the thread hides the hash (same bench,
+    # load 0.9: 512 MiB median wall 0.29 s thread, 0.31 s inline, 0.27 s chosen per file, raw
+    # write 0.31 s; issue 22: 0.94-0.99x of the raw write against 0.79-0.98x inline).
     PIECE = 8 << 20  # bytes per pwrite of a large tensor hashed on the hash thread
     HASH_INLINE: bool | None = None
     WRITEBACK = 8 << 20  # bytes written between two writeback starts (real disks only)
