@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 import checkpoint
 import fqn
 from checkpoint import CheckpointMismatchError
+from models import Base, WithHead
 from snapshot import Snapshot
 
 
@@ -88,20 +89,6 @@ def test_wrapper_segment_named_like_real_child_deeper():
     got = {k: fqn.canonical_fqn(k, target) for k in keys}
     assert got == {k: k.replace("layers.1.module.", "layers.1.") for k in keys}
     assert sorted(got.values()) == sorted(target.state_dict())
-
-
-class Base(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.layer = nn.Linear(4, 4)
-
-
-class WithHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.backbone = Base()
-        self.classifier = nn.Linear(4, 3)
 
 
 def _write_source(kind, sd, tmp_path, name):

@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
-from checkpoint.storage.reader import CheckpointReader  # noqa: E402
-from checkpoint_bench import gbs, make_large, make_many, ratio_line, rounds, warm  # noqa: E402
+from checkpoint_bench import gbs, load_unchecked, make_large, make_many, ratio_line, rounds, warm  # noqa: E402
 
 
 def bench(name: str, sd, root: str, pairs: int) -> None:
@@ -29,17 +28,12 @@ def bench(name: str, sd, root: str, pairs: int) -> None:
     checkpoint.save(sd, path, overwrite=True)
     dst = {k: v.clone() for k, v in sd.items()}
     warm(dst)
-    due = CheckpointReader.recorded_digest
 
     def checked():
         checkpoint.load(dst, path)
 
     def unchecked():
-        CheckpointReader.recorded_digest = lambda self, key: None  # as a checkpoint without digests
-        try:
-            checkpoint.load(dst, path)
-        finally:
-            CheckpointReader.recorded_digest = due
+        load_unchecked(dst, path)
 
     t = rounds({"checked": checked, "unchecked": unchecked}, pairs)
     assert all(v.equal(sd[k]) for k, v in dst.items())

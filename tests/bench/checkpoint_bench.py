@@ -45,6 +45,19 @@ from checkpoint.storage.format import index_name  # noqa: E402
 from checkpoint.storage.writer import pwrite_all, stats, tensor_bytes  # noqa: E402
 
 
+def load_unchecked(dst, path: str) -> None:
+    """``checkpoint.load(dst, path)`` as of a checkpoint without digests (no tensor checked): the
+    reference side of the checked-load benches."""
+    from checkpoint.storage.reader import CheckpointReader
+
+    due = CheckpointReader.recorded_digest
+    CheckpointReader.recorded_digest = lambda self, key: None
+    try:
+        checkpoint.load(dst, path)
+    finally:
+        CheckpointReader.recorded_digest = due
+
+
 def make_large(total_bytes: int, n: int = 8) -> dict[str, torch.Tensor]:
     rows = max(1, total_bytes // (n * 4096 * 4))
     g = torch.Generator().manual_seed(0)
