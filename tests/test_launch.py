@@ -51,6 +51,27 @@ def test_rank_killed_by_a_signal_is_named_with_its_signal_and_its_stack_kept(tmp
     assert os.listdir(tmp_path) == [os.path.basename(kept)]  # clean ranks leave no file
 
 
+def _killed(rank, world_size):
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_rank_killed_by_sigkill_leaves_no_empty_stack_file(tmp_path, monkeypatch):
+    """A signal faulthandler cannot see (SIGKILL) leaves nothing to keep: the rank is named with
+    its signal, no stack is listed, and the crash directory is left empty (no litter per spawn)."""
+    import os
+
+    monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
+    with pytest.raises(RankFailedError) as e:
+        run_ranks(_killed, 2, backend="gloo", timeout=60)
+    assert e.value.signals == {1: 9} and e.value.stacks == {}
+    assert os.listdir(tmp_path) == []
+
+
 def _tensor_result(rank, world_size):
     return {"rank": rank, "t": torch.full((3,), float(rank))}
 

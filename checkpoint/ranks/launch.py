@@ -14,7 +14,8 @@ signal kills it (abort, segfault, bus error), and with ``FQNCKPT_KEEP_CORE=1`` r
 limit to the hard limit (a core is kept where the machine's ``core_pattern`` allows). A rank killed by a signal, before or
 after sending its result, fails the run with :class:`RankFailedError` whose message holds that
 stack and the file's path; the file is kept (``FQNCKPT_CRASH_DIR``, default the temporary
-directory). Files of ranks that exited cleanly are removed.
+directory). Files of ranks that exited cleanly are removed, and so are empty ones (a signal
+faulthandler cannot catch, such as SIGKILL, leaves nothing to keep).
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ def _allow_core() -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
     except (ImportError, ValueError, OSError):
         pass
+
+
+def _has_stack(path: str) -> bool:
+    """Whether faulthandler wrote into ``path``: a signal it cannot catch (SIGKILL, as tests and
+    timeouts send) leaves the file empty, and an empty file is no evidence worth keeping."""
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
 
 
 def _evidence(dead: dict[int, int], files: dict[int, str]) -> str:
@@ -230,7 +240,7 @@ def run_ranks(
                         raise RankFailedError(
                             f"rank(s) died without a result: {dead}\n{_evidence(killed, files)}",
                             killed,
-                            {i: files[i] for i in killed},
+                            {i: files[i] for i in killed if _has_stack(files[i])},
                         )
                 time.sleep(0.02)
                 continue
@@ -257,7 +267,7 @@ def run_ranks(
             r: -p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0 and r not in ours
         }
         for r in range(world_size):
-            if r not in killed:
+            if r not in killed or not _has_stack(files[r]):
                 try:
                     os.remove(files[r])
                 except OSError:
@@ -266,7 +276,7 @@ def run_ranks(
         raise RankFailedError(
             f"rank(s) killed by a signal after sending their results: {killed}\n{_evidence(killed, files)}",
             killed,
-            {r: files[r] for r in killed},
+            {r: files[r] for r in killed if _has_stack(files[r])},
         )
     return [results[r] for r in range(world_size)]
 
