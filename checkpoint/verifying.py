@@ -6,7 +6,7 @@ import contextlib
 import os
 
 from .atomic import read_view
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, external_errors
+from .errors import AmbiguousSourceError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, external_errors
 from .plan.values import guarded_get
 from .reports import FileCheck, VerifyReport
 from .storage.extra_state import checked_extra_state_files
@@ -113,7 +113,8 @@ def verify(
 
     Raises:
         CheckpointNotFoundError: nothing at ``path`` in a format fqnckpt reads.
-        AmbiguousSourceError: a directory with several pickle files (``.choices`` lists them).
+        AmbiguousSourceError: a directory with several pickle files, or DCP's ``.metadata`` beside a
+            safetensors checkpoint (``.choices`` lists them).
         UnsupportedFormatError: a file whose content is no format fqnckpt reads.
         Other problems are reported, not raised.
     """
@@ -137,6 +138,8 @@ def verify(
                     if prefix != "model" or not os.path.exists(path):
                         raise
                     _check_source_or_raise(path, report, bar)
+                except AmbiguousSourceError:  # bad input (which checkpoint?), as sniff raises it
+                    raise
                 except (CheckpointError, OSError) as e:
                     report.problems.append(f"{type(e).__name__}: {e}")
         if readers:

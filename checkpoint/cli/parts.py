@@ -65,6 +65,7 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
     Raises:
         CorruptCheckpointError: an index that does not parse (file named).
     """
+    from ..storage.dir_layout import check_one_layout
     from ..storage.st_header import read_index  # torch-free (inspect)
     from ..storage.urls import is_url
 
@@ -74,6 +75,7 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
     model = os.path.join(root, index_name(MODEL_PREFIX))
     if not os.path.isdir(root) or not _plain_file(model):
         return None
+    check_one_layout(root)  # DCP's .metadata beside it: refused, as every reader refuses it
     meta = read_index(model).metadata.fqnckpt
     if meta is None:
         return None  # a Hugging Face checkpoint: no parts of ours

@@ -18,6 +18,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage import paths
+from ..storage.dir_layout import check_one_layout
 
 ZIP_MAGIC = b"PK\x03\x04"
 LFS_MAGIC = b"version https://git-lfs"
@@ -89,7 +90,13 @@ def is_dcp_hf(d: Path) -> bool:
 
 
 def is_dcp(d: Path) -> bool:
-    """``d`` is a DCP ``FileSystemWriter`` directory (``.metadata`` + ``*.distcp``)."""
+    """``d`` is a DCP ``FileSystemWriter`` directory (``.metadata`` + ``*.distcp``).
+
+    Raises:
+        AmbiguousSourceError: ``.metadata`` sits beside a safetensors model checkpoint
+            (:func:`checkpoint.storage.dir_layout.check_one_layout`, the rule every reader uses).
+    """
+    check_one_layout(d)
     return Path(paths.member(d, ".metadata")).is_file()
 
 

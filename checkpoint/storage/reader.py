@@ -38,6 +38,7 @@ from ..errors import (
 )
 from . import digest as _digest
 from . import paths
+from .dir_layout import check_one_layout
 from .urls import is_url
 from .format import (
     MODEL_PREFIX,
@@ -787,6 +788,7 @@ def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
         return reader
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(path)
+    check_one_layout(path)  # DCP's .metadata beside our index: refused by every reader alike
     idx_path = _safe_member(path, index_name(prefix))
     single = _safe_member(path, f"{prefix}.safetensors")
     if os.path.isfile(idx_path):
