@@ -34,6 +34,7 @@ from .errors import (
     UnsavableTypeError,
     UnsupportedTensorError,
     UnsupportedStorageError,
+    UnsupportedURLError,
     UnwritableTargetError,
 )
 # Everything but the errors is imported on first use (PEP 562): ``import checkpoint`` (and the CLI's
@@ -153,6 +154,7 @@ __all__ = [
     "MetaTargetError",
     "UnwritableTargetError",
     "UnsupportedStorageError",
+    "UnsupportedURLError",
     "OverlappingTargetsError",
     "LossyConversionError",
     "LoadError",

@@ -459,3 +459,26 @@ class UnsupportedStorageError(CheckpointError, ValueError):
             f"{self.url}: no storage backend for {scheme!r}://{extra}; install it with "
             "`pip install fqnckpt[s3]` (fsspec + s3fs) or the fsspec backend package for that scheme"
         )
+
+
+class UnsupportedURLError(UnsupportedStorageError):
+    """A URL with a query (``?versionId=...``) or a fragment (``#...``). A checkpoint at a URL is
+    a prefix of objects written and read by their plain names (index, shards, extra state): a
+    query cannot pick an object version for all of them and a writer cannot honour one, so it is
+    refused for every entry point (:func:`checkpoint.storage.urls.check_url`). ``url`` is the URL
+    as messages show it (query values and fragment masked), ``parts`` what it carries
+    (``"query keys [...]"``, ``"a fragment"``)."""
+
+    def __init__(self, url: str, scheme: str, parts: list[str]):
+        from .storage.secrets import scrub
+
+        url = scrub(str(url))  # as the message shows it (scrub masks "Signature=..." whole)
+        self.url, self.scheme, self.file, self.parts = url, scheme, url, list(parts)
+        CheckpointError.__init__(
+            self,
+            # (a space after the URL: a ":" there would read as part of its masked query value)
+            f"{self.url} carries {' and '.join(self.parts)}, which a checkpoint URL cannot: it is a "
+            "prefix of objects read and written by their plain names, so a query (an object version, "
+            "a signature) or fragment cannot apply to them and a save could not honour it; give the "
+            "URL without '?...' and '#...' (filesystem settings go in storage_options)",
+        )

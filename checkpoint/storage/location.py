@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .urls import is_url, url_scheme
+from .urls import check_url, is_url, url_scheme
 
 
 def is_remote(where: Any) -> bool:
@@ -26,7 +26,9 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
     (``storage_options`` / ``transfer`` apply to it only). A byte store is returned as is.
 
     Raises:
-        UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
+        UnsupportedStorageError: a URL whose scheme has no installed fsspec backend;
+            :class:`~checkpoint.errors.UnsupportedURLError` (a subclass) for a URL with a query
+            or fragment (:func:`checkpoint.storage.urls.check_url`).
         TypeError: ``storage_options`` / ``transfer`` given with a local path.
     """
     if is_remote(path):
@@ -38,6 +40,7 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
         if storage_options or transfer is not None:
             raise TypeError(f"storage_options / transfer apply to URLs (s3://...), not to the local path {p!r}")
         return os.path.expanduser(p)  # "~/run" as typed in Python, where no shell expands it
+    check_url(p)  # a query (?versionId=...) or fragment: refused for every entry point
     if url_scheme(p) == "file" and not storage_options:  # the local byte store: no fsspec
         from .bytestore import LocalStore
 

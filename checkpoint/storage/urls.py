@@ -32,6 +32,31 @@ def is_url(path: object) -> bool:
     return url_scheme(path) is not None
 
 
+def check_url(url: str) -> None:
+    """Refuse a URL carrying a query (``s3://b/ck?versionId=3``, presigned ``?X-Amz-...``) or a
+    fragment (``#...``): checkpoint objects are read and written by plain names under the URL, so
+    neither could apply (an object version cannot be written; s3fs would take ``versionId`` for
+    the prefix, not for the files under it). Called by
+    :func:`checkpoint.storage.location.resolve`, which every entry point goes through.
+
+    Raises:
+        UnsupportedURLError: naming the URL (values masked) and the query keys / fragment.
+    """
+    scheme = url_scheme(url) or ""
+    rest, hash_, _ = url.partition("#")
+    _, q, query = rest.partition("?")
+    parts = []
+    if q:
+        keys = [p.partition("=")[0] for p in query.split("&") if p]
+        parts.append(f"query keys {keys}" if keys else "an empty query '?'")
+    if hash_:
+        parts.append("a fragment")
+    if parts:
+        from ..errors import UnsupportedURLError
+
+        raise UnsupportedURLError(redact_url(url), scheme, parts)
+
+
 def redact_url(url: str) -> str:
     """``url`` as messages show it: userinfo, query values and fragment replaced by ``***``
     (:func:`checkpoint.storage.secrets.scrub_url`; credentials never reach a message)."""
@@ -40,4 +65,4 @@ def redact_url(url: str) -> str:
     return scrub_url(url)
 
 
-__all__ = ["url_scheme", "is_url", "redact_url"]
+__all__ = ["url_scheme", "is_url", "check_url", "redact_url"]
