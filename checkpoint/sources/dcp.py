@@ -37,6 +37,7 @@ from ..storage.st_header import cover_problem, shape_problem
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import is_dcp, is_dcp_hf, st_files
 from .unpickle import load_dcp_metadata, torch_load
+from .training_state import is_training_state
 
 # Bytes of tensors read by one dcp.load call when the read order is known (batches amortise
 # DCP's per-call planning; peak memory stays about one batch).
@@ -401,9 +402,13 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     for k in tensor_keys:
         _check_dcp_shapes(path, k, md.state_dict_metadata[k])
     other = [k for k in md.state_dict_metadata if k not in tensor_set]
-    top_level = any(len(_path_of(md, k)) == 1 for k in tensor_keys)
     containers = list(dict.fromkeys(str(_path_of(md, k)[0]) for k in tensor_keys if len(_path_of(md, k)) > 1))
     model_like = [c for c in containers if c not in optim and c not in EXTRA_KINDS]
+    # Top-level tensors named like training state (step, rng...) beside a model container are
+    # extra state, as pickles treat them (checkpoint.sources.training_state), not model keys.
+    beside = {k for k in tensor_keys if len(_path_of(md, k)) == 1 and is_training_state(str(_path_of(md, k)[0]))}
+    beside = beside if model_like else set()
+    top_level = any(len(_path_of(md, k)) == 1 and k not in beside for k in tensor_keys)
     if top_level and key is None and model_like:
         raise AmbiguousSourceError(
             str(path), model_like, "model tensors at the top level and other containers holding tensors "
@@ -461,7 +466,7 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
             name = k
             opt_state[name] = _opt_split(p)
             (extra if separate else specs)[name] = SourceSpec(name, tuple(m.size), m.properties.dtype)
-        elif len(p) > 1 and str(p[0]) in EXTRA_KINDS and str(p[0]) != container:
+        elif (len(p) > 1 and str(p[0]) in EXTRA_KINDS and str(p[0]) != container) or k in beside:
             extra_tensors.append(k)  # lr_scheduler / dataloader / train_state: extra state
             continue
         elif container is not None and str(p[0]) != container:

@@ -21,6 +21,7 @@ from ..errors import AmbiguousSourceError, CorruptCheckpointError, UnsafePickleE
 from ..tensor_checks import check_dense_tensors
 from .base import OptimizerInfo, Source, SourceSpec
 from .sniffing import sniff_file
+from .training_state import is_training_state
 from .unpickle import scan_globals, torch_load
 from .validate import validate_optimizer_state_dict
 
@@ -189,8 +190,10 @@ def _flatten(
         stack.extend((f"{name}.{k}" if name else k, x) for k, x in reversed(items))
 
 
-def _pick_container(obj: Any, key: str | None, path: Path) -> tuple[Any, str | None]:
-    """The state_dict inside a loaded pickle: ``key`` (``a/b`` for nested) or the only candidate."""
+def _pick_container(obj: Any, key: str | None, path: Path) -> tuple[Any, str | None, dict[str, Any]]:
+    """The state_dict inside a loaded pickle: ``key`` (``a/b`` for nested) or the only candidate,
+    then :func:`_past_training_state`. Returns ``(container, its key path or None, entries left
+    beside it by key path)``."""
     if key is not None:
         cur = obj
         for part in key.split("/"):
@@ -200,22 +203,49 @@ def _pick_container(obj: Any, key: str | None, path: Path) -> tuple[Any, str | N
             cur = cur[part]
         if not _has_tensors(cur):
             raise AmbiguousSourceError(str(path), _container_choices(obj), f"key {key!r} holds no tensors")
-        return cur, key
+        return _past_training_state(cur, key, {}, path)
     if not isinstance(obj, Mapping):
         raise UnsupportedFormatError(
             str(path), f"top-level object is a {type(obj).__name__}, not a dict of tensors"
         )
-    if _is_optimizer_sd(obj) or any(isinstance(v, torch.Tensor) for v in obj.values()):
-        return obj, None
+    if _is_optimizer_sd(obj):
+        return obj, None, {}
+    if any(isinstance(v, torch.Tensor) for v in obj.values()):
+        return _past_training_state(obj, None, {}, path)
     choices = _container_choices(obj)
-    model_like = [c for c in choices if not _is_optimizer_sd(obj[c])]
+    model_like = [c for c in choices if not _is_optimizer_sd(obj[c]) and not is_training_state(c)]
     if len(model_like) == 1:
-        return obj[model_like[0]], model_like[0]
+        c = model_like[0]
+        return _past_training_state(obj[c], c, {str(k): v for k, v in obj.items() if str(k) != c}, path)
     if not choices:
         raise UnsupportedFormatError(str(path), "no tensors found in the checkpoint")
     if not model_like and len(choices) == 1:
-        return obj[choices[0]], choices[0]
-    raise AmbiguousSourceError(str(path), choices, "several containers hold tensors; pick one with key=")
+        return obj[choices[0]], choices[0], {}
+    raise AmbiguousSourceError(str(path), model_like or choices, "several containers hold tensors; pick one with key=")
+
+
+def _past_training_state(cur: Any, name: str | None, beside: dict[str, Any], path: Path):
+    """Down from container ``cur`` (key path ``name``) while it is a training checkpoint rather
+    than a state_dict: tensors named like training state at its top (``step``, ``rng``: see
+    :mod:`.training_state`) beside exactly one other container holding tensors, the model's
+    (``{"state": {"model": sd}, "step": t}``). Everything else at such a level is left
+    ``beside`` (optimizer state_dicts are found there too). A level holding model-named
+    top-level tensors stays a state_dict, as it always was."""
+    while isinstance(cur, Mapping) and not _is_optimizer_sd(cur):
+        leaves = [str(k) for k, v in cur.items() if isinstance(v, torch.Tensor)]
+        if not leaves or not all(is_training_state(k) for k in leaves):
+            break
+        conts = [str(k) for k, v in cur.items() if not isinstance(v, torch.Tensor) and _children(v) is not None
+                 and _has_tensors(v) and not _is_optimizer_sd(v) and not is_training_state(str(k))]  # fmt: skip
+        if not conts:
+            break  # {"step": t} alone: nothing else to be the model
+        where = f"{name}/" if name else ""
+        if len(conts) > 1:
+            raise AmbiguousSourceError(str(path), [where + c for c in conts],
+                                       "several containers beside the training state hold tensors; pick one with key=")  # fmt: skip
+        beside.update({where + str(k): v for k, v in cur.items() if str(k) != conts[0]})
+        cur, name = cur[conts[0]], where + conts[0]
+    return cur, name, beside
 
 
 def _container_choices(obj: Any) -> list[str]:
@@ -292,6 +322,7 @@ class _PickleReader:
         self.skipped: dict[str, str] = {}
         self.optimizer: OptimizerInfo | None = None
         self.left_out: list[str] = []
+        self.beside: list[str] = []
         self._fd: int | None = None
         self._load()
 
@@ -304,7 +335,9 @@ class _PickleReader:
                 obj = None
         if obj is None:
             obj = torch_load(self.path, str(self.path), self.trusted)
-        cont, self.container = _pick_container(obj, self.key, self.path)
+        cont, self.container, beside = _pick_container(obj, self.key, self.path)
+        # Training state beside the model (step, epoch, rng, scheduler...): not model keys.
+        self.beside = sorted(k for k, v in beside.items() if not _is_optimizer_sd(v))
         skipped: dict[str, str] = {}
         optimizers: dict[str, Any] = {}
         if _is_optimizer_sd(cont):
@@ -317,10 +350,10 @@ class _PickleReader:
                 _flatten(cont, "", tensors, skipped, self.path, optimizers)
             if self.container is not None and self.key is None and isinstance(obj, Mapping):
                 # An optimizer beside the auto-picked model container ({"model", "optimizer"}).
-                beside = {str(k): v for k, v in obj.items() if str(k) != self.container and _is_optimizer_sd(v)}
-                held = {k: v for k, v in beside.items() if _has_tensors(v)}
+                opts = {k.replace("/", "."): v for k, v in beside.items() if _is_optimizer_sd(v)}
+                held = {k: v for k, v in opts.items() if _has_tensors(v)}
                 # One without tensors (SGD without momentum) is the optimizer when it is the only one.
-                optimizers.update(held if held or len(beside) != 1 else beside)
+                optimizers.update(held if held or len(opts) != 1 else opts)
             if len(optimizers) > 1:
                 raise AmbiguousSourceError(
                     str(self.path), sorted(optimizers), "several optimizer state_dicts hold tensors; pick one "
@@ -482,6 +515,8 @@ def open_pickle(path: Path, fmt: str, key: str | None, trusted_globals: Iterable
         notes.append(
             f"optimizer state_dict {r.optimizer.container!r} beside the model: written to the optimizer files"
         )
+    if r.beside:
+        notes.append(f"training state beside the model, not model keys (not migrated): {r.beside}")
     if r.left_out:
         notes.append(f"containers not migrated (key={key!r} chose one): {r.left_out}")
     all_files = dict.fromkeys([*specs, *extra], path.name)
