@@ -37,7 +37,7 @@ from .migration_report import (
 from .plan.extra_state import source_extra_state
 from .plan.migration import _file_of, _optimizer_meta, _plan_model, _plan_optimizer, carry_fqnckpt_optimizer
 from .plan.names import _load_fqn_map, compile_rules, naming_schemes, plan_names
-from .plan.values import check_tied_values
+from .plan.values import check_tied_values, stored_key
 from .progress import progress_bar
 from .sources import open_source
 from .storage.extra_state import (
@@ -192,11 +192,11 @@ def migrate(
             for s in plan.values():  # refused before anything is written, naming file and key
                 why = dtype_problem(source.spec(s).dtype)
                 if why is not None:
-                    raise UnsupportedTensorError(_file_of(source, s), s, why)
+                    raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
             for s in opt_plan.values():
                 why = dtype_problem(opt_src.spec(s).dtype)
                 if why is not None:
-                    raise UnsupportedTensorError(_file_of(source, s), s, why)
+                    raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
             report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
                 opt_src.spec(s).nbytes for s in opt_plan.values()
             )

@@ -30,6 +30,7 @@ from .optimizer import plan_optimizer, saved_source_optimizer
 from .values import (
     _check_overlaps,
     _file,
+    stored_key,
     _local,
     _overlap_clusters,
     _read_target_block,
@@ -104,7 +105,7 @@ def plan_load(
             why = conversion_kind_problem(spec.dtype, target)
             if why and not allow_lossy:
                 raise LossyConversionError(
-                    key, _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why
+                    stored_key(reader, key), _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why
                 )
             report.dtype_converted.append(
                 DtypeConversion(
@@ -152,7 +153,7 @@ def plan_load(
             why = value_problem(read(a), a.dtype)
             if why:
                 raise LossyConversionError(
-                    a.key, _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
+                    stored_key(reader, a.key), _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
                 )
     for cluster in _overlap_clusters(copies, spans):
         _check_overlaps(cluster, read, path)

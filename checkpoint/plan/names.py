@@ -28,7 +28,7 @@ from ..reports import LoadReport
 from ..state import Entry, ModuleState
 from ..storage.reader import CheckpointReader
 from .schemes import naming_schemes  # noqa: F401 - re-exported (checkpoint.migrating)
-from .values import check_tied_values
+from .values import check_tied_values, stored_key
 
 
 def compile_rules(rules: Iterable[tuple[str, str] | str]) -> list[tuple[str, re.Pattern, str]]:
@@ -189,7 +189,7 @@ def match_stored(reader: CheckpointReader, state: ModuleState, model: torch.nn.M
             try:
                 canon = canonical_fqn(key, model)
             except fqn.FlatParamError:
-                raise fqn.FlatParamError(key, f"{path} ({reader.file_of(key)})") from None
+                raise fqn.FlatParamError(stored_key(reader, key), f"{path} ({reader.file_of(key)})") from None
             e = by_name.get(canon)
             if canon in state.non_persistent:
                 ignorable.add(key)

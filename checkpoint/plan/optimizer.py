@@ -18,7 +18,7 @@ from ..sources.base import OptimizerInfo
 from ..state import ModuleState
 from ..storage.reader import CheckpointReader
 from .optimizer_kind import StateKeyProbe, group_keys_problem, state_keys_problem
-from .values import guarded_get
+from .values import guarded_get, stored_key
 
 
 def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _read_like(reader: CheckpointReader, key: str, param: torch.Tensor) -> torch
         raise
     except Exception as e:  # noqa: BLE001
         raise LoadError(
-            key, os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}"
+            stored_key(reader, key), os.path.join(reader.root, reader.file_of(key)), f"{type(e).__name__}: {e}"
         ) from e
 
 

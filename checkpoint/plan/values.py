@@ -8,6 +8,7 @@ copy, and distinct targets sharing memory. Reads only.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -41,7 +42,7 @@ def check_tied_values(reader, stored: list[str], path: str) -> None:
         t = guarded_get(reader, other)
         # Bitwise, so NaNs stored twice compare equal.
         if not (t.shape == first.shape and t.dtype == first.dtype and _same_bits(t, first)):
-            raise TiedValuesMismatchError(stored, [reader.file_of(k) for k in stored], path)
+            raise TiedValuesMismatchError([stored_key(reader, k) for k in stored], [reader.file_of(k) for k in stored], path)
 
 
 
@@ -58,10 +59,10 @@ def guarded_get(reader, key: str) -> torch.Tensor:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        raise LoadError(key, _file(reader, key), f"{type(e).__name__}: {e}") from e
+        raise LoadError(stored_key(reader, key), _file(reader, key), f"{type(e).__name__}: {e}") from e
     why = read_problem(reader.spec(key), t)
     if why is not None:
-        raise CorruptCheckpointError(_file(reader, key), f"tensor {key!r} {why}")
+        raise CorruptCheckpointError(_file(reader, key), f"tensor {stored_key(reader, key)!r} {why}")
     return t
 
 
@@ -302,6 +303,13 @@ def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
 
 
 
+def stored_key(reader: Any, key: str) -> str:
+    """``key`` as the checkpoint stores it, for errors: a DCP source's key with its container
+    (``model.layers.0.weight``, :meth:`checkpoint.sources.base.Source.stored_key`), else ``key``."""
+    named = getattr(reader, "stored_key", None)
+    return named(key) if named is not None else key
+
+
 def _file(reader: CheckpointReader, key: str) -> str:
     """Path of the file holding ``key``, for messages."""
     path = getattr(reader, "path", None)  # a migration Source: path is the file or the directory
@@ -328,4 +336,4 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        raise LoadError(key, _file(reader, key), f"{type(e).__name__}: {e}") from e
+        raise LoadError(stored_key(reader, key), _file(reader, key), f"{type(e).__name__}: {e}") from e

@@ -85,6 +85,9 @@ class Source:
     _per_file: dict[str, dict[str, int]] | None = None
     # Top-level entries that are extra state (DCP: torchtitan's lr_scheduler, ...) -> their kind.
     extra_state: dict[str, str] = field(default_factory=dict)
+    # Key -> the key as the checkpoint stores it, where they differ (DCP: "layers.0.weight" of
+    # container "model" is stored as "model.layers.0.weight"); errors name the stored one.
+    _stored: dict[str, str] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         """Model tensor keys in source order (optimizer state kept apart is in ``optimizer.state``)."""
@@ -106,6 +109,11 @@ class Source:
         """
         return self._lookup(key)
 
+    def stored_key(self, key: str) -> str:
+        """``key`` as the checkpoint stores it (DCP: with its container, ``model.layers.0.weight``),
+        the name every error about it gives."""
+        return self._stored.get(key, key)
+
     def file_of(self, key: str) -> str:
         """The file holding ``key`` (the first of several for a DCP tensor split over files)."""
         return self._file_of[key]
@@ -115,7 +123,7 @@ class Source:
         it and drop it, do not keep it (holding it keeps the mapping resident)."""
         self._lookup(key)
         file = self.path / self.file_of(key) if self.path.is_dir() else self.path
-        with external_errors(str(file), key, "reading"):  # torch / safetensors / OS errors named
+        with external_errors(str(file), self.stored_key(key), "reading"):  # torch / safetensors / OS errors named
             return self._reader.get(key)
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
@@ -125,7 +133,7 @@ class Source:
         self._lookup(key)
         file = self.path / self.file_of(key) if self.path.is_dir() else self.path
         block = getattr(self._reader, "get_slice", None)
-        with external_errors(str(file), key, "reading"):
+        with external_errors(str(file), self.stored_key(key), "reading"):
             if block is not None:
                 return block(key, tuple(slices))
             return self._reader.get(key)[tuple(slices)]

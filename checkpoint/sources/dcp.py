@@ -506,6 +506,7 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
     src = Source(path, fmt, files, specs, file_of, dreader, skipped, [], container, info, extra,
                  _per_file(md, root, path))  # fmt: skip
     src.extra_state = {t: dreader.kinds[t] for t in dreader.extra_keys}
+    src._stored = {name: k for name, k in flat.items() if name != k}  # errors name the DCP key
     if container is not None and key is None:
         src.notes.append(f"picked DCP container {container!r}, the only one holding model tensors")
     if left_out:

@@ -47,6 +47,10 @@ class SourceTargetReader:
     def file_of(self, key: str) -> str:
         return self.source.file_of(key)
 
+    def stored_key(self, key: str) -> str:
+        """``key`` as stored (DCP: with its container), for errors: :meth:`~.base.Source.stored_key`."""
+        return self.source.stored_key(key)
+
     def get(self, key: str) -> torch.Tensor:
         return self.source.get(key)
 
