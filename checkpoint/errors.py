@@ -164,13 +164,14 @@ class TiedValuesMismatchError(CheckpointError, ValueError):
 
 class MetaTargetError(CheckpointError, ValueError):
     """Target tensors are on the meta device: copying into them is a no-op (they hold no data).
-    ``keys`` lists them. Pass ``assign=True`` to replace them with the checkpoint's tensors."""
+    ``keys`` lists them. Pass ``assign=True`` to replace them with the checkpoint's tensors
+    (``how``: the remedy the message gives, another one for a DCP load)."""
 
-    def __init__(self, keys: Iterable[str], path: str):
+    def __init__(self, keys: Iterable[str], path: str, how: str = "pass assign=True to replace them with the checkpoint's tensors"):
         self.keys, self.path = sorted(keys), str(path)
         super().__init__(
             f"loading {self.path}: target tensors {_head(self.keys)} are on the meta device (no data to "
-            "copy into); pass assign=True to replace them with the checkpoint's tensors"
+            f"copy into); {how}"
         )
 
 

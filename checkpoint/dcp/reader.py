@@ -65,7 +65,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DuplicateTensorError, UnwritableTargetError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DuplicateTensorError,
+    MetaTargetError,
+    UnwritableTargetError,
+)
 from ..plan.values import target_problem
 from ..ranks import shards
 from ..storage import digest
@@ -76,6 +82,14 @@ from .location import Located
 _DCP_SHARD = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
 _SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py
 _OFFSETS_KEY = "saved_offsets"
+# Meta targets: with a process group, DCP's DefaultLoadPlanner replaces them in the state_dict
+# by tensors on the group's device before any read (torch's FileSystemReader and this reader
+# alike); without one, torch's planner itself fails (it asks the default group for a device).
+# A planner that leaves them meta would make every copy a no-op: refused by name instead.
+_META_HOW = (
+    "DCP's default planner replaces meta targets by new tensors only under an initialized process "
+    "group; materialize them first (module.to_empty(device=...)) or load with a process group"
+)
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,10 @@ class StorageReader(Located, dcp_storage.StorageReader):
     ``TensorNotInShardError``, ``DuplicateTensorError``, ``CorruptCheckpointError``);
     ``DuplicateTensorError`` for a tensor in two files without DCP sharding offsets;
     ``CorruptCheckpointError`` when DCP shard files do not cover a tensor exactly. From
-    ``read_data``: ``LoadError`` naming key and file when a read fails.
+    ``read_data``: ``LoadError`` naming key and file when a read fails; ``MetaTargetError``
+    naming every target still on the meta device, before anything is read (meta targets load as
+    with torch's ``FileSystemReader``: under a process group DCP's default planner replaces them
+    by tensors on the group's device; without one torch's planner raises before any reader runs).
     """
 
     def __init__(
@@ -302,6 +319,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
         # RuntimeError; an inference tensor was written behind torch's back (torch's own readers
         # refuse it in copy_). Non-tensor values and scattered DTensors are applied after.
         inference = torch.is_inference_mode_enabled()
+        meta: list[str] = []  # targets DCP's planner left on the meta device (see _META_HOW)
         later: list[ReadItem] = []
         pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
         for item in plan.items:
@@ -310,6 +328,9 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 later.append(item)
                 continue
             dt = _planned(planner, fqn)
+            if isinstance(dt, torch.Tensor) and dt.is_meta:
+                meta.append(fqn)
+                continue
             if _scattered(dt):
                 why = target_problem(dt._local_tensor, inference)
                 if why is not None:
@@ -328,6 +349,8 @@ class StorageReader(Located, dcp_storage.StorageReader):
             slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
             whole = tuple(item.lengths) == c.shape
             pending.setdefault(c.reader, []).append((item, target, None if whole else slices))
+        if meta:  # a copy into them would be a no-op reported as loaded: nothing is read
+            raise MetaTargetError(sorted(set(meta)), src.where, _META_HOW)
         strided_done: set[str] = set()
         for item in later:
             if item.type == LoadItemType.BYTE_IO:
