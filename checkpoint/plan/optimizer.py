@@ -17,7 +17,7 @@ from ..ranks.shards import read_local
 from ..sources.base import OptimizerInfo
 from ..state import ModuleState
 from ..storage.reader import CheckpointReader
-from .optimizer_kind import StateKeyProbe, group_keys_problem, state_keys_problem
+from .optimizer_kind import StateKeyProbe, group_keys_problem, group_values_problem, state_keys_problem
 from .values import guarded_get, stored_key
 
 
@@ -191,6 +191,7 @@ def plan_optimizer(
             )
         used.add(id(match))
         why = group_keys_problem(optimizer, gi, group, match[1], saved.class_name)
+        why = why or group_values_problem(optimizer, gi, group, match[1], saved.class_name)
         if why is not None:
             raise OptimizerMismatchError(f"{where}: {why}")
         hyper = dict(match[1])

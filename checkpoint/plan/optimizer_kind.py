@@ -90,6 +90,44 @@ def group_keys_problem(
     return f"{_who(saved_class, optimizer)}: param group {gi}: {why}"
 
 
+def _value_kind(v: Any) -> str | None:
+    """The kind a hyper-parameter's value has for :func:`group_values_problem`: ``number`` (int,
+    float, bool, a 0-dim tensor: ``lr`` may be a float or a tensor, ``amsgrad`` 0 or False),
+    ``str``, ``sequence`` (tuple / list: ``betas``), ``tensor``, ``dict``, else the type's name;
+    ``None`` for None (unset: torch's ``foreach=None`` / ``fused=None`` become a value later)."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
+        return "number"
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    if isinstance(v, (tuple, list)):
+        return "sequence"
+    if isinstance(v, dict):
+        return "dict"
+    return "str" if isinstance(v, str) else type(v).__name__
+
+
+def group_values_problem(
+    optimizer: torch.optim.Optimizer, gi: int, target: dict[str, Any], saved: dict[str, Any], saved_class: str | None
+) -> str | None:
+    """Why saved group ``saved`` cannot be restored into target group ``gi`` because a
+    hyper-parameter both hold changed kind (saved ``lr=0.1``, the target's ``lr="fast"``:
+    :func:`_value_kind`), or None. Refused like every other group mismatch (and as extra state of
+    another type is, :class:`~checkpoint.errors.ExtraStateMismatchError`): the load would put
+    back a value of another type silently. None on either side is unset and fits any kind."""
+    for k in sorted(set(saved) & set(target) - _NOT_HYPER):
+        was, now = _value_kind(saved[k]), _value_kind(target[k])
+        if was is not None and now is not None and was != now:
+            return (
+                f"{_who(saved_class, optimizer)}: param group {gi}: hyper-parameter {k!r} was saved as "
+                f"{type(saved[k]).__name__} {saved[k]!r}, the target's is {type(target[k]).__name__} "
+                f"{target[k]!r}; give the target's group a {was} (the saved value is then restored) or "
+                "load without optimizer="
+            )
+    return None
+
+
 class StateKeyProbe:
     """The per-parameter state keys the target's class keeps (see module docstring), cached by
     (group, number of dimensions). ``None``: not known (not compared)."""
@@ -141,4 +179,4 @@ def state_keys_problem(
     return f"{_who(saved_class, optimizer)}: parameter {fqn!r} has saved " + " and ".join(parts)
 
 
-__all__ = ["VERSION_KEYS", "STATE_NOT_PROBED", "StateKeyProbe", "group_keys_problem", "state_keys_problem"]
+__all__ = ["VERSION_KEYS", "STATE_NOT_PROBED", "StateKeyProbe", "group_keys_problem", "group_values_problem", "state_keys_problem"]
