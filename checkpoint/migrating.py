@@ -52,7 +52,7 @@ from .storage.location import is_remote, resolve
 from .storage.opening import open_checkpoint as open_any_checkpoint
 from .storage.urls import is_url
 from .storage.reader import open_checkpoint
-from .tensor_checks import dtype_problem
+from .tensor_checks import storable_problem
 from .gc_pause import gc_paused
 
 
@@ -190,11 +190,11 @@ def migrate(
             extra_files.update(_adapter_files(report, plan))
             opt_src = opt_part if opt_part is not None else source
             for s in plan.values():  # refused before anything is written, naming file and key
-                why = dtype_problem(source.spec(s).dtype)
+                why = storable_problem(source.spec(s).dtype, tuple(source.spec(s).shape))
                 if why is not None:
                     raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
             for s in opt_plan.values():
-                why = dtype_problem(opt_src.spec(s).dtype)
+                why = storable_problem(opt_src.spec(s).dtype, tuple(opt_src.spec(s).shape))
                 if why is not None:
                     raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
             report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(

@@ -21,8 +21,24 @@ def tensor_problem(t: torch.Tensor, storable: bool = False) -> str | None:
     if t.is_quantized:
         return f"is quantized ({t.dtype}); only plain dtypes are supported (convert with .dequantize())"
     if storable:
-        return dtype_problem(t.dtype)
+        return storable_problem(t.dtype, tuple(t.shape))
     return None
+
+
+def storable_problem(dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    """Why safetensors cannot hold a tensor of ``dtype`` and ``shape`` (elements): its dtype
+    (:func:`dtype_problem`), or a 0-dim tensor of a dtype packing several values per byte
+    (``float4_e2m1fn_x2``, safetensors ``F4``: its header shape counts them along the last
+    dimension, :func:`checkpoint.storage.st_header.header_shape`); ``None`` if it can."""
+    why = dtype_problem(dtype)
+    if why is None and not shape:
+        from .storage.layout import DTYPE_TO_ST
+        from .storage.st_header import PACKED
+
+        if DTYPE_TO_ST[dtype] in PACKED:
+            return (f"is a 0-dim {str(dtype).removeprefix('torch.')}, which safetensors cannot store "
+                    f"({DTYPE_TO_ST[dtype]} counts its values along the last dimension); give it one dimension")  # fmt: skip
+    return why
 
 
 def dtype_problem(dtype: torch.dtype) -> str | None:

@@ -123,7 +123,9 @@ def test_inspect_without_torch_prints_what_open_source_prints(tmp_path, monkeypa
 
     # Every dtype safetensors stores, each its own tensor, over several shard files, plus an optimizer part.
     assert set(HEADER_DTYPES) == set(ST_TO_DTYPE)
-    sd = {f"layers.{i}.{st.lower()}": torch.zeros(2, 3).to(ST_TO_DTYPE[st]) for i, st in enumerate(sorted(ST_TO_DTYPE))}
+    # (torch has no conversion to float4_e2m1fn_x2: F4 is made directly)
+    sd = {f"layers.{i}.{st.lower()}": torch.zeros(2, 3).to(ST_TO_DTYPE[st]) if st != "F4"
+          else torch.zeros(2, 3, dtype=ST_TO_DTYPE[st]) for i, st in enumerate(sorted(ST_TO_DTYPE))}  # fmt: skip
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
@@ -151,7 +153,7 @@ def test_inspect_without_torch_gives_the_same_errors(tmp_path, monkeypatch, caps
 
     bad = [
         st_file("span.safetensors", {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8),
-        st_file("f4.safetensors", {"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0"),
+        st_file("f4.safetensors", {"x": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\0\0"),
         st_file("cut.safetensors", {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 5),
     ]
     checkpoint.save({"a": torch.ones(4), "b": torch.ones(4)}, tmp_path / "ckpt", max_shard_size=16)
@@ -162,4 +164,4 @@ def test_inspect_without_torch_gives_the_same_errors(tmp_path, monkeypatch, caps
         assert fast == slow and fast[0] == 2, path
         assert fast[2].startswith(f"fqnckpt inspect: error: {shard if path == tmp_path / 'ckpt' else path}: ")
     assert "data_offsets span 4 bytes" in _inspect_text(capsys, "inspect", bad[0])[2]
-    assert "has dtype F4 torch cannot hold" in _inspect_text(capsys, "inspect", bad[1])[2]
+    assert "tensor 'x': dtype F4 holds 2 elements per byte: shape [3] does not end in whole bytes" in _inspect_text(capsys, "inspect", bad[1])[2]

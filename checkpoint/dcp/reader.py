@@ -70,9 +70,10 @@ from ..errors import (
     CorruptCheckpointError,
     DuplicateTensorError,
     MetaTargetError,
+    UnsupportedTensorError,
     UnwritableTargetError,
 )
-from ..plan.values import target_problem
+from ..plan.values import cast_problem, target_problem
 from ..ranks import shards
 from ..storage import digest
 from ..storage.format import OPTIMIZER_PREFIX, index_name
@@ -346,6 +347,9 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 raise CorruptCheckpointError(
                     src.where, f"{fqn!r}: read item of {tuple(item.lengths)} for a target of {tuple(target.shape)}"
                 )
+            why = cast_problem(src.dtype(c.key), target.dtype)  # float4_e2m1fn_x2: same dtype only
+            if why is not None:
+                raise UnsupportedTensorError(src.where, fqn, why)
             slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
             whole = tuple(item.lengths) == c.shape
             pending.setdefault(c.reader, []).append((item, target, None if whole else slices))

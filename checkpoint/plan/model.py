@@ -18,6 +18,7 @@ from ..errors import (
     CheckpointNotFoundError,
     LossyConversionError,
     MetaTargetError,
+    UnsupportedTensorError,
     UnwritableTargetError,
 )
 from ..reports import DtypeConversion, ShapeMismatch
@@ -30,6 +31,7 @@ from .optimizer import plan_optimizer, saved_source_optimizer
 from .values import (
     _check_overlaps,
     _file,
+    cast_problem,
     stored_key,
     _local,
     _overlap_clusters,
@@ -102,6 +104,9 @@ def plan_load(
             continue
         target = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
         if spec.dtype != target:
+            why = cast_problem(spec.dtype, target)
+            if why:  # no conversion exists (float4_e2m1fn_x2): refused even with allow_lossy
+                raise UnsupportedTensorError(_file(reader, key), stored_key(reader, key), why)
             why = conversion_kind_problem(spec.dtype, target)
             if why and not allow_lossy:
                 raise LossyConversionError(

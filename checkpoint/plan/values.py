@@ -23,6 +23,8 @@ from ..errors import (
 )
 from ..ranks import shards
 from ..storage.reader import CheckpointReader
+from fqn.registry import dtype_name
+
 from .actions import CopyAction
 
 
@@ -99,6 +101,19 @@ def _range(dt: torch.dtype) -> tuple[float, float]:
     info = torch.finfo(dt) if dt.is_floating_point else torch.iinfo(dt)
     return float(info.min), float(info.max)
 
+
+
+# Dtypes torch has no conversion for (copy_ / to() raise NotImplementedError): loaded only into
+# a target of the same dtype. float4_e2m1fn_x2 packs two FP4 values per byte (safetensors F4).
+_NO_CAST = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+
+
+def cast_problem(src: torch.dtype, dst: torch.dtype) -> str | None:
+    """Why torch cannot convert ``src`` to ``dst`` at all (``allow_lossy`` cannot help), or None."""
+    if src != dst and (src in _NO_CAST or dst in _NO_CAST):
+        return (f"is {dtype_name(src)}, the target is {dtype_name(dst)}: torch has no conversion between them "
+                "(float4_e2m1fn_x2 holds two packed FP4 values); load it into a target of the stored dtype")  # fmt: skip
+    return None
 
 
 def conversion_kind_problem(src: torch.dtype, dst: torch.dtype) -> str | None:

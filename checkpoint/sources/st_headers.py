@@ -24,7 +24,7 @@ from ..errors import (
     TensorNotInShardError,
 )
 from ..storage import paths
-from ..storage.st_header import ST_DTYPES, open_safetensors_with_header
+from ..storage.st_header import ST_DTYPES, open_safetensors_with_header, torch_shape
 from .base import Source, SourceSpec
 from .sniffing import index_files, sniff_file, st_files
 
@@ -75,7 +75,11 @@ def _header(path: Path, dtypes: dict[str, Any], framework: str, spans: dict[str,
         st = v["dtype"]
         if st not in dtypes:  # the writer's own table: every dtype fqnckpt saves reads back
             raise CorruptCheckpointError(str(path), f"tensor {k!r} has dtype {st} torch cannot hold")
-        out[k] = SourceSpec(k, tuple(v["shape"]), dtypes[st])
+        try:
+            shape = torch_shape(st, v["shape"])  # F4: two values per byte (st_header.PACKED)
+        except ValueError as e:
+            raise CorruptCheckpointError(str(path), f"tensor {k!r}: {e}") from None
+        out[k] = SourceSpec(k, shape, dtypes[st])
         b, e = v["data_offsets"]
         spans[k] = (start + b, start + e)
     return out, h

@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 
 from .format import MODEL_PREFIX, parse_size
-from .st_header import ST_DTYPES
+from .st_header import PACKED, ST_DTYPES, header_shape
 
 # safetensors dtype strings, from the torch-free table of checkpoint.storage.st_header.
 DTYPE_TO_ST: dict[torch.dtype, str] = {getattr(torch, name): st for st, (name, _) in ST_DTYPES.items()}
@@ -47,6 +47,8 @@ class TensorSpec:
             raise TypeError(f"tensor {self.fqn!r}: dtype {self.dtype} cannot be stored in safetensors")
         if shape and min(shape) < 0:
             raise ValueError(f"tensor {self.fqn!r}: negative dimension in shape {self.shape}")
+        if not shape and DTYPE_TO_ST[self.dtype] in PACKED:  # no header shape (st_header.header_shape)
+            raise TypeError(f"tensor {self.fqn!r}: a 0-dim {str(self.dtype).removeprefix('torch.')} cannot be stored in safetensors")
         # Computed once here: planning reads them several times per tensor (10^5 tensors in MoE
         # checkpoints). Not fields, so equality and hashing stay (fqn, shape, dtype).
         numel = math.prod(shape)
@@ -144,7 +146,7 @@ def build_header(
     head: dict[str, object] = {"__metadata__": dict(metadata or HEADER_METADATA)}
     st = DTYPE_TO_ST
     for spec, b, e in entries:
-        head[spec.fqn] = {"dtype": st[spec.dtype], "shape": spec.shape, "data_offsets": (b, e)}
+        head[spec.fqn] = {"dtype": st[spec.dtype], "shape": header_shape(st[spec.dtype], spec.shape), "data_offsets": (b, e)}
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text

@@ -54,7 +54,7 @@ from . import pread as _pread
 from . import tensor_read as _tread
 from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
-from .st_header import open_safetensors_with_header, read_index
+from .st_header import PACKED, open_safetensors_with_header, read_index, torch_shape
 from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
 
 class _Hashed:
@@ -71,6 +71,17 @@ class _Hashed:
 
 class StrayFileWarning(UserWarning):
     """A ``.safetensors`` file in the checkpoint directory is not named by the index (not read)."""
+
+
+def _torch_shape(name: str, key: str, st: str, shape: list[int]) -> tuple[int, ...]:
+    """:func:`~.st_header.torch_shape` of a packed dtype's header shape (F4: two values a byte).
+
+    Raises:
+        CorruptCheckpointError: naming file and tensor, a shape not ending in whole bytes."""
+    try:
+        return torch_shape(st, shape)
+    except ValueError as e:
+        raise CorruptCheckpointError(name, f"tensor {key!r}: {e}", key=key) from None
 
 
 def _safe_member(root: str, entry: str) -> str:
@@ -629,7 +640,8 @@ class CheckpointReader:
                 if first != name:
                     dups.setdefault(k, [first]).append(name)
                     continue
-                specs[k] = (tuple(v["shape"]), v["dtype"])
+                st = v["dtype"]
+                specs[k] = (tuple(v["shape"]) if st not in PACKED else _torch_shape(name, k, st, v["shape"]), st)
                 spans[k] = (data_start + b, data_start + e)
             self._totals[name] = total
         if dups:

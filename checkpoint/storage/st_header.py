@@ -30,7 +30,43 @@ ST_DTYPES: dict[str, tuple[str, int]] = {
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
     "F8_E8M0": ("float8_e8m0fnu", 1),  # MX block scales (DeepSeek FP4 experts); safetensors >= 0.6
+    "F4": ("float4_e2m1fn_x2", 1),  # MX FP4 values, two per byte (see PACKED); safetensors >= 0.6
 }  # fmt: skip
+# safetensors dtypes of fewer than 8 bits -> elements per byte. safetensors' header shape counts
+# those elements; torch's packed dtype holds one byte per element (float4_e2m1fn_x2: two FP4
+# values), so its last dimension is the header's divided by this (safetensors/torch.py and
+# safe_open do the same; a 0-dim tensor or a header's last dimension not ending in whole bytes
+# is refused by safetensors: "does not end up at a byte boundary").
+PACKED: dict[str, int] = {"F4": 2}
+
+
+def torch_shape(st: str, shape: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """The torch shape of a header's ``shape`` of dtype ``st`` (:data:`PACKED` dtypes: the last
+    dimension divided by the elements per byte).
+
+    Raises:
+        ValueError: a packed dtype's shape that does not end in whole bytes (or has no dims)."""
+    per = PACKED.get(st)
+    if per is None:
+        return tuple(shape)
+    if not shape or shape[-1] % per:
+        raise ValueError(f"dtype {st} holds {per} elements per byte: shape {list(shape)} does not end in whole bytes")
+    return (*shape[:-1], shape[-1] // per)
+
+
+def header_shape(st: str, shape: tuple[int, ...]) -> list[int]:
+    """The header ``shape`` of a torch tensor of ``shape`` stored as dtype ``st`` (the inverse of
+    :func:`torch_shape`).
+
+    Raises:
+        ValueError: a 0-dim tensor of a packed dtype (safetensors has no shape for it)."""
+    per = PACKED.get(st)
+    if per is None:
+        return list(shape)
+    if not shape:
+        raise ValueError(f"a 0-dim tensor of dtype {st} has no safetensors shape ({per} elements per byte "
+                         "are counted along the last dimension); give it one dimension")  # fmt: skip
+    return [*shape[:-1], shape[-1] * per]
 
 _LFS_MAGIC = b"version https://git-lfs"
 
@@ -63,7 +99,10 @@ def _header_problem(raw: bytes, size: int) -> str:
             return f"; tensor {key!r} has a malformed entry"
         if st not in ST_DTYPES:
             return f"; tensor {key!r} has dtype {st!r} unknown to fqnckpt"
-        nbytes = math.prod(shape) * ST_DTYPES[st][1]
+        try:
+            nbytes = math.prod(torch_shape(st, shape)) * ST_DTYPES[st][1]
+        except ValueError as e:
+            return f"; tensor {key!r}: {e}"
         if any(d < 0 for d in shape) or nbytes >= 2**64:
             return f"; tensor {key!r}: shape {shape} overflows"
         if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data_len):
@@ -330,4 +369,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "INT64_MAX", "check_header_shapes", "cover_problem", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
+__all__ = ["ST_DTYPES", "PACKED", "torch_shape", "header_shape", "INT64_MAX", "check_header_shapes", "cover_problem", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
