@@ -361,12 +361,13 @@ def _spawn(world: int, workdir: str) -> list[dict]:
         # test alone) rank 0 of the 2-rank spawn aborted with glibc's "malloc(): unaligned tcache
         # chunk detected" (a write to freed small heap memory); cause not found. Round 5 saw it
         # once as SIGSEGV: a general protection fault in libpython on gloo's pt_gloo_runloop
-        # thread of rank 3 of the 4-rank spawn (main thread inside a functional collective).
-        # Scoped to these spawns and to a rank killed by SIGABRT or SIGSEGV (the two faces of a
-        # corrupted heap): rerun once, loudly, with the killed rank's faulthandler stack (every
-        # thread) in the warning text and kept in a file (RankFailedError.stacks), so the next
-        # occurrence leaves evidence; any other signal, a second crash, or any failed check
-        # fails the test.
+        # thread of rank 3 of the 4-rank spawn (main thread inside a functional collective); gloo's
+        # workers run CPython code when they drop a finished collective's tensors (README,
+        # tests/repro/gloo_thread_python.py). Scoped to these spawns and to a rank killed by
+        # SIGABRT or SIGSEGV (the two faces of a corrupted heap): rerun once, loudly, with the
+        # killed rank's faulthandler stack and every thread's native stack in the warning text
+        # and kept in a file (RankFailedError.stacks), so the next occurrence leaves evidence;
+        # any other signal, a second crash, or any failed check fails the test.
         if not set(e.signals.values()) <= {signal.SIGABRT, signal.SIGSEGV}:
             raise
         warnings.warn(

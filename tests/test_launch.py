@@ -134,3 +134,38 @@ def _unloadable_result(rank, world_size):
 def test_result_that_cannot_be_unpickled_names_its_rank():
     with pytest.raises(RankFailedError, match=r"(?s)rank 0: its result could not be unpickled.*ValueError"):
         run_ranks(_unloadable_result, 1, backend="gloo", timeout=60)
+
+
+def _segfault_beside_gloo(rank, world_size):
+    import ctypes
+    import sys
+
+    t = torch.ones(2)
+    dist.all_reduce(t)  # gloo's worker threads are up
+    if rank == 1:
+        print("rank 1 stderr before the crash", file=sys.stderr, flush=True)
+        ctypes.string_at(0)  # SIGSEGV
+    return rank
+
+
+def test_rank_killed_by_sigsegv_keeps_every_threads_native_stack(tmp_path, monkeypatch, capfd):
+    """Issue 34: faulthandler shows Python frames only, and gloo's worker threads run CPython code
+    with no Python frame; a killed rank's C++ stacks of every thread (c10's fatal-signal report,
+    gloo's pt_gloo_runloop workers included) are in the failure's message and its kept file, and
+    the rank's stderr still reaches the caller's."""
+    import os
+
+    monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
+    with pytest.raises(RankFailedError, match=r"died without a result: \[\(1, -11\)\]") as e:
+        run_ranks(_segfault_beside_gloo, 2, backend="gloo", timeout=60)
+    assert e.value.signals == {1: 11}
+    msg = str(e.value)
+    assert "Fatal Python error: Segmentation fault" in msg and "in _segfault_beside_gloo" in msg
+    assert "native stacks of every thread" in msg and "SIGSEGV(11), PID:" in msg
+    assert "c10d::ProcessGroupGloo::runLoop" in msg  # a gloo worker thread's own frames
+    (kept,) = e.value.stacks.values()
+    text = open(kept).read()
+    assert os.path.dirname(kept) == str(tmp_path) and "c10d::ProcessGroupGloo::runLoop" in text
+    assert "in _segfault_beside_gloo" in text
+    err = capfd.readouterr().err
+    assert "rank 1 stderr before the crash" in err and "SIGSEGV(11), PID:" in err

@@ -16,6 +16,15 @@ after sending its result, fails the run with :class:`RankFailedError` whose mess
 stack and the file's path; the file is kept (``FQNCKPT_CRASH_DIR``, default the temporary
 directory). Files of ranks that exited cleanly are removed, and so are empty ones (a signal
 faulthandler cannot catch, such as SIGKILL, leaves nothing to keep).
+
+Native stacks too (issue 34): faulthandler shows Python frames only, and in torch 2.13 gloo's
+worker threads (``pt_gloo_runloop``) run CPython C-API code with no Python frame (they take the GIL
+to drop the last reference to a finished collective's tensors, and deallocate them). Each rank
+turns on c10's fatal-signal handler (``torch._C._set_print_stack_traces_on_fatal_signal``), which
+prints every thread's C++ stack to the rank's stderr before faulthandler runs. Under the
+forkserver (the default) a rank's stderr is a pipe the caller drains on a thread: every byte is
+forwarded to the caller's stderr as it comes, and the last :data:`_ERR_TAIL` bytes are kept, so a
+killed rank's native stacks also go into the failure's message and its kept file.
 """
 
 from __future__ import annotations
@@ -23,8 +32,11 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import re
+import selectors
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -79,8 +91,9 @@ def _has_stack(path: str) -> bool:
         return False
 
 
-def _evidence(dead: dict[int, int], files: dict[int, str]) -> str:
-    """The faulthandler stacks of the ranks in ``dead`` (rank -> signal), read from their files."""
+def _evidence(dead: dict[int, int], files: dict[int, str], tee: _ErrTee | None = None) -> str:
+    """The faulthandler stacks of the ranks in ``dead`` (rank -> signal), read from their files,
+    and their native stacks (c10's report, from ``tee``), which are also appended to the files."""
     out = []
     for r, sig in sorted(dead.items()):
         try:
@@ -88,7 +101,17 @@ def _evidence(dead: dict[int, int], files: dict[int, str]) -> str:
                 text = f.read()[-20000:]
         except OSError as e:
             text = f"(no stack file: {e})"
-        out.append(f"--- rank {r} killed by signal {sig}; faulthandler stack (kept in {files[r]}):\n{text}")
+        native = tee.native_stacks(r) if tee is not None else ""
+        if native:
+            native = f"\n--- native stacks of every thread (c10's fatal-signal report):\n{native}"
+            try:
+                with open(files[r], "a") as f:
+                    f.write(native)
+            except OSError:
+                pass
+        out.append(
+            f"--- rank {r} killed by signal {sig}; faulthandler stack (kept in {files[r]}):\n{text}{native[-40000:]}"
+        )
     return "\n".join(out)
 
 
@@ -129,11 +152,77 @@ def default_backend() -> str:
 
 
 class _CallerStdio:
-    """The caller's stdout and stderr as they are at the call, handed to a forkserver rank (whose
-    own are the server's, fixed when it started) by multiprocessing's fd passing."""
+    """The caller's stdout and ``err`` (an fd: the write end of the rank's stderr pipe, see
+    :class:`_ErrTee`), as they are at the call, handed to a forkserver rank (whose own are the
+    server's, fixed when it started) by multiprocessing's fd passing."""
+
+    def __init__(self, err: int = 2):
+        self.err = err
 
     def __reduce__(self):
-        return (tuple, ((reduction.DupFd(1), reduction.DupFd(2)),))
+        return (tuple, ((reduction.DupFd(1), reduction.DupFd(self.err)),))
+
+
+_ERR_TAIL = 256 << 10  # bytes of each rank's stderr kept for the evidence of a rank killed by a signal
+_NATIVE = re.compile(rb"^(SIG[A-Z]+)\(\d+\), PID: \d+, Thread \d+:", re.M)  # c10's fatal-signal report
+
+
+class _ErrTee:
+    """Each rank's stderr through a pipe: a thread forwards what it reads to the caller's fd 2 at
+    once and keeps each rank's last :data:`_ERR_TAIL` bytes. Hand-written (a pipe and a reader
+    thread) because multiprocessing offers no per-child stderr capture."""
+
+    def __init__(self, world_size: int):
+        self.fds = [os.pipe() for _ in range(world_size)]
+        self.tails = [bytearray() for _ in range(world_size)]
+        self.ended = [threading.Event() for _ in range(world_size)]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Close this process's write ends (each rank holds its copy) and start draining."""
+        for _, w in self.fds:
+            os.close(w)
+        self._thread = threading.Thread(target=self._drain, name="rank-stderr", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        sel = selectors.DefaultSelector()
+        for r, (rd, _) in enumerate(self.fds):
+            sel.register(rd, selectors.EVENT_READ, r)
+        while sel.get_map():
+            for key, _ in sel.select():
+                chunk = os.read(key.fd, 65536)
+                if not chunk:  # every holder of the write end (the rank, its children) is gone
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+                    self.ended[key.data].set()
+                    continue
+                tail = self.tails[key.data]
+                tail += chunk
+                del tail[:-_ERR_TAIL]
+                try:
+                    os.write(2, chunk)
+                except OSError:
+                    pass
+        sel.close()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout`` s: a rank's own child may still hold its stderr) for the
+        ranks' stderr to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def native_stacks(self, rank: int, timeout: float = 5.0) -> str:
+        """The C++ stacks c10's fatal-signal handler printed for ``rank`` ("" when none); waits (at
+        most ``timeout`` s) for the rank's stderr to end first."""
+        self.ended[rank].wait(timeout)
+        tail = bytes(self.tails[rank])
+        hit = _NATIVE.search(tail)
+        return tail[hit.start() :].decode(errors="replace") if hit else ""
+
+
+def _stdio(tee: _ErrTee | None, rank: int) -> _CallerStdio | None:
+    return _CallerStdio(tee.fds[rank][1]) if tee is not None else None
 
 
 def _take_stdio(stdio) -> None:
@@ -151,6 +240,9 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue, environ
     # (the parent puts it in the failure's message and keeps the file), else to stderr.
     stack_out = open(crash_file, "w") if crash_file else None  # noqa: SIM115 - open until the process dies
     faulthandler.enable(file=stack_out or __import__("sys").stderr, all_threads=True)
+    # Every thread's C++ stack to stderr first (c10 chains to faulthandler's handler after).
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
     _allow_core()
     # A forkserver child has the server's environment: take the caller's, as spawn would.
     os.environ.clear()
@@ -204,20 +296,24 @@ def run_ranks(
     backend = backend or default_backend()
     ctx = _context(start_method)
     environ = dict(os.environ)
-    stdio = _CallerStdio() if ctx.get_start_method() == "forkserver" else None
+    tee = _ErrTee(world_size) if ctx.get_start_method() == "forkserver" else None
     queue = ctx.SimpleQueue()
     port = free_port()
     files = {r: _crash_file(r, port) for r in range(world_size)}
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, timeout, fn, args, queue, environ, stdio, files[r]),
+            args=(r, world_size, port, backend, timeout, fn, args, queue, environ, _stdio(tee, r), files[r]),
             daemon=False,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if tee is not None:
+            tee.start()  # the ranks started hold their write ends now; a rank not started gives EOF
     results: dict[int, Any] = {}
     errors: list[str] = []
     reported: set[int] = set()
@@ -238,7 +334,7 @@ def run_ranks(
                         dead = [(i, procs[i].exitcode) for i in silent]
                         killed = {i: -code for i, code in dead if code < 0}
                         raise RankFailedError(
-                            f"rank(s) died without a result: {dead}\n{_evidence(killed, files)}",
+                            f"rank(s) died without a result: {dead}\n{_evidence(killed, files, tee)}",
                             killed,
                             {i: files[i] for i in killed if _has_stack(files[i])},
                         )
@@ -263,6 +359,8 @@ def run_ranks(
                 ours.add(r)
                 p.kill()
                 p.join()
+        if tee is not None:
+            tee.finish()  # every byte of the ranks' stderr forwarded before returning
         killed = {
             r: -p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0 and r not in ours
         }
@@ -274,7 +372,7 @@ def run_ranks(
                     pass
     if killed:  # after sending its result (e.g. in interpreter teardown): a crash all the same
         raise RankFailedError(
-            f"rank(s) killed by a signal after sending their results: {killed}\n{_evidence(killed, files)}",
+            f"rank(s) killed by a signal after sending their results: {killed}\n{_evidence(killed, files, tee)}",
             killed,
             {r: files[r] for r in killed if _has_stack(files[r])},
         )
