@@ -191,7 +191,10 @@ class _ErrTee:
             sel.register(rd, selectors.EVENT_READ, r)
         while sel.get_map():
             for key, _ in sel.select():
-                chunk = os.read(key.fd, 65536)
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except OSError:  # never leave a rank blocked on a full pipe: treat as its end
+                    chunk = b""
                 if not chunk:  # every holder of the write end (the rank, its children) is gone
                     sel.unregister(key.fd)
                     os.close(key.fd)
