@@ -169,3 +169,30 @@ def test_rank_killed_by_sigsegv_keeps_every_threads_native_stack(tmp_path, monke
     assert "in _segfault_beside_gloo" in text
     err = capfd.readouterr().err
     assert "rank 1 stderr before the crash" in err and "SIGSEGV(11), PID:" in err
+
+
+def _corrupt_heap(rank, world_size):
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    p, q = libc.malloc(40), libc.malloc(40)
+    libc.free(p)
+    libc.free(q)
+    ctypes.memset(q, 0x41, 8)  # a write into a freed chunk: its free-list link
+    libc.malloc(40)
+    libc.malloc(40)  # glibc aborts here ("malloc(): unaligned tcache chunk detected")
+    return rank
+
+
+def test_rank_aborted_by_a_corrupted_heap_keeps_its_python_stack(tmp_path, monkeypatch):
+    """The CI crash's face (issue 34): glibc aborts on a corrupted heap. faulthandler's stack is
+    written before c10's native report runs (that one allocates, and on this heap dies itself)."""
+    monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
+    with pytest.raises(RankFailedError) as e:
+        run_ranks(_corrupt_heap, 1, backend="gloo", timeout=60)
+    assert set(e.value.signals.values()) <= {6, 11}, e.value.signals  # abort (or a crash on the garbage)
+    (kept,) = e.value.stacks.values()
+    assert "in _corrupt_heap" in open(kept).read() and "in _corrupt_heap" in str(e.value)

@@ -21,7 +21,8 @@ Native stacks too (issue 34): faulthandler shows Python frames only, and in torc
 worker threads (``pt_gloo_runloop``) run CPython C-API code with no Python frame (they take the GIL
 to drop the last reference to a finished collective's tensors, and deallocate them). Each rank
 turns on c10's fatal-signal handler (``torch._C._set_print_stack_traces_on_fatal_signal``), which
-prints every thread's C++ stack to the rank's stderr before faulthandler runs. Under the
+prints every thread's C++ stack to the rank's stderr after faulthandler has written its file (on a
+corrupted heap c10's report, which allocates, may die first: faulthandler's file is kept). Under the
 forkserver (the default) a rank's stderr is a pipe the caller drains on a thread: every byte is
 forwarded to the caller's stderr as it comes, and the last :data:`_ERR_TAIL` bytes are kept, so a
 killed rank's native stacks also go into the failure's message and its kept file.
@@ -241,11 +242,13 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue, environ
     _take_stdio(stdio)
     # A rank killed by a signal (abort, segfault) writes every thread's stack to its crash file
     # (the parent puts it in the failure's message and keeps the file), else to stderr.
-    stack_out = open(crash_file, "w") if crash_file else None  # noqa: SIM115 - open until the process dies
-    faulthandler.enable(file=stack_out or __import__("sys").stderr, all_threads=True)
-    # Every thread's C++ stack to stderr first (c10 chains to faulthandler's handler after).
+    # c10's handler (every thread's C++ stack, to stderr) is installed first so that it runs
+    # second: faulthandler writes with write() alone, while c10's report allocates (opendir,
+    # symbolizing), which on a corrupted heap aborts again and would lose faulthandler's file.
     if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
         torch._C._set_print_stack_traces_on_fatal_signal(True)
+    stack_out = open(crash_file, "w") if crash_file else None  # noqa: SIM115 - open until the process dies
+    faulthandler.enable(file=stack_out or __import__("sys").stderr, all_threads=True)
     _allow_core()
     # A forkserver child has the server's environment: take the caller's, as spawn would.
     os.environ.clear()
