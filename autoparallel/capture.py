@@ -141,7 +141,12 @@ def capture(
             torch.Tensor, lambda t: fake_mode.from_tensor(t).to(device), (args, kwargs)
         )
     try:
-        gm = _dynamo_graph_capture_for_export(private)(*args, **kwargs)
+        # A Python side effect under activation checkpointing (transformers 5.25's `kernels` layers
+        # set and reset a global in every attention forward) is refused by dynamo because eager AC
+        # replays it in backward; an exported graph never replays Python side effects, so the
+        # replay cannot be kept anyway (torchtitan sets the same flag for compile with AC).
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            gm = _dynamo_graph_capture_for_export(private)(*args, **kwargs)
     except Exception as e:  # dynamo raises many types; give one with the model's class
         raise CaptureError(_capture_failure(type(model).__name__, e)) from e
     # Attribute names become the copy's FQNs (and the raw graph becomes callable).

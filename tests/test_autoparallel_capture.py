@@ -160,6 +160,21 @@ def test_ac_tags_with_selective_context_fn_and_checkpoint_wrapper():
     torch.testing.assert_close(cap.gm(x.bfloat16()).float(), m(x), atol=2e-2, rtol=2e-2)
 
 
+def test_transformers_llama_with_gradient_checkpointing_keeps_a_tag_per_layer():
+    # transformers 5.25's attention runs under the `kernels` package's layer wrapper, which sets and
+    # resets a global while dynamo traces: under AC dynamo refused it ("HOP: Unsafe side effect")
+    # unless the capture lets the replay go (an exported graph never replays Python side effects).
+    torch.manual_seed(0)
+    model = hf_llama(layers=2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 64, (2, 8))
+    cap = capture(model, (ids,))
+    assert _hop_count(cap.gm, TAG) == 2
+    torch.testing.assert_close(cap.gm(ids).logits, model(ids).logits)
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False  # not leaked
+
+
 class _Nested(nn.Module):
     def __init__(self):
         super().__init__()
