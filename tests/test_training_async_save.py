@@ -141,7 +141,7 @@ def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tm
     assert checkpoint.CheckpointManager(tmp_path / "s", async_save=False).prepare(model, opt) == 0
 
 
-def test_background_prepare_touches_fresh_buffers_on_the_writer_thread(tmp_path, monkeypatch):
+def test_background_prepare_touches_fresh_buffers_on_the_touch_thread(tmp_path, monkeypatch):
     from checkpoint.training import pages
 
     saver = AsyncSaver()
@@ -151,9 +151,9 @@ def test_background_prepare_touches_fresh_buffers_on_the_writer_thread(tmp_path,
     monkeypatch.setattr(pages, "populate", lambda b: touched_on.append(threading.current_thread().name) or real(b))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     nbytes = saver.prepare(model, optimizer=opt, background=True)
-    saver.wait()
+    saver.wait_touched()
     assert nbytes == saver.staging_bytes > 0 and len(touched_on) == len(saver._pool.buffers)
-    assert set(touched_on) == {n for n in touched_on if n.startswith("fqnckpt-async-save")}
+    assert set(touched_on) == {n for n in touched_on if n.startswith("fqnckpt-pretouch")}
     assert all(saver._pool.touched(b) for b in saver._pool.buffers.values())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # sources untouched
     ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
@@ -184,13 +184,13 @@ def test_manager_touches_staging_at_start_and_after_the_first_step(tmp_path, sta
         mgr = checkpoint.CheckpointManager(tmp_path / "m")
         assert mgr.staging_bytes == 0
         assert mgr.load_latest(model, opt) is None
-    mgr._saver.wait()
+    mgr._saver.wait_touched()
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert mgr.staging_bytes == model_bytes and mgr._step_hook is not None
     model(torch.randn(8, 16)).sum().backward()
     opt.step()
     assert mgr._step_hook is None  # fired once, removed itself
-    mgr._saver.wait()
+    mgr._saver.wait_touched()
     opt_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     assert mgr.staging_bytes == model_bytes + opt_bytes
     assert all(mgr._saver._pool.touched(b) for b in mgr._saver._pool.buffers.values())

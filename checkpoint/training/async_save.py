@@ -48,6 +48,7 @@ from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
 from ..storage import ownership, threads
 from . import pages
+from .. import optim  # noqa: F401 - imported here, not inside the first save (its pydantic models take ~70 ms to build)
 
 
 class SaveFuture:
@@ -125,12 +126,45 @@ class _StagingPool:
             self._touched = {k: r for k, r in self._touched.items() if r() is not None}
         self._touched[id(buf)] = weakref.ref(buf)
 
-    def touch(self, bufs: list[torch.Tensor]) -> None:
-        """Fault in every page of ``bufs`` (writer thread, no GIL held while the kernel works);
-        the buffers are held by this call until it returns."""
+    def touch(
+        self, bufs: list[torch.Tensor], stop: threading.Event | None = None, cap: int | None = None
+    ) -> int:
+        """Fault in every page of ``bufs``, one :data:`_PIECE` at a time (no GIL held while the
+        kernel works), and mark each buffer done as touched; returns the bytes touched. Stops at
+        the next piece once ``stop`` is set or ``cap`` bytes are touched (the rest is faulted in
+        by the save that copies into it). The buffers are held by this call until it returns."""
+        done = 0
         for buf in bufs:
-            pages.populate(buf)
+            flat = buf.reshape(-1).view(torch.uint8)
+            n = flat.numel()
+            for lo in range(0, n, _PIECE):
+                if (stop is not None and stop.is_set()) or (cap is not None and done >= cap):
+                    return done
+                pages.populate(flat[lo : lo + _PIECE])
+                done += min(_PIECE, n - lo)
             self.mark_touched(buf)
+        return done
+
+
+def _touch_cap() -> int | None:
+    """Bytes a background touch may fault in: half the physical memory free now (None where the
+    OS does not say), so touching ahead never pushes the machine towards running out of memory;
+    what is left is faulted in by the save itself."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _lower_priority() -> None:
+    """Initializer of the background-touch thread: nice +10 for this thread only (Linux
+    ``setpriority`` takes a thread id), so touching ahead yields the cores to training; a no-op
+    where that is not possible (it cannot be undone without privileges, hence a thread of its own)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (AttributeError, OSError):
+        pass
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -355,6 +389,12 @@ class AsyncSaver:
         self._hook: Any = None  # the optimizer step pre-hook of a background-staged save
         self._group: Any = None
         self._lock = threading.Lock()
+        # Background touch (prepare(background=True)): its own low-priority thread, made on first use
+        self._toucher: ThreadPoolExecutor | None = None
+        self._touching: Future | None = None
+        self._stop_touch = threading.Event()
+        self._closed = False
+        weakref.finalize(self, self._stop_touch.set)  # a saver dropped while touching: stop it
 
     @property
     def staging_bytes(self) -> int:
@@ -366,6 +406,45 @@ class AsyncSaver:
         pending = self._pending
         if pending is not None:
             pending.exception()
+
+    def _halt_touch(self) -> None:
+        """Stop the background touch at its next piece (8 MiB: a few ms) and wait for it, so no
+        thread faults staging pages while a save or ``prepare`` copies into them (rule 1 of
+        :mod:`checkpoint.storage.ownership`, BaseException included)."""
+        touching = self._touching
+        if touching is None:
+            return
+        self._stop_touch.set()
+        try:
+            ownership.settle([touching])
+        finally:
+            self._touching = None
+            self._stop_touch.clear()
+
+    def wait_touched(self) -> None:
+        """Block until the background touch of :meth:`prepare` (``background=True``) has
+        finished or stopped (the latest one: the touch thread runs them in order)."""
+        ownership.settle([self._touching])
+
+    def close(self) -> None:
+        """Wait for the save in flight (its error stays in its future), stop a background touch,
+        and end this saver's threads (writer and touch); the staging memory is freed with the
+        saver. Later :meth:`save` / :meth:`prepare` calls raise ``RuntimeError``. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._halt_touch()
+            self.wait()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._executor.shutdown(wait=True)
+            if self._toucher is not None:
+                self._toucher.shutdown(wait=True)
+                self._toucher = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed")
 
     def _background_group(self) -> Any:
         if self._group is None:
@@ -442,25 +521,35 @@ class AsyncSaver:
         disk); a later save whose names, shapes or dtypes differ allocates the difference itself. Returns the staging bytes held (as :attr:`staging_bytes`).
 
         ``background=True``: returns at once, without waiting for a save in flight (allocating maps
-        but does not touch host memory), and the writer thread then touches the buffers not
-        touched yet (no copy, no read of the caller's tensors); the next :meth:`save` waits for
-        it. No collective runs: buffers of ``Partial`` DTensors and the background process group
-        are left to the first save. This is what :class:`~checkpoint.CheckpointManager` does by
-        itself (see its ``load_latest``).
+        but does not touch host memory), and a thread of this saver at low priority (nice +10)
+        then faults in the pages of the buffers not touched yet, 8 MiB at a time (no copy, no
+        read of the caller's tensors), at most half the physical memory free when called. The
+        next :meth:`save` (or ``prepare``) stops it at its next piece and faults in the rest
+        itself: it never waits for the whole touch. No collective runs: buffers of ``Partial``
+        DTensors and the background process group are left to the first save. This is what
+        :class:`~checkpoint.CheckpointManager` does by itself (see its ``load_latest``).
 
         Raises: what :meth:`save` raises before writing (``TypeError`` / ``ValueError``)."""
         if max_shard_size is not None:
             parse_size(max_shard_size)
         with self._lock:
-            if not background:  # a background touch queues behind a save in flight instead
+            self._check_open()
+            if not background:  # a background touch runs beside a save in flight instead
+                self._halt_touch()
                 self.wait()
             parts, distributed, _ = _prepare("(prepare)", obj, optimizer, None)
             with torch.no_grad():
                 _, copies, _ = self._stage_parts(parts, distributed, max_shard_size, reduce=not background)
                 if background:
+                    # Buffers of a save in flight are all touched (its copy wrote every page),
+                    # so this thread never writes bytes the writer thread reads.
                     fresh = [c.buf for c in copies if not self._pool.touched(c.buf)]
                     if fresh:
-                        self._pending = self._executor.submit(self._pool.touch, fresh)
+                        if self._toucher is None:
+                            self._toucher = ThreadPoolExecutor(
+                                1, thread_name_prefix="fqnckpt-pretouch", initializer=_lower_priority
+                            )
+                        self._touching = self._toucher.submit(self._pool.touch, fresh, self._stop_touch, _touch_cap())
                     return self.staging_bytes
                 _stage_copies(self._pool, copies)  # the copy a save makes: touches every page
                 if any(c.src.device.type == "cuda" for c in copies):
@@ -491,6 +580,8 @@ class AsyncSaver:
         if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
             parse_size(max_shard_size)  # a bad size fails here, not in the background
         with self._lock:
+            self._check_open()
+            self._halt_touch()  # stopped, never waited for: the copies fault in the rest
             self.wait()
             if self._hook is not None:  # the previous save is staged: its hook is a no-op now
                 self._hook.remove()
@@ -641,6 +732,8 @@ _failed_at_exit: list[str] = []
 
 
 def _finish_saves_at_exit() -> None:
+    for saver in list(_savers):  # a background touch is not worth finishing: stop it first
+        saver._stop_touch.set()
     for saver in list(_savers):
         path = "a checkpoint"
         try:

@@ -306,6 +306,27 @@ class CheckpointManager:
         if fut is not None:
             fut.result()
 
+    def close(self) -> None:
+        """End this manager's background work: wait for the save in flight (re-raising its error,
+        as :meth:`wait`), stop a background touch of staging memory, remove the optimizer hook it
+        left, and end its threads (see :meth:`AsyncSaver.close`). Later async saves raise
+        ``RuntimeError``; reading (``steps``, ``load_latest``) still works. Also ``with
+        CheckpointManager(...) as mgr:``. Idempotent."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        try:
+            self.wait()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def staging_bytes(self) -> int:
         """Host bytes held by this manager's staging buffers (0 without async_save)."""
@@ -417,7 +438,7 @@ class CheckpointManager:
         without a :meth:`prepare` by hand (issue 35: 10.7x without). Optimizer state that does not
         exist yet (AdamW's before its first step) is touched after the optimizer's next ``step()``
         (a step post-hook that removes itself). Not for object storage, whose staging differs."""
-        if self._saver is None or self._remote:
+        if self._saver is None or self._remote or self._saver._closed:
             return
         try:
             self._saver.prepare(module, optimizer=optimizer, background=True)
@@ -434,7 +455,7 @@ class CheckpointManager:
                 self._step_hook = None
             try:
                 self._saver.prepare(module, optimizer=optimizer, background=True)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RuntimeError):  # RuntimeError: the manager was closed
                 pass
 
         self._step_hook = optimizer.register_step_post_hook(after_first_step)
