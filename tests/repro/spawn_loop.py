@@ -5,8 +5,8 @@
 
 ``PYTHONMALLOC=debug`` (set before the forkserver starts, so every rank has it) puts Python's small
 objects on glibc's heap, where glibc checks its free lists: on 2026-12-05 rank 0 of the 2-rank spawn
-aborted with "malloc(): unaligned fastbin chunk detected" in the 2nd of 2 runs, then 0 of the next
-~20; the launcher keeps the killed rank's faulthandler stack (every thread) in ``FQNCKPT_CRASH_DIR``
+aborted with "malloc(): unaligned fastbin chunk detected" in the 2nd run, then in none of the
+next ~78 (48 of them with ``MALLOC_PERTURB_=165``); the launcher keeps the killed rank's faulthandler stack (every thread) in ``FQNCKPT_CRASH_DIR``
 and prints it with every thread's native stack.
 """
 
