@@ -47,8 +47,10 @@ def check_url(url: str) -> None:
     _, q, query = rest.partition("?")
     parts = []
     if q:
-        keys = [p.partition("=")[0] for p in query.split("&") if p]
-        parts.append(f"query keys {keys}" if keys else "an empty query '?'")
+        # Only the keys of key=value items: a bare item (?<token>) may itself be the secret,
+        # which redact_url masks as a value.
+        keys = [k for k, eq, _ in (p.partition("=") for p in query.split("&") if p) if eq]
+        parts.append(f"query keys {keys}" if keys else "a query" if query.strip("&") else "an empty query '?'")
     if hash_:
         parts.append("a fragment")
     if parts:
