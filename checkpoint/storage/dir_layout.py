@@ -19,12 +19,15 @@ from ..errors import AmbiguousSourceError
 DCP_METADATA = ".metadata"
 # What a safetensors reader opens in a directory (transformers opens model.safetensors first).
 SAFETENSORS_ENTRIES = ("model.safetensors.index.json", "model.safetensors")
+# What transformers opens when there is no safetensors file (fqnckpt reads a lone pickle too).
+PICKLE_ENTRIES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
 def check_one_layout(root: str | os.PathLike) -> None:
-    """Refuse the directory ``root`` when it holds DCP's ``.metadata`` and a safetensors model
-    checkpoint (``model.safetensors.index.json`` / ``model.safetensors``); a file or a missing
-    path passes (other checks name those).
+    """Refuse the directory ``root`` when it holds DCP's ``.metadata`` and a Hugging Face model
+    checkpoint (``model.safetensors.index.json`` / ``model.safetensors``, else
+    ``pytorch_model.bin.index.json`` / ``pytorch_model.bin``); a file or a missing path passes
+    (other checks name those).
 
     Raises:
         AmbiguousSourceError: ``.file`` is ``root``, ``.choices`` the clashing file names
@@ -33,14 +36,15 @@ def check_one_layout(root: str | os.PathLike) -> None:
     root = os.fspath(root)
     if not os.path.isfile(os.path.join(root, DCP_METADATA)):  # isfile: False for a file root too
         return
-    others = [n for n in SAFETENSORS_ENTRIES if os.path.lexists(os.path.join(root, n))]
+    others = [n for n in SAFETENSORS_ENTRIES + PICKLE_ENTRIES if os.path.lexists(os.path.join(root, n))]
     if others:
+        kind = "pickle" if others[0] in PICKLE_ENTRIES else "safetensors"
         raise AmbiguousSourceError(
             root, [DCP_METADATA, *others],
-            f"holds both a DCP checkpoint ({DCP_METADATA}) and a safetensors checkpoint ({others[0]}); "
+            f"holds both a DCP checkpoint ({DCP_METADATA}) and a {kind} checkpoint ({others[0]}); "
             "DCP and Hugging Face readers would read different checkpoints from it: remove one of "
             "them or move it to a directory of its own", "the path",
         )  # fmt: skip
 
 
-__all__ = ["check_one_layout", "DCP_METADATA", "SAFETENSORS_ENTRIES"]
+__all__ = ["check_one_layout", "DCP_METADATA", "SAFETENSORS_ENTRIES", "PICKLE_ENTRIES"]
