@@ -12,7 +12,9 @@ import os
 import re
 
 # RFC 3986 scheme, then "://". One letter before ":" is a Windows drive ("C:\\..."), never a URL.
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+# fsspec's chained form ("simplecache::s3://b/ck") is a URL too (scheme "simplecache::s3"): as a
+# local path it would silently write a directory named "simplecache::s3:" here.
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+(?:::[A-Za-z][A-Za-z0-9+.\-]+)*)://")
 
 
 def url_scheme(path: object) -> str | None:
