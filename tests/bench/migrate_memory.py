@@ -52,8 +52,14 @@ def make_checkpoints(d: str, n: int, tensor_bytes: int) -> tuple[str, str]:
 
 def peak_of_migration(src: str, dst: str, shard: str = "5GB") -> int:
     """Peak RSS growth (bytes) of a subprocess migrating ``src`` to ``dst``."""
+    # glibc raises its mmap threshold each time a large mmapped block is freed, so later 8 MiB
+    # tensors come from heap arenas that keep freed memory: the peak then varied 17-74 MiB between
+    # identical runs (allocator retention, not tensors we hold). A fixed threshold measures what
+    # the migration keeps alive (9.8 MiB every run for 8 MiB tensors).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, src, dst, shard],
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
