@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,3 +63,21 @@ def test_numbers_and_unset_values_fit_and_the_saved_value_is_restored(tmp_path, 
         checkpoint.load(target, path, optimizer=opt)
         assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["betas"] == (0.9, 0.999), name
         assert opt.param_groups[0]["foreach"] is None and opt.param_groups[0]["amsgrad"] is False, name
+
+
+@pytest.mark.parametrize("key,value", [("lr", np.float32(0.5)), ("lr", np.int64(1)), ("weight_decay", np.float32(0))])
+def test_numpy_numbers_fit_saved_numbers(tmp_path, key, value):
+    # Before: "saved as float, the target's is float32" (torch takes numpy numbers as hyper-parameters).
+    saved = _saved(tmp_path)
+    weight = torch.load(tmp_path / "c.pt")["model"]["weight"]
+    for name, (path, _) in saved.items():
+        target = torch.nn.Linear(2, 2)
+        opt = torch.optim.Adam(target.parameters(), lr=0.2)
+        opt.param_groups[0][key] = value
+        checkpoint.load(target, path, optimizer=opt)
+        g = opt.param_groups[0]
+        assert (g["lr"], g["weight_decay"]) == (0.1, 0) and type(g["lr"]) is float, name
+        assert torch.equal(target.weight, weight), name
+        opt.param_groups[0][key] = "fast"  # a real change of kind is still refused
+        with pytest.raises(OptimizerMismatchError):
+            checkpoint.load(target, path, optimizer=opt)
