@@ -315,6 +315,23 @@ class RankAgreementError(CheckpointError):
         super().__init__(f"{what} failed on rank(s) {sorted(self.failures)}: {lines}")
 
 
+class RankMismatchError(CheckpointError, ValueError):
+    """The ranks of one collective call were given different arguments (a destination per rank,
+    different ``overwrite`` flags or steps): refused on every rank before anything is written,
+    since only one rank's value could take effect and the others would be ignored silently.
+    ``values`` maps rank -> that rank's value (as text)."""
+
+    def __init__(self, what: str, argument: str, values: dict[int, str]):
+        self.argument, self.values = argument, dict(values)
+        first = self.values[min(self.values)]
+        differ = {r: v for r, v in sorted(self.values.items()) if v != first}
+        shown = "; ".join(f"rank {r}: {v}" for r, v in [(min(self.values), first), *differ.items()][:4])
+        super().__init__(
+            f"{what}: the ranks differ in {argument} ({shown}"
+            f"{'; ...' if len(differ) > 3 else ''}); a collective call needs the same value on every rank"
+        )
+
+
 class UnsupportedFormatError(CheckpointError, ValueError):
     """A source file's content matches no format fqnckpt reads (sniffed from its first bytes)."""
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .apply import apply_load
 from .atomic import read_view
-from .errors import CheckpointMismatchError, DCPLoadError
+from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
 from .plan.model import plan_load
@@ -31,6 +31,7 @@ from .ranks import dist
 from .reports import LoadReport
 from .state import object_state
 from .storage.location import is_remote, resolve
+from .storage.urls import is_url, redact_url
 from .gc_pause import gc_paused
 from .sources.dcp import dcp_format
 from .sources.targets import open_target_reader as open_source_target
@@ -211,7 +212,8 @@ def load(
         err = e
     try:
         if collective and not agreed:
-            dist.check_all(f"opening {path}", err)
+            opened = dist.check_all_gather(f"opening {path}", err, _opened(path, reader))
+            _check_same_checkpoint(str(path), opened)
         elif err is not None:
             raise err
         err = None
@@ -233,6 +235,36 @@ def load(
         if reader is not None:
             reader.close()
     return plan.report
+
+
+def _opened(path: Any, reader: Any) -> str | None:
+    """Which checkpoint a rank opened: the index's own xxh3-128 digest where the index has one
+    (fqnckpt format 2 and later: it covers every tensor's digest, so the same content under
+    another path, e.g. a node-local copy, counts as the same), else a checkpoint directory's
+    absolute path or a URL. None for a single file: ``torch.save`` per rank (``ckpt.rank0.pt``,
+    each holding its rank's local shards) is a layout where every rank reads its own file."""
+    meta = getattr(reader, "meta", None)
+    digest = getattr(meta, "index_xxh3_128", None)
+    if digest:
+        return f"index xxh3-128 {digest}"
+    where = path if is_remote(path) else os.fspath(path)
+    if is_remote(where) or is_url(where):
+        return redact_url(str(where))
+    return os.path.abspath(where) if os.path.isdir(where) else None
+
+
+def _check_same_checkpoint(what: str, opened: list[str | None]) -> None:
+    """A collective load whose ranks opened different checkpoints (a checkpoint directory per
+    rank, or one replaced between their opens) is refused on every rank before any tensor is
+    read: each rank would fill its shards from another checkpoint, a model mixed from several
+    without an error. Ranks that opened single files (None) are not compared.
+
+    Raises:
+        RankMismatchError: naming each rank's checkpoint.
+    """
+    named = {r: o for r, o in enumerate(opened) if o is not None}
+    if len(set(named.values())) > 1:
+        raise RankMismatchError(f"loading {what}", "checkpoints", named)
 
 
 def _has_model_part(path: str) -> bool:

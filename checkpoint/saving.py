@@ -29,7 +29,7 @@ from .atomic import StagedCheckpoint
 from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
-from .errors import CheckpointError, CheckpointWriteError
+from .errors import CheckpointError, CheckpointWriteError, RankMismatchError
 from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
 from .progress import counted_fetches
 from .ranks import dist, shards
@@ -487,6 +487,21 @@ def _owned_blocks(t: torch.Tensor, index: int, fqn: str) -> list[tuple[torch.Ten
     return [(local[lsl], tuple(g.start for g in gsl)) for lsl, gsl in blocks]
 
 
+def _check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[str]) -> None:
+    """Refuse a collective call whose ranks were given different arguments (``per_rank[r]``: rank
+    ``r``'s values, in the order of ``names``): only rank 0's would take effect (it commits) and
+    the others' would be ignored without a word, e.g. a destination per rank. The same verdict
+    on every rank (every rank holds the same gathered values).
+
+    Raises:
+        RankMismatchError: naming the first argument that differs and each rank's value.
+    """
+    for i, name in enumerate(names):
+        values = {r: repr(v[i]) for r, v in enumerate(per_rank)}
+        if len(set(values.values())) > 1:
+            raise RankMismatchError(what, name, values)
+
+
 def _save_distributed(
     path: str,
     parts: Sequence[_Part],
@@ -516,14 +531,16 @@ def _save_distributed(
     # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
     # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
     # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
-    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine))
+    args = (str(path) if is_remote(path) else os.path.abspath(path), bool(overwrite))  # a store: its URL
+    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
+    _check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
-    rank_files = {n: d for _, _, m in gathered for n, d in m.items()}
+    rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
     if rank_files and len(rank_files) != world:  # the same verdict on every rank
         raise CheckpointError(f"saving {path}: PerRank extra_state passed on {len(rank_files)} of {world} ranks")
     extra_files.update(rank_files if rank == 0 else {})
-    differ = [r for r, (_, e, _) in enumerate(gathered) if e != gathered[0][1]]
+    differ = [r for r, (_, e, _, _) in enumerate(gathered) if e != gathered[0][1]]
     if differ and rank == 0:
         # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
         # would come back as rank 0's on every rank.

@@ -22,6 +22,13 @@ def _outcome(fn):
         return "ok"
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__}: {str(e)[:300]}"
+    except BaseException as e:  # DCP's CheckpointException: the failing rank's own error inside
+        failures = getattr(e, "failures", None)
+        if not failures:
+            raise
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner)  # torch wraps it (_WrappedException)
+        return f"{type(e).__name__} of {type(inner).__name__}: {str(inner)[:300]}"
 
 
 @contextlib.contextmanager
@@ -99,6 +106,41 @@ def _stages(rank, world, root):
     mgr.save(0, m)
     with _failing(rank, 1, CheckpointManager, "steps", OSError("listing failed here")):
         stage("manager_latest", lambda: mgr.load_latest(model()))
+    out.update(_argument_stages(rank, root, model, stage))
+    return out
+
+
+def _argument_stages(rank, root, model, stage):
+    """Ranks given different arguments for one collective call (a path or step per rank, other
+    ``overwrite`` flags, a checkpoint per rank on load): refused on every rank, nothing written,
+    no target changed. Returns the outcomes plus what each path holds afterwards."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+    from checkpoint.dcp import StorageReader, StorageWriter
+    from checkpoint.training.manager import CheckpointManager
+
+    out: dict = {}
+    base = os.path.join(root, "args")
+    stage("args_save_paths", lambda: checkpoint.save(model(), f"{base}-save-r{rank}"))
+    checkpoint.save(model(), f"{base}-ow")
+    stage("args_save_overwrite", lambda: checkpoint.save(model(), f"{base}-ow", overwrite=rank == 0))
+    stage("args_async_paths", lambda: checkpoint.async_save(model(), f"{base}-async-r{rank}").result())
+    mgr = CheckpointManager(f"{base}-mgr", async_save=False)
+    stage("args_manager_steps", lambda: mgr.save(5 + rank, model()))
+    stage("args_dcp_save_paths", lambda: dcp.save(model().state_dict(), storage_writer=StorageWriter(f"{base}-dcp-r{rank}")))
+    torch.manual_seed(10)
+    checkpoint.save(model(), f"{base}-A")
+    torch.manual_seed(11)
+    checkpoint.save(model(), f"{base}-B")
+    target = model()
+    before = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in target.state_dict().items()}
+    stage("args_load_paths", lambda: checkpoint.load(target, f"{base}-{'AB'[rank]}"))
+    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in target.state_dict().items()}
+    out["args_load_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["args_listing"] = sorted(n for n in os.listdir(root) if n.startswith("args"))
+    out["args_mgr_listing"] = sorted(os.listdir(f"{base}-mgr"))
     return out
 
 
@@ -126,3 +168,32 @@ def test_one_rank_failure_is_agreed_by_every_rank(outcomes, stage, failing, own)
     agreed = outcomes[other][stage]
     assert agreed.startswith("RankAgreementError"), agreed
     assert f"rank {failing}" in agreed and own.split(":")[0] in agreed, agreed
+
+
+@pytest.mark.parametrize(
+    "stage, argument",
+    [
+        ("args_save_paths", "destination"),
+        ("args_save_overwrite", "overwrite"),
+        ("args_async_paths", "destination"),
+        ("args_manager_steps", "destination"),
+        ("args_dcp_save_paths", "destination"),
+        ("args_load_paths", "checkpoints"),
+    ],
+)
+def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, stage, argument):
+    # Before: every one of these returned on both ranks; rank 0's path (or step, or flag) took
+    # effect and rank 1's was ignored silently (a load filled each rank's shards from another
+    # checkpoint).
+    for per_rank in outcomes:
+        got = per_rank[stage]
+        assert "RankMismatchError" in got and f"differ in {argument}" in got, got
+        assert "rank 0:" in got and "rank 1:" in got, got
+
+
+def test_refused_collective_calls_wrote_nothing_and_changed_no_target(outcomes):
+    for per_rank in outcomes:
+        # only the checkpoints the stages saved themselves exist: none at a per-rank path
+        assert per_rank["args_listing"] == ["args-A", "args-B", "args-mgr", "args-ow"], per_rank["args_listing"]
+        assert per_rank["args_mgr_listing"] == [], per_rank["args_mgr_listing"]
+        assert per_rank["args_load_unchanged"] is True

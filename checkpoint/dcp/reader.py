@@ -246,16 +246,17 @@ class StorageReader(Located, dcp_storage.StorageReader):
         the fewest elements to check so far, so no tensor is hashed twice.
 
         Raises :class:`~checkpoint.errors.CorruptCheckpointError` (on every rank, through DCP)
-        when the ranks opened different checkpoints: a save replaced it while they opened it, and
-        each rank would load another one's values."""
+        when the ranks opened different checkpoints (a path per rank, or a save replaced it while
+        they opened it): each rank would load another one's values."""
         seen = [p.storage_data for p in plans]
         if len({x for x in seen if x is not None}) > 1:
             first = next(x for x in seen if x is not None)
             other = [r for r, x in enumerate(seen) if x is not None and x != first]
             raise CorruptCheckpointError(
                 str(self.path),
-                f"ranks {other} opened another checkpoint than rank {seen.index(first)}: a save replaced it "
-                "during this load (each rank would load another one's values); load again",
+                f"ranks {other} opened another checkpoint than rank {seen.index(first)}: a StorageReader per "
+                "rank with its own path, or a save replaced it during this load (each rank would load "
+                "another one's values); give every rank the same path and load again",
             )
         readers_of: dict[tuple[int, str], set[int]] = {}
         size: dict[tuple[int, str], int] = {}

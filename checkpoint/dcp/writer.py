@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..atomic import StagedCheckpoint, enclosing_checkpoint
-from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, UnsavableError
+from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError, UnsavableError
 from ..ranks import dist
 from ..saving import _fetch_any, _index, _Part, _write_indexes_and_commit
 from ..storage import limits
@@ -58,6 +58,7 @@ from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
 from ..storage.location import is_remote
+from ..storage.urls import is_url, redact_url
 from .location import Located
 from ..storage import digest, fskind
 from ..storage.digest import hash_spans
@@ -86,6 +87,16 @@ class _RemotePlan:
 
 
 @dataclass(frozen=True)
+class _RankArgs:
+    """``SavePlan.storage_data`` of a local plan: this rank's destination and ``overwrite``,
+    compared by the coordinator (``inner``: what the planner put there, e.g. TiedKeys)."""
+
+    destination: str
+    overwrite: bool
+    inner: Any = None
+
+
+@dataclass(frozen=True)
 class Written:
     """``WriteResult.storage_data`` of a tensor item: its file, the tensor's absolute byte range
     there, and its xxh3-128 digest when this rank wrote it whole (else None)."""
@@ -101,6 +112,23 @@ class ExtraValue:
     """``WriteResult.storage_data`` of a non-tensor value: the value (checked encodable)."""
 
     value: Any
+
+
+def _agreed(what: str, plans: list[SavePlan]) -> list[SavePlan]:
+    """The local plans with their :class:`_RankArgs` taken off, after checking that every rank
+    was given the same destination and ``overwrite`` (a ``StorageWriter`` per rank with its own
+    path would write every rank's bytes into the coordinator's checkpoint while the others
+    believe they saved elsewhere). Plans without them (a planner that dropped storage_data) pass.
+
+    Raises:
+        RankMismatchError: the ranks differ (DCP raises it on every rank as CheckpointException).
+    """
+    args = {r: p.storage_data for r, p in enumerate(plans) if isinstance(p.storage_data, _RankArgs)}
+    for name in ("destination", "overwrite"):
+        values = {r: repr(getattr(a, name)) for r, a in args.items()}
+        if len(set(values.values())) > 1:
+            raise RankMismatchError(f"saving {what}", name, values)
+    return [replace(p, storage_data=p.storage_data.inner) if isinstance(p.storage_data, _RankArgs) else p for p in plans]
 
 
 # Saves prepared by a coordinator of this process and not finished (a rank failed, so DCP never
@@ -220,12 +248,16 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Adds this rank's destination and ``overwrite`` for the coordinator to compare."""
+        where = os.fspath(self._require_path())
+        dest = redact_url(where) if is_url(where) else os.path.abspath(where)
+        return replace(plan, storage_data=_RankArgs(dest, bool(self.overwrite), plan.storage_data))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: plan the files from every rank's items, create them (local paths), and give
         each rank where its items go. Raises before anything is written (see class docstring)."""
         where = self._where()
+        plans = _agreed(str(self.path), plans)
         tied = next((p.storage_data for p in plans if isinstance(p.storage_data, TiedKeys)), None)
         self._aliases = [list(g) for g in tied.groups] if tied is not None else []
         plans = _dedup(plans)
