@@ -321,14 +321,14 @@ class RankMismatchError(CheckpointError, ValueError):
     since only one rank's value could take effect and the others would be ignored silently.
     ``values`` maps rank -> that rank's value (as text)."""
 
-    def __init__(self, what: str, argument: str, values: dict[int, str]):
+    def __init__(self, what: str, argument: str, values: dict[int, str], note: str | None = None):
         self.argument, self.values = argument, dict(values)
         first = self.values[min(self.values)]
         differ = {r: v for r, v in sorted(self.values.items()) if v != first}
         shown = "; ".join(f"rank {r}: {v}" for r, v in [(min(self.values), first), *differ.items()][:4])
         super().__init__(
-            f"{what}: the ranks differ in {argument} ({shown}"
-            f"{'; ...' if len(differ) > 3 else ''}); a collective call needs the same value on every rank"
+            f"{what}: the ranks differ in {argument} ({shown}{'; ...' if len(differ) > 3 else ''}); "
+            + (note or "a collective call needs the same value on every rank")
         )
 
 

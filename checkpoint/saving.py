@@ -9,6 +9,7 @@ ranks holding DTensors each write only the bytes they own into the same full-ten
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -502,6 +503,25 @@ def _check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[
             raise RankMismatchError(what, name, values)
 
 
+def _check_covered(path: Any, covered: Sequence[Mapping[str, int]], numel: Mapping[str, int]) -> None:
+    """Every DTensor written whole by the ranks together (``covered[r][fqn]``: elements rank
+    ``r`` wrote of it): ranks that hold one DTensor with different placements (an SPMD program
+    that diverged) would leave rows no rank writes, zeros in a checkpoint whose digests still
+    match, or write rows twice. The same verdict on every rank (the counts were gathered).
+
+    Raises:
+        RankMismatchError: naming the tensor and what each rank wrote; nothing is committed.
+    """
+    for fqn in sorted({k for c in covered for k in c}):
+        total = sum(c.get(fqn, 0) for c in covered)
+        if total != numel.get(fqn, total):
+            per_rank = {r: f"{c.get(fqn, 0)} elements" for r, c in enumerate(covered)}
+            raise RankMismatchError(
+                f"saving {path}", f"the shards of DTensor {fqn!r}", per_rank,
+                note=f"together they cover {total} of its {numel[fqn]} elements (placements differ between ranks?); nothing was committed",
+            )  # fmt: skip
+
+
 def _save_distributed(
     path: str,
     parts: Sequence[_Part],
@@ -587,6 +607,7 @@ def _save_distributed(
         walk = _walk(_walk_starts([f.name for *_, f, _, _ in order], world)[rank], len(order))
         sizes = {slot.spec.fqn: slot.end - slot.begin for *_, slot in order}
         w, w_name = None, None
+        covered: dict[str, int] = {}  # DTensor fqn -> elements this rank wrote of it
         try:
             kill_after_tensor = _faults.armed("after_tensor_write")
             for k in walk:
@@ -596,6 +617,8 @@ def _save_distributed(
                     w, w_name = None, None
                 t = _fetch_any(part, slot.spec)
                 blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
+                if isinstance(t, DTensor):
+                    covered[slot.spec.fqn] = sum(b.numel() for b, _ in blocks)
                 if not blocks:
                     continue
                 if w is None:
@@ -646,7 +669,9 @@ def _save_distributed(
         # Chunk digests travel as runs of consecutive chunks (16 bytes each): 1.6 MB per 100 GB.
         tensor_digests: dict[str, str] = {}
         pieces: dict[str, list[tuple[int, bytes]]] = {}
-        for whole, runs in dist.check_all_gather(f"hashing {path}", err, (whole_digests, _chunk_runs(chunks))):
+        hashed = dist.check_all_gather(f"hashing {path}", err, (whole_digests, _chunk_runs(chunks), covered))
+        _check_covered(path, [c for *_, c in hashed], {sp.fqn: math.prod(sp.shape) for p in parts for sp in p.specs})
+        for whole, runs, _ in hashed:
             tensor_digests.update(whole)
             for fqn, rs in runs.items():
                 pieces.setdefault(fqn, []).extend(rs)

@@ -139,6 +139,18 @@ def _argument_stages(rank, root, model, stage):
     stage("args_load_paths", lambda: checkpoint.load(target, f"{base}-{'AB'[rank]}"))
     after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in target.state_dict().items()}
     out["args_load_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    # One DTensor held with different placements on the two ranks (Shard(0) here, Replicate
+    # there): before, rank 1 (coordinate 1 of a replica group) wrote nothing, rank 0 its half,
+    # and a checkpoint with zero rows committed and verified OK.
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    w = torch.arange(32, dtype=torch.float32).reshape(8, 4) + 1
+    mesh = target.weight.device_mesh
+    diverged = DTensor.from_local(
+        w.chunk(2)[0].contiguous() if rank == 0 else w, mesh, [Shard(0) if rank == 0 else Replicate()],
+        run_check=False, shape=w.shape, stride=w.stride(),
+    )  # fmt: skip
+    stage("args_save_placements", lambda: checkpoint.save({"w": diverged}, f"{base}-placements"))
     out["args_listing"] = sorted(n for n in os.listdir(root) if n.startswith("args"))
     out["args_mgr_listing"] = sorted(os.listdir(f"{base}-mgr"))
     return out
@@ -179,6 +191,7 @@ def test_one_rank_failure_is_agreed_by_every_rank(outcomes, stage, failing, own)
         ("args_manager_steps", "destination"),
         ("args_dcp_save_paths", "destination"),
         ("args_load_paths", "checkpoints"),
+        ("args_save_placements", "the shards of DTensor 'w'"),
     ],
 )
 def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, stage, argument):
