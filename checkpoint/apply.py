@@ -150,7 +150,7 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
 
 
 def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
-    """``reader.copy_into`` (local checkpoints) for a target read neither straight nor replaced:
+    """``reader.copy_into`` (a local window, or ranged GETs) for a target read neither straight nor replaced:
     a plain CPU tensor whole, a DTensor's CPU local shard block by block; False when the reader
     or the target cannot (then the block is read whole and copied)."""
     copy = getattr(reader, "copy_into", None)

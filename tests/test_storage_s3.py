@@ -174,6 +174,25 @@ def _same_values(m, before) -> None:
         assert torch.equal(v, before[k]), k
 
 
+def test_remote_reader_offers_the_local_readers_copy_into(tmp_path):
+    # Before: open_checkpoint(url).copy_into was None (a capability flag), so calling the
+    # documented reader method on a URL raised a bare TypeError.
+    url = "memory://t-copy/ck"
+    w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    checkpoint.save({"w": w}, url)
+    checkpoint.save({"w": w}, str(tmp_path / "ck"))
+    for where in (url, str(tmp_path / "ck")):
+        with checkpoint.open_checkpoint(where) as r:
+            whole = torch.zeros(6, 8, dtype=torch.float64)
+            assert r.copy_into("w", whole) is True and torch.equal(whole, w.double())
+            strided = torch.zeros(8, 6).t()  # a non-contiguous target
+            assert r.copy_into("w", strided) is True and torch.equal(strided, w)
+            block = torch.zeros(2, 3)
+            assert r.copy_into("w", block, [slice(1, 3), slice(4, 7)]) is True
+            assert torch.equal(block, w[1:3, 4:7])
+            assert r.copy_into("w", torch.empty(6, 8, device="meta")) is False  # not on the CPU: nothing read
+
+
 def test_multipart_bounded_memory_and_ranged_reads(s3):
     url, opts = "s3://bkt/big/ck", s3["opts"]
     w = torch.arange(11 * (1 << 18), dtype=torch.float32).reshape(-1, 1024)  # 11 MiB

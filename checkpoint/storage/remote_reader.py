@@ -55,10 +55,6 @@ class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
     a ranged GET (``root`` is the checkpoint's URL)."""
 
-    # No local window to copy through: loads read blocks with get_slice (ranged GETs); apply's
-    # _copy_into takes a missing copy_into as "cannot".
-    copy_into = None
-
     def __init__(self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int]):
         store = view.store
         super().__init__(store.url, index, store.url_of(index_name_) if index_name_ else None, key_file)
@@ -104,7 +100,27 @@ class RemoteCheckpointReader(CheckpointReader):
 
     # Not the local batched preadv of CheckpointReader: each tensor goes through read_into (ranged GETs).
     read_many = None
-    copy_into = None  # the local window copy reads a local descriptor: load falls back to get / get_slice
+
+    def copy_into(
+        self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
+    ) -> bool:
+        """:meth:`CheckpointReader.copy_into`'s contract over ranged GETs: tensor ``key`` (or its
+        block ``tensor[slices]``) into ``out``, a CPU tensor of that shape in any dtype and layout
+        (``copy_``'s conversions), through :meth:`get` / :meth:`get_slice` (no local window to
+        copy through). A whole read is checked against its digest (``check`` is implied there);
+        a block is not (its digest covers bytes not fetched). False (nothing read) when ``out``
+        is not on the CPU.
+
+        Raises:
+            CorruptCheckpointError: an object shorter than its index says, or a whole tensor's
+                bytes differ from its digest.
+            LoadError: a ranged GET fails.
+        """
+        if not out.is_cpu:
+            return False
+        src = self.get(key) if slices is None else self.get_slice(key, slices)
+        out.copy_(src)
+        return True
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         known = self._specs.get(key)
