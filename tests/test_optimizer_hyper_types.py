@@ -54,7 +54,12 @@ def test_a_hyper_parameter_of_another_kind_is_refused(tmp_path, key, value, save
         snap.assert_unchanged()
 
 
-@pytest.mark.parametrize("key,value", [("lr", 1), ("lr", torch.tensor(0.5)), ("foreach", True), ("amsgrad", 0)])
+@pytest.mark.parametrize(
+    "key,value",
+    # a one-element tensor lr of any shape is a number, as torch.optim takes it ("Tensor lr must
+    # be 1-element"); before, torch.tensor([0.5]) was refused as "tensor" against the saved float
+    [("lr", 1), ("lr", torch.tensor(0.5)), ("lr", torch.tensor([0.5])), ("lr", torch.tensor([[0.5]])), ("foreach", True), ("amsgrad", 0)],
+)
 def test_numbers_and_unset_values_fit_and_the_saved_value_is_restored(tmp_path, key, value):
     for name, (path, _) in _saved(tmp_path).items():
         target = torch.nn.Linear(2, 2)
@@ -81,3 +86,22 @@ def test_numpy_numbers_fit_saved_numbers(tmp_path, key, value):
         opt.param_groups[0][key] = "fast"  # a real change of kind is still refused
         with pytest.raises(OptimizerMismatchError):
             checkpoint.load(target, path, optimizer=opt)
+
+
+def test_a_saved_one_element_tensor_lr_fits_a_float_and_a_two_element_one_does_not(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=torch.tensor([0.1]))
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    checkpoint.save(m, tmp_path / "t", optimizer=opt)
+    target = torch.nn.Linear(2, 2)
+    topt = torch.optim.Adam(target.parameters(), lr=0.2)
+    checkpoint.load(target, tmp_path / "t", optimizer=topt)
+    got = topt.param_groups[0]["lr"]
+    assert isinstance(got, torch.Tensor) and torch.equal(got, torch.tensor([0.1]))  # restored as saved
+    topt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])  # not a number: still refused
+    snap = Snapshot(target, topt)
+    with pytest.raises(OptimizerMismatchError, match="hyper-parameter 'lr' was saved as Tensor"):
+        checkpoint.load(target, tmp_path / "t", optimizer=topt)
+    snap.assert_unchanged()

@@ -93,13 +93,14 @@ def group_keys_problem(
 
 def _value_kind(v: Any) -> str | None:
     """The kind a hyper-parameter's value has for :func:`group_values_problem`: ``number`` (int,
-    float, bool, a numpy scalar, a 0-dim tensor: ``lr`` may be a float or a tensor, ``amsgrad`` 0 or False),
+    float, bool, a numpy scalar, a one-element tensor of any shape, as torch.optim takes a tensor
+    ``lr``: ``lr`` may be a float or a tensor, ``amsgrad`` 0 or False),
     ``str``, ``sequence`` (tuple / list: ``betas``), ``tensor``, ``dict``, else the type's name;
     ``None`` for None (unset: torch's ``foreach=None`` / ``fused=None`` become a value later)."""
     if v is None:
         return None
     # numbers.Number: numpy scalars too (np.float32 is no float subclass; torch takes it as lr)
-    if isinstance(v, numbers.Number) or (isinstance(v, torch.Tensor) and v.dim() == 0):
+    if isinstance(v, numbers.Number) or (isinstance(v, torch.Tensor) and v.numel() == 1):
         return "number"
     if isinstance(v, torch.Tensor):
         return "tensor"
