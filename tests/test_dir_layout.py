@@ -6,6 +6,7 @@ and sniffing read the DCP checkpoint while ``inspect`` and the DCP ``StorageRead
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 import checkpoint
 from checkpoint.cli.main import EXIT_BAD_INPUT, main
 from checkpoint.dcp import StorageReader
-from checkpoint.errors import AmbiguousSourceError
+from checkpoint.errors import AmbiguousSourceError, UnsafePathError
 from checkpoint.sources import open_source, sniff
 from snapshot import Snapshot, dir_snapshot
 
@@ -82,3 +83,37 @@ def test_dcp_alone_and_index_alone_still_read(tmp_path):
     save_file({"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, str(d / "model.safetensors"))
     checkpoint.load(m, d)
     assert torch.equal(m.weight, torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("link", ["/nonexistent/.metadata", "../outside.metadata"])
+def test_a_metadata_symlink_leading_outside_is_refused_by_every_reader(tmp_path, capsys, link):
+    # Before: load refused it (format sniffing) while verify, inspect, open_checkpoint and the DCP
+    # StorageReader read the index beside it and said OK.
+    d = tmp_path / "ck"
+    checkpoint.save(torch.nn.Linear(2, 2), d)
+    (tmp_path / "outside.metadata").write_bytes(b"not ours")
+    (d / ".metadata").symlink_to(link)
+    def listing():  # the link itself, not its target (dir_snapshot follows links)
+        return {p.name: (os.readlink(p) if p.is_symlink() else p.read_bytes()) for p in d.iterdir()}
+
+    before = listing()
+    model = torch.nn.Linear(2, 2)
+    snap = Snapshot(model)
+    for call in (lambda: checkpoint.load(model, d), lambda: sniff(d), lambda: open_source(d),
+                 lambda: checkpoint.open_checkpoint(d)):  # fmt: skip
+        with pytest.raises(UnsafePathError, match=r"'\.metadata' .* is a symlink to .*, outside the checkpoint directory"):
+            call()
+    report = checkpoint.verify(d)  # verify reports what it finds (exit 1 in the CLI)
+    assert not report.ok and len(report.problems) == 1 and report.problems[0].startswith("UnsafePathError: index entry '.metadata'")
+    target = {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}
+    with pytest.raises(BaseException, match="outside the checkpoint directory"):  # DCP wraps ours
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=StorageReader(str(d)))
+    assert torch.equal(target["weight"], torch.zeros(2, 2))
+    for argv in (["inspect", str(d)], ["verify", str(d)], ["diff", str(d), str(d)]):
+        rc = main(["--json", *argv])
+        out = capsys.readouterr()
+        assert rc != 0 and "UnsafePathError" in out.out, (argv, out)
+    snap.assert_unchanged()
+    assert listing() == before

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from ..errors import AmbiguousSourceError
+from .paths import member
 
 DCP_METADATA = ".metadata"
 # What a safetensors reader opens in a directory (transformers opens model.safetensors first).
@@ -32,8 +33,16 @@ def check_one_layout(root: str | os.PathLike) -> None:
     Raises:
         AmbiguousSourceError: ``.file`` is ``root``, ``.choices`` the clashing file names
             (``.metadata`` first); nothing was read.
+        UnsafePathError: ``.metadata`` is a symlink leading outside ``root`` (dangling or not).
     """
     root = os.fspath(root)
+    if not os.path.lexists(os.path.join(root, DCP_METADATA)):
+        return
+    # A .metadata symlink leading outside the directory is refused by every reader, as format
+    # sniffing refuses it (checkpoint.storage.paths.member), dangling or not; verify and
+    # open_checkpoint used to pass it while load raised.
+    if os.path.isdir(root):
+        member(root, DCP_METADATA)
     if not os.path.isfile(os.path.join(root, DCP_METADATA)):  # isfile: False for a file root too
         return
     others = [n for n in SAFETENSORS_ENTRIES + PICKLE_ENTRIES if os.path.lexists(os.path.join(root, n))]
