@@ -31,6 +31,7 @@ from .ranks import dist
 from .reports import LoadReport
 from .state import object_state
 from .storage.location import is_remote, resolve
+from .storage.paths import trust_root
 from .storage.urls import is_url, redact_url
 from .gc_pause import gc_paused
 from .sources.dcp import dcp_format
@@ -240,8 +241,9 @@ def load(
 def _opened(path: Any, reader: Any) -> str | None:
     """Which checkpoint a rank opened: the index's own xxh3-128 digest where the index has one
     (fqnckpt format 2 and later: it covers every tensor's digest, so the same content under
-    another path, e.g. a node-local copy, counts as the same), else a checkpoint directory's
-    absolute path or a URL. None for a single file: ``torch.save`` per rank (``ckpt.rank0.pt``,
+    another path, e.g. a node-local copy, counts as the same), else a hub-cache snapshot's
+    repository and revision (``models--org--name/snapshots/<rev>``: each node's own cache
+    passes), else a checkpoint directory's absolute path, or a URL. None for a single file: ``torch.save`` per rank (``ckpt.rank0.pt``,
     each holding its rank's local shards) is a layout where every rank reads its own file."""
     meta = getattr(reader, "meta", None)
     digest = getattr(meta, "index_xxh3_128", None)
@@ -250,7 +252,12 @@ def _opened(path: Any, reader: Any) -> str | None:
     where = path if is_remote(path) else os.fspath(path)
     if is_remote(where) or is_url(where):
         return redact_url(str(where))
-    return os.path.abspath(where) if os.path.isdir(where) else None
+    if not os.path.isdir(where):
+        return None
+    real, repo = os.path.realpath(where), trust_root(where)
+    if repo != real:  # a hub-cache snapshot: its revision names it, wherever each node's cache is
+        return f"{os.path.basename(repo)}/{os.path.relpath(real, repo)}"
+    return os.path.abspath(where)
 
 
 def _check_same_checkpoint(what: str, opened: list[str | None]) -> None:

@@ -139,6 +139,24 @@ def _argument_stages(rank, root, model, stage):
     stage("args_load_paths", lambda: checkpoint.load(target, f"{base}-{'AB'[rank]}"))
     after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in target.state_dict().items()}
     out["args_load_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    # A Hugging Face checkpoint (no digests) in each rank's own hub cache: the same repository
+    # and revision passes wherever the cache is; another revision is refused.
+    from safetensors.torch import save_file
+
+    full = {"weight": torch.arange(32.0).reshape(8, 4), "bias": torch.arange(8.0)}
+    for r in (0, 1):
+        for rev in ("aaa", "bbb"):
+            snap = os.path.join(root, f"hub{r}", "models--org--tiny", "snapshots", rev)
+            os.makedirs(snap, exist_ok=True)
+            os.makedirs(os.path.join(root, f"hub{r}", "models--org--tiny", "blobs"), exist_ok=True)
+            if rank == 0 and not os.path.exists(os.path.join(snap, "model.safetensors")):
+                save_file(full, os.path.join(snap, "model.safetensors"))
+    torch.distributed.barrier()
+    mine = os.path.join(root, f"hub{rank}", "models--org--tiny", "snapshots")
+    hub_target = model()
+    stage("args_load_hub_same_revision", lambda: checkpoint.load(hub_target, os.path.join(mine, "aaa")))
+    out["args_load_hub_values"] = bool(torch.equal(hub_target.weight.full_tensor(), full["weight"]))
+    stage("args_load_hub_revisions", lambda: checkpoint.load(model(), os.path.join(mine, "aaa" if rank == 0 else "bbb")))
     # One DTensor held with different placements on the two ranks (Shard(0) here, Replicate
     # there): before, rank 1 (coordinate 1 of a replica group) wrote nothing, rank 0 its half,
     # and a checkpoint with zero rows committed and verified OK.
@@ -192,6 +210,7 @@ def test_one_rank_failure_is_agreed_by_every_rank(outcomes, stage, failing, own)
         ("args_dcp_save_paths", "destination"),
         ("args_load_paths", "checkpoints"),
         ("args_save_placements", "the shards of DTensor 'w'"),
+        ("args_load_hub_revisions", "checkpoints"),
     ],
 )
 def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, stage, argument):
@@ -210,3 +229,5 @@ def test_refused_collective_calls_wrote_nothing_and_changed_no_target(outcomes):
         assert per_rank["args_listing"] == ["args-A", "args-B", "args-mgr", "args-ow"], per_rank["args_listing"]
         assert per_rank["args_mgr_listing"] == [], per_rank["args_mgr_listing"]
         assert per_rank["args_load_unchanged"] is True
+        # the same hub revision in each rank's own cache directory loads
+        assert per_rank["args_load_hub_same_revision"] == "ok" and per_rank["args_load_hub_values"] is True
