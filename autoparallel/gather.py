@@ -11,7 +11,8 @@ work is here and at the output boundary (see :mod:`autoparallel.parallel_module`
   ``param_dtype`` and gathered by one ``all_gather_into_tensor``; all are issued where forward
   starts, and each is waited on where the graph first uses one of its members (a marker node at
   each parameter's first use, :class:`BucketTape`), so it arrives while the graph computes with
-  the earlier buckets. Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
+  the earlier buckets (on accelerators; on CPU each collective is waited as it is issued, see
+  ``Bucket.overlap``). Backward: a bucket's full gradients are packed (``_chunk_cat``) into one
   ``reduce_dtype`` buffer and reduced (summed, or averaged as FSDP2 does:
   :mod:`autoparallel.grad_reduce`) by one ``reduce_scatter_tensor``, issued as soon as the
   bucket's last gradient is complete (the marker's backward), so it runs while backward computes
@@ -177,6 +178,12 @@ class Bucket:
         self.size = offset
         self.local_shapes = [torch.Size((m.local_rows, *m.shape[1:])) for m in members]
         self.device = torch.device(spec.mesh.device_type)
+        # On CPU (gloo) each collective is waited on as soon as it is issued: torch 2.13's
+        # functional all_gather_into_tensor with several in flight on one gloo group corrupts
+        # the heap ("malloc(): unaligned tcache chunk detected" on a gloo worker thread, or a
+        # SIGSEGV) within seconds (tests/repro/gloo_functional_inflight.py, no fqnckpt; issue
+        # 34's CI abort). Overlap buys little on CPU; accelerators keep it.
+        self.overlap = self.device.type != "cpu"
 
     def fits(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (the module's current state) still are the DTensor shards the bucket
@@ -203,7 +210,14 @@ class Bucket:
         torch._foreach_copy_(dst, locals_)  # pad rows stay unwritten: they are never read
         if self.world == 1:
             return flat, flat
-        return flat, torch.ops._c10d_functional.all_gather_into_tensor(flat, self.world, self.group_name)
+        return self._issued(flat, torch.ops._c10d_functional.all_gather_into_tensor(flat, self.world, self.group_name))
+
+    def _issued(self, flat: torch.Tensor, out: torch.Tensor) -> InFlight:
+        """A collective just issued: left in flight where :attr:`overlap`, else waited now (a
+        later :func:`_wait` on it returns at once)."""
+        if not self.overlap:
+            out = torch.ops._c10d_functional.wait_tensor(out)
+        return flat, out
 
     def finish_gather(self, work: InFlight) -> list[torch.Tensor]:
         """Wait for the all-gather and copy each member out: full tensors in ``compute_dtype``."""
@@ -232,8 +246,8 @@ class Bucket:
         if self.world == 1:
             return flat, flat
         self.grad_reduce.before(flat)
-        return flat, torch.ops._c10d_functional.reduce_scatter_tensor(
-            flat, self.grad_reduce.op, self.world, self.group_name
+        return self._issued(
+            flat, torch.ops._c10d_functional.reduce_scatter_tensor(flat, self.grad_reduce.op, self.world, self.group_name)
         )
 
     def finish_reduce(self, work: InFlight) -> list[DTensor]:

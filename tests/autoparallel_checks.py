@@ -300,6 +300,26 @@ class _OpOrder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class InFlight(TorchDispatchMode):
+    """``max``: the most functional collectives issued and not yet waited at any moment (c10d's
+    registry of pending functional works, read after each one is issued). Issue 34: on gloo,
+    several of torch 2.13's functional all-gathers in flight corrupt the heap
+    (tests/repro/gloo_functional_inflight.py); the parallel module keeps at most one on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.max = 0
+        self.log: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        r = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":
+            pending = torch._C._distributed_c10d._get_work_registry_size()
+            self.max = max(self.max, pending)
+            self.log.append((func.__name__.split(".")[0], pending))
+        return r
+
+
 def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     """The bucketed path (Shard(0) parameters on a 1-D mesh) next to the per-tensor one: forward and
     gradients equal eager (float32, uneven dim 0, a rank with an empty shard on 4 ranks, an output
@@ -324,6 +344,13 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     # reduce="mean" (uneven and empty shards, per-tensor members) eager's / world.
     one, each = _bucket_pmods(model, mesh, ids, caps=(None, 1))
     (mean,) = _bucket_pmods(model, mesh, ids, reduce="mean")
+    if world > 1:  # on CPU one collective in flight at a time (issue 34; before: 2 and 5 here)
+        for pmod in (one, each):
+            with InFlight() as flight:
+                out, _ = pmod(ids.chunk(world)[rank])
+                out.sum().backward()
+            assert flight.max == 1, (flight.max, flight.log)
+            pmod.zero_grad()
     for pmod in (one, each, mean):
         factor = 1 / world if pmod is mean else 1.0
         buckets = pmod._autoparallel.buckets
