@@ -50,9 +50,9 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..atomic import StagedCheckpoint, enclosing_checkpoint
-from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError, UnsavableError
+from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, UnsavableError
 from ..ranks import dist
-from ..saving import _fetch_any, _index, _Part, _write_indexes_and_commit
+from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit
 from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX
@@ -123,11 +123,8 @@ def _agreed(what: str, plans: list[SavePlan]) -> list[SavePlan]:
     Raises:
         RankMismatchError: the ranks differ (DCP raises it on every rank as CheckpointException).
     """
-    args = {r: p.storage_data for r, p in enumerate(plans) if isinstance(p.storage_data, _RankArgs)}
-    for name in ("destination", "overwrite"):
-        values = {r: repr(getattr(a, name)) for r, a in args.items()}
-        if len(set(values.values())) > 1:
-            raise RankMismatchError(f"saving {what}", name, values)
+    args = [(p.storage_data.destination, p.storage_data.overwrite) for p in plans if isinstance(p.storage_data, _RankArgs)]
+    _check_same_arguments(f"saving {what}", args, ("destination", "overwrite"))  # checkpoint.save's rule
     return [replace(p, storage_data=p.storage_data.inner) if isinstance(p.storage_data, _RankArgs) else p for p in plans]
 
 
