@@ -56,6 +56,7 @@ _LAZY = {
     "CheckpointReader": "storage.reader",
     "StrayFileWarning": "storage.reader",
     "open_checkpoint": "storage.opening",
+    "recover": "storage.opening",
     "CheckpointManager": "training",
     "ForeignEntryWarning": "training",
     "PerRank": "training",
@@ -74,7 +75,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager names
     from .saving import save, save_streaming
     from .storage.format import IndexFile, parse_size
     from .storage.layout import TensorSpec
-    from .storage.opening import open_checkpoint
+    from .storage.opening import open_checkpoint, recover
     from .storage.reader import CheckpointReader, StrayFileWarning
     from .training import (
         CheckpointManager,
@@ -126,6 +127,7 @@ __all__ = [
     "migrate",
     "MigrationReport",
     "open_checkpoint",
+    "recover",
     "CheckpointReader",
     "TensorSpec",
     "IndexFile",

@@ -14,7 +14,7 @@ Point names, in the order a save reaches them:
 - ``after_data_written``: every shard file of the checkpoint is written and fsynced.
 - ``before_index_write`` / ``after_index_write``: around writing the index file(s) (written last).
 - ``after_staging_fsync``: staging directory fsynced, ready to move into place.
-- ``before_commit_rename``: just before the commit point (see :mod:`checkpoint.atomic`): the rename
+- ``before_commit_rename``: just before the commit point (see :mod:`checkpoint.storage.local_commit`): the rename
   of the staging dir to ``path`` (new path) or to ``path/.fqnckpt-commit-*`` (existing directory).
 - ``after_commit_rename``: the commit is decided; over an existing directory no file moved yet
   (the next load / save rolls it forward).

@@ -292,14 +292,16 @@ class UnsavableTypeError(UnsavableError, UnsupportedTensorError):
 
 
 class InterruptedCommitError(CheckpointError, OSError):
-    """A save into ``path`` was killed mid-commit and this process may not complete it (no write
-    permission): the checkpoint cannot be read until a process that may write there opens it."""
+    """A save into ``path`` was killed after its commit point, while moving its files into place:
+    the directory holds part of two checkpoints. Readers never write, so none completes it; the
+    next save there (or :func:`checkpoint.recover`, ``fqnckpt recover PATH``) does, from the
+    manifest the save left."""
 
     def __init__(self, path: str, why: str):
         self.path = str(path)
         super().__init__(
-            f"{self.path}: a save was interrupted while committing and could not be completed here ({why}); "
-            "open it once with write permission (load, verify or save) to complete it"
+            f"{self.path}: a save was interrupted while committing ({why}); readers do not change it: "
+            "the next save there completes it, or run `fqnckpt recover PATH` (checkpoint.recover)"
         )
 
     def __str__(self) -> str:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .apply import apply_load
-from .atomic import read_view
+from .storage.local_commit import read_view
 from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
@@ -192,7 +192,7 @@ def load(
             agreed = False
 
     try:
-        # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.atomic.
+        # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.storage.local_commit.
         with _view(path):
             if peft_dir == "adapter":
                 reader = open_adapter_reader(os.fspath(path))
@@ -282,7 +282,7 @@ def _has_model_part(path: str) -> bool:
 
 
 def _view(path):
-    """One checkpoint, whole, for every part read inside (checkpoint.atomic / remote_reader)."""
+    """One checkpoint, whole, for every part read inside (checkpoint.storage.local_commit / remote_reader)."""
     if is_remote(path):
         from .storage.remote_reader import remote_view
 

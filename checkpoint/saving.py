@@ -26,7 +26,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fqn import FQNMap, FQNMapFile
 
 from . import _faults
-from .atomic import StagedCheckpoint
+from .storage.local_commit import StagedCheckpoint
+from .storage.commit import is_part
 from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
@@ -151,11 +152,14 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
     _faults.fault_point("after_data_written")
     _faults.fault_point("before_index_write")
     # The model index records every other file of the save (as on object storage): overwrite and
-    # retention remove the files a record names, never a file for its name (checkpoint.atomic).
+    # retention remove the files a record names, never a file for its name (checkpoint.storage.local_commit).
     others = sorted((getattr(staged, "written", set()) | {index_name(p.prefix) for p in parts}) - {index_name(MODEL_PREFIX)})
+    digests = getattr(staged, "digests", {})
+    kept, kept_digests = staged.carried(others)
     for part, idx in zip(parts, indexes):
         if part.prefix == MODEL_PREFIX and idx.metadata.fqnckpt is not None:  # a record, empty or not
-            idx.metadata.fqnckpt.objects = {n: n for n in others}
+            idx.metadata.fqnckpt.objects = {n: n for n in others} | kept
+            idx.metadata.fqnckpt.object_digests = kept_digests | {n: digests[n] for n in others if n in digests and not is_part(n)} or None
     for part, idx in zip(parts, indexes):
         staged.write_file(index_name(part.prefix), idx.to_json_bytes())
     _faults.fault_point("after_index_write")
@@ -226,8 +230,8 @@ def save_streaming(
     may be a URL, as for :func:`save` (``storage_options`` go to the fsspec filesystem).
 
     Writes ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` (HF layout),
-    atomically (see :mod:`checkpoint.atomic`). ``overwrite=True`` replaces only the files the
-    previous checkpoint owns (:func:`checkpoint.atomic.owned_files`); other files and folders in
+    atomically (see :mod:`checkpoint.storage.local_commit`). ``overwrite=True`` replaces only the files the
+    previous checkpoint owns (:func:`checkpoint.storage.local_commit.owned_files`); other files and folders in
     ``path`` (``config.json``, tokenizer files, ...) stay. Returns the index written.
 
     Raises:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .atomic import read_view
+from .storage.local_commit import read_view
 from .errors import AmbiguousSourceError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, external_errors
 from .plan.values import guarded_get
 from .reports import FileCheck, VerifyReport
@@ -130,7 +130,7 @@ def verify(
         prefixes.append(OPTIMIZER_PREFIX)
     with external_errors(path, what="verifying"), progress_bar(_files_bytes(path), "verify", progress) as bar:
         readers: list[CheckpointReader] = []
-        with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.atomic)
+        with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.storage.local_commit)
             for prefix in prefixes:
                 try:
                     readers.append(open_checkpoint(path, prefix=prefix))

@@ -399,6 +399,11 @@ def _user_files_intact(path: Path) -> bool:
         return False
 
 
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
 def judge(
     path: Path, seed: int, mode: str, had_old: bool, t: Tally, what: str, user_files: bool = False
 ) -> str:
@@ -418,6 +423,20 @@ def judge(
     target = {k: torch.zeros_like(v) for k, v in new.items()}
     try:
         checkpoint.load(target, path)
+    except checkpoint.InterruptedCommitError:
+        # Killed after its commit point, while moving files in: readers refuse and change nothing;
+        # the next writer (here recover) completes it, and then the new checkpoint is there, whole.
+        before = _tree(path)
+        try:
+            checkpoint.verify(path)
+        except checkpoint.InterruptedCommitError:
+            pass
+        if _tree(path) != before:
+            t.partial_visible += 1
+            t.failures.append(f"{what}: a reader changed an interrupted commit")
+            return "partial"
+        checkpoint.recover(path)
+        return judge(path, seed, mode, had_old, t, what, user_files)
     except checkpoint.CheckpointNotFoundError as e:
         if had_old:
             t.partial_visible += 1

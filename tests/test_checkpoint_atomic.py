@@ -1,4 +1,4 @@
-"""Commit protocol (checkpoint.atomic): a SIGKILL at every fault point leaves the old or the new
+"""Commit protocol (checkpoint.storage.local_commit): a SIGKILL at every fault point leaves the old or the new
 checkpoint, whole, never a mix; user files beside the shards survive; nothing but the checkpoint
 remains after the next save."""
 
@@ -18,6 +18,7 @@ from checkpoint._faults import POINTS
 from checkpoint.cli.main import main as cli_main
 from checkpoint.storage.bytestore import LocalStore
 from checkpoint.storage.commit import leftovers
+from tests.snapshot import dir_snapshot as snapshot
 
 OLD = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
 NEW = {f"t{i}": torch.full((64,), 100.0 + i) for i in range(4)}
@@ -76,7 +77,16 @@ def test_kill_at_every_point_leaves_old_or_new(tmp_path, point, capsys):
     _add_user_files(path)
     status = _killed_save(path, point)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
-    got = _content(path)  # a load completes an interrupted commit
+    if point in NEW_FROM:  # decided, interrupted while moving files in: readers refuse and write nothing
+        before = snapshot(tmp_path)
+        with pytest.raises(checkpoint.InterruptedCommitError, match="fqnckpt recover"):
+            _content(path)
+        with pytest.raises(checkpoint.InterruptedCommitError):
+            checkpoint.verify(path)
+        assert cli_main(["verify", str(path)]) == 2
+        assert snapshot(tmp_path) == before
+        assert cli_main(["recover", str(path)]) == 0  # a writer completes it
+    got = _content(path)
     want, files = (NEW, NEW_FILES) if point in NEW_FROM else (OLD, OLD_FILES)
     assert _is(got, want), point
     assert checkpoint.verify(path).ok, point

@@ -242,7 +242,13 @@ def test_exists_overwrite_and_files_beside(tmp_path):
     with pytest.raises(CheckpointExistsError, match=r"\['extra_state.json'\] exist there and no record"):
         checkpoint.save({"w": torch.ones(2)}, tmp_path / "home", overwrite=True, extra_state={"step": 1})
     assert sorted(os.listdir(tmp_path / "home")) == ["extra_state.json", "notes.txt"]
-    checkpoint.save({"w": torch.ones(2)}, tmp_path / "home")
+    # Without overwrite, a part another run left there (extra state, an optimizer) is refused by name
+    # rather than left where readers of an unrecorded checkpoint would take it for the new one's.
+    with pytest.raises(CheckpointExistsError, match=r"\['extra_state.json'\] exist there and no record"):
+        checkpoint.save({"w": torch.ones(2)}, tmp_path / "home")
+    checkpoint.save({"w": torch.ones(2)}, tmp_path / "home", overwrite=True)
+    with pytest.raises(CheckpointMismatchError, match="extra_state.step"):  # the record names no extra state
+        checkpoint.load({"w": torch.zeros(2)}, tmp_path / "home", extra_state={"step": 0})
     assert (tmp_path / "home" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "home" / "extra_state.json").read_text() == "also mine"
     with pytest.raises(CheckpointExistsError, match="overwrite=True"):  # a checkpoint now

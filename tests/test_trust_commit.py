@@ -15,7 +15,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 import checkpoint
-from checkpoint import _faults, atomic
+from checkpoint import _faults
+from checkpoint.storage import local_commit as atomic
 from checkpoint.errors import InterruptedCommitError, UnsavableError, UnsavableTypeError
 from checkpoint.storage import limits
 from tests.snapshot import dir_snapshot as snapshot
@@ -378,8 +379,9 @@ def test_deleted_checkpoint_never_comes_back(tmp_path):
         with pytest.raises(checkpoint.CheckpointNotFoundError):
             checkpoint.verify(path)
     assert snapshot(tmp_path) == before  # readers restore nothing
-    checkpoint.save(_sd(3), path)  # the next save removes the leftover
-    assert sorted(os.listdir(tmp_path)) == ["ck"] and _load_values(path) == {3.0}
+    checkpoint.save(_sd(3), path)
+    # The copy is named like the earlier protocol's leftovers, but nothing of ours records it: it stays.
+    assert sorted(os.listdir(tmp_path)) == [".ck.fqnckpt-old-0123", "ck"] and _load_values(path) == {3.0}
 
 
 def test_interrupted_commit_travels_with_its_directory(tmp_path):
@@ -387,31 +389,30 @@ def test_interrupted_commit_travels_with_its_directory(tmp_path):
     checkpoint.save(_sd(1), path, max_shard_size=300)
     _kill_at(path, "after_first_move", _sd(2), max_shard_size=300)
     os.rename(path, tmp_path / "moved")
+    checkpoint.recover(tmp_path / "moved")
     assert _load_values(tmp_path / "moved") == {2.0}  # completed where it is, whole
     assert not any(n.startswith(".") for n in os.listdir(tmp_path / "moved"))
 
 
-def test_interrupted_commit_without_write_permission_is_named(tmp_path, monkeypatch):
+def test_readers_never_complete_an_interrupted_commit(tmp_path):
     path = tmp_path / "ck"
     checkpoint.save(_sd(1), path, max_shard_size=300)
     _kill_at(path, "after_first_move", _sd(2), max_shard_size=300)
     before = snapshot(tmp_path)
-
-    def denied(p):
-        raise PermissionError(13, "Permission denied", str(p))
-
-    monkeypatch.setattr(atomic, "checkpoint_lock", denied)
-    with pytest.raises(InterruptedCommitError, match="interrupted while committing"):
-        checkpoint.load(_sd(0), path)
+    for read in (lambda: checkpoint.load(_sd(0), path), lambda: checkpoint.verify(path), lambda: _values(path)):
+        with pytest.raises(InterruptedCommitError, match="interrupted while committing"):
+            read()
     assert snapshot(tmp_path) == before
-    monkeypatch.undo()
-    assert _load_values(path) == {2.0}
+    checkpoint.save(_sd(3), path, overwrite=True, max_shard_size=300)  # the next writer completes it, then saves
+    assert _load_values(path) == {3.0}
+    assert not any(n.startswith(".") for n in os.listdir(path))
 
 
-def test_overwrite_removes_the_files_the_model_index_records_only(tmp_path):
+def test_overwrite_removes_the_parts_the_model_index_records_only(tmp_path):
     """Ownership by record on a local path: the files a save wrote beside its shards are listed in
-    its model index (metadata.fqnckpt.objects); an overwrite removes those and keeps a file of
-    the same name that no record names."""
+    its model index (metadata.fqnckpt.objects). An overwrite removes the recorded parts; side
+    files (JSON that users edit and tools open by name) stay until a save writes its own, and a
+    file of the same name that no record names is never replaced."""
     from checkpoint.storage.layout import TensorSpec
 
     path = tmp_path / "ck"
@@ -419,9 +420,16 @@ def test_overwrite_removes_the_files_the_model_index_records_only(tmp_path):
     spec = [TensorSpec.of("w", w)]
     idx = checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"notes.json": b"{}", "adapter_config.json": b"{}"})
     assert idx.metadata.fqnckpt.objects == {"notes.json": "notes.json", "adapter_config.json": "adapter_config.json"}
-    assert {"notes.json", "adapter_config.json"} <= atomic.owned_files(str(path))
-    checkpoint.save({"w": w}, path, overwrite=True)  # writes neither: the recorded ones go
-    assert sorted(os.listdir(path)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert set(idx.metadata.fqnckpt.object_digests) == {"notes.json", "adapter_config.json"}
+    assert atomic.owned_files(str(path)) == {"model-00001-of-00001.safetensors", "model.safetensors.index.json"}
+    (path / "notes.json").write_bytes(b'{"edited": 1}')
+    checkpoint.save({"w": w}, path, overwrite=True)  # writes neither: they stay, still the checkpoint's
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.json"]
+    assert (path / "notes.json").read_bytes() == b'{"edited": 1}'
+    checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"adapter_config.json": b"ours"}, overwrite=True)
+    assert (path / "adapter_config.json").read_bytes() == b"ours"  # recorded: a save that writes its own replaces it
+    (path / "model.safetensors.index.json").unlink()
     (path / "adapter_config.json").write_bytes(b"the user's")  # no record names it now
-    checkpoint.save({"w": w}, path, overwrite=True)
+    with pytest.raises(checkpoint.CheckpointExistsError, match="adapter_config.json"):
+        checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"adapter_config.json": b"x"}, overwrite=True)
     assert (path / "adapter_config.json").read_bytes() == b"the user's"

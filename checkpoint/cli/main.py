@@ -364,6 +364,28 @@ register_command(
 )
 
 
+
+# -- recover ---------------------------------------------------------------------------------------------
+def _recover_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="checkpoint directory or URL a save into was interrupted")
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from ..storage.opening import recover
+
+    recover(args.path)
+    emit(args, {"path": args.path, "recovered": True}, f"{args.path}: nothing of an interrupted save is left")
+    return EXIT_OK
+
+
+register_command(
+    Command(
+        "recover", "complete a save interrupted after its commit point, remove what dead saves left "
+        "(what the next save there does first; only what a manifest of fqnckpt's names)", _recover_args, _recover,
+    )
+)  # fmt: skip
+
+
 def _lazy_command(name: str, help: str, module: str, add: str, run: str) -> None:
     """A subcommand whose module is imported only when it is used (e.g. it pulls in transformers)."""
     register_command(

@@ -1,7 +1,7 @@
 """Meta's own layout written: ``consolidated.00.pth`` ... ``consolidated.NN.pth`` (one
 ``torch.save`` of a plain ``{key: tensor}`` dict per model-parallel shard, readable with
 ``torch.load(weights_only=True)``) beside ``params.json``, committed atomically like every
-checkpoint (:class:`checkpoint.atomic.StagedCheckpoint`: nothing half-written on failure).
+checkpoint (:class:`checkpoint.storage.local_commit.StagedCheckpoint`: nothing half-written on failure).
 
 Layout: transformers ``convert_llama_weights_to_hf.py`` (the reader side) and
 ``../shared/reference/conversions.md`` (how shards split: Q / K / V, ``w1`` / ``w3``, ``output``
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..atomic import StagedCheckpoint, fsync_path
+from ..storage.local_commit import StagedCheckpoint, fsync_path
 from ..errors import CheckpointExistsError
 from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, owned_objects
 from ..storage.layout import TensorSpec
@@ -48,7 +48,7 @@ def write_meta_checkpoint(path, specs: Sequence[TensorSpec], fetch: Callable[[Te
     (:data:`checkpoint.storage.commit.RECORD`, every file written): an overwrite or a removal
     deletes what the record names, never a file for its name.
 
-    Locally committed atomically like every checkpoint (:class:`checkpoint.atomic.StagedCheckpoint`).
+    Locally committed atomically like every checkpoint (:class:`checkpoint.storage.local_commit.StagedCheckpoint`).
     On object storage the files keep their names (Meta's readers glob ``consolidated.*.pth``): the
     previous checkpoint's record is removed first, the files are uploaded, the record written last
     (the commit marker), then what only the previous record named is deleted; an overwrite killed

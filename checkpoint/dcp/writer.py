@@ -9,7 +9,7 @@ DCP calls (``torch/distributed/checkpoint/storage.py``, ``state_dict_saver.py``)
   write items, plans the Hugging Face files with fqnckpt's layout
   (:func:`checkpoint.storage.layout.plan_layout`, or DCP's ``fqn_to_index_mapping`` as
   ``HuggingFaceStorageWriter`` takes it), checks every name and header against safetensors'
-  limits, opens the staging directory (:class:`checkpoint.atomic.StagedCheckpoint`) and creates the
+  limits, opens the staging directory (:class:`checkpoint.storage.local_commit.StagedCheckpoint`) and creates the
   final shard files with their headers; each rank's plan carries where its items go.
 - ``write_data`` (every rank) ``pwrite``-s each item it was given (DCP's planner already chose one
   writer per replicated chunk) at its offsets of the final files
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..atomic import StagedCheckpoint, enclosing_checkpoint
+from ..storage.local_commit import StagedCheckpoint, enclosing_checkpoint
 from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, UnsavableError
 from ..ranks import dist
 from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit
@@ -165,7 +165,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
     ``HuggingFaceStorageWriter`` does (a tensor missing from it is refused); without it tensors
     are split into files of at most ``max_shard_size`` bytes of data (``"5GB"``, ``"2GiB"`` or an
     int). ``overwrite``: replace a checkpoint already at ``path`` (DCP's default; only files the old
-    checkpoint owns are replaced, :mod:`checkpoint.atomic`), else
+    checkpoint owns are replaced, :mod:`checkpoint.storage.local_commit`), else
     :class:`~checkpoint.errors.CheckpointExistsError`.
 
     Shapes are global (DTensor) shapes; dtypes are those safetensors stores (float / bfloat16 /

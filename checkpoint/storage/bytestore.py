@@ -32,14 +32,20 @@ import errno
 import fcntl
 import hashlib
 import os
-import shutil
+import re
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from .secrets import scrub, scrub_url
 
-__all__ = ["ByteStore", "ByteWriter", "LocalStore", "FsspecStore", "PreconditionFailed", "checkpoint_lock", "sibling"]
+__all__ = [
+    "ByteStore", "ByteWriter", "LocalStore", "FsspecStore", "PreconditionFailed", "checkpoint_lock", "sibling",
+    "StagingMarker", "staging_token", "is_staging_area", "remove_staging_area", "MARKER",
+]  # fmt: skip
 
 
 @runtime_checkable
@@ -90,13 +96,68 @@ def _tag(data: bytes | None) -> str | None:
 
 
 _PART = ".fqnckpt-part."  # a LocalStore writer's file until close: ".fqnckpt-part.<id>.<name>"
-# The rename commit's entries (checkpoint.atomic): a save's staging directory (inside the
-# checkpoint directory, or beside a new one as ".<name>.fqnckpt-staging-<uuid>"), a decided commit
-# being rolled forward, the writer lock file beside, the earlier protocol's rename-aside copies.
+# The rename commit's entries (checkpoint.storage.local_commit): a save's staging directory (inside
+# the checkpoint directory, or beside a new one as ".<name>.fqnckpt-staging-<token>"), a decided
+# commit being rolled forward, the writer lock file beside.
 STAGING_TAG = ".fqnckpt-staging-"
 COMMIT_TAG = ".fqnckpt-commit-"
-OLD_TAG = ".fqnckpt-old-"
 LOCK_TAG = ".fqnckpt-lock"
+
+
+MARKER = ".fqnckpt-staging.json"  # the first entry of a local save's staging directory
+_TOKEN32 = r"[0-9a-f]{32}"
+
+
+def staging_token(name: str, beside: str | None = None) -> str | None:
+    """The token in ``name`` when it has the exact form of a local save's staging directory:
+    inside a checkpoint directory ``.fqnckpt-staging-<token>``, beside checkpoint ``beside`` (its
+    base name) ``.<beside>.fqnckpt-staging-<token>``; else None."""
+    head = STAGING_TAG if beside is None else f".{beside}{STAGING_TAG}"
+    m = re.fullmatch(re.escape(head) + "(" + _TOKEN32 + ")", name)
+    return m.group(1) if m else None
+
+
+class StagingMarker(BaseModel):
+    """:data:`MARKER`, the first entry of a local save's staging directory: the save's token."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: str = Field("fqnckpt-local-staging-1", pattern=r"^fqnckpt-local-staging-1$")
+    token: str = Field(pattern="^" + _TOKEN32 + "$")
+
+
+def is_staging_area(path: str, token: str) -> bool:
+    """Whether directory ``path`` is a staging area a save of ours made with ``token`` (a real
+    directory, not a symlink, holding a marker that validates and names ``token``)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(4096)
+        return StagingMarker.model_validate_json(raw).token == token
+    except (ValidationError, ValueError, OSError):
+        return False
+
+
+def remove_staging_area(path: str) -> None:
+    """Remove the files in staging area ``path`` (a directory this save made, or one
+    :func:`is_staging_area` accepts), its marker last, then the directory; a subdirectory in it
+    (not ours: a save writes only files there) keeps it."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return
+    for e in entries:
+        if e.name != MARKER and not e.is_dir(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, MARKER))  # last: until here the area is recognisably ours
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -312,19 +373,22 @@ class LocalStore:
 
     def staging_areas(self) -> list[str]:
         """Staging directories of rename commits that never committed (a killed save; under the
-        writer lock every one is dead) and the earlier protocol's rename-aside copies: inside
-        the directory (``.fqnckpt-staging-<uuid>``) and beside it (``.<name>.fqnckpt-...``)."""
+        writer lock every one is dead): inside the directory (``.fqnckpt-staging-<token>``) and
+        beside it (``.<name>.fqnckpt-staging-<token>``), each only when its marker names its
+        token (:func:`is_staging_area`): a directory merely named like one is not ours."""
         parent, base = split_path(self.root)
-        inner = [n for n in _names(self.root) if n.startswith(STAGING_TAG)]
-        beside = [n for n in _names(parent) if n.startswith((f".{base}{STAGING_TAG}", f".{base}{OLD_TAG}"))]
+        inner = [n for n in _names(self.root) if (t := staging_token(n)) and is_staging_area(os.path.join(self.root, n), t)]
+        beside = [n for n in _names(parent) if (t := staging_token(n, base)) and is_staging_area(os.path.join(parent, n), t)]
         return sorted(inner + beside)
 
     def remove_staging_area(self, name: str) -> None:
+        """Remove staging area ``name`` (as :meth:`staging_areas` lists it) when it is still ours."""
         parent, base = split_path(self.root)
-        if name.startswith(STAGING_TAG) and "/" not in name:
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        elif name.startswith((f".{base}{STAGING_TAG}", f".{base}{OLD_TAG}")) and "/" not in name:
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        for where, beside in ((self.root, None), (parent, base)):
+            token = staging_token(name, beside)
+            if token is not None and is_staging_area(os.path.join(where, name), token):
+                remove_staging_area(os.path.join(where, name))
+                return
 
 
 def _names(d: str) -> list[str]:

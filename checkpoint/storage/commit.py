@@ -6,7 +6,7 @@ offers:
 
 - **rename** (:class:`~checkpoint.storage.bytestore.LocalStore`): the save's files are written
   in a staging directory under the checkpoint's writer lock and renamed into place
-  (:class:`checkpoint.atomic.StagedCheckpoint`); file names stay Hugging Face's.
+  (:class:`checkpoint.storage.local_commit.StagedCheckpoint`); file names stay Hugging Face's.
 - **no rename** (object stores, :class:`RemoteCommit` below): the model index is the commit
   marker, every other object carries the save's token.
 
@@ -208,6 +208,20 @@ def owned_objects(store: ByteStore, index: IndexFile | None | object = _UNREAD, 
     return {n for n in owned if _plain(n)}
 
 
+def recorded_object(index: IndexFile | None, name: str) -> str | None:
+    """The object holding file ``name`` (``optimizer.safetensors.index.json``,
+    ``extra_state.json``) of the checkpoint whose model index is ``index``: with a record of
+    ours (``metadata.fqnckpt.objects``), the object it names, None when the save wrote none;
+    without one (another tool's checkpoint), ``name``. Every reader resolves parts through this,
+    so a file another run left beside a checkpoint is never read as one of its parts."""
+    if name == MODEL_INDEX:
+        return name
+    meta = index.metadata.fqnckpt if index is not None else None
+    if meta is not None and meta.objects is not None:
+        return meta.objects.get(name)
+    return name
+
+
 def staged_saves(store: ByteStore, listing: Iterable[str] | None = None) -> list[StagingManifest]:
     """The staging manifests under ``store`` (saves started and not yet cleaned up: running, or
     killed). An object with a manifest's name whose content is not one (or whose token differs
@@ -250,24 +264,90 @@ def holds_checkpoint(store: ByteStore, listing: Iterable[str] | None = None) -> 
 SHADOWING = frozenset({"model.safetensors", ".metadata"})
 
 
-def check_clashes(store: ByteStore, names: Iterable[str], owned: set[str], listing: Iterable[str] | None = None) -> None:
+# Parts a reader of a checkpoint without a record of ours opens by name (older fqnckpt, scripts):
+# beside a new save they would be taken for its optimizer or extra state.
+FOREIGN_PARTS = frozenset([index_name(OPTIMIZER_PREFIX), f"{OPTIMIZER_PREFIX}.safetensors", "extra_state.json"])
+
+
+def check_clashes(
+    store: ByteStore, names: Iterable[str], owned: set[str], listing: Iterable[str] | None = None, overwrite: bool = True
+) -> None:
     """Refuse a save that would replace an object no fqnckpt record names (a user's
     ``config.json``, a foreign ``model-00001-of-00001.safetensors`` beside no index), or leave
-    beside it one that readers open instead of its index (:data:`SHADOWING`): ``names`` are the
-    names the save writes as they are, ``owned`` what the checkpoint there owns.
+    beside it one that readers open instead of its index (:data:`SHADOWING`), or, without
+    ``overwrite``, one that readers of an unrecorded checkpoint take for its optimizer or extra
+    state (:data:`FOREIGN_PARTS`): ``names`` are the names the save writes as they are, ``owned``
+    what the checkpoint there owns. The same rule on every byte store.
 
     Raises:
         CheckpointExistsError: naming the objects; nothing of the save is committed."""
     listing = store.listing() if listing is None else listing
+    shadowing = SHADOWING if overwrite else SHADOWING | FOREIGN_PARTS
     clash = sorted(
-        n for n in (set(names) | SHADOWING) - owned - {MODEL_INDEX} if n in listing and (n in SHADOWING or not n.startswith("."))
+        n for n in (set(names) | shadowing) - owned - {MODEL_INDEX} if n in listing and (n in shadowing or not n.startswith("."))
     )
     if clash:
         raise CheckpointExistsError(
             store.url, f"{clash} exist there and no record of the checkpoint names them (not written by fqnckpt); "
             "refusing to replace them, or to leave them beside the new checkpoint where readers open them "
-            "instead of its index: move them away, or save elsewhere",
+            "instead of its index or as its parts: move them away, or save elsewhere",
         )
+
+
+# What a save of fqnckpt's writes as parts of a checkpoint (tensor files, indexes, DCP's metadata,
+# extra state, reports, the record, every tokened object name). Everything else a record names
+# (config.json, generation_config.json, tokenizer files, adapter_config.json, params.json) is a
+# side file that users edit and other tools open by name: an overwrite never removes one (the new
+# save replaces it when it writes its own), a removal only while its bytes match the record.
+_PART_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".distcp", ".index.json")
+_PART_NAMES = frozenset([".metadata", "migration_report.json", "conversion_report.json"])
+
+
+def is_part(name: str) -> bool:
+    """Whether object ``name`` is a part of a checkpoint (see above), not a side file."""
+    return name.endswith(_PART_SUFFIXES) or name in _PART_NAMES or name == RECORD or name.startswith("extra_state") or token_of(name) is not None
+
+
+def carried_side_files(store: ByteStore, previous: IndexFile | None, writing: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The side files (:func:`is_part` False) the record ``previous`` (the model index a save
+    replaces) names and that stay there because the save does not write them (``writing``: the
+    names it writes): ``(objects, object_digests)`` to carry into the new record, so that they
+    stay the checkpoint's (a later save may replace them, a removal deletes them while unedited)."""
+    meta = previous.metadata.fqnckpt if previous is not None else None
+    if meta is None or meta.objects is None:
+        return {}, {}
+    listing, writing = store.listing(), set(writing)
+    kept = {n: o for n, o in meta.objects.items() if not is_part(o) and n not in writing and listing.get(o, ("",))[0] == "file"}
+    digests = {o: d for o, d in (meta.object_digests or {}).items() if o in kept.values()}
+    return kept, digests
+
+
+def removable(
+    store: ByteStore, index: IndexFile | None | object = _UNREAD, listing: dict[str, tuple[str, int]] | None = None, side: bool = False
+) -> dict[str, int | None]:
+    """What an overwrite (``side=False``) or a removal (``side=True``) of the checkpoint at
+    ``store`` deletes, ``{name: recorded byte size or None}``: the objects it owns
+    (:func:`owned_objects`) that still match their record. A part (:func:`is_part`) matches while
+    it is no directory and, where the index records its size, has that size; a side file only
+    with ``side``, and only while its bytes' sha256 is the one the record holds. An object that
+    changed since its save is no longer the checkpoint's: it stays. The same on every byte store."""
+    listing = store.listing() if listing is None else listing
+    if index is _UNREAD:
+        index = parse_index(store.get(MODEL_INDEX))
+    meta = index.metadata.fqnckpt if isinstance(index, IndexFile) else None
+    sizes = {n: r.size for n, r in meta.files.items()} if meta is not None else {}
+    digests = dict(meta.object_digests or {}) if meta is not None else {}
+    out: dict[str, int | None] = {}
+    for name in owned_objects(store, index, listing):
+        kind, size = listing.get(name, ("missing", 0))
+        if kind in ("missing", "directory"):
+            continue
+        if is_part(name):
+            if kind != "file" or sizes.get(name) in (None, size):
+                out[name] = sizes.get(name)
+        elif side and kind == "file" and name in digests and index_digest(store.get(name)) == digests[name]:
+            out[name] = size
+    return out
 
 
 def leftovers(store: ByteStore, listing: dict[str, tuple[str, int]] | None = None) -> dict[str, list[str]]:
@@ -348,7 +428,7 @@ class RemoteCommit:
         """The object name of file ``logical`` in this save (the model index keeps its name)."""
         return logical if logical == MODEL_INDEX else stored_name(logical, self.token)
 
-    def begin(self, objects: Iterable[str], plain: Iterable[str] = ()) -> None:
+    def begin(self, objects: Iterable[str], plain: Iterable[str] = (), overwrite: bool = True) -> None:
         """Write the staging manifest naming ``objects`` (before the first part of the save);
         ``plain``: the names the save writes as they are (``config.json``), checked first.
 
@@ -356,7 +436,7 @@ class RemoteCommit:
             CheckpointExistsError: a ``plain`` name exists and no record of the checkpoint there
                 names it (:func:`check_clashes`); nothing written."""
         prev = owned_objects(self.store, self.previous) if self.previous is not None or self.raw is None else set()
-        check_clashes(self.store, plain, prev)
+        check_clashes(self.store, plain, prev, overwrite=overwrite)
         replaces = sorted(n for n in prev if token_of(n) not in (None, self.token))
         self.manifest = StagingManifest(token=self.token, base=self.base, objects=sorted(set(objects)), replaces=replaces)
         self.store.put(staging_name(self.token), self.manifest.model_dump_json().encode())
@@ -384,7 +464,7 @@ class RemoteCommit:
         Raises:
             ConcurrentSaveError: another save committed there meanwhile (this one is removed).
         """
-        old = owned_objects(self.store, self.previous) if self.previous is not None or self.raw is None else set()
+        old = set(removable(self.store, self.previous)) if self.previous is not None or self.raw is None else set()
         try:
             self.store.put(MODEL_INDEX, index_bytes, if_match=self.tag, if_absent=self.raw is None)
         except PreconditionFailed:
@@ -406,7 +486,7 @@ class RemoteCommit:
 
 __all__ = [
     "RemoteCommit", "StagingManifest", "ObjectRecord", "owned_objects", "stored_name", "token_of", "parse_index",
-    "leftovers", "clean_dead", "check_clashes", "holds_checkpoint", "staged_saves", "is_committed", "remove_checkpoint", "MODEL_INDEX",
+    "leftovers", "clean_dead", "check_clashes", "removable", "is_part", "recorded_object", "carried_side_files", "FOREIGN_PARTS", "holds_checkpoint", "staged_saves", "is_committed", "remove_checkpoint", "MODEL_INDEX",
     "RECORD", "UNRECORDED_NAMES",
 ]  # fmt: skip
 
@@ -457,7 +537,7 @@ def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
     """
     with store.writer_lock():
         raw, tag = store.get_tagged(MODEL_INDEX)
-        owned = owned_objects(store, parse_index(raw))
+        owned = set(removable(store, parse_index(raw), side=True))
         if raw is not None:
             try:
                 store.delete_if(MODEL_INDEX, tag)

@@ -45,6 +45,8 @@ from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from .format import EXTRA_STATE_FILE
 from .urls import is_url
 from .limits import json_int_problem
+from .bytestore import LocalStore
+from .commit import MODEL_INDEX, parse_index, recorded_object
 from .st_header import shape_problem
 
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
@@ -432,9 +434,8 @@ def _member_bytes(root: str, name: str) -> bytes | None:
         if view is None:
             raise RuntimeError(f"reading {root}/{name} outside remote_view({root!r})")
         return view.member_bytes(name)
-    path = os.path.join(root, name)
-    if not os.path.isfile(path) or os.path.islink(path):
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+    store = LocalStore(root)
+    raw = store.get(MODEL_INDEX)
+    obj = recorded_object(parse_index(raw) if raw is not None else None, name)
+    return store.get(obj) if obj is not None else None  # None for a symlink or a directory too
 

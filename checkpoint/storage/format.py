@@ -109,6 +109,9 @@ class FqnckptMeta(BaseModel):
     # Object-store saves (checkpoint.storage.commit): {file name readers ask for (e.g.
     # "extra_state.json", "optimizer.safetensors.index.json"): the object holding it in this save}.
     objects: dict[str, str] | None = None
+    # sha256 (hex) of the side files the save wrote ({object name: digest}: config.json, ...):
+    # a removal deletes one only while its bytes are still these (checkpoint.storage.commit.removable).
+    object_digests: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = None
     # xxh3-128 of the index file's bytes with this value zeroed (version 2; set when serialized).
     index_xxh3_128: Annotated[str, Field(pattern=_HEX128)] | None = None
 

@@ -1,5 +1,5 @@
-"""``open_checkpoint`` for any location: a local path (:mod:`checkpoint.storage.reader`) or a URL
-through fsspec (:mod:`checkpoint.storage.remote_reader`)."""
+"""``open_checkpoint`` and ``recover`` for any location: a local path (:mod:`checkpoint.storage.reader`,
+:mod:`checkpoint.storage.local_commit`) or a URL through fsspec (:mod:`checkpoint.storage.remote_reader`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from typing import Any
 
 from . import reader
 from .format import MODEL_PREFIX
-from .location import is_remote, resolve
+from .bytestore import LocalStore
+from .commit import clean_dead
+from .local_commit import recover as local_recover
+from .location import is_remote, local_target, resolve
 from .remote_reader import open_remote_checkpoint, remote_view
 
 
@@ -31,4 +34,24 @@ def open_checkpoint(
     return reader.open_checkpoint(where, prefix)
 
 
-__all__ = ["open_checkpoint"]
+__all__ = ["open_checkpoint", "recover"]
+
+
+def recover(path: str | os.PathLike | Any, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Do what the next save at ``path`` does first, and nothing else: complete a commit of ours
+    that was interrupted after its commit point (a local directory:
+    :func:`checkpoint.storage.local_commit.recover`), and remove what saves that can no longer
+    commit there left (their staging areas, or on object storage the objects their staging
+    manifests name: :func:`checkpoint.storage.commit.clean_dead`). Only what a manifest or marker
+    of ours names is touched; a checkpoint with nothing to recover is left as it is. Readers never
+    do this (they raise :class:`~checkpoint.errors.InterruptedCommitError` instead).
+
+    Raises:
+        UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
+    """
+    where = resolve(path, storage_options)
+    if is_remote(where) and not isinstance(where, LocalStore):
+        with where.writer_lock():
+            clean_dead(where, set())
+        return
+    local_recover(local_target(where))

@@ -25,7 +25,8 @@ from collections.abc import Container, Sequence
 import torch
 from torch.autograd.graph import increment_version
 
-from .. import atomic
+from . import local_commit as atomic
+from .commit import recorded_object
 from ..errors import (
     CheckpointError,
     LoadError,
@@ -559,7 +560,8 @@ class CheckpointReader:
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
         none. Raises what :func:`open_checkpoint` raises."""
-        if not os.path.isfile(os.path.join(self.root, index_name(prefix))):
+        name = recorded_object(self.index, index_name(prefix)) if self.index is not None else index_name(prefix)
+        if name is None or not os.path.isfile(os.path.join(self.root, name)):
             return None
         return open_checkpoint(self.root, prefix=prefix)
 
@@ -775,7 +777,7 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         TypeError: ``path`` is a URL (see above).
 
     Concurrent saves: the reader sees the checkpoint before or after any ``save(overwrite=True)``
-    running at the same time, whole, never a mix (see :func:`checkpoint.atomic.read_view`; wrap
+    running at the same time, whole, never a mix (see :func:`checkpoint.storage.local_commit.read_view`; wrap
     several ``open_checkpoint`` calls in one ``read_view`` to get the same checkpoint for each).
     """
     if is_url(path) or not isinstance(path, (str, os.PathLike)):  # never taken as a local path
@@ -784,7 +786,7 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
         )
     path = os.path.abspath(os.fspath(path))
     # One checkpoint, whole: every file is opened inside one read view (no commit runs meanwhile;
-    # see checkpoint.atomic), and a reader keeps the files it opened.
+    # see checkpoint.storage.local_commit), and a reader keeps the files it opened.
     with atomic.read_view(path):
         return _open_checkpoint(path, prefix)
 

@@ -13,6 +13,7 @@ thread runs no collective on the DTensors' groups.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from . import digest
 from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
 from .layout import FilePlan, Layout, TensorSlot
 from .bytestore import ByteStore, ByteWriter
-from .commit import MODEL_INDEX, RemoteCommit, stored_name
+from .commit import MODEL_INDEX, RemoteCommit, carried_side_files, is_part, stored_name
 from .writer import check_matches, stats, tensor_bytes
 
 # Files of a save renamed per save (readers find them through the model index); other extra
@@ -121,7 +122,7 @@ def save_remote(
             named = [stored_name(f.name, token) for _, _, f in files]
             named += [_object_name(x, token) for x in extra_files if _object_name(x, token) != x]
             named += [stored_name(index_name(p.prefix), token) for p in parts if p.prefix != MODEL_PREFIX]
-            commit.begin(named, plain=[x for x in extra_files if _object_name(x, token) == x])
+            commit.begin(named, plain=[x for x in extra_files if _object_name(x, token) == x], overwrite=overwrite)
         except BaseException as e:  # noqa: BLE001 - agreed below
             err = _wrap(store, e, 0 if distributed else None)
     if distributed:
@@ -202,7 +203,11 @@ def _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fe
                 objects[name] = stored_name(name, token)
                 store.put(objects[name], idx.to_json_bytes())
             assert model_index is not None and model_index.metadata.fqnckpt is not None
-            model_index.metadata.fqnckpt.objects = objects
+            kept, kept_digests = carried_side_files(store, commit.previous, objects)
+            model_index.metadata.fqnckpt.objects = objects | kept
+            model_index.metadata.fqnckpt.object_digests = kept_digests | {
+                objects[n]: hashlib.sha256(bytes(d)).hexdigest() for n, d in extra_files.items() if not is_part(objects[n])
+            } or None
             owned = {MODEL_INDEX, *objects.values()}
             owned.update(stored_name(f.name, token) for _, _, f in files)
             _faults.fault_point("before_index_write")

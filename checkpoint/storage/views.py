@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from . import paths
 from .bytestore import ByteStore
-from .commit import MODEL_INDEX
+from .commit import MODEL_INDEX, recorded_object
 from .st_header import parse_index_bytes
 
 _views = threading.local()
@@ -34,9 +34,7 @@ class RemoteView:
         """The object holding file ``name`` of this checkpoint (None: this save has none)."""
         if name == MODEL_INDEX:
             return name if self.index_raw is not None else None
-        if self.objects is not None:  # fqnckpt's object-store save: only what the index names
-            return self.objects.get(name)
-        return name  # written by another tool under plain names
+        return recorded_object(self.index, name)
 
     def member_bytes(self, name: str) -> bytes | None:
         """Bytes of file ``name`` of this checkpoint, None when it has none (fetched once)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -31,7 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _faults, atomic
+from .. import _faults
+from ..storage import local_commit as atomic
 from ..ranks import dist
 from ..errors import CheckpointError
 from ..storage.extra_state import PerRank, read_extra_state_file
@@ -43,9 +43,8 @@ from .rng_state import RNGState
 
 # ASCII digits only (``\d`` also matches e.g. Arabic-Indic digits, which int() accepts).
 _STEP_DIR = re.compile(r"^step-([0-9]{8,})$")
-DELETING_TAG = ".fqnckpt-deleting-"
-_DELETING = re.compile(r"^\.(step-[0-9]{8,})" + re.escape(DELETING_TAG) + r"[0-9a-f]{32}$")
-_LEFTOVER = re.compile(r"^\.(step-[0-9]{8,})\.fqnckpt-")
+# What a killed save of a step leaves beside it: its staging directory, its lock file.
+_LEFTOVER = re.compile(r"^\.(step-[0-9]{8,})\.fqnckpt-(?:staging-[0-9a-f]{32}|lock)$")
 
 
 class ForeignEntryWarning(UserWarning):
@@ -67,12 +66,6 @@ def parse_step_dir_name(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if step_dir_name(step) == name else None
-
-
-def _own_hidden(name: str, pattern: re.Pattern) -> bool:
-    """``name`` is one of the manager's hidden entries for a step it writes (pattern group 1)."""
-    m = pattern.match(name)
-    return m is not None and parse_step_dir_name(m.group(1)) is not None
 
 
 def is_complete(path: str) -> bool:
@@ -201,7 +194,7 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
         if dist.rank() == 0:
             if not self._remote:
-                self._remove_deleting()
+                self._recover_steps()
             foreign = self.foreign_entries()
             if foreign:
                 warnings.warn(
@@ -489,17 +482,17 @@ class CheckpointManager:
                 continue
             _faults.fault_point("manager_after_retention_removal")
 
-    def _remove_deleting(self) -> None:
-        """Remove leftovers of killed removals, and of killed saves (staging dirs; an interrupted
-        commit decided inside a step directory is first rolled forward by
-        :func:`checkpoint.atomic.complete_interrupted`)."""
-        interrupted = set()
+    def _recover_steps(self) -> None:
+        """As the next writer of its root, complete what killed saves of its steps left: each step
+        with a staging area or a lock file of ours beside it, or a commit of ours inside it
+        (:func:`checkpoint.storage.local_commit.recover`: only what a marker or manifest of ours
+        names is touched)."""
+        steps = set()
         for name in os.listdir(self.root):
-            if _own_hidden(name, _DELETING):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            elif atomic.is_leftover_name(name) and _own_hidden(name, _LEFTOVER):  # lock files of killed saves too
-                interrupted.add(os.path.join(self.root, _LEFTOVER.match(name).group(1)))
-        for path in sorted(interrupted):
-            with atomic.checkpoint_lock(path):
-                atomic.complete_interrupted(path)
-                atomic.cleanup_leftovers(path)
+            m = _LEFTOVER.match(name)
+            if m and parse_step_dir_name(m.group(1)) is not None:
+                steps.add(m.group(1))
+            elif parse_step_dir_name(name) is not None and atomic.pending_commits(os.path.join(self.root, name)):
+                steps.add(name)
+        for step in sorted(steps):
+            atomic.recover(os.path.join(self.root, step))

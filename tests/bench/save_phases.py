@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import checkpoint  # noqa: E402
 import checkpoint.saving as saving  # noqa: E402
-from checkpoint import atomic  # noqa: E402
+from checkpoint.storage import local_commit as atomic  # noqa: E402
 from checkpoint.storage import writer  # noqa: E402
 from checkpoint_bench import make_large  # noqa: E402  (tests/bench is the script's directory)
 
