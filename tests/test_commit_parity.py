@@ -1,0 +1,173 @@
+"""The commit protocol's promises, the same on every backend: a plain local path, ``file://``,
+``memory://`` and moto's S3 server (127.0.0.1).
+
+- A save, an overwrite and a removal touch only what a record of ours names and still matches;
+  entries named like our staging / commit entries that are not ours stay, byte for byte.
+- Readers (load, ``open_checkpoint``, verify, the CLI's inspect / verify / diff) change nothing.
+- A checkpoint holds only what its own save wrote: another run's optimizer or extra state beside
+  it is refused without ``overwrite`` and never read as its parts with it.
+- Side files (``config.json``, ``generation_config.json``) stay across an overwrite that writes
+  none; a removal deletes them only while unedited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+import checkpoint  # noqa: E402
+from checkpoint.cli.main import main as cli_main  # noqa: E402
+from checkpoint.storage.commit import remove_checkpoint  # noqa: E402
+from tests import backends  # noqa: E402
+
+moto_opts = backends.moto_fixture("cpar")
+BACKENDS = ["local", "file", "memory", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def root(request, tmp_path, moto_opts):
+    return backends.fresh(request.param, tmp_path, moto_opts, "cpar")
+
+
+def _fs(url: str, opts):
+    import fsspec.core
+
+    return fsspec.core.url_to_fs(url, **(opts or {}))
+
+
+def snapshot(url: str, opts) -> dict[str, bytes]:
+    """Every object (file) under ``url``, recursively, with its bytes; empty directories as b''."""
+    fs, path = _fs(url, opts)
+    path = path.rstrip("/")
+    out = {}
+    for p, info in fs.find(path, withdirs=True, detail=True).items():
+        rel = p[len(path) :].lstrip("/")
+        if rel:
+            out[rel] = b"" if info["type"] == "directory" else fs.cat_file(p)
+    return out
+
+
+def put(url: str, opts, rel: str, data: bytes) -> None:
+    """Write ``data`` at ``url/rel`` as a user (or another tool) would (``rel`` may hold ``/``)."""
+    fs, path = _fs(url, opts)
+    full = f"{path.rstrip('/')}/{rel}"
+    parent = full.rsplit("/", 1)[0]
+    if not fs.exists(parent):
+        fs.makedirs(parent, exist_ok=True)
+    fs.pipe_file(full, data)
+
+
+def _kw(opts):
+    return {"storage_options": opts} if opts else {}
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(m.parameters(), lr=0.5)
+    m(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_another_runs_parts_are_never_adopted(root, tmp_path, capsys):
+    base, opts = root
+    m, opt = _trained(0)
+    other = tmp_path / "other_run"
+    checkpoint.save(m, other, optimizer=opt, extra_state={"step": 777})
+    dst = f"{base}/dst"
+    for name in sorted(os.listdir(other)):  # another run's parts, under the names its readers open
+        if name.startswith(("optimizer", "extra_state")):
+            put(dst, opts, name, (other / name).read_bytes())
+    before = snapshot(base, opts)
+    fresh = torch.nn.Linear(4, 4)
+    with pytest.raises(checkpoint.CheckpointExistsError, match=r"extra_state.json.*optimizer.safetensors.index.json"):
+        checkpoint.save(fresh, dst, **_kw(opts))
+    assert snapshot(base, opts) == before
+    checkpoint.save(fresh, dst, overwrite=True, **_kw(opts))  # theirs stay; ours records no such parts
+    after = snapshot(base, opts)
+    assert {k: v for k, v in after.items() if k in before} == before
+    target, opt3 = torch.nn.Linear(4, 4), None
+    opt3 = torch.optim.Adam(target.parameters(), lr=0.1)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="saved without optimizer"):
+        checkpoint.load(target, dst, optimizer=opt3, **_kw(opts))
+    assert opt3.state == {} and opt3.param_groups[0]["lr"] == 0.1
+    extra = {"step": 0}
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="extra_state.step"):
+        checkpoint.load(torch.nn.Linear(4, 4), dst, extra_state=extra, **_kw(opts))
+    assert extra == {"step": 0}
+    assert snapshot(base, opts) == after
+
+
+# Entries a user may well have, named like ours: beside the checkpoint and inside it.
+NAMED_LIKE_OURS = {
+    "ck/.fqnckpt-staging-notes/precious.txt": b"user data",
+    "ck/.fqnckpt-commit-note": b"not a commit",
+    "ck/.fqnckpt-staging.0123456789ab.json": b"not a manifest",
+    "ck/.fqnckpt-staging-0123456789abcdef0123456789abcdef/precious.txt": b"no marker: not ours",
+    # A commit directory whose manifest does not name its token: not ours, never rolled forward.
+    "ck/.fqnckpt-commit-0123456789abcdef0123456789abcdef/.fqnckpt-manifest.json": json.dumps(
+        {"token": "f" * 32, "files": ["model.safetensors.index.json"], "remove": {"config.json": None}}
+    ).encode(),
+    "ck/.fqnckpt-commit-0123456789abcdef0123456789abcdef/model.safetensors.index.json": b"{}",
+    "ck/config.json": b'{"model_type": "mine"}',
+    ".ck.fqnckpt-old-2024/precious.txt": b"user data",
+    ".ck.fqnckpt-staging-backup/precious.txt": b"user data",
+}
+
+
+def test_entries_named_like_ours_stay_and_readers_change_nothing(root, capsys):
+    base, opts = root
+    ck = f"{base}/ck"
+    checkpoint.save({"x": torch.ones(3)}, ck, **_kw(opts))
+    for rel, data in NAMED_LIKE_OURS.items():
+        put(base, opts, rel, data)
+    before = snapshot(base, opts)
+    t = {"x": torch.zeros(3)}
+    checkpoint.load(t, ck, **_kw(opts))
+    assert torch.equal(t["x"], torch.ones(3))
+    with checkpoint.open_checkpoint(ck, storage_options=opts) as r:
+        assert torch.equal(r.get("x"), torch.ones(3))
+    assert checkpoint.verify(ck, **_kw(opts)).ok
+    if opts:
+        import fsspec.config
+
+        fsspec.config.conf["s3"] = dict(opts)  # the CLI takes fsspec's configuration
+    try:
+        for argv in (["verify", ck], ["inspect", ck], ["diff", ck, ck]):
+            capsys.readouterr()
+            assert cli_main(argv) == 0, argv
+        assert snapshot(base, opts) == before  # readers never write
+        checkpoint.save({"x": torch.full((3,), 2.0)}, ck, overwrite=True, **_kw(opts))
+        after = snapshot(base, opts)
+        assert {rel: after.get(rel) for rel in NAMED_LIKE_OURS} == NAMED_LIKE_OURS
+        checkpoint.load(t, ck, **_kw(opts))
+        assert torch.equal(t["x"], torch.full((3,), 2.0))
+        assert checkpoint.verify(ck, **_kw(opts)).ok
+    finally:
+        if opts:
+            fsspec.config.conf.pop("s3", None)
+
+
+def test_side_files_stay_across_overwrite_and_go_only_unedited(root):
+    base, opts = root
+    ck = f"{base}/ck"
+    specs = [checkpoint.TensorSpec("w", (3,), torch.float32)]
+    side = {"config.json": b'{"model_type": "llama"}', "generation_config.json": b'{"do_sample": false}'}
+    checkpoint.save_streaming(ck, specs, lambda s: torch.ones(3), extra_files=side, **_kw(opts))
+    edited = b'{"model_type": "llama", "my_note": "edited"}'
+    put(ck, opts, "config.json", edited)
+    checkpoint.save({"w": torch.zeros(3)}, ck, overwrite=True, **_kw(opts))  # writes no side file
+    snap = snapshot(ck, opts)
+    assert snap["config.json"] == edited and snap["generation_config.json"] == side["generation_config.json"]
+    checkpoint.save({"w": torch.zeros(3)}, ck, overwrite=True, **_kw(opts))  # and again: still the checkpoint's
+    snap = snapshot(ck, opts)
+    assert snap["config.json"] == edited and snap["generation_config.json"] == side["generation_config.json"]
+    remove_checkpoint(backends.store(ck, opts))
+    assert snapshot(ck, opts) == {"config.json": edited}  # the edited one stays, the unedited one goes
