@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .apply import apply_load
-from .storage.local_commit import read_view
+from .storage.views import checkpoint_view
 from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
@@ -30,9 +30,9 @@ from .progress import copy_progress
 from .ranks import dist
 from .reports import LoadReport
 from .state import object_state
-from .storage.location import is_remote, resolve
+from .storage.location import local_path, resolve
 from .storage.paths import trust_root
-from .storage.urls import is_url, redact_url
+from .storage.urls import redact_url
 from .gc_pause import gc_paused
 from .sources.dcp import dcp_format
 from .sources.targets import open_target_reader as open_source_target
@@ -159,7 +159,7 @@ def load(
     file before anything changes.
     """
     path = resolve(path, storage_options, transfer)
-    remote = is_remote(path)
+    local = local_path(path)
     if recipe is not None and (optimizer is not None or verify or extra_state is not None):
         raise TypeError("load(recipe=...) reads model tensors only (no optimizer=, extra_state=, verify=): "
                         "the optimizer and extra state of another layout are not converted")  # fmt: skip
@@ -168,15 +168,14 @@ def load(
             raise TypeError("dtype= needs an nn.Module")
         if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"dtype= must be a floating point or complex torch.dtype, got {dtype!r}")
-    fmt = dcp_format(path) if recipe is None and not remote else None
+    fmt = dcp_format(local) if recipe is None and local is not None else None
     if fmt is not None and verify:
         raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
     state = object_state(obj)
     peft_dir = None  # "both": model part + peft's adapter files; "adapter": a peft adapter directory
     if isinstance(obj, torch.nn.Module) and find_peft(obj) is not None and recipe is None:
         # A PeftModel target is planned under the names its files use (checkpoint.peft_state).
-        local = None if remote or fmt is not None else os.fspath(path)
-        if local is not None and os.path.isdir(local) and has_adapter(local):
+        if fmt is None and local is not None and os.path.isdir(local) and has_adapter(local):
             peft_dir = "both" if _has_model_part(local) else "adapter"
         state = adapter_only_state(obj, state) if peft_dir == "adapter" else saved_names_state(obj, state)
     collective = state.has_dtensor and dist.active()
@@ -193,7 +192,7 @@ def load(
 
     try:
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.storage.local_commit.
-        with _view(path):
+        with checkpoint_view(path):
             if peft_dir == "adapter":
                 reader = open_adapter_reader(os.fspath(path))
             else:
@@ -249,9 +248,9 @@ def _opened(path: Any, reader: Any) -> str | None:
     digest = getattr(meta, "index_xxh3_128", None)
     if digest:
         return f"index xxh3-128 {digest}"
-    where = path if is_remote(path) else os.fspath(path)
-    if is_remote(where) or is_url(where):
-        return redact_url(str(where))
+    where = local_path(path)
+    if where is None:  # a byte store: its (redacted) URL names it
+        return redact_url(str(path))
     if not os.path.isdir(where):
         return None
     real, repo = os.path.realpath(where), trust_root(where)
@@ -279,15 +278,6 @@ def _has_model_part(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or os.path.isfile(
         os.path.join(path, "model.safetensors")
     )
-
-
-def _view(path):
-    """One checkpoint, whole, for every part read inside (checkpoint.storage.local_commit / remote_reader)."""
-    if is_remote(path):
-        from .storage.remote_reader import remote_view
-
-        return remote_view(path)
-    return read_view(path)
 
 
 def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,

@@ -49,7 +49,7 @@ from .storage.format import (
 )
 from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import Layout, TensorSpec, plan_layout
-from .storage.location import is_remote, local_target, resolve
+from .storage.location import local_path, local_target, resolve
 from .storage import digest, fskind, ownership, threads
 from .storage.writer import (
     BlockWriter,
@@ -173,7 +173,7 @@ def _save_parts(
     for name in extra_files:
         _check_extra_name(name)
     layouts = _plan_checked(path, parts, max_shard_size)
-    if is_remote(path):  # an ObjectStore: committed without rename (checkpoint.storage.remote_save)
+    if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
         from .storage.remote_save import save_remote
 
         return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_checked, False)
@@ -350,9 +350,10 @@ def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bo
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
     the report or raises (rank 0's own error; :class:`RankAgreementError` on the others)."""
     distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
-    if is_remote(path) and distributed:  # the ranks' shared temporary directory would be local
+    local = local_path(path)
+    if local is None and distributed:  # the ranks' shared temporary directory would be local
         raise NotImplementedError(f"save(recipe=...) of DTensors to {path}: save to a shared local path, then migrate")
-    parent = None if is_remote(path) else os.path.dirname(os.path.abspath(path))  # a URL: converted from a local temp dir
+    parent = None if local is None else os.path.dirname(os.path.abspath(local))  # a URL: converted from a local temp dir
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
@@ -555,7 +556,8 @@ def _save_distributed(
     # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
     # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
     # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
-    args = (str(path) if is_remote(path) else os.path.abspath(path), bool(overwrite))  # a store: its URL
+    local = local_path(path)
+    args = (str(path) if local is None else os.path.abspath(local), bool(overwrite))  # a store: its URL
     gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
     _check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
@@ -573,7 +575,7 @@ def _save_distributed(
             "saved and every rank gets it back on load",
             stacklevel=2,
         )
-    if is_remote(path):  # an ObjectStore: committed without rename (checkpoint.storage.remote_save)
+    if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
         from .storage.remote_save import save_remote
 
         return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_any, True)

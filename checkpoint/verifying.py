@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
-from .storage.local_commit import read_view
 from .errors import AmbiguousSourceError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, external_errors
 from .plan.values import guarded_get
 from .reports import FileCheck, VerifyReport
 from .storage.extra_state import checked_extra_state_files
-from .storage.format import OPTIMIZER_PREFIX, index_name
-from .storage.location import is_remote, resolve
+from .storage.format import OPTIMIZER_PREFIX
+from .storage.location import local_path, resolve
 from .storage.opening import open_checkpoint
 from .storage.reader import CheckpointReader
+from .storage.views import checkpoint_view
 
 
 def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> None:
@@ -121,69 +120,50 @@ def verify(
     from .progress import progress_bar
 
     where = resolve(path, storage_options)
-    if is_remote(where):
-        return _verify_remote(where)
-    path = os.path.abspath(where)
-    report = VerifyReport(path=path)
-    prefixes = ["model"]
-    if os.path.isfile(os.path.join(path, index_name(OPTIMIZER_PREFIX))):
-        prefixes.append(OPTIMIZER_PREFIX)
-    with external_errors(path, what="verifying"), progress_bar(_files_bytes(path), "verify", progress) as bar:
+    local = local_path(where)
+    root = os.path.abspath(local) if local is not None else str(where)
+    report = VerifyReport(path=root)
+    total = _files_bytes(root) if local is not None else 0
+    with external_errors(root, what="verifying"), progress_bar(total, "verify", progress) as bar:
         readers: list[CheckpointReader] = []
-        with read_view(path):  # every part of one checkpoint, even during a save (checkpoint.storage.local_commit)
-            for prefix in prefixes:
-                try:
-                    readers.append(open_checkpoint(path, prefix=prefix))
-                except CheckpointNotFoundError:
-                    if prefix != "model" or not os.path.exists(path):
-                        raise
-                    _check_source_or_raise(path, report, bar)
-                except AmbiguousSourceError:  # bad input (which checkpoint?), as sniff raises it
+        extra_problems: list[str] = []
+        # Every part of one checkpoint, even during a save: the view holds what opens them.
+        with checkpoint_view(root if local is not None else where):
+            try:
+                readers.append(open_checkpoint(root if local is not None else where))
+            except CheckpointNotFoundError:
+                if local is None or not os.path.exists(root):
                     raise
+                _check_source_or_raise(root, report, bar)  # another format: local files only
+            except AmbiguousSourceError:  # bad input (which checkpoint?), as sniff raises it
+                raise
+            except (CheckpointError, OSError) as e:
+                report.problems.append(f"{type(e).__name__}: {e}")
+            if readers:
+                try:
+                    opt = readers[0].open_part(OPTIMIZER_PREFIX)  # the part its record names, if any
+                    if opt is not None:
+                        readers.append(opt)
                 except (CheckpointError, OSError) as e:
                     report.problems.append(f"{type(e).__name__}: {e}")
+                try:
+                    checked_extra_state_files(root)
+                except (CheckpointError, OSError) as e:
+                    extra_problems.append(f"{type(e).__name__}: {e}")
         if readers:
-            _check_readers(readers, path, report, bar)
+            _check_readers(readers, report, bar)
+        report.problems.extend(extra_problems)
     return report
 
 
-def _check_readers(readers: list[CheckpointReader], root: str, report: VerifyReport, bar) -> None:
-    """Check every opened part, then ``extra_state.json``'s digest and every per-rank file it lists."""
+def _check_readers(readers: list[CheckpointReader], report: VerifyReport, bar) -> None:
+    """Check every opened part (its files' headers, sizes and digests)."""
     for reader in readers:
         try:
             with reader:
                 _check_part(reader, report, bar)
         except (CheckpointError, OSError) as e:
             report.problems.append(f"{type(e).__name__}: {e}")
-    try:
-        checked_extra_state_files(root)
-    except (CheckpointError, OSError) as e:
-        report.problems.append(f"{type(e).__name__}: {e}")
-
-
-def _verify_remote(store) -> VerifyReport:
-    """:func:`verify` of a checkpoint on object storage: every part and file its one model index
-    names (read in ranged pieces), and the extra-state files."""
-    from .storage.remote_reader import remote_view
-
-    report = VerifyReport(path=str(store))
-    with external_errors(str(store), what="verifying"), contextlib.ExitStack() as held:
-        try:
-            held.enter_context(remote_view(store))  # fetches and parses the model index: a problem too
-            readers = [open_checkpoint(store)]
-        except CheckpointNotFoundError:
-            raise
-        except (CheckpointError, OSError) as e:
-            report.problems.append(f"{type(e).__name__}: {e}")
-            return report
-        try:
-            opt = readers[0].open_part(OPTIMIZER_PREFIX)
-            if opt is not None:
-                readers.append(opt)
-        except (CheckpointError, OSError) as e:
-            report.problems.append(f"{type(e).__name__}: {e}")
-        _check_readers(readers, str(store), report, None)
-    return report
 
 
 def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:

@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import stat
 import uuid
 from collections.abc import Iterator, Sequence
@@ -143,15 +144,19 @@ def is_staging_area(path: str, token: str) -> bool:
 
 
 def remove_staging_area(path: str) -> None:
-    """Remove the files in staging area ``path`` (a directory this save made, or one
-    :func:`is_staging_area` accepts), its marker last, then the directory; a subdirectory in it
-    (not ours: a save writes only files there) keeps it."""
+    """Remove staging area ``path`` (a directory this save made, or one :func:`is_staging_area`
+    accepts: made by a save of ours, so everything in it is that save's), its marker last, then
+    the directory. Symlinks in it are removed, never followed."""
     try:
         entries = list(os.scandir(path))
     except OSError:
         return
     for e in entries:
-        if e.name != MARKER and not e.is_dir(follow_symlinks=False):
+        if e.name == MARKER:
+            continue
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
     with contextlib.suppress(FileNotFoundError):

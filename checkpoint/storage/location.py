@@ -50,6 +50,15 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
     return open_store(p, storage_options, transfer)
 
 
+def local_path(where: Any) -> str | None:
+    """The file-system path of ``where`` (a result of :func:`resolve`) when a stage may read it
+    with the OS's file calls: a plain local path. None for a byte store (``s3://``, ``memory://``,
+    ``file://``), which is read and written through its methods only. Formats that only exist as
+    local files (a DCP directory, a ``torch.save`` pickle, a PEFT adapter folder, a hub cache)
+    ask this, instead of asking which backend a store is."""
+    return None if is_remote(where) else os.fspath(where)
+
+
 def local_target(where: Any) -> Any:
     """What a save writes to: a :class:`~checkpoint.storage.bytestore.LocalStore` (``file://``)
     as its directory path, committed by rename like any local path (one commit per byte store
@@ -69,4 +78,4 @@ def store_of(where: Any) -> Any:
     return LocalStore(os.fspath(where), os.fspath(where))
 
 
-__all__ = ["resolve", "is_remote", "store_of", "local_target"]
+__all__ = ["resolve", "is_remote", "store_of", "local_target", "local_path"]

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..errors import SnapshotChangedError
 from ..ranks import dist
 from ..saving import _many_ranks, _prepare, _save_distributed, _save_parts, agree_prepare_failure
-from ..storage.location import is_remote, local_target, resolve
+from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
 from ..storage import ownership, threads
@@ -576,7 +576,7 @@ class AsyncSaver:
         """See :func:`async_save`. ``after_commit``: run in the background thread once the checkpoint
         is committed (its error becomes the future's; used for the manager's retention)."""
         path = local_target(resolve(path, storage_options, transfer))  # file:// commits as a local path
-        remote = is_remote(path)
+        remote = local_path(path) is None  # a byte store: whole objects, gathered in the call
         if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
             parse_size(max_shard_size)  # a bad size fails here, not in the background
         with self._lock:

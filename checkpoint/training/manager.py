@@ -31,12 +31,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _faults
-from ..storage import local_commit as atomic
+from ..storage.opening import recover
 from ..ranks import dist
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InterruptedCommitError
 from ..storage.extra_state import PerRank, read_extra_state_file
-from ..storage.bytestore import LocalStore
-from ..storage.location import is_remote, resolve
+from ..storage.location import local_path, local_target, resolve, store_of
+from ..storage.views import checkpoint_view
 from ..storage.commit import is_committed, remove_checkpoint
 from .async_save import AsyncSaver, SaveFuture
 from .rng_state import RNGState
@@ -75,7 +75,7 @@ def is_complete(path: str) -> bool:
     size recorded. No tensor data is read."""
     if not os.path.isdir(path) or os.path.islink(path):
         return False
-    return is_committed(LocalStore(path))
+    return is_committed(store_of(path))
 
 
 RNG_KEY = "fqnckpt.rng"  # the manager's per-rank RNG entry in extra_state
@@ -114,12 +114,12 @@ def _foreign_in(store: Any) -> list[str]:
 
 def list_steps(root: str) -> list[tuple[int, bool]]:
     """:func:`_steps_in` of local directory ``root``."""
-    return _steps_in(LocalStore(root))
+    return _steps_in(store_of(root))
 
 
 def foreign_step_entries(root: str) -> list[str]:
     """:func:`_foreign_in` of local directory ``root``."""
-    return _foreign_in(LocalStore(root))
+    return _foreign_in(store_of(root))
 
 
 class CheckpointManager:
@@ -179,10 +179,10 @@ class CheckpointManager:
         ):
             raise ValueError(f"keep_latest must be None or an int >= 1, got {keep_latest!r}")
         where = resolve(root, storage_options, transfer)
-        self._remote = is_remote(where)  # a URL: steps saved and read through its byte store
-        self.root = str(where) if self._remote else os.path.abspath(where)
-        # One byte store under both: steps, retention and leftovers are the same code locally.
-        self._store = where if self._remote else LocalStore(self.root)
+        local = local_path(where)
+        # One byte store under every root: steps, retention and leftovers are the same code.
+        self._store = store_of(os.path.abspath(local) if local is not None else where)
+        self.root = self._store.url
         self.keep_latest = keep_latest
         self._saver = AsyncSaver() if async_save else None
         self.background_staging = background_staging
@@ -190,11 +190,9 @@ class CheckpointManager:
         self._future: SaveFuture | None = None
         self._step_hook: Any = None  # see _prepare_soon
         self.last_report = None  # LoadReport of the last load_latest
-        if not self._remote:
-            os.makedirs(self.root, exist_ok=True)
+        self._store.ensure_dir()
         if dist.rank() == 0:
-            if not self._remote:
-                self._recover_steps()
+            self._recover_steps()
             foreign = self.foreign_entries()
             if foreign:
                 warnings.warn(
@@ -209,13 +207,11 @@ class CheckpointManager:
     # -- finding checkpoints -------------------------------------------------------------------
     def path(self, step: int) -> str:
         """Where step ``step`` is (or would be) saved (a URL under an ``s3://`` root)."""
-        if self._remote:
-            return f"{self.root}/{step_dir_name(step)}"
-        return os.path.join(self.root, step_dir_name(step))
+        return self._store.url_of(step_dir_name(step))
 
     def _where(self, step: int) -> Any:
         """Where :func:`checkpoint.save` / :func:`checkpoint.load` take step ``step``."""
-        return self._store.child(step_dir_name(step)) if self._remote else self.path(step)
+        return local_target(self._store.child(step_dir_name(step)))  # a local directory as its path
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints under ``root``, ascending: only directories named as
@@ -431,7 +427,7 @@ class CheckpointManager:
         without a :meth:`prepare` by hand (issue 35: 10.7x without). Optimizer state that does not
         exist yet (AdamW's before its first step) is touched after the optimizer's next ``step()``
         (a step post-hook that removes itself). Not for object storage, whose staging differs."""
-        if self._saver is None or self._remote or self._saver._closed:
+        if self._saver is None or local_path(self._where(0)) is None or self._saver._closed:
             return
         try:
             self._saver.prepare(module, optimizer=optimizer, background=True)
@@ -453,12 +449,16 @@ class CheckpointManager:
 
         self._step_hook = optimizer.register_step_post_hook(after_first_step)
 
-    def _view(self, where: Any):
-        if not self._remote:
-            return contextlib.nullcontext()
-        from ..storage.remote_reader import remote_view
-
-        return remote_view(where)
+    def _view(self, where: Any) -> contextlib.ExitStack:
+        """One step read whole (:func:`checkpoint.storage.views.checkpoint_view`). A step whose
+        commit was interrupted is completed first: the manager is its root's writer."""
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(checkpoint_view(where))
+        except InterruptedCommitError:
+            recover(where)
+            stack.enter_context(checkpoint_view(where))
+        return stack
 
     # -- retention ------------------------------------------------------------------------------
     def _retain(self, written: int) -> None:
@@ -483,16 +483,11 @@ class CheckpointManager:
             _faults.fault_point("manager_after_retention_removal")
 
     def _recover_steps(self) -> None:
-        """As the next writer of its root, complete what killed saves of its steps left: each step
-        with a staging area or a lock file of ours beside it, or a commit of ours inside it
-        (:func:`checkpoint.storage.local_commit.recover`: only what a marker or manifest of ours
-        names is touched)."""
-        steps = set()
-        for name in os.listdir(self.root):
-            m = _LEFTOVER.match(name)
-            if m and parse_step_dir_name(m.group(1)) is not None:
-                steps.add(m.group(1))
-            elif parse_step_dir_name(name) is not None and atomic.pending_commits(os.path.join(self.root, name)):
-                steps.add(name)
+        """As the next writer of its root, complete what killed saves of its steps left beside
+        them (a local step's staging directory or lock file of ours;
+        :func:`checkpoint.storage.opening.recover`: only what a marker or manifest of ours names is
+        touched). A step with an interrupted commit inside it is completed when it is loaded
+        (:meth:`_load_step`); on object storage the next commit there cleans up."""
+        steps = {m.group(1) for n in self._store.listing() if (m := _LEFTOVER.match(n)) and parse_step_dir_name(m.group(1)) is not None}
         for step in sorted(steps):
-            atomic.recover(os.path.join(self.root, step))
+            recover(local_target(self._store.child(step)))
