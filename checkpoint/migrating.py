@@ -48,9 +48,9 @@ from .storage.extra_state import (
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage import paths
-from .storage.location import is_remote, resolve
+from .storage.location import local_path, options_for, resolve
 from .storage.opening import open_checkpoint as open_any_checkpoint
-from .storage.urls import is_url
+from .storage.views import checkpoint_view
 from .storage.reader import open_checkpoint
 from .tensor_checks import storable_problem
 from .gc_pause import gc_paused
@@ -112,22 +112,19 @@ def migrate(
     if recipe is not None:  # checkpoint.convert plans and streams (a URL source too); written in save's format
         from .saving import converted_writer
 
-        if storage_options and not (is_url(src) or is_url(dst)):
+        if storage_options and options_for(src, storage_options) is None and options_for(dst, storage_options) is None:
             resolve(dst, storage_options)  # the TypeError naming the local path
-        out = resolve(dst, storage_options if is_url(dst) else None)
+        out = resolve(dst, options_for(dst, storage_options))
         return run_recipe(src, out, recipe, write=converted_writer(out, max_shard_size, overwrite), model=model,
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
-                          storage_options=storage_options if is_url(src) else None)  # fmt: skip
+                          storage_options=options_for(src, storage_options))  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
     # A URL source: every part read from the one model index fetched (optimizer, extra state),
     # as from a local checkpoint directory.
     stack, view = contextlib.ExitStack(), None
-    if is_url(src):
-        from .storage.remote_reader import remote_view
-
-        src_where = resolve(src, storage_options)
-        if is_remote(src_where):
-            view = stack.enter_context(remote_view(src_where))
+    src_where = resolve(src, options_for(src, storage_options))
+    if local_path(src_where) is None:  # a byte store: its parts are the objects its model index names
+        view = stack.enter_context(checkpoint_view(src_where))
     with stack:
         fmap = _load_fqn_map(fqn_map)
         compiled = compile_rules(rules)
@@ -206,7 +203,7 @@ def migrate(
                 opt_meta = _optimizer_meta(source, report, opt_plan)
             if dry_run:
                 return report
-            _write(source, plan, dst if is_remote(dst) else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
+            _write(source, plan, dst if local_path(dst) is None else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
                    opt_src, extra_files)  # fmt: skip
             return report
         finally:
@@ -313,7 +310,7 @@ def _write(
 
         extra[OPTIMIZER_GROUPS_NAME] = json.dumps(report.optimizer_param_groups, indent=2).encode()
     try:
-        _save_parts(dst if is_remote(dst) else os.fspath(dst), parts, max_shard_size, overwrite, extra)
+        _save_parts(dst if local_path(dst) is None else os.fspath(dst), parts, max_shard_size, overwrite, extra)
     except BaseException:
         report.written = False
         raise

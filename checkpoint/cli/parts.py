@@ -33,7 +33,7 @@ class Parts:
     extra_state: str | None
     alias_groups: list[list[str]] = field(default_factory=list)
     optimizer_meta: OptimizerMeta | None = None
-    store: Any = None  # the ObjectStore of a checkpoint at a URL (paths above are then URLs)
+    store: Any = None  # the byte store of a checkpoint at a URL (paths above are then URLs)
     adapter: str | None = None  # peft's adapter_model.safetensors beside the model (save of a PeftModel)
 
 
@@ -43,9 +43,9 @@ def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: lis
     importing torch (``import torch`` takes seconds; issue 22); any other format (pickles, DCP,
     URLs) through ``open_source``. Same keys, specs, files, notes and errors either way."""
     from ..sources.sniffing import sniff
-    from ..storage.urls import is_url
+    from ..storage.location import local_path, resolve
 
-    if key is None and not trusted and not is_url(path) and sniff(path) in ("safetensors", "safetensors-sharded"):
+    if key is None and not trusted and local_path(resolve(path)) is not None and sniff(path) in ("safetensors", "safetensors-sharded"):
         from ..sources.st_headers import open_safetensors_headers
 
         return open_safetensors_headers(Path(path))
@@ -59,69 +59,45 @@ def _plain_file(path: str) -> bool:
 
 
 def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
-    """The parts of the fqnckpt checkpoint at ``path`` (a directory holding fqnckpt's model index),
-    else None (any other format: the sources read it whole).
+    """The parts of the fqnckpt checkpoint at ``path`` (a directory or URL holding fqnckpt's model
+    index), else None (any other format: the sources read it whole). Every part is the object the
+    model index's record names, read from one view of the checkpoint, on every backend (the part
+    paths of a URL are ``<url>/<index name>``, which :func:`checkpoint.sources.open_source` opens as
+    that part).
 
     Raises:
         CorruptCheckpointError: an index that does not parse (file named).
     """
     from ..storage.dir_layout import check_one_layout
-    from ..storage.st_header import read_index  # torch-free (inspect)
-    from ..storage.urls import is_url
+    from ..storage.location import local_path, resolve
+    from ..storage.st_header import parse_index_bytes  # torch-free (inspect)
+    from ..storage.views import checkpoint_view
 
-    if is_url(path):
-        return _remote_parts(path)
-    root = os.fspath(path)
-    model = os.path.join(root, index_name(MODEL_PREFIX))
-    if not os.path.isdir(root) or not _plain_file(model):
-        return None
-    check_one_layout(root)  # DCP's .metadata beside it: refused, as every reader refuses it
-    meta = read_index(model).metadata.fqnckpt
-    if meta is None:
-        return None  # a Hugging Face checkpoint: no parts of ours
-    opt = os.path.join(root, index_name(OPTIMIZER_PREFIX))
-    extra = os.path.join(root, EXTRA_STATE_FILE)
-    opt_meta = read_index(opt).metadata.fqnckpt if _plain_file(opt) else None
-    return Parts(
-        root,
-        model,
-        opt if _plain_file(opt) else None,
-        extra if _plain_file(extra) else None,
-        [list(g) for g in meta.alias_groups],
-        opt_meta.optimizer if opt_meta is not None else None,
-        adapter=os.path.join(root, ADAPTER_FILE) if _plain_file(os.path.join(root, ADAPTER_FILE)) else None,
-    )
-
-
-def _remote_parts(url) -> Parts | None:
-    """:func:`fqnckpt_parts` of a checkpoint at a URL: the same parts, each read through the
-    objects its model index names (the part paths are ``<url>/<index name>``, which
-    :func:`checkpoint.sources.open_source` opens as that part)."""
-    from ..storage.location import resolve
-    from ..storage.remote_reader import remote_view
-
-    store = resolve(url)
-    with remote_view(store) as view:
+    where = resolve(path)
+    local = local_path(where)
+    if local is not None:
+        if not os.path.isdir(local) or not _plain_file(os.path.join(local, index_name(MODEL_PREFIX))):
+            return None
+        check_one_layout(local)  # DCP's .metadata beside it: refused, as every reader refuses it
+    with checkpoint_view(where) as view:
         meta = view.index.metadata.fqnckpt if view.index is not None else None
         if meta is None:
             return None  # nothing committed there, or a Hugging Face checkpoint: no parts of ours
+        store = view.store
         opt_name, extra_name = index_name(OPTIMIZER_PREFIX), EXTRA_STATE_FILE
-        opt_meta = None
-        if view.object_of(opt_name) is not None:
-            from ..storage.st_header import parse_index_bytes
-
-            raw = view.member_bytes(opt_name)
-            opt_meta = parse_index_bytes(raw, store.url_of(opt_name)).metadata.fqnckpt if raw is not None else None
-        has_opt = view.object_of(opt_name) is not None and view.member_bytes(opt_name) is not None
+        raw = view.member_bytes(opt_name) if view.object_of(opt_name) is not None else None
+        opt_meta = parse_index_bytes(raw, store.url_of(opt_name)).metadata.fqnckpt if raw is not None else None
         has_extra = view.object_of(extra_name) is not None and view.member_bytes(extra_name) is not None
+        adapter = local is not None and _plain_file(os.path.join(local, ADAPTER_FILE))
         return Parts(
             store.url,
             store.url_of(index_name(MODEL_PREFIX)),
-            store.url_of(opt_name) if has_opt else None,
+            store.url_of(opt_name) if raw is not None else None,
             store.url_of(extra_name) if has_extra else None,
             [list(g) for g in meta.alias_groups],
             opt_meta.optimizer if opt_meta is not None else None,
-            store,
+            store if local is None else None,
+            adapter=store.url_of(ADAPTER_FILE) if adapter else None,
         )
 
 
@@ -156,18 +132,14 @@ class ManagerRoot:
 def manager_root(path: str | os.PathLike) -> ManagerRoot | None:
     """``path`` as a manager root (a directory that is no checkpoint itself, with ``step-*``
     entries), else None. Changes nothing (a manager's constructor would clean up leftovers)."""
-    from ..storage.bytestore import LocalStore
     from ..storage.commit import is_committed
-    from ..storage.location import resolve
-    from ..storage.urls import is_url
+    from ..storage.location import local_path, resolve, store_of
 
-    if is_url(path):
-        store = resolve(path)
-    else:  # the same rule over the local byte store
-        root = os.fspath(path)
-        if not os.path.isdir(root):
-            return None
-        store = LocalStore(root, root)
+    where = resolve(path)
+    local = local_path(where)
+    if local is not None and not os.path.isdir(local):
+        return None
+    store = store_of(where)  # the same rule over every byte store
     listing = store.listing()
     if index_name(MODEL_PREFIX) in listing or not any(n.startswith("step-") for n in listing):
         return None
@@ -255,20 +227,17 @@ def extra_state_entries(parts: Parts | None, src=None) -> dict | None:
         return source_extra_state(src)
     if parts.extra_state is None:
         return None
-    if parts.store is not None:  # a URL: its files through the objects its model index names
-        from ..storage.remote_reader import remote_view
-
-        with remote_view(parts.store):
-            return extra_state_entries(Parts(**{**parts.__dict__, "store": None}), src)
     from ..storage.extra_state import read_extra_state_file, read_rank_file
+    from ..storage.views import checkpoint_view
 
-    doc = read_extra_state_file(parts.root)
-    out = dict(doc.entries)
-    if doc.per_rank is not None:
-        w = doc.per_rank.world_size
-        for r in range(w):
-            for k, e in read_rank_file(parts.root, doc, r).entries.items():
-                out[rank_entry_name(k, r, w)] = e
+    with checkpoint_view(parts.store if parts.store is not None else parts.root):  # the objects its record names
+        doc = read_extra_state_file(parts.root)
+        out = dict(doc.entries)
+        if doc.per_rank is not None:
+            w = doc.per_rank.world_size
+            for r in range(w):
+                for k, e in read_rank_file(parts.root, doc, r).entries.items():
+                    out[rank_entry_name(k, r, w)] = e
     return out
 
 

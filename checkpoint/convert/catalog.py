@@ -21,8 +21,7 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, PrivateA
 
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
-from ..storage.location import is_remote, resolve
-from ..storage.urls import is_url
+from ..storage.location import local_path, options_for, resolve
 
 PARAMS_NAME = "params.json"
 HF_CONFIG_NAME = "config.json"
@@ -182,12 +181,12 @@ def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> 
     (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read), and
     ``params.json`` / ``config.json`` from the same committed view."""
     from ..sources.remote import open_remote_source  # fsspec is optional
-    from ..storage.remote_reader import remote_view
+    from ..storage.views import checkpoint_view
 
     if key is not None:
         raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
     store = resolve(url, storage_options)
-    with remote_view(store) as view:
+    with checkpoint_view(store) as view:
         src = open_remote_source(store)
         try:
             params, hf_config = _side_configs(lambda n: (view.member_bytes(n), store.url_of(n)))
@@ -208,8 +207,9 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
         CorruptCheckpointError: shard numbers with a gap, shards that disagree, a bad params.json.
         and whatever :func:`open_source` raises for each file.
     """
-    if is_url(path) or is_remote(path):
-        return _open_remote(path, storage_options, key)
+    where = resolve(path, options_for(path, storage_options))
+    if local_path(where) is None:  # a byte store: read through the remote source stage
+        return _open_remote(where, None, key)
     p = Path(path)
     params, hf_config = _side_configs(_local_file(p))
     shard_files = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _SHARD.match(f.name))) if p.is_dir() else []

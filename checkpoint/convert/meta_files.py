@@ -23,7 +23,7 @@ from ..storage.local_commit import StagedCheckpoint, fsync_path
 from ..errors import CheckpointExistsError
 from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, owned_objects
 from ..storage.layout import TensorSpec
-from ..storage.location import is_remote
+from ..storage.location import local_path
 
 SHARD_FILE = "consolidated.{:02d}.pth"
 _TARGET = re.compile(r"^consolidated\.(\d+)\.pth/(.+)$")
@@ -66,7 +66,7 @@ def write_meta_checkpoint(path, specs: Sequence[TensorSpec], fetch: Callable[[Te
             the save writes is there and no record names it.
         OSError / CheckpointWriteError: writing failed; nothing is committed at ``path``.
     """
-    if is_remote(path):
+    if local_path(path) is None:  # a byte store: uploaded, the record written last
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-meta-") as tmp:
             names = _write_files(tmp, specs, fetch, extra)
             _upload(path, tmp, names, overwrite)

@@ -77,7 +77,8 @@ from ..plan.values import cast_problem, target_problem
 from ..ranks import shards
 from ..storage import digest
 from ..storage.format import OPTIMIZER_PREFIX, index_name
-from ..storage.location import is_remote
+from ..storage.location import local_path, shown
+from ..storage.views import checkpoint_view
 from .location import Located
 
 _DCP_SHARD = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
@@ -421,28 +422,20 @@ def _scattered(t: Any) -> bool:
 def _open_source(where: Any) -> _Source:
     from ..storage.opening import open_checkpoint
 
-    if is_remote(where):
-        from ..storage.remote_reader import open_remote_checkpoint, remote_view
-
-        with remote_view(where) as view:
-            rd = open_remote_checkpoint(view)
+    local = local_path(where)
+    path = os.path.abspath(local) if local is not None else None
+    if path is None or os.path.isfile(path) or os.path.isfile(os.path.join(path, index_name())) or os.path.isfile(
+        os.path.join(path, "model.safetensors")
+    ):  # fqnckpt's / Hugging Face's layout, on any byte store: one checkpoint for every part
+        at = path if path is not None else where
+        with checkpoint_view(at):
+            rd = open_checkpoint(at)
             try:
-                extra = _extra_values(rd.root)
+                extra = _extra_values(rd.root) if rd.index_path is not None else {}
             except BaseException:
                 rd.close()
                 raise
-        return _whole(str(where.url), rd, extra)
-    path = os.path.abspath(where)
-    if os.path.isfile(path) or os.path.isfile(os.path.join(path, index_name())) or os.path.isfile(
-        os.path.join(path, "model.safetensors")
-    ):
-        rd = open_checkpoint(path)
-        try:
-            extra = _extra_values(path) if rd.index_path is not None else {}
-        except BaseException:
-            rd.close()
-            raise
-        return _whole(path, rd, extra)
+        return _whole(shown(at), rd, extra)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(path)
     for d in (path, os.path.join(path, "sharded")):

@@ -57,8 +57,7 @@ from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
-from ..storage.location import is_remote
-from ..storage.urls import is_url, redact_url
+from ..storage.location import local_path, shown
 from .location import Located
 from ..storage import digest, fskind
 from ..storage.digest import hash_spans
@@ -237,7 +236,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
             )
         path = self._require_path()
         group = self.process_group
-        if group is not None and is_remote(path) and torch.distributed.get_world_size(group) != dist.world_size():
+        if group is not None and local_path(path) is None and torch.distributed.get_world_size(group) != dist.world_size():
             raise NotImplementedError(
                 f"saving {path}: an object-storage save agrees on its upload and commit through "
                 "collectives numbered by the default group; a process_group of some ranks only is not "
@@ -246,8 +245,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Adds this rank's destination and ``overwrite`` for the coordinator to compare."""
-        where = os.fspath(self._require_path())
-        dest = redact_url(where) if is_url(where) else os.path.abspath(where)
+        dest = shown(self._require_path())
         return replace(plan, storage_data=_RankArgs(dest, bool(self.overwrite), plan.storage_data))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -264,7 +262,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
             for name in g:
                 limits.check_name(name, str(self.path))
         self._layout = layout
-        if is_remote(where):
+        if local_path(where) is None:  # a byte store: uploaded per file, committed by its index
             data = _RemotePlan(layout, tuple(extra_keys), tuple(tuple(g) for g in self._aliases))
             return [replace(p, storage_data=data) for p in plans]
         outer = enclosing_checkpoint(where)
@@ -311,7 +309,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         (Object storage: committed in ``write_data`` already.)"""
         layout = self._layout
         assert layout is not None, "finish() without prepare_global_plan()"
-        if is_remote(self._where()):
+        if local_path(self._where()) is None:
             return
         with _PENDING_LOCK:
             st = _PENDING.pop(self._staged_path, None)

@@ -14,7 +14,8 @@ import torch
 from ..errors import external_errors
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from ..storage.location import resolve
-from ..storage.remote_reader import RemoteCheckpointReader, open_remote_checkpoint, remote_view
+from ..storage.remote_reader import open_remote_checkpoint
+from ..storage.views import checkpoint_view
 from .base import Source, SourceSpec
 
 
@@ -43,8 +44,8 @@ def open_remote_source(url: Any, storage_options: Mapping | None = None) -> Remo
         if part is not None and "://" in head:
             url, prefix = head, part
     store = resolve(url, storage_options)
-    with remote_view(store) as view:
-        reader: RemoteCheckpointReader = open_remote_checkpoint(view, prefix)
+    with checkpoint_view(store) as view:
+        reader = open_remote_checkpoint(view, prefix)
     specs = {k: SourceSpec(k, tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in reader.keys()}
     file_of = {k: reader.file_of(k) for k in reader.keys()}
     src = RemoteSource(PurePosixPath(store.url), "safetensors-sharded",  # as a local index opens

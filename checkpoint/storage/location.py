@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .urls import check_url, is_url, url_scheme
+from .urls import check_url, is_url, redact_url, url_scheme
 
 
 def is_remote(where: Any) -> bool:
@@ -59,6 +59,21 @@ def local_path(where: Any) -> str | None:
     return None if is_remote(where) else os.fspath(where)
 
 
+def options_for(path: Any, storage_options: Mapping | None) -> Mapping | None:
+    """``storage_options`` when ``path`` is a URL (they configure its filesystem), else None: one
+    call taking a source and a destination passes each its own."""
+    return storage_options if isinstance(path, (str, os.PathLike)) and is_url(os.fspath(path)) else None
+
+
+def shown(where: Any) -> str:
+    """How messages and rank comparisons name ``where`` (a path, a URL or a byte store): a URL
+    with its secrets redacted, a local path absolute."""
+    if is_remote(where):
+        return str(where)  # a byte store's url is redacted when it is made
+    p = os.fspath(where)
+    return redact_url(p) if is_url(p) else os.path.abspath(p)
+
+
 def local_target(where: Any) -> Any:
     """What a save writes to: a :class:`~checkpoint.storage.bytestore.LocalStore` (``file://``)
     as its directory path, committed by rename like any local path (one commit per byte store
@@ -78,4 +93,4 @@ def store_of(where: Any) -> Any:
     return LocalStore(os.fspath(where), os.fspath(where))
 
 
-__all__ = ["resolve", "is_remote", "store_of", "local_target", "local_path"]
+__all__ = ["resolve", "is_remote", "store_of", "local_target", "local_path", "shown", "options_for"]

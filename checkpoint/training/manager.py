@@ -7,7 +7,7 @@ complete and a kill at any moment leaves :meth:`CheckpointManager.latest` on a c
 Under a URL root (``s3://bucket/run``, ``memory://...``; ``storage_options`` go to fsspec) a step
 is the object prefix ``root/step-00000100/``, committed by its model index written last
 (:mod:`checkpoint.storage.commit`). Steps, completeness and retention are one code path over the
-root's byte store (:class:`~checkpoint.storage.bytestore.LocalStore` for a local root):
+root's byte store (a local directory's too):
 retention removes a step with :func:`checkpoint.storage.commit.remove_checkpoint`, its model
 index first (from then on the step is incomplete, never loaded), then only the files its records
 name; a user's file in a step directory stays (and so does the directory). A step left without
@@ -70,7 +70,7 @@ def parse_step_dir_name(name: str) -> int | None:
 
 def is_complete(path: str) -> bool:
     """A committed checkpoint directory (:func:`checkpoint.storage.commit.is_committed` on its
-    :class:`~checkpoint.storage.bytestore.LocalStore`, as on object storage): its model index (and
+    byte store, as on object storage): its model index (and
     optimizer index, if any) parses, every file its records name exists, shards with the byte
     size recorded. No tensor data is read."""
     if not os.path.isdir(path) or os.path.islink(path):
