@@ -367,6 +367,21 @@ class DCPLoadError(CheckpointError, ValueError):
         super().__init__(f"DCP checkpoint {self.path}: {why}")
 
 
+class UnknownReadItemError(DCPLoadError, KeyError):
+    """A DCP load plan asks for ``key`` (at storage offsets ``offsets``; None for a non-tensor
+    value) which the checkpoint's metadata lacks: a planner that planned against other metadata,
+    or a plan edited by hand. Raised by ``StorageReader.read_data`` before anything is read. A
+    ``KeyError`` too, for callers that caught the bare one."""
+
+    def __init__(self, path: str, key: str, offsets: tuple[int, ...] | None = None):
+        self.key, self.offsets = key, offsets
+        at = f" at storage offsets {list(offsets)}" if offsets is not None else " (a non-tensor value)"
+        super().__init__(path, f"the load plan reads {key!r}{at}, which its metadata does not hold; nothing was read")
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return self.args[0]
+
+
 class ExtraStateMismatchError(CheckpointError, TypeError):
     """An ``extra_state`` entry of the checkpoint does not fit the caller's object: saved plain
     vs. through ``state_dict()``, another class, other keys, or the object's own
