@@ -125,6 +125,22 @@ def _remote_parts(url) -> Parts | None:
         )
 
 
+def adapter_config_summary(parts: Parts | None) -> dict[str, Any] | None:
+    """The fields of the ``adapter_config.json`` beside a PEFT checkpoint's adapter file that
+    change the math (:data:`checkpoint.peft_config.MATH_FIELDS`, as the file holds them), or None
+    when there is no adapter part (or no config beside it, e.g. at a URL).
+
+    Raises:
+        CorruptCheckpointError: the config is not a JSON object (file named)."""
+    from ..peft_config import ADAPTER_CONFIG, adapter_math, read_adapter_config
+
+    if parts is None or parts.adapter is None or parts.store is not None:
+        return None
+    if not _plain_file(os.path.join(parts.root, ADAPTER_CONFIG)):
+        return None
+    return adapter_math(read_adapter_config(parts.root))
+
+
 def part_index(parts: Parts, part: str, flag: str) -> str:
     """The index file of ``part`` (``model`` / ``optimizer``).
 
