@@ -26,11 +26,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fqn import FQNMap, FQNMapFile
 
 from . import _faults
-from .atomic import StagedCheckpoint
+from .atomic import StagedCheckpoint, enclosing_checkpoint
 from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
-from .errors import CheckpointError, CheckpointWriteError, RankMismatchError
+from .errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
 from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
 from .progress import counted_fetches
 from .ranks import dist, shards
@@ -80,6 +80,7 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
 
     def write(specs, fetch, extra, layout=None) -> None:
         if layout == "meta":  # local or any byte store (checkpoint.convert.meta_files)
+            refuse_nested(local_target(resolve(path)))
             write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
             return
         _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
@@ -122,11 +123,29 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
     return t
 
 
+def refuse_nested(path: Any) -> None:
+    """Refuse a local save into a folder inside another checkpoint's directory
+    (:func:`checkpoint.atomic.enclosing_checkpoint`): that checkpoint's overwrite and retention
+    manage only their own files, and readers of it would meet the inner one's. The one rule of
+    ``save``, ``async_save``, ``migrate``, conversions and DCP's ``StorageWriter``. A URL's store
+    (no folders) passes.
+
+    Raises:
+        NestedCheckpointError: naming ``path`` and the enclosing checkpoint."""
+    if is_remote(path):
+        return
+    outer = enclosing_checkpoint(os.fspath(path))
+    if outer is not None:
+        raise NestedCheckpointError(os.fspath(path), outer)
+
+
 def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size, world: int = 1) -> list[Layout]:
     """Plan every part's files and check everything safetensors must be able to read back (names,
     header sizes; dtypes were checked when the specs were made) before anything is written: a
     checkpoint no reader can open is never committed. Linear in the number of tensors.
-    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`)."""
+    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`).
+    A local ``path`` inside another checkpoint is refused first (:func:`refuse_nested`)."""
+    refuse_nested(path)
     for part in parts:
         for spec in part.specs:
             limits.check_name(spec.fqn, path)

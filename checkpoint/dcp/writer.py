@@ -49,13 +49,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..atomic import StagedCheckpoint, enclosing_checkpoint
-from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError, UnsavableError
+from ..atomic import StagedCheckpoint
+from ..errors import CheckpointError, CheckpointWriteError, RankMismatchError, UnsavableError
 from ..ranks import dist
-from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit
+from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit, refuse_nested
 from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
-from ..storage.format import MODEL_PREFIX
+from ..storage.format import MODEL_PREFIX, parse_size
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
 from ..storage.location import is_remote
 from ..storage.urls import is_url, redact_url
@@ -227,6 +227,8 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         self._locate(path, storage_options, transfer)
         self.process_group = process_group
         self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+        if fqn_to_index_mapping is None:
+            parse_size(max_shard_size)  # a bad size (a float, "1.5") fails here, before DCP plans
         self.max_shard_size = max_shard_size
         self.overwrite = overwrite
         self.is_coordinator = False
@@ -295,9 +297,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         if is_remote(where):
             data = _RemotePlan(layout, tuple(extra_keys), tuple(tuple(g) for g in self._aliases))
             return [replace(p, storage_data=data) for p in plans]
-        outer = enclosing_checkpoint(where)
-        if outer is not None:
-            raise NestedCheckpointError(where, outer)
+        refuse_nested(where)  # checkpoint.save's rule
         _abort(self.path)  # a failed save of this process still holding the lock
         st = StagedCheckpoint(where, self.overwrite).__enter__()
         try:
