@@ -108,6 +108,7 @@ def migrate(
             ``allow_unresolved``), or optimizer state that cannot be named; ``.report`` explains.
         UnsafePickleError, AmbiguousSourceError, CorruptCheckpointError, ...: from reading ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
+        NestedCheckpointError: ``dst`` lies inside another checkpoint's folder (as for ``save``).
     """
     if recipe is not None:  # checkpoint.convert plans and streams (a URL source too); written in save's format
         from .saving import converted_writer

@@ -344,8 +344,10 @@ def save(
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
-    naming the key for a non-tensor value; on ranks whose peers failed,
-    :class:`~checkpoint.errors.RankAgreementError`.
+    naming the key for a non-tensor value, :class:`~checkpoint.errors.NestedCheckpointError` for a
+    local ``path`` inside another checkpoint's folder (:func:`refuse_nested`), ``ValueError``
+    naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
+    peers failed, :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = resolve(path, storage_options, transfer)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
