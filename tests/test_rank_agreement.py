@@ -160,6 +160,13 @@ def _disagreeing_state_stages(rank, root, mesh, stage):
     tdist.barrier()
     out["manager_node_local_copied"] = local.load_latest(target)
     out["manager_node_local_values"] = bool(torch.equal(target["w"].full_tensor(), torch.full((4, 2), 2.0)))
+    # The same step on both roots, the RNG states saved in rank 0's copy only: rank 0 would
+    # check its RNG entry (a collective) while rank 1 went on into load's.
+    for name, rng in (("rng-yes", True), ("rng-no", False)):
+        CheckpointManager(os.path.join(root, name), async_save=False, rng_state=rng).save(3, weights(3.0))
+    mixed = CheckpointManager(os.path.join(root, "rng-yes" if rank == 0 else "rng-no"), async_save=False)
+    stage("manager_rng_entries_differ", lambda: mixed.load_latest(target))
+    out["manager_rng_entries_unchanged"] = bool(torch.equal(target["w"].full_tensor(), torch.full((4, 2), 2.0)))
     return out
 
 
@@ -300,6 +307,15 @@ def test_load_latest_refuses_a_step_missing_on_one_rank_alike_on_every_rank(outc
     for per_rank in outcomes:  # nothing loaded; once the step is there, it loads on both ranks
         assert per_rank["manager_node_local_unchanged"] is True
         assert per_rank["manager_node_local_copied"] == 2 and per_rank["manager_node_local_values"] is True
+
+
+def test_load_latest_refuses_copies_of_a_step_holding_other_rng_entries(outcomes):
+    got = [per_rank["manager_rng_entries_differ"] for per_rank in outcomes]
+    assert got[0] == got[1], got
+    assert got[0].startswith("RankMismatchError: loading step 3: the ranks differ in the RNG entries their "
+                             "copies of the step hold (rank 0: fqnckpt.rng in "), got[0]
+    assert "rng-yes/step-00000003; rank 1: none in " in got[0] and "rng-no/step-00000003)" in got[0], got[0]
+    assert all(per_rank["manager_rng_entries_unchanged"] is True for per_rank in outcomes)
 
 
 def test_refused_collective_calls_wrote_nothing_and_changed_no_target(outcomes):

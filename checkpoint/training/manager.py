@@ -445,15 +445,15 @@ class CheckpointManager:
             if err is not None:
                 raise err
             return flags
-        every = dist.check_all_gather(f"reading the extra state of step {step} under {self.root}", err, flags)
-        if len(set(every)) > 1:
+        every = dist.check_all_gather(f"reading the extra state of step {step} under {self.root}", err, (flags, self.path(step)))
+        if len({f for f, _ in every}) > 1:  # the same message on every rank: each rank's copy named
             names = {(True, False): RNG_KEY, (False, True): RNG_RANKS_KEY, (True, True): f"{RNG_KEY}, {RNG_RANKS_KEY}"}
             raise RankMismatchError(
-                f"loading step {step} under {self.root}", "the RNG entries their copies of the step hold",
-                {r: names.get(f, "none") for r, f in enumerate(every)},
+                f"loading step {step}", "the RNG entries their copies of the step hold",
+                {r: f"{names.get(f, 'none')} in {p}" for r, (f, p) in enumerate(every)},
                 note="each rank's copy of a step must be the same checkpoint; nothing was loaded",
             )  # fmt: skip
-        return every[0]
+        return every[0][0]
 
     def _has_rng(self, step: int) -> bool:
         """Whether step ``step`` holds the manager's per-rank RNG entry."""
