@@ -524,6 +524,34 @@ def _check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[
             raise RankMismatchError(what, name, values)
 
 
+def _check_same_tensors(path: Any, fingerprints: Sequence[list]) -> None:
+    """Ranks whose planned files differ (``fingerprints[r]``: rank ``r``'s ``[(file, header)]``
+    per part): name the first tensor whose shape or dtype differs between ranks, or that some
+    rank lacks, from the safetensors headers they planned. The same verdict on every rank.
+
+    Raises:
+        RankMismatchError: naming the tensor and each rank's shape and dtype ("absent")."""
+    import json
+
+    per_rank: list[dict[str, str]] = []
+    for fp in fingerprints:
+        seen: dict[str, str] = {}
+        for files in fp:
+            for _, header in files:
+                n = int.from_bytes(header[:8], "little")
+                for k, v in json.loads(header[8 : 8 + n]).items():
+                    if k != "__metadata__":
+                        seen[k] = f"{v['shape']} {v['dtype']}"
+        per_rank.append(seen)
+    for key in sorted({k for seen in per_rank for k in seen}):
+        values = {r: seen.get(key, "absent") for r, seen in enumerate(per_rank)}
+        if len(set(values.values())) > 1:
+            raise RankMismatchError(
+                f"saving {path}", f"the shape and dtype of tensor {key!r}", values,
+                note="each rank must save the same tensors; nothing was committed",
+            )  # fmt: skip
+
+
 def _check_covered(path: Any, covered: Sequence[Mapping[str, int]], numel: Mapping[str, int]) -> None:
     """Every DTensor written whole by the ranks together (``covered[r][fqn]``: elements rank
     ``r`` wrote of it): ranks that hold one DTensor with different placements (an SPMD program
@@ -576,6 +604,7 @@ def _save_distributed(
     gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
     _check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
+        _check_same_tensors(path, [fp for fp, *_ in gathered])
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
     rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
     if rank_files and len(rank_files) != world:  # the same verdict on every rank

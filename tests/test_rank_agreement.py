@@ -125,6 +125,7 @@ def _disagreeing_state_stages(rank, root, mesh, stage):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    import checkpoint
     from checkpoint.dcp import StorageWriter
     from checkpoint.training.manager import CheckpointManager
 
@@ -137,6 +138,9 @@ def _disagreeing_state_stages(rank, root, mesh, stage):
         p = os.path.join(root, f"dcp-{name}")
         stage(f"dcp_plain_{name}", lambda sd=sd, p=p: dcp.save(sd, storage_writer=StorageWriter(p)))
         out[f"dcp_plain_{name}_exists"] = os.path.exists(p)
+        q = os.path.join(root, f"save-{name}")
+        stage(f"save_plain_{name}", lambda sd=sd, q=q: checkpoint.save(sd, q))
+        out[f"save_plain_{name}_exists"] = os.path.exists(q)
 
     def weights(v):
         return {"w": distribute_tensor(torch.full((4, 2), v), mesh, [Shard(0)])}
@@ -294,6 +298,19 @@ def test_dcp_writer_refuses_plain_tensors_that_differ_between_ranks(outcomes, wh
         assert got.startswith("CheckpointException of RankMismatchError"), got
         assert f"the shape and dtype of tensor {key!r}" in got and all(v in got for v in values), got
         assert per_rank[f"dcp_plain_{what}_exists"] is False
+
+
+@pytest.mark.parametrize("what, key, values", [
+    ("shape", "a", ("rank 0: [4, 4] F32", "rank 1: [4, 5] F32")),
+    ("dtype", "b", ("rank 0: [3] F32", "rank 1: [3] F16")),
+])
+def test_save_names_the_plain_tensor_that_differs_between_ranks(outcomes, what, key, values):
+    # Before: CheckpointError "ranks planned different layouts (different models or dtypes?)".
+    for per_rank in outcomes:
+        got = per_rank[f"save_plain_{what}"]
+        assert got.startswith("RankMismatchError"), got
+        assert f"the shape and dtype of tensor {key!r}" in got and all(v in got for v in values), got
+        assert per_rank[f"save_plain_{what}_exists"] is False
 
 
 def test_load_latest_refuses_a_step_missing_on_one_rank_alike_on_every_rank(outcomes):
