@@ -48,7 +48,7 @@ from .storage.extra_state import (
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage import paths
-from .storage.location import is_remote, resolve
+from .storage.location import is_remote, local_target, resolve
 from .storage.opening import open_checkpoint as open_any_checkpoint
 from .storage.urls import is_url
 from .storage.reader import open_checkpoint
@@ -120,6 +120,10 @@ def migrate(
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
                           storage_options=storage_options if is_url(src) else None)  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
+    if not dry_run:  # refused before the source is read, as the write would refuse it
+        from .saving import refuse_nested
+
+        refuse_nested(local_target(dst))
     # A URL source: every part read from the one model index fetched (optimizer, extra state),
     # as from a local checkpoint directory.
     stack, view = contextlib.ExitStack(), None
