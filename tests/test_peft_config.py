@@ -151,6 +151,8 @@ def test_inspect_and_diff_show_the_adapter_config(saved, tmp_path):
     }  # fmt: skip
     code, out = _cli("inspect", root / "ck")
     assert code == 0 and "  adapter config: peft_type=LORA, r=4, lora_alpha=16, use_rslora=False," in out
+    code, out = _cli("inspect", root / "adapter", "--json")  # peft's own adapter directory
+    assert code == 0 and json.loads(out)["adapter_config"] == cfg
     code, out = _cli("diff", root / "ck", tmp_path / "b", "--json")
     data = json.loads(out)
     assert code == 1 and data["parts"]["model"]["same"] and not data["parts"]["adapter"]["same"]

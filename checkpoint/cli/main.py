@@ -63,7 +63,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..plan.schemes import naming_schemes
-    from .parts import extra_state_summary, fqnckpt_parts, manager_root, open_inspected, part_index
+    from .parts import adapter_dir_config, extra_state_summary, fqnckpt_parts, manager_root, open_inspected, part_index
 
     check_trust(args)
     root = manager_root(args.path)
@@ -141,6 +141,9 @@ def _inspect(args: argparse.Namespace) -> int:
     lines += [f"  note: {n}" for n in src.notes]
     if parts is not None and args.key is None:
         lines += _inspect_parts(parts, data)
+    elif parts is None and (adapter_cfg := adapter_dir_config(args.path)) is not None:  # peft's save_pretrained
+        data["adapter_config"] = adapter_cfg
+        lines.append("  adapter config: " + ", ".join(f"{k}={v}" for k, v in adapter_cfg.items()))
     elif src_extra:
         data["extra_state"] = src_extra
         lines.append(f"  extra state: {len(src_extra)} {'entry' if len(src_extra) == 1 else 'entries'}")

@@ -132,13 +132,23 @@ def adapter_config_summary(parts: Parts | None) -> dict[str, Any] | None:
 
     Raises:
         CorruptCheckpointError: the config is not a JSON object (file named)."""
-    from ..peft_config import ADAPTER_CONFIG, adapter_math, read_adapter_config
-
     if parts is None or parts.adapter is None or parts.store is not None:
         return None
-    if not _plain_file(os.path.join(parts.root, ADAPTER_CONFIG)):
+    return adapter_dir_config(parts.root)
+
+
+def adapter_dir_config(path: Any) -> dict[str, Any] | None:
+    """:func:`adapter_config_summary` of a local directory holding peft's adapter files (a
+    ``save_pretrained`` directory, or a checkpoint's adapter part), else None."""
+    from ..peft_config import ADAPTER_CONFIG, adapter_math, read_adapter_config
+    from ..storage.urls import is_url
+
+    if is_url(path) or not os.path.isdir(path):
         return None
-    return adapter_math(read_adapter_config(parts.root))
+    root = os.fspath(path)
+    if not (_plain_file(os.path.join(root, ADAPTER_CONFIG)) and _plain_file(os.path.join(root, ADAPTER_FILE))):
+        return None
+    return adapter_math(read_adapter_config(root))
 
 
 def part_index(parts: Parts, part: str, flag: str) -> str:
