@@ -58,7 +58,7 @@ from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX, parse_size
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
 from ..storage.location import is_remote
-from ..storage.urls import is_url, redact_url
+from ..storage.urls import is_url, normalize_url, redact_url
 from .location import Located
 from ..storage import digest, fskind
 from ..storage.digest import hash_spans
@@ -271,7 +271,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         """Adds this rank's destination, ``overwrite`` and its tensors' global shapes and dtypes
         for the coordinator to compare."""
         where = os.fspath(self._require_path())
-        dest = redact_url(where) if is_url(where) else os.path.abspath(where)
+        dest = redact_url(normalize_url(where)) if is_url(where) else os.path.abspath(where)  # as resolve() takes it
         tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for it in plan.items:
             if it.type != WriteItemType.BYTE_IO and it.tensor_data is not None:
