@@ -369,6 +369,39 @@ class DCPLoadError(CheckpointError, ValueError):
         super().__init__(f"DCP checkpoint {self.path}: {why}")
 
 
+class UnknownReadItemError(DCPLoadError, KeyError):
+    """A DCP load plan asks for ``key`` (at storage offsets ``offsets``; None for a non-tensor
+    value) which the checkpoint's metadata lacks: a planner that planned against other metadata,
+    or a plan edited by hand. Raised by ``StorageReader.read_data`` before anything is read. A
+    ``KeyError`` too, for callers that caught the bare one."""
+
+    def __init__(self, path: str, key: str, offsets: tuple[int, ...] | None = None):
+        self.key, self.offsets = key, offsets
+        at = f" at storage offsets {list(offsets)}" if offsets is not None else " (a non-tensor value)"
+        super().__init__(path, f"the load plan reads {key!r}{at}, which its metadata does not hold; nothing was read")
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return self.args[0]
+
+
+class AdapterConfigMismatchError(CheckpointError, ValueError):
+    """The ``adapter_config.json`` saved in ``file`` and the target's peft config (adapter
+    ``adapter``) differ in fields that change what the model computes (LoRA's rank, scaling,
+    targeted modules, ...): ``fields`` maps each such field to ``(saved, target)``; ``key`` is the
+    first. peft and transformers build the model from the saved config, so loading its tensors
+    into a target built otherwise would give other outputs. Raised before any tensor changes."""
+
+    def __init__(self, file: str, adapter: str, fields: dict[str, tuple[Any, Any]]):
+        self.file, self.adapter, self.fields = str(file), adapter, dict(fields)
+        self.key = next(iter(self.fields))
+        shown = "; ".join(f"{k}: saved {s!r}, target {t!r}" for k, (s, t) in self.fields.items())
+        super().__init__(
+            f"{self.file}: the saved adapter config differs from the target's peft config (adapter "
+            f"{adapter!r}) in {shown}; peft and transformers build the model from the saved config: "
+            "build the target from it (peft.PeftConfig.from_pretrained) and load again; nothing was loaded"
+        )
+
+
 class ExtraStateMismatchError(CheckpointError, TypeError):
     """An ``extra_state`` entry of the checkpoint does not fit the caller's object: saved plain
     vs. through ``state_dict()``, another class, other keys, or the object's own

@@ -24,7 +24,7 @@ from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
 from .plan.model import plan_load
-from .peft_state import adapter_only_state, find_peft, has_adapter, open_adapter_reader, saved_names_state
+from .peft_state import adapter_only_state, check_adapter_config, find_peft, has_adapter, open_adapter_reader, saved_names_state
 from .plan.values import check_tied_values, guarded_get
 from .progress import copy_progress
 from .ranks import dist
@@ -142,6 +142,10 @@ def load(
             (``.report`` carries the LoadReport). With ``strict=False`` the matching keys load.
         LossyConversionError: a dtype conversion would lose values (see above).
         MetaTargetError: targets on the meta device and ``assign`` is False.
+        AdapterConfigMismatchError: a ``PeftModel`` target whose peft config differs from the
+            checkpoint's ``adapter_config.json`` in a field that changes the math (``r``,
+            ``lora_alpha``, ``use_rslora``, ``target_modules``, ...:
+            :data:`checkpoint.peft_state.MATH_FIELDS`), naming each field and both values.
         UnwritableTargetError: a target cannot take an in-place copy (expanded / internally
             overlapping, inference tensor outside inference mode, sparse, uninitialized lazy).
         LoadError: safetensors / torch / the OS fail to read a tensor the checks need (names key
@@ -191,8 +195,10 @@ def load(
             agreed = False
 
     try:
-        # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.storage.local_commit.
+        # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.storage.views.
         with checkpoint_view(path):
+            if peft_dir is not None:  # the saved adapter config is the one peft would build
+                check_adapter_config(obj, os.fspath(path))
             if peft_dir == "adapter":
                 reader = open_adapter_reader(os.fspath(path))
             else:

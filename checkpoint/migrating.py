@@ -48,7 +48,7 @@ from .storage.extra_state import (
 )
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage import paths
-from .storage.location import local_path, options_for, resolve
+from .storage.location import local_path, local_target, options_for, resolve
 from .storage.opening import open_checkpoint as open_any_checkpoint
 from .storage.views import checkpoint_view
 from .storage.reader import open_checkpoint
@@ -108,6 +108,7 @@ def migrate(
             ``allow_unresolved``), or optimizer state that cannot be named; ``.report`` explains.
         UnsafePickleError, AmbiguousSourceError, CorruptCheckpointError, ...: from reading ``src``.
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False.
+        NestedCheckpointError: ``dst`` lies inside another checkpoint's folder (as for ``save``).
     """
     if recipe is not None:  # checkpoint.convert plans and streams (a URL source too); written in save's format
         from .saving import converted_writer
@@ -119,6 +120,10 @@ def migrate(
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
                           storage_options=options_for(src, storage_options))  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
+    if not dry_run:  # refused before the source is read, as the write would refuse it
+        from .saving import refuse_nested
+
+        refuse_nested(local_target(dst))
     # A URL source: every part read from the one model index fetched (optimizer, extra state),
     # as from a local checkpoint directory.
     stack, view = contextlib.ExitStack(), None

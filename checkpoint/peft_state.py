@@ -30,10 +30,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .convert.hf_files import architecture_class, is_peft_model, unwrap_model
+from .peft_config import ADAPTER_CONFIG, MATH_FIELDS, adapter_math, plain_value, read_adapter_config
 from .state import Entry, ModuleState
 
 PEFT_MODES = ("adapter", "merged")
-ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
 _ROOT = "base_model.model."  # PeftModel.base_model (the tuner) .model (the transformers model)
 _BASE_SLOTS = ("base_layer", "original_module")  # peft's slot for the wrapped base module
@@ -204,8 +204,41 @@ def has_adapter(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_MODES", "adapter_only_state", "base_name", "find_peft",
-           "has_adapter", "peft_state", "saved_names_state"]
+def check_adapter_config(obj: Any, path: str) -> None:
+    """Compare the ``adapter_config.json`` saved in directory ``path`` with the peft config of
+    the active adapter of the ``PeftModel`` in ``obj``, field by field over :data:`MATH_FIELDS`.
+    A field the saved file lacks takes the default of the target config's class (what peft's
+    ``from_pretrained`` would take). Targets with several active adapters are not compared (no
+    saved directory holds several).
+
+    Raises:
+        AdapterConfigMismatchError: naming every field that differs, saved and target values.
+        CorruptCheckpointError: the saved config is not a JSON object."""
+    import dataclasses
+
+    from .errors import AdapterConfigMismatchError
+
+    pm = find_peft(obj)
+    adapters = _adapters(pm)
+    if len(adapters) != 1:
+        return
+    cfg = pm.peft_config[adapters[0]]
+    target = adapter_math(cfg)
+    saved = adapter_math(read_adapter_config(path))
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+    defaults |= {f.name: f.default_factory() for f in dataclasses.fields(cfg) if f.default_factory is not dataclasses.MISSING}
+    differ = {}
+    for k, t in target.items():
+        s = saved[k] if k in saved else plain_value(k, defaults.get(k, t))
+        if s != t:
+            differ[k] = (s, t)
+    if differ:
+        raise AdapterConfigMismatchError(os.path.join(path, ADAPTER_CONFIG), adapters[0], differ)
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MATH_FIELDS", "PEFT_MODES", "adapter_math", "adapter_only_state",
+           "base_name", "check_adapter_config", "find_peft", "has_adapter", "peft_state", "read_adapter_config",
+           "saved_names_state"]
 
 
 def open_adapter_reader(path: str, base_reader: Any = None) -> Any:

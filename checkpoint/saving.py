@@ -26,12 +26,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fqn import FQNMap, FQNMapFile
 
 from . import _faults
-from .storage.local_commit import StagedCheckpoint
+from .storage.local_commit import StagedCheckpoint, enclosing_checkpoint
 from .storage.commit import is_part
 from .convert import run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
-from .errors import CheckpointError, CheckpointWriteError, RankMismatchError
+from .errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
 from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
 from .progress import counted_fetches
 from .ranks import dist, shards
@@ -81,6 +81,7 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
 
     def write(specs, fetch, extra, layout=None) -> None:
         if layout == "meta":  # local or any byte store (checkpoint.convert.meta_files)
+            refuse_nested(local_target(resolve(path)))
             write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
             return
         _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
@@ -123,11 +124,30 @@ def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
     return t
 
 
+def refuse_nested(path: Any) -> None:
+    """Refuse a local save into a folder inside another checkpoint's directory
+    (:func:`checkpoint.storage.local_commit.enclosing_checkpoint`): that checkpoint's overwrite and retention
+    manage only their own files, and readers of it would meet the inner one's. The one rule of
+    ``save``, ``async_save``, ``migrate``, conversions and DCP's ``StorageWriter``. A URL's store
+    (no folders) passes.
+
+    Raises:
+        NestedCheckpointError: naming ``path`` and the enclosing checkpoint."""
+    local = local_path(path)
+    if local is None:
+        return
+    outer = enclosing_checkpoint(local)
+    if outer is not None:
+        raise NestedCheckpointError(local, outer)
+
+
 def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size, world: int = 1) -> list[Layout]:
     """Plan every part's files and check everything safetensors must be able to read back (names,
     header sizes; dtypes were checked when the specs were made) before anything is written: a
     checkpoint no reader can open is never committed. Linear in the number of tensors.
-    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`)."""
+    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`).
+    A local ``path`` inside another checkpoint is refused first (:func:`refuse_nested`)."""
+    refuse_nested(path)
     for part in parts:
         for spec in part.specs:
             limits.check_name(spec.fqn, path)
@@ -329,8 +349,10 @@ def save(
     Returns the model index written. Raises what :func:`save_streaming` raises (every check
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
-    naming the key for a non-tensor value; on ranks whose peers failed,
-    :class:`~checkpoint.errors.RankAgreementError`.
+    naming the key for a non-tensor value, :class:`~checkpoint.errors.NestedCheckpointError` for a
+    local ``path`` inside another checkpoint's folder (:func:`refuse_nested`), ``ValueError``
+    naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
+    peers failed, :class:`~checkpoint.errors.RankAgreementError`.
     """
     path = resolve(path, storage_options, transfer)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
@@ -508,6 +530,34 @@ def _check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[
             raise RankMismatchError(what, name, values)
 
 
+def _check_same_tensors(path: Any, fingerprints: Sequence[list]) -> None:
+    """Ranks whose planned files differ (``fingerprints[r]``: rank ``r``'s ``[(file, header)]``
+    per part): name the first tensor whose shape or dtype differs between ranks, or that some
+    rank lacks, from the safetensors headers they planned. The same verdict on every rank.
+
+    Raises:
+        RankMismatchError: naming the tensor and each rank's shape and dtype ("absent")."""
+    import json
+
+    per_rank: list[dict[str, str]] = []
+    for fp in fingerprints:
+        seen: dict[str, str] = {}
+        for files in fp:
+            for _, header in files:
+                n = int.from_bytes(header[:8], "little")
+                for k, v in json.loads(header[8 : 8 + n]).items():
+                    if k != "__metadata__":
+                        seen[k] = f"{v['shape']} {v['dtype']}"
+        per_rank.append(seen)
+    for key in sorted({k for seen in per_rank for k in seen}):
+        values = {r: seen.get(key, "absent") for r, seen in enumerate(per_rank)}
+        if len(set(values.values())) > 1:
+            raise RankMismatchError(
+                f"saving {path}", f"the shape and dtype of tensor {key!r}", values,
+                note="each rank must save the same tensors; nothing was committed",
+            )  # fmt: skip
+
+
 def _check_covered(path: Any, covered: Sequence[Mapping[str, int]], numel: Mapping[str, int]) -> None:
     """Every DTensor written whole by the ranks together (``covered[r][fqn]``: elements rank
     ``r`` wrote of it): ranks that hold one DTensor with different placements (an SPMD program
@@ -561,6 +611,7 @@ def _save_distributed(
     gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
     _check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
+        _check_same_tensors(path, [fp for fp, *_ in gathered])
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
     rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
     if rank_files and len(rank_files) != world:  # the same verdict on every rank

@@ -82,6 +82,40 @@ def test_read_data_and_metadata_of_a_hand_written_file(tmp_path):
     assert torch.equal(target["tensor_0"], t)
 
 
+@pytest.mark.parametrize("kind", ["tensor", "bytes"])
+def test_read_data_refuses_an_item_its_metadata_lacks_before_reading(tmp_path, kind):
+    # Before: a bare KeyError from the metadata lookup (the tensor item), or from the extra state.
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from checkpoint.errors import UnknownReadItemError
+
+    t = torch.rand(5, 10)
+    _hand_written(tmp_path, "test.safetensors", t, (5, 10))
+    reader = StorageReader(str(tmp_path))
+    md = reader.read_metadata()
+    target = {"tensor_0": torch.zeros(5, 10)}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(target, md, True)
+    reader.set_up_storage_reader(md, True)
+    plan = planner.create_local_plan()
+    if kind == "tensor":
+        idx = MetadataIndex("nope", torch.Size([0]))
+        extra = ReadItem(LoadItemType.TENSOR, idx, torch.Size([0]), idx, torch.Size([0]), torch.Size([3]))
+        want = f"the load plan reads 'nope' at storage offsets [0], which its metadata does not hold"
+    else:
+        idx = MetadataIndex("gone")
+        extra = ReadItem(LoadItemType.BYTE_IO, idx, torch.Size([0]), idx, torch.Size([0]), torch.Size([0]))
+        want = "the load plan reads 'gone' (a non-tensor value), which its metadata does not hold"
+    plan.items.append(extra)
+    with pytest.raises(UnknownReadItemError) as e:
+        reader.read_data(plan, planner)
+    assert str(e.value) == f"DCP checkpoint {tmp_path}: {want}; nothing was read"
+    assert isinstance(e.value, KeyError) and e.value.key == extra.storage_index.fqn
+    assert torch.equal(target["tensor_0"], torch.zeros(5, 10))  # nothing read before the refusal
+
+
 def test_finish_writes_an_fqnckpt_index(tmp_path):
     sd = {"tensor_0": torch.rand(25), "tensor_1": torch.rand(25)}
     path = str(tmp_path / "ck")

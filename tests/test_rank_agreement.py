@@ -28,6 +28,7 @@ def _outcome(fn):
             raise
         inner = next(iter(failures.values()))
         inner = getattr(inner, "exc", inner)  # torch wraps it (_WrappedException)
+        inner = inner[0] if isinstance(inner, tuple) else inner  # or pairs it with its traceback
         return f"{type(e).__name__} of {type(inner).__name__}: {str(inner)[:300]}"
 
 
@@ -107,6 +108,69 @@ def _stages(rank, world, root):
     with _failing(rank, 1, CheckpointManager, "steps", OSError("listing failed here")):
         stage("manager_latest", lambda: mgr.load_latest(model()))
     out.update(_argument_stages(rank, root, model, stage))
+    out.update(_disagreeing_state_stages(rank, root, mesh, stage))
+    return out
+
+
+def _disagreeing_state_stages(rank, root, mesh, stage):
+    """Ranks whose state disagrees where one collective decides: DCP's StorageWriter given plain
+    tensors of another shape or dtype per rank (DCP's planner keeps each from one rank), and the
+    manager's ``load_latest`` over node-local roots where rank 1's copy lacks rank 0's newest
+    step. Returns the outcomes, what each DCP path holds afterwards, and a load once the step
+    is copied there."""
+    import shutil
+
+    import torch
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+    from checkpoint.dcp import StorageWriter
+    from checkpoint.training.manager import CheckpointManager
+
+    out: dict = {}
+    third = torch.tensor([1 / 3] * 3)
+    w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    shapes = {"w": w, "a": torch.zeros(4, 4 + rank), "b": third.clone()}
+    dtypes = {"w": w, "a": torch.zeros(4, 4), "b": third.clone() if rank == 0 else third.half()}
+    for name, sd in (("shape", shapes), ("dtype", dtypes)):
+        p = os.path.join(root, f"dcp-{name}")
+        stage(f"dcp_plain_{name}", lambda sd=sd, p=p: dcp.save(sd, storage_writer=StorageWriter(p)))
+        out[f"dcp_plain_{name}_exists"] = os.path.exists(p)
+        q = os.path.join(root, f"save-{name}")
+        stage(f"save_plain_{name}", lambda sd=sd, q=q: checkpoint.save(sd, q))
+        out[f"save_plain_{name}_exists"] = os.path.exists(q)
+
+    def weights(v):
+        return {"w": distribute_tensor(torch.full((4, 2), v), mesh, [Shard(0)])}
+
+    shared = os.path.join(root, "mgr-shared")
+    mgr = CheckpointManager(shared, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, weights(float(step)))
+    tdist.barrier()
+    if rank == 0:  # node-local copies; node 1 lacks the newest step
+        for r in (0, 1):
+            shutil.copytree(shared, os.path.join(root, f"node{r}"))
+        shutil.rmtree(os.path.join(root, "node1", "step-00000002"))
+    tdist.barrier()
+    local = CheckpointManager(os.path.join(root, f"node{rank}"), async_save=False)
+    target = weights(0.0)
+    stage("manager_node_local_missing", lambda: local.load_latest(target))
+    out["manager_node_local_unchanged"] = bool(torch.equal(target["w"].full_tensor(), torch.zeros(4, 2)))
+    if rank == 0:
+        shutil.copytree(os.path.join(shared, "step-00000002"), os.path.join(root, "node1", "step-00000002"))
+    tdist.barrier()
+    out["manager_node_local_copied"] = local.load_latest(target)
+    out["manager_node_local_values"] = bool(torch.equal(target["w"].full_tensor(), torch.full((4, 2), 2.0)))
+    # The same step on both roots, the RNG states saved in rank 0's copy only: rank 0 would
+    # check its RNG entry (a collective) while rank 1 went on into load's.
+    for name, rng in (("rng-yes", True), ("rng-no", False)):
+        CheckpointManager(os.path.join(root, name), async_save=False, rng_state=rng).save(3, weights(3.0))
+    mixed = CheckpointManager(os.path.join(root, "rng-yes" if rank == 0 else "rng-no"), async_save=False)
+    stage("manager_rng_entries_differ", lambda: mixed.load_latest(target))
+    out["manager_rng_entries_unchanged"] = bool(torch.equal(target["w"].full_tensor(), torch.full((4, 2), 2.0)))
     return out
 
 
@@ -221,6 +285,54 @@ def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, sta
         got = per_rank[stage]
         assert "RankMismatchError" in got and f"differ in {argument}" in got, got
         assert "rank 0:" in got and "rank 1:" in got, got
+
+
+@pytest.mark.parametrize("what, key, values", [
+    ("shape", "a", ("rank 0: [4, 4] torch.float32", "rank 1: [4, 5] torch.float32")),
+    ("dtype", "b", ("rank 0: [3] torch.float32", "rank 1: [3] torch.float16")),
+])
+def test_dcp_writer_refuses_plain_tensors_that_differ_between_ranks(outcomes, what, key, values):
+    # Before: committed on both ranks, each tensor from whichever rank DCP's dedup kept.
+    for per_rank in outcomes:
+        got = per_rank[f"dcp_plain_{what}"]
+        assert got.startswith("CheckpointException of RankMismatchError"), got
+        assert f"the shape and dtype of tensor {key!r}" in got and all(v in got for v in values), got
+        assert per_rank[f"dcp_plain_{what}_exists"] is False
+
+
+@pytest.mark.parametrize("what, key, values", [
+    ("shape", "a", ("rank 0: [4, 4] F32", "rank 1: [4, 5] F32")),
+    ("dtype", "b", ("rank 0: [3] F32", "rank 1: [3] F16")),
+])
+def test_save_names_the_plain_tensor_that_differs_between_ranks(outcomes, what, key, values):
+    # Before: CheckpointError "ranks planned different layouts (different models or dtypes?)".
+    for per_rank in outcomes:
+        got = per_rank[f"save_plain_{what}"]
+        assert got.startswith("RankMismatchError"), got
+        assert f"the shape and dtype of tensor {key!r}" in got and all(v in got for v in values), got
+        assert per_rank[f"save_plain_{what}_exists"] is False
+
+
+def test_load_latest_refuses_a_step_missing_on_one_rank_alike_on_every_rank(outcomes):
+    # Before: rank 0 entered the RNG check's collective and rank 1 load's: both hung until the
+    # process group's timeout, then died with bare gloo errors.
+    got = [per_rank["manager_node_local_missing"] for per_rank in outcomes]
+    assert got[0] == got[1], got
+    assert got[0].startswith("CheckpointNotFoundError: no checkpoint at "), got[0]
+    assert "node1/step-00000002" in got[0] and "rank(s) [1] have no complete step 2" in got[0], got[0]
+    assert "rank 1: step 1" in got[0], got[0]
+    for per_rank in outcomes:  # nothing loaded; once the step is there, it loads on both ranks
+        assert per_rank["manager_node_local_unchanged"] is True
+        assert per_rank["manager_node_local_copied"] == 2 and per_rank["manager_node_local_values"] is True
+
+
+def test_load_latest_refuses_copies_of_a_step_holding_other_rng_entries(outcomes):
+    got = [per_rank["manager_rng_entries_differ"] for per_rank in outcomes]
+    assert got[0] == got[1], got
+    assert got[0].startswith("RankMismatchError: loading step 3: the ranks differ in the RNG entries their "
+                             "copies of the step hold (rank 0: fqnckpt.rng in "), got[0]
+    assert "rng-yes/step-00000003; rank 1: none in " in got[0] and "rng-no/step-00000003)" in got[0], got[0]
+    assert all(per_rank["manager_rng_entries_unchanged"] is True for per_rank in outcomes)
 
 
 def test_refused_collective_calls_wrote_nothing_and_changed_no_target(outcomes):

@@ -22,7 +22,7 @@ from typing import Any
 
 from .common import check_trust, emit, load_model
 from .errors import BadInput
-from .parts import Parts, extra_state_entries, fqnckpt_parts, part_index
+from .parts import Parts, adapter_config_summary, extra_state_entries, fqnckpt_parts, part_index
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
 _FIELDS = ("only_in_a", "only_in_b", "unresolved_in_a", "unresolved_in_b", "conflicting_in_a",
@@ -285,6 +285,11 @@ def run(args: argparse.Namespace) -> int:
                     results[part] = _absent("b" if sa is None else "a")
                     continue
                 results[part] = _compare(sa, sb, not args.no_values, bar.update)
+        if "adapter" in results and "present_only_in" not in results["adapter"]:
+            r = results["adapter"]  # the saved peft configs: the same tensors under another config compute otherwise
+            ca, cb = adapter_config_summary(pa) or {}, adapter_config_summary(pb) or {}
+            r["config_differs"] = {k: [ca.get(k), cb.get(k)] for k in dict.fromkeys([*ca, *cb]) if ca.get(k) != cb.get(k)}
+            r["same"] = r["same"] and not r["config_differs"]
         if "optimizer" in results and "present_only_in" not in results["optimizer"]:
             r = results["optimizer"]
             r["param_groups_compared"] = ga is not None and gb is not None and (pa is None) == (pb is None)
@@ -331,6 +336,9 @@ def _report(args: argparse.Namespace, model, results: dict[str, dict]) -> int:
         for tag in ("a", "b"):
             if r.get(f"tied_in_{tag}"):
                 lines.append(f"{pad}one tensor under several names in {tag}: {r[f'tied_in_{tag}'][:5]}")
+        if r.get("config_differs"):
+            shown = "; ".join(f"{k}: {a} vs {b}" for k, (a, b) in r["config_differs"].items())
+            lines.append(f"{pad}adapter config differs: {shown}")
         if r.get("param_groups_differ"):
             lines.append(f"{pad}param groups differ (hyper-parameters or parameters)")
     if m.get("common") == 0 and (m.get("only_in_a") or m.get("only_in_b")) and model is None and not args.canonical:

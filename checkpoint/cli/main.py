@@ -63,7 +63,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..plan.schemes import naming_schemes
-    from .parts import extra_state_summary, fqnckpt_parts, manager_root, open_inspected, part_index
+    from .parts import adapter_dir_config, extra_state_summary, fqnckpt_parts, manager_root, open_inspected, part_index
 
     check_trust(args)
     root = manager_root(args.path)
@@ -141,6 +141,9 @@ def _inspect(args: argparse.Namespace) -> int:
     lines += [f"  note: {n}" for n in src.notes]
     if parts is not None and args.key is None:
         lines += _inspect_parts(parts, data)
+    elif parts is None and (adapter_cfg := adapter_dir_config(args.path)) is not None:  # peft's save_pretrained
+        data["adapter_config"] = adapter_cfg
+        lines.append("  adapter config: " + ", ".join(f"{k}={v}" for k, v in adapter_cfg.items()))
     elif src_extra:
         data["extra_state"] = src_extra
         lines.append(f"  extra state: {len(src_extra)} {'entry' if len(src_extra) == 1 else 'entries'}")
@@ -161,12 +164,15 @@ def _layout_of(keys) -> str | None:
 
 def _inspect_parts(parts, data: dict) -> list[str]:
     """``data["parts"]`` and the text lines for the optimizer and extra state of an fqnckpt checkpoint."""
-    from .parts import extra_state_summary, optimizer_summary
+    from .parts import adapter_config_summary, extra_state_summary, optimizer_summary
 
     opt, extra = optimizer_summary(parts), extra_state_summary(parts)
     data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra}
+    adapter_cfg = adapter_config_summary(parts)
     if parts.adapter is not None:
         data["parts"]["adapter"] = os.path.basename(parts.adapter)
+    if adapter_cfg is not None:
+        data["parts"]["adapter_config"] = adapter_cfg
     lines = [f"  parts: model ({os.path.basename(parts.model)})"
              + (f", optimizer ({opt['index']})" if opt else "") + (", extra state (extra_state.json)" if extra else "")
              + (", peft adapter (adapter_model.safetensors + adapter_config.json)" if parts.adapter else "")]  # fmt: skip
@@ -177,6 +183,8 @@ def _inspect_parts(parts, data: dict) -> list[str]:
         for i, g in enumerate(opt["param_groups"]):
             hyper = ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
             lines.append(f"    group {i}: {g['params']} params; {hyper}")
+    if adapter_cfg is not None:
+        lines.append("  adapter config: " + ", ".join(f"{k}={v}" for k, v in adapter_cfg.items()))
     if extra is not None:
         lines.append(f"  extra state: {len(extra)} {'entry' if len(extra) == 1 else 'entries'}")
         lines += [f"    {k}: {v}" for k, v in extra.items()]

@@ -101,6 +101,32 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
         )
 
 
+def adapter_config_summary(parts: Parts | None) -> dict[str, Any] | None:
+    """The fields of the ``adapter_config.json`` beside a PEFT checkpoint's adapter file that
+    change the math (:data:`checkpoint.peft_config.MATH_FIELDS`, as the file holds them), or None
+    when there is no adapter part (or no config beside it, e.g. at a URL).
+
+    Raises:
+        CorruptCheckpointError: the config is not a JSON object (file named)."""
+    if parts is None or parts.adapter is None or parts.store is not None:
+        return None
+    return adapter_dir_config(parts.root)
+
+
+def adapter_dir_config(path: Any) -> dict[str, Any] | None:
+    """:func:`adapter_config_summary` of a local directory holding peft's adapter files (a
+    ``save_pretrained`` directory, or a checkpoint's adapter part), else None."""
+    from ..peft_config import ADAPTER_CONFIG, adapter_math, read_adapter_config
+    from ..storage.urls import is_url
+
+    if is_url(path) or not os.path.isdir(path):
+        return None
+    root = os.fspath(path)
+    if not (_plain_file(os.path.join(root, ADAPTER_CONFIG)) and _plain_file(os.path.join(root, ADAPTER_FILE))):
+        return None
+    return adapter_math(read_adapter_config(root))
+
+
 def part_index(parts: Parts, part: str, flag: str) -> str:
     """The index file of ``part`` (``model`` / ``optimizer``).
 

@@ -70,6 +70,7 @@ from ..errors import (
     CorruptCheckpointError,
     DuplicateTensorError,
     MetaTargetError,
+    UnknownReadItemError,
     UnsupportedTensorError,
     UnwritableTargetError,
 )
@@ -182,7 +183,9 @@ class StorageReader(Located, dcp_storage.StorageReader):
     ``TensorNotInShardError``, ``DuplicateTensorError``, ``CorruptCheckpointError``);
     ``DuplicateTensorError`` for a tensor in two files without DCP sharding offsets;
     ``CorruptCheckpointError`` when DCP shard files do not cover a tensor exactly. From
-    ``read_data``: ``LoadError`` naming key and file when a read fails; ``MetaTargetError``
+    ``read_data``: ``UnknownReadItemError`` (a ``KeyError`` too) naming a read item's key and
+    offsets that the checkpoint's metadata lacks, before anything is read; ``LoadError`` naming
+    key and file when a read fails; ``MetaTargetError``
     naming every target still on the meta device, before anything is read (meta targets load as
     with torch's ``FileSystemReader``: under a process group DCP's default planner replaces them
     by tensors on the group's device; without one torch's planner raises before any reader runs).
@@ -326,6 +329,8 @@ class StorageReader(Located, dcp_storage.StorageReader):
         later: list[ReadItem] = []
         pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
         for item in plan.items:
+            _check_known(src, self.storage_data, item)
+        for item in plan.items:
             fqn = item.dest_index.fqn
             if item.type == LoadItemType.BYTE_IO:
                 later.append(item)
@@ -387,6 +392,17 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if not ok and not (src.local and reader.copy_into(k, target, sl, check is True or k in check)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
+
+
+def _check_known(src: _Source, storage: Mapping[MetadataIndex, Any], item: ReadItem) -> None:
+    """Raise :class:`~checkpoint.errors.UnknownReadItemError` for a read item the checkpoint's
+    metadata lacks (a tensor chunk by its storage index, a non-tensor value by its key)."""
+    idx = item.storage_index
+    if item.type == LoadItemType.BYTE_IO:
+        if idx.fqn not in src.extra:
+            raise UnknownReadItemError(src.where, idx.fqn)
+    elif not isinstance(storage.get(idx), StoredChunk) or idx.fqn not in src.chunks:
+        raise UnknownReadItemError(src.where, idx.fqn, tuple(idx.offset or ()))
 
 
 def _identity(src: _Source) -> tuple:

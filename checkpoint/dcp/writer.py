@@ -49,13 +49,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..storage.local_commit import StagedCheckpoint, enclosing_checkpoint
-from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, UnsavableError
+from ..storage.local_commit import StagedCheckpoint
+from ..errors import CheckpointError, CheckpointWriteError, RankMismatchError, UnsavableError
 from ..ranks import dist
-from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit
+from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit, refuse_nested
 from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
-from ..storage.format import MODEL_PREFIX
+from ..storage.format import MODEL_PREFIX, parse_size
 from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
 from ..storage.location import local_path, shown
 from .location import Located
@@ -87,12 +87,15 @@ class _RemotePlan:
 
 @dataclass(frozen=True)
 class _RankArgs:
-    """``SavePlan.storage_data`` of a local plan: this rank's destination and ``overwrite``,
-    compared by the coordinator (``inner``: what the planner put there, e.g. TiedKeys)."""
+    """``SavePlan.storage_data`` of a local plan: this rank's destination and ``overwrite``, and
+    the global shape and dtype of each tensor it plans (``tensors``: ``(fqn, shape, dtype)``,
+    one per key), compared by the coordinator before DCP's dedup is looked at (``inner``: what
+    the planner put there, e.g. TiedKeys)."""
 
     destination: str
     overwrite: bool
     inner: Any = None
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,13 +120,29 @@ def _agreed(what: str, plans: list[SavePlan]) -> list[SavePlan]:
     """The local plans with their :class:`_RankArgs` taken off, after checking that every rank
     was given the same destination and ``overwrite`` (a ``StorageWriter`` per rank with its own
     path would write every rank's bytes into the coordinator's checkpoint while the others
-    believe they saved elsewhere). Plans without them (a planner that dropped storage_data) pass.
+    believe they saved elsewhere), and that every tensor key planned by several ranks has one
+    global shape and dtype on all of them. DCP's planner keeps one copy of a replicated (plain)
+    tensor, from whichever rank its dedup picks, so ranks whose plain tensors disagree would
+    commit a mix of them; the comparison uses what each rank planned before that dedup. Plans
+    without them (a planner that dropped storage_data) pass.
 
     Raises:
-        RankMismatchError: the ranks differ (DCP raises it on every rank as CheckpointException).
+        RankMismatchError: the ranks differ (DCP raises it on every rank as CheckpointException);
+            for a tensor it names the key and each rank's shape and dtype.
     """
-    args = [(p.storage_data.destination, p.storage_data.overwrite) for p in plans if isinstance(p.storage_data, _RankArgs)]
+    ranked = [(r, p.storage_data) for r, p in enumerate(plans) if isinstance(p.storage_data, _RankArgs)]
+    args = [(a.destination, a.overwrite) for _, a in ranked]
     _check_same_arguments(f"saving {what}", args, ("destination", "overwrite"))  # checkpoint.save's rule
+    seen: dict[str, dict[int, str]] = {}
+    for r, a in ranked:
+        for fqn, shape, dtype in a.tensors:
+            seen.setdefault(fqn, {})[r] = f"{list(shape)} {dtype}"
+    for fqn, values in seen.items():
+        if len(set(values.values())) > 1:
+            raise RankMismatchError(
+                f"saving {what}", f"the shape and dtype of tensor {fqn!r}", values,
+                note="each rank must save the same tensor under one key; nothing was committed",
+            )  # fmt: skip
     return [replace(p, storage_data=p.storage_data.inner) if isinstance(p.storage_data, _RankArgs) else p for p in plans]
 
 
@@ -172,8 +191,10 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
     ``CheckpointException`` (a ``BaseException``) carrying the original: an
     :class:`~checkpoint.errors.UnsavableError` for a name or header safetensors cannot hold, a
     ``TypeError`` for a dtype it cannot store or a non-tensor value extra state cannot hold (both
-    naming the key), ``ValueError`` for keys missing from ``fqn_to_index_mapping`` or tensors whose
-    shape or dtype differ between ranks, :class:`~checkpoint.errors.CheckpointWriteError` for an OS
+    naming the key), ``ValueError`` for keys missing from ``fqn_to_index_mapping``,
+    :class:`~checkpoint.errors.RankMismatchError` (a ``ValueError``) naming the key and each rank's
+    shape and dtype for a tensor whose shape or dtype differ between ranks (plain tensors
+    included, which DCP's planner keeps from one rank only), :class:`~checkpoint.errors.CheckpointWriteError` for an OS
     error (the previous checkpoint at ``path`` stays whole), :class:`~checkpoint.errors.NestedCheckpointError`
     when ``path`` lies inside another checkpoint's folder.
 
@@ -205,6 +226,8 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         self._locate(path, storage_options, transfer)
         self.process_group = process_group
         self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+        if fqn_to_index_mapping is None:
+            parse_size(max_shard_size)  # a bad size (a float, "1.5") fails here, before DCP plans
         self.max_shard_size = max_shard_size
         self.overwrite = overwrite
         self.is_coordinator = False
@@ -244,9 +267,16 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Adds this rank's destination and ``overwrite`` for the coordinator to compare."""
-        dest = shown(self._require_path())
-        return replace(plan, storage_data=_RankArgs(dest, bool(self.overwrite), plan.storage_data))
+        """Adds this rank's destination, ``overwrite`` and its tensors' global shapes and dtypes
+        for the coordinator to compare."""
+        dest = shown(self._require_path())  # as resolve() takes it
+        tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for it in plan.items:
+            if it.type != WriteItemType.BYTE_IO and it.tensor_data is not None:
+                td = it.tensor_data
+                tensors.setdefault(it.index.fqn, (it.index.fqn, tuple(td.size), str(td.properties.dtype)))
+        args = _RankArgs(dest, bool(self.overwrite), plan.storage_data, tuple(tensors.values()))
+        return replace(plan, storage_data=args)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: plan the files from every rank's items, create them (local paths), and give
@@ -265,9 +295,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         if local_path(where) is None:  # a byte store: uploaded per file, committed by its index
             data = _RemotePlan(layout, tuple(extra_keys), tuple(tuple(g) for g in self._aliases))
             return [replace(p, storage_data=data) for p in plans]
-        outer = enclosing_checkpoint(where)
-        if outer is not None:
-            raise NestedCheckpointError(where, outer)
+        refuse_nested(where)  # checkpoint.save's rule
         _abort(self.path)  # a failed save of this process still holding the lock
         st = StagedCheckpoint(where, self.overwrite).__enter__()
         try:

@@ -15,7 +15,9 @@ digested in chunks of that size (so the ranks of a distributed save hash their o
 
 from __future__ import annotations
 
+import operator
 import re
+from fractions import Fraction
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -193,22 +195,33 @@ _UNITS = {
 
 
 def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5 * 10**9 bytes; ``"5GiB"`` -> 5 * 2**30; an int is returned as is.
+    """``"5GB"`` -> 5 * 10**9 bytes; ``"5GiB"`` -> 5 * 2**30; ``"1.5KB"`` -> 1500; an int (or
+    any integer type, e.g. numpy's) is returned as is.
 
-    Semantics of ``transformers.utils.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30).
+    Semantics of ``transformers.utils.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30), the
+    number taken exactly (``"1.1GB"`` is 1_100_000_000).
 
     Raises:
-        ValueError: the string is not ``<number><unit>`` or the size is not positive.
+        ValueError: neither an integer nor a string (a float such as ``1.5``: bytes are whole,
+            so a float is refused by its type, not truncated; a bool), a string not
+            ``<number><unit>`` or naming a fraction of a byte (``"1.5"``, ``"0.5B"``), or a size
+            that is not positive. Every message names ``max_shard_size`` and the value.
     """
-    if isinstance(size, bool):
-        raise ValueError(f"max_shard_size must be bytes or a string like '5GB', got {size!r}")
-    if isinstance(size, int):
-        n = size
+    if isinstance(size, bool) or not isinstance(size, str) and not hasattr(size, "__index__"):
+        raise ValueError(
+            f"max_shard_size must be an int (bytes) or a size string like '5GB', '500MB', '2GiB', "
+            f"got {type(size).__name__} {size!r}"
+        )
+    if not isinstance(size, str):
+        n = operator.index(size)
     else:
-        m = _SIZE.match(str(size))
+        m = _SIZE.match(size)
         if not m:
             raise ValueError(f"max_shard_size {size!r} is not like '5GB', '500MB', '2GiB' or an int")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+        exact = Fraction(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
+        if exact.denominator != 1:
+            raise ValueError(f"max_shard_size {size!r} is not a whole number of bytes")
+        n = int(exact)
     if n <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
     return n

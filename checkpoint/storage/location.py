@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .urls import check_url, is_url, redact_url, url_scheme
+from .urls import check_url, is_url, normalize_url, redact_url, url_scheme
 
 
 def is_remote(where: Any) -> bool:
@@ -23,7 +23,9 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
     :class:`~checkpoint.storage.bytestore.LocalStore` for ``file://`` (saved through the same
     commit as a plain path: :func:`local_target`), an fsspec
     :class:`~checkpoint.storage.objstore.ObjectStore` for ``s3://``, ``memory://``, ...
-    (``storage_options`` / ``transfer`` apply to it only). A byte store is returned as is.
+    (``storage_options`` / ``transfer`` apply to it only), its path normalised
+    (:func:`~checkpoint.storage.urls.normalize_url`: the same keys on every backend). A byte
+    store is returned as is.
 
     Raises:
         UnsupportedStorageError: a URL whose scheme has no installed fsspec backend;
@@ -41,6 +43,7 @@ def resolve(path: Any, storage_options: Mapping | None = None, transfer: Any = N
             raise TypeError(f"storage_options / transfer apply to URLs (s3://...), not to the local path {p!r}")
         return os.path.expanduser(p)  # "~/run" as typed in Python, where no shell expands it
     check_url(p)  # a query (?versionId=...) or fragment: refused for every entry point
+    p = normalize_url(p)  # "s3://b//ck" is "s3://b/ck", as "/b//ck" is "/b/ck" on disk
     if url_scheme(p) == "file" and not storage_options:  # the local byte store: no fsspec
         from .bytestore import LocalStore
 
@@ -71,7 +74,7 @@ def shown(where: Any) -> str:
     if is_remote(where):
         return str(where)  # a byte store's url is redacted when it is made
     p = os.fspath(where)
-    return redact_url(p) if is_url(p) else os.path.abspath(p)
+    return redact_url(normalize_url(p)) if is_url(p) else os.path.abspath(p)
 
 
 def local_target(where: Any) -> Any:

@@ -61,6 +61,21 @@ def check_url(url: str) -> None:
         raise UnsupportedURLError(redact_url(url), scheme, parts)
 
 
+def normalize_url(url: str) -> str:
+    """``url`` with its path normalised as a local path is by the OS: empty segments (``//``)
+    and ``.`` segments removed, no trailing ``/`` (a checkpoint URL is a prefix). Object stores
+    take a key literally, so ``s3://b//ck`` would otherwise write under ``b/`` + ``/ck/...`` (an
+    empty-named folder) and ``s3://b/./ck`` under a folder named ``.``, where a local save to
+    ``/b//ck`` or ``/b/./ck`` writes ``/b/ck``. A leading ``/`` (``file:///tmp/ck``,
+    ``memory:///ck``) and ``..`` segments are kept as given. Not a URL: returned unchanged."""
+    m = _URL.match(url)
+    if m is None:
+        return url
+    rest = url[m.end() :]
+    lead = "/" if rest.startswith("/") else ""
+    return url[: m.end()] + lead + "/".join(s for s in rest.split("/") if s not in ("", "."))
+
+
 def redact_url(url: str) -> str:
     """``url`` as messages show it: userinfo, query values and fragment replaced by ``***``
     (:func:`checkpoint.storage.secrets.scrub_url`; credentials never reach a message)."""
@@ -69,4 +84,4 @@ def redact_url(url: str) -> str:
     return scrub_url(url)
 
 
-__all__ = ["url_scheme", "is_url", "check_url", "redact_url"]
+__all__ = ["url_scheme", "is_url", "check_url", "normalize_url", "redact_url"]

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..saving import _many_ranks, _prepare, _save_distributed, _save_parts, agree_prepare_failure
+from ..saving import _many_ranks, _prepare, _save_distributed, _save_parts, agree_prepare_failure, refuse_nested
 from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
@@ -579,6 +579,7 @@ class AsyncSaver:
         remote = local_path(path) is None  # a byte store: whole objects, gathered in the call
         if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
             parse_size(max_shard_size)  # a bad size fails here, not in the background
+        refuse_nested(path)  # inside another checkpoint: refused here, not in the background
         with self._lock:
             self._check_open()
             self._halt_touch()  # stopped, never waited for: the copies fault in the rest

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .. import _faults
 from ..storage.opening import recover
 from ..ranks import dist
-from ..errors import CheckpointError, InterruptedCommitError
+from ..errors import CheckpointError, CheckpointNotFoundError, InterruptedCommitError, RankMismatchError
 from ..storage.extra_state import PerRank, read_extra_state_file
 from ..storage.location import local_path, local_target, resolve, store_of
 from ..storage.views import checkpoint_view
@@ -332,33 +332,35 @@ class CheckpointManager:
         """Load the newest complete checkpoint with :func:`checkpoint.load` (strict by default);
         returns its step, or None (nothing loaded) when there is none; the
         :class:`~checkpoint.LoadReport` is kept in ``last_report``. On many ranks rank 0 picks
-        the checkpoint and tells the others (one exchange on the default group, which also agrees
-        on a failure to list the checkpoints on any rank). With
+        the checkpoint (its newest complete step) and every rank checks it holds that step and
+        what it restores besides the model (the RNG entries) before any collective load starts:
+        each root may be a node-local copy, so a rank whose root lacks the step, or whose copy
+        holds other entries, is refused on every rank alike and the process group stays usable
+        (two small exchanges on the default group, which also agree on a failure to list or read
+        the checkpoints on any rank). With
         ``async_save``, the staging memory of the first save is then touched in the background
         (see ``_prepare_soon``), so call it at the start of a run even when nothing is saved yet.
 
-        Raises: what :func:`checkpoint.load` raises.
+        Raises:
+            CheckpointNotFoundError: on every rank, when some rank's root has no complete
+                checkpoint of the step rank 0 picked (names the step, those ranks and their
+                newest steps).
+            RankMismatchError: on every rank, when the ranks' copies of the step differ in the
+                RNG entries they hold.
+            What :func:`checkpoint.load` raises.
         """
         from ..loading import load
 
         self.wait()
-        step, err = None, None
-        try:
-            steps = self.steps()
-            step = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting for rank 0
-            err = e
-        if dist.active():
-            step = dist.check_all_gather(f"finding the latest checkpoint under {self.root}", err, step)[0]
-        elif err is not None:
-            raise err
+        step = self._agreed_step()
         if step is None:
             self._prepare_soon(module, optimizer)
             return None
         where = self._where(step)
         with self._view(where):  # one save read whole (object storage: one model index)
             added, rng = False, None
-            saved_rng = self.rng_state and (extra_state is None or RNG_KEY not in extra_state) and self._has_rng(step)
+            per_rank_rng, gathered_rng = self._agreed_restore(step)
+            saved_rng = self.rng_state and (extra_state is None or RNG_KEY not in extra_state) and per_rank_rng
             if saved_rng and extra_state is not None:
                 extra_state[RNG_KEY] = PerRank(RNGState())  # the caller's dict: plain values land there
                 added = True
@@ -367,7 +369,7 @@ class CheckpointManager:
                 # model changes and set after it loaded; other saved entries stay unread.
                 rng = self._plan_rng(where, {RNG_KEY: PerRank(RNGState())})
             gathered = None
-            if self.rng_state and not saved_rng and self._has_gathered_rng(step):
+            if self.rng_state and not saved_rng and gathered_rng:
                 gathered = self._plan_rng(where, {RNG_RANKS_KEY: None})
             try:
                 self.last_report = load(
@@ -387,6 +389,60 @@ class CheckpointManager:
                 )
         self._prepare_soon(module, optimizer)
         return step
+
+    def _agreed_step(self) -> int | None:
+        """The step to load, the same on every rank: the newest complete one under rank 0's root
+        (None: none there), after checking that every rank's root holds it complete. One exchange
+        of every rank's step list (or its error listing them)."""
+        mine, err = None, None
+        try:
+            mine = self.steps()
+        except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting for rank 0
+            err = e
+        if not dist.active():
+            if err is not None:
+                raise err
+            return mine[-1] if mine else None
+        every = dist.check_all_gather(f"finding the latest checkpoint under {self.root}", err, (mine, self.root))
+        first = every[0][0]
+        step = first[-1] if first else None
+        lacking = {r: (s[-1] if s else None, p) for r, (s, p) in enumerate(every) if step is not None and step not in s}
+        if lacking:  # the same verdict and message on every rank: each holds every rank's list
+            newest = "; ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, (s, _) in sorted(lacking.items()))
+            r = min(lacking)
+            raise CheckpointNotFoundError(
+                f"{lacking[r][1]}/{step_dir_name(step)}" if self._remote else os.path.join(lacking[r][1], step_dir_name(step)),
+                f"on rank {r}: rank 0 loads step {step}, the newest complete checkpoint under its root, and "
+                f"rank(s) {sorted(lacking)} have no complete step {step} under theirs (newest there: {newest}); "
+                "copy the step to every rank's root, or remove it from rank 0's",
+            )
+        return step
+
+    def _agreed_restore(self, step: int) -> tuple[bool, bool]:
+        """``(per-rank RNG entry, gathered RNG entry)``: whether step ``step`` holds each, read
+        from this rank's copy and compared across ranks (one exchange), so every rank takes the
+        same collective path. Raises RankMismatchError on every rank when the copies differ.
+        ``(False, False)`` without reading when the manager restores no RNG states."""
+        if not self.rng_state:
+            return False, False
+        flags, err = None, None
+        try:
+            flags = (self._has_rng(step), self._has_gathered_rng(step))
+        except Exception as e:  # noqa: BLE001 - agreed below: no rank left waiting in load
+            err = e
+        if not dist.active():
+            if err is not None:
+                raise err
+            return flags
+        every = dist.check_all_gather(f"reading the extra state of step {step} under {self.root}", err, (flags, self.path(step)))
+        if len({f for f, _ in every}) > 1:  # the same message on every rank: each rank's copy named
+            names = {(True, False): RNG_KEY, (False, True): RNG_RANKS_KEY, (True, True): f"{RNG_KEY}, {RNG_RANKS_KEY}"}
+            raise RankMismatchError(
+                f"loading step {step}", "the RNG entries their copies of the step hold",
+                {r: f"{names.get(f, 'none')} in {p}" for r, (f, p) in enumerate(every)},
+                note="each rank's copy of a step must be the same checkpoint; nothing was loaded",
+            )  # fmt: skip
+        return every[0][0]
 
     def _has_rng(self, step: int) -> bool:
         """Whether step ``step`` holds the manager's per-rank RNG entry."""
