@@ -411,7 +411,7 @@ class CheckpointManager:
             newest = "; ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, (s, _) in sorted(lacking.items()))
             r = min(lacking)
             raise CheckpointNotFoundError(
-                f"{lacking[r][1]}/{step_dir_name(step)}" if self._remote else os.path.join(lacking[r][1], step_dir_name(step)),
+                f"{lacking[r][1]}/{step_dir_name(step)}",  # each rank's root: a path or URL
                 f"on rank {r}: rank 0 loads step {step}, the newest complete checkpoint under its root, and "
                 f"rank(s) {sorted(lacking)} have no complete step {step} under theirs (newest there: {newest}); "
                 "copy the step to every rank's root, or remove it from rank 0's",
