@@ -1,0 +1,302 @@
+"""Block-scaled quantized weights as checkpoints store them: the formats, found by name and dtype,
+checked against their config, and the arithmetic that turns them back into floating point (and
+bf16 into FP8 blocks).
+
+* **FP8 blocks** (DeepSeek-V3 / R1, Qwen3-FP8; transformers' ``FineGrainedFP8``): a 2-D weight
+  ``W`` stored as ``float8_e4m3fn`` beside ``W_scale_inv`` (``<name>.weight_scale_inv``), one
+  floating-point scale per ``br x bc`` block (``config.json`` ``quantization_config``:
+  ``{"quant_method": "fp8", "weight_block_size": [br, bc]}``; 128 x 128 when no config says).
+  The scale grid is ``(ceil(R / br), ceil(C / bc))``: the last row / column of blocks may be
+  short. Value ``W[i, j]`` is ``float32(W[i, j]) * float32(scale[i // br, j // bc])``, then the
+  target's dtype (torch's ``QuantizedHuggingFaceStorageReader``, DeepSeek's ``weight_dequant``).
+* **MXFP4** (gpt-oss; the OCP microscaling format): ``X_blocks`` ``uint8 [*prefix, G, B]`` holds
+  two FP4 (E2M1) codes a byte, low nibble first, and ``X_scales`` ``uint8 [*prefix, G]`` one
+  E8M0 exponent per group of ``2 B`` values (bias 127). Value = ``FP4_VALUES[code] * 2 **
+  (scale - 127)``, computed in the target's dtype with ``torch.ldexp`` as torch's reader and
+  transformers' ``convert_moe_packed_tensors`` do. Dequantized, ``X`` is ``[*prefix, G * 2 B]``
+  (torch's reader, under the name ``X_blocks``); transformers' gpt-oss experts hold it with
+  dims 1 and 2 swapped (``[E, 2 B G, R]`` from ``[E, R, G, B]``), under the name ``X``.
+
+Every function here works on a block of a tensor (offsets into the whole), so a rank reads and
+dequantizes only the rows and columns it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from ..errors import QuantizationError
+
+CONFIG_NAME = "config.json"
+FP8_SCALE_SUFFIX = "_scale_inv"  # "<...>.weight" + "_scale_inv"
+MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
+DEFAULT_BLOCK = (128, 128)  # torch's QuantizedHuggingFaceStorageReader and transformers' default
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: DeepSeek's act_quant / weight scale divisor
+
+# FP4 E2M1 values by code (sign bit 3): the table of gpt-oss, torch's reader and transformers.
+FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class QuantizationConfig(BaseModel):
+    """``quantization_config`` of a Hugging Face ``config.json`` (the fields used here; the others
+    are kept). ``weight_block_size``: ``[rows, cols]`` of one FP8 scale block."""
+
+    model_config = ConfigDict(extra="allow")
+    quant_method: str
+    weight_block_size: tuple[PositiveInt, PositiveInt] | None = None
+
+
+def read_quantization_config(root: str | None) -> QuantizationConfig | None:
+    """The ``quantization_config`` of ``root/config.json``, or None (no such file, a remote
+    checkpoint, or a config without one).
+
+    Raises:
+        QuantizationError: the file is not JSON or the entry is not a quantization config (names
+            the file).
+    """
+    if root is None or not os.path.isdir(root):
+        return None
+    path = os.path.join(root, CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise QuantizationError(path, "quantization_config", f"cannot read it as JSON: {e}") from None
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if q is None:
+        return None
+    try:
+        return QuantizationConfig.model_validate(q)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "quantization_config"
+        raise QuantizationError(path, f"quantization_config.{where}", err["msg"]) from None
+
+
+@dataclass(frozen=True)
+class Fp8Pair:
+    """A ``float8`` weight (``weight``, shape ``(R, C)``) and its per-block scales (``scale``,
+    shape :meth:`grid`) in blocks of ``block`` = ``(br, bc)``."""
+
+    weight: str
+    scale: str
+    shape: tuple[int, ...]
+    block: tuple[int, int]
+
+    def grid(self) -> tuple[int, int]:
+        return scale_grid(self.shape, self.block)
+
+
+@dataclass(frozen=True)
+class MxPair:
+    """MXFP4 ``blocks`` (``uint8 [*prefix, G, B]``) and ``scales`` (``uint8 [*prefix, G]``) of
+    tensor ``name`` (``blocks`` without its ``_blocks`` suffix)."""
+
+    name: str
+    blocks: str
+    scales: str
+    shape: tuple[int, ...]  # of the blocks
+
+    def dequantized_shape(self, transformers: bool = False) -> tuple[int, ...]:
+        """``[*prefix, G * 2 B]`` (torch's reader), or with ``transformers`` dims 1 and 2 swapped."""
+        *prefix, g, b = self.shape
+        out = (*prefix, g * b * 2)
+        return (out[0], out[2], out[1], *out[3:]) if transformers else out
+
+
+def scale_grid(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int]:
+    """Scale rows and columns covering a ``(R, C)`` weight in ``block`` = ``(br, bc)`` blocks, the
+    last ones short where ``br`` / ``bc`` do not divide ``R`` / ``C``."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def find_pairs(keys: Sequence[str], spec, config: QuantizationConfig | None, where) -> tuple[dict[str, Fp8Pair], dict[str, MxPair]]:
+    """The quantized tensors among ``keys`` (``spec(key)`` -> shape and dtype, headers only),
+    checked against each other and against ``config``: ``({weight: Fp8Pair}, {blocks: MxPair})``.
+
+    FP8: a 2-D float8 ``K`` with a floating-point ``K_scale_inv`` of 2 dims. MXFP4: a ``uint8``
+    ``X_blocks`` of 3 or more dims with a ``uint8`` ``X_scales``. ``where(key)`` names the file of
+    a key for errors.
+
+    Raises:
+        QuantizationError: a scale grid that does not cover its weight in the config's blocks
+            (128 x 128 without a config), MXFP4 scales not of the blocks' shape less the last dim,
+            a config of ``quant_method`` ``fp8`` / ``mxfp4`` over tensors holding none of that
+            kind, or a float8 weight without its scales under an ``fp8`` config.
+    """
+    method = config.quant_method.lower() if config is not None else None
+    block = tuple(config.weight_block_size) if config is not None and config.weight_block_size else DEFAULT_BLOCK
+    present = set(keys)
+    fp8: dict[str, Fp8Pair] = {}
+    mx: dict[str, MxPair] = {}
+    for key in keys:
+        if key.endswith(FP8_SCALE_SUFFIX) and (w := key[: -len(FP8_SCALE_SUFFIX)]) in present:
+            ws, ss = spec(w), spec(key)
+            if ws.dtype not in FP8_DTYPES:
+                continue
+            if len(ws.shape) != 2 or len(ss.shape) != 2 or not ss.dtype.is_floating_point or ss.dtype in FP8_DTYPES:
+                raise QuantizationError(
+                    where(key), key, f"scales {tuple(ss.shape)} {ss.dtype} of float8 weight {w!r} {tuple(ws.shape)}: "
+                    "block-scaled FP8 holds a 2-D weight and a 2-D floating-point scale grid",
+                )  # fmt: skip
+            pair = Fp8Pair(w, key, tuple(ws.shape), block)
+            if tuple(ss.shape) != pair.grid():
+                raise QuantizationError(
+                    where(key), key, f"scale grid {tuple(ss.shape)} does not cover weight {w!r} {tuple(ws.shape)} in "
+                    f"{block[0]}x{block[1]} blocks ({'config.json' if config else 'no config.json: the default'}): "
+                    f"expected {pair.grid()}",
+                )  # fmt: skip
+            fp8[w] = pair
+        elif key.endswith(MX_BLOCKS) and (s := key[: -len(MX_BLOCKS)] + MX_SCALES) in present:
+            bs, ss = spec(key), spec(s)
+            if bs.dtype != torch.uint8 or ss.dtype != torch.uint8 or len(bs.shape) < 3:
+                if method == "mxfp4":
+                    raise QuantizationError(
+                        where(key), key, f"is {tuple(bs.shape)} {bs.dtype} with scales {tuple(ss.shape)} {ss.dtype}: "
+                        "MXFP4 stores uint8 blocks [..., groups, bytes] and uint8 scales [..., groups]",
+                    )  # fmt: skip
+                continue
+            if tuple(ss.shape) != tuple(bs.shape[:-1]):
+                raise QuantizationError(
+                    where(s), s, f"MXFP4 scales {tuple(ss.shape)} do not cover blocks {key!r} {tuple(bs.shape)}: "
+                    f"expected one per group, {tuple(bs.shape[:-1])}",
+                )  # fmt: skip
+            mx[key] = MxPair(key[: -len(MX_BLOCKS)], key, s, tuple(bs.shape))
+    if method == "fp8":
+        if not fp8:
+            raise QuantizationError(
+                where(keys[0]) if keys else "", "quantization_config",
+                "config.json says quant_method fp8, but no float8 weight has a '<weight>_scale_inv' beside it",
+            )  # fmt: skip
+        for key in keys:
+            if key not in fp8 and spec(key).dtype in FP8_DTYPES and len(spec(key).shape) == 2:
+                raise QuantizationError(
+                    where(key), key, "is float8 under config.json's quant_method fp8, but has no "
+                    f"{key + FP8_SCALE_SUFFIX!r}: its values cannot be scaled",
+                )  # fmt: skip
+    elif method == "mxfp4" and not mx:
+        raise QuantizationError(
+            where(keys[0]) if keys else "", "quantization_config",
+            "config.json says quant_method mxfp4, but no '<name>_blocks' has a '<name>_scales' beside it",
+        )  # fmt: skip
+    return fp8, mx
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], at: Sequence[int] = (0, 0),
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``weight`` (a float8 block of the whole weight starting at row / column ``at``) times its
+    blocks' scales, in float32 (``out``: written there instead, converting to its dtype, as
+    ``copy_`` does). ``scale``: the scale rows and columns covering the block, first one that of
+    block ``(at[0] // br, at[1] // bc)``, any floating dtype (read as float32).
+
+    Bit-identical to torch's ``QuantizedHuggingFaceStorageReader`` and DeepSeek's
+    ``weight_dequant``: each value is ``float32(w) * float32(s)``, one multiplication. Worked one
+    band of scale rows at a time (the whole columns of a band: a ``[rows, n, bc]`` view times
+    ``[n, 1]`` scales, the short edges apart), so no scale is expanded to the weight's size.
+    """
+    br, bc = block
+    rows, cols = weight.shape
+    r0, c0 = at
+    if out is None:
+        out = torch.empty(rows, cols, dtype=torch.float32)
+    scale = scale.to(torch.float32)
+    a0 = -c0 % bc if c0 % bc else 0  # columns before the first whole block column
+    a0 = min(a0, cols)
+    n_whole = (cols - a0) // bc
+    a1 = a0 + n_whole * bc  # end of the whole block columns
+    j0 = -(-c0 // bc)  # scale column of the first whole block column (relative to c0 // bc: below)
+    first_col = c0 // bc
+    r = 0
+    while r < rows:
+        i = (r0 + r) // br - r0 // br  # scale row, relative
+        h = min(rows - r, br - (r0 + r) % br)
+        w = weight[r : r + h]
+        o = out[r : r + h]
+        if a0:  # a short first block column (a block of columns starting inside a scale block)
+            o[:, :a0] = w[:, :a0].to(torch.float32) * scale[i, 0]
+        if n_whole:
+            part = w[:, a0:a1].to(torch.float32).view(h, n_whole, bc)
+            part.mul_(scale[i, j0 - first_col : j0 - first_col + n_whole].view(1, n_whole, 1))
+            o[:, a0:a1] = part.view(h, n_whole * bc)
+        if a1 < cols:  # a short last block column (the weight's edge, or the block's)
+            o[:, a1:] = w[:, a1:].to(torch.float32) * scale[i, (c0 + a1) // bc - first_col]
+        r += h
+    return out
+
+
+def fp8_scale_slices(block: Sequence[int], slices: Sequence[slice]) -> tuple[slice, slice]:
+    """The scale rows and columns a block ``weight[slices]`` (two step-1 slices with bounds)
+    needs."""
+    (a, b), (c, d) = (slices[0].start, slices[0].stop), (slices[1].start, slices[1].stop)
+    br, bc = block
+    return slice(a // br, max(a // br, -(-b // br))), slice(c // bc, max(c // bc, -(-d // bc)))
+
+
+def fp8_quantize(weight: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D floating-point weight as DeepSeek-V3's ``weight_quant`` / transformers' fine-grained
+    FP8 store it: per ``br x bc`` block (edge blocks short) ``scale = amax(|w|) / 448`` in float32
+    (1.0 for an all-zero block), ``q = float8_e4m3fn(w / scale)`` (``w`` read as float32).
+    Returns ``(q, scale)``, ``q`` of the weight's shape, ``scale`` of :func:`scale_grid`'s. Round
+    trip: ``fp8_dequantize(q, scale)`` is within float8_e4m3fn's rounding of ``w``: a relative
+    error of at most 2**-4 for values at least 2**-6 times their block's amax / 448 (normal
+    FP8), and below that an absolute error of at most 2**-10 times the block's scale."""
+    rows, cols = weight.shape
+    br, bc = block
+    gr, gc = scale_grid(weight.shape, block)
+    w = weight.to(torch.float32)
+    pad = torch.zeros(gr * br, gc * bc, dtype=torch.float32)
+    pad[:rows, :cols] = w
+    tiles = pad.view(gr, br, gc, bc)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale.view(gr, 1, gc, 1)).view(gr * br, gc * bc)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 ``blocks`` ``uint8 [*prefix, G, B]`` with ``scales`` ``uint8 [*prefix, G]`` as a
+    ``[*prefix, G * 2 B]`` tensor of ``dtype``: each byte's low nibble, then its high nibble,
+    looked up in :data:`FP4_VALUES` (in ``dtype``), times ``2 ** (scale - 127)`` by
+    ``torch.ldexp`` in place: the operations of torch's reader and of transformers'
+    ``convert_moe_packed_tensors``, so the values are theirs bit for bit."""
+    *prefix, g, b = blocks.shape
+    if tuple(scales.shape) != (*prefix, g):
+        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
+    rows = math.prod(prefix) * g
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    blk = blocks.reshape(rows, b)
+    exp = scales.reshape(rows, 1).to(torch.int32) - 127
+    out = torch.empty(rows, b * 2, dtype=dtype)
+    out[:, 0::2] = lut[(blk & 0x0F).to(torch.long)]
+    out[:, 1::2] = lut[(blk >> 4).to(torch.long)]
+    torch.ldexp(out, exp, out=out)
+    return out.view(*prefix, g * b * 2)
+
+
+def fp8_config_entry(block: Sequence[int] = DEFAULT_BLOCK) -> dict[str, Any]:
+    """The ``quantization_config`` of a checkpoint :func:`fp8_quantize` wrote: transformers'
+    ``FineGrainedFP8Config`` fields (``quant_method`` ``fp8``, dynamic activations, the block)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [int(block[0]), int(block[1])]}
+
+
+def without_quantization(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` document) without its ``quantization_config``."""
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+__all__ = [
+    "CONFIG_NAME", "DEFAULT_BLOCK", "FP4_VALUES", "FP8_DTYPES", "FP8_MAX", "Fp8Pair", "MxPair", "QuantizationConfig",
+    "find_pairs", "fp8_config_entry", "fp8_dequantize", "fp8_quantize", "fp8_scale_slices", "mxfp4_dequantize",
+    "read_quantization_config", "scale_grid", "without_quantization",
+]  # fmt: skip
