@@ -141,6 +141,21 @@ class DequantizingReader:
             self._block_into(key, sl, out)
         return True
 
+    def fits(self, key: str, dtype: torch.dtype) -> bool:
+        """Whether every dequantized value of ``key`` is within ``dtype``'s range, from its scales
+        alone (a bound: the largest stored magnitude, 448 for float8_e4m3fn and 6 for FP4, times
+        the largest scale); False for stored keys or when the bound does not prove it (the
+        values are then read and checked)."""
+        if key not in self._specs or not dtype.is_floating_point:
+            return False
+        p = self.fp8.get(key)
+        if p is not None:
+            top = torch.finfo(self.inner.spec(p.weight).dtype).max * float(self.inner.get(p.scale).abs().max())
+        else:
+            pair = self.mx[key][0]
+            top = 6.0 * 2.0 ** (int(self.inner.get(pair.scales).max()) - 127)
+        return top <= torch.finfo(dtype).max
+
     def read_into(self, key: str, t: torch.Tensor) -> bool:
         return False if key in self._specs else self.inner.read_into(self._raw(key), t)
 
