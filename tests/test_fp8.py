@@ -303,11 +303,13 @@ def test_strict_load_refused_before_only_for_unmatched_weight(fp8_dir):
 # -- ranks -----------------------------------------------------------------------------------
 
 def _rank_load(rank, world, fp8_path, mx_path):
-    """Every rank loads DTensor targets (rows, then columns sharded) in float32 and bfloat16 and
-    returns the full tensors, the report and the bytes it read."""
+    """Every rank loads DTensor targets (rows, then columns sharded) in float32 and bfloat16, by
+    ``checkpoint.load`` and by ``dcp.load`` through our StorageReader, and returns the full
+    tensors, the report and the bytes ``checkpoint.load`` read."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from checkpoint.dcp import StorageReader
     from checkpoint.storage.writer import stats
 
     mesh = init_device_mesh("cpu", (world,))
@@ -320,8 +322,11 @@ def _rank_load(rank, world, fp8_path, mx_path):
             rep = checkpoint.load({k: v for k, v in t.items() if k != MX}, fp8_path, strict=False)
             read = stats.bytes_read - before
             rep_mx = checkpoint.load({MX: t[MX]}, mx_path, strict=False)
+            via_dcp = {k: distribute_tensor(torch.zeros(s, dtype=dtype), mesh, [Shard(dim)]) for k, s in FP8_SHAPES.items()}
+            dcp.load(via_dcp, storage_reader=StorageReader(fp8_path))
             out[(str(dtype), dim)] = (
-                {k: v.full_tensor() for k, v in t.items()}, sorted(rep.dequantized), list(rep_mx.dequantized), read
+                {k: v.full_tensor() for k, v in t.items()}, sorted(rep.dequantized), list(rep_mx.dequantized), read,
+                {k: v.full_tensor() for k, v in via_dcp.items()},
             )  # fmt: skip
     return out
 
@@ -358,8 +363,45 @@ def test_ranks_dequantize_only_their_blocks(fp8_dir, mx_dir, world):
         ref_mx = convert_moe_packed_tensors(mx[MX + "_blocks"], mx[MX + "_scales"], dtype=dtype)
         for rank, r in enumerate(res):
             for dim in (0, 1):
-                full, deq, deq_mx, read = r[(str(dtype), dim)]
+                full, deq, deq_mx, read, via_dcp = r[(str(dtype), dim)]
+                assert all(torch.equal(via_dcp[k], ref[k]) for k in FP8_SHAPES), (world, rank, dtype, dim)
                 assert deq == sorted(FP8_SHAPES) and deq_mx == [MX]
                 assert all(torch.equal(full[k], ref[k]) for k in FP8_SHAPES), (world, rank, dtype, dim)
                 assert torch.equal(full[MX], ref_mx), (world, rank, dtype, dim)
                 assert read == _fp8_bytes_for(rank, world, dim, dtype == torch.bfloat16), (world, rank, dim, read)
+
+
+# -- DCP -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dcp_storage_reader_matches_torch_quantized_reader(fp8_dir, mx_dir, dtype):
+    """checkpoint.dcp.StorageReader describes and reads the quantized weights as torch's
+    QuantizedHuggingFaceStorageReader does: the same values bit for bit (MXFP4: transformers')."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from checkpoint.dcp import StorageReader
+
+    sd = _fp8_state()
+    got = {k: torch.zeros(s, dtype=dtype) for k, s in FP8_SHAPES.items()}
+    got["layers.0.norm.weight"] = torch.zeros(200, dtype=dtype)
+    got["head.weight_scale_inv"] = torch.zeros(1, 1)  # the scales are still keys: loaded as stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, storage_reader=StorageReader(fp8_dir), no_dist=True)
+    ref = _torch_reader(fp8_dir, FP8_SHAPES, dtype)
+    assert all(torch.equal(got[k], ref[k]) for k in FP8_SHAPES)
+    assert torch.equal(got["head.weight_scale_inv"], sd["head.weight_scale_inv"])
+    assert torch.equal(got["layers.0.norm.weight"], sd["layers.0.norm.weight"].to(dtype))
+    raw = {k: torch.zeros(s, dtype=torch.float8_e4m3fn) for k, s in FP8_SHAPES.items()}  # FP8 targets: stored bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(raw, storage_reader=StorageReader(fp8_dir), no_dist=True)
+    assert all(torch.equal(raw[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in FP8_SHAPES)
+    mx = _mx_state()
+    n = MX_SHAPE[2] * MX_SHAPE[3] * 2
+    t = {MX + "_blocks": torch.zeros(3, 10, n, dtype=dtype)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(t, storage_reader=StorageReader(mx_dir), no_dist=True)
+    want = convert_moe_packed_tensors(mx[MX + "_blocks"], mx[MX + "_scales"], dtype=dtype).transpose(1, 2)
+    assert torch.equal(t[MX + "_blocks"], want)

@@ -132,6 +132,10 @@ class DequantizingReader:
         if spec is None:
             copy = getattr(self.inner, "copy_into", None)
             return copy is not None and copy(self._raw(key), out, slices, check=check)
+        p = self.fp8.get(key)
+        if p is not None and out.dtype == self.inner.spec(p.weight).dtype:  # an FP8 target: the stored bytes
+            copy = getattr(self.inner, "copy_into", None)
+            return copy is not None and copy(p.weight, out, slices, check=check)
         sl = _bounds(tuple(slices) if slices is not None else (), spec.shape)
         if not out.is_cpu or sl is None or not (out.is_floating_point() or out.is_complex()):
             return False
@@ -220,6 +224,40 @@ class DequantizingReader:
         out.copy_(val.transpose(1, 2) if transformers else val)
 
 
+def dequantized_view(reader: Any) -> Any:
+    """``reader`` with every quantized weight presented dequantized in float32, as torch's
+    ``QuantizedHuggingFaceStorageReader`` describes them (FP8 weights under their name; MXFP4
+    under ``X_blocks``, ``[*prefix, G * 2 B]``), the scales still keys of their own (a state_dict
+    may load them); ``reader`` itself when it holds none. :meth:`DequantizingReader.copy_into`
+    gives an FP8 target of an FP8 weight its stored bytes. For DCP's ``StorageReader``, which
+    describes the checkpoint before it sees the targets.
+
+    Raises:
+        QuantizationError: as :func:`dequantizing_reader`.
+    """
+    root = getattr(reader, "root", None)
+    config = read_quantization_config(root if isinstance(root, str) else None)
+    keys = reader.keys()
+    if config is None and not any(k.endswith((FP8_SCALE_SUFFIX, MX_SCALES)) for k in keys):
+        return reader
+    fp8, mx = find_pairs(keys, reader.spec, config, _where(reader))
+    if not fp8 and not mx:
+        return reader
+    return DequantizingReader(reader, fp8, {k: (p, False) for k, p in mx.items()}, set())
+
+
+def _where(reader: Any):
+    root = getattr(reader, "root", None)
+
+    def where(key: str) -> str:
+        try:
+            return os.path.join(str(root), reader.file_of(key))
+        except Exception:  # noqa: BLE001 - a name for a message only
+            return str(root)
+
+    return where
+
+
 def dequantizing_reader(reader: Any, state: Any, model: Any, path: str, dtype: torch.dtype | None = None) -> Any:
     """``reader``, or a :class:`DequantizingReader` over it when it holds quantized weights
     (:func:`~.quant.find_pairs`) that targets of ``state`` (``object_state`` of the load's
@@ -239,13 +277,7 @@ def dequantizing_reader(reader: Any, state: Any, model: Any, path: str, dtype: t
     if config is None and not any(k.endswith((FP8_SCALE_SUFFIX, MX_SCALES)) for k in keys):
         return reader
 
-    def where(key: str) -> str:
-        try:
-            return os.path.join(str(root), reader.file_of(key))
-        except Exception:  # noqa: BLE001 - a name for a message only
-            return str(root)
-
-    fp8, mx = find_pairs(keys, reader.spec, config, where)
+    fp8, mx = find_pairs(keys, reader.spec, config, _where(reader))
     if not fp8 and not mx:
         return reader
     from ..plan.names import match_stored  # plan depends on storage only; imported here, no cycle
@@ -284,4 +316,4 @@ def dequantizing_reader(reader: Any, state: Any, model: Any, path: str, dtype: t
     return DequantizingReader(reader, use_fp8, use_mx, hidden)
 
 
-__all__ = ["DequantizingReader", "dequantizing_reader"]
+__all__ = ["DequantizingReader", "dequantized_view", "dequantizing_reader"]
