@@ -405,3 +405,84 @@ def test_dcp_storage_reader_matches_torch_quantized_reader(fp8_dir, mx_dir, dtyp
         dcp.load(t, storage_reader=StorageReader(mx_dir), no_dist=True)
     want = convert_moe_packed_tensors(mx[MX + "_blocks"], mx[MX + "_scales"], dtype=dtype).transpose(1, 2)
     assert torch.equal(t[MX + "_blocks"], want)
+
+
+# -- migrate ---------------------------------------------------------------------------------
+
+def test_migrate_dequantize_matches_torch_reader_and_drops_quantization_config(fp8_dir, mx_dir, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from checkpoint.convert.quant_recipes import REPORT_NAME
+
+    sd = _fp8_state()
+    for recipe, dtype in (("dequantize-bf16", torch.bfloat16), ("dequantize-fp32", torch.float32)):
+        out = tmp_path / recipe
+        rep = checkpoint.migrate(fp8_dir, out, recipe=recipe)
+        assert rep.written and rep.dequantized == sorted(FP8_SHAPES)
+        assert rep.kept == ["embed.weight", "layers.0.norm.weight"]
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg == {"model_type": "deepseek_v3"}  # no quantization_config
+        assert json.loads((out / REPORT_NAME).read_text())["dequantized"] == sorted(FP8_SHAPES)
+        ref = _torch_reader(fp8_dir, FP8_SHAPES, dtype)
+        with checkpoint.open_checkpoint(out) as rd:
+            assert rd.keys() == sorted(rep.dequantized + rep.kept)
+            assert all(rd.spec(k).dtype == dtype and torch.equal(rd.get(k), ref[k]) for k in FP8_SHAPES)
+            assert all(torch.equal(rd.get(k), sd[k]) for k in rep.kept)  # as stored
+        assert checkpoint.verify(out).ok
+    mx = _mx_state()
+    rep = checkpoint.migrate(mx_dir, tmp_path / "mx", recipe="dequantize-bf16")
+    assert rep.dequantized == [MX] and rep.kept == [MX + "_bias"]
+    with checkpoint.open_checkpoint(tmp_path / "mx") as rd:  # transformers' gpt-oss name and layout
+        want = convert_moe_packed_tensors(mx[MX + "_blocks"], mx[MX + "_scales"], dtype=torch.bfloat16)
+        assert torch.equal(rd.get(MX), want)
+
+
+def test_migrate_quantize_fp8_loads_in_transformers_and_round_trips(tmp_path):
+    """bf16 -> FP8 128x128 blocks (DeepSeek's amax / 448 scales): transformers loads it
+    (dequantizing on CPU) to the values checkpoint.load gives, and the round trip is within FP8's
+    rounding (e4m3: 3 mantissa bits, a relative error of at most 2**-4 of each block's values
+    in the normal range); dequantize-bf16 gives those values back as a plain checkpoint."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from checkpoint.convert.quant import fp8_dequantize
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    m.save_pretrained(tmp_path / "bf16")
+    rep = checkpoint.migrate(tmp_path / "bf16", tmp_path / "fp8", recipe="quantize-fp8")
+    layer = "model.layers.0."
+    assert rep.quantized == sorted(layer + n + ".weight" for n in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"))  # fmt: skip
+    assert rep.kept == sorted(["lm_head.weight", layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight",
+                               "model.embed_tokens.weight", "model.norm.weight"])  # fmt: skip
+    q_cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert q_cfg["quant_method"] == "fp8" and q_cfg["weight_block_size"] == [128, 128]
+    orig = m.state_dict()
+    with checkpoint.open_checkpoint(tmp_path / "fp8") as rd:
+        for k in rep.quantized:
+            q, s = rd.get(k), rd.get(k + "_scale_inv")
+            assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+            w = orig[k].float()
+            amax = w.abs().max()
+            back = fp8_dequantize(q, s, (128, 128))
+            normal = w.abs() >= s.max() * 2.0**-6  # e4m3's normal range in every block
+            assert ((back - w).abs() <= w.abs() * 2.0**-4)[normal].all() and ((back - w).abs() <= amax * 2.0**-10 + 1e-30)[~normal].all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    report = checkpoint.load(ours, tmp_path / "fp8")
+    assert sorted(report.dequantized) == rep.quantized
+    a, b = theirs.state_dict(), ours.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(b[k], orig[k]) for k in rep.kept)
+    checkpoint.migrate(tmp_path / "fp8", tmp_path / "back", recipe="dequantize-bf16")
+    again = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    assert checkpoint.load(again, tmp_path / "back").dequantized == {}
+    assert all(torch.equal(again.state_dict()[k], b[k]) for k in b)
+    with pytest.raises(ValueError, match="holds quantized weights already"):
+        checkpoint.migrate(tmp_path / "fp8", tmp_path / "twice", recipe="quantize-fp8")
+    assert not (tmp_path / "twice").exists()
