@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
@@ -196,43 +197,67 @@ def find_pairs(keys: Sequence[str], spec, config: QuantizationConfig | None, whe
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], at: Sequence[int] = (0, 0),
                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``weight`` (a float8 block of the whole weight starting at row / column ``at``) times its
-    blocks' scales, in float32 (``out``: written there instead, converting to its dtype, as
-    ``copy_`` does). ``scale``: the scale rows and columns covering the block, first one that of
-    block ``(at[0] // br, at[1] // bc)``, any floating dtype (read as float32).
+    blocks' scales, in float32 (``out``: written there instead, in its dtype). ``scale``: the
+    scale rows and columns covering the block, first one that of block ``(at[0] // br, at[1] //
+    bc)``, any floating dtype (read as float32).
 
     Bit-identical to torch's ``QuantizedHuggingFaceStorageReader`` and DeepSeek's
-    ``weight_dequant``: each value is ``float32(w) * float32(s)``, one multiplication. Worked one
-    band of scale rows at a time (the whole columns of a band: a ``[rows, n, bc]`` view times
-    ``[n, 1]`` scales, the short edges apart), so no scale is expanded to the weight's size.
+    ``weight_dequant``: each value is ``float32(w) * float32(s)``, one multiplication, then
+    ``out``'s dtype. A float8 value is one of 256 codes, so each block's 256 products are
+    computed once (that multiplication, then the conversion) and every element is looked up by
+    its code: one gather, no float32 tensor of the weight's size (:func:`_gather_blocks`).
     """
-    br, bc = block
     rows, cols = weight.shape
-    r0, c0 = at
     if out is None:
         out = torch.empty(rows, cols, dtype=torch.float32)
     scale = scale.to(torch.float32)
-    a0 = -c0 % bc if c0 % bc else 0  # columns before the first whole block column
-    a0 = min(a0, cols)
-    n_whole = (cols - a0) // bc
-    a1 = a0 + n_whole * bc  # end of the whole block columns
-    j0 = -(-c0 // bc)  # scale column of the first whole block column (relative to c0 // bc: below)
-    first_col = c0 // bc
-    r = 0
-    while r < rows:
-        i = (r0 + r) // br - r0 // br  # scale row, relative
+    if out.dtype in _GATHER_VIEW and weight.element_size() == 1 and rows and cols:
+        _gather_blocks(weight, scale, block, at, out)
+        return out
+    br, bc = block
+    r0, c0 = at
+    first_col, r = c0 // bc, 0
+    while r < rows:  # other dtypes (complex targets): one band of scale rows at a time
+        i = (r0 + r) // br - r0 // br
         h = min(rows - r, br - (r0 + r) % br)
-        w = weight[r : r + h]
-        o = out[r : r + h]
-        if a0:  # a short first block column (a block of columns starting inside a scale block)
-            o[:, :a0] = w[:, :a0].to(torch.float32) * scale[i, 0]
-        if n_whole:
-            part = w[:, a0:a1].to(torch.float32).view(h, n_whole, bc)
-            part.mul_(scale[i, j0 - first_col : j0 - first_col + n_whole].view(1, n_whole, 1))
-            o[:, a0:a1] = part.view(h, n_whole * bc)
-        if a1 < cols:  # a short last block column (the weight's edge, or the block's)
-            o[:, a1:] = w[:, a1:].to(torch.float32) * scale[i, (c0 + a1) // bc - first_col]
+        s_row = scale[i].repeat_interleave(bc)[c0 - first_col * bc : c0 - first_col * bc + cols]
+        out[r : r + h] = weight[r : r + h].to(torch.float32) * s_row
         r += h
     return out
+
+
+# Target dtypes looked up as bit patterns (numpy has no bfloat16): the integer of their size.
+_GATHER_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _gather_blocks(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], at: Sequence[int], out: torch.Tensor) -> None:
+    """:func:`fp8_dequantize` by lookup: per band of rows sharing a scale row, a table of
+    ``(blocks across, 256)`` values ``float32(code) * scale`` in ``out``'s dtype, and every
+    element gathered from its block's row of it by ``code + 256 * block`` (numpy's ``take``)."""
+    br, bc = block
+    r0, c0 = at
+    rows, cols = weight.shape
+    codes = torch.arange(256, dtype=torch.uint8).view(weight.dtype).to(torch.float32)  # every float8 value
+    first_col = c0 // bc
+    n_blocks = (c0 + cols - 1) // bc - first_col + 1
+    wide = np.uint16 if n_blocks * 256 <= 1 << 16 else np.uint32
+    offsets = (((np.arange(cols) + c0) // bc - first_col) * 256).astype(wide)
+    u = weight.contiguous().view(torch.uint8).numpy()
+    view = _GATHER_VIEW[out.dtype]
+    direct = out.is_contiguous()
+    o = out.view(view).numpy() if direct else None
+    r = 0
+    while r < rows:
+        i = (r0 + r) // br - r0 // br
+        h = min(rows - r, br - (r0 + r) % br)
+        table = (codes[None, :] * scale[i, :n_blocks, None]).to(out.dtype).view(view).reshape(-1).numpy()
+        idx = u[r : r + h].astype(wide)
+        idx += offsets
+        if direct:
+            np.take(table, idx, out=o[r : r + h], mode="wrap")
+        else:
+            out[r : r + h] = torch.from_numpy(np.take(table, idx, mode="wrap")).view(out.dtype)
+        r += h
 
 
 def fp8_scale_slices(block: Sequence[int], slices: Sequence[slice]) -> tuple[slice, slice]:
