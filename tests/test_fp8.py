@@ -292,7 +292,7 @@ def test_mxfp4_scales_not_matching_blocks_refused(tmp_path):
     snap.assert_unchanged()
 
 
-def test_strict_load_refused_before_only_for_unmatched_weight(fp8_dir):
+def test_strict_load_still_names_a_weight_the_target_lacks(fp8_dir):
     """A target lacking a weight still fails strictly, naming it and its scales."""
     t = _targets(torch.bfloat16)
     del t["layers.1.q.weight"]
@@ -486,3 +486,20 @@ def test_migrate_quantize_fp8_loads_in_transformers_and_round_trips(tmp_path):
     with pytest.raises(ValueError, match="holds quantized weights already"):
         checkpoint.migrate(tmp_path / "fp8", tmp_path / "twice", recipe="quantize-fp8")
     assert not (tmp_path / "twice").exists()
+
+
+def test_cli_migrate_quantization_recipes(fp8_dir, tmp_path, capsys):
+    from checkpoint.cli.main import main
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in ("dequantize-bf16", "dequantize-fp32", "quantize-fp8"))
+    assert main(["migrate", str(fp8_dir), str(tmp_path / "bf16"), "--recipe", "dequantize-bf16"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(FP8_SHAPES)} weights dequantized to bfloat16" in out and "2 keys copied unchanged" in out
+    ref = _torch_reader(fp8_dir, FP8_SHAPES, torch.bfloat16)
+    with checkpoint.open_checkpoint(tmp_path / "bf16") as rd:
+        assert all(torch.equal(rd.get(k), ref[k]) for k in FP8_SHAPES)
+    assert main(["migrate", str(fp8_dir), str(tmp_path / "again"), "--recipe", "quantize-fp8"]) != 0
+    assert "holds quantized weights already" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()

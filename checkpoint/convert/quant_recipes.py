@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from ..storage.layout import TensorSpec
 from .dequant import DequantizingReader
+from .recipes import RecipeError
 from .quant import (
     CONFIG_NAME,
     DEFAULT_BLOCK,
@@ -43,6 +44,25 @@ QUANT_RECIPES = {"dequantize-bf16": torch.bfloat16, "dequantize-fp32": torch.flo
 NOT_QUANTIZED = re.compile(r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output|norm|[a-z_]*norm[a-z_]*|gate|router)(\.|$)")
 SIDE_FILES = (CONFIG_NAME, "generation_config.json")
 REPORT_NAME = "quantization_report.json"
+
+
+QUANT_SUMMARIES = {
+    "dequantize-bf16": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to bfloat16; config.json without quantization_config"),
+    "dequantize-fp32": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to float32; config.json without quantization_config"),
+    "quantize-fp8": ("dequantize-bf16", "2-D linear weights to float8_e4m3fn 128x128 blocks with weight_scale_inv (amax / 448)"),
+}
+QUANT_SOURCES = {
+    "dequantize-bf16": "deepseek-ai/DeepSeek-V3 inference/fp8_cast_bf16.py; torch quantized_hf_storage.py; "
+                       "transformers integrations/mxfp4.py",
+    "quantize-fp8": "deepseek-ai/DeepSeek-V3 inference/kernel.py (weight_quant); transformers integrations/finegrained_fp8.py",
+}
+
+
+def recipe_rows() -> list[dict[str, Any]]:
+    """The rows of these recipes in ``fqnckpt recipes`` (:func:`checkpoint.convert.recipe_table`)."""
+    return [{"name": n, "inverse": inv, "needs_model": False, "summary": summary,
+             "source": QUANT_SOURCES.get(n, QUANT_SOURCES["dequantize-bf16"]), "versions": [], "options": []}
+            for n, (inv, summary) in QUANT_SUMMARIES.items()]  # fmt: skip
 
 
 class QuantRecipeReport(BaseModel):
@@ -91,8 +111,9 @@ def run_quant_recipe(src: Any, dst: Any, recipe: str, *, write: Callable, dry_ru
     Raises:
         QuantizationError: the source's scales or config disagree with its tensors (names them),
             before anything is written.
-        ValueError: ``dequantize-*`` of a checkpoint holding no quantized weight, ``quantize-fp8``
-            of one holding quantized weights already, or of one with no weight to quantize.
+        RecipeError (a ValueError): ``dequantize-*`` of a checkpoint holding no quantized weight,
+            ``quantize-fp8`` of one holding quantized weights already, or of one with no weight
+            to quantize.
         What :func:`checkpoint.open_checkpoint` raises for ``src``.
     """
     from ..storage.opening import open_checkpoint
@@ -110,7 +131,7 @@ def run_quant_recipe(src: Any, dst: Any, recipe: str, *, write: Callable, dry_ru
         how: dict[str, Callable[[TensorSpec], torch.Tensor]] = {}
         if recipe != "quantize-fp8":
             if not fp8 and not mx:
-                raise ValueError(f"{src}: {recipe} found no quantized weight (FP8 with '*_scale_inv', MXFP4 '*_blocks')")
+                raise RecipeError(f"{src}: {recipe} found no quantized weight (FP8 with '*_scale_inv', MXFP4 '*_blocks')")
             view = DequantizingReader(reader, fp8, {p.name if len(p.shape) == 4 else p.blocks: (p, len(p.shape) == 4)
                                                     for p in mx.values()},  # fmt: skip
                                       {p.scale for p in fp8.values()} | {p.scales for p in mx.values()}
@@ -131,7 +152,7 @@ def run_quant_recipe(src: Any, dst: Any, recipe: str, *, write: Callable, dry_ru
                     report.kept.append(k)
         else:
             if fp8 or mx or (config is not None and config.quant_method):
-                raise ValueError(f"{src}: holds quantized weights already (quantize-fp8 reads a floating-point checkpoint)")
+                raise RecipeError(f"{src}: holds quantized weights already (quantize-fp8 reads a floating-point checkpoint)")
             cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
             def quantized(spec: TensorSpec) -> torch.Tensor:
@@ -153,7 +174,7 @@ def run_quant_recipe(src: Any, dst: Any, recipe: str, *, write: Callable, dry_ru
                     specs.append(TensorSpec(k, s.shape, s.dtype))
                     report.kept.append(k)
             if not report.quantized:
-                raise ValueError(f"{src}: quantize-fp8 found no 2-D floating-point weight to quantize")
+                raise RecipeError(f"{src}: quantize-fp8 found no 2-D floating-point weight to quantize")
 
         def fetch(spec: TensorSpec) -> torch.Tensor:
             f = how.get(spec.fqn)
@@ -169,4 +190,4 @@ def run_quant_recipe(src: Any, dst: Any, recipe: str, *, write: Callable, dry_ru
         reader.close()
 
 
-__all__ = ["NOT_QUANTIZED", "QUANT_RECIPES", "REPORT_NAME", "QuantRecipeReport", "run_quant_recipe"]
+__all__ = ["NOT_QUANTIZED", "QUANT_RECIPES", "REPORT_NAME", "recipe_rows", "QuantRecipeReport", "run_quant_recipe"]
