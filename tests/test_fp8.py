@@ -503,3 +503,16 @@ def test_cli_migrate_quantization_recipes(fp8_dir, tmp_path, capsys):
     assert main(["migrate", str(fp8_dir), str(tmp_path / "again"), "--recipe", "quantize-fp8"]) != 0
     assert "holds quantized weights already" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_other_configs_change_nothing(tmp_path):
+    """config.json is read for fp8 / mxfp4 quantization only: another method, or a file that is
+    not JSON, beside a plain checkpoint loads it as before."""
+    sd = {"w": torch.randn(3, 4), "w_scales": torch.randn(3)}
+    for name, text in (("bnb", json.dumps({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})),
+                       ("broken", "{not json")):  # fmt: skip
+        _write_hf(tmp_path / name, sd, None, files=1)
+        (tmp_path / name / "config.json").write_text(text)
+        t = {k: torch.zeros_like(v) for k, v in sd.items()}
+        rep = checkpoint.load(t, tmp_path / name)
+        assert rep.dequantized == {} and all(torch.equal(t[k], v) for k, v in sd.items())

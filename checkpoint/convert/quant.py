@@ -57,25 +57,24 @@ class QuantizationConfig(BaseModel):
 
 
 def read_quantization_config(root: str | None) -> QuantizationConfig | None:
-    """The ``quantization_config`` of ``root/config.json``, or None (no such file, a remote
-    checkpoint, or a config without one).
+    """The ``quantization_config`` of ``root/config.json`` when it is one of the methods read
+    here (``fp8``, ``mxfp4``), else None (no such file, a file that is not JSON, a remote
+    checkpoint, a config without one, another method: ``load`` reads nothing else of it).
 
     Raises:
-        QuantizationError: the file is not JSON or the entry is not a quantization config (names
-            the file).
+        QuantizationError: an ``fp8`` / ``mxfp4`` entry whose fields do not parse (names the
+            file and the field).
     """
     if root is None or not os.path.isdir(root):
         return None
     path = os.path.join(root, CONFIG_NAME)
-    if not os.path.isfile(path):
-        return None
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise QuantizationError(path, "quantization_config", f"cannot read it as JSON: {e}") from None
+    except (OSError, ValueError):
+        return None
     q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if q is None:
+    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() not in ("fp8", "mxfp4"):
         return None
     try:
         return QuantizationConfig.model_validate(q)
