@@ -198,7 +198,7 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[in
     """``weight`` (a float8 block of the whole weight starting at row / column ``at``) times its
     blocks' scales, in float32 (``out``: written there instead, in its dtype). ``scale``: the
     scale rows and columns covering the block, first one that of block ``(at[0] // br, at[1] //
-    bc)``, any floating dtype (read as float32).
+    bc)``, any floating dtype (read as float32). ``ValueError`` when they do not cover the block.
 
     Bit-identical to torch's ``QuantizedHuggingFaceStorageReader`` and DeepSeek's
     ``weight_dequant``: each value is ``float32(w) * float32(s)``, one multiplication, then
@@ -207,13 +207,17 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[in
     its code: one gather, no float32 tensor of the weight's size (:func:`_gather_blocks`).
     """
     rows, cols = weight.shape
+    br, bc = block
+    need = ((at[0] + rows - 1) // br - at[0] // br + 1, (at[1] + cols - 1) // bc - at[1] // bc + 1) if rows and cols else (0, 0)
+    if scale.dim() != 2 or scale.shape[0] < need[0] or scale.shape[1] < need[1]:
+        raise ValueError(f"scales {tuple(scale.shape)} do not cover a ({rows}, {cols}) block at {tuple(at)} in "
+                         f"{br}x{bc} blocks: {need} needed")  # fmt: skip
     if out is None:
         out = torch.empty(rows, cols, dtype=torch.float32)
     scale = scale.to(torch.float32)
     if out.dtype in _GATHER_VIEW and weight.element_size() == 1 and rows and cols:
         _gather_blocks(weight, scale, block, at, out)
         return out
-    br, bc = block
     r0, c0 = at
     first_col, r = c0 // bc, 0
     while r < rows:  # other dtypes (complex targets): one band of scale rows at a time
