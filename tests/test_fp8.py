@@ -516,3 +516,27 @@ def test_other_configs_change_nothing(tmp_path):
         t = {k: torch.zeros_like(v) for k, v in sd.items()}
         rep = checkpoint.load(t, tmp_path / name)
         assert rep.dequantized == {} and all(torch.equal(t[k], v) for k, v in sd.items())
+
+
+def test_fp8_dequantize_any_block_offset_dtype_and_nan():
+    """The lookup equals float32(w) * scale, then the dtype, for every block of a weight (any
+    offsets, edge blocks short), strided and complex outputs, NaN codes, e5m2 weights; scales
+    that do not cover the block are refused."""
+    from checkpoint.convert.quant import fp8_dequantize, fp8_scale_slices, scale_grid
+
+    g = torch.Generator().manual_seed(5)
+    for dt8, (rows, cols, br, bc) in ((torch.float8_e4m3fn, (300, 200, 128, 128)), (torch.float8_e5m2, (10, 7, 4, 3))):
+        w = (torch.randn(rows, cols, generator=g) * 50).to(dt8)
+        w.view(torch.uint8)[0, :3] = torch.tensor([0x7F, 0xFF, 0x80], dtype=torch.uint8)  # NaN, NaN, -0
+        s = torch.rand(*scale_grid((rows, cols), (br, bc)), generator=g) * 3
+        whole = w.float() * s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        for a, b, c, d in ((0, rows, 0, cols), (5, rows - 3, 1, cols - 2), (rows // 2, rows, cols // 3, cols), (1, 2, 3, 4)):
+            sl = (slice(a, b), slice(c, d))
+            part = w[sl], s[fp8_scale_slices((br, bc), sl)]
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64):
+                for out in (torch.empty(b - a, d - c, dtype=dtype), torch.empty(d - c, b - a, dtype=dtype).t()):
+                    fp8_dequantize(*part, (br, bc), (a, c), out)
+                    want = whole[sl].to(dtype)
+                    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num()), (dt8, dtype, sl)
+    with pytest.raises(ValueError, match=r"scales \(3, 1\) do not cover"):
+        fp8_dequantize(torch.zeros(300, 200, dtype=torch.float8_e4m3fn), torch.ones(3, 1), (128, 128))
