@@ -120,6 +120,9 @@ def migrate(
             resolve(dst, storage_options)  # the TypeError naming the local path
         out = resolve(dst, storage_options if is_url(dst) else None)
         if recipe in QUANT_RECIPES:  # FP8 / MXFP4 <-> floating point (checkpoint.convert.quant_recipes)
+            if model is not None or dims or key is not None:
+                raise TypeError(f"recipe {recipe!r} changes dtypes only, under the stored names: it takes no "
+                                "model=, dims= or key=")  # fmt: skip
             return run_quant_recipe(resolve(src, storage_options if is_url(src) else None), out, recipe,
                                     write=converted_writer(out, max_shard_size, overwrite), dry_run=dry_run)  # fmt: skip
         return run_recipe(src, out, recipe, write=converted_writer(out, max_shard_size, overwrite), model=model,
