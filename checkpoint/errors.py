@@ -286,6 +286,17 @@ class UnsupportedTensorError(CheckpointError, TypeError):
         super().__init__(f"{self.file}: tensor {key!r}: {why}")
 
 
+class QuantizationError(CheckpointError, ValueError):
+    """Quantized weights that cannot be read back as the values they stand for: a block-scale
+    grid that does not cover its weight, MXFP4 scales of another shape than their blocks, or a
+    ``config.json`` ``quantization_config`` that disagrees with the tensors (or does not parse).
+    ``file`` and ``key`` name the tensor (or ``quantization_config``) at fault."""
+
+    def __init__(self, file: str, key: str, why: str):
+        self.file, self.key = str(file), key
+        super().__init__(f"{self.file}: {key!r}: {why}")
+
+
 class UnsavableTypeError(UnsavableError, UnsupportedTensorError):
     """:class:`UnsavableError` for a value of a type safetensors cannot store (dtype, layout); also
     an :class:`UnsupportedTensorError`, the same kind of fault met while reading."""

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .apply import apply_load
 from .storage.views import checkpoint_view
+from .convert.dequant import DequantizingReader, dequantizing_reader
 from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
 from .plan.actions import CopyAction, LoadPlan
 from .plan.extra_state import plan_extra_state
@@ -206,10 +207,16 @@ def load(
                                             key=key, trusted_globals=trusted_globals)  # fmt: skip
             if peft_dir == "both":
                 reader = open_adapter_reader(os.fspath(path), reader)
+            elif peft_dir is None and recipe is None:  # FP8 / MXFP4 weights into other dtypes: dequantized
+                reader = dequantizing_reader(reader, state, obj if isinstance(obj, torch.nn.Module) else None,
+                                             str(path), dtype)  # fmt: skip
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else str(path), strict=strict, optimizer=optimizer, dtype=dtype,
                 assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
             )  # fmt: skip
+            if isinstance(reader, DequantizingReader):
+                plan.report.dequantized = {a.entry.fqn: reader.dequantized(a.key) for a in plan.copies
+                                           if reader.dequantized(a.key)}  # fmt: skip
             if extra_state is not None:
                 extra = plan_extra_state(reader, extra_state, plan.report, plan=plan, optimizer=optimizer)
                 if strict and not plan.report.ok:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from fqn import FQNMap
 
 from .convert import run_recipe
+from .convert.quant_recipes import QUANT_RECIPES, run_quant_recipe
 from .errors import MigrationError, UnsupportedTensorError, external_errors
 from .migration_report import (
     OPTIMIZER_GROUPS_NAME,
@@ -99,6 +100,9 @@ def migrate(
         recipe: a tensor-changing conversion (``fqnckpt recipes``; ``"auto"`` picks the one that
             fits ``model``), planned by :mod:`checkpoint.convert` and written here; returns its
             :class:`checkpoint.convert.ConversionReport`. ``dims`` overrides model dimensions.
+            ``dequantize-bf16`` / ``dequantize-fp32`` / ``quantize-fp8``: FP8-block and MXFP4
+            weights to and from floating point (:mod:`checkpoint.convert.quant_recipes`; returns
+            its ``QuantRecipeReport``).
 
     Returns:
         The :class:`MigrationReport` (also written to ``dst/migration_report.json``).
@@ -116,6 +120,12 @@ def migrate(
         if storage_options and options_for(src, storage_options) is None and options_for(dst, storage_options) is None:
             resolve(dst, storage_options)  # the TypeError naming the local path
         out = resolve(dst, options_for(dst, storage_options))
+        if recipe in QUANT_RECIPES:  # FP8 / MXFP4 <-> floating point (checkpoint.convert.quant_recipes)
+            if model is not None or dims or key is not None:
+                raise TypeError(f"recipe {recipe!r} changes dtypes only, under the stored names: it takes no "
+                                "model=, dims= or key=")  # fmt: skip
+            return run_quant_recipe(resolve(src, options_for(src, storage_options)), out, recipe,
+                                    write=converted_writer(out, max_shard_size, overwrite), dry_run=dry_run)  # fmt: skip
         return run_recipe(src, out, recipe, write=converted_writer(out, max_shard_size, overwrite), model=model,
                           dims=dims, key=key, dry_run=dry_run, trusted_globals=trusted_globals, progress=progress,
                           storage_options=options_for(src, storage_options))  # fmt: skip

@@ -35,6 +35,10 @@ class LoadReport(BaseModel):
       refused unless ``assign=True`` replaces them). ``filled_from`` maps a target FQN to the
       checkpoint key it was read from when they differ (tied aliases, wrapper spellings the
       module resolves).
+    - ``dequantized``: target FQN -> what it was dequantized from, for quantized weights (FP8
+      blocks, MXFP4) loaded into floating-point targets of another dtype
+      (:mod:`checkpoint.convert.dequant`); their ``dtype_converted`` entry, if any, names float32,
+      the dtype they are dequantized in.
     """
 
     path: str
@@ -45,6 +49,7 @@ class LoadReport(BaseModel):
     dtype_converted: list[DtypeConversion] = Field(default_factory=list)
     loaded_keys: list[str] = Field(default_factory=list)
     filled_from: dict[str, str] = Field(default_factory=dict)
+    dequantized: dict[str, str] = Field(default_factory=dict)
     optimizer_loaded: bool = False
 
     @property

@@ -88,6 +88,17 @@ def run_migrate(args: argparse.Namespace, model) -> int:
     except ConversionError as e:
         report, code = e.report, EXIT_MISMATCH
         print(f"fqnckpt migrate: {one_line(cli_spelling(str(e)))}", file=sys.stderr)
+    if not hasattr(report, "source_format"):  # a quantization recipe (checkpoint.convert.quant_recipes)
+        if args.json:
+            import json
+
+            print(json.dumps(report.model_dump(mode="json") | {"ok": True}, indent=2))
+        else:
+            print(f"{report.source} -> {report.destination if report.written else '(nothing written)'}  recipe {report.recipe}\n"
+                  f"  {len(report.dequantized) + len(report.quantized):>5} weights "
+                  f"{'quantized' if report.quantized else 'dequantized to ' + report.dtype}\n"
+                  f"  {len(report.kept):>5} keys copied unchanged")  # fmt: skip
+        return code
     lines = [f"{report.source} ({report.source_format}, {report.shards} shard(s)) -> "
              f"{report.destination or '(nothing written)'}  recipe {report.recipe}"]  # fmt: skip
     for u in report.rules:

@@ -274,9 +274,11 @@ def recipe_table() -> list[dict[str, Any]]:
         fam = FAMILIES.get(fwd.meta.get("family", ""))
         return [v for v, _, _ in fam.versions] if fam else []
 
+    from .quant_recipes import recipe_rows
+
     return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
              "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
-             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()]  # fmt: skip
+             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()] + recipe_rows()  # fmt: skip
 
 
 __all__ = ["open_conversion", "run_recipe", "side_files", "recipe_table"]

@@ -18,6 +18,12 @@ What it reads (:func:`_open_source`):
   rank-0 DCP save leaves): every file, a tensor stored in two files refused
   (:class:`~checkpoint.errors.DuplicateTensorError`) rather than one silently chosen.
 
+Quantized weights of a checkpoint read whole (DeepSeek-style FP8 blocks with
+``weight_scale_inv``, MXFP4 ``*_blocks`` / ``*_scales``: :mod:`checkpoint.convert.quant`) are
+described and read dequantized as torch's ``QuantizedHuggingFaceStorageReader`` does (float32 in
+the metadata, converted to each target's dtype; an FP8 target of an FP8 weight receives the
+stored bytes), each rank reading only the FP8 rows / columns and scale blocks of its items.
+
 ``read_metadata`` describes each tensor as DCP's ``TensorStorageMetadata`` (global size, dtype,
 stored chunks), so DCP's planners reshard onto any mesh and placements; ``read_data`` reads each
 read item's block straight into its target where the bytes are one range of the file
@@ -465,6 +471,13 @@ def _open_source(where: Any) -> _Source:
 
 
 def _whole(where: str, rd, extra: dict[str, Any]) -> _Source:
+    from ..convert.dequant import dequantized_view
+
+    try:
+        rd = dequantized_view(rd)  # FP8 / MXFP4 weights as torch's QuantizedHuggingFaceStorageReader has them
+    except BaseException:
+        rd.close()
+        raise
     chunks = {k: [StoredChunk(0, k, (0,) * len(rd.spec(k).shape), rd.spec(k).shape)] for k in rd.keys()}
     readers = [rd]
     opt = _optimizer_part(rd)
