@@ -117,11 +117,11 @@ def adapter_dir_config(path: Any) -> dict[str, Any] | None:
     """:func:`adapter_config_summary` of a local directory holding peft's adapter files (a
     ``save_pretrained`` directory, or a checkpoint's adapter part), else None."""
     from ..peft_config import ADAPTER_CONFIG, adapter_math, read_adapter_config
-    from ..storage.urls import is_url
+    from ..storage.location import local_path, resolve
 
-    if is_url(path) or not os.path.isdir(path):
+    root = local_path(resolve(path))  # peft's adapter folders are local files
+    if root is None or not os.path.isdir(root):
         return None
-    root = os.fspath(path)
     if not (_plain_file(os.path.join(root, ADAPTER_CONFIG)) and _plain_file(os.path.join(root, ADAPTER_FILE))):
         return None
     return adapter_math(read_adapter_config(root))
