@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AmbiguousSourceError
-from ..storage.urls import is_url
+from ..storage.location import local_path, resolve
 from .base import FORMATS, OptimizerInfo, Source, SourceSpec
 from .dcp import open_dcp
 from .pickle_files import open_pickle, resolve_globals, unsafe_globals
@@ -65,13 +65,14 @@ def open_source(
         CorruptCheckpointError, MissingShardError, TensorNotInShardError,
         DuplicateTensorError, UnsupportedFormatError: a malformed checkpoint (file and key named).
     """
-    if is_url(path):  # never a local path: object storage through fsspec (safetensors layouts)
+    where = resolve(path)  # "~/run" typed in Python: no shell expanded it
+    if local_path(where) is None:  # a byte store (object storage): safetensors layouts through its methods
         from .remote import open_remote_source
 
         if key is not None:
             raise AmbiguousSourceError(str(path), [], f"key={key!r} applies to pickles and DCP only")
-        return open_remote_source(path)
-    p = Path(os.path.expanduser(path))  # "~/run" typed in Python: no shell expanded it
+        return open_remote_source(path)  # a part index URL names that part
+    p = Path(where)
     fmt = sniff(p)
     if fmt in ("torch-zip", "torch-legacy"):
         f = pickle_files(p)[0] if p.is_dir() else p

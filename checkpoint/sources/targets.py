@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedFormatError
-from ..storage.location import is_remote
+from ..storage.location import local_path
 from ..storage.opening import open_checkpoint
 from .dcp import dcp_format, open_dcp
 from .dcp_targets import DCPTargetReader
@@ -47,7 +47,7 @@ def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, 
                             f"{path} is a safetensors checkpoint, which has none")  # fmt: skip
         return open_checkpoint(path)
 
-    if is_remote(path):  # a URL: fqnckpt / Hugging Face layouts through fsspec
+    if local_path(path) is None:  # a byte store: fqnckpt / Hugging Face layouts through its methods
         return safetensors_checkpoint()
     path = os.fspath(path)
     fmt = dcp_format(path)
