@@ -17,7 +17,7 @@ Point names, in the order a save reaches them:
 - ``before_commit_rename``: just before the commit point (see :mod:`checkpoint.storage.local_commit`): the rename
   of the staging dir to ``path`` (new path) or to ``path/.fqnckpt-commit-*`` (existing directory).
 - ``after_commit_rename``: the commit is decided; over an existing directory no file moved yet
-  (the next load / save rolls it forward).
+  (readers refuse it; the next save, or ``recover``, rolls it forward).
 - ``after_first_move``: existing directory only: one new file renamed into place, the rest not.
 - ``before_cleanup``: existing directory only: every file moved, stale files removed; the commit
   directory not yet removed.

@@ -171,3 +171,43 @@ def test_side_files_stay_across_overwrite_and_go_only_unedited(root):
     assert snap["config.json"] == edited and snap["generation_config.json"] == side["generation_config.json"]
     remove_checkpoint(backends.store(ck, opts))
     assert snapshot(ck, opts) == {"config.json": edited}  # the edited one stays, the unedited one goes
+
+
+# Kill points on every backend a child process can share with the test: a point a backend never
+# reaches lets the save finish (then the new checkpoint is there). memory:// lives in one process.
+KILL_POINTS = ("after_tensor_write", "after_commit_rename", "after_first_move", "after_part_upload", "after_index_put")
+
+
+@pytest.mark.parametrize("backend", ["local", "file", "s3"])
+def test_kill_at_fault_points_leaves_old_or_new(backend, tmp_path, moto_opts):
+    base, opts = backends.fresh(backend, tmp_path, moto_opts, "cpar")
+    ck = f"{base}/ck"
+    old = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
+    new = {f"t{i}": torch.full((64,), 100.0 + i) for i in range(4)}
+    for point in KILL_POINTS:
+        checkpoint.save(old, ck, overwrite=True, max_shard_size=600, **_kw(opts))
+        put(ck, opts, "config.json", b'{"mine": 1}')
+        pid = os.fork()
+        if pid == 0:  # the child saves new with the fault armed; SIGKILL at the point
+            try:
+                os.environ["FQNCKPT_FAULT_POINT"] = point
+                checkpoint.save(new, ck, overwrite=True, max_shard_size=300, **_kw(opts))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        before = snapshot(base, opts)
+        t = {k: torch.zeros(64) for k in old}
+        try:
+            checkpoint.load(t, ck, **_kw(opts))
+        except checkpoint.InterruptedCommitError:
+            assert snapshot(base, opts) == before, point  # the reader changed nothing
+            checkpoint.recover(ck, storage_options=opts)
+            checkpoint.load(t, ck, **_kw(opts))
+        got_old = all(torch.equal(t[k], old[k]) for k in old)
+        got_new = all(torch.equal(t[k], new[k]) for k in new)
+        assert got_old or got_new, point
+        assert checkpoint.verify(ck, **_kw(opts)).ok, point
+        assert snapshot(ck, opts)["config.json"] == b'{"mine": 1}', point
+    checkpoint.save(new, ck, overwrite=True, **_kw(opts))  # the next save cleans up what kills left
+    names = set(snapshot(ck, opts))
+    assert not any(n.startswith(".") for n in names), names
