@@ -252,10 +252,11 @@ class CheckpointManager:
         checkpoint of the same step atomically), then apply retention. Async: first waits for the
         previous save, returns its :class:`SaveFuture` once staged; sync: returns None when done.
 
+        Raises what :func:`checkpoint.save` raises; async: the previous save's error, raised here
+        before anything new is staged (a failing disk is not silently skipped).
+
         Raises:
             ValueError: ``step`` is not an int >= 0.
-            What :func:`checkpoint.save` raises; async: the previous save's error, raised here
-            before anything new is staged (a failing disk is not silently skipped).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
