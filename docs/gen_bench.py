@@ -1,0 +1,356 @@
+"""Generate the benchmarks page: ``docs/benchmarks.md``, its PNG plots and the raw results.
+
+    python docs/gen_bench.py                 # measure (about a minute on 2 cores), then render
+    python docs/gen_bench.py --render-only   # render again from docs/benchmarks/results.json
+
+It measures, in one process on tmpfs (``/dev/shm`` when present: the software path, no device),
+save and load of the same float32 state by
+
+- fqnckpt: ``checkpoint.save`` (sharded safetensors, digests, atomic commit) and
+  ``checkpoint.load`` (into the same warm tensors, every tensor's digest checked);
+- safetensors: ``save_file`` + fsync and ``safe_open`` + ``get_tensor`` + ``copy_`` into the same
+  tensors;
+- DCP: ``dcp.save`` / ``dcp.load`` with its default ``FileSystemWriter`` / ``FileSystemReader``
+  (``.distcp`` files);
+- DCP's Hugging Face storage: ``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader``,
+
+with the timing rules of ``tests/bench/checkpoint_bench.py`` (its ``rounds``: one untimed round
+of each side, then rounds in rotating order, ``os.sync()`` before each timed step, every side
+writing a fresh path), over a few tensor counts at a fixed total size; and the single-core
+throughput of the digests a checkpoint could use. Results are medians over the rounds; the page
+shows the machine, the load average while it ran and every setting, so a reader can rerun it.
+The longer comparisons (many ranks, object storage, async saves, cold caches) are the scripts in
+``tests/bench``; the page lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(HERE, "benchmarks")
+RESULTS = os.path.join(OUT, "results.json")
+PAGE = os.path.join(HERE, "benchmarks.md")
+
+SIDES = ("fqnckpt", "safetensors", "DCP", "DCP HF storage")
+
+
+def machine() -> dict:
+    """Where the figures come from: CPU, cores, memory, kernel, Python and library versions."""
+    import safetensors
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) * 1024
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def _gib_s(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
+    """Save and load ``total`` bytes of float32 in ``n_tensors`` tensors by every side; returns
+    ``{"tensors", "bytes", "save": {side: GB/s}, "load": {side: GB/s}}``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import (
+        FileSystemReader,
+        FileSystemWriter,
+        HuggingFaceStorageReader,
+        HuggingFaceStorageWriter,
+    )
+
+    import checkpoint
+    from checkpoint_bench import fsync_path, rounds, warm  # tests/bench: the same timing rules
+
+    numel = total // 4 // n_tensors
+    g = torch.Generator().manual_seed(n_tensors)
+    sd = {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n_tensors)}
+    nbytes = sum(v.nbytes for v in sd.values())
+    paths = {s: os.path.join(root, s.replace(" ", "_")) for s in SIDES}
+    st_file = os.path.join(paths["safetensors"], "model.safetensors")
+
+    def st_save():
+        os.makedirs(paths["safetensors"], exist_ok=True)
+        save_file(sd, st_file, metadata={"format": "pt"})
+        fsync_path(st_file)
+
+    save_sides = {
+        "fqnckpt": lambda: checkpoint.save(sd, paths["fqnckpt"], overwrite=True),
+        "safetensors": st_save,
+        "DCP": lambda: dcp.save(sd, storage_writer=FileSystemWriter(paths["DCP"])),
+        "DCP HF storage": lambda: dcp.save(sd, storage_writer=HuggingFaceStorageWriter(paths["DCP HF storage"])),
+    }
+    saved = rounds(save_sides, rounds_arg(n_rounds), tuple(paths.values()))
+    for side in SIDES:  # leave one copy of each for the loads
+        save_sides[side]()
+
+    dst = {k: torch.empty_like(v) for k, v in sd.items()}
+    warm(dst)
+
+    def st_load():
+        with safe_open(st_file, framework="pt") as f:
+            for k in f.keys():
+                dst[k].copy_(f.get_tensor(k))
+
+    load_sides = {
+        "fqnckpt": lambda: checkpoint.load(dst, paths["fqnckpt"]),
+        "safetensors": st_load,
+        "DCP": lambda: dcp.load(dst, storage_reader=FileSystemReader(paths["DCP"])),
+        "DCP HF storage": lambda: dcp.load(dst, storage_reader=HuggingFaceStorageReader(paths["DCP HF storage"])),
+    }
+    loaded = rounds(load_sides, rounds_arg(n_rounds))
+    assert all(torch.equal(dst[k], v) for k, v in sd.items())  # the last side loaded every value
+    for p in paths.values():
+        shutil.rmtree(p, ignore_errors=True)
+    return {
+        "tensors": n_tensors,
+        "bytes": nbytes,
+        "save": {s: _gib_s(nbytes, saved[s]) for s in SIDES},
+        "load": {s: _gib_s(nbytes, loaded[s]) for s in SIDES},
+    }
+
+
+def rounds_arg(n: int) -> int:
+    return max(3, n)
+
+
+def measure_digests(nbytes: int = 64 << 20, repeat: int = 5) -> dict:
+    """Single-thread GB/s of the digests a checkpoint could record, and of a plain memory copy."""
+    import numpy as np
+    import xxhash
+
+    buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(buf)
+    view = memoryview(buf)
+    funcs = {
+        "xxh3-128 (recorded)": lambda: xxhash.xxh3_128(view).digest(),
+        "zlib.crc32": lambda: zlib.crc32(view),
+        "blake2b": lambda: hashlib.blake2b(view).digest(),
+        "sha256": lambda: hashlib.sha256(view).digest(),
+        "memory copy": lambda: np.copyto(dst, buf),
+    }
+    out = {}
+    for name, fn in funcs.items():
+        fn()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def run(total_mib: int, counts: list[int], rounds: int) -> dict:
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "bench"))
+    warnings.filterwarnings("ignore")  # DCP warns that no process group is initialized
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="fqnckpt-docs-bench-", dir=base)
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        cases = []
+        for n in counts:
+            print(f"{n} tensors, {total_mib} MiB ...", file=sys.stderr, flush=True)
+            cases.append(measure_case(root, n, total_mib << 20, rounds))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    digests = measure_digests()
+    return {
+        "machine": machine(),
+        "settings": {"total_mib": total_mib, "tensor_counts": counts, "rounds": rounds_arg(rounds),
+                     "storage": "tmpfs (/dev/shm)" if base else f"temporary directory ({tempfile.gettempdir()})"},
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "seconds": round(time.perf_counter() - t0, 1),
+        "cases": cases,
+        "digests": digests,
+    }  # fmt: skip
+
+
+def plot(results: dict) -> list[str]:
+    """PNG plots under docs/benchmarks/: save and load GB/s against the tensor count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    counts = [c["tensors"] for c in results["cases"]]
+    for what in ("save", "load"):
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+        for side, marker in zip(SIDES, "osD^"):
+            ax.plot(counts, [c[what][side] for c in results["cases"]], marker=marker, label=side)
+        ax.set_xscale("log")
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel(f"tensors ({results['settings']['total_mib']} MiB of float32 in all)")
+        ax.set_ylabel("GB/s (median)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{what} throughput, one process, {results['settings']['storage'].split()[0]}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        name = f"{what}_gbs.png"
+        fig.savefig(os.path.join(OUT, name), metadata={"Software": None})
+        plt.close(fig)
+        names.append(name)
+    fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=110)
+    d = results["digests"]
+    ax.barh(list(d), list(d.values()))
+    ax.set_xlabel("GB/s, one thread")
+    ax.set_title("digest throughput")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, "digests_gbs.png"), metadata={"Software": None})
+    plt.close(fig)
+    names.append("digests_gbs.png")
+    return names
+
+
+def _table(results: dict, what: str) -> list[str]:
+    rows = [f"| tensors | MiB | {' | '.join(SIDES)} | fqnckpt / safetensors | fqnckpt / DCP |",
+            "|---:|---:|" + "---:|" * len(SIDES) + "---:|---:|"]  # fmt: skip
+    for c in results["cases"]:
+        v = c[what]
+        cells = " | ".join(f"{v[s]:.2f}" for s in SIDES)
+        rows.append(f"| {c['tensors']:,} | {c['bytes'] / 2**20:.0f} | {cells} | "
+                    f"{v['fqnckpt'] / v['safetensors']:.2f}x | {v['fqnckpt'] / v['DCP']:.2f}x |")  # fmt: skip
+    return rows
+
+
+def render(results: dict) -> str:
+    m, s = results["machine"], results["settings"]
+    images = plot(results)
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by docs/gen_bench.py: edit the script, not this page. -->",
+        "",
+        "Save and load throughput of one process, against safetensors and DCP (its default",
+        "`.distcp` storage and its Hugging Face storage), generated by `python docs/gen_bench.py`.",
+        "Every side saves and loads the same float32 state; loads copy into the same warm tensors, and",
+        "fqnckpt's load checks every tensor's digest on the way. The timing rules are those of",
+        "`tests/bench/checkpoint_bench.py`: one untimed round of every side, then rounds in rotating",
+        "order, `os.sync()` before each timed step, each save to a fresh path; figures are medians.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m['cpu']}, {m['cores']} cores visible |",
+        f"| memory | {m['memory_gib']} GiB |",
+        f"| kernel | Linux {m['kernel']} |",
+        f"| software | Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']} |",
+        f"| storage | {s['storage']} |",
+        f"| rounds | {s['rounds']} per side and case |",
+        f"| load average | {results['load_average'][0]} before, {results['load_average'][1]} after "
+        f"({results['seconds']} s in all) |",
+        "",
+        "A shared machine's load shows in the figures: compare sides within one run, not across runs.",
+        "",
+        "## Save, GB/s",
+        "",
+        *_table(results, "save"),
+        "",
+        f"![save throughput]({os.path.basename(OUT)}/{images[0]})",
+        "",
+        "## Load, GB/s",
+        "",
+        *_table(results, "load"),
+        "",
+        f"![load throughput]({os.path.basename(OUT)}/{images[1]})",
+        "",
+        "## Digests",
+        "",
+        "Single-thread throughput of the digests a checkpoint could record, next to a plain memory",
+        "copy of the same bytes. fqnckpt records xxh3-128: it runs near memory-copy speed, so hashing",
+        "each piece while it is in cache costs about one more pass over cached data.",
+        "",
+        "| digest | GB/s |",
+        "|---|---:|",
+        *(f"| {k} | {v:.2f} |" for k, v in results["digests"].items()),
+        "",
+        f"![digest throughput]({os.path.basename(OUT)}/{images[2]})",
+        "",
+        "## More benchmarks",
+        "",
+        "The scripts in `tests/bench` measure what this page does not; each prints medians and ranges",
+        "of per-round ratios against references timed in the same run (`--help` for options):",
+        "",
+        "| script | compares |",
+        "|---|---|",
+        "| `checkpoint_bench.py` | save / load against safetensors, a raw `pwrite` and a memory copy, on tmpfs and disk; `--cold` against a raw sequential read; `--dist` on 2 ranks |",
+        "| `dist_save.py` | a save on 2 and 4 ranks against `dcp.save`, a raw parallel write and DCP's HF writer with consolidation |",
+        "| `dcp_storage.py` | `StorageWriter` / `StorageReader` against torch's HF storage through `dcp.save` / `dcp.load`, `Shard(0)` and `Shard(1)` |",
+        "| `async_save.py` | the blocking time of `async_save` and `CheckpointManager.save`, and of the first save of a process |",
+        "| `checked_load.py` | the cost of checking digests while loading |",
+        "| `converting_load.py`, `read_paths.py` | loads that convert dtypes, strided targets, column blocks |",
+        "| `migrate_scale.py`, `migrate_memory.py`, `convert_experts.py`, `convert_meta_memory.py` | migration and conversion time and memory |",
+        "| `s3_save_load.py` | object storage against DCP's `FsspecWriter` / `FsspecReader` (moto) |",
+        "| `cli_startup.py` | `fqnckpt --version`, `--help` and `inspect` start-up time |",
+        "| `dist_scale.py`, `shared_writes.py`, `save_phases.py` | many DTensors on 8 ranks; several writers of one file; the phases of a save |",
+        "| `capture_cost.py`, `init_cost.py`, `train_step.py` | capture, `init_weights` and a training step of the parallel module |",
+        "| `reliability_report.py` | kills and corruptions at random points, and what survives |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--render-only", action="store_true", help="render from docs/benchmarks/results.json")
+    ap.add_argument("--mib", type=int, default=32, help="MiB of float32 per case")
+    ap.add_argument("--counts", default="8,64,512,4096", help="tensor counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side (>= 3)")
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    if args.render_only:
+        with open(RESULTS) as f:
+            results = json.load(f)
+    else:
+        results = run(args.mib, [int(c) for c in args.counts.split(",")], args.rounds)
+        with open(RESULTS, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+    with open(PAGE, "w") as f:
+        f.write(render(results))
+    print(f"wrote {PAGE} and {OUT}/", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
