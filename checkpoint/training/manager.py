@@ -436,7 +436,7 @@ class CheckpointManager:
         """Async saves: have the writer thread touch the staging memory of the first save now, in
         the background (:meth:`AsyncSaver.prepare` with ``background=True``: no collective, no
         wait, the bytes a save holds anyway), so that save blocks about as long as later ones
-        without a :meth:`prepare` by hand (issue 35: 10.7x without). Optimizer state that does not
+        without a :meth:`prepare` by hand (several times longer without). Optimizer state that does not
         exist yet (AdamW's before its first step) is touched after the optimizer's next ``step()``
         (a step post-hook that removes itself). Not for object storage, whose staging differs."""
         if self._saver is None or self._remote or self._saver._closed:
