@@ -1,6 +1,6 @@
 """Generate the benchmarks page: ``docs/benchmarks.md``, its PNG plots and the raw results.
 
-    python docs/gen_bench.py                 # measure (about a minute on 2 cores), then render
+    python docs/gen_bench.py                 # measure (1-3 minutes on 2 busy cores), then render
     python docs/gen_bench.py --render-only   # render again from docs/benchmarks/results.json
 
 It measures, in one process on tmpfs (``/dev/shm`` when present: the software path, no device),

@@ -4,6 +4,8 @@
   taken from the argparse parser the command line itself builds (``checkpoint.cli.main.build_parser``).
 - ``<!-- fqnckpt:errors MODULE -->`` becomes a table of the exception and warning classes defined in
   ``MODULE``: name, bases and the docstring's first paragraph.
+- The docstrings use Sphinx cross-reference roles (``:func:`~.pread.pread_run```), which
+  mkdocstrings' Google-style parser leaves as text: the rendered pages show them as code spans.
 
 The build imports the packages (``pip install -e ".[docs]"``): a renamed command or error shows
 here on the next build.
@@ -19,6 +21,7 @@ import re
 from contextlib import redirect_stdout
 
 _CLI = "<!-- fqnckpt:cli -->"
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj):<code>~?\.?")
 _ERRORS = re.compile(r"<!-- fqnckpt:errors ([\w.]+) -->")
 
 
@@ -69,3 +72,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if _CLI in markdown:
         markdown = markdown.replace(_CLI, cli_reference())
     return _ERRORS.sub(lambda m: errors_table(m.group(1)), markdown)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """``:func:<code>~.x.y</code>`` (a Sphinx role rendered by mkdocstrings) -> ``<code>x.y</code>``."""
+    return _ROLE.sub("<code>", html)
