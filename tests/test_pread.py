@@ -307,7 +307,6 @@ def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small
     """``get`` of a tensor of many pieces: exact bytes, pieces read by the calling and pool
     threads and hashed in file order as they come in (``read_hashed``); a byte flipped in a
     middle piece still fails the digest, naming tensor and file."""
-    import threading
 
     from checkpoint.storage import tensor_read
 
@@ -386,10 +385,10 @@ def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp
             want = sd[key][tuple(slices)] if slices else sd[key]
             for dtype in (torch.float64, torch.bfloat16):
                 out = torch.zeros(want.shape, dtype=dtype)
-                one_call((key, slices, dtype), lambda: r.copy_into(key, out, slices))
+                one_call((key, slices, dtype), lambda k=key, o=out, s=slices: r.copy_into(k, o, s))
                 assert torch.equal(out, want.to(dtype)), (key, slices, dtype)
             base = torch.full((*want.shape[:-1], 2 * want.shape[-1]), 7.0)
-            one_call((key, slices, "strided"), lambda: r.copy_into(key, base[..., ::2], slices))
+            one_call((key, slices, "strided"), lambda k=key, b=base, s=slices: r.copy_into(k, b[..., ::2], s))
             assert torch.equal(base[..., ::2], want) and bool((base[..., 1::2] == 7.0).all())
     assert torch.get_num_threads() == before
     for what, crews, both, pieces in calls:
