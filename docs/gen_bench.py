@@ -16,8 +16,10 @@ save and load of the same float32 state by
 
 with the timing rules of ``tests/bench/checkpoint_bench.py`` (its ``rounds``: one untimed round
 of each side, then rounds in rotating order, ``os.sync()`` before each timed step, every side
-writing a fresh path), over a few tensor counts at a fixed total size; and the single-core
-throughput of the digests a checkpoint could use. Results are medians over the rounds; the page
+writing a fresh path), over a few tensor counts at a fixed total size; the same state as
+``Shard(0)`` DTensors on 1, 2 and 4 gloo ranks (fqnckpt against ``dcp.save`` / ``dcp.load``); and
+the single-core throughput of the digests a checkpoint could use. Results are medians over the
+rounds; the page
 shows the machine, the load average while it ran and every setting, so a reader can rerun it.
 The longer comparisons (many ranks, object storage, async saves, cold caches) are the scripts in
 ``tests/bench``; the page lists them.
@@ -84,6 +86,7 @@ def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
     ``{"tensors", "bytes", "save": {side: GB/s}, "load": {side: GB/s}}``."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from checkpoint_bench import fsync_path, rounds, warm  # tests/bench: the same timing rules
     from safetensors import safe_open
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import (
@@ -94,7 +97,6 @@ def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
     )
 
     import checkpoint
-    from checkpoint_bench import fsync_path, rounds, warm  # tests/bench: the same timing rules
 
     numel = total // 4 // n_tensors
     g = torch.Generator().manual_seed(n_tensors)
@@ -144,6 +146,80 @@ def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
     }
 
 
+def _rank_case(rank: int, world: int, root: str, total: int, n_tensors: int, n_rounds: int) -> dict:
+    """One rank of :func:`measure_ranks`: every rank holds the ``Shard(0)`` rows of the same
+    global float32 state; each side is timed from a barrier to a barrier (the slowest rank's time),
+    sides in rotating order after one untimed round, each save to a fresh path."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint
+
+    warnings.filterwarnings("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(n_tensors)
+    rows = total // 4 // n_tensors // 1024
+    sd = {f"layers.{i}.weight": distribute_tensor(torch.randn(rows, 1024, generator=g), mesh, [Shard(0)])
+          for i in range(n_tensors)}  # fmt: skip
+    dst = {k: distribute_tensor(torch.zeros(v.shape), mesh, [Shard(0)]) for k, v in sd.items()}
+    count = [0]
+
+    def fresh(side: str) -> str:
+        count[0] += 1
+        return os.path.join(root, f"{side}-{count[0]}")
+
+    last = {}
+
+    def save(side: str) -> None:
+        last[side] = path = fresh(side.replace(" ", "_"))
+        if side == "fqnckpt":
+            checkpoint.save(sd, path)
+        else:
+            dcp.save(sd, storage_writer=FileSystemWriter(path))
+
+    def load(side: str) -> None:
+        if side == "fqnckpt":
+            checkpoint.load(dst, last[side])
+        else:
+            dcp.load(dst, storage_reader=FileSystemReader(last[side]))
+
+    sides = ("fqnckpt", "DCP")
+    times: dict = {"save": {s: [] for s in sides}, "load": {s: [] for s in sides}}
+    for what, fn in (("save", save), ("load", load)):
+        for s in sides:  # untimed round
+            fn(s)
+        for i in range(n_rounds):
+            for j in range(len(sides)):
+                s = sides[(i + j) % len(sides)]
+                dist.barrier()
+                t = time.perf_counter()
+                fn(s)
+                dist.barrier()
+                times[what][s].append(time.perf_counter() - t)
+    assert all(torch.equal(dst[k].to_local(), v.to_local()) for k, v in sd.items())
+    nbytes = sum(v.numel() * 4 for v in sd.values())
+    return {"world": world, "bytes": nbytes, **{w: {s: _gib_s(nbytes, t) for s, t in times[w].items()} for w in times}}
+
+
+def measure_ranks(root: str, worlds: list[int], total: int, n_tensors: int, n_rounds: int) -> list[dict]:
+    """Save and load of one ``Shard(0)`` state on each world size: fqnckpt against DCP's default
+    storage, through ``checkpoint.save`` / ``load`` and ``dcp.save`` / ``load`` on gloo ranks."""
+    from checkpoint.ranks.launch import run_ranks
+
+    out = []
+    for world in worlds:
+        print(f"{world} ranks, {total >> 20} MiB ...", file=sys.stderr, flush=True)
+        here = os.path.join(root, f"ranks-{world}")
+        os.makedirs(here, exist_ok=True)
+        out.append(run_ranks(_rank_case, world, here, total, n_tensors, rounds_arg(n_rounds), timeout=900)[0])
+        shutil.rmtree(here, ignore_errors=True)
+    return out
+
+
 def rounds_arg(n: int) -> int:
     return max(3, n)
 
@@ -175,7 +251,7 @@ def measure_digests(nbytes: int = 64 << 20, repeat: int = 5) -> dict:
     return out
 
 
-def run(total_mib: int, counts: list[int], rounds: int) -> dict:
+def run(total_mib: int, counts: list[int], rounds: int, worlds: list[int]) -> dict:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests", "bench"))
     warnings.filterwarnings("ignore")  # DCP warns that no process group is initialized
@@ -188,16 +264,18 @@ def run(total_mib: int, counts: list[int], rounds: int) -> dict:
         for n in counts:
             print(f"{n} tensors, {total_mib} MiB ...", file=sys.stderr, flush=True)
             cases.append(measure_case(root, n, total_mib << 20, rounds))
+        ranks = measure_ranks(root, worlds, total_mib << 20, 8, rounds) if worlds else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
     digests = measure_digests()
     return {
         "machine": machine(),
-        "settings": {"total_mib": total_mib, "tensor_counts": counts, "rounds": rounds_arg(rounds),
+        "settings": {"total_mib": total_mib, "tensor_counts": counts, "rounds": rounds_arg(rounds), "worlds": worlds,
                      "storage": "tmpfs (/dev/shm)" if base else f"temporary directory ({tempfile.gettempdir()})"},
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.perf_counter() - t0, 1),
         "cases": cases,
+        "ranks": ranks,
         "digests": digests,
     }  # fmt: skip
 
@@ -229,6 +307,23 @@ def plot(results: dict) -> list[str]:
         fig.savefig(os.path.join(OUT, name), metadata={"Software": None})
         plt.close(fig)
         names.append(name)
+    if results.get("ranks"):
+        worlds = [r["world"] for r in results["ranks"]]
+        fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.4), dpi=110, sharey=True)
+        for ax, what in zip(axes, ("save", "load")):
+            for side, marker in (("fqnckpt", "o"), ("DCP", "D")):
+                ax.plot(worlds, [r[what][side] for r in results["ranks"]], marker=marker, label=side)
+            ax.set_xticks(worlds, [str(w) for w in worlds])
+            ax.set_xlabel("ranks (gloo, one machine)")
+            ax.set_title(f"{what}, Shard(0) DTensors")
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("GB/s of the whole state (median)")
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(OUT, "ranks_gbs.png"), metadata={"Software": None})
+        plt.close(fig)
+        names.append("ranks_gbs.png")
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=110)
     d = results["digests"]
     ax.barh(list(d), list(d.values()))
@@ -251,6 +346,27 @@ def _table(results: dict, what: str) -> list[str]:
         rows.append(f"| {c['tensors']:,} | {c['bytes'] / 2**20:.0f} | {cells} | "
                     f"{v['fqnckpt'] / v['safetensors']:.2f}x | {v['fqnckpt'] / v['DCP']:.2f}x |")  # fmt: skip
     return rows
+
+
+def _ranks_section(results: dict, images: list[str]) -> list[str]:
+    if not results.get("ranks"):
+        return []
+    rows = [
+        "## Ranks",
+        "",
+        f"The same state ({results['ranks'][0]['bytes'] >> 20} MiB of float32 in 8 tensors) held as `Shard(0)` DTensors",
+        "on 1, 2 or 4 gloo ranks of this machine: `checkpoint.save` / `checkpoint.load` against",
+        "`dcp.save` / `dcp.load` with DCP's default storage; each side timed from a barrier to a barrier",
+        "(the slowest rank), GB/s of the whole state. Ranks beyond the cores share them.",
+        "",
+        "| ranks | save fqnckpt | save DCP | fqnckpt / DCP | load fqnckpt | load DCP | fqnckpt / DCP |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["ranks"]:
+        s, ld = r["save"], r["load"]
+        rows.append(f"| {r['world']} | {s['fqnckpt']:.2f} | {s['DCP']:.2f} | {s['fqnckpt'] / s['DCP']:.2f}x | "
+                    f"{ld['fqnckpt']:.2f} | {ld['DCP']:.2f} | {ld['fqnckpt'] / ld['DCP']:.2f}x |")  # fmt: skip
+    return [*rows, "", f"![ranks]({os.path.basename(OUT)}/ranks_gbs.png)", ""]
 
 
 def render(results: dict) -> str:
@@ -295,6 +411,7 @@ def render(results: dict) -> str:
         "",
         f"![load throughput]({os.path.basename(OUT)}/{images[1]})",
         "",
+        *_ranks_section(results, images),
         "## Digests",
         "",
         "Single-thread throughput of the digests a checkpoint could record, next to a plain memory",
@@ -305,7 +422,7 @@ def render(results: dict) -> str:
         "|---|---:|",
         *(f"| {k} | {v:.2f} |" for k, v in results["digests"].items()),
         "",
-        f"![digest throughput]({os.path.basename(OUT)}/{images[2]})",
+        f"![digest throughput]({os.path.basename(OUT)}/{images[-1]})",
         "",
         "## More benchmarks",
         "",
@@ -337,13 +454,15 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=32, help="MiB of float32 per case")
     ap.add_argument("--counts", default="8,64,512,4096", help="tensor counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per side (>= 3)")
+    ap.add_argument("--worlds", default="1,2,4", help="world sizes of the ranks case ('' to skip)")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     if args.render_only:
         with open(RESULTS) as f:
             results = json.load(f)
     else:
-        results = run(args.mib, [int(c) for c in args.counts.split(",")], args.rounds)
+        worlds = [int(w) for w in args.worlds.split(",") if w]
+        results = run(args.mib, [int(c) for c in args.counts.split(",")], args.rounds, worlds)
         with open(RESULTS, "w") as f:
             json.dump(results, f, indent=1)
             f.write("\n")
