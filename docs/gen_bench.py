@@ -309,7 +309,7 @@ def plot(results: dict) -> list[str]:
         names.append(name)
     if results.get("ranks"):
         worlds = [r["world"] for r in results["ranks"]]
-        fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.4), dpi=110, sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.4), dpi=110)
         for ax, what in zip(axes, ("save", "load")):
             for side, marker in (("fqnckpt", "o"), ("DCP", "D")):
                 ax.plot(worlds, [r[what][side] for r in results["ranks"]], marker=marker, label=side)
