@@ -12,7 +12,9 @@ save and load of the same float32 state by
   tensors;
 - DCP: ``dcp.save`` / ``dcp.load`` with its default ``FileSystemWriter`` / ``FileSystemReader``
   (``.distcp`` files);
-- DCP's Hugging Face storage: ``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader``,
+- DCP's Hugging Face storage: ``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader``;
+- for loads, where installed, runai-model-streamer (``SafetensorsStreamer``) and fastsafetensors
+  (``SafeTensorsFileLoader`` on CPU) reading the safetensors side's file into the same tensors,
 
 with the timing rules of ``tests/bench/checkpoint_bench.py`` (its ``rounds``: one untimed round
 of each side, then rounds in rotating order, ``os.sync()`` before each timed step, every side
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -49,6 +52,44 @@ PAGE = os.path.join(HERE, "benchmarks.md")
 SIDES = ("fqnckpt", "safetensors", "DCP", "DCP HF storage")
 
 
+def optional_loaders() -> dict:
+    """Loaders of a safetensors file into existing tensors from packages installed here (each
+    optional: ``pip install runai-model-streamer fastsafetensors``): ``{name: fn(file, dst)}``."""
+    out = {}
+    try:
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai(path: str, dst: dict) -> None:
+            with SafetensorsStreamer() as s:
+                s.stream_file(path)
+                for name, t in s.get_tensors():
+                    dst[name].copy_(t)
+
+        out["runai-model-streamer"] = runai
+    except ImportError:
+        pass
+    try:
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        def fast(path: str, dst: dict) -> None:
+            loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+            try:
+                loader.add_filenames({0: [path]})
+                fb = loader.copy_files_to_device()
+                try:
+                    for k, t in dst.items():
+                        t.copy_(fb.get_tensor(k))
+                finally:
+                    fb.close()
+            finally:
+                loader.close()
+
+        out["fastsafetensors"] = fast
+    except ImportError:
+        pass
+    return out
+
+
 def machine() -> dict:
     """Where the figures come from: CPU, cores, memory, kernel, Python and library versions."""
     import safetensors
@@ -66,7 +107,14 @@ def machine() -> dict:
             mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) * 1024
     except (OSError, StopIteration):
         pass
+    versions = {}
+    for dist_name in ("runai-model-streamer", "fastsafetensors"):
+        try:
+            versions[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return {
+        "optional": versions,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1),
@@ -134,6 +182,8 @@ def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
         "DCP": lambda: dcp.load(dst, storage_reader=FileSystemReader(paths["DCP"])),
         "DCP HF storage": lambda: dcp.load(dst, storage_reader=HuggingFaceStorageReader(paths["DCP HF storage"])),
     }
+    for name, fn in optional_loaders().items():  # they read the file the safetensors side wrote
+        load_sides[name] = lambda fn=fn: fn(st_file, dst)
     loaded = rounds(load_sides, rounds_arg(n_rounds))
     assert all(torch.equal(dst[k], v) for k, v in sd.items())  # the last side loaded every value
     for p in paths.values():
@@ -142,7 +192,7 @@ def measure_case(root: str, n_tensors: int, total: int, n_rounds: int) -> dict:
         "tensors": n_tensors,
         "bytes": nbytes,
         "save": {s: _gib_s(nbytes, saved[s]) for s in SIDES},
-        "load": {s: _gib_s(nbytes, loaded[s]) for s in SIDES},
+        "load": {s: _gib_s(nbytes, t) for s, t in loaded.items()},
     }
 
 
@@ -291,7 +341,7 @@ def plot(results: dict) -> list[str]:
     counts = [c["tensors"] for c in results["cases"]]
     for what in ("save", "load"):
         fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
-        for side, marker in zip(SIDES, "osD^"):
+        for side, marker in zip(results["cases"][0][what], "osD^vP*"):
             ax.plot(counts, [c[what][side] for c in results["cases"]], marker=marker, label=side)
         ax.set_xscale("log")
         ax.set_xticks(counts, [str(c) for c in counts])
@@ -338,11 +388,12 @@ def plot(results: dict) -> list[str]:
 
 
 def _table(results: dict, what: str) -> list[str]:
-    rows = [f"| tensors | MiB | {' | '.join(SIDES)} | fqnckpt / safetensors | fqnckpt / DCP |",
-            "|---:|---:|" + "---:|" * len(SIDES) + "---:|---:|"]  # fmt: skip
+    sides = list(results["cases"][0][what])
+    rows = [f"| tensors | MiB | {' | '.join(sides)} | fqnckpt / safetensors | fqnckpt / DCP |",
+            "|---:|---:|" + "---:|" * len(sides) + "---:|---:|"]  # fmt: skip
     for c in results["cases"]:
         v = c[what]
-        cells = " | ".join(f"{v[s]:.2f}" for s in SIDES)
+        cells = " | ".join(f"{v[s]:.2f}" for s in sides)
         rows.append(f"| {c['tensors']:,} | {c['bytes'] / 2**20:.0f} | {cells} | "
                     f"{v['fqnckpt'] / v['safetensors']:.2f}x | {v['fqnckpt'] / v['DCP']:.2f}x |")  # fmt: skip
     return rows
@@ -378,7 +429,8 @@ def render(results: dict) -> str:
         "<!-- Generated by docs/gen_bench.py: edit the script, not this page. -->",
         "",
         "Save and load throughput of one process, against safetensors and DCP (its default",
-        "`.distcp` storage and its Hugging Face storage), generated by `python docs/gen_bench.py`.",
+        "`.distcp` storage and its Hugging Face storage) and, for loads, runai-model-streamer and",
+        "fastsafetensors where they are installed; generated by `python docs/gen_bench.py`.",
         "Every side saves and loads the same float32 state; loads copy into the same warm tensors, and",
         "fqnckpt's load checks every tensor's digest on the way. The timing rules are those of",
         "`tests/bench/checkpoint_bench.py`: one untimed round of every side, then rounds in rotating",
@@ -391,7 +443,8 @@ def render(results: dict) -> str:
         f"| CPU | {m['cpu']}, {m['cores']} cores visible |",
         f"| memory | {m['memory_gib']} GiB |",
         f"| kernel | Linux {m['kernel']} |",
-        f"| software | Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']} |",
+        f"| software | Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}"
+        + "".join(f", {k} {v}" for k, v in m.get("optional", {}).items()) + " |",
         f"| storage | {s['storage']} |",
         f"| rounds | {s['rounds']} per side and case |",
         f"| load average | {results['load_average'][0]} before, {results['load_average'][1]} after "
