@@ -3,7 +3,7 @@
 Uses ``torch._dynamo.functional_export._dynamo_graph_capture_for_export`` ("dgc"): unlike
 ``torch.export.export(strict=True)`` (which fails on activation checkpointing in torch 2.13) it
 keeps ``torch.ops.higher_order.tag_activation_checkpoint`` for ``checkpoint(use_reentrant=False)``
-(with or without ``context_fn``) and ``checkpoint_wrapper``. Facts: shared/reference/capture-names.md.
+(with or without ``context_fn``) and ``checkpoint_wrapper``. Facts: docs/capture-names.md.
 """
 
 from __future__ import annotations

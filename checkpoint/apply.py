@@ -96,10 +96,10 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
 
 def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
     """The copies read straight into their targets by one ``reader.read_many`` (readers that
-    have it: adjacent tensors in one ``preadv``, issue 22); ids of the copies done. A DTensor
+    have it: adjacent tensors in one ``preadv``); ids of the copies done. A DTensor
     target's local shard is read block by block where each block is one contiguous byte range of
     the file (a ``Shard(0)`` row block is): one copy, page cache -> local shard, instead of
-    ``get_slice`` into a new tensor and ``copy_`` into the shard (issue 22: 0.52x of safetensors)."""
+    ``get_slice`` into a new tensor and ``copy_`` into the shard (two copies)."""
     read_many = getattr(reader, "read_many", None)
     if read_many is None:
         return set()

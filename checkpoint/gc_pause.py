@@ -2,8 +2,8 @@
 
 Why: planning a checkpoint of 10^4-10^5 tensors creates several objects per tensor (specs,
 entries, actions) and frees almost none, so each allocation threshold starts a collection that
-walks everything alive; with 20,000 tensors that was ~45% of ``load`` (tests/bench/checkpoint_bench.py,
-issue 22). Reference counting still frees everything; collection resumes on return (or raise).
+walks everything alive, a large share of a load of 20,000 tensors (tests/bench/checkpoint_bench.py
+shows it). Reference counting still frees everything; collection resumes on return (or raise).
 """
 
 from __future__ import annotations

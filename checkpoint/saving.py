@@ -889,10 +889,9 @@ def _write_orders(file_names: Sequence[str], world: int) -> list[list[int]]:
     write different files at a time.
 
     Why: the kernel serializes writers of one file (the inode lock, held across each write's copy on
-    tmpfs), so ranks going through the files in one order wait for each other. Measured on tmpfs
-    (issue 35, tests/bench/shared_writes.py, 256 MiB per process, 2 cores): 2 processes writing
-    their slices of 2 files in one order took 0.30 s, starting at different files 0.18 s, each into
-    a file of its own 0.16 s; 4 processes 0.52 s / 0.36 s / 0.32 s."""
+    tmpfs), so ranks going through the files in one order wait for each other; starting at
+    different files comes close to each rank writing a file of its own
+    (``tests/bench/shared_writes.py`` measures the three)."""
     n = len(file_names)
     return [_walk(first, n) for first in _walk_starts(file_names, world)]
 

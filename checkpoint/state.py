@@ -127,7 +127,7 @@ def dict_state(sd: Mapping[str, object]) -> ModuleState:
     """
     entries: list[Entry] = []
     # Aliases share data_ptr: bucket by it and build the full alias_key (~3 us) only on a shared
-    # pointer (state_dicts of 10^4-10^5 tensors; issue 22).
+    # pointer (state_dicts of 10^4-10^5 tensors).
     by_ptr: dict[int, list[list]] = {}
     for k, v in sd.items():
         if not isinstance(k, str):

@@ -108,14 +108,13 @@ def verify(
 
     Each problem is text naming its file (``report.ok`` is False; a flipped byte shows as a digest
     mismatch naming the header or tensors changed, a truncated shard as an invalid header); facts such as "not checksummed" go to
-    ``report.notes``.
+    ``report.notes``. Other problems are reported, not raised.
 
     Raises:
         CheckpointNotFoundError: nothing at ``path`` in a format fqnckpt reads.
         AmbiguousSourceError: a directory with several pickle files, or DCP's ``.metadata`` beside a
             safetensors checkpoint (``.choices`` lists them).
         UnsupportedFormatError: a file whose content is no format fqnckpt reads.
-        Other problems are reported, not raised.
     """
     from .progress import progress_bar
 

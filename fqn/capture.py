@@ -6,7 +6,7 @@ Why identity: dynamo and export flatten names lossily (``a_b.c`` and ``a.b_c`` b
 ``a_b_c``), and ``gm.meta["dynamo_flat_name_to_original_fqn"]`` maps colliding names to the wrong
 module. The graph attributes of a dgc / ``_export_to_torch_ir`` GraphModule and the
 ``example_inputs`` a ``torch.compile`` backend receives are the model's own tensor objects, so
-``id()`` decides every name. See ``shared/reference/capture-names.md``.
+``id()`` decides every name. See ``docs/capture-names.md``.
 
 The raw dgc GraphModule's generated code still reads ``self.L__self____export_root_a_b_c_weight``
 while its get_attr targets are ``L__self___a_b_c_weight`` (calling it raises AttributeError until

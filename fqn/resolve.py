@@ -9,7 +9,7 @@ A dynamo Source name (``L['self']._modules['inner']._parameters['w']``, attribut
 spellings ``L['self'].inner[0].w``, a wrapper's child via ``.__dict__['_modules']['x']``) is
 invertible and read step by step; ``L['x']`` (a user input) is not model state.
 
-Schemes (torch 2.13 and older, see ``shared/reference/capture-names.md``), after dynamo's own
+Schemes (torch 2.13 and older, see ``docs/capture-names.md``), after dynamo's own
 lossy flattening (runs of non-alphanumerics -> ``_``), compared case-insensitively:
 
 * plain flattened FQN ``inner_lin_weight``, graph attribute ``L__self___inner_lin_weight``,

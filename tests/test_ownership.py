@@ -25,24 +25,46 @@ N, SZ = 24, 4096  # 24 tensors of 16 KiB; pieces of 16 KiB: 24 pieces shared by 
 
 @pytest.fixture
 def slow_pool(tmp_path, monkeypatch):
-    """A checkpoint, pieces small enough for the pool, and Run.read patched: pool threads sleep
-    before each piece (so they are mid-load when the calling thread is interrupted) and count
-    themselves active while reading."""
+    """A checkpoint, pieces small enough for the pool, and Run.read patched: the calling thread
+    and a pool thread meet before their first pieces (:class:`~tests.crews.BothSides`), so pool
+    threads are mid-load whenever the calling thread is interrupted, whatever the scheduler does;
+    pool threads sleep before each piece and count themselves active while reading. With
+    ``raise_at`` set, the calling thread raises KeyboardInterrupt in its read number
+    ``raise_at + 1``, and pool threads hold their pieces until it did (each holds at most one, so
+    the calling thread always gets that many). ``on_pool_read``: called by a pool thread before
+    its first piece; ``on_main_read``: by the calling thread before its first piece."""
+    from tests.crews import BothSides
+
     monkeypatch.setattr(pread, "PIECE", SZ * 4)
     monkeypatch.setattr(pread, "_THREADS", 3)
     monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
     path = tmp_path / "ck"
     checkpoint.save({f"t{i:03d}": torch.full((SZ,), float(i + 1)) for i in range(N)}, path)
-    state = {"active": 0, "main_calls": 0, "raise_at": None, "owners_ok": True}
+    state = {"active": 0, "main_calls": 0, "raise_at": None, "owners_ok": True, "on_pool_read": None,
+             "on_main_read": None}  # fmt: skip
     lock = threading.Lock()
     real = pread.Run.read
+    meet = BothSides(monkeypatch)
+    raised = threading.Event()
 
     def read(self):
         main = threading.current_thread() is threading.main_thread()
+        meet.enter()
         if main:
             state["main_calls"] += 1
+            first, state["on_main_read"] = state["on_main_read"], None
+            if first is not None:
+                first()
             if state["raise_at"] is not None and state["main_calls"] > state["raise_at"]:
+                raised.set()
                 raise KeyboardInterrupt  # Ctrl-C arriving in the calling thread's own read
+        else:
+            if state["raise_at"] is not None:
+                assert raised.wait(60), "the calling thread never reached its interrupted read"
+            with lock:
+                first, state["on_pool_read"] = state["on_pool_read"], None
+            if first is not None:
+                first()
         with lock:
             state["active"] += 1
         try:
@@ -78,29 +100,48 @@ def test_interrupt_in_the_calling_threads_read_stops_every_reader_first(slow_poo
     assert state["owners_ok"]
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.005, 0.02, 0.05])
-def test_sigint_at_any_point_of_a_load_stops_every_reader_first(slow_pool, delay):
+def _main_in(code) -> bool:
+    """The main thread is running ``code`` (anywhere on its stack) now."""
+    f = sys._current_frames().get(threading.main_thread().ident)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+@pytest.mark.parametrize("when", ["calling thread reading", "calling thread waiting for the pool"])
+def test_sigint_at_any_point_of_a_load_stops_every_reader_first(slow_pool, when):
+    """SIGINT sent by a pool thread from inside its piece: while the calling thread is inside its
+    own read (held there until the signal is sent), or once it waits for the pool (inside
+    ``Crew._close``). Either way the load raises only after every reader stopped, and nothing is
+    written afterwards."""
     path, state = slow_pool
     main_id = threading.main_thread().ident
     buf = torch.zeros(N * SZ)
     targets = {f"t{i:03d}": buf[i * SZ : (i + 1) * SZ] for i in range(N)}
+
+    sent = threading.Event()
+
+    def interrupt():
+        if when != "calling thread reading":
+            deadline = time.monotonic() + 60  # bounded only against a defect
+            while not _main_in(ownership.Crew._close.__code__) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert _main_in(ownership.Crew._close.__code__), "the calling thread never waited for the pool"
+        signal.pthread_kill(main_id, signal.SIGINT)
+        sent.set()
+
+    state["on_pool_read"] = interrupt
+    if when == "calling thread reading":
+        state["on_main_read"] = lambda: sent.wait(60)  # Ctrl-C lands in this wait
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        t = threading.Timer(delay, lambda: signal.pthread_kill(main_id, signal.SIGINT))
-        t.start()
-        try:
-            checkpoint.load(targets, path)
-            t.join()
-            time.sleep(0.01)  # the signal handler of a load that finished first runs here
-        except KeyboardInterrupt:
-            _assert_untouched_after(buf, state)
-        else:
-            pytest.fail("the load finished before the signal")  # pool threads sleep 10 ms a piece
-    except KeyboardInterrupt:
-        pass  # delivered after load returned: nothing to check
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.load(targets, path)  # a pool thread holds its piece until the signal is sent
     finally:
-        t.join()
         signal.signal(signal.SIGINT, old)
+    _assert_untouched_after(buf, state)
 
 
 def test_settle_waits_through_ctrl_c():
@@ -261,12 +302,19 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
     state = {"active": 0, "main": 0}
     lock = threading.Lock()
     real_run, real_pread = pread.Run.read, pread.pread_run
+    # Pool threads hold their piece until the calling thread raised, so it always reaches its
+    # interrupted read whatever the scheduler does (each holds one piece of many). Not with a
+    # plain digest: there a thread may wait for a buffer that a held piece's successor keeps.
+    raised, hold = threading.Event(), check != 2
 
     def slow(fn, *a):
         if threading.current_thread() is threading.main_thread():
             state["main"] += 1
             if state["main"] > raise_at:
+                raised.set()
                 raise KeyboardInterrupt
+        elif hold:
+            assert raised.wait(60), "the calling thread never reached its interrupted read"
         with lock:
             state["active"] += 1
         try:
@@ -288,6 +336,7 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
         time.sleep(0.08)  # longer than a pool thread's piece
         assert bool((out == -1.0).all()), "bytes from the file appeared after copy_into raised"
         state["main"] = 0
+        raised.clear()
         with pytest.raises(KeyboardInterrupt):
             r.get("w")
         assert state["active"] == 0, "a pool thread was still reading when get raised"

@@ -14,12 +14,18 @@ import torch
 import checkpoint
 from checkpoint.errors import CorruptCheckpointError, LoadError
 from checkpoint.storage import pread
+from tests.crews import BothSides
 
 
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(pread, "PIECE", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
+
+
+@pytest.fixture
+def both_sides(monkeypatch):
+    return BothSides(monkeypatch)
 
 
 def test_pieces_in_threads_load_exact_values(tmp_path, small_pieces):
@@ -32,25 +38,17 @@ def test_pieces_in_threads_load_exact_values(tmp_path, small_pieces):
     assert all(torch.equal(got[k], v) for k, v in sd.items())
 
 
-def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_path, small_pieces, monkeypatch):
-    import threading
-
+def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_path, small_pieces, both_sides, monkeypatch):
     g = torch.Generator().manual_seed(3)
     sd = {f"w.{i}": torch.randn(3000 + i, generator=g) for i in range(4)}  # 3 pieces or more each
     sd["tiny"] = torch.arange(3, dtype=torch.int8)
     checkpoint.save(sd, tmp_path / "ck")
-    readers, real = [], os.preadv
-    main_read = threading.Event()
+    real = os.preadv
 
-    def preadv(fd, bufs, off, *flags):  # the calling thread is slow: pool threads take pieces meanwhile
+    def preadv(fd, bufs, off, *flags):
         if flags:  # the page-cache probe
             return real(fd, bufs, off, *flags)
-        readers.append(threading.current_thread().name)
-        if threading.current_thread() is threading.main_thread():
-            main_read.set()
-            time.sleep(0.02)
-        else:  # a pool thread may start while the calling thread still waits in Thread.start():
-            main_read.wait(2.0)  # let the calling thread take its first piece (bounded: a miss fails below)
+        both_sides.enter()
         return real(fd, bufs, off)
 
     monkeypatch.setattr(os, "preadv", preadv)
@@ -59,8 +57,8 @@ def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_pa
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], v) for k, v in sd.items())
-    assert len(readers) >= 12 and threading.main_thread().name in readers
-    assert any(n.startswith("fqnckpt-read") for n in readers)  # one queue for the whole load
+    assert len(both_sides.names) >= 12 and both_sides.crews == 1  # one queue for the whole load
+    assert both_sides.saw_both()
 
 
 def test_bytes_not_in_the_page_cache_are_read_by_one_thread_in_file_order(tmp_path, small_pieces, monkeypatch):
@@ -305,11 +303,10 @@ def test_mount_points_with_escaped_characters_are_matched(tmp_path):
     assert fskind._mount_type("/x", str(tmp_path / "missing")) == ""
 
 
-def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small_pieces, monkeypatch):
+def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small_pieces, both_sides, monkeypatch):
     """``get`` of a tensor of many pieces: exact bytes, pieces read by the calling and pool
     threads and hashed in file order as they come in (``read_hashed``); a byte flipped in a
     middle piece still fails the digest, naming tensor and file."""
-    import threading
 
     from checkpoint.storage import tensor_read
 
@@ -317,12 +314,10 @@ def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small
     sd = {"big": torch.randn(64, 1000, generator=g), "small": torch.arange(6.0)}
     checkpoint.save(sd, tmp_path / "ck")
     monkeypatch.setattr(pread, "_in_cache", lambda jobs: True)
-    readers, real = [], pread.Run.read
+    real = pread.Run.read
 
     def read(self):
-        readers.append(threading.current_thread().name)
-        if threading.current_thread() is threading.main_thread():
-            time.sleep(0.002)  # pool threads take pieces meanwhile
+        both_sides.enter()
         return real(self)
 
     monkeypatch.setattr(pread.Run, "read", read)
@@ -333,8 +328,8 @@ def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small
         assert torch.equal(r.get("big"), sd["big"]) and torch.equal(r.get("small"), sd["small"])
         begin, end = r._spans["big"]
         shard = os.path.join(r.root, r.files[0])
-    assert hashed == ["big", "small"] and len(readers) >= 60  # 256000 bytes in 4096-byte pieces
-    assert threading.main_thread().name in readers and any(n.startswith("fqnckpt-read") for n in readers)
+    assert hashed == ["big", "small"] and len(both_sides.names) >= 60  # 256000 bytes in 4096-byte pieces
+    assert both_sides.crews >= 1 and both_sides.saw_both()
     with open(shard, "r+b") as f:  # one bit of a middle piece
         f.seek((begin + end) // 2)
         b = f.read(1)
@@ -347,11 +342,12 @@ def test_get_of_many_pieces_is_hashed_while_read_on_every_thread(tmp_path, small
         assert torch.equal(r.get("small"), sd["small"])
 
 
-def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp_path, monkeypatch):
+def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp_path, both_sides, monkeypatch):
     """Targets not read straight (another dtype, strides, a column block of either) are filled
     in pieces of ``CHUNK`` bytes shared by the calling thread and pool threads, each piece read
     and copied by one thread with torch's kernels on that thread alone; exact values, bytes
-    outside a strided target untouched, and torch's thread count unchanged afterwards."""
+    outside a strided target untouched, and torch's thread count unchanged afterwards. Every
+    call shares its pieces (:class:`BothSides` makes both sides take some, whatever the load)."""
     import threading
 
     from checkpoint.storage import tensor_read
@@ -361,31 +357,45 @@ def test_converting_and_strided_reads_share_pieces_with_one_copy_thread_each(tmp
     checkpoint.save(sd, tmp_path / "ck")
     monkeypatch.setattr(tensor_read, "CHUNK", 4096)
     monkeypatch.setattr(pread, "_THREADS", 3)
-    seen, real = [], pread.pread_run
+    shared = tensor_read._omp() is not None  # without OpenMP control pieces run on the calling thread
+    seen = []
 
-    def pread_run(*a):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        if threading.current_thread() is threading.main_thread():
-            time.sleep(0.002)
-        return real(*a)
+    def piece(real):  # a piece's read: one range (pread_run) or a block's runs of rows (_scatter)
+        def read(*a):
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            both_sides.enter()
+            return real(*a)
 
-    monkeypatch.setattr(pread, "pread_run", pread_run)
+        return read
+
+    monkeypatch.setattr(pread, "pread_run", piece(pread.pread_run))
+    monkeypatch.setattr(tensor_read, "_scatter", piece(tensor_read._scatter))
     before = torch.get_num_threads()
+    calls = []
+
+    def one_call(what, fill) -> None:
+        seen.clear()
+        both_sides.names.clear()
+        crews = both_sides.crews
+        assert fill()
+        calls.append((what, both_sides.crews - crews, both_sides.saw_both(), list(seen)))
+
     with checkpoint.open_checkpoint(tmp_path / "ck") as r:
         for key, slices in (("w", None), ("w", [slice(3, 90), slice(10, 290)]), ("v", None)):
             want = sd[key][tuple(slices)] if slices else sd[key]
             for dtype in (torch.float64, torch.bfloat16):
                 out = torch.zeros(want.shape, dtype=dtype)
-                assert r.copy_into(key, out, slices)
+                one_call((key, slices, dtype), lambda k=key, o=out, s=slices: r.copy_into(k, o, s))
                 assert torch.equal(out, want.to(dtype)), (key, slices, dtype)
             base = torch.full((*want.shape[:-1], 2 * want.shape[-1]), 7.0)
-            assert r.copy_into(key, base[..., ::2], slices)
+            one_call((key, slices, "strided"), lambda k=key, b=base, s=slices: r.copy_into(k, b[..., ::2], s))
             assert torch.equal(base[..., ::2], want) and bool((base[..., 1::2] == 7.0).all())
     assert torch.get_num_threads() == before
-    names = {n for n, _ in seen}
-    assert threading.main_thread().name in names and any(n.startswith("fqnckpt-read") for n in names)
-    if tensor_read._omp() is not None:  # every piece's copy ran on its own thread alone
-        assert {k for _, k in seen} == {1}, seen
+    for what, crews, both, pieces in calls:
+        assert len(pieces) > 3, (what, pieces)  # more pieces than the 3 threads
+        if shared:
+            assert crews == 1 and both, (what, crews, pieces)
+            assert {k for _, k in pieces} == {1}, (what, pieces)  # every piece's copy on its thread alone
 
 
 @pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D", "columns", "3-D"])
@@ -416,7 +426,7 @@ def test_checked_converting_read_hashes_pieces_landing_out_of_order(tmp_path, mo
 
     def pread_run(fd, views, keys, offset, *a):
         if offset == first:  # the first piece lands after another: that one waits to be hashed
-            other.wait(5)
+            assert other.wait(60), "no other piece landed while the first one was held"
         elif threading.current_thread() is not threading.main_thread():
             time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
         n = real(fd, views, keys, offset, *a)
@@ -487,7 +497,7 @@ def test_a_new_tensor_read_whole_has_its_pages_populated_first(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("kind", ["float64", "bfloat16", "strided", "1-D", "columns", "3-D"])
-def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thread(tmp_path, monkeypatch, kind):
+def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thread(tmp_path, monkeypatch, both_sides, kind):
     """Format version 3 (digests of fixed chunks): a checked converting or strided read cuts
     the tensor into pieces of whole chunks (rows cut anywhere: 1200-byte rows in 8192-byte
     pieces), each read, hashed and copied by the thread that took it, in any order (pool
@@ -512,8 +522,9 @@ def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thr
     other = threading.Event()
 
     def pread_run(fd, views, keys, offset, *a):
+        both_sides.enter()
         if offset == first:  # the first piece lands after another (a pool thread's)
-            other.wait(5)
+            assert other.wait(60), "no other piece landed while the first one was held"
         elif threading.current_thread() is not threading.main_thread():
             time.sleep(rnd.choice((0, 0, 0.001, 0.004)))
         n = real(fd, views, keys, offset, *a)
@@ -546,5 +557,4 @@ def test_checked_converting_read_of_chunked_digests_hashes_each_piece_on_its_thr
     offsets = [o for o, _ in seen]
     assert sorted(offsets) == list(range(first, first + sd["w"].nbytes, 8192))
     assert offsets != sorted(offsets), "every piece landed in order: the test proves nothing"
-    names = {n for _, n in seen}
-    assert threading.main_thread().name in names and any(n.startswith("fqnckpt-read") for n in names)
+    assert both_sides.crews == 1 and both_sides.saw_both()

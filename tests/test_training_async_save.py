@@ -451,11 +451,20 @@ def test_first_save_faults_fresh_staging_ahead_of_the_copy_piece_by_piece(tmp_pa
     saver.save(sd, tmp_path / "b").result()  # buffers touched: plain copies, no thread
     assert [e[0] for e in events] == ["copy", "copy"]
 
+    failed, popped = threading.Event(), []
+
     def failing(dst, src):
+        failed.set()
         raise MemoryError("copy failed")
 
+    def pop_after_first(b):  # pieces after the first are faulted in only once the copy failed
+        if popped:
+            assert failed.wait(60), "the copy of the first piece never ran"
+        popped.append(b)
+        pop(b)
+
     monkeypatch.setattr(am.np, "copyto", failing)
-    monkeypatch.setattr(pages, "populate", lambda b: (time.sleep(0.02), pop(b)))
+    monkeypatch.setattr(pages, "populate", pop_after_first)
     fresh = AsyncSaver()
     events.clear()
     with pytest.raises(MemoryError, match="copy failed"):

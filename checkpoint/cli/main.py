@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Only light modules at the top: --version / --help must not import torch (issue 22, item 5); each
+# Only light modules at the top: --version / --help must not import torch; each
 # command imports what it needs when it runs.
 from .common import check_trust, emit, human, load_model, plural
 from .errors import EXIT_BAD_INPUT, BadInput, Parser, UsageError, cli_spelling, one_line, report_error

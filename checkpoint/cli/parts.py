@@ -40,7 +40,7 @@ class Parts:
 def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: list[str] | None = None):
     """The :class:`~checkpoint.sources.base.Source` ``inspect`` reads: a safetensors checkpoint
     (one file, or shards with or without an index) opened for its headers only, without
-    importing torch (``import torch`` takes seconds; issue 22); any other format (pickles, DCP,
+    importing torch (``import torch`` takes seconds); any other format (pickles, DCP,
     URLs) through ``open_source``. Same keys, specs, files, notes and errors either way."""
     from ..sources.sniffing import sniff
     from ..storage.location import local_path, resolve

@@ -4,7 +4,7 @@
 checkpoint (:class:`checkpoint.storage.local_commit.StagedCheckpoint`: nothing half-written on failure).
 
 Layout: transformers ``convert_llama_weights_to_hf.py`` (the reader side) and
-``../shared/reference/conversions.md`` (how shards split: Q / K / V, ``w1`` / ``w3``, ``output``
+``docs/guides/conversions.md``, Formulas (how shards split: Q / K / V, ``w1`` / ``w3``, ``output``
 on dim 0 by whole heads; ``wo``, ``w2``, ``tok_embeddings`` on dim 1; norms replicated).
 """
 
@@ -52,7 +52,7 @@ def write_meta_checkpoint(path, specs: Sequence[TensorSpec], fetch: Callable[[Te
     On object storage the files keep their names (Meta's readers glob ``consolidated.*.pth``): the
     previous checkpoint's record is removed first, the files are uploaded, the record written last
     (the commit marker), then what only the previous record named is deleted; an overwrite killed
-    midway leaves no record (see the README's storage section).
+    midway leaves no record (see docs/guides/object-storage.md).
 
     Every tensor gets its own storage (a shard's piece of a joined tensor is a view; saved as is,
     its whole base would be pickled). Memory: ``torch.save`` pickles a whole dict per file, so each

@@ -5,7 +5,7 @@ tensors for a pattern with a gathered wildcard (``{*e}``: one tensor per expert 
 order). Ops are frozen dataclasses: comparable, printable, and applied to meta tensors at planning
 time, so shapes are checked by the same code that later moves the data.
 
-Formulas: ``../shared/reference/conversions.md`` (RoPE permute from transformers'
+Formulas: ``docs/guides/conversions.md`` (RoPE permute from transformers'
 ``convert_llama_weights_to_hf.py``; grouped-query QKV from Megatron-Bridge ``param_mapping.py``;
 stacked / fused experts from transformers 5 ``conversion_mapping.py``).
 """

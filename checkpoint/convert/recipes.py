@@ -1,6 +1,6 @@
 """The built-in recipes (``fqnckpt recipes`` lists them), each usable both ways.
 
-Layouts and formulas: ``../shared/reference/conversions.md``; names from transformers
+Layouts and formulas: ``docs/guides/conversions.md``; names from transformers
 ``convert_llama_weights_to_hf.py`` (Meta), torchtitan ``b5bcd76`` state_dict adapters (Llama 3,
 Qwen3, DeepSeek-V3), Megatron-Bridge ``param_mapping.py`` (GPT with fused ``linear_qkv`` /
 ``linear_fc1`` and Transformer Engine's fused ``layer_norm_weight``) and transformers

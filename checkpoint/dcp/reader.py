@@ -34,8 +34,9 @@ DTensor with ``_StridedShard`` placements is filled block by block from
 its first row only, which would load wrong values without an error). A column block
 (``Shard(1)``) goes through the package's one block read (``CheckpointReader.copy_into``:
 :func:`checkpoint.storage.tensor_read.copy_into`): each rank reads the block's whole rows, where
-torch's reader copies its columns out of a mapping; the same CPU time, measured, and the SIGBUS-safe
-mapped alternative (``process_vm_readv``) ~4x slower (README, "DCP users").
+torch's reader copies its columns out of a mapping; about the same CPU time, without a mapping
+that a file cut short turns into SIGBUS (a SIGBUS-safe read from a private mapping through
+``process_vm_readv`` pins a page per run and is several times slower).
 
 Integrity: a tensor read whole, or through all of its rows, is checked against the index's
 xxh3-128 digest by one rank (the coordinator assigns each such tensor to one of the ranks reading

@@ -88,7 +88,7 @@ def plan_load(
     lazy = torch.nn.parameter.UninitializedTensorMixin
     inference_mode = torch.is_inference_mode_enabled()
     spans: list[tuple[int, int, int, object]] = []
-    for e, key in pairs:  # per-tensor work kept small: 10^4-10^5 tensors per load (issue 22)
+    for e, key in pairs:  # per-tensor work kept small: 10^4-10^5 tensors per load
         spec = reader.spec(key)
         t = e.tensor
         if isinstance(t, lazy):

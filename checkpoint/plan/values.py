@@ -235,7 +235,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 def target_span(local: torch.Tensor, i: int) -> tuple[int, int, int, object] | None:
     """``(first byte address, end address, i, device or None for CPU)`` of the strided, non-meta
     local tensor ``local`` (copy number ``i``), or None when it holds no bytes. Taken while the
-    plan walks its targets (one pass over 10^4-10^5 tensors fewer, issue 22)."""
+    plan walks its targets (one pass over 10^4-10^5 tensors fewer)."""
     if local.is_contiguous():  # the common case: no stride walk
         n = local.nbytes
         if not n:
@@ -254,7 +254,7 @@ def _overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int,
     aliases are one entry), in address order; ``spans``: :func:`target_span` of the copies to
     check. Swept by address per device, so views made through different storage objects of one
     buffer (``torch.from_numpy(t.numpy()[2:])``) are found too, and no target is asked for its
-    storage (issue 22: that and its device cost ~1.5 us for each of 10^4-10^5 targets)."""
+    storage (that and its device cost microseconds for each of 10^4-10^5 targets)."""
     cpu: list[tuple[int, int, int, object]] = []
     by_device: dict[object, list[tuple[int, int, int, object]]] = {}
     for span in spans:

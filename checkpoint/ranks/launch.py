@@ -6,7 +6,7 @@ sends its return value (must be picklable) back to the parent. Written by hand b
 
 Ranks start from multiprocessing's forkserver where the platform has one: the server imports torch
 and torch.distributed once (plus what :func:`preload` names), and each rank is a fork of it, so a
-spawn no longer pays those imports per rank (5-17 s a rank on a busy 2-core machine). The server is
+spawn no longer pays those imports per rank (seconds a rank on a busy machine). The server is
 a fresh interpreter, never the caller, so no caller state (threads, CUDA, heap) is forked.
 
 Crash evidence: each rank writes faulthandler's stack of every thread to its own file when a
@@ -17,7 +17,7 @@ stack and the file's path; the file is kept (``FQNCKPT_CRASH_DIR``, default the 
 directory). Files of ranks that exited cleanly are removed, and so are empty ones (a signal
 faulthandler cannot catch, such as SIGKILL, leaves nothing to keep).
 
-Native stacks too (issue 34): faulthandler shows Python frames only, and in torch 2.13 gloo's
+Native stacks too: faulthandler shows Python frames only, and in torch 2.13 gloo's
 worker threads (``pt_gloo_runloop``) run CPython C-API code with no Python frame (they take the GIL
 to drop the last reference to a finished collective's tensors, and deallocate them). Each rank
 turns on c10's fatal-signal handler (``torch._C._set_print_stack_traces_on_fatal_signal``), which

@@ -4,7 +4,7 @@ keys, shapes, dtypes and which file holds each key, parsed and validated once, w
 :func:`scan_safetensors` is the one walk over files, index and headers, with every check of the
 source; :mod:`checkpoint.sources.safetensors_files` runs it with ``framework="pt"`` and torch
 dtypes for reading, :func:`open_safetensors_headers` with ``framework="numpy"`` and
-:class:`HeaderDType` for ``fqnckpt inspect`` (``import torch`` costs seconds; issue 22). Both give
+:class:`HeaderDType` for ``fqnckpt inspect`` (``import torch`` costs seconds). Both give
 the same specs, errors and notes.
 """
 

@@ -1,10 +1,9 @@
 """Integrity digests of format versions 2 and 3: xxh3-128 of each tensor's bytes (version 3: in
 chunks above 1 MiB, see below), of each file's header, and of the index itself.
 
-Why xxh3-128 (measured on the 2-core development machine, 256 MiB buffer, one thread, heavily
-contended, median of 5): sha256 0.6 GB/s, zlib.crc32 1.5-1.8, blake3 2.3-2.5 (3.4 with threads),
-crc32c (google-crc32c) 5.2-7.6, xxh3-128 5.2-5.3, a numpy memcpy 5.5-5.6. xxh3-128 runs at
-memory-copy speed, so hashing each chunk just before ``pwrite`` reads it (while it is in cache)
+Why xxh3-128: on one thread it hashes at about the speed of a memory copy, several times faster
+than sha256, crc32 or blake2/3 (the benchmarks page of the documentation measures them side by
+side), so hashing each chunk just before ``pwrite`` reads it (while it is in cache)
 costs about one extra pass over cached data, and its 128 bits make accidental collisions
 negligible (crc32c's 32 bits are not). It guards against corruption, not tampering: an attacker
 who can rewrite files can rewrite the index too.
@@ -23,8 +22,8 @@ of the concatenated 16-byte xxh3-128 digests of its consecutive ``chunk``-byte p
 one shorter); a tensor of at most ``chunk`` bytes keeps version 2's plain digest
 (:func:`tensor_hexdigest`, :class:`ChunkedHasher`). Why: xxh3 cannot combine digests of parts, so
 with version 2 a tensor split over ranks (``Shard(0)``) had to be read back from the file and
-hashed by one rank after every rank wrote it (measured on 2 gloo ranks, 1 GiB on tmpfs: 0.10 s
-of CPU per rank on top of the raw write's 0.33 s, all of it the hashing and the reading back).
+hashed by one rank after every rank wrote it, which cost a large share of a distributed save's
+CPU (the hashing and the reading back).
 With fixed chunks each rank hashes the chunks lying in its own bytes from its own memory while it
 writes them, and reads back only the at most two chunks per tensor and rank that straddle another
 rank's bytes. Still layout-independent (same digest whatever file, offset or sharding), every
@@ -173,7 +172,7 @@ class RunHashes:
     hashing the one before it, so no thread waits. A run read whole in one call (small tensors
     sharing one ``preadv``) is hashed view by view in one call each (no hasher object per
     tensor). Why: a load checked after all reads hashed every byte once more from memory on the
-    calling thread alone (checked load 0.80x of unchecked, 256 MiB warm cache).
+    calling thread alone.
     ``chunk``: the index's tensor digest chunk (format version 3), None for version 2. With a
     chunk, one wanted view of more than a chunk and ranges made of whole chunks (a read's pieces
     are multiples of it), each range's chunks are hashed by the thread that read them, in any

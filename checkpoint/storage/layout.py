@@ -172,7 +172,7 @@ def _split(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 # Floor of the default file size of a distributed save split into world-size files: a smaller
 # state stays in fewer files (below it, per-file costs - create, header, fsync, index entry -
-# outweigh writing files in parallel; issue 35 measured 256 MiB files at 1.32x one order).
+# outweigh writing files in parallel; tests/bench/shared_writes.py measures the split).
 MIN_SPLIT_SHARD_BYTES = 64 * 2**20
 
 
@@ -181,7 +181,7 @@ def default_shard_size(specs: Sequence[TensorSpec], world: int) -> int:
     (transformers' default) for one process; with ``world`` > 1 ranks,
     ``min(5 GB, max(64 MiB, ceil(total bytes / world)))`` so the state is cut into at least
     ``world`` files once it holds ``world * 64 MiB``. Each rank then starts writing at a file of its
-    own (the kernel serializes writers of one file: the inode lock on tmpfs, issue 35). Depends on
+    own (the kernel serializes writers of one file: the inode lock on tmpfs). Depends on
     the specs and ``world`` only: the same on every rank."""
     cap = parse_size(DEFAULT_MAX_SHARD_SIZE)
     if world <= 1:

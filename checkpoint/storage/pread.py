@@ -1,36 +1,23 @@
 """Reads of file ranges straight into writable buffers with ``os.preadv``: one call per run of
 adjacent targets, large ranges cut into pieces, every piece of a load spread over a few threads.
 
-Why preadv in threads (measured by tests/bench/checkpoint_bench.py and a side-by-side script,
-issue 22, 2-core machine, kernel 6.18, 128 MiB in 8 tensors, quiet machine, median of 9):
-``preadv`` copies page-cache pages straight into the target (one copy, no intermediate tensor)
-and releases the GIL, so threads overlap their kernel copies. On ext4 (large folios) 4 MiB pieces
-of all tensors shared by the calling thread and one pool thread read 9.3 GB/s [7.6-9.5] against
-8.0 GB/s for a 2-thread in-memory copy; the same pieces waited for tensor by tensor, with the
-calling thread idle, 5.3 GB/s; 1, 2 or 16 MiB pieces 8.3-8.8 GB/s; a third thread on 2 cores
-8.7 GB/s. On tmpfs (4 KiB pages) the same read 5.7 GB/s [5.0-6.3], the kernel's per-page copy
-path: ``mmap`` + ``copy_`` 3.9 GB/s there (a fault per page; ``MAP_POPULATE`` 2.7 GB/s).
-Small loads stay on the calling thread: handing a piece to a thread costs ~20 us.
+Why ``preadv`` in threads: it copies page-cache pages straight into the target (one copy, no
+intermediate tensor) and releases the GIL, so threads overlap their kernel copies; pieces of all
+tensors of a load are taken from one queue by the calling thread and pool threads (no wait per
+tensor). Small loads stay on the calling thread: handing a piece to a thread costs more than a
+small read.
 
-Cold cache (side-by-side script, ext4 on a virtio disk, 128 MiB, page cache evicted before each
-step): pieces shared by 2 threads on one file read 0.54x [0.40-1.48] of one sequential
-``readinto`` stream (the interleaved offsets defeat the kernel's readahead; ``POSIX_FADV_WILLNEED``
-first: 0.59x), one thread in file order 1.0-1.26x. So one byte at up to 8 places of the load is
-first read with ``RWF_NOWAIT`` (page cache only): when one would wait for the device, the load is
-read by the calling thread in file order (``checkpoint_bench.py --cold``: 0.99x [0.91-1.34] of the
-raw sequential read at 512 MiB).
+Bytes still on the device are read differently: two threads interleaving offsets of one file
+defeat the kernel's readahead, so one byte at up to 8 places of the load is first read with
+``RWF_NOWAIT`` (page cache only), and when one would wait for the device the load is read by the
+calling thread in file order.
 
-Mapped copies were measured and not kept (issue 22, 2026-12-02, another 2-core machine, ext4,
-warm cache, 8 tensors, 21 alternated rounds in one process): the same pieces copied from a shared
-read-only mapping by ``np.copyto`` read 1.06x [0.7-1.3] of ``preadv`` at 512 MiB and 1.10x at
-128 MiB, but a file cut short or an I/O error while mapped kills the process with SIGBUS instead of
-raising. Each piece populated first with ``MADV_POPULATE_READ`` (which reports those as errors)
-read 0.96x of ``preadv`` at both sizes: populating maps 4 KiB pages where the copy's own faults
-map ext4's large folios whole. ``safe_open`` + ``copy_`` is such an unchecked mapping.
-
-Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their targets
-(up to ``IOV_MAX`` buffers): 20,000 tensors of 8 KiB took 20,000 calls, now ~20 (issue 22:
-per-tensor Python and syscall overhead dominated such loads).
+No tensor byte is read through a memory mapping: a file cut short or an I/O error while mapped
+kills the process with SIGBUS instead of raising an error naming the tensor and file, and a mapping
+populated first with ``MADV_POPULATE_READ`` (which reports those as errors) is no faster than
+``preadv``. Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their
+targets (up to ``IOV_MAX`` buffers), so per-tensor Python and syscall overhead does not dominate.
+Measured throughput: the benchmarks page of the documentation and ``tests/bench/checkpoint_bench.py``.
 """
 
 from __future__ import annotations
@@ -111,8 +98,8 @@ def populate(view: memoryview) -> None:
     """Fault in the whole pages of ``view`` (fresh memory about to be read into) with one
     ``madvise(MADV_POPULATE_WRITE)`` call: ``preadv`` into untouched anonymous memory takes a page
     fault per 4 KiB page inside its copy, the populate call maps them in one loop without the
-    trap per page (measured: 128 MiB read by 2 threads into a fresh tensor, 2-core VM, 21 rounds,
-    CPU 114 ms against 131 ms). Nothing where the kernel lacks it (the read faults them)."""
+    trap per page (less CPU than faulting inside the copy). Nothing where the kernel lacks it (the
+    read faults them)."""
     import ctypes
 
     fn = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))

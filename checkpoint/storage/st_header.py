@@ -3,7 +3,7 @@ parsed and validated by ``safetensors.safe_open`` (any framework) and the index 
 through its pydantic schema (:mod:`checkpoint.storage.format`).
 
 Nothing here imports torch, so ``fqnckpt inspect`` of a safetensors checkpoint starts in well
-under a second (``import torch`` alone takes seconds on a small machine; issue 22).
+under a second (``import torch`` alone takes seconds on a small machine).
 :mod:`checkpoint.storage.reader` builds the data path on top of it.
 """
 

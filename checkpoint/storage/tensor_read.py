@@ -15,7 +15,7 @@ Blocks (``tensor[slices]``, a rank's ``Shard(1)`` columns, a narrow column block
 contiguous runs are read straight into the target (a new tensor, or a load target contiguous in
 the stored dtype) by one ``preadv`` per segment of the file, the holes between runs (up to
 :data:`GAP` bytes) read into a small junk buffer by the same call: no copy pass, no per-row
-syscall (a call costs ~3-7 us on this 2-core VM, the kernel copies 64 KiB in about that). The
+syscall (a call costs about what the kernel needs to copy tens of KiB). The
 iovec arrays are built by numpy and passed to libc's ``preadv`` through ctypes (``os.preadv``
 wants one Python buffer object per iovec). Blocks of many short runs (:data:`SHORT_RUN`: a
 ``Shard(1)`` block of rows of a few KiB) into a same-dtype target and blocks checked against
@@ -34,42 +34,23 @@ each read, hashed and copied by the thread that took it, in any order (:func:`_r
 rows cut anywhere, copied as row-major boxes: :func:`_boxes`). Format 2 (one plain digest):
 pieces of whole rows hashed in file order by the thread whose piece comes next, pieces landing
 early parked in their buffer until then (at most 2 buffers per thread: :func:`_run_hashed`,
-:class:`_InOrder`). Before, such reads went through one thread's window, hashed there: a 128 MiB
-float32 to float64 load 0.55x of the unchecked one; now 0.94x [0.57-1.23], a strided one 0.93x
-[0.83-1.11] (tests/bench/converting_load.py, 15 rotated rounds, load average 3-4).
+:class:`_InOrder`), so a checked read costs little more than an unchecked one
+(``tests/bench/converting_load.py`` compares them).
 This is the package's one column-block read: ``get_slice``,
 ``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
-migrations). One ``pread`` per run (skipping the holes) was measured at ~3.7 us a call from
-Python here (4 KiB runs with 4 KiB holes: 0.53x of the mapped copy; 1 KiB with 7 KiB: 0.56x), so holes up to
-:data:`GAP` are read, not skipped.
+migrations). One ``pread`` per run (skipping the holes) costs microseconds of Python and
+syscall per run, more than reading a short hole, so holes up to :data:`GAP` are read, not skipped.
 
-Cost against the former mapped copy (``safe_open`` per load + ``get_tensor`` / ``get_slice`` +
-``copy_``; tests/bench/read_paths.py and a 3-way run with the code before this change, 128 MiB in
-8 tensors, 2 cores at load average 3.6, 9 rotated rounds): a ``Shard(1)`` block into a contiguous
-target 1.20x [0.69-1.95] (was 0.47x), ``get_slice`` of a column block 0.80x (was 0.44x), of a narrow
-one 0.85x (was 0.45x). Paths that need a second pass over the bytes cannot reach 1.0x of a copy
-straight from the page cache: ``preadv`` copies every byte once more (~10-13 GB/s per core here),
-the price of a named error instead of SIGBUS (a mapping cannot report a file cut or an I/O error
-any other way: see :mod:`~.pread`). Measured where the time goes (one 128 MiB float32 tensor,
-warm cache): the mapped copy into a float64 target 21 ms; ``preadv`` alone 10 ms on one thread,
-the conversion alone from cache 22 ms on one thread; the former path (16 MiB windows: a read
-shared by 2 threads, then a 2-thread OpenMP ``copy_``) 40 ms, the pieces of :func:`_run_pieces`
-(2 MiB, read and copy on one thread, 2 threads) 25 ms. Bench (issue 34, tests/bench/read_paths.py,
-8 tensors of 16 MiB, 2 shared cores at load average 2.2-2.7, 11 alternated rounds, 2 runs, new
-against the code before in the same runs): converting to float64 0.63-0.65x (before 0.40-0.51x),
-to bfloat16 0.40-0.61x (0.30-0.41x), a strided target 0.61-0.67x (0.60-0.61x); at load average 4
-the pieces beat the mapped copy (1.25-1.70x: its OpenMP team waits for its slowest thread). A
-whole ``get`` returns a new tensor where the mapping returned a lazy view, so ``get`` + ``copy_``
-is two passes against one, and checked against unchecked: 0.28-0.35x in the bench at load 2-3,
-0.62-0.72x at load 6.5 (the mapped copy's OpenMP team suffers more there), the same before and
-after issue 34's round 6. Like with like (both sides returning a tensor of their own, the old one
-copied out of the mapping; tests/bench/read_paths.py): unchecked 1.87-2.26x, both checked 1.91x.
-Its digest is fed as pieces land (:func:`read_hashed`; format 3: each piece's chunks by the
-thread that read it); what remains is the new tensor's first touch: 4 KiB page faults, ~50 ms of
-a 128 MiB ``get`` of ~100 ms here, now populated by each piece's reader in one call
-(:func:`~.pread.populate`: CPU -16% on a fresh 128 MiB tensor; 2 MiB pages took 15 ms, but see
-:func:`_fresh`). The load of same-dtype
-contiguous targets (``read_many``) never went through the mapping: unchanged.
+Against a copy straight from a memory mapping, the paths that need a second pass over the bytes
+(a converting or strided target, a whole ``get`` into a new tensor) pay one more copy: ``preadv``
+copies every byte from the page cache once, the price of a named error instead of SIGBUS (a
+mapping cannot report a file cut short or an I/O error any other way: see :mod:`~.pread`). Pieces
+of :data:`CHUNK` bytes read and converted on one thread each keep that second pass in the core's
+cache, and beat one thread reading and an OpenMP team converting on a busy machine (the team
+waits for its slowest thread). A new tensor's first touch (a page fault per 4 KiB page) is paid by
+each piece's reader in one call (:func:`~.pread.populate`; see :func:`_fresh`). The load of
+same-dtype contiguous targets (``read_many``) reads straight into them. ``tests/bench/read_paths.py``
+and ``tests/bench/converting_load.py`` measure these paths.
 """
 
 from __future__ import annotations
@@ -93,24 +74,21 @@ from .libc import libc_function
 from .writer import tensor_bytes
 
 # Bytes of a hole between two runs of a block read into a junk buffer by the same ``preadv``
-# (one call instead of two): a call costs ~1 us here, about what the kernel copies in 8 KiB.
+# (one call instead of two): a call costs about what the kernel needs to copy a few KiB.
 GAP = 64 << 10
 # A block of runs shorter than this (over 64 of them, holes of at most GAP) is read as whole rows
-# through the window (:func:`_rows`) instead of one iovec per run and hole: measured (8 tensors of
-# 8 MiB, tmpfs, against safe_open's mapped copy) runs of 256 B: window 1.06x, iovecs 0.71x; 512 B:
-# 1.22x / 1.08x; 1 KiB runs with 7 KiB holes: 1.09x / 1.14x; 8 KiB runs: 1.10x / 1.19x.
+# through the window (:func:`_rows`) instead of one iovec per run and hole: for runs this short
+# the iovecs cost more than reading the holes (tests/bench/read_paths.py compares the two).
 SHORT_RUN = 1 << 10
 # Largest scratch window (whole rows checked against a digest; the row limit of hashable blocks).
 WINDOW = 16 << 20
 # Bytes of one piece of a converting or strided read (:func:`_run_pieces`): read into the thread's
 # scratch and copied into the target by the same thread while the bytes are still in its core's
-# cache (L2 512 KiB, shared L3 32 MiB here). Measured 128 KiB-4 MiB: under 1 MiB the per-piece
-# calls dominate, 4 MiB leaves the cache.
+# cache: under 1 MiB the per-piece calls dominate, at 4 MiB the piece leaves the cache.
 CHUNK = 2 << 20
 # Bytes of whole rows per read when the block is copied out by numpy (:func:`_rows`, a same-dtype
-# target). Measured (8 tensors of 8 MiB, a half / quarter column block, tmpfs, against safe_open's
-# mapped copy): 64 KiB 0.72-0.81x (Python per window), 256 KiB 0.94-1.14x, 1 MiB 1.06-1.22x,
-# 4 MiB 0.98-1.21x (the window leaves the core's cache before the copy reads it back).
+# target): smaller windows pay Python per window, larger ones leave the core's cache before the
+# copy reads them back.
 ROWS_WINDOW = 1 << 20
 
 _JUNK = np.empty(GAP, dtype=np.uint8)  # holes land here (kernel writes only; never read)

@@ -3,11 +3,10 @@ bytes are still being copied and the closing ``fsync`` has less left to flush.
 
 Why by hand: Python's ``os`` has no ``sync_file_range`` (Linux, glibc >= 2.6), so it is called
 through ``ctypes``; ``posix_fadvise(POSIX_FADV_DONTNEED)`` also starts writeback but then drops
-the clean pages from the cache, which a load right after the save would miss. Measured side by
-side (issue 22, ext4 on a virtio disk, 8 tensors, fsync before the save returns): writes with
-writeback started every 8 MiB ran 1.25x [1.15-2.19] of ``save_file`` + fsync at 128 MiB (1.06x
-[0.91-1.92] without) and 1.34x at 256 MiB; in tests/bench/checkpoint_bench.py the save is 1.09x
-at 128 MiB and 0.92-1.02x at 512 MiB, where the device's rate bounds every side. It only starts writeback (``SYNC_FILE_RANGE_WRITE``, no wait); the
+the clean pages from the cache, which a load right after the save would miss. On a real disk,
+writes with writeback started every few MiB finish their closing ``fsync`` sooner than writes
+left to the page cache (``tests/bench/checkpoint_bench.py`` on disk compares the save with
+``save_file`` + fsync). It only starts writeback (``SYNC_FILE_RANGE_WRITE``, no wait); the
 ``fsync`` at the end is still what makes the bytes durable.
 """
 

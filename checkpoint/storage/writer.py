@@ -185,15 +185,15 @@ class BlockWriter:
     over the span of file offsets they cover, so the device works while the ranks still copy and the
     closing ``fsync`` (one rank's, after every rank wrote) finds little left to flush.
 
-    Why: measured on a 2-rank, 1 GiB save to ext4 (issue 35), ranks wrote in 0.2 s and the one
-    ``fsync`` after them then flushed the whole file alone for 0.45 s; with writeback started by
-    each writer the flush runs during the writes, as in :class:`SequentialFileWriter`.
+    Why: without it the ranks finish their writes and the one ``fsync`` after them then flushes
+    the whole file alone, longer than the writes took; with writeback started by each writer the
+    flush runs during the writes, as in :class:`SequentialFileWriter`.
 
     Ranks writing one file take turns: Linux holds the file's inode lock across each write's copy
-    (``shmem_file_write_iter`` on tmpfs, buffered ext4 alike). Measured on tmpfs (issue 35, 2
-    processes, 256 MiB each, 2 cores): each into a file of its own 0.2 s, both into one file 0.4 s
-    (0.2 s CPU each: the waiting one sleeps), writing through a shared mapping (no inode lock) 0.41-0.52 s
-    (a fault and a zero-fill per 4 KiB page). So a save of whole-tensor files is bound by one file's
+    (``shmem_file_write_iter`` on tmpfs, buffered ext4 alike), so two processes writing one file
+    take about twice as long as each writing a file of its own (the waiting one sleeps); writing
+    through a shared mapping avoids the lock but pays a fault and a zero-fill per 4 KiB page, and
+    is no faster. So a save of whole-tensor files is bound by one file's
     write rate there, about 1/ranks of per-rank files (tests/bench/dist_save.py ``raw_shared``),
     unless there are several files: then ranks start at different ones
     (``checkpoint.saving._write_orders``; tests/bench/shared_writes.py).
@@ -289,12 +289,9 @@ class SequentialFileWriter:
     # Large tensors: hashed on the hash thread beside the pwrite when a CPU is idle as the file is
     # started (_spare_core), else each 1 MiB digest chunk on the writing thread right after its
     # pwrite, from cache. HASH_INLINE = True / False forces either (the bench's sides). Why:
-    # measured (issue 35, tests/bench/save_phases.py, 512 MiB on tmpfs, 2 cores under load 6-9,
-    # i.e. no idle core): process CPU 0.38 s inline against 0.40 s with the hash thread reading
-    # the tensor from memory, wall 0.63 s against 0.82 s (the thread takes the cores the writes
-    # need); the pwrite alone 0.35 s CPU. With an idle core the thread hides the hash (same bench,
-    # load 0.9: 512 MiB median wall 0.29 s thread, 0.31 s inline, 0.27 s chosen per file, raw
-    # write 0.31 s; issue 22: 0.94-0.99x of the raw write against 0.79-0.98x inline).
+    # with no idle core the hash thread takes the cores the writes need (more wall time than
+    # hashing inline, from cache, for about the same CPU); with an idle core it hides the hash
+    # beside the writes (tests/bench/save_phases.py compares the sides).
     PIECE = 8 << 20  # bytes per pwrite of a large tensor hashed on the hash thread
     HASH_INLINE: bool | None = None
     WRITEBACK = 8 << 20  # bytes written between two writeback starts (real disks only)

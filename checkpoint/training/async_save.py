@@ -168,8 +168,8 @@ def _lower_priority() -> None:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; host to host as one memcpy through numpy, which measured ~3x faster
-    than ``Tensor.copy_`` on the benchmark machine (tests/bench/async_save.py). CUDA sources copy
+    """``dst.copy_(src)``; host to host as one memcpy through numpy, faster than ``Tensor.copy_``
+    of the same bytes (tests/bench/async_save.py). CUDA sources copy
     ``non_blocking`` into pinned ``dst``."""
     src = src.detach()
     if (
@@ -195,9 +195,9 @@ def _stage_copies(pool: _StagingPool, copies: list) -> None:
     in ahead of their copy, one :data:`_PIECE` at a time, on a pool thread
     (:func:`pages.populate`: ``MADV_POPULATE_WRITE``, no GIL held), while this thread copies the
     pieces already faulted in. Why: copying into fresh memory takes a page fault per 4 KiB page
-    inside the copy; measured on the 2-core development machine (issue 35, 512 MiB): the copy
-    into fresh memory 0.54-0.66 s, populating first 0.33 s then copying 0.045 s, a later copy
-    0.045 s. With the two overlapped the first save blocks about as long as the populate alone.
+    inside the copy, which costs more than populating the pages first and copying into them
+    (the copy into populated pages costs what a later save's copy does). With the two overlapped
+    the first save blocks about as long as the populate alone.
     The thread touches only the pool's buffers, and has stopped before this returns or raises.
     """
     fresh = {

@@ -241,10 +241,11 @@ class CheckpointManager:
         checkpoint of the same step atomically), then apply retention. Async: first waits for the
         previous save, returns its :class:`SaveFuture` once staged; sync: returns None when done.
 
+        Raises what :func:`checkpoint.save` raises; async: the previous save's error, raised here
+        before anything new is staged (a failing disk is not silently skipped).
+
         Raises:
             ValueError: ``step`` is not an int >= 0.
-            What :func:`checkpoint.save` raises; async: the previous save's error, raised here
-            before anything new is staged (a failing disk is not silently skipped).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -480,7 +481,7 @@ class CheckpointManager:
         """Async saves: have the writer thread touch the staging memory of the first save now, in
         the background (:meth:`AsyncSaver.prepare` with ``background=True``: no collective, no
         wait, the bytes a save holds anyway), so that save blocks about as long as later ones
-        without a :meth:`prepare` by hand (issue 35: 10.7x without). Optimizer state that does not
+        without a :meth:`prepare` by hand (several times longer without). Optimizer state that does not
         exist yet (AdamW's before its first step) is touched after the optimizer's next ``step()``
         (a step post-hook that removes itself). Not for object storage, whose staging differs."""
         if self._saver is None or local_path(self._where(0)) is None or self._saver._closed:

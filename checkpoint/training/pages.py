@@ -1,9 +1,9 @@
 """Fault in the pages of a host buffer ahead of its first use (async-save staging buffers).
 
-Why: fresh anonymous memory costs a page fault and a zero-fill per 4 KiB page on its first write;
-on the development machine a first copy into 512 MiB of fresh staging took 10.7x a later copy
-(issue 35), so the first ``async_save`` blocked that much longer. Touching the buffers earlier,
-on the saver's writer thread, moves that cost out of the save call.
+Why: fresh anonymous memory costs a page fault and a zero-fill per 4 KiB page on its first write,
+so a first copy into fresh staging takes several times as long as a later copy, and the first
+``async_save`` blocked that much longer. Touching the buffers earlier, on the saver's writer
+thread, moves that cost out of the save call.
 
 How: ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) faults the buffer's whole pages in one call
 that runs without the GIL (``ctypes`` releases it; Python's ``mmap.madvise`` works only on its own

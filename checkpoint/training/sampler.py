@@ -44,8 +44,8 @@ class ResumableSampler(Sampler[int]):
         seed: the permutation of epoch ``e`` is ``torch.randperm(n, generator=manual_seed(seed + e))``.
         shuffle: ``False`` keeps ``range(n)`` order every epoch.
         drop_last: how the epoch's tail is split when ``world_size`` does not divide it (module doc).
-        rank, world_size: default to ``torch.distributed``'s when a process group is initialized,
-            else 0 and 1.
+        rank: defaults to ``torch.distributed``'s when a process group is initialized, else 0.
+        world_size: defaults to ``torch.distributed``'s when a process group is initialized, else 1.
 
     ``state_dict()`` is ``{"seed", "num_samples", "shuffle", "drop_last", "epoch", "consumed",
     "world_size"}`` (ints and bools; ``consumed`` counts global positions of the epoch, all ranks
