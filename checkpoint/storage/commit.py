@@ -14,7 +14,7 @@ Written once for both (this module): what a checkpoint owns (:func:`owned_object
 record fqnckpt wrote names), whether it is complete (:func:`is_committed`), what killed saves
 left (:func:`leftovers`, listed by ``inspect``) and their removal (:func:`clean_dead`, by every
 commit), the removal of a checkpoint (:func:`remove_checkpoint`, the manager's retention). What
-each backend guarantees to concurrent writers is in the README (storage section).
+each backend guarantees to concurrent writers is in docs/guides/object-storage.md.
 
 The object-store commit:
 
