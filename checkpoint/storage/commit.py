@@ -33,7 +33,7 @@ The object-store commit:
    the later commit is refused (:class:`~checkpoint.errors.ConcurrentSaveError`, its own objects
    removed) and the index never names objects another save deleted. ``memory://`` compares and
    swaps under one process-wide lock; other fsspec backends without conditional writes re-read
-   the index just before the PUT: a narrow race remains there (as the README says per backend).
+   the index just before the PUT: a narrow race remains there (docs/commit-protocol.md lists each backend).
 4. Only then are deleted: the objects the previous index owned (:func:`owned_objects`) and not
    the new one; and of every other staging manifest that can no longer commit (its ``base`` is not
    the new index), the objects it names that carry its token, its incomplete multipart uploads
