@@ -72,18 +72,19 @@ def test_per_rank_kind_mismatch_and_corruption_change_nothing(tmp_path):
 
 
 def _as_saved_by(path, world, values):
-    """Rewrite ``path``'s extra state as if ``world`` ranks had saved per-rank ``values[r]``."""
+    """Save ``path`` again with the extra-state files ``world`` ranks write for per-rank
+    ``values[r]`` (the record names them, as a save on ``world`` ranks would)."""
     files = {}
     for r in range(world):
         shared, mine = snapshot_extra_state_parts({"pos": PerRank(Pos(values[r]))})
         files.update(extra_state_file_bytes(shared, mine, r, world))
-    for name, data in files.items():
-        (path / name).write_bytes(data)
+    sd = _model().state_dict()
+    specs = [checkpoint.TensorSpec.of(k, v) for k, v in sd.items()]
+    checkpoint.save_streaming(path, specs, lambda s: sd[s.fqn], extra_files=files, overwrite=True)
 
 
 def test_other_world_size_reshard_rule_or_refusal(tmp_path):
     checkpoint.save(_model(), tmp_path / "ck", extra_state={"pos": PerRank(Pos(0))})
-    os.unlink(tmp_path / "ck" / "extra_state.rank-00000-of-00001.json")
     _as_saved_by(tmp_path / "ck", 2, [10, 11])
     pos = Pos(1)
     with pytest.raises(ExtraStateMismatchError, match="saved per rank by 2 ranks.*no reshard rule"):

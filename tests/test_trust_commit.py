@@ -418,18 +418,18 @@ def test_overwrite_removes_the_parts_the_model_index_records_only(tmp_path):
     path = tmp_path / "ck"
     w = torch.arange(4.0)
     spec = [TensorSpec.of("w", w)]
-    idx = checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"notes.json": b"{}", "adapter_config.json": b"{}"})
-    assert idx.metadata.fqnckpt.objects == {"notes.json": "notes.json", "adapter_config.json": "adapter_config.json"}
-    assert set(idx.metadata.fqnckpt.object_digests) == {"notes.json", "adapter_config.json"}
+    idx = checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"notes.json": b"{}", "tokenizer_config.json": b"{}"})
+    assert idx.metadata.fqnckpt.objects == {"notes.json": "notes.json", "tokenizer_config.json": "tokenizer_config.json"}
+    assert set(idx.metadata.fqnckpt.object_digests) == {"notes.json", "tokenizer_config.json"}
     assert atomic.owned_files(str(path)) == {"model-00001-of-00001.safetensors", "model.safetensors.index.json"}
     (path / "notes.json").write_bytes(b'{"edited": 1}')
     checkpoint.save({"w": w}, path, overwrite=True)  # writes neither: they stay, still the checkpoint's
-    assert sorted(os.listdir(path)) == ["adapter_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.json"]
+    assert sorted(os.listdir(path)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.json", "tokenizer_config.json"]
     assert (path / "notes.json").read_bytes() == b'{"edited": 1}'
-    checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"adapter_config.json": b"ours"}, overwrite=True)
-    assert (path / "adapter_config.json").read_bytes() == b"ours"  # recorded: a save that writes its own replaces it
+    checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"tokenizer_config.json": b"ours"}, overwrite=True)
+    assert (path / "tokenizer_config.json").read_bytes() == b"ours"  # recorded: a save that writes its own replaces it
     (path / "model.safetensors.index.json").unlink()
-    (path / "adapter_config.json").write_bytes(b"the user's")  # no record names it now
-    with pytest.raises(checkpoint.CheckpointExistsError, match="adapter_config.json"):
-        checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"adapter_config.json": b"x"}, overwrite=True)
-    assert (path / "adapter_config.json").read_bytes() == b"the user's"
+    (path / "tokenizer_config.json").write_bytes(b"the user's")  # no record names it now
+    with pytest.raises(checkpoint.CheckpointExistsError, match="tokenizer_config.json"):
+        checkpoint.save_streaming(path, spec, lambda s: w, extra_files={"tokenizer_config.json": b"x"}, overwrite=True)
+    assert (path / "tokenizer_config.json").read_bytes() == b"the user's"

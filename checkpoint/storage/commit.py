@@ -296,11 +296,12 @@ def check_clashes(
 
 # What a save of fqnckpt's writes as parts of a checkpoint (tensor files, indexes, DCP's metadata,
 # extra state, reports, the record, every tokened object name). Everything else a record names
-# (config.json, generation_config.json, tokenizer files, adapter_config.json, params.json) is a
+# (config.json, generation_config.json, tokenizer files, params.json) is a
 # side file that users edit and other tools open by name: an overwrite never removes one (the new
 # save replaces it when it writes its own), a removal only while its bytes match the record.
 _PART_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".distcp", ".index.json")
-_PART_NAMES = frozenset([".metadata", "migration_report.json", "conversion_report.json"])
+# adapter_config.json is a part: it gives the meaning of adapter_model.safetensors (rank, alpha).
+_PART_NAMES = frozenset([".metadata", "migration_report.json", "conversion_report.json", "adapter_config.json"])
 
 
 def is_part(name: str) -> bool:
