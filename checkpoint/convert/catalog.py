@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
+from .report import CONVERSION_REPORT_NAME, ForwardRecord
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
 from ..storage.location import is_remote, resolve
@@ -93,11 +94,13 @@ class Catalog:
         CorruptCheckpointError: shards with different keys or dtypes (the file is named).
     """
 
-    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None):
+    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None,
+                 record: ForwardRecord | None = None):  # fmt: skip
         self.path = path
         self.sources = sources
         self.params = params
         self.hf_config = hf_config
+        self.record = record  # the conversion_report.json of the conversion that wrote the source, if any
         first = sources[0]
         self._keys = first.keys()
         for s in sources[1:]:
@@ -159,6 +162,20 @@ def _parse_hf_config(data: bytes, where: str) -> HFTextConfig:
         raise CorruptCheckpointError(where, f"not a transformers config.json: {str(e).splitlines()[0]}") from None
 
 
+def _parse_record(data: bytes, where: str) -> ForwardRecord:
+    try:
+        return ForwardRecord.model_validate_json(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise CorruptCheckpointError(where, f"not a conversion_report.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def _record(read) -> ForwardRecord | None:
+    """``conversion_report.json`` beside the source (written by the conversion that made it)."""
+    data, where = read(CONVERSION_REPORT_NAME)
+    return _parse_record(data, where) if data is not None else None
+
+
 def _side_configs(read) -> tuple[MetaParams | None, HFTextConfig | None]:
     """``params.json`` (Meta) or else ``config.json`` (transformers) beside the source;
     ``read(name) -> (bytes | None, where)``."""
@@ -190,11 +207,13 @@ def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> 
     with remote_view(store) as view:
         src = open_remote_source(store)
         try:
-            params, hf_config = _side_configs(lambda n: (view.member_bytes(n), store.url_of(n)))
+            read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
+            params, hf_config = _side_configs(read)
+            record = _record(read)
         except BaseException:
             src.close()
             raise
-    return Catalog(PurePosixPath(store.url), [src], params, hf_config)
+    return Catalog(PurePosixPath(store.url), [src], params, hf_config, record)
 
 
 def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | None = None,
@@ -212,6 +231,7 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
         return _open_remote(path, storage_options, key)
     p = Path(path)
     params, hf_config = _side_configs(_local_file(p))
+    record = _record(_local_file(p)) if p.is_dir() else None  # a conversion writes a directory
     shard_files = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _SHARD.match(f.name))) if p.is_dir() else []
     opened: list[Source] = []
     try:
@@ -224,7 +244,7 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
         else:
             with external_errors(os.fspath(p), what="reading"):
                 opened.append(open_source(p, key=key, trusted_globals=trusted_globals))
-        return Catalog(p, opened, params, hf_config)
+        return Catalog(p, opened, params, hf_config, record)
     except BaseException:
         for s in opened:
             s.close()
@@ -350,6 +370,7 @@ def write_params_json(dims: Mapping[str, int], cfg: HFTextConfig | None) -> byte
                 meta_ffn_dim(out["dim"], ffn["multiple_of"], ffn.get("ffn_dim_multiplier")) == cfg.intermediate_size
             out.update(ffn if fits else _ffn_params(out["dim"], cfg.intermediate_size))
         keys = kept.pop("keys", None)
+        kept.pop("layout", None)  # hf_files.META_LAYOUT_KEY: the split, not a params.json field
         if (kept.get("vocab_size") or 1) <= 0:  # Llama 2's -1: the tokenizer's size
             out["vocab_size"] = kept.pop("vocab_size")
         out.update({k: v for k, v in kept.items() if k not in out})

@@ -3,6 +3,7 @@ target keys), what was dropped or copied unchanged, and what stopped the convers
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +88,34 @@ class ConversionReport(BaseModel):
         return "; ".join(f"{p.kind}: {p.message}" for p in self.problems[:10])
 
 
+class ForwardRecord(BaseModel):
+    """What a later conversion reads back from the ``conversion_report.json`` an earlier one wrote
+    beside its output (only these fields; the rest of the report is kept as written): the recipe
+    that wrote it, the dimensions it used, the layout versions it read and wrote and how many
+    model-parallel shards its source had. The reverse recipe takes the version the forward read as
+    its default target, so a round trip comes back as it went."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    recipe: str
+    dims: dict[str, int] = Field(default_factory=dict)
+    layouts: dict[str, str] = Field(default_factory=dict)
+    shards: int = 1
+
+    def version_read(self) -> str | None:
+        """The one layout version the forward conversion read (``"llama2"`` of ``"meta llama2"``,
+        ``"786e26f"`` of ``"torchtitan legacy..786e26f (read as 786e26f)"``); None when it read a
+        range that it did not narrow, or names none."""
+        label = self.layouts.get("source", "")
+        m = re.search(r"\(read as ([^)\s]+)\)", label)
+        if m:
+            return m.group(1)
+        parts = label.split()
+        if len(parts) < 2 or ".." in parts[1] or (len(parts) > 2 and parts[2] == "/"):
+            return None
+        return parts[1]
+
+
 class ConversionError(CheckpointError):
     """A conversion stopped before anything was written; ``report`` names every key concerned."""
 
@@ -95,4 +124,4 @@ class ConversionError(CheckpointError):
         super().__init__(f"conversion of {report.source} with recipe {report.recipe!r} stopped: {why or report.summary()}")
 
 
-__all__ = ["ConversionReport", "ConversionError", "RuleUse", "GroupEntry", "Problem", "CONVERSION_REPORT_NAME"]
+__all__ = ["ConversionReport", "ForwardRecord", "ConversionError", "RuleUse", "GroupEntry", "Problem", "CONVERSION_REPORT_NAME"]
