@@ -88,6 +88,12 @@ def run_migrate(args: argparse.Namespace, model) -> int:
     except ConversionError as e:
         report, code = e.report, EXIT_MISMATCH
         print(f"fqnckpt migrate: {one_line(cli_spelling(str(e)))}", file=sys.stderr)
+    unchecked = report.unchecked_line()
+    if unchecked:
+        print(f"fqnckpt migrate: {unchecked.replace('dims=', '--dim')} (pass --model, or put config.json / params.json "
+              f"beside the source, to check them)", file=sys.stderr)  # fmt: skip
+    for note in report.notes:
+        print(f"fqnckpt migrate: {cli_spelling(note)}", file=sys.stderr)
     lines = [f"{report.source} ({report.source_format}, {report.shards} shard(s)) -> "
              f"{report.destination or '(nothing written)'}  recipe {report.recipe}"]  # fmt: skip
     for u in report.rules:

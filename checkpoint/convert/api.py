@@ -263,6 +263,7 @@ def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]
     Raises:
         ConversionError: naming each disagreement (source and value); nothing written."""
     plan.report.dim_sources = {k: dict(v) for k, v in by_source.items()}
+    plan.report.unchecked = unchecked_dims(by_source)
     problems = dims_problems(plan, by_source) or inverse_problems(plan)
     if not problems:
         try:
@@ -271,9 +272,25 @@ def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]
             problems = [Problem(kind="side-file", keys=[], message=str(e))]
         else:
             problems = side_file_problems(plan.side, plan)
+            if plan.recipe.writes in ("hf", "hf-model") and HF_CONFIG_NAME not in plan.side:
+                plan.report.notes.append(
+                    f"no {HF_CONFIG_NAME} written: the source carries none (nor params.json) and no model= was given, so its RoPE theta, "
+                    f"norm epsilon and model class are unknown (dims= / --dim give sizes only); from_pretrained needs one: pass model=, or "
+                    f"copy the model's {HF_CONFIG_NAME} beside the output")  # fmt: skip
     if problems:
         plan.report.problems.extend(problems)
         raise ConversionError(plan.report)
+
+
+# The dims that the tensors' shapes cannot confirm: any head count whose heads divide the rows fits.
+HEAD_DIMS = ("n_heads", "n_kv_heads", "head_dim", "qk_rope_head_dim")
+
+
+def unchecked_dims(by_source: Mapping[str, Mapping[str, int]], caller: str = "dims=") -> list[str]:
+    """``["n_heads=8", ...]``: the :data:`HEAD_DIMS` only ``caller`` states (no other source)."""
+    mine = by_source.get(caller) or {}
+    others = {k for name, d in by_source.items() if name != caller for k in d}
+    return [f"{k}={v}" for k, v in mine.items() if k in HEAD_DIMS and k not in others]
 
 
 def _meta_llama_specs(plan: ConversionPlan) -> tuple[dict[str, TensorSpec], TensorSpec, TensorSpec]:

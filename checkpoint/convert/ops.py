@@ -70,9 +70,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
+class MissingDim(OpError):
+    """An op needs a model dimension (``name``) that no source stated."""
+
+    def __init__(self, msg: str, name: str):
+        super().__init__(msg)
+        self.name = name
+
+
 def _dim(dims: Mapping[str, int], name: str, op: Op) -> int:
     if name not in dims:
-        raise OpError(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)")
+        raise MissingDim(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)", name)
     return int(dims[name])
 
 

@@ -23,7 +23,7 @@ from .catalog import Catalog
 from .layers import layer_problems
 from .recipes import RecipeError
 from .meta_files import shard_target
-from .ops import JoinShards, OpError, SplitShards, Value
+from .ops import JoinShards, MissingDim, OpError, SplitShards, Value
 from .report import ConversionError, ConversionReport, GroupEntry, Problem, RuleUse
 from .rules import Pattern, Recipe, Rule
 
@@ -241,6 +241,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     meta_of: dict[int, list[Value]] = {}
     staged: list[tuple[Group, list]] = []
     ok_groups: list[Group] = []
+    missing_dims: dict[str, list[str]] = {}  # dim -> rules that need it
     for g in groups.values():
         bad = None
         for pat, m in zip(g.rule.source_patterns, g.members):
@@ -262,10 +263,17 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
                 values = meta_results[sig] = _meta_apply(g, catalog, shards, dims, out_shards)
             outs = _outputs(g, values, out_shards)
             meta_of[id(g)] = values
+        except MissingDim as e:  # said once for the whole plan (missing_dims_problem)
+            rules = missing_dims.setdefault(e.name, [])
+            if g.rule.sources[0] not in rules:
+                rules.append(g.rule.sources[0])
+            continue
         except (OpError, RuntimeError, ValueError) as e:
             problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
             continue
         staged.append((g, outs))
+    if missing_dims:
+        problems.insert(0, missing_dims_problem(missing_dims))
     post_present = frozenset(tgt for _, outs in staged for tgt, _ in outs)  # what Recipe.post renames see
     aliases = _tied_fills(recipe, staged, post_present, tied, report)
     for g, outs in staged:
@@ -305,6 +313,18 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     if problems:
         raise ConversionError(report)
     return plan
+
+
+def missing_dims_problem(missing: Mapping[str, list[str]]) -> Problem:
+    """One problem for every model dimension no source stated (``{dim: source patterns of the
+    rules needing it}``), naming the ways to state it: the target model, ``dims=`` / ``--dim``, or
+    Meta's ``params.json`` / transformers' ``config.json`` beside the source."""
+    names = sorted(missing)
+    rules = sorted({r for rs in missing.values() for r in rs})
+    flags = " ".join(f"--dim {n}=N" for n in names)
+    return Problem(kind="dims", keys=rules, message=(
+        f"model dimension(s) {', '.join(names)} unknown (needed by {', '.join(rules[:4])}{' ...' if len(rules) > 4 else ''}): "
+        f"pass model= (the target model), {flags} (dims=), or put params.json / config.json beside the source"))  # fmt: skip
 
 
 def _count_problems(groups: list[Group], meta_of: dict[int, list[Value]], catalog: Catalog) -> list[Problem]:

@@ -70,6 +70,11 @@ class ConversionReport(BaseModel):
     dim_sources: dict[str, dict[str, int]] = Field(default_factory=dict)
     layouts: dict[str, str] = Field(default_factory=dict)
     checks: list[str] = Field(default_factory=list)
+    # Head counts / sizes only the caller stated (dims= / --dim), as "name=value": no config, model
+    # or params.json states them, and the tensors' shapes fit other head counts too.
+    unchecked: list[str] = Field(default_factory=list)
+    # What the output lacks that a reader may expect, and why (no config.json for transformers).
+    notes: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -83,6 +88,13 @@ class ConversionReport(BaseModel):
             for s in g.sources:
                 out[s] = list(g.targets)
         return out
+
+    def unchecked_line(self) -> str | None:
+        """One line saying which dims nothing could check (None when every one was)."""
+        if not self.unchecked:
+            return None
+        return (f"unchecked: {', '.join(self.unchecked)} come from dims= alone; no config, model or params.json states them and "
+                f"the tensors' shapes fit other head counts too, so a wrong value converts without error")  # fmt: skip
 
     def summary(self) -> str:
         return "; ".join(f"{p.kind}: {p.message}" for p in self.problems[:10])
