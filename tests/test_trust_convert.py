@@ -61,3 +61,28 @@ def test_dims_from_dim_alone_are_said_unchecked_and_config_json_absence_explaine
     # the same dims stated by the source's config.json are checked: nothing said
     rep = checkpoint.migrate(titan_dir, tmp_path / "out2", recipe="torchtitan-llama3-to-hf", model=_llama())
     assert rep.unchecked == [] and rep.notes == [] and (tmp_path / "out2" / "config.json").exists()
+
+
+def test_recipes_lists_without_importing_torch_or_transformers():
+    """``fqnckpt recipes`` is data: listing it imports neither torch nor transformers (it took
+    seconds building every recipe, transformers' experts one included)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from checkpoint.cli.main import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["--json", "recipes"])
+        heavy = [m for m in ("torch", "torch.distributed", "transformers") if m in sys.modules]
+        print(json.dumps({"rc": rc, "heavy": heavy, "rows": json.loads(out.getvalue())}))
+    """)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["rc"] == 0 and got["heavy"] == []
+    rows = {row["name"]: row for row in got["rows"]}
+    assert rows["experts-to-fused"]["needs_model"] is True and rows["experts-to-fused"]["versions"] == []
+    assert rows["hf-to-torchtitan-llama3"]["versions"][-1] == "3101b42" and rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"]

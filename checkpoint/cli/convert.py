@@ -17,7 +17,7 @@ def recipes_args(p: argparse.ArgumentParser) -> None:
 def run_recipes(args: argparse.Namespace) -> int:
     import json
 
-    from ..convert import recipe_table
+    from ..convert.recipes import recipe_table  # no torch: listing is instant
 
     rows = recipe_table()
     if args.json:

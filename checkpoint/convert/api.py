@@ -20,7 +20,7 @@ from .dims import resolve as resolve_dims
 from .layouts import LayoutError, bind_dims, meta_versioned, variant_versioned, versioned
 from .verify import GENERATION_CONFIG_NAME, dims_problems, inverse_problems, side_file_problems
 from .plan import ConversionPlan, plan_conversion
-from .recipes import RECIPES, RecipeError, get_recipe
+from .recipes import OPTIONS, RECIPES, RecipeError, get_recipe, recipe_table  # noqa: F401 - recipe_table: its old home
 from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport, Problem
 from .rules import Recipe
 
@@ -53,13 +53,6 @@ def _auto(catalog, model, dims, source: str) -> ConversionPlan:
         why = f"several recipes fit: {[f[0] for f in fits]}" if fits else "no built-in recipe changes it into the model's layout"
         raise RecipeError(f"recipe='auto' for {source}: {why}" + ("" if fits else "; " + " | ".join(tried[:12])))
     return fits[0][1]
-
-
-# Recipe options (``NAME+option``): what each changes in the recipe.
-OPTIONS = {
-    "drop-expert-bias": ("torchtitan-moe-to-hf", "layers.{i}.moe.expert_bias",
-                         "drop torchtitan's MoE load-balancing bias (Qwen3-MoE in transformers has none)"),
-}
 
 
 def with_options(rec: Recipe, options: Sequence[str]) -> Recipe:
@@ -346,33 +339,6 @@ def run_recipe(src: Any, dst: str | os.PathLike, recipe: str | Recipe, *, write:
         return report
     finally:
         plan.catalog.close()
-
-
-def recipe_table() -> list[dict[str, Any]]:
-    """``[{name, inverse, needs_model, summary, source, versions, options}]`` of the built-in
-    recipes: ``source`` the code (repository, commit, file) each follows, ``versions`` the layout
-    versions a name takes after ``@`` (the first read by detection, the last written by default),
-    ``options`` what ``+option`` adds."""
-    from ..layout_versions import FAMILIES
-    from .layouts import META_VERSIONS
-    from .recipes import SOURCES
-
-    def versions(name: str, e) -> list[str]:
-        try:
-            rec = e.build(None)
-        except Exception:  # noqa: BLE001 - a recipe that needs a model has no layout versions
-            return []
-        fwd = rec.meta.get("inverse_of", rec)
-        if "meta" in (rec.reads, rec.writes):
-            return [v for v, _ in META_VERSIONS]
-        if fwd.meta.get("variants"):
-            return sorted(fwd.meta["variants"])
-        fam = FAMILIES.get(fwd.meta.get("family", ""))
-        return [v for v, _, _ in fam.versions] if fam else []
-
-    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
-             "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
-             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()]  # fmt: skip
 
 
 __all__ = ["open_conversion", "run_recipe", "side_files", "recipe_table"]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-import torch
+if TYPE_CHECKING:  # imported where an op runs: listing recipes (``fqnckpt recipes``) needs no torch
+    import torch
 
-Value = Union[torch.Tensor, list[torch.Tensor]]
+Value = Union["torch.Tensor", list["torch.Tensor"]]
 
 
 class OpError(ValueError):
@@ -63,6 +64,7 @@ def _same_dtype(parts: list[torch.Tensor], op: Op) -> None:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shape, dtype and bytes (``torch.equal`` calls NaN unequal to itself and -0.0 equal
     to 0.0; a replicated tensor must be the same bits on every shard)."""
+    import torch
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_meta or b.is_meta:
@@ -106,6 +108,7 @@ class Stack(Op):
     dim: int = 0
 
     def apply(self, values, dims):
+        import torch
         out = []
         for v in values:
             if not isinstance(v, list):
@@ -143,6 +146,7 @@ class Concat(Op):
     dim: int = 0
 
     def apply(self, values, dims):
+        import torch
         parts = values[0] if len(values) == 1 and isinstance(values[0], list) else values
         parts = [_tensor(v, self) for v in parts]
         _same_dtype(parts, self)
@@ -193,6 +197,7 @@ class PermuteRope(Op):
     to_half: bool = True
 
     def apply(self, values, dims):
+        import torch
         n = _dim(dims, self.heads, self)
 
         def permute(t: torch.Tensor) -> torch.Tensor:
@@ -228,6 +233,7 @@ class PermuteRopeTail(Op):
         return dims.get("rope_interleave", 1) != 0
 
     def apply(self, values, dims):
+        import torch
         if self.is_identity(dims):
             return values
         r = _dim(dims, "qk_rope_head_dim", self)
@@ -257,6 +263,7 @@ class FuseQKV(Op):
     kv_heads: str = "n_kv_heads"
 
     def apply(self, values, dims):
+        import torch
         h, g = _dim(dims, self.heads, self), _dim(dims, self.kv_heads, self)
         if len(values) != 3 or h % g:
             raise OpError(f"{self.describe()} takes q, k, v with {h} heads in {g} groups, got {len(values)} values")
@@ -309,6 +316,7 @@ class JoinShards(Op):
     heads: str | None = None
 
     def apply(self, values, dims):
+        import torch
         out = []
         for v in values:
             shards = v if isinstance(v, list) else [v]

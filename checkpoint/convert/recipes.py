@@ -208,4 +208,36 @@ def get_recipe(name: str | Recipe, model: Any = None) -> Recipe:
     return entry.build(model)
 
 
-__all__ = ["RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]
+# Recipe options (``NAME+option``): what each changes in the recipe.
+OPTIONS = {
+    "drop-expert-bias": ("torchtitan-moe-to-hf", "layers.{i}.moe.expert_bias",
+                         "drop torchtitan's MoE load-balancing bias (Qwen3-MoE in transformers has none)"),
+}
+
+
+def recipe_table() -> list[dict[str, Any]]:
+    """``[{name, inverse, needs_model, summary, source, versions, options}]`` of the built-in
+    recipes: ``source`` the code (repository, commit, file) each follows, ``versions`` the layout
+    versions a name takes after ``@`` (the first read by detection, the last written by default),
+    ``options`` what ``+option`` adds."""
+    from ..layout_versions import FAMILIES
+    from .layouts import META_VERSIONS
+
+    def versions(name: str, e) -> list[str]:
+        if e.needs_model:  # its rules come from the model (transformers): no layout versions
+            return []
+        rec = e.build(None)
+        fwd = rec.meta.get("inverse_of", rec)
+        if "meta" in (rec.reads, rec.writes):
+            return [v for v, _ in META_VERSIONS]
+        if fwd.meta.get("variants"):
+            return sorted(fwd.meta["variants"])
+        fam = FAMILIES.get(fwd.meta.get("family", ""))
+        return [v for v, _, _ in fam.versions] if fam else []
+
+    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
+             "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
+             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()]  # fmt: skip
+
+
+__all__ = ["OPTIONS", "recipe_table", "RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]
