@@ -225,12 +225,13 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     assert parts[0]["tok_embeddings.weight"].shape == (32, H)  # Llama 3's vocabulary split by default
     assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts, "llama3"), NH, NKV, ids), hf)
     assert not (tmp_path / "meta" / ".spill").exists()  # the writer's spill files are gone
-    # inspect / verify of the shard directory say what it is and how to read it (exit 2)
+    # inspect / verify read the shard directory as migrate does, and say how to join it
     for cmd in ("inspect", "verify"):
         capsys.readouterr()
-        assert main([cmd, str(tmp_path / "meta")]) == 2
-        err = capsys.readouterr().err
-        assert "Meta model-parallel shards" in err and "--recipe meta-llama-to-hf" in err, err
+        assert main([cmd, str(tmp_path / "meta")]) == 0
+        out = capsys.readouterr().out
+        assert "meta-shards" in out and "consolidated.01.pth" in out, out
+    assert "layout: meta llama3 (2 model-parallel shards)" in (main(["inspect", str(tmp_path / "meta")]), capsys.readouterr().out)[1]
     # 4 shards cannot hold whole K/V heads (n_kv_heads=2): refused by key, nothing written.
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ConversionError) as e:

@@ -86,3 +86,75 @@ def test_recipes_lists_without_importing_torch_or_transformers():
     rows = {row["name"]: row for row in got["rows"]}
     assert rows["experts-to-fused"]["needs_model"] is True and rows["experts-to-fused"]["versions"] == []
     assert rows["hf-to-torchtitan-llama3"]["versions"][-1] == "3101b42" and rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"]
+
+
+def _cli_json(capsys, argv) -> tuple[int, dict]:
+    capsys.readouterr()
+    rc = cli(["--json", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def _meta_dir(path, shards=2):
+    """Meta Llama 2 shards: tok_embeddings split by columns (dim 1), wq and output by rows
+    (Meta's own names, which are torchtitan's legacy ones too)."""
+    path.mkdir()
+    g = torch.Generator().manual_seed(0)
+    emb, wq = torch.randn(8, 4, generator=g), torch.randn(4, 4, generator=g)
+    for i in range(shards):
+        torch.save({"tok_embeddings.weight": emb.chunk(shards, 1)[i].clone(), "layers.0.attention.wq.weight": wq.chunk(shards, 0)[i].clone(),
+                    "norm.weight": torch.ones(4), "output.weight": emb.chunk(shards, 0)[i].clone()}, path / f"consolidated.{i:02d}.pth")  # fmt: skip
+    (path / "params.json").write_text(json.dumps({"dim": 4, "n_layers": 1, "n_heads": 2}))
+    return path
+
+
+def test_verify_names_the_files_it_checked_for_every_layout(tmp_path, capsys):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    sd = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(dict(sd), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        dcp.save(dict(sd), storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf_ranks"), save_distributed=True), no_dist=True)
+    (tmp_path / "adapter").mkdir()
+    save_file({"base_model.model.lin.lora_A.weight": torch.randn(2, 3)}, tmp_path / "adapter" / "adapter_model.safetensors")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA"}))
+    _meta_dir(tmp_path / "meta")
+    want = {"dcp": ["__0_0.distcp"], "hf_ranks": ["shard-00001-model-00001-of-00001.safetensors"],
+            "adapter": ["adapter_model.safetensors"], "meta": ["consolidated.00.pth", "consolidated.01.pth"]}  # fmt: skip
+    for name, files in want.items():
+        rc, out = _cli_json(capsys, ["verify", str(tmp_path / name)])
+        assert rc == 0 and out["ok"] and [f["file"] for f in out["files"]] == files, (name, out)
+        assert [f["size"] for f in out["files"]] == [(tmp_path / name / f).stat().st_size for f in files]
+        assert all(f["algorithm"] == "none" and f["expected_digest"] is None for f in out["files"])
+        assert cli(["verify", str(tmp_path / name)]) == 0
+        text = capsys.readouterr().out
+        assert f"{len(files)} file" in text and f"  files: {', '.join(files)}" in text, text
+
+
+def test_inspect_reads_a_meta_shard_directory_as_migrate_does(tmp_path, capsys):
+    d = _meta_dir(tmp_path / "meta")
+    rc, out = _cli_json(capsys, ["inspect", "--keys", str(d)])
+    assert rc == 0 and out["format"] == "meta-shards" and out["layout"] == "meta llama2 (2 model-parallel shards)"
+    assert out["tensors"] == 4 and out["total_bytes"] == 2 * (8 * 2 + 2 * 4 + 4 + 4 * 4) * 4
+    assert sorted(out["per_file"]) == ["consolidated.00.pth", "consolidated.01.pth"]
+    assert out["keys"]["tok_embeddings.weight"] == {"shape": [8, 2], "dtype": "torch.float32"}  # one shard's piece
+    rc, one = _cli_json(capsys, ["inspect", str(d / "consolidated.00.pth")])
+    assert rc == 0 and one["layout"] == "meta (one model-parallel shard: the same in Llama 2 and 3)"
+
+
+def test_plans_print_the_names_of_the_source_version(titan_dir, tmp_path, capsys):
+    """A torchtitan checkpoint in today's names (3101b42: lm_head, qkv_linear) is planned in those
+    names, not the legacy names the rules are written in; the legacy version keeps its own."""
+    rc, out = _cli_json(capsys, ["migrate", str(titan_dir), str(tmp_path / "x"), "--recipe", "torchtitan-llama3-to-hf",
+                                 "--dim", "n_heads=4", "--dim", "n_kv_heads=2", "--dry-run"])  # fmt: skip
+    rules = [u["rule"].split(" [")[0] for u in out["rules"]]
+    assert rc == 0 and out["layouts"] == {"source": "torchtitan 70dd945..3101b42 (read as 3101b42)"}
+    assert "lm_head.weight -> lm_head.weight" in rules and "output.weight -> lm_head.weight" not in rules
+    assert "layers.{i}.attention.qkv_linear.wq.weight -> model.layers.{i}.self_attn.q_proj.weight" in rules
+    rc, out = _cli_json(capsys, ["migrate", str(titan_dir.parent / "hf"), str(tmp_path / "y"), "--recipe",
+                                 "hf-to-torchtitan-llama3@legacy", "--dry-run"])  # fmt: skip
+    assert rc == 0 and "model.norm.weight -> norm.weight" in [u["rule"] for u in out["rules"]]
+    assert "lm_head.weight -> output.weight" in [u["rule"] for u in out["rules"]]

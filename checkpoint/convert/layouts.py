@@ -61,6 +61,25 @@ META_VERSIONS = (
 _EMBED = "tok_embeddings.weight"
 
 
+def meta_split(catalog) -> tuple[str | None, list[int]]:
+    """The version of Meta's model-parallel split of ``catalog``'s shards (``(None, [])`` for one
+    shard, or no ``tok_embeddings``) and the embedding width of each shard: every shard holding the
+    whole width ``dim`` (``wq``'s columns, else params.json's) is split by vocabulary (``llama3``);
+    widths summing to ``dim`` by columns (``llama2``).
+
+    Raises:
+        LayoutError: widths that fit neither split."""
+    if catalog.shards == 1 or _EMBED not in catalog.keys():
+        return None, []
+    widths = [s.shape[1] for s in catalog.specs(_EMBED)]
+    wq = "layers.0.attention.wq.weight"
+    dim = catalog.specs(wq)[0].shape[1] if wq in catalog.keys() else (catalog.params.dim if catalog.params else None)
+    found = "llama3" if all(w == dim for w in widths) else "llama2" if sum(widths) == dim else None
+    if found is None:
+        raise LayoutError(f"Meta shards' {_EMBED} widths {widths} fit neither split of dim={dim} (by vocabulary or by columns)")
+    return found, widths
+
+
 def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, dict[str, str]]:
     """Meta's model-parallel split of ``tok_embeddings`` by version (transformers'
     ``convert_llama_weights_to_hf.py``: ``concat_dim = 0`` for Llama 3.x, else 1; every other
@@ -78,12 +97,7 @@ def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, 
     if recipe.reads == "meta":
         if catalog.shards == 1 or _EMBED not in catalog.keys():
             return recipe, {"source": f"meta {asked or 'llama2 / llama3'} (1 shard: the same in both)"}
-        widths = [s.shape[1] for s in catalog.specs(_EMBED)]
-        wq = "layers.0.attention.wq.weight"
-        dim = catalog.specs(wq)[0].shape[1] if wq in catalog.keys() else (catalog.params.dim if catalog.params else None)
-        found = "llama3" if all(w == dim for w in widths) else "llama2" if sum(widths) == dim else None
-        if found is None:
-            raise LayoutError(f"Meta shards' {_EMBED} widths {widths} fit neither split of dim={dim} (by vocabulary or by columns)")
+        found, widths = meta_split(catalog)
         if asked is not None and asked != found:
             raise LayoutError(f"the Meta shards are split as {found} ({_EMBED} widths {widths}), not {asked!r}")
         version = found
@@ -179,4 +193,4 @@ def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
     return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "LayerShift", "bind_dims", "variant_versioned", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "LayerShift", "bind_dims", "variant_versioned", "versioned", "meta_versioned", "meta_split", "META_VERSIONS", "version_table", "detect_layout"]

@@ -161,6 +161,31 @@ class ConversionPlan:
             yield tgt, self.catalog.get(src, 0)
 
 
+def _respelled(pattern: str, renames) -> str:
+    """A key pattern through a recipe's version renames (:class:`~checkpoint.layout_versions.Respell`;
+    other renames, such as DeepSeek's layer shift, leave a pattern's ``{i}`` alone)."""
+    from ..layout_versions import Respell
+
+    for r in renames:
+        if isinstance(r, Respell):
+            pattern = Respell(r.frm, r.to).apply(pattern)  # a rule pattern stands for every key it names
+    return pattern
+
+
+def describe_rule(recipe: Recipe, rule: Rule) -> str:
+    """``rule`` as the checkpoints spell it: the rules are written in a framework's canonical
+    names, so a source read in a later layout version (``recipe.pre`` renames it) or a target
+    written in one (``recipe.post``) is shown in that version's names (torchtitan 3101b42's
+    ``lm_head.weight``, not ``output.weight``)."""
+    back = [r.inverse() for r in reversed(recipe.pre)]
+    sources = tuple(_respelled(p, back) for p in rule.sources)
+    targets = tuple(_respelled(p, recipe.post) for p in rule.targets)
+    if (sources, targets) == (rule.sources, rule.targets):
+        return rule.describe()
+    ops = ", ".join(op.describe() for op in rule.ops)
+    return f"{' + '.join(sources)} -> {' + '.join(targets)}" + (f" [{ops}]" if ops else "")
+
+
 def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *, model: Any = None,
                     source: str = "", tied: bool = False) -> ConversionPlan:  # fmt: skip
     """Plan ``recipe`` over ``catalog`` (see the module docstring).
@@ -185,7 +210,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     if out_shards > 1 and (recipe.passthrough or recipe.post):
         raise RecipeError(f"recipe {recipe.name!r}: model-parallel shards need every key named by a rule (no passthrough)")
     report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
-                              shards=shards, dims=dims, rules=[RuleUse(rule=r.describe()) for r in recipe.rules])  # fmt: skip
+                              shards=shards, dims=dims, rules=[RuleUse(rule=describe_rule(recipe, r)) for r in recipe.rules])  # fmt: skip
     problems = report.problems
     drops = [Pattern(d) for d in recipe.drop]
     groups: dict[tuple, Group] = {}
