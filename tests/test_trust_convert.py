@@ -158,3 +158,20 @@ def test_plans_print_the_names_of_the_source_version(titan_dir, tmp_path, capsys
                                  "hf-to-torchtitan-llama3@legacy", "--dry-run"])  # fmt: skip
     assert rc == 0 and "model.norm.weight -> norm.weight" in [u["rule"] for u in out["rules"]]
     assert "lm_head.weight -> output.weight" in [u["rule"] for u in out["rules"]]
+
+
+def test_hf_to_megatron_writes_config_json_and_comes_back_without_a_model(tmp_path):
+    """Megatron-Bridge builds its model from the HF config: hf-to-megatron-gpt writes config.json
+    beside its output; megatron-gpt-to-hf then needs no model (dims and config.json from it)."""
+    hf = _llama(3)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "mg", recipe="hf-to-megatron-gpt")
+    src_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    mg_cfg = json.loads((tmp_path / "mg" / "config.json").read_text())
+    assert mg_cfg == src_cfg | {k: mg_cfg[k] for k in ("rope_scaling", "rope_theta") if k in mg_cfg and k not in src_cfg}
+    assert mg_cfg["num_key_value_heads"] == NKV and mg_cfg["architectures"] == ["LlamaForCausalLM"]
+    rep = checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf")
+    assert rep.notes == [] and rep.dims["n_kv_heads"] == NKV
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    sd = hf.state_dict()
+    assert sorted(again.state_dict()) == sorted(sd) and all(torch.equal(again.state_dict()[k], sd[k]) for k in sd)

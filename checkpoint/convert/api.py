@@ -245,7 +245,23 @@ def _build_side_files(plan: ConversionPlan, model: Any) -> dict[str, bytes]:
     elif plan.recipe.writes == "hf-model" and plan.catalog.params is not None:  # Meta -> HF, no model
         out[HF_CONFIG_NAME] = _meta_llama_config(plan)
         out[GENERATION_CONFIG_NAME] = llama_generation_config(json.loads(out[HF_CONFIG_NAME]))
+    elif plan.recipe.writes in ("hf", "hf-model") and plan.catalog.hf_config is not None:  # the source's own config
+        out[HF_CONFIG_NAME] = _source_config(plan)
+    elif plan.recipe.meta.get("config_beside"):  # a layout whose tools read the model's HF config beside it
+        cfg = hf_config_files(model).get(HF_CONFIG_NAME) if model is not None else None
+        if cfg is None and plan.catalog.hf_config is not None:
+            cfg = _source_config(plan)
+        if cfg is not None:
+            out[HF_CONFIG_NAME] = with_transformers4_rope(cfg)
+        else:
+            plan.report.notes.append(f"no {HF_CONFIG_NAME} written beside the {plan.recipe.name} output: the source has none and "
+                                     f"no model= was given")  # fmt: skip
     return out
+
+
+def _source_config(plan: ConversionPlan) -> bytes:
+    """The source's ``config.json`` (the whole file), as transformers 4.x and 5 read it."""
+    return with_transformers4_rope((json.dumps(plan.catalog.hf_config.whole, indent=2, sort_keys=True) + "\n").encode())
 
 
 def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]) -> None:

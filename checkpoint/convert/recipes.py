@@ -144,7 +144,9 @@ MEGATRON_GPT = Recipe(
         "local": (f"{_D}.input_layernorm.weight", (
             R(f"{_D}.input_layernorm.weight", f"{_L}.input_layernorm.weight"),
             R(f"{_D}.pre_mlp_layernorm.weight", f"{_L}.post_attention_layernorm.weight"))),
-    }, "variant_family": "megatron", "default_variant": "te"},
+    }, "variant_family": "megatron", "default_variant": "te",
+        # Megatron-Bridge builds the Megatron model from the HF config: config.json goes beside both ways
+        "config_beside": True},
 )  # fmt: skip
 
 _STATIC = (META_LLAMA, TORCHTITAN_LLAMA3, TORCHTITAN_MOE, GPT2, MEGATRON_GPT)
