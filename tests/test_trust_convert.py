@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 H, NH, NKV, FF, V, L = 32, 4, 2, 64, 61, 2
 
 
-def _llama(seed=0):
+def _llama(seed=0, vocab=V):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
                                    num_key_value_heads=NKV, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -175,3 +175,38 @@ def test_hf_to_megatron_writes_config_json_and_comes_back_without_a_model(tmp_pa
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     sd = hf.state_dict()
     assert sorted(again.state_dict()) == sorted(sd) and all(torch.equal(again.state_dict()[k], sd[k]) for k in sd)
+
+
+from tests.backends import fresh, moto_fixture, put  # noqa: E402
+
+moto_opts = moto_fixture("trustconvert")
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_meta_layout_on_object_storage_is_read_back_from_there(backend, tmp_path, request):
+    """Meta's shards written to memory:// or s3:// (fqnckpt's record, or uploaded by another tool
+    with no record) convert back from there: the same tensors, the local copies removed."""
+    import glob
+    import tempfile
+
+    from checkpoint.sources import open_source
+
+    opts = request.getfixturevalue("moto_opts") if backend == "s3" else {}
+    hf = _llama(5, vocab=V + 1)  # Meta splits the vocabulary evenly
+    checkpoint.save(hf, tmp_path / "hf")
+    url, so = fresh(backend, tmp_path, opts, "trustconvert")
+    checkpoint.migrate(tmp_path / "hf", url, recipe="hf-to-meta-llama", dims={"shards": 2}, storage_options=so)
+    rep = checkpoint.migrate(url, tmp_path / "back", recipe="meta-llama-to-hf", storage_options=so)
+    assert rep.shards == 2 and rep.layouts == {"source": "meta llama3"}
+    sd = hf.state_dict()
+    with open_source(tmp_path / "back") as got:
+        assert sorted(got.keys()) == sorted(sd) and all(torch.equal(got.get(k), sd[k]) for k in sd)
+    assert glob.glob(f"{tempfile.gettempdir()}/.fqnckpt-remote-meta-*") == []
+    # another tool's upload: plain objects, no record
+    url2, _ = fresh(backend, tmp_path, opts, "trustconvert")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", dims={"shards": 2})
+    for name in ("consolidated.00.pth", "consolidated.01.pth", "params.json"):
+        put(url2, so, name, (tmp_path / "meta" / name).read_bytes())
+    checkpoint.migrate(url2, tmp_path / "back2", recipe="meta-llama-to-hf", model=_llama(vocab=V + 1), storage_options=so)
+    with open_source(tmp_path / "back2") as got:
+        assert all(torch.equal(got.get(k), sd[k]) for k in sd)

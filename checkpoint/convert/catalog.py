@@ -101,6 +101,7 @@ class Catalog:
         self.params = params
         self.hf_config = hf_config
         self.record = record  # the conversion_report.json of the conversion that wrote the source, if any
+        self.on_close: list = []  # cleanups (a remote source's local copies)
         first = sources[0]
         self._keys = first.keys()
         for s in sources[1:]:
@@ -138,6 +139,8 @@ class Catalog:
     def close(self) -> None:
         for s in self.sources:
             s.close()
+        while self.on_close:
+            self.on_close.pop()()
 
 
 def _beside(p: Path, name: str) -> Path:
@@ -194,17 +197,79 @@ def _local_file(p: Path):
     return read
 
 
-def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> Catalog:
-    """A checkpoint on object storage: its model part through the remote source stage
-    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read), and
+def _remote_meta_shards(store, view) -> list[str]:
+    """Meta's ``consolidated.NN.pth`` shards of the checkpoint on ``store`` when it has no model
+    index: the ones its record names (:data:`checkpoint.storage.commit.RECORD`, written last by
+    :func:`~checkpoint.convert.meta_files.write_meta_checkpoint`), else, written by another tool,
+    the ones listed. [] for any other layout.
+
+    Raises:
+        CorruptCheckpointError: a record that does not parse."""
+    from ..storage.commit import RECORD, ObjectRecord
+
+    if view.index_raw is not None:
+        return []
+    raw = store.get(RECORD)
+    if raw is not None:
+        try:
+            names = ObjectRecord.model_validate_json(raw).objects
+        except ValidationError as e:
+            raise CorruptCheckpointError(store.url_of(RECORD), f"not fqnckpt's record: {str(e).splitlines()[0]}") from None
+    else:
+        names = list(store.listing())
+    return sorted(n for n in names if _SHARD.match(n))
+
+
+def _open_downloaded(store, shards: list[str], params, hf_config, record, key, trusted_globals) -> Catalog:
+    """Meta's shards on object storage, each copied into a private temporary directory in ranged
+    pieces (``torch.load`` reads a seekable local file), then read as local ones are; the copies
+    are removed when the catalog closes (or when opening fails)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix=".fqnckpt-remote-meta-")
+    opened: list[Source] = []
+    try:
+        sizes = {n: size for n, (_, size) in store.listing().items() if n in shards}
+        for name in shards:
+            if name not in sizes:
+                raise CorruptCheckpointError(store.url_of(name), "named by the checkpoint's record but not on the store")
+            local = os.path.join(tmp, name)
+            with external_errors(store.url_of(name), what="reading"), open(local, "wb") as f:
+                for start in range(0, sizes[name], _CHUNK):
+                    f.write(store.get_range(name, start, min(start + _CHUNK, sizes[name])))
+            with external_errors(store.url_of(name), what="reading"):
+                opened.append(open_source(local, key=key, trusted_globals=trusted_globals))
+        cat = Catalog(PurePosixPath(store.url), opened, params, hf_config, record)
+    except BaseException:
+        for s in opened:
+            s.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    cat.on_close.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    return cat
+
+
+_CHUNK = 64 << 20  # bytes per ranged read of a remote Meta shard
+
+
+def _open_remote(url: Any, storage_options: Mapping | None, key: str | None, trusted_globals: Iterable[Any] = ()) -> Catalog:
+    """A checkpoint on object storage: Meta's shards (:func:`_remote_meta_shards`) copied and read
+    as local ones, else its model part through the remote source stage
+    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read); and
     ``params.json`` / ``config.json`` from the same committed view."""
     from ..sources.remote import open_remote_source  # fsspec is optional
     from ..storage.remote_reader import remote_view
 
-    if key is not None:
-        raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
     store = resolve(url, storage_options)
     with remote_view(store) as view:
+        shards = _remote_meta_shards(store, view)
+        if shards:
+            read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
+            params, hf_config = _side_configs(read)
+            return _open_downloaded(store, shards, params, hf_config, _record(read), key, trusted_globals)
+        if key is not None:
+            raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
         src = open_remote_source(store)
         try:
             read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
@@ -228,7 +293,7 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
         and whatever :func:`open_source` raises for each file.
     """
     if is_url(path) or is_remote(path):
-        return _open_remote(path, storage_options, key)
+        return _open_remote(path, storage_options, key, trusted_globals)
     p = Path(path)
     params, hf_config = _side_configs(_local_file(p))
     record = _record(_local_file(p)) if p.is_dir() else None  # a conversion writes a directory
