@@ -85,7 +85,7 @@ def test_recipes_lists_without_importing_torch_or_transformers():
     assert got["rc"] == 0 and got["heavy"] == []
     rows = {row["name"]: row for row in got["rows"]}
     assert rows["experts-to-fused"]["needs_model"] is True and rows["experts-to-fused"]["versions"] == []
-    assert rows["hf-to-torchtitan-llama3"]["versions"][-1] == "3101b42" and rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"]
+    assert rows["hf-to-torchtitan-llama3"]["versions"][-2:] == ["3101b42", "fused-qkv"] and rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"]
 
 
 def _cli_json(capsys, argv) -> tuple[int, dict]:
@@ -210,3 +210,54 @@ def test_meta_layout_on_object_storage_is_read_back_from_there(backend, tmp_path
     checkpoint.migrate(url2, tmp_path / "back2", recipe="meta-llama-to-hf", model=_llama(vocab=V + 1), storage_options=so)
     with open_source(tmp_path / "back2") as got:
         assert all(torch.equal(got.get(k), sd[k]) for k in sd)
+
+
+def test_torchtitan_round_trip_writes_back_the_version_it_read(tmp_path):
+    """torchtitan legacy (output.weight, attention.wq) -> HF -> torchtitan with no version asked:
+    legacy again, the same tensors (the newest names only when nothing recorded the version)."""
+    from checkpoint.sources import open_source
+
+    hf = _llama(7)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3@legacy")
+    fwd = checkpoint.migrate(tmp_path / "tt", tmp_path / "hf2", recipe="torchtitan-llama3-to-hf")
+    assert fwd.layouts == {"source": "torchtitan legacy"}
+    rep = checkpoint.migrate(tmp_path / "hf2", tmp_path / "tt2", recipe="hf-to-torchtitan-llama3")
+    assert rep.layouts == {"target": "torchtitan legacy"}
+    with open_source(tmp_path / "tt") as a, open_source(tmp_path / "tt2") as b:
+        assert sorted(a.keys()) == sorted(b.keys()) and "output.weight" in a.keys()
+        assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
+    (tmp_path / "hf2" / "conversion_report.json").unlink()
+    rep = checkpoint.migrate(tmp_path / "hf2", tmp_path / "tt3", recipe="hf-to-torchtitan-llama3", dims={"n_heads": NH, "n_kv_heads": NKV})
+    assert rep.layouts == {"target": "torchtitan 3101b42"}
+
+
+def test_torchtitan_fused_qkv_is_one_more_layout_version(tmp_path):
+    """torchtitan's FusedQKVLinear saved unsplit (attention.qkv_linear.wqkv: per KV group
+    [q heads of the group; k; v], as its _merge_qkv_on_load builds it from wq / wk / wv): written
+    as @fused-qkv, read back to the HF tensors with no version asked, and HF -> torchtitan
+    writes it fused again (the forward recorded it)."""
+    from checkpoint.sources import open_source
+
+    hf = _llama(8)
+    checkpoint.save(hf, tmp_path / "hf")
+    checkpoint.migrate(tmp_path / "hf", tmp_path / "tt", recipe="hf-to-torchtitan-llama3")
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "fused", recipe="hf-to-torchtitan-llama3@fused-qkv")
+    assert rep.layouts == {"target": "torchtitan fused-qkv (3101b42 names, layers.{i}.attention.qkv_linear.wqkv.weight)"}
+    with open_source(tmp_path / "tt") as sep, open_source(tmp_path / "fused") as fused:
+        hd = H // NH
+        for i in range(L):
+            p = f"layers.{i}.attention.qkv_linear."
+            q, k, v = (sep.get(p + f"{w}.weight") for w in ("wq", "wk", "wv"))
+            want = torch.cat([q.reshape(NKV, NH // NKV, hd, H), k.reshape(NKV, 1, hd, H), v.reshape(NKV, 1, hd, H)], 1).reshape(-1, H)
+            assert torch.equal(fused.get(p + "wqkv.weight"), want)
+        assert set(fused.keys()) == {k for k in sep.keys() if not k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))} | {
+            f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in range(L)}
+    back = checkpoint.migrate(tmp_path / "fused", tmp_path / "hf2", recipe="torchtitan-llama3-to-hf")
+    assert back.layouts["source"].startswith("torchtitan fused-qkv (")
+    sd = hf.state_dict()
+    with open_source(tmp_path / "hf2") as got:
+        assert sorted(got.keys()) == sorted(sd) and all(torch.equal(got.get(k), sd[k]) for k in sd)
+    again = checkpoint.migrate(tmp_path / "hf2", tmp_path / "fused2", recipe="hf-to-torchtitan-llama3")
+    assert again.layouts == rep.layouts
+    assert cli(["inspect", str(tmp_path / "fused")]) == 0

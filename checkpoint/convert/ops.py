@@ -255,6 +255,24 @@ class PermuteRopeTail(Op):
 
 
 @dataclass(frozen=True)
+class PermuteQK(Op):
+    """q, k, v -> q and k RoPE-permuted as :class:`PermuteRope` (``n_heads`` for q, ``n_kv_heads``
+    for k), v unchanged: a fused QKV projection split into three, then each into HF's rotation."""
+
+    to_half: bool = True
+
+    def apply(self, values, dims):
+        if len(values) != 3:
+            raise OpError(f"{self.describe()} takes q, k, v, got {len(values)} values")
+        q = PermuteRope("n_heads", self.to_half).apply([values[0]], dims)[0]
+        k = PermuteRope("n_kv_heads", self.to_half).apply([values[1]], dims)[0]
+        return [q, k, _tensor(values[2], self)]
+
+    def inverse(self):
+        return PermuteQK(not self.to_half)
+
+
+@dataclass(frozen=True)
 class FuseQKV(Op):
     """q, k, v -> the grouped-query fused tensor of Megatron / torchtitan: per KV group g the rows
     ``[q heads of g (H/G); k_g; v_g]``, shape ``((H + 2G) * head_dim, *rest)``. 1-D biases too."""
@@ -383,4 +401,4 @@ class Refuse(Op):
         return self
 
 
-__all__ = ["Refuse", "same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]
+__all__ = ["Refuse", "same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "PermuteQK", "FuseQKV", "SplitQKV"]

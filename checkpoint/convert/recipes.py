@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .ops import Chunk, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
+from .ops import Chunk, PermuteQK, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
+from ..layout_versions import FUSED_QKV
 from .rules import Recipe, Rule
 
 
@@ -55,8 +56,24 @@ META_LLAMA = Recipe(
     summary="Meta consolidated.NN.pth (+ params.json) <-> HF Llama; Q/K rows RoPE-permuted, shards joined",
 )  # fmt: skip
 
+_QKV = ("layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight")
+
+
+def _qkv_forms(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """torchtitan Llama's attention in both forms: the separate ``wq`` / ``wk`` / ``wv`` rules
+    (``separate-qkv``), and the fused ``qkv_linear.wqkv`` (``fused-qkv``; FusedQKVLinear, pytorch/
+    torchtitan ad7a865 #2878: per KV group ``[q heads of the group; k; v]``, the layout its
+    ``_merge_qkv_on_load`` builds) split, then Q / K RoPE-permuted as the separate rules do."""
+    from dataclasses import replace
+
+    separate = tuple(replace(r, only="separate-qkv") if r.sources[0] in _QKV else r for r in rules)
+    fused = R("layers.{i}.attention.qkv_linear.wqkv.weight", tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv"),
+              (SplitQKV(), PermuteQK(True)), only=FUSED_QKV)  # fmt: skip
+    return separate + (fused,)
+
+
 TORCHTITAN_LLAMA3 = Recipe(
-    "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _llama_body(True) + _dense_mlp(),
+    "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _qkv_forms(_llama_body(True)) + _dense_mlp(),
     writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted",
     meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
 )  # fmt: skip
@@ -235,11 +252,12 @@ def recipe_table() -> list[dict[str, Any]]:
         if fwd.meta.get("variants"):
             return sorted(fwd.meta["variants"])
         fam = FAMILIES.get(fwd.meta.get("family", ""))
-        return [v for v, _, _ in fam.versions] if fam else []
+        fused = [FUSED_QKV] if any(r.only == FUSED_QKV for r in fwd.rules) else []
+        return [v for v, _, _ in fam.versions] + fused if fam else []
 
     return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
              "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
              "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()]  # fmt: skip
 
 
-__all__ = ["OPTIONS", "recipe_table", "RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]
+__all__ = ["FUSED_QKV", "OPTIONS", "recipe_table", "RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]

@@ -118,13 +118,12 @@ class ForwardRecord(BaseModel):
         """The one layout version the forward conversion read (``"llama2"`` of ``"meta llama2"``,
         ``"786e26f"`` of ``"torchtitan legacy..786e26f (read as 786e26f)"``); None when it read a
         range that it did not narrow, or names none."""
-        label = self.layouts.get("source", "")
-        m = re.search(r"\(read as ([^)\s]+)\)", label)
-        if m:
-            return m.group(1)
-        parts = label.split()
-        if len(parts) < 2 or ".." in parts[1] or (len(parts) > 2 and parts[2] == "/"):
+        parts = self.layouts.get("source", "").split()
+        if len(parts) < 2 or (len(parts) > 2 and parts[2] == "/"):
             return None
+        if ".." in parts[1]:
+            m = re.match(r"\(read as ([^)\s]+)\)", " ".join(parts[2:]))
+            return m.group(1) if m else None
         return parts[1]
 
 
