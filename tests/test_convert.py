@@ -411,6 +411,9 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_i
         assert moved == (not rope_interleave)
     rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
     assert sum(u.sources for u in rep.rules) == len(tt) and rep.layouts == {"source": "torchtitan 3101b42"}
+    if q_lora_rank is None:  # MLA keeps attention.wq: the plan names it so, not as Llama's qkv_linear.wq
+        assert [u.rule.split(" ")[0] for u in rep.rules if u.groups and "self_attn.q_proj" in u.rule] == ["layers.{i}.attention.wq.weight"]
+    assert any(u.groups and u.rule.startswith("layers.{i}.moe.routed_experts.inner_experts.w1_EFD ->") for u in rep.rules)
     assert_equal_sd(read(tmp_path / "back"), hub)
     fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
     assert type(fresh) is transformers.DeepseekV3ForCausalLM

@@ -172,14 +172,23 @@ def _respelled(pattern: str, renames) -> str:
     return pattern
 
 
-def describe_rule(recipe: Recipe, rule: Rule) -> str:
+def describe_rule(recipe: Recipe, rule: Rule, sources_present=None, targets_present=None) -> str:
     """``rule`` as the checkpoints spell it: the rules are written in a framework's canonical
     names, so a source read in a later layout version (``recipe.pre`` renames it) or a target
     written in one (``recipe.post``) is shown in that version's names (torchtitan 3101b42's
-    ``lm_head.weight``, not ``output.weight``)."""
+    ``lm_head.weight``, not ``output.weight``). Given the keys present on a side, a respelling
+    no key there has is not shown (DeepSeek-V3 keeps ``attention.wq`` where Llama's is
+    ``qkv_linear.wq``: that rename needs a ``wk`` beside it)."""
+
+    def spelled(p: str, renames, present) -> str:
+        out = _respelled(p, renames)
+        if out != p and present is not None and not any(Pattern(out).match(k) is not None for k in present):
+            return p
+        return out
+
     back = [r.inverse() for r in reversed(recipe.pre)]
-    sources = tuple(_respelled(p, back) for p in rule.sources)
-    targets = tuple(_respelled(p, recipe.post) for p in rule.targets)
+    sources = tuple(spelled(p, back, sources_present) for p in rule.sources)
+    targets = tuple(spelled(p, recipe.post, targets_present) for p in rule.targets)
     if (sources, targets) == (rule.sources, rule.targets):
         return rule.describe()
     ops = ", ".join(op.describe() for op in rule.ops)
@@ -331,6 +340,8 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         report.groups.append(GroupEntry(rule=g.rule_index, sources=g.source_keys(), targets=list(g.targets)))
     for copy, src_key in aliases.items():
         unchanged[_apply_renames(copy, recipe.post, post_present)] = src_key
+    for use, rule in zip(report.rules, recipe.rules):  # in the names the keys on each side have
+        use.rule = describe_rule(recipe, rule, raw, owner)
     plan = ConversionPlan(catalog, recipe, dims, ok_groups, unchanged, report)
     plan._post_present = post_present
     plan.aliases = {_apply_renames(c, recipe.post, post_present) for c in aliases}
