@@ -283,9 +283,9 @@ def verify_plan(plan: ConversionPlan, by_source: Mapping[str, Mapping[str, int]]
             problems = side_file_problems(plan.side, plan)
             if plan.recipe.writes in ("hf", "hf-model") and HF_CONFIG_NAME not in plan.side:
                 plan.report.notes.append(
-                    f"no {HF_CONFIG_NAME} written: the source carries none (nor params.json) and no model= was given, so its RoPE theta, "
-                    f"norm epsilon and model class are unknown (dims= / --dim give sizes only); from_pretrained needs one: pass model=, or "
-                    f"copy the model's {HF_CONFIG_NAME} beside the output")  # fmt: skip
+                    f"no {HF_CONFIG_NAME} written: neither the source ({HF_CONFIG_NAME} / {PARAMS_NAME}) nor model= (a transformers model) "
+                    f"gives its RoPE theta, norm epsilon and model class (dims= / --dim give sizes only); from_pretrained needs one: "
+                    f"pass model=, or copy the model's {HF_CONFIG_NAME} beside the output")  # fmt: skip
     if problems:
         plan.report.problems.extend(problems)
         raise ConversionError(plan.report)
