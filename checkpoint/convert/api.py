@@ -77,7 +77,10 @@ def _versioned(rec: Recipe, catalog, asked: str | None, model: Any = None) -> tu
     if asked is None and "inverse_of" in rec.meta:  # it writes the framework's layout
         asked, why = default_version(rec, catalog, model)
         if asked is not None:
-            out, layouts = _versioned(rec, catalog, asked)
+            try:
+                out, layouts = _versioned(rec, catalog, asked)
+            except LayoutError as e:
+                raise LayoutError(f"{e} (the version from {why}; name one with {rec.name}@VERSION)") from None
             return out, layouts | {"why": why}  # open_conversion moves it to the report's checks
     if "meta" in (rec.reads, rec.writes):
         return meta_versioned(rec, catalog, asked)
