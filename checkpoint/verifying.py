@@ -82,7 +82,8 @@ def _check_source(path: str, report: VerifyReport, bar) -> None:
             bar.update(src.nbytes(k))
         report.tensors = len(keys)
         report.total_size = src.total_bytes() + src.optimizer_bytes()
-        report.files = _unchecksummed(path, src.files)
+        meta = [".metadata"] if src.format == "dcp" and os.path.isfile(os.path.join(path, ".metadata")) else []  # DCP's plan, read first
+        report.files = _unchecksummed(path, meta + [f for f in src.files if f not in meta])
         report.notes.append(
             f"{path}: format {src.format} carries no checksums: structure checked, every tensor read"
         )

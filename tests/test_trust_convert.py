@@ -122,7 +122,7 @@ def test_verify_names_the_files_it_checked_for_every_layout(tmp_path, capsys):
     save_file({"base_model.model.lin.lora_A.weight": torch.randn(2, 3)}, tmp_path / "adapter" / "adapter_model.safetensors")
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "peft_type": "LORA"}))
     _meta_dir(tmp_path / "meta")
-    want = {"dcp": ["__0_0.distcp"], "hf_ranks": ["shard-00001-model-00001-of-00001.safetensors"],
+    want = {"dcp": [".metadata", "__0_0.distcp"], "hf_ranks": ["shard-00001-model-00001-of-00001.safetensors"],
             "adapter": ["adapter_model.safetensors"], "meta": ["consolidated.00.pth", "consolidated.01.pth"]}  # fmt: skip
     for name, files in want.items():
         rc, out = _cli_json(capsys, ["verify", str(tmp_path / name)])
