@@ -19,6 +19,12 @@ legacy     before      ``output.weight``, ``attention.{wq,wk,wv}.weight``, ``moe
                        grouped-query attention only: DeepSeek-V3's MLA keeps ``attention.wq``)
 3101b42    2026-07-16  ``moe.routed_experts.inner_experts.*`` (#3859); current at b5bcd76
 =========  ==========  ======================================================================
+
+Across versions, torchtitan's ``FusedQKVLinear`` (ad7a865, 2026-04-16, #2878; the Llama 3 default
+from 3396a4b, #3714) keeps one ``attention.qkv_linear.wqkv.weight`` per layer; from 70dd945 its
+state_dict hooks save it split, but a state dict taken without them still holds it. The recipes
+read it wherever it is and write it as version ``fused-qkv`` (the newest names otherwise):
+:data:`FUSED_QKV_KEY`.
 """
 
 from __future__ import annotations
@@ -144,13 +150,15 @@ TORCHTITAN = Family(
         Axis("expert_bias", (((f"{_I}.moe.expert_bias",), "legacy"), ((f"{_I}.moe.expert_bias_E",), "200100e"))),
         Axis("qkv", (
             ((f"{_I}.attention.{{w:wk|wv}}.weight", f"{_I}.attention.wq.weight"), "legacy"),
-            ((f"{_I}.attention.qkv_linear.{{w}}.weight", f"{_I}.attention.qkv_linear.wq.weight"), "70dd945"),
+            ((f"{_I}.attention.qkv_linear.{{w:wk|wv}}.weight", f"{_I}.attention.qkv_linear.wq.weight"), "70dd945"),
         ), requires=(None, f"{_I}.attention.wk.weight")),  # fmt: skip
     ),
     own_prefixes=("tok_embeddings.", "layers.", "norm.", "output."),  # torchtitan's unprefixed module names
 )
 
 FAMILIES = {"torchtitan": TORCHTITAN}
+FUSED_QKV_KEY = f"{_I}.attention.qkv_linear.wqkv.weight"
+FUSED_QKV = "fused-qkv"  # the version name of that form (the newest names otherwise)
 
 
 def detect_layout(keys) -> str | None:
@@ -164,8 +172,9 @@ def detect_layout(keys) -> str | None:
         if fam.own_prefixes and not any(k.startswith(fam.own_prefixes) for k in keys):
             continue
         fits, evidence = fam.detect(keys)
+        fused = " (fused attention.qkv_linear.wqkv)" if any(Pattern(FUSED_QKV_KEY).match(k) is not None for k in keys) else ""
         if evidence and fits:
-            return f"{fam.name} {fits[0]}" if len(fits) == 1 else f"{fam.name} {fits[0]}..{fits[-1]}"
+            return (f"{fam.name} {fits[0]}" if len(fits) == 1 else f"{fam.name} {fits[0]}..{fits[-1]}") + fused
     ks = set(keys)
     if any(k.endswith(".self_attention.linear_qkv.layer_norm_weight") for k in keys):
         return "megatron te (Transformer Engine fused norms)"
@@ -185,4 +194,4 @@ def version_table() -> list[dict[str, str]]:
     return [{"family": f.name, "version": v, "date": d, "source": s} for f in FAMILIES.values() for v, d, s in f.versions]
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "detect_layout", "version_table"]
+__all__ = ["FUSED_QKV", "FUSED_QKV_KEY", "Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "detect_layout", "version_table"]

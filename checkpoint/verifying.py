@@ -81,10 +81,21 @@ def _check_source(path: str, report: VerifyReport, bar) -> None:
             bar.update(src.nbytes(k))
         report.tensors = len(keys)
         report.total_size = src.total_bytes() + src.optimizer_bytes()
-        report.files = []
+        meta = [".metadata"] if src.format == "dcp" and os.path.isfile(os.path.join(path, ".metadata")) else []  # DCP's plan, read first
+        report.files = _unchecksummed(path, meta + [f for f in src.files if f not in meta])
         report.notes.append(
             f"{path}: format {src.format} carries no checksums: structure checked, every tensor read"
         )
+
+
+def _unchecksummed(path: str, names: list[str]) -> list[FileCheck]:
+    """A :class:`FileCheck` (size only: ``algorithm`` ``"none"``, no digest) for each file read
+    of a format without checksums; ``names`` relative to ``path`` when it is a directory."""
+    out = []
+    for name in names:
+        f = os.path.join(path, name) if os.path.isdir(path) else path
+        out.append(FileCheck(file=name, size=os.path.getsize(f) if os.path.isfile(f) else 0, algorithm="none", digest=""))
+    return out
 
 
 def verify(
@@ -169,6 +180,11 @@ def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:
     """Not fqnckpt's layout: another readable format, or the original not-found error."""
     from .errors import AmbiguousSourceError, UnsupportedFormatError
     from .sources import sniff
+    from .sources.sniffing import meta_shards
+
+    if meta_shards(path):
+        _check_meta_shards(path, report, bar)
+        return
 
     try:
         sniff(path)
@@ -185,6 +201,37 @@ def _check_source_or_raise(path: str, report: VerifyReport, bar) -> None:
         _check_source(path, report, bar)
     except CheckpointError as e:
         report.problems.append(f"{type(e).__name__}: {e}")
+
+
+def _check_meta_shards(path: str, report: VerifyReport, bar) -> None:
+    """A directory of Meta's model-parallel shards, read as ``migrate --recipe meta-llama-to-hf``
+    reads them (:func:`checkpoint.convert.catalog.open_catalog`: numbered 0..n-1, the same keys
+    and dtypes in each, a params.json that parses): every tensor of every shard read and checked
+    against its recorded shape and dtype. No checksums exist."""
+    from .convert.catalog import open_catalog
+
+    try:
+        with external_errors(path, what="reading"):
+            catalog = open_catalog(path)
+    except CheckpointError as e:
+        report.problems.append(f"{type(e).__name__}: {e}")
+        return
+    try:
+        report.format, report.checksummed = "meta-shards", False
+        for src in catalog.sources:
+            for k in src.keys():
+                try:
+                    guarded_get(src, k)
+                except CorruptCheckpointError as e:
+                    report.problems.append(str(e))
+                if bar is not None:
+                    bar.update(src.nbytes(k))
+        report.tensors = len(catalog.keys())
+        report.total_size = sum(catalog.nbytes(k) for k in catalog.keys())
+        report.files = _unchecksummed(path, [s.path.name for s in catalog.sources])
+        report.notes.append(f"{path}: Meta's consolidated.NN.pth shards carry no checksums: structure checked, every tensor of every shard read")
+    finally:
+        catalog.close()
 
 
 def _files_bytes(path: str) -> int:

@@ -122,9 +122,11 @@ def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
     assert {u.rule.split(" ")[0]: u.groups for u in rep.rules}["layers.{i}.attention.wq.weight"] == L
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()  # config.json written
     assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
-    # back to Meta's names: bit-identical (one shard: the joined tensors)
+    # back to Meta's names: bit-identical, in as many shards as it came from (the forward's report)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", model=hf)
-    assert_equal_sd(read(tmp_path / "back"), sd)
+    back = load_meta_dir(tmp_path / "back")
+    assert len(back) == shards
+    assert_equal_sd(join_meta_shards(back), sd)
     assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
 
 
@@ -160,9 +162,9 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards, version):
     if shards > 1:  # detected from the shards' embedding widths
         assert fwd.layouts == {"source": f"meta {version}"}
     checkpoint.load(hf, tmp_path / "hf")
-    # No model: dims and params.json come from the HF dir's config.json. Llama 3's split is the default.
-    recipe = "hf-to-meta-llama" + ("@llama2" if version == "llama2" else "")
-    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe=recipe, dims={"shards": shards})
+    # No model: dims and params.json come from the HF dir's config.json; the split and the shard
+    # count are the ones the forward conversion read (its conversion_report.json).
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama")
     assert rep.layouts == {"target": f"meta {version}"}
     assert rep.written and rep.dims["n_kv_heads"] == NKV
     back = load_meta_dir(tmp_path / "back")
@@ -176,6 +178,42 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards, version):
     assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(back, version), NH, NKV, ids), hf)
 
 
+def test_meta_llama2_round_trip_comes_back_in_llama2_split_without_asking(tmp_path):
+    """Meta Llama 2 (2 shards, tok_embeddings split on dim 1) -> HF (no model: config.json from
+    params.json) -> Meta with no version and no shard count: Llama 2's split, the same bytes file by
+    file. The version is recorded twice: the forward's conversion_report.json and config.json
+    (which transformers keeps through save_pretrained); without either, the config's vocabulary
+    and rope_theta say Llama 1 / 2 or 3."""
+    from checkpoint.convert.api import meta_version_from_config
+    from checkpoint.convert.catalog import HFTextConfig
+
+    sd = meta_state_dict(4, vocab=V + 1)
+    src = tmp_path / "meta"
+    src.mkdir()
+    parts = meta_shards(sd, 2, "llama2")
+    for i, part in enumerate(parts):
+        torch.save(part, src / f"consolidated.{i:02d}.pth")
+    (src / "params.json").write_text(json.dumps(PARAMS | {"vocab_size": V + 1}))
+    fwd = checkpoint.migrate(src, tmp_path / "hf", recipe="meta-llama-to-hf")
+    assert fwd.layouts == {"source": "meta llama2"}
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama")
+    assert rep.layouts == {"target": "meta llama2"} and rep.dims["shards"] == 2
+    assert any("conversion_report.json" in c and "meta llama2" in c for c in rep.checks)
+    for got, want in zip(load_meta_dir(tmp_path / "back"), parts, strict=True):  # torch.save's zip holds a random id
+        assert_equal_sd(got, want)
+    assert json.loads((tmp_path / "back" / "params.json").read_text()) == json.loads((src / "params.json").read_text())
+    # config.json alone (the report gone, as after save_pretrained elsewhere) still says llama2
+    (tmp_path / "hf" / "conversion_report.json").unlink()
+    rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back2", recipe="hf-to-meta-llama", dims={"shards": 2})
+    assert rep.layouts == {"target": "meta llama2"}
+    assert_equal_sd(load_meta_dir(tmp_path / "back2")[1], parts[1])
+    # from the config's vocabulary and rope_theta alone
+    llama2 = HFTextConfig.of({"vocab_size": 32000, "rope_theta": 10000.0, "model_type": "llama"})
+    llama3 = HFTextConfig.of({"vocab_size": 128256, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}})
+    assert meta_version_from_config(llama2)[0] == "llama2" and meta_version_from_config(llama3)[0] == "llama3"
+    assert meta_version_from_config(HFTextConfig.of({"vocab_size": V, "rope_theta": 10000.0}))[0] is None
+
+
 def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     from checkpoint.cli.main import main
 
@@ -187,12 +225,13 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     assert parts[0]["tok_embeddings.weight"].shape == (32, H)  # Llama 3's vocabulary split by default
     assert_same_model(lambda ids: refs.meta_llama_logits(join_meta_shards(parts, "llama3"), NH, NKV, ids), hf)
     assert not (tmp_path / "meta" / ".spill").exists()  # the writer's spill files are gone
-    # inspect / verify of the shard directory say what it is and how to read it (exit 2)
+    # inspect / verify read the shard directory as migrate does, and say how to join it
     for cmd in ("inspect", "verify"):
         capsys.readouterr()
-        assert main([cmd, str(tmp_path / "meta")]) == 2
-        err = capsys.readouterr().err
-        assert "Meta model-parallel shards" in err and "--recipe meta-llama-to-hf" in err, err
+        assert main([cmd, str(tmp_path / "meta")]) == 0
+        out = capsys.readouterr().out
+        assert "meta-shards" in out and "consolidated.01.pth" in out, out
+    assert "layout: meta llama3 (2 model-parallel shards)" in (main(["inspect", str(tmp_path / "meta")]), capsys.readouterr().out)[1]
     # 4 shards cannot hold whole K/V heads (n_kv_heads=2): refused by key, nothing written.
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ConversionError) as e:
@@ -372,6 +411,9 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_i
         assert moved == (not rope_interleave)
     rep = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
     assert sum(u.sources for u in rep.rules) == len(tt) and rep.layouts == {"source": "torchtitan 3101b42"}
+    if q_lora_rank is None:  # MLA keeps attention.wq: the plan names it so, not as Llama's qkv_linear.wq
+        assert [u.rule.split(" ")[0] for u in rep.rules if u.groups and "self_attn.q_proj" in u.rule] == ["layers.{i}.attention.wq.weight"]
+    assert any(u.groups and u.rule.startswith("layers.{i}.moe.routed_experts.inner_experts.w1_EFD ->") for u in rep.rules)
     assert_equal_sd(read(tmp_path / "back"), hub)
     fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
     assert type(fresh) is transformers.DeepseekV3ForCausalLM
@@ -1309,8 +1351,10 @@ def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
     mtp |= {"mtp_layers.0.enorm.weight": torch.randn(H, generator=g), "mtp_layers.0.hnorm.weight": torch.randn(H, generator=g),
             "mtp_layers.0.eh_proj.weight": torch.randn(H, 2 * H, generator=g), "mtp_layers.0.mtp_norm.weight": torch.randn(H, generator=g)}  # fmt: skip
     safetensors.torch.save_file(tt | mtp, tmp_path / "tt_mtp.safetensors")
-    with pytest.raises(ConversionError, match="mtp_layers.0.enorm.weight' matches no rule"):  # n_layers unknown: no place for them
+    with pytest.raises(RecipeError) as e:  # n_layers unknown: no place for them, said in one line
         checkpoint.migrate(tmp_path / "tt_mtp.safetensors", tmp_path / "x", recipe="torchtitan-moe-to-hf")
+    assert "n_layers is unknown" in str(e.value) and "--dim n_layers=N" in str(e.value) and "\n" not in str(e.value)
+    assert len(str(e.value)) < 400 and not (tmp_path / "x").exists()
     checkpoint.migrate(tmp_path / "tt_mtp.safetensors", tmp_path / "hf", recipe="torchtitan-moe-to-hf", model=model)
     hf = read(tmp_path / "hf")
     assert torch.equal(hf["model.layers.3.shared_head.norm.weight"], mtp["mtp_layers.0.mtp_norm.weight"])
@@ -1319,6 +1363,10 @@ def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
     assert not any(k.startswith("model.layers.4.") for k in hf)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")  # n_layers from config.json
     assert_equal_sd(read(tmp_path / "back"), tt | mtp)
+    # fqnckpt's own torchtitan output converts back with no model and no dims: n_layers from its report
+    rep = checkpoint.migrate(tmp_path / "back", tmp_path / "hf2", recipe="torchtitan-moe-to-hf")
+    assert rep.dim_sources["conversion_report.json"]["n_layers"] == 3
+    assert_equal_sd(read(tmp_path / "hf2"), hf)
 
 
 @pytest.mark.parametrize("how", ["w3-rows", "w2-cols", "w2-dtype"])

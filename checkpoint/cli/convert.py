@@ -17,7 +17,7 @@ def recipes_args(p: argparse.ArgumentParser) -> None:
 def run_recipes(args: argparse.Namespace) -> int:
     import json
 
-    from ..convert import recipe_table
+    from ..convert.recipes import recipe_table  # no torch: listing is instant
 
     rows = recipe_table()
     if args.json:
@@ -99,6 +99,12 @@ def run_migrate(args: argparse.Namespace, model) -> int:
                   f"{'quantized' if report.quantized else 'dequantized to ' + report.dtype}\n"
                   f"  {len(report.kept):>5} keys copied unchanged")  # fmt: skip
         return code
+    unchecked = report.unchecked_line()
+    if unchecked:
+        print(f"fqnckpt migrate: {unchecked.replace('dims=', '--dim')} (pass --model, or put config.json / params.json "
+              f"beside the source, to check them)", file=sys.stderr)  # fmt: skip
+    for note in report.notes:
+        print(f"fqnckpt migrate: {cli_spelling(note)}", file=sys.stderr)
     lines = [f"{report.source} ({report.source_format}, {report.shards} shard(s)) -> "
              f"{report.destination or '(nothing written)'}  recipe {report.recipe}"]  # fmt: skip
     for u in report.rules:

@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Only light modules at the top: --version / --help must not import torch; each
@@ -96,7 +97,7 @@ def _inspect(args: argparse.Namespace) -> int:
             "total_bytes": src.total_bytes(),
             "dtypes": dict(dtypes),
             "naming_schemes": dict(schemes),  # scheme -> number of tensors
-            "layout": _layout_of(keys),  # framework layout and version (checkpoint.convert.layouts)
+            "layout": _layout_of(keys, path, src),  # framework layout and version (checkpoint.layout_versions)
             "wrapper_segments": dict(wrappers),  # segment -> number of tensors
             "per_file": per_file,
             "skipped": src.skipped,
@@ -156,10 +157,23 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _layout_of(keys) -> str | None:
+def _layout_of(keys, path, src) -> str | None:
+    """:func:`~checkpoint.layout_versions.detect_layout` of the names; Meta's shards (a directory of
+    them, one ``consolidated.NN.pth``, or a pickle beside Meta's ``params.json``) are Meta's
+    layout, not torchtitan's legacy names they share, with the split a directory shows."""
     from ..layout_versions import detect_layout
+    from ..sources.sniffing import META_SHARD
+    from .parts import MetaShards
 
-    return detect_layout(keys)
+    found = detect_layout(keys)
+    if found not in ("meta / torchtitan legacy", "torchtitan legacy"):  # Meta's names are torchtitan's legacy ones
+        return found
+    if isinstance(src, MetaShards):
+        return f"meta {src.split or 'llama2 / llama3'} ({len(src.files)} model-parallel shards)"
+    p = Path(os.fspath(path))
+    if META_SHARD.fullmatch(p.name) or (p.is_file() and (p.parent / "params.json").is_file()):
+        return "meta (one model-parallel shard: the same in Llama 2 and 3)"
+    return found
 
 
 def _inspect_parts(parts, data: dict) -> list[str]:
@@ -353,6 +367,9 @@ def _verify(args: argparse.Namespace) -> int:
         f"{plural(len(rep.files), 'file')}, {what})"
     )
     lines = [head] + [f"  problem: {p}" for p in rep.problems] + [f"  note: {n}" for n in rep.notes]
+    names = [f.file for f in rep.files]
+    if names:
+        lines.append(f"  files: {', '.join(names[:12])}" + (f" (+{len(names) - 12} more; --json lists all)" if len(names) > 12 else ""))
     emit(args, rep.model_dump(mode="json") | {"ok": rep.ok, "bad_files": rep.bad_files}, "\n".join(lines))
     return EXIT_OK if rep.ok else EXIT_MISMATCH
 

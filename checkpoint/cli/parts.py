@@ -37,15 +37,87 @@ class Parts:
     adapter: str | None = None  # peft's adapter_model.safetensors beside the model (save of a PeftModel)
 
 
+def meta_shard_dir(path: str | os.PathLike) -> bool:
+    """True for a local directory of Meta's model-parallel shards (:func:`checkpoint.sources.sniffing.meta_shards`)."""
+    from ..sources.sniffing import meta_shards
+
+    return bool(meta_shards(path))
+
+
+class MetaShards:
+    """Meta's model-parallel shards of one directory as ``inspect`` shows them: opened the way
+    ``migrate --recipe meta-llama-to-hf`` opens them (:func:`checkpoint.convert.catalog.open_catalog`:
+    shards numbered 0..n-1, the same keys and dtypes in each), keys once, each shape the piece one
+    shard holds, bytes and files over every shard; ``split`` the version of the split
+    (:func:`checkpoint.convert.layouts.meta_split`)."""
+
+    format = "meta-shards"
+    container = None
+    optimizer = None
+    extra_state: dict = {}
+
+    def __init__(self, path: str | os.PathLike, trusted: list[str] | None = None):
+        from ..convert.catalog import open_catalog
+        from ..convert.layouts import LayoutError, meta_split
+
+        self.catalog = open_catalog(path, trusted_globals=trusted or ())
+        self.path = Path(path)
+        self.files = [s.path.name for s in self.catalog.sources]
+        self.skipped = {k: v for s in self.catalog.sources for k, v in s.skipped.items()}
+        try:
+            self.split, widths = meta_split(self.catalog)
+        except LayoutError as e:
+            self.split, widths = None, []
+            self.notes = [str(e)]
+        else:
+            self.notes = []
+        how = {"llama2": "by columns (Llama 1 / 2)", "llama3": "by vocabulary (Llama 3)"}.get(self.split or "", "")
+        self.notes.insert(0, f"Meta model-parallel shards {self.files[0]} .. {self.files[-1]}: each shape is one shard's piece"
+                             + (f"; tok_embeddings split {how}, widths {widths}" if how else "")
+                             + "; `migrate --recipe meta-llama-to-hf` joins them")  # fmt: skip
+
+    def keys(self) -> list[str]:
+        return self.catalog.keys()
+
+    def spec(self, key: str):
+        return self.catalog.specs(key)[0]
+
+    def nbytes(self, key: str) -> int:
+        return self.catalog.nbytes(key)
+
+    def total_bytes(self) -> int:
+        return sum(self.catalog.nbytes(k) for k in self.catalog.keys())
+
+    def optimizer_bytes(self) -> int:
+        return 0
+
+    def per_file(self) -> dict[str, dict[str, int]]:
+        return {name: v for s in self.catalog.sources for name, v in s.per_file().items()}
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def __enter__(self) -> MetaShards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def open_inspected(path: str | os.PathLike, key: str | None = None, trusted: list[str] | None = None):
     """The :class:`~checkpoint.sources.base.Source` ``inspect`` reads: a safetensors checkpoint
     (one file, or shards with or without an index) opened for its headers only, without
-    importing torch (``import torch`` takes seconds); any other format (pickles, DCP,
-    URLs) through ``open_source``. Same keys, specs, files, notes and errors either way."""
+    importing torch (``import torch`` takes seconds); a directory of Meta shards as
+    :class:`MetaShards` (what ``migrate`` reads); any other format (pickles, DCP, URLs) through
+    ``open_source``. Same keys, specs, files, notes and errors either way."""
     from ..sources.sniffing import sniff
     from ..storage.location import local_path, resolve
 
-    if key is None and not trusted and local_path(resolve(path)) is not None and sniff(path) in ("safetensors", "safetensors-sharded"):
+    local = local_path(resolve(path))
+    if key is None and local is not None and meta_shard_dir(path):
+        return MetaShards(path, trusted)
+
+    if key is None and not trusted and local is not None and sniff(path) in ("safetensors", "safetensors-sharded"):
         from ..sources.st_headers import open_safetensors_headers
 
         return open_safetensors_headers(Path(path))
@@ -284,5 +356,5 @@ def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
     }
 
 
-__all__ = ["PARTS", "Parts", "open_inspected", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
+__all__ = ["PARTS", "Parts", "MetaShards", "meta_shard_dir", "open_inspected", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
            "extra_state_entries", "extra_state_summary", "rank_entry_name"]  # fmt: skip

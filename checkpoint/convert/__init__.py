@@ -12,12 +12,33 @@ Conv1D, MoE experts) and Hugging Face, both ways and checked.
 Never imports ``checkpoint.load`` / ``migrate`` / ``save``: the caller passes the writer.
 """
 
-from .api import open_conversion, recipe_table, run_recipe, side_files
-from .ops import Chunk, Concat, FuseQKV, JoinShards, Op, OpError, PermuteRope, PermuteRopeTail, SplitQKV, SplitShards, Stack, Transpose, Unstack
-from .plan import ConversionPlan, plan_conversion
-from .recipes import RECIPES, RecipeError, get_recipe
-from .report import CONVERSION_REPORT_NAME, ConversionError, ConversionReport
-from .rules import Pattern, Recipe, Rule
+import importlib
+
+# Each public name -> its module, imported on first use: ``fqnckpt recipes`` lists the recipes
+# (:mod:`.recipes`, :mod:`.rules`, :mod:`.ops` import no torch) without loading the planner.
+_WHERE = {
+    **dict.fromkeys(("open_conversion", "run_recipe", "side_files"), "api"),
+    **dict.fromkeys(("plan_conversion", "ConversionPlan"), "plan"),
+    **dict.fromkeys(("get_recipe", "RECIPES", "RecipeError", "recipe_table"), "recipes"),
+    **dict.fromkeys(("ConversionError", "ConversionReport", "CONVERSION_REPORT_NAME"), "report"),
+    **dict.fromkeys(("Pattern", "Rule", "Recipe"), "rules"),
+    **dict.fromkeys(("Op", "OpError", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail",
+                     "FuseQKV", "SplitQKV", "JoinShards", "SplitShards"), "ops"),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "open_conversion", "run_recipe", "side_files", "recipe_table", "plan_conversion", "ConversionPlan",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, PrivateAttr, ValidationError
 
+from .report import CONVERSION_REPORT_NAME, ForwardRecord
 from ..errors import AmbiguousSourceError, CorruptCheckpointError, external_errors
 from ..sources import Source, SourceSpec, open_source
 from ..storage.location import local_path, options_for, resolve
@@ -92,11 +93,14 @@ class Catalog:
         CorruptCheckpointError: shards with different keys or dtypes (the file is named).
     """
 
-    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None):
+    def __init__(self, path: Path | PurePosixPath, sources: list[Source], params: MetaParams | None, hf_config: HFTextConfig | None = None,
+                 record: ForwardRecord | None = None):  # fmt: skip
         self.path = path
         self.sources = sources
         self.params = params
         self.hf_config = hf_config
+        self.record = record  # the conversion_report.json of the conversion that wrote the source, if any
+        self.on_close: list = []  # cleanups (a remote source's local copies)
         first = sources[0]
         self._keys = first.keys()
         for s in sources[1:]:
@@ -134,6 +138,8 @@ class Catalog:
     def close(self) -> None:
         for s in self.sources:
             s.close()
+        while self.on_close:
+            self.on_close.pop()()
 
 
 def _beside(p: Path, name: str) -> Path:
@@ -158,6 +164,20 @@ def _parse_hf_config(data: bytes, where: str) -> HFTextConfig:
         raise CorruptCheckpointError(where, f"not a transformers config.json: {str(e).splitlines()[0]}") from None
 
 
+def _parse_record(data: bytes, where: str) -> ForwardRecord:
+    try:
+        return ForwardRecord.model_validate_json(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise CorruptCheckpointError(where, f"not a conversion_report.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def _record(read) -> ForwardRecord | None:
+    """``conversion_report.json`` beside the source (written by the conversion that made it)."""
+    data, where = read(CONVERSION_REPORT_NAME)
+    return _parse_record(data, where) if data is not None else None
+
+
 def _side_configs(read) -> tuple[MetaParams | None, HFTextConfig | None]:
     """``params.json`` (Meta) or else ``config.json`` (transformers) beside the source;
     ``read(name) -> (bytes | None, where)``."""
@@ -176,24 +196,88 @@ def _local_file(p: Path):
     return read
 
 
-def _open_remote(url: Any, storage_options: Mapping | None, key: str | None) -> Catalog:
-    """A checkpoint on object storage: its model part through the remote source stage
-    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read), and
+def _remote_meta_shards(store, view) -> list[str]:
+    """Meta's ``consolidated.NN.pth`` shards of the checkpoint on ``store`` when it has no model
+    index: the ones its record names (:data:`checkpoint.storage.commit.RECORD`, written last by
+    :func:`~checkpoint.convert.meta_files.write_meta_checkpoint`), else, written by another tool,
+    the ones listed. [] for any other layout.
+
+    Raises:
+        CorruptCheckpointError: a record that does not parse."""
+    from ..storage.commit import RECORD, ObjectRecord
+
+    if view.index_raw is not None:
+        return []
+    raw = store.get(RECORD)
+    if raw is not None:
+        try:
+            names = ObjectRecord.model_validate_json(raw).objects
+        except ValidationError as e:
+            raise CorruptCheckpointError(store.url_of(RECORD), f"not fqnckpt's record: {str(e).splitlines()[0]}") from None
+    else:
+        names = list(store.listing())
+    return sorted(n for n in names if _SHARD.match(n))
+
+
+def _open_downloaded(store, shards: list[str], params, hf_config, record, key, trusted_globals) -> Catalog:
+    """Meta's shards on object storage, each copied into a private temporary directory in ranged
+    pieces (``torch.load`` reads a seekable local file), then read as local ones are; the copies
+    are removed when the catalog closes (or when opening fails)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix=".fqnckpt-remote-meta-")
+    opened: list[Source] = []
+    try:
+        sizes = {n: size for n, (_, size) in store.listing().items() if n in shards}
+        for name in shards:
+            if name not in sizes:
+                raise CorruptCheckpointError(store.url_of(name), "named by the checkpoint's record but not on the store")
+            local = os.path.join(tmp, name)
+            with external_errors(store.url_of(name), what="reading"), open(local, "wb") as f:
+                for start in range(0, sizes[name], _CHUNK):
+                    f.write(store.get_range(name, start, min(start + _CHUNK, sizes[name])))
+            with external_errors(store.url_of(name), what="reading"):
+                opened.append(open_source(local, key=key, trusted_globals=trusted_globals))
+        cat = Catalog(PurePosixPath(store.url), opened, params, hf_config, record)
+    except BaseException:
+        for s in opened:
+            s.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    cat.on_close.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    return cat
+
+
+_CHUNK = 64 << 20  # bytes per ranged read of a remote Meta shard
+
+
+def _open_remote(url: Any, storage_options: Mapping | None, key: str | None, trusted_globals: Iterable[Any] = ()) -> Catalog:
+    """A checkpoint on object storage: Meta's shards (:func:`_remote_meta_shards`) copied and read
+    as local ones, else its model part through the remote source stage
+    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read); and
     ``params.json`` / ``config.json`` from the same committed view."""
     from ..sources.remote import open_remote_source  # fsspec is optional
     from ..storage.views import checkpoint_view
 
-    if key is not None:
-        raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
     store = resolve(url, storage_options)
     with checkpoint_view(store) as view:
+        shards = _remote_meta_shards(store, view)
+        if shards:
+            read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
+            params, hf_config = _side_configs(read)
+            return _open_downloaded(store, shards, params, hf_config, _record(read), key, trusted_globals)
+        if key is not None:
+            raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
         src = open_remote_source(store)
         try:
-            params, hf_config = _side_configs(lambda n: (view.member_bytes(n), store.url_of(n)))
+            read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
+            params, hf_config = _side_configs(read)
+            record = _record(read)
         except BaseException:
             src.close()
             raise
-    return Catalog(PurePosixPath(store.url), [src], params, hf_config)
+    return Catalog(PurePosixPath(store.url), [src], params, hf_config, record)
 
 
 def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | None = None,
@@ -209,9 +293,10 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
     """
     where = resolve(path, options_for(path, storage_options))
     if local_path(where) is None:  # a byte store: read through the remote source stage
-        return _open_remote(where, None, key)
+        return _open_remote(where, None, key, trusted_globals)
     p = Path(path)
     params, hf_config = _side_configs(_local_file(p))
+    record = _record(_local_file(p)) if p.is_dir() else None  # a conversion writes a directory
     shard_files = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _SHARD.match(f.name))) if p.is_dir() else []
     opened: list[Source] = []
     try:
@@ -224,7 +309,7 @@ def open_catalog(path: Any, *, trusted_globals: Iterable[Any] = (), key: str | N
         else:
             with external_errors(os.fspath(p), what="reading"):
                 opened.append(open_source(p, key=key, trusted_globals=trusted_globals))
-        return Catalog(p, opened, params, hf_config)
+        return Catalog(p, opened, params, hf_config, record)
     except BaseException:
         for s in opened:
             s.close()
@@ -350,6 +435,7 @@ def write_params_json(dims: Mapping[str, int], cfg: HFTextConfig | None) -> byte
                 meta_ffn_dim(out["dim"], ffn["multiple_of"], ffn.get("ffn_dim_multiplier")) == cfg.intermediate_size
             out.update(ffn if fits else _ffn_params(out["dim"], cfg.intermediate_size))
         keys = kept.pop("keys", None)
+        kept.pop("layout", None)  # hf_files.META_LAYOUT_KEY: the split, not a params.json field
         if (kept.get("vocab_size") or 1) <= 0:  # Llama 2's -1: the tokenizer's size
             out["vocab_size"] = kept.pop("vocab_size")
         out.update({k: v for k, v in kept.items() if k not in out})

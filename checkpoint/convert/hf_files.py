@@ -117,6 +117,9 @@ def meta_model_from_config(config: dict[str, Any], where: str) -> Any:
 # Meta -> HF -> Meta gives params.json's keys back exactly (multiple_of / ffn_dim_multiplier are
 # not unique for an intermediate_size: 256 and 1024 both give Llama 3.2 1B's 8192).
 META_PARAMS_KEY = "fqnckpt_meta_params"
+# ... and, under it, Meta's layout version the shards were split by (``llama2`` / ``llama3``:
+# :data:`checkpoint.convert.layouts.META_VERSIONS`), the default split of the way back.
+META_LAYOUT_KEY = "layout"
 _EXPRESSED = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta", "use_scaled_rope",
               "rope_scaling_factor", "rope_high_freq_factor"}  # fmt: skip
 
@@ -139,7 +142,8 @@ def meta_max_positions(params: dict[str, Any]) -> int:
     return 8192 if float(params.get("rope_theta") or 10000.0) >= 500000.0 else 4096
 
 
-def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str) -> bytes:
+def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab_size: int, dtype: str,
+                           layout: str | None = None) -> bytes:  # fmt: skip
     """``config.json`` of the HF ``LlamaForCausalLM`` that Meta's ``params.json`` describes, for
     a conversion with no target model (``fqnckpt migrate meta/ out --recipe meta-llama-to-hf``),
     readable by transformers 4.x and 5 alike.
@@ -151,7 +155,8 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
     (Llama 3.1 / 3.2) is the ``llama3`` scaling (factor ``rope_scaling_factor`` or 8, low / high
     frequency factors 1 / ``rope_high_freq_factor`` or 4, 8192 original positions).
     ``intermediate_size`` and ``vocab_size`` come from the converted tensors' shapes, ``dtype``
-    from their dtype; Meta fields transformers has none for go under :data:`META_PARAMS_KEY`."""
+    from their dtype; Meta fields transformers has none for go under :data:`META_PARAMS_KEY`, with
+    ``layout`` (the version the source shards were split by) as :data:`META_LAYOUT_KEY`."""
     theta = float(params.get("rope_theta") or 10000.0)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = None
@@ -182,6 +187,8 @@ def llama_config_from_meta(params: dict[str, Any], intermediate_size: int, vocab
     }
     kept = {k: v for k, v in params.items() if (k not in _EXPRESSED or (k == "vocab_size" and (v or 0) <= 0)) and v is not None}
     kept["keys"] = sorted(k for k, v in params.items() if v is not None)  # the way back writes these, no more
+    if layout is not None:
+        kept[META_LAYOUT_KEY] = layout
     cfg[META_PARAMS_KEY] = kept
     return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
 
@@ -215,5 +222,5 @@ def llama_generation_config(config: dict[str, Any]) -> bytes:
 
 
 __all__ = ["architecture_class", "hf_config_files", "is_peft_model", "unwrap_model", "llama_config_from_meta", "meta_model_from_config",
-           "RUNTIME_ONLY", "META_PARAMS_KEY", "meta_token_ids", "meta_max_positions", "llama_generation_config",
+           "RUNTIME_ONLY", "META_PARAMS_KEY", "META_LAYOUT_KEY", "meta_token_ids", "meta_max_positions", "llama_generation_config",
            "with_transformers4_rope"]

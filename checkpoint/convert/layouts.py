@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..layout_versions import FAMILIES, TORCHTITAN, Axis, Family, Respell, detect_layout, version_table
+from ..layout_versions import FAMILIES, FUSED_QKV, FUSED_QKV_KEY, TORCHTITAN, Axis, Family, Respell, detect_layout, version_table
 from ..keypatterns import Pattern
 from .rules import Recipe
 
@@ -29,29 +29,52 @@ def versioned(recipe: Recipe, keys, asked: str | None) -> tuple[Recipe, dict[str
         if asked:
             raise LayoutError(f"recipe {recipe.name!r} has no layout versions (asked for {asked!r})")
         return recipe, {}
-    known = [v for v, _, _ in fam.versions]
+    fwd = recipe.meta.get("inverse_of")
+    has_fused = any(r.only == FUSED_QKV for r in (fwd or recipe).rules)
+    known = [v for v, _, _ in fam.versions] + ([FUSED_QKV] if has_fused else [])
     if asked is not None and asked not in known:
         raise LayoutError(f"{fam.name} has no layout version {asked!r}; known: {known}")
     reads = recipe.writes in ("hf", "hf-model")  # the framework's layout is the source
     if reads:
-        fits, evidence = fam.detect(list(keys))
+        keys = list(keys)
+        fused = has_fused and any(Pattern(FUSED_QKV_KEY).match(k) is not None for k in keys)
+        if asked == FUSED_QKV and not fused:
+            raise LayoutError(f"the source has no {FUSED_QKV_KEY} (asked for {FUSED_QKV!r})")
+        fits, evidence = fam.detect(keys)
         if not fits:
             raise LayoutError(f"the source mixes {fam.name} names of different versions: {'; '.join(evidence)}")
-        if asked is not None and asked not in fits:
+        if asked not in (None, FUSED_QKV) and asked not in fits:
             raise LayoutError(f"the source is {fam.name} {fits[0]}..{fits[-1]}, not {asked!r}: {'; '.join(evidence)}")
-        version = asked or fits[-1]
-        label = f"{fam.name} {version}" if len(fits) == 1 or asked else f"{fam.name} {fits[0]}..{fits[-1]} (read as {version})"
+        version = asked if asked not in (None, FUSED_QKV) else fits[-1]
+        label = f"{fam.name} {version}" if len(fits) == 1 or asked not in (None, FUSED_QKV) else \
+            f"{fam.name} {fits[0]}..{fits[-1]} (read as {version})"
+        if fused:
+            label = f"{fam.name} {FUSED_QKV} ({label.split(' ', 1)[1]} names, {FUSED_QKV_KEY})"
         pre = tuple(r.inverse() for r in fam.respells(version))
+        recipe = qkv_form(recipe, fused)
         out = replace(recipe, pre=recipe.pre + pre, meta=_meta(recipe, version))
         return out, {"source": label}
-    version = asked or fam.newest
-    fwd = recipe.meta.get("inverse_of")
+    fused = asked == FUSED_QKV
+    version = fam.newest if fused or asked is None else asked
+    label = f"{fam.name} {FUSED_QKV} ({version} names, {FUSED_QKV_KEY})" if fused else f"{fam.name} {version}"
     if fwd is not None:  # invert the versioned forward recipe: its rules keep when_present / when_absent
+        fwd = qkv_form(fwd, fused)
         pre = tuple(r.inverse() for r in fam.respells(version))
         out = replace(fwd, pre=fwd.pre + pre, meta=_meta(fwd, version)).inverse()
     else:
+        recipe = qkv_form(recipe, fused)
         out = replace(recipe, post=recipe.post + fam.respells(version), meta=_meta(recipe, version))
-    return out, {"target": f"{fam.name} {version}"}
+    return out, {"target": label}
+
+
+def qkv_form(recipe: Recipe, fused: bool) -> Recipe:
+    """``recipe`` with the rules of one attention form: torchtitan's fused ``qkv_linear.wqkv``
+    (``Rule.only == "fused-qkv"``) or the separate ``wq`` / ``wk`` / ``wv`` (``"separate-qkv"``);
+    rules of no form stay. A recipe with neither is returned as is."""
+    keep = (None, FUSED_QKV if fused else "separate-qkv")
+    if all(r.only is None for r in recipe.rules):
+        return recipe
+    return replace(recipe, rules=tuple(r for r in recipe.rules if r.only in keep))
 
 
 META_VERSIONS = (
@@ -59,6 +82,25 @@ META_VERSIONS = (
     ("llama3", "Llama 3 / 3.1 / 3.2 (meta-llama/llama-models VocabParallelEmbedding): tok_embeddings split by vocabulary (dim 0)"),
 )
 _EMBED = "tok_embeddings.weight"
+
+
+def meta_split(catalog) -> tuple[str | None, list[int]]:
+    """The version of Meta's model-parallel split of ``catalog``'s shards (``(None, [])`` for one
+    shard, or no ``tok_embeddings``) and the embedding width of each shard: every shard holding the
+    whole width ``dim`` (``wq``'s columns, else params.json's) is split by vocabulary (``llama3``);
+    widths summing to ``dim`` by columns (``llama2``).
+
+    Raises:
+        LayoutError: widths that fit neither split."""
+    if catalog.shards == 1 or _EMBED not in catalog.keys():
+        return None, []
+    widths = [s.shape[1] for s in catalog.specs(_EMBED)]
+    wq = "layers.0.attention.wq.weight"
+    dim = catalog.specs(wq)[0].shape[1] if wq in catalog.keys() else (catalog.params.dim if catalog.params else None)
+    found = "llama3" if all(w == dim for w in widths) else "llama2" if sum(widths) == dim else None
+    if found is None:
+        raise LayoutError(f"Meta shards' {_EMBED} widths {widths} fit neither split of dim={dim} (by vocabulary or by columns)")
+    return found, widths
 
 
 def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, dict[str, str]]:
@@ -78,12 +120,7 @@ def meta_versioned(recipe: Recipe, catalog, asked: str | None) -> tuple[Recipe, 
     if recipe.reads == "meta":
         if catalog.shards == 1 or _EMBED not in catalog.keys():
             return recipe, {"source": f"meta {asked or 'llama2 / llama3'} (1 shard: the same in both)"}
-        widths = [s.shape[1] for s in catalog.specs(_EMBED)]
-        wq = "layers.0.attention.wq.weight"
-        dim = catalog.specs(wq)[0].shape[1] if wq in catalog.keys() else (catalog.params.dim if catalog.params else None)
-        found = "llama3" if all(w == dim for w in widths) else "llama2" if sum(widths) == dim else None
-        if found is None:
-            raise LayoutError(f"Meta shards' {_EMBED} widths {widths} fit neither split of dim={dim} (by vocabulary or by columns)")
+        found, widths = meta_split(catalog)
         if asked is not None and asked != found:
             raise LayoutError(f"the Meta shards are split as {found} ({_EMBED} widths {widths}), not {asked!r}")
         version = found
@@ -179,4 +216,4 @@ def _meta(recipe: Recipe, version: str) -> dict[str, Any]:
     return {k: v for k, v in recipe.meta.items() if k != "inverse_of"} | {"version": version}
 
 
-__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "LayerShift", "bind_dims", "variant_versioned", "versioned", "meta_versioned", "META_VERSIONS", "version_table", "detect_layout"]
+__all__ = ["Respell", "Axis", "Family", "FAMILIES", "TORCHTITAN", "LayoutError", "LayerShift", "bind_dims", "variant_versioned", "versioned", "meta_versioned", "meta_split", "META_VERSIONS", "version_table", "detect_layout"]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-import torch
+if TYPE_CHECKING:  # imported where an op runs: listing recipes (``fqnckpt recipes``) needs no torch
+    import torch
 
-Value = Union[torch.Tensor, list[torch.Tensor]]
+Value = Union["torch.Tensor", list["torch.Tensor"]]
 
 
 class OpError(ValueError):
@@ -63,6 +64,7 @@ def _same_dtype(parts: list[torch.Tensor], op: Op) -> None:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shape, dtype and bytes (``torch.equal`` calls NaN unequal to itself and -0.0 equal
     to 0.0; a replicated tensor must be the same bits on every shard)."""
+    import torch
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_meta or b.is_meta:
@@ -70,9 +72,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
+class MissingDim(OpError):
+    """An op needs a model dimension (``name``) that no source stated."""
+
+    def __init__(self, msg: str, name: str):
+        super().__init__(msg)
+        self.name = name
+
+
 def _dim(dims: Mapping[str, int], name: str, op: Op) -> int:
     if name not in dims:
-        raise OpError(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)")
+        raise MissingDim(f"{op.describe()} needs the model dimension {name!r} (from model= config or params.json)", name)
     return int(dims[name])
 
 
@@ -98,6 +108,7 @@ class Stack(Op):
     dim: int = 0
 
     def apply(self, values, dims):
+        import torch
         out = []
         for v in values:
             if not isinstance(v, list):
@@ -135,6 +146,7 @@ class Concat(Op):
     dim: int = 0
 
     def apply(self, values, dims):
+        import torch
         parts = values[0] if len(values) == 1 and isinstance(values[0], list) else values
         parts = [_tensor(v, self) for v in parts]
         _same_dtype(parts, self)
@@ -185,6 +197,7 @@ class PermuteRope(Op):
     to_half: bool = True
 
     def apply(self, values, dims):
+        import torch
         n = _dim(dims, self.heads, self)
 
         def permute(t: torch.Tensor) -> torch.Tensor:
@@ -220,6 +233,7 @@ class PermuteRopeTail(Op):
         return dims.get("rope_interleave", 1) != 0
 
     def apply(self, values, dims):
+        import torch
         if self.is_identity(dims):
             return values
         r = _dim(dims, "qk_rope_head_dim", self)
@@ -241,6 +255,24 @@ class PermuteRopeTail(Op):
 
 
 @dataclass(frozen=True)
+class PermuteQK(Op):
+    """q, k, v -> q and k RoPE-permuted as :class:`PermuteRope` (``n_heads`` for q, ``n_kv_heads``
+    for k), v unchanged: a fused QKV projection split into three, then each into HF's rotation."""
+
+    to_half: bool = True
+
+    def apply(self, values, dims):
+        if len(values) != 3:
+            raise OpError(f"{self.describe()} takes q, k, v, got {len(values)} values")
+        q = PermuteRope("n_heads", self.to_half).apply([values[0]], dims)[0]
+        k = PermuteRope("n_kv_heads", self.to_half).apply([values[1]], dims)[0]
+        return [q, k, _tensor(values[2], self)]
+
+    def inverse(self):
+        return PermuteQK(not self.to_half)
+
+
+@dataclass(frozen=True)
 class FuseQKV(Op):
     """q, k, v -> the grouped-query fused tensor of Megatron / torchtitan: per KV group g the rows
     ``[q heads of g (H/G); k_g; v_g]``, shape ``((H + 2G) * head_dim, *rest)``. 1-D biases too."""
@@ -249,6 +281,7 @@ class FuseQKV(Op):
     kv_heads: str = "n_kv_heads"
 
     def apply(self, values, dims):
+        import torch
         h, g = _dim(dims, self.heads, self), _dim(dims, self.kv_heads, self)
         if len(values) != 3 or h % g:
             raise OpError(f"{self.describe()} takes q, k, v with {h} heads in {g} groups, got {len(values)} values")
@@ -301,6 +334,7 @@ class JoinShards(Op):
     heads: str | None = None
 
     def apply(self, values, dims):
+        import torch
         out = []
         for v in values:
             shards = v if isinstance(v, list) else [v]
@@ -367,4 +401,4 @@ class Refuse(Op):
         return self
 
 
-__all__ = ["Refuse", "same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "FuseQKV", "SplitQKV"]
+__all__ = ["Refuse", "same_bits", "JoinShards", "SplitShards", "Op", "OpError", "Value", "Transpose", "Stack", "Unstack", "Concat", "Chunk", "PermuteRope", "PermuteRopeTail", "PermuteQK", "FuseQKV", "SplitQKV"]

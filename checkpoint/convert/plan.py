@@ -23,7 +23,7 @@ from .catalog import Catalog
 from .layers import layer_problems
 from .recipes import RecipeError
 from .meta_files import shard_target
-from .ops import JoinShards, OpError, SplitShards, Value
+from .ops import JoinShards, MissingDim, OpError, SplitShards, Value
 from .report import ConversionError, ConversionReport, GroupEntry, Problem, RuleUse
 from .rules import Pattern, Recipe, Rule
 
@@ -161,6 +161,40 @@ class ConversionPlan:
             yield tgt, self.catalog.get(src, 0)
 
 
+def _respelled(pattern: str, renames) -> str:
+    """A key pattern through a recipe's version renames (:class:`~checkpoint.layout_versions.Respell`;
+    other renames, such as DeepSeek's layer shift, leave a pattern's ``{i}`` alone)."""
+    from ..layout_versions import Respell
+
+    for r in renames:
+        if isinstance(r, Respell):
+            pattern = Respell(r.frm, r.to).apply(pattern)  # a rule pattern stands for every key it names
+    return pattern
+
+
+def describe_rule(recipe: Recipe, rule: Rule, sources_present=None, targets_present=None) -> str:
+    """``rule`` as the checkpoints spell it: the rules are written in a framework's canonical
+    names, so a source read in a later layout version (``recipe.pre`` renames it) or a target
+    written in one (``recipe.post``) is shown in that version's names (torchtitan 3101b42's
+    ``lm_head.weight``, not ``output.weight``). Given the keys present on a side, a respelling
+    no key there has is not shown (DeepSeek-V3 keeps ``attention.wq`` where Llama's is
+    ``qkv_linear.wq``: that rename needs a ``wk`` beside it)."""
+
+    def spelled(p: str, renames, present) -> str:
+        out = _respelled(p, renames)
+        if out != p and present is not None and not any(Pattern(out).match(k) is not None for k in present):
+            return p
+        return out
+
+    back = [r.inverse() for r in reversed(recipe.pre)]
+    sources = tuple(spelled(p, back, sources_present) for p in rule.sources)
+    targets = tuple(spelled(p, recipe.post, targets_present) for p in rule.targets)
+    if (sources, targets) == (rule.sources, rule.targets):
+        return rule.describe()
+    ops = ", ".join(op.describe() for op in rule.ops)
+    return f"{' + '.join(sources)} -> {' + '.join(targets)}" + (f" [{ops}]" if ops else "")
+
+
 def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *, model: Any = None,
                     source: str = "", tied: bool = False) -> ConversionPlan:  # fmt: skip
     """Plan ``recipe`` over ``catalog`` (see the module docstring).
@@ -185,7 +219,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     if out_shards > 1 and (recipe.passthrough or recipe.post):
         raise RecipeError(f"recipe {recipe.name!r}: model-parallel shards need every key named by a rule (no passthrough)")
     report = ConversionReport(recipe=recipe.name, source=source or str(catalog.path), source_format=catalog.format,
-                              shards=shards, dims=dims, rules=[RuleUse(rule=r.describe()) for r in recipe.rules])  # fmt: skip
+                              shards=shards, dims=dims, rules=[RuleUse(rule=describe_rule(recipe, r)) for r in recipe.rules])  # fmt: skip
     problems = report.problems
     drops = [Pattern(d) for d in recipe.drop]
     groups: dict[tuple, Group] = {}
@@ -241,6 +275,7 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     meta_of: dict[int, list[Value]] = {}
     staged: list[tuple[Group, list]] = []
     ok_groups: list[Group] = []
+    missing_dims: dict[str, list[str]] = {}  # dim -> rules that need it
     for g in groups.values():
         bad = None
         for pat, m in zip(g.rule.source_patterns, g.members):
@@ -262,10 +297,17 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
                 values = meta_results[sig] = _meta_apply(g, catalog, shards, dims, out_shards)
             outs = _outputs(g, values, out_shards)
             meta_of[id(g)] = values
+        except MissingDim as e:  # said once for the whole plan (missing_dims_problem)
+            rules = missing_dims.setdefault(e.name, [])
+            if g.rule.sources[0] not in rules:
+                rules.append(g.rule.sources[0])
+            continue
         except (OpError, RuntimeError, ValueError) as e:
             problems.append(Problem(kind="op", keys=g.source_keys(), message=f"rule {g.rule.describe()}: {e}"))
             continue
         staged.append((g, outs))
+    if missing_dims:
+        problems.insert(0, missing_dims_problem(missing_dims))
     post_present = frozenset(tgt for _, outs in staged for tgt, _ in outs)  # what Recipe.post renames see
     aliases = _tied_fills(recipe, staged, post_present, tied, report)
     for g, outs in staged:
@@ -298,6 +340,8 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
         report.groups.append(GroupEntry(rule=g.rule_index, sources=g.source_keys(), targets=list(g.targets)))
     for copy, src_key in aliases.items():
         unchanged[_apply_renames(copy, recipe.post, post_present)] = src_key
+    for use, rule in zip(report.rules, recipe.rules):  # in the names the keys on each side have
+        use.rule = describe_rule(recipe, rule, raw, owner)
     plan = ConversionPlan(catalog, recipe, dims, ok_groups, unchanged, report)
     plan._post_present = post_present
     plan.aliases = {_apply_renames(c, recipe.post, post_present) for c in aliases}
@@ -305,6 +349,18 @@ def plan_conversion(catalog: Catalog, recipe: Recipe, dims: Mapping[str, int], *
     if problems:
         raise ConversionError(report)
     return plan
+
+
+def missing_dims_problem(missing: Mapping[str, list[str]]) -> Problem:
+    """One problem for every model dimension no source stated (``{dim: source patterns of the
+    rules needing it}``), naming the ways to state it: the target model, ``dims=`` / ``--dim``, or
+    Meta's ``params.json`` / transformers' ``config.json`` beside the source."""
+    names = sorted(missing)
+    rules = sorted({r for rs in missing.values() for r in rs})
+    flags = " ".join(f"--dim {n}=N" for n in names)
+    return Problem(kind="dims", keys=rules, message=(
+        f"model dimension(s) {', '.join(names)} unknown (needed by {', '.join(rules[:4])}{' ...' if len(rules) > 4 else ''}): "
+        f"pass model= (the target model), {flags} (dims=), or put params.json / config.json beside the source"))  # fmt: skip
 
 
 def _count_problems(groups: list[Group], meta_of: dict[int, list[Value]], catalog: Catalog) -> list[Problem]:

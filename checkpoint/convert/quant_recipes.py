@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from ..storage.layout import TensorSpec
 from .dequant import DequantizingReader
-from .recipes import RecipeError
+from .recipes import QUANT_SOURCES, QUANT_SUMMARIES, RecipeError, recipe_rows  # noqa: F401 (recipe_rows re-exported)
 from .quant import (
     CONFIG_NAME,
     DEFAULT_BLOCK,
@@ -44,25 +44,6 @@ QUANT_RECIPES = {"dequantize-bf16": torch.bfloat16, "dequantize-fp32": torch.flo
 NOT_QUANTIZED = re.compile(r"(^|\.)(embed_tokens|embed|wte|wpe|lm_head|output|norm|[a-z_]*norm[a-z_]*|gate|router)(\.|$)")
 SIDE_FILES = (CONFIG_NAME, "generation_config.json")
 REPORT_NAME = "quantization_report.json"
-
-
-QUANT_SUMMARIES = {
-    "dequantize-bf16": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to bfloat16; config.json without quantization_config"),
-    "dequantize-fp32": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to float32; config.json without quantization_config"),
-    "quantize-fp8": ("dequantize-bf16", "2-D linear weights to float8_e4m3fn 128x128 blocks with weight_scale_inv (amax / 448)"),
-}
-QUANT_SOURCES = {
-    "dequantize-bf16": "deepseek-ai/DeepSeek-V3 inference/fp8_cast_bf16.py; torch quantized_hf_storage.py; "
-                       "transformers integrations/mxfp4.py",
-    "quantize-fp8": "deepseek-ai/DeepSeek-V3 inference/kernel.py (weight_quant); transformers integrations/finegrained_fp8.py",
-}
-
-
-def recipe_rows() -> list[dict[str, Any]]:
-    """The rows of these recipes in ``fqnckpt recipes`` (:func:`checkpoint.convert.recipe_table`)."""
-    return [{"name": n, "inverse": inv, "needs_model": False, "summary": summary,
-             "source": QUANT_SOURCES.get(n, QUANT_SOURCES["dequantize-bf16"]), "versions": [], "options": []}
-            for n, (inv, summary) in QUANT_SUMMARIES.items()]  # fmt: skip
 
 
 class QuantRecipeReport(BaseModel):

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .ops import Chunk, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
+from .ops import Chunk, PermuteQK, PermuteRope, PermuteRopeTail, Refuse, SplitQKV, Transpose, Unstack
+from ..layout_versions import FUSED_QKV
 from .rules import Recipe, Rule
 
 
@@ -55,8 +56,24 @@ META_LLAMA = Recipe(
     summary="Meta consolidated.NN.pth (+ params.json) <-> HF Llama; Q/K rows RoPE-permuted, shards joined",
 )  # fmt: skip
 
+_QKV = ("layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight")
+
+
+def _qkv_forms(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """torchtitan Llama's attention in both forms: the separate ``wq`` / ``wk`` / ``wv`` rules
+    (``separate-qkv``), and the fused ``qkv_linear.wqkv`` (``fused-qkv``; FusedQKVLinear, pytorch/
+    torchtitan ad7a865 #2878: per KV group ``[q heads of the group; k; v]``, the layout its
+    ``_merge_qkv_on_load`` builds) split, then Q / K RoPE-permuted as the separate rules do."""
+    from dataclasses import replace
+
+    separate = tuple(replace(r, only="separate-qkv") if r.sources[0] in _QKV else r for r in rules)
+    fused = R("layers.{i}.attention.qkv_linear.wqkv.weight", tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv"),
+              (SplitQKV(), PermuteQK(True)), only=FUSED_QKV)  # fmt: skip
+    return separate + (fused,)
+
+
 TORCHTITAN_LLAMA3 = Recipe(
-    "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _llama_body(True) + _dense_mlp(),
+    "torchtitan-llama3-to-hf", "hf-to-torchtitan-llama3", _qkv_forms(_llama_body(True)) + _dense_mlp(),
     writes="hf-model", summary="torchtitan Llama 3 <-> HF Llama; Q/K rows RoPE-permuted",
     meta={"family": "torchtitan", "tied": (("output.weight", "tok_embeddings.weight"),)},
 )  # fmt: skip
@@ -144,7 +161,9 @@ MEGATRON_GPT = Recipe(
         "local": (f"{_D}.input_layernorm.weight", (
             R(f"{_D}.input_layernorm.weight", f"{_L}.input_layernorm.weight"),
             R(f"{_D}.pre_mlp_layernorm.weight", f"{_L}.post_attention_layernorm.weight"))),
-    }, "variant_family": "megatron", "default_variant": "te"},
+    }, "variant_family": "megatron", "default_variant": "te",
+        # Megatron-Bridge builds the Megatron model from the HF config: config.json goes beside both ways
+        "config_beside": True},
 )  # fmt: skip
 
 _STATIC = (META_LLAMA, TORCHTITAN_LLAMA3, TORCHTITAN_MOE, GPT2, MEGATRON_GPT)
@@ -208,4 +227,58 @@ def get_recipe(name: str | Recipe, model: Any = None) -> Recipe:
     return entry.build(model)
 
 
-__all__ = ["RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]
+# Recipe options (``NAME+option``): what each changes in the recipe.
+OPTIONS = {
+    "drop-expert-bias": ("torchtitan-moe-to-hf", "layers.{i}.moe.expert_bias",
+                         "drop torchtitan's MoE load-balancing bias (Qwen3-MoE in transformers has none)"),
+}
+
+
+def recipe_table() -> list[dict[str, Any]]:
+    """``[{name, inverse, needs_model, summary, source, versions, options}]`` of the built-in
+    recipes: ``source`` the code (repository, commit, file) each follows, ``versions`` the layout
+    versions a name takes after ``@`` (the first read by detection, the last written by default),
+    ``options`` what ``+option`` adds."""
+    from ..layout_versions import FAMILIES
+    from .layouts import META_VERSIONS
+
+    def versions(name: str, e) -> list[str]:
+        if e.needs_model:  # its rules come from the model (transformers): no layout versions
+            return []
+        rec = e.build(None)
+        fwd = rec.meta.get("inverse_of", rec)
+        if "meta" in (rec.reads, rec.writes):
+            return [v for v, _ in META_VERSIONS]
+        if fwd.meta.get("variants"):
+            return sorted(fwd.meta["variants"])
+        fam = FAMILIES.get(fwd.meta.get("family", ""))
+        fused = [FUSED_QKV] if any(r.only == FUSED_QKV for r in fwd.rules) else []
+        return [v for v, _, _ in fam.versions] + fused if fam else []
+
+    return [{"name": n, "inverse": e.inverse, "needs_model": e.needs_model, "summary": e.summary,
+             "source": SOURCES.get(n) or SOURCES.get(e.inverse, ""), "versions": versions(n, e),
+             "options": sorted(o for o, (r, _, _) in OPTIONS.items() if r == n)} for n, e in RECIPES.items()] + recipe_rows()  # fmt: skip
+
+
+# The quantization recipes (checkpoint.convert.quant_recipes, which needs torch) as data, so that
+# listing them imports no torch.
+QUANT_SUMMARIES = {
+    "dequantize-bf16": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to bfloat16; config.json without quantization_config"),
+    "dequantize-fp32": ("quantize-fp8", "FP8 128x128-block and MXFP4 weights to float32; config.json without quantization_config"),
+    "quantize-fp8": ("dequantize-bf16", "2-D linear weights to float8_e4m3fn 128x128 blocks with weight_scale_inv (amax / 448)"),
+}
+QUANT_SOURCES = {
+    "dequantize-bf16": "deepseek-ai/DeepSeek-V3 inference/fp8_cast_bf16.py; torch quantized_hf_storage.py; "
+                       "transformers integrations/mxfp4.py",
+    "quantize-fp8": "deepseek-ai/DeepSeek-V3 inference/kernel.py (weight_quant); transformers integrations/finegrained_fp8.py",
+}
+
+
+def recipe_rows() -> list[dict[str, Any]]:
+    """The rows of these recipes in ``fqnckpt recipes`` (:func:`recipe_table`; their code: :mod:`checkpoint.convert.quant_recipes`)."""
+    return [{"name": n, "inverse": inv, "needs_model": False, "summary": summary,
+             "source": QUANT_SOURCES.get(n, QUANT_SOURCES["dequantize-bf16"]), "versions": [], "options": []}
+            for n, (inv, summary) in QUANT_SUMMARIES.items()]  # fmt: skip
+
+
+__all__ = ["FUSED_QKV", "OPTIONS", "recipe_table", "RECIPES", "RecipeError", "get_recipe", "META_LLAMA", "TORCHTITAN_LLAMA3", "TORCHTITAN_MOE", "GPT2", "MEGATRON_GPT"]

@@ -3,6 +3,7 @@ target keys), what was dropped or copied unchanged, and what stopped the convers
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +70,11 @@ class ConversionReport(BaseModel):
     dim_sources: dict[str, dict[str, int]] = Field(default_factory=dict)
     layouts: dict[str, str] = Field(default_factory=dict)
     checks: list[str] = Field(default_factory=list)
+    # Head counts / sizes only the caller stated (dims= / --dim), as "name=value": no config, model
+    # or params.json states them, and the tensors' shapes fit other head counts too.
+    unchecked: list[str] = Field(default_factory=list)
+    # What the output lacks that a reader may expect, and why (no config.json for transformers).
+    notes: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -83,8 +89,42 @@ class ConversionReport(BaseModel):
                 out[s] = list(g.targets)
         return out
 
+    def unchecked_line(self) -> str | None:
+        """One line saying which dims nothing could check (None when every one was)."""
+        if not self.unchecked:
+            return None
+        return (f"unchecked: {', '.join(self.unchecked)} come from dims= alone; no config, model or params.json states them and "
+                f"the tensors' shapes fit other head counts too, so a wrong value converts without error")  # fmt: skip
+
     def summary(self) -> str:
         return "; ".join(f"{p.kind}: {p.message}" for p in self.problems[:10])
+
+
+class ForwardRecord(BaseModel):
+    """What a later conversion reads back from the ``conversion_report.json`` an earlier one wrote
+    beside its output (only these fields; the rest of the report is kept as written): the recipe
+    that wrote it, the dimensions it used, the layout versions it read and wrote and how many
+    model-parallel shards its source had. The reverse recipe takes the version the forward read as
+    its default target, so a round trip comes back as it went."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    recipe: str
+    dims: dict[str, int] = Field(default_factory=dict)
+    layouts: dict[str, str] = Field(default_factory=dict)
+    shards: int = 1
+
+    def version_read(self) -> str | None:
+        """The one layout version the forward conversion read (``"llama2"`` of ``"meta llama2"``,
+        ``"786e26f"`` of ``"torchtitan legacy..786e26f (read as 786e26f)"``); None when it read a
+        range that it did not narrow, or names none."""
+        parts = self.layouts.get("source", "").split()
+        if len(parts) < 2 or (len(parts) > 2 and parts[2] == "/"):
+            return None
+        if ".." in parts[1]:
+            m = re.match(r"\(read as ([^)\s]+)\)", " ".join(parts[2:]))
+            return m.group(1) if m else None
+        return parts[1]
 
 
 class ConversionError(CheckpointError):
@@ -95,4 +135,4 @@ class ConversionError(CheckpointError):
         super().__init__(f"conversion of {report.source} with recipe {report.recipe!r} stopped: {why or report.summary()}")
 
 
-__all__ = ["ConversionReport", "ConversionError", "RuleUse", "GroupEntry", "Problem", "CONVERSION_REPORT_NAME"]
+__all__ = ["ConversionReport", "ForwardRecord", "ConversionError", "RuleUse", "GroupEntry", "Problem", "CONVERSION_REPORT_NAME"]

@@ -64,6 +64,9 @@ class Rule:
     when_present: str | None = None
     when_absent: str | None = None
     count_of: tuple[str, int] | None = None
+    # A rule of one form of a layout only (``"fused-qkv"`` / ``"separate-qkv"``): the recipe for a
+    # form keeps the rules of that form and those of none (checkpoint.convert.layouts.qkv_form).
+    only: str | None = None
 
     def __post_init__(self) -> None:
         for k in ("sources", "targets"):
@@ -126,7 +129,7 @@ class Rule:
 
         new_sources = tuple(with_regex(t) for t in self.targets)
         return Rule(new_sources, tuple(plain(s) for s in self.sources), tuple(op.inverse() for op in reversed(self.ops)), self.shard_dim, self.shard_heads,
-                    count_of=self.count_of)
+                    count_of=self.count_of, only=self.only)
 
     def describe(self) -> str:
         ops = ", ".join(op.describe() for op in self.ops)

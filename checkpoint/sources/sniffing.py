@@ -100,6 +100,20 @@ def is_dcp(d: Path) -> bool:
     return Path(paths.member(d, ".metadata")).is_file()
 
 
+META_SHARD = re.compile(r"consolidated\.\d{2,}\.pth")  # Meta's model-parallel shard files
+
+
+def meta_shards(path: str | os.PathLike) -> list[str]:
+    """The names of Meta's model-parallel ``consolidated.NN.pth`` shards in directory ``path``
+    when they are its only pickles, two or more (what ``migrate --recipe meta-llama-to-hf``
+    joins; no other layout beside them); [] otherwise."""
+    p = Path(path)
+    if not p.is_dir() or is_dcp(p) or index_files(p) or st_files(p):
+        return []
+    names = sorted(f.name for f in pickle_files(p))
+    return names if len(names) > 1 and all(META_SHARD.fullmatch(n) for n in names) else []
+
+
 def sniff(path: str | os.PathLike) -> str:
     """Format of the checkpoint at ``path`` (a file or a directory); one of
     :data:`checkpoint.sources.FORMATS`.
@@ -134,11 +148,11 @@ def sniff(path: str | os.PathLike) -> str:
     if len(pickles) == 1:
         return sniff_file(pickles[0])
     if pickles:  # never pick one silently: list them
-        meta = all(re.fullmatch(r"consolidated\.\d{2,}\.pth", f.name) for f in pickles)
+        meta = all(META_SHARD.fullmatch(f.name) for f in pickles)
         why = ("Meta model-parallel shards: name one of them as the path, or join them with "
                "`migrate --recipe meta-llama-to-hf`" if meta else "several pickle files, name one of them as the path")  # fmt: skip
         raise AmbiguousSourceError(str(p), [f.name for f in pickles], why, "the path")
     raise CheckpointNotFoundError(str(p), "no .metadata, *.safetensors, index or single pickle file in it")
 
 
-__all__ = ["sniff", "sniff_file", "DCP_SHARDING_KEY"]
+__all__ = ["sniff", "sniff_file", "meta_shards", "META_SHARD", "DCP_SHARDING_KEY"]
