@@ -152,7 +152,11 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
 def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
     """``reader.copy_into`` (a local window, or ranged GETs) for a target read neither straight nor replaced:
     a plain CPU tensor whole, a DTensor's CPU local shard block by block; False when the reader
-    or the target cannot (then the block is read whole and copied)."""
+    or the target cannot (then the block is read whole and copied). Checked against the index's
+    digest wherever the read passes every byte of the tensor through memory: a plain target, a
+    ``Replicate`` one, and a block of every row (``Shard(1)``, ``_StridedShard`` on dim 1: each
+    rank reads its columns out of whole rows, so it hashes the whole tensor on the way; once per
+    rank, on its first such block). A ``Shard(0)`` row block covers no tensor whole: unchecked."""
     copy = getattr(reader, "copy_into", None)
     if copy is None or t.is_meta:
         return False
@@ -164,9 +168,17 @@ def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
     if not local.numel():
         return True
     blocks = list(shards.local_blocks(t))
+    hashed = False  # one whole-tensor check per rank (copy_into hashes a block of every row)
     for lsl, gsl in blocks:
-        copy(key, local[lsl], gsl)
+        rows = _all_rows(gsl, t.shape)
+        copy(key, local[lsl], gsl, check=rows and not hashed)
+        hashed = hashed or rows
     return True
+
+
+def _all_rows(gsl, shape) -> bool:
+    """Whether global block ``gsl`` (slices) of a tensor of ``shape`` holds every dim-0 row."""
+    return len(shape) >= 1 and (not gsl or gsl[0].indices(shape[0])[:2] == (0, shape[0]))
 
 
 def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:
