@@ -309,6 +309,29 @@ def hash_file(path: str, chunk: int | None) -> tuple[int, str, dict[str, str]]:
     return size, header, out
 
 
+def hash_bytes(data, chunk: int | None) -> tuple[int, str, dict[str, str]]:
+    """:func:`hash_file` of a safetensors file's bytes ``data`` held in memory (a file a save
+    writes whole from bytes, such as peft's ``adapter_model.safetensors``): ``(size, header
+    digest, {tensor name: digest})``, tensors in byte order, with chunk size ``chunk``.
+
+    Raises:
+        ValueError: ``data`` is not a safetensors file (length, JSON header, offsets).
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise ValueError(f"{len(view)} bytes: not a safetensors file")
+    (n,) = struct.unpack("<Q", view[:8])
+    if 8 + n > len(view):
+        raise ValueError(f"a header of {n} bytes in {len(view)}: not a safetensors file")
+    head = json.loads(bytes(view[8 : 8 + n]))
+    base = 8 + n
+    spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k) for k, v in head.items() if k != "__metadata__")
+    if any(not 0 <= b <= e <= len(view) - base for b, e, _ in spans):
+        raise ValueError("tensor offsets past the end of the data: not a safetensors file")
+    tensors = {k: tensor_hexdigest(view[base + b : base + e], chunk) for b, e, k in spans}
+    return len(view), hexdigest(view[:base]), tensors
+
+
 def _hash_ranges(fd: int, ranges: list[tuple[int, int, str]], size: int, chunk: int | None) -> dict[str, str]:
     """``{name: tensor digest (chunk size ``chunk``) of file bytes [begin, end)}`` for
     ``(begin, end, name)`` in byte order,

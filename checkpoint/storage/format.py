@@ -109,12 +109,18 @@ class FqnckptMeta(BaseModel):
     # Object-store saves (checkpoint.storage.commit): {file name readers ask for (e.g.
     # "extra_state.json", "optimizer.safetensors.index.json"): the object holding it in this save}.
     objects: dict[str, str] | None = None
+    # safetensors files of the save beside this part's shards, not in its weight_map (peft's
+    # adapter_model.safetensors, checkpoint.peft_state): their records, checked as a shard's are
+    # (header on open, tensors on read, every byte by verify).
+    side_files: dict[str, FileRecordV2] | None = None
     # xxh3-128 of the index file's bytes with this value zeroed (version 2; set when serialized).
     index_xxh3_128: Annotated[str, Field(pattern=_HEX128)] | None = None
 
     @model_validator(mode="after")
     def _records_match_version(self) -> FqnckptMeta:
         want = FileRecord if self.format_version == 1 else FileRecordV2
+        if self.side_files and self.format_version < 2:
+            raise ValueError("side_files are not part of format version 1")
         for name, rec in self.files.items():
             if not isinstance(rec, want):
                 raise ValueError(
@@ -137,6 +143,13 @@ class FqnckptMeta(BaseModel):
             if isinstance(rec, FileRecordV2):
                 out.update(rec.tensors)
         return out
+
+    def record(self, name: str) -> FileRecordV2 | FileRecord | None:
+        """The record of file ``name``: a shard of :attr:`files` or one of :attr:`side_files`."""
+        rec = self.files.get(name)
+        if rec is None and self.side_files:
+            rec = self.side_files.get(name)
+        return rec
 
 
 class IndexMetadata(BaseModel):

@@ -191,6 +191,9 @@ class CheckpointReader:
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
         self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
+        # Whether opening a shard compares its header bytes with the index's digest (off for
+        # ``verify``, which re-hashes every file and reports each difference instead of stopping).
+        self.check_headers = True
 
     # -- lookups ------------------------------------------------------------------------------
     @property
@@ -257,7 +260,7 @@ class CheckpointReader:
         meta = self.meta
         if meta is None:
             return None
-        rec = meta.files.get(self._key_file.get(key, ""))
+        rec = meta.record(self._key_file.get(key, ""))
         return rec.tensors.get(key) if isinstance(rec, FileRecordV2) else None
 
     def _digest_due(self, key: str) -> bool:
@@ -511,7 +514,7 @@ class CheckpointReader:
             raise KeyError(f"{name!r} is not a file of {self.root}; files: {self.files}")
         path = os.path.join(self.root, name)
         src = self.held_path(name)
-        rec = self.meta.files.get(name) if self.meta else None
+        rec = self.meta.record(name) if self.meta else None
         check = check_file(src, rec, self.digest_chunk)  # the file opened, even if a save replaced it since
         if check.problem is not None:
             raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
@@ -547,7 +550,7 @@ class CheckpointReader:
 
     def check_file(self, name: str) -> FileDigestCheck:
         """:func:`check_file` of shard ``name`` against its index record (one read of the file)."""
-        rec = self.meta.files.get(name) if self.meta else None
+        rec = self.meta.record(name) if self.meta else None
         return check_file(self.held_path(name), rec, self.digest_chunk)
 
     def header_total(self, name: str) -> int:
@@ -558,10 +561,10 @@ class CheckpointReader:
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
-        none. Raises what :func:`open_checkpoint` raises."""
+        none (headers checked as this reader's are). Raises what :func:`open_checkpoint` raises."""
         if not os.path.isfile(os.path.join(self.root, index_name(prefix))):
             return None
-        return open_checkpoint(self.root, prefix=prefix)
+        return open_checkpoint(self.root, prefix=prefix, check_headers=self.check_headers)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _index_bytes(self) -> bytes:
@@ -590,13 +593,21 @@ class CheckpointReader:
             )
         return path
 
+    def recorded_header(self, name: str) -> str | None:
+        """The index's xxh3-128 digest of shard ``name``'s header bytes (format versions 2 and 3),
+        checked on every open of the file (:func:`~.st_header.header_of_bytes`); None without
+        one, or when this reader was opened with ``check_headers=False``."""
+        meta = self.meta
+        rec = meta.record(name) if meta is not None and self.check_headers else None
+        return rec.header if isinstance(rec, FileRecordV2) else None
+
     def _open_file(self, name: str):
         path = os.path.join(self.root, name)
         # The raw fd first; the header is read and validated through it (never mapped: a file cut
         # while mapped kills the process by SIGBUS), so header and data come from one inode.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            h, head = open_safetensors_with_header(path, fd=fd)
+            h, head = open_safetensors_with_header(path, fd=fd, header_digest=self.recorded_header(name))
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         except BaseException:
             os.close(fd)
@@ -754,7 +765,7 @@ def _unit_dims_dropped(
     return tuple(shape[i] for i in keep), out, slices
 
 
-def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX, *, check_headers: bool = True) -> CheckpointReader:
     """Open and validate a checkpoint.
 
     ``path`` is a directory with ``<prefix>.safetensors.index.json`` (authoritative), a directory
@@ -769,8 +780,10 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
             outside the checkpoint directory (see :mod:`checkpoint.storage.paths`).
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: a tensor is stored in two files.
-        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
-            an fqnckpt index's ``metadata.total_size`` differs from the indexed tensors' bytes.
+        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), a
+            header's bytes differ from the digest the index records for them (``check_headers``,
+            the default; ``verify`` turns it off to report every file instead), or an fqnckpt
+            index's ``metadata.total_size`` differs from the indexed tensors' bytes.
         InterruptedCommitError: a save was killed mid-commit and this process cannot complete it.
         TypeError: ``path`` is a URL (see above).
 
@@ -786,10 +799,10 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
     # One checkpoint, whole: every file is opened inside one read view (no commit runs meanwhile;
     # see checkpoint.atomic), and a reader keeps the files it opened.
     with atomic.read_view(path):
-        return _open_checkpoint(path, prefix)
+        return _open_checkpoint(path, prefix, check_headers)
 
 
-def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
+def _open_checkpoint(path: str, prefix: str, check_headers: bool = True) -> CheckpointReader:
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
             raise CheckpointNotFoundError(path, "expected a directory or a .safetensors file")
@@ -817,6 +830,7 @@ def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
                 f"metadata.fqnckpt.files {sorted(meta.files)} differ from the weight_map's files {files}",
             )
         reader = CheckpointReader(path, index, idx_path, dict(index.weight_map))
+        reader.check_headers = check_headers
         _warn_strays(path, prefix, set(files))
     elif os.path.isfile(single):
         h = open_safetensors(single)
