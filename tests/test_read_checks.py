@@ -193,6 +193,69 @@ def test_flipped_byte_of_a_chunked_tensor_refused_by_a_column_read(tmp_path):
     assert torch.equal(open_checkpoint(clean).get_slice("big", [slice(None), slice(0, 260)]), reference()["big"][:, :260])
 
 
+@pytest.mark.parametrize("kind", ["header dtype", "data"])
+def test_optimizer_part_is_checked_like_the_model_part(tmp_path, kind):
+    """The optimizer part's shard (``optimizer-*.safetensors``) passes the same checks: an edited
+    header (its first tensor's dtype) is refused on open, before the module or the optimizer
+    changes; a flipped byte of a state tensor is refused naming file and tensor."""
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    ck = tmp_path / "ck"
+    checkpoint.save(m, ck, optimizer=opt)
+    (shard,) = [f for f in os.listdir(ck) if f.startswith("optimizer-") and f.endswith(".safetensors")]
+    f = ck / shard
+    raw = bytearray(f.read_bytes())
+    n, head = _header(f)
+    key = min((k for k in head if k != "__metadata__" and head[k]["dtype"] == "F32"),
+              key=lambda k: head[k]["data_offsets"][0])  # fmt: skip
+    if kind == "data":
+        b, e = head[key]["data_offsets"]
+        raw[8 + n + (b + e) // 2] ^= 0x10
+    else:
+        i = raw.index(b'"F32"', raw.index(json.dumps(key).encode(), 8, 8 + n))
+        raw[i : i + 5] = b'"I32"'
+    f.write_bytes(bytes(raw))
+    back = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.Adam(back.parameters(), lr=0.5)
+    snap = Snapshot(dict(back.named_parameters()))
+    with pytest.raises(CorruptCheckpointError) as err:
+        checkpoint.load(back, ck, optimizer=opt2)
+    assert shard in str(err.value)
+    if kind == "data":
+        assert err.value.key == key
+    else:
+        snap.assert_unchanged()
+        assert opt2.state_dict()["state"] == {} and opt2.param_groups[0]["lr"] == 0.5
+
+
+def test_remote_reader_checks_the_header_digest(tmp_path):
+    """A checkpoint on object storage (``memory://``): a dtype edited in its shard's header is
+    refused by ``load`` and ``open_checkpoint(...).get`` naming the object; ``verify`` reports it."""
+    import fsspec
+
+    url = f"memory://read-checks-{tmp_path.name}/ck"
+    checkpoint.save(reference(), url)
+    fs = fsspec.filesystem("memory")
+    (path,) = [p for p in fs.find(f"/read-checks-{tmp_path.name}/ck") if p.endswith(".safetensors")]  # this save's object
+    shard = path.rsplit("/", 1)[1]
+    raw = bytearray(fs.cat(path))
+    at = raw.index(b'"w"')
+    i = raw.index(b'"F32"', at)
+    raw[i : i + 5] = b'"I32"'
+    fs.pipe(path, bytes(raw))
+    target = {k: torch.zeros_like(v) for k, v in reference().items()}
+    snap = Snapshot(target)
+    for read in (lambda: checkpoint.load(target, url), lambda: checkpoint.open_checkpoint(url).get("w")):
+        with pytest.raises(CorruptCheckpointError, match="header bytes differ from the index's xxh3-128 digest") as err:
+            read()
+        assert shard in str(err.value)
+    snap.assert_unchanged()
+    rep = checkpoint.verify(url)
+    assert not rep.ok and any(shard in x and "header bytes changed" in x for x in rep.problems), rep.problems
+
+
 # -- peft's adapter file -----------------------------------------------------------------------------
 
 
