@@ -32,10 +32,14 @@ def apply_load(
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
     on_copy: Callable[[str], None] | None = None,
+    row_chunks: dict[str, list] | None = None,
 ) -> LoadReport:
     """Carry out a checked :class:`LoadPlan`: ``module.to(dtype)``, the copies (or replacements),
     the optimizer state. Only reads and writes remain here; a failure of torch or the OS (e.g. the
-    file vanishes from under a mapping) is a :class:`LoadError` naming key and file."""
+    file vanishes from under a mapping) is a :class:`LoadError` naming key and file.
+    ``row_chunks``: ``{key: []}`` of the tensors no rank reads whole (:func:`row_chunk_keys`),
+    filled with the chunk digests of this rank's blocks (``CheckpointReader.read_many``'s
+    ``chunks``) for the load to exchange and check."""
     copies = plan.copies
     if dtype is not None:
         try:
@@ -47,7 +51,7 @@ def apply_load(
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
     try:
-        _apply_copies(copies, obj, reader, on_copy, replaced)
+        _apply_copies(copies, obj, reader, on_copy, replaced, row_chunks)
     finally:
         release_scratch()
     if optimizer is not None and plan.optimizer_state is not None:
@@ -66,10 +70,10 @@ def apply_load(
     return plan.report
 
 
-def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
+def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor], row_chunks=None) -> None:
     """The copies of :func:`apply_load` (straight reads first, then one by one)."""
     others = _checked_elsewhere(copies)
-    direct = _read_direct(reader, copies, on_copy, others)
+    direct = _read_direct(reader, copies, on_copy, others, row_chunks)
     for a in copies:
         if id(a) in direct:
             continue  # same dtype, contiguous CPU target: bytes read straight into it
@@ -94,6 +98,22 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
             raise
         except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
             raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
+
+
+def row_chunk_keys(copies: list[CopyAction], reader) -> set[str]:
+    """Keys of DTensor targets whose placements shard dim 0 (``Shard(0)``, ``_StridedShard(0)``)
+    read from a checkpoint with format-3 chunk digests: no rank reads such a tensor whole, so
+    each rank hashes the chunks starting in its rows and the ranks combine them
+    (:meth:`CheckpointReader.check_chunks`). The same on every rank (placements and the index
+    only), so whether the load exchanges chunk digests is agreed without a collective."""
+    if not getattr(reader, "digest_chunk", None) or getattr(reader, "read_many", None) is None:
+        return set()
+    return {
+        a.key for a in copies
+        if not a.assign and isinstance(a.entry.tensor, DTensor) and a.entry.tensor.dim()
+        and any(getattr(p, "dim", None) == 0 for p in a.entry.tensor.placements)
+        and reader.recorded_digest(a.key) is not None
+    }  # fmt: skip
 
 
 def _checked_elsewhere(copies: list[CopyAction]) -> set[str]:
@@ -134,14 +154,16 @@ class _AllBut:
         return True
 
 
-def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = frozenset()) -> set[int]:
+def _read_direct(
+    reader, copies: list[CopyAction], on_copy, others: set[str] = frozenset(), row_chunks: dict | None = None
+) -> set[int]:
     """The copies read straight into their targets by one ``reader.read_many`` (readers that
     have it: adjacent tensors in one ``preadv``, issue 22); ids of the copies done. A DTensor
     target's local shard is read block by block where each block is one contiguous byte range of
     the file (a ``Shard(0)`` row block is): one copy, page cache -> local shard, instead of
     ``get_slice`` into a new tensor and ``copy_`` into the shard (issue 22: 0.52x of safetensors).
     Tensors read whole are checked against their digests, but those of ``others``
-    (:func:`_checked_elsewhere`)."""
+    (:func:`_checked_elsewhere`); the blocks of ``row_chunks``' keys are hashed in chunks."""
     read_many = getattr(reader, "read_many", None)
     if read_many is None:
         return set()
@@ -168,6 +190,7 @@ def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = f
     if not items:
         return set()
     check = _AllBut(others) if others else True
+    chunked = {"chunks": row_chunks} if row_chunks else {}
     # Targets on an accelerator go through pinned host buffers (checkpoint.device_load).
     # (is_cpu first: ~0.1 us a tensor where device.type costs ~0.8 us, and loads take 10^5 tensors)
     on_device = [i for i, it in enumerate(items) if not it[1].is_cpu and not it[1].is_meta]
@@ -177,12 +200,12 @@ def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = f
         moved = set(on_device)
         host = [i for i in range(len(items)) if i not in moved]
         done = [False] * len(items)
-        for i, ok in zip(host, read_many([items[i] for i in host], check) if host else []):
+        for i, ok in zip(host, read_many([items[i] for i in host], check, **chunked) if host else []):
             done[i] = ok
         for i, ok in zip(on_device, read_to_device(reader, [items[i] for i in on_device])):
             done[i] = ok
     else:
-        done = read_many(items, check)  # its errors name key and file
+        done = read_many(items, check, **chunked)  # its errors name key and file
     missed = {id(a) for a, ok in zip(owner, done) if not ok}
     out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:

@@ -1,19 +1,21 @@
 """Every read is checked: a one-byte edit of a shard's header (a dtype or a shape, data untouched)
 and a flipped data byte are refused by name on every read path (``checkpoint.load`` into plain,
 converting and DTensor targets, ``get``, ``get_slice``, ``copy_into``, the migration source,
-``migrate``, ``dcp.load`` through our reader, the CLI) and placement (``Shard(1)``,
-``_StridedShard``, ``Replicate``, plain; ``Shard(0)`` for header edits), peft's adapter file is
-digested like a shard, and the names saved and loaded are the ones the model's own
-``state_dict()`` gives, its hooks included.
+``migrate``, ``dcp.load`` through our reader, the CLI) and placement (``Shard(0)``, ``Shard(1)``,
+``_StridedShard``, ``Replicate``, plain), peft's adapter file is digested like a shard, and the
+names saved and loaded are the ones the model's own ``state_dict()`` gives, its hooks included.
 
-A ``Shard(0)`` load of a flipped data byte is not in the matrix: no rank reads such a tensor
-whole, and the index records only the combined digest of its chunks (see
-:mod:`checkpoint.storage.digest`), so no rank can check its rows alone."""
+Not in the matrix: ``dcp.load`` of a flipped data byte into ``Shard(0)`` rows. No rank reads such
+a tensor whole and the index records only the combined digest of its chunks, so the ranks must
+exchange their chunks' digests after reading (``checkpoint.load`` does, in its closing agreement);
+DCP's ``StorageReader.read_data`` has no exchange after the reads to do it in.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import pytest
@@ -44,16 +46,17 @@ def _header(p) -> tuple[int, dict]:
     return n, json.loads(raw[8 : 8 + n])
 
 
-def corrupt(ck, kind: str, key: str = "w") -> None:
+def corrupt(ck, kind: str, key: str = "w", at: str = "middle") -> None:
     """Shard ``SHARD`` changed in place: ``header dtype``: ``w``'s dtype ``"F32"`` -> ``"I32"``
     (one byte); ``header shape``: its shape ``[8,16]`` -> ``[16,8]`` (same byte size, so
-    safetensors accepts both); ``data``: one bit of ``key``'s middle byte."""
+    safetensors accepts both); ``data``: one bit of ``key``'s middle byte (``at="start"``: its
+    101st byte)."""
     p = ck / SHARD
     raw = bytearray(p.read_bytes())
     n, head = _header(p)
     if kind == "data":
         b, e = head[key]["data_offsets"]
-        raw[8 + n + (b + e) // 2] ^= 0x10
+        raw[8 + n + ((b + e) // 2 if at == "middle" else b + 100)] ^= 0x10
     else:
         at = raw.index(b'"w"', 8, 8 + n)
         old, new = (b'"F32"', b'"I32"') if kind == "header dtype" else (b"[8,16]", b"[16,8]")
@@ -64,11 +67,11 @@ def corrupt(ck, kind: str, key: str = "w") -> None:
     p.write_bytes(bytes(raw))
 
 
-def saved(tmp_path, kind: str | None, key: str = "w"):
-    ck = tmp_path / f"ck-{kind or 'clean'}-{key}".replace(" ", "-")
+def saved(tmp_path, kind: str | None, key: str = "w", at: str = "middle"):
+    ck = tmp_path / f"ck-{kind or 'clean'}-{key}-{at}".replace(" ", "-")
     checkpoint.save(reference(), ck)
     if kind is not None:
-        corrupt(ck, kind, key)
+        corrupt(ck, kind, key, at)
     return ck
 
 
@@ -256,6 +259,50 @@ def test_remote_reader_checks_the_header_digest(tmp_path):
     assert not rep.ok and any(shard in x and "header bytes changed" in x for x in rep.problems), rep.problems
 
 
+def test_row_blocks_hash_the_chunks_they_hold_and_combine_to_the_digest(tmp_path, monkeypatch):
+    """What the ranks of a ``Shard(0)`` load exchange, in one process: row blocks of uneven
+    sizes read by ``read_many`` in small pieces on 3 threads (chunks cut by pieces, blocks not
+    aligned to chunks) give, together, every chunk digest exactly as format 3 defines them, and
+    ``check_chunks`` accepts them; a flipped byte in any chunk is refused naming the tensor; a
+    missing chunk checks nothing."""
+    import xxhash
+
+    from checkpoint.storage import digest, pread
+
+    monkeypatch.setattr(digest, "TENSOR_CHUNK", 2048)  # recorded in the index by the save
+    monkeypatch.setattr(pread, "PIECE", 4096)
+    monkeypatch.setattr(pread, "_THREADS", 3)
+    t = torch.randn(97, 61, generator=torch.Generator().manual_seed(3))  # 23,668 bytes: 12 chunks
+    checkpoint.save({"t": t}, tmp_path / "ck")
+    raw = t.numpy().tobytes()
+    oracle = {k: xxhash.xxh3_128_digest(raw[a : a + 2048]) for k, a in enumerate(range(0, len(raw), 2048))}
+    cuts = [0, 13, 40, 41, 97]  # rows per block: 13, 27, 1, 56
+    shutil.copytree(tmp_path / "ck", tmp_path / "bad")
+    p = tmp_path / "bad" / SHARD
+    b = bytearray(p.read_bytes())
+    b[len(b) - len(raw) + 5 * 2048 + 7] ^= 0x01  # inside chunk 5, which the second block cuts
+    p.write_bytes(bytes(b))
+    for path in (tmp_path / "ck", tmp_path / "bad"):
+        got: dict[int, bytes] = {}
+        with open_checkpoint(path) as r:
+            for a, b in zip(cuts, cuts[1:]):
+                chunks = {"t": []}
+                out = torch.zeros(b - a, 61)
+                assert r.read_many([("t", out, (slice(a, b), slice(None)))], True, chunks=chunks) == [True]
+                assert torch.equal(out, t[a:b]) or path.name == "bad"
+                for bc in chunks["t"]:
+                    assert not set(bc.digests) & set(got)  # each chunk from the block it starts in
+                    got.update(bc.digests)
+            if path.name == "ck":
+                assert got == oracle
+                assert r.check_chunks("t", got) is True
+                assert r.check_chunks("t", {k: v for k, v in got.items() if k != 5}) is False
+                continue
+            with pytest.raises(CorruptCheckpointError) as err:
+                r.check_chunks("t", got)
+            assert err.value.key == "t" and SHARD in str(err.value)
+
+
 # -- peft's adapter file -----------------------------------------------------------------------------
 
 
@@ -402,15 +449,15 @@ def test_save_and_load_follow_state_dict_hooks(tmp_path):
 
 # -- ranks: every placement, checkpoint.load and dcp.load, one shared 2-rank spawn --------------------
 
-PLACEMENTS = ["Shard(0)", "Shard(1)", "_StridedShard(1, 2)", "Replicate()"]
+PLACEMENTS = ["Shard(0)", "Shard(1)", "_StridedShard(0, 2)", "_StridedShard(1, 2)", "Replicate()"]
 
 
 def _placement(code):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "_StridedShard(1, 2)": _StridedShard(1, split_factor=2),
-            "Replicate()": Replicate()}[code]  # fmt: skip
+    return {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "_StridedShard(0, 2)": _StridedShard(0, split_factor=2),
+            "_StridedShard(1, 2)": _StridedShard(1, split_factor=2), "Replicate()": Replicate()}[code]  # fmt: skip
 
 
 def _rank_matrix(rank: int, world: int, cases: dict[str, str]) -> dict:
@@ -445,15 +492,19 @@ def test_every_placement_refuses_a_changed_shard_on_two_ranks(tmp_path):
     ``_StridedShard(1)`` and ``Replicate`` DTensors refuse a flipped byte in a small tensor and in
     a chunked one, naming file and tensor on every rank (``checkpoint.load`` into ``Shard(1)``
     loaded it silently before: each rank reads whole rows, so one of them, in turn, hashes the
-    tensor on the way; the others raise the same error through the load's agreement); every placement, ``Shard(0)`` included, refuses an edited header naming the file; the
-    clean checkpoint loads exactly everywhere."""
+    tensor on the way; the others raise the same error through the load's agreement).
+    ``checkpoint.load`` into ``Shard(0)`` / ``_StridedShard(0)`` rows refuses it too: each rank
+    hashes the digest chunks starting in its rows (a flip in a chunk inside one rank's rows, and
+    in the chunk cut by the ranks' boundary, which its first rank reads to its end), and the
+    ranks combine them in the load's closing exchange. Every placement refuses an edited header
+    naming the file; the clean checkpoint loads exactly everywhere."""
     from checkpoint.ranks.launch import run_ranks
 
     cases = {"clean": str(saved(tmp_path, None))}
     for kind in ("header dtype", "header shape"):
         cases[kind] = str(saved(tmp_path, kind))
-    for key in ("w", "big"):
-        cases[f"data {key}"] = str(saved(tmp_path, "data", key))
+    for key, at in (("w", "middle"), ("big", "middle"), ("big", "start")):
+        cases[f"data {key} {at}"] = str(saved(tmp_path, "data", key, at))
     results = run_ranks(_rank_matrix, 2, cases, timeout=240)
     for rank, res in enumerate(results):
         for (case, code, how), got in res.items():
@@ -461,7 +512,7 @@ def test_every_placement_refuses_a_changed_shard_on_two_ranks(tmp_path):
             if case == "clean":
                 assert got == ("loaded", True), where
                 continue
-            if case.startswith("data") and code == "Shard(0)":
+            if case.startswith("data") and how == "dcp.load" and code in ("Shard(0)", "_StridedShard(0, 2)"):
                 continue  # not checked: see the module docstring
             assert got[0] == "refused", where
             # every rank raises ours (one rank's check, agreed); DCP's CheckpointException keeps its text

@@ -282,6 +282,25 @@ class CheckpointReader:
             return  # no digest, or its whole file was checked already (load(verify=True))
         check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
 
+    def check_chunks(self, key: str, digests: dict[int, bytes]) -> bool:
+        """Check tensor ``key`` against the index's digest from the 16-byte digests of its format-3
+        chunks by index (gathered from the ranks that read its rows: :meth:`read_many`'s
+        ``chunks``). Returns False, checking nothing, when a chunk is missing (a rank read its
+        block another way) or the index records no digest for it.
+
+        Raises:
+            CorruptCheckpointError: the combined digest differs (file and tensor named).
+        """
+        want, chunk = self.recorded_digest(key), self.digest_chunk
+        if want is None or not chunk or self._key_file[key] in self._verified:
+            return False
+        b, e = self._spans[key]
+        n = _digest.chunk_count(e - b, chunk)
+        if e == b or any(k not in digests for k in range(n)):
+            return False
+        self.check_digest(key, _digest.combine_chunks([digests[k] for k in range(n)]))
+        return True
+
     def copy_into(
         self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
     ) -> bool:
@@ -400,7 +419,9 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
-    def read_many(self, pairs: Sequence[tuple], check: bool | Container[str] = True) -> list[bool]:
+    def read_many(
+        self, pairs: Sequence[tuple], check: bool | Container[str] = True, chunks: dict[str, list] | None = None
+    ) -> list[bool]:
         """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
         DTensor's local shard, or a block of it) when that block is one contiguous range of the
@@ -413,6 +434,12 @@ class CheckpointReader:
         holds its key: hashed by the read pool's thread that read its bytes, right after they
         landed (:class:`~.digest.RunHashes`), compared once every read finished.
 
+        ``chunks``: ``{key: []}`` of tensors whose partial blocks (a rank's ``Shard(0)`` rows) are
+        to be hashed in format 3's chunks: each such block read appends its
+        :class:`~.digest.BlockChunks` (the chunks lying whole in it hashed by the read threads as
+        they land, the chunk starting in it and ending after it read from the file), for the
+        caller to combine with the other ranks' (:meth:`check_chunks`).
+
         Raises:
             CorruptCheckpointError: a file ends early, or a tensor read whole differs from its
                 digest (file and tensor named; the targets hold what was read).
@@ -421,6 +448,7 @@ class CheckpointReader:
         done = [False] * len(pairs)
         whole: list[tuple[str, memoryview]] = []  # tensors read whole, to check against the index
         hashed: dict[str, tuple[_digest.RunHashes, int]] = {}  # their hashes, fed as reads land
+        blocks: list[tuple[str, str, _digest.BlockChunks]] = []  # (key, file, chunks) of partial blocks
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str, torch.Tensor]]] = {}
@@ -446,15 +474,20 @@ class CheckpointReader:
                     ) and self._digest_due(key)
                     if checked:
                         whole.append((key, view))
+                    bc = None
+                    if chunks is not None and not checked and key in chunks and self.digest_chunk and self._digest_due(key):
+                        sb, se = self._spans[key]
+                        bc = _digest.BlockChunks(view, b - sb, self.digest_chunk, se - sb)
+                        chunks[key].append(bc)
+                        blocks.append((key, name, bc))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
                         hashes = _digest.RunHashes([view], [True], self.digest_chunk) if checked else None
                         if hashes is not None:
                             hashed[key] = (hashes, 0)
-                        runs.append(
-                            _pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), hashes and hashes.landed)
-                        )
+                        after = hashes.landed if hashes is not None else bc.landed if bc is not None else None
+                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), after))
                     elif e > b:
-                        small.setdefault(name, []).append((b, e, view, key, out, checked))
+                        small.setdefault(name, []).append((b, e, view, key, out, checked, bc))
                 except CheckpointError:
                     raise
                 except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
@@ -472,14 +505,30 @@ class CheckpointReader:
                     if any(x[5] for x in run):  # hashed by the thread that read them, in its cache
                         hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run], self.digest_chunk)
                         hashed.update((x[3], (hashes, i)) for i, x in enumerate(run) if x[5])
+                    after = hashes and hashes.landed
+                    if any(x[6] is not None for x in run):  # partial blocks' chunks, where they land
+                        after = _landed_in_views(run, after)
                     runs.append(
                         _pread.Run(
                             fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name,
-                            tuple(x[4] for x in run), hashes and hashes.landed,
+                            tuple(x[4] for x in run), after,
                         )
                     )
                     start = j
             stats.bytes_read += read_runs(runs)
+            tails: dict[str, list[tuple[str, int, int]]] = {}
+            for key, name, bc in blocks:
+                bc.finish()
+                t = bc.tail()
+                if t is not None:  # the rest of the chunk starting here lies in another rank's rows
+                    sb = self._spans[key][0]
+                    tails.setdefault(name, []).append((f"{t[0]}:{key}", sb + t[1], sb + t[2]))
+            for name, spans in tails.items():
+                got = _digest.hash_spans(self.held_path(name), spans, self.digest_chunk)
+                for key, name_, bc in blocks:
+                    t = bc.tail() if name_ == name else None
+                    if t is not None:
+                        bc.digests[t[0]] = bytes.fromhex(got[f"{t[0]}:{key}"])
             for key, view in whole:
                 hashes, i = hashed.get(key, (None, 0))
                 self.check_digest(key, hashes.digest(i) if hashes is not None and hashes.complete() else view)
@@ -700,6 +749,27 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
+
+
+def _landed_in_views(run: list[tuple], first):
+    """A run's ``after(lo, hi)`` (bytes from its first view's start) that calls ``first`` and
+    each view's :class:`~.digest.BlockChunks` (item ``[6]`` of ``run``'s items) with the part of
+    ``[lo, hi)`` in that view, in the view's own coordinates."""
+    parts, pos = [], 0
+    for x in run:
+        if x[6] is not None:
+            parts.append((pos, len(x[2]), x[6].landed))
+        pos += len(x[2])
+
+    def after(lo: int, hi: int) -> None:
+        if first is not None:
+            first(lo, hi)
+        for st, n, landed in parts:
+            a, z = max(lo, st), min(hi, st + n)
+            if a < z:
+                landed(a - st, z - st)
+
+    return after
 
 
 def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int | None = None) -> None:
