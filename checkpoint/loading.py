@@ -152,9 +152,10 @@ def load(
         TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module.
         RankAgreementError: another rank failed (when loading DTensors).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
-    copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole differs
-    from the index's xxh3-128 digest (checked on the bytes just read: a flipped byte no longer
-    loads silently). Both stop the load there: tensors copied before it hold the checkpoint's
+    copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole (or through
+    all of its rows, or, across the ranks of a collective load, through their rows: its digest
+    chunks gathered in the closing agreement) differs from the index's xxh3-128 digest (checked
+    on the bytes just read: a flipped byte no longer loads silently; raised alike on every rank). Both stop the load there: tensors copied before it hold the checkpoint's
     values, the optimizer and ``extra_state`` are not applied; ``verify=True`` checks every
     file before anything changes.
     """
