@@ -41,7 +41,8 @@ def _check_part(reader: CheckpointReader, report: VerifyReport, bar=None) -> Non
                 f"{p}: {check.algorithm} {check.digest} differs from the index's {rec.digest}: {check.problem}"
             )
         total += reader.header_total(name)
-    for name in sorted(meta.side_files or {}) if meta is not None and reader.files else ():
+    local = getattr(reader, "store", None) is None  # (object storage: side files are not read back)
+    for name in sorted(meta.side_files or {}) if meta is not None and reader.files and local else ():
         # A file the save wrote beside the shards (peft's adapter): every byte, as a shard's.
         p, rec = os.path.join(reader.root, name), meta.side_files[name]
         try:
