@@ -312,7 +312,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
         """Read every item of ``plan`` into the planner's targets (see module docstring); the
         future is already complete."""
         src = self._open()
-        checks = plan.storage_data if isinstance(plan.storage_data, ChecksPlan) else None
+        checks = _checks_of(plan)
         try:
             if checks is None or not checks.exchange:
                 self._read(src, plan, planner)
@@ -375,7 +375,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
         # Tensors this rank checks against the index's digests (prepare_global_plan); every
         # tensor it reads whole when DCP planned without the coordinator. ``rows`` receives the
         # chunk digests of the row blocks of ChecksPlan.rows' tensors, by (reader, key).
-        checks = plan.storage_data if isinstance(plan.storage_data, ChecksPlan) else None
+        checks = _checks_of(plan)
         assigned = checks.mine if checks is not None else None
         row_keys = checks.rows if checks is not None and rows is not None else frozenset()
         # Every target checked before the first read or write, as checkpoint.load does
@@ -454,6 +454,16 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if not ok and not (src.local and reader.copy_into(k, target, sl, check is True or k in check)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
+
+
+def _checks_of(plan: LoadPlan) -> ChecksPlan | None:
+    """The coordinator's :class:`ChecksPlan` of ``plan`` (a bare frozenset: the tensors this rank
+    checks whole), None when DCP planned without the coordinator (then every tensor read whole is
+    checked)."""
+    sd = plan.storage_data
+    if isinstance(sd, ChecksPlan):
+        return sd
+    return ChecksPlan(sd) if isinstance(sd, frozenset) else None
 
 
 def _whole_world(ranks: int) -> bool:
