@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -31,10 +32,14 @@ def apply_load(
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
     on_copy: Callable[[str], None] | None = None,
+    row_chunks: dict[str, list] | None = None,
 ) -> LoadReport:
     """Carry out a checked :class:`LoadPlan`: ``module.to(dtype)``, the copies (or replacements),
     the optimizer state. Only reads and writes remain here; a failure of torch or the OS (e.g. the
-    file vanishes from under a mapping) is a :class:`LoadError` naming key and file."""
+    file vanishes from under a mapping) is a :class:`LoadError` naming key and file.
+    ``row_chunks``: ``{key: []}`` of the tensors no rank reads whole (:func:`row_chunk_keys`),
+    filled with the chunk digests of this rank's blocks (``CheckpointReader.read_many``'s
+    ``chunks``) for the load to exchange and check."""
     copies = plan.copies
     if dtype is not None:
         try:
@@ -46,7 +51,7 @@ def apply_load(
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
     try:
-        _apply_copies(copies, obj, reader, on_copy, replaced)
+        _apply_copies(copies, obj, reader, on_copy, replaced, row_chunks)
     finally:
         release_scratch()
     if optimizer is not None and plan.optimizer_state is not None:
@@ -65,9 +70,10 @@ def apply_load(
     return plan.report
 
 
-def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
+def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor], row_chunks=None) -> None:
     """The copies of :func:`apply_load` (straight reads first, then one by one)."""
-    direct = _read_direct(reader, copies, on_copy)
+    others = _checked_elsewhere(copies)
+    direct = _read_direct(reader, copies, on_copy, others, row_chunks)
     for a in copies:
         if id(a) in direct:
             continue  # same dtype, contiguous CPU target: bytes read straight into it
@@ -77,7 +83,7 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
             t = a.entry.tensor
             if not a.assign and not isinstance(t, DTensor) and reader.read_into(a.key, t):
                 continue
-            if not a.assign and _copy_into(reader, a.key, t):
+            if not a.assign and _copy_into(reader, a.key, t, a.key not in others):
                 continue  # converted / strided / sharded: through a window, no whole-size tensor
             src = _read_target_block(reader, a.key, t)
             if a.assign:
@@ -94,12 +100,70 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
             raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
 
 
-def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
+def row_chunk_keys(copies: list[CopyAction], reader) -> set[str]:
+    """Keys of DTensor targets whose placements shard dim 0 (``Shard(0)``, ``_StridedShard(0)``)
+    read from a checkpoint with format-3 chunk digests: no rank reads such a tensor whole, so
+    each rank hashes the chunks starting in its rows and the ranks combine them
+    (:meth:`CheckpointReader.check_chunks`). The same on every rank (placements and the index
+    only), so whether the load exchanges chunk digests is agreed without a collective."""
+    if not getattr(reader, "digest_chunk", None) or getattr(reader, "read_many", None) is None:
+        return set()
+    return {
+        a.key for a in copies
+        if not a.assign and isinstance(a.entry.tensor, DTensor) and a.entry.tensor.dim()
+        and any(getattr(p, "dim", None) == 0 for p in a.entry.tensor.placements)
+        and reader.recorded_digest(a.key) is not None
+    }  # fmt: skip
+
+
+def _checked_elsewhere(copies: list[CopyAction]) -> set[str]:
+    """Keys of DTensor targets whose digest another rank checks: a tensor whose placements do not
+    shard dim 0 (``Replicate``, ``Shard(1)``, ``_StridedShard(1)``) passes every byte through each
+    rank of its mesh, so one of them is enough to hash it: the ``i``-th such copy is checked by
+    the mesh rank ``i % mesh size`` (every rank plans the same copies in the same order, so they
+    agree without an exchange; a mismatch found by one rank is raised on all by the load's
+    closing ``check_all``). Saves each rank hashing every such tensor: 1/N of the hashing each
+    on N ranks."""
+    out: set[str] = set()
+    turn = 0
+    for a in copies:
+        t = a.entry.tensor
+        if a.assign or not isinstance(t, DTensor) or not t.dim() or any(getattr(p, "dim", None) == 0 for p in t.placements):
+            continue
+        mesh = t.device_mesh
+        size = mesh.size()
+        if size > 1:
+            coord = mesh.get_coordinate()
+            pos = None if coord is None else int(np.ravel_multi_index(tuple(coord), tuple(mesh.shape)))
+            if pos != turn % size:
+                out.add(a.key)
+        turn += 1
+    return out
+
+
+class _AllBut:
+    """A container holding every key but ``skip`` (``read_many``'s ``check``)."""
+
+    def __init__(self, skip: set[str]):
+        self.skip = skip
+
+    def __contains__(self, key: object) -> bool:
+        return key not in self.skip
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _read_direct(
+    reader, copies: list[CopyAction], on_copy, others: set[str] = frozenset(), row_chunks: dict | None = None
+) -> set[int]:
     """The copies read straight into their targets by one ``reader.read_many`` (readers that
     have it: adjacent tensors in one ``preadv``); ids of the copies done. A DTensor
     target's local shard is read block by block where each block is one contiguous byte range of
     the file (a ``Shard(0)`` row block is): one copy, page cache -> local shard, instead of
-    ``get_slice`` into a new tensor and ``copy_`` into the shard (two copies)."""
+    ``get_slice`` into a new tensor and ``copy_`` into the shard (two copies).
+    Tensors read whole are checked against their digests, but those of ``others``
+    (:func:`_checked_elsewhere`); the blocks of ``row_chunks``' keys are hashed in chunks."""
     read_many = getattr(reader, "read_many", None)
     if read_many is None:
         return set()
@@ -125,6 +189,8 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
             owner.append(a)
     if not items:
         return set()
+    check = _AllBut(others) if others else True
+    chunked = {"chunks": row_chunks} if row_chunks else {}
     # Targets on an accelerator go through pinned host buffers (checkpoint.device_load).
     # (is_cpu first: ~0.1 us a tensor where device.type costs ~0.8 us, and loads take 10^5 tensors)
     on_device = [i for i, it in enumerate(items) if not it[1].is_cpu and not it[1].is_meta]
@@ -134,12 +200,12 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
         moved = set(on_device)
         host = [i for i in range(len(items)) if i not in moved]
         done = [False] * len(items)
-        for i, ok in zip(host, read_many([items[i] for i in host]) if host else []):
+        for i, ok in zip(host, read_many([items[i] for i in host], check, **chunked) if host else []):
             done[i] = ok
         for i, ok in zip(on_device, read_to_device(reader, [items[i] for i in on_device])):
             done[i] = ok
     else:
-        done = read_many(items)  # its errors name key and file
+        done = read_many(items, check, **chunked)  # its errors name key and file
     missed = {id(a) for a, ok in zip(owner, done) if not ok}
     out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
@@ -149,10 +215,15 @@ def _read_direct(reader, copies: list[CopyAction], on_copy) -> set[int]:
     return out
 
 
-def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
+def _copy_into(reader, key: str, t: torch.Tensor, mine: bool = True) -> bool:
     """``reader.copy_into`` (a local window, or ranged GETs) for a target read neither straight nor replaced:
     a plain CPU tensor whole, a DTensor's CPU local shard block by block; False when the reader
-    or the target cannot (then the block is read whole and copied)."""
+    or the target cannot (then the block is read whole and copied). Checked against the index's
+    digest wherever the read passes every byte of the tensor through memory: a plain target, a
+    ``Replicate`` one, and a block of every row (``Shard(1)``, ``_StridedShard`` on dim 1: each
+    rank reads its columns out of whole rows, so it hashes the whole tensor on the way; once per
+    rank, on its first such block; ``mine``: False when another rank checks it,
+    :func:`_checked_elsewhere`). A ``Shard(0)`` row block covers no tensor whole: unchecked."""
     copy = getattr(reader, "copy_into", None)
     if copy is None or t.is_meta:
         return False
@@ -164,9 +235,17 @@ def _copy_into(reader, key: str, t: torch.Tensor) -> bool:
     if not local.numel():
         return True
     blocks = list(shards.local_blocks(t))
+    hashed = not mine  # one whole-tensor check (copy_into hashes a block of every row)
     for lsl, gsl in blocks:
-        copy(key, local[lsl], gsl)
+        rows = _all_rows(gsl, t.shape)
+        copy(key, local[lsl], gsl, check=rows and not hashed)
+        hashed = hashed or rows
     return True
+
+
+def _all_rows(gsl, shape) -> bool:
+    """Whether global block ``gsl`` (slices) of a tensor of ``shape`` holds every dim-0 row."""
+    return len(shape) >= 1 and (not gsl or gsl[0].indices(shape[0])[:2] == (0, shape[0]))
 
 
 def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -117,12 +117,19 @@ class UnsafePathError(CheckpointError, ValueError):
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
-    """A file is not a valid safetensors file / index (bad header, offsets, JSON, LFS pointer).
-    ``key``: the entry at fault inside the file (tensor name, JSON field), when known."""
+    """A file is not a valid safetensors file / index (bad header, offsets, JSON, LFS pointer), or
+    its bytes differ from the index's digests. ``key``: the entry at fault inside the file (tensor
+    name, JSON field), when known. Raised alike on every rank of a collective load when one rank
+    finds it (checkpoint.ranks.dist.check_all): the file is as corrupt for all of them."""
+
+    agreed = True
 
     def __init__(self, file: str, why: str, key: str | None = None):
-        self.file, self.key = str(file), key
+        self.file, self.key, self.why = str(file), key, why
         super().__init__(f"{self.file}: {why}")
+
+    def agreed_args(self) -> tuple[str, str, str | None]:
+        return self.file, self.why, self.key
 
 
 class ChecksumMismatchError(CheckpointError, ValueError):

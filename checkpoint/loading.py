@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .apply import apply_load
+from .apply import apply_load, row_chunk_keys
 from .storage.views import checkpoint_view
 from .convert.dequant import DequantizingReader, dequantizing_reader
 from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
@@ -157,9 +157,10 @@ def load(
         TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module.
         RankAgreementError: another rank failed (when loading DTensors).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
-    copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole differs
-    from the index's xxh3-128 digest (checked on the bytes just read: a flipped byte no longer
-    loads silently). Both stop the load there: tensors copied before it hold the checkpoint's
+    copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole (or through
+    all of its rows, or, across the ranks of a collective load, through their rows: its digest
+    chunks gathered in the closing agreement) differs from the index's xxh3-128 digest (checked
+    on the bytes just read: a flipped byte no longer loads silently; raised alike on every rank). Both stop the load there: tensors copied before it hold the checkpoint's
     values, the optimizer and ``extra_state`` are not applied; ``verify=True`` checks every
     file before anything changes.
     """
@@ -187,6 +188,7 @@ def load(
     err: BaseException | None = None
     agreed = False
     reader = plan = extra = None
+    rows: dict[str, list] = {}  # row_chunk_keys' chunk digests of this rank (collective loads)
 
     def agree() -> None:
         nonlocal agreed
@@ -230,17 +232,26 @@ def load(
         elif err is not None:
             raise err
         err = None
+        if collective:  # tensors no rank reads whole: chunk digests of each rank's rows (the same keys on every rank)
+            rows = {k: [] for k in row_chunk_keys(plan.copies, reader)}
         try:
             expect = getattr(reader, "expect", None)  # object storage: read ahead in large ranged GETs
             if expect is not None:
                 expect([a.key for a in plan.copies if not isinstance(a.entry.tensor, DTensor)])
             with copy_progress(reader, plan.copies, progress) as on_copy:
-                apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy)
+                apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy, row_chunks=rows)
             if extra is not None:
                 extra.apply()
         except BaseException as e:  # noqa: BLE001
             err = e
-        if collective:
+        if collective and rows:
+            # One exchange carries the agreement and the chunk digests; every rank then checks
+            # the same combined digests, so a mismatch is raised alike on all of them.
+            mine = {k: {i: d for bc in blocks for i, d in bc.digests.items()} for k, blocks in rows.items()}
+            gathered = dist.check_all_gather(f"loading {path}", err, mine)
+            for k in sorted(rows):
+                reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
+        elif collective:
             dist.check_all(f"loading {path}", err)
         elif err is not None:
             raise err

@@ -72,6 +72,7 @@ class _Part:
     alias_groups: list[list[str]] = field(default_factory=list)
     fqn_map: FQNMapFile | None = None
     optimizer: OptimizerMeta | None = None
+    extra_shards: dict[str, FileRecordV2] | None = None  # FqnckptMeta.extra_shards (the model part)
 
 
 def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -> Callable:
@@ -96,6 +97,7 @@ def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> Ind
         alias_groups=[list(g) for g in part.alias_groups],
         fqn_map=part.fqn_map,
         optimizer=part.optimizer,
+        extra_shards=part.extra_shards,
     )
     return IndexFile(
         metadata=IndexMetadata(total_size=layout.total_size, fqnckpt=meta), weight_map=layout.weight_map
@@ -468,8 +470,18 @@ def _prepare(
         by_fqn = {e.fqn: e.tensor for e in entries}
         specs = [_spec_of(path, e.fqn, e.tensor) for e in entries]
         parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
+    if ADAPTER_WEIGHTS in extra_files:  # the adapter's digests in the model index, as a shard's
+        parts[0].extra_shards = {ADAPTER_WEIGHTS: side_file_record(extra_files[ADAPTER_WEIGHTS])}
     distributed = any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es)
     return parts, distributed, extra_files
+
+
+def side_file_record(data: bytes) -> FileRecordV2:
+    """The index record (format version 3) of a safetensors file a save writes from ``data``
+    (peft's adapter file): size, header and tensor digests, as :class:`SequentialFileWriter`
+    records a shard. Raises ValueError when ``data`` is not a safetensors file."""
+    size, header, tensors = digest.hash_bytes(data, digest.TENSOR_CHUNK)
+    return FileRecordV2(size=size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors)
 
 
 def _extra_state_files(path: str, extra_state, state) -> dict[str, bytes]:

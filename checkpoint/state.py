@@ -78,6 +78,7 @@ def module_state(model: nn.Module) -> ModuleState:
 
     entries: list[Entry] = []
     nonp: dict[str, torch.Tensor] = {}
+    hooked = _hooked_names(model) if fmap is None else {}
     for et in eager_tensors(model):
         names = _dedupe([eager(n) for n in et.names])
         if fmap is not None and names[0] in fmap:
@@ -85,8 +86,36 @@ def module_state(model: nn.Module) -> ModuleState:
         if et.kind == TensorKind.non_persistent_buffer:
             nonp.update({n: et.tensor for n in names})
             continue
+        renamed = hooked.get(id(et.tensor))
+        if renamed and not set(renamed) & set(names):
+            names = renamed  # a state_dict hook renamed it: saved and loaded as state_dict() names it
         entries.append(Entry(names[0], et.tensor, et.kind, names[1:], list(et.module_names)))
     return ModuleState(entries, nonp, fmap)
+
+
+def _hooked_names(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(tensor): its keys in model.state_dict()}`` (wrapper segments removed, as for
+    :func:`fqn.eager_tensors`' names) when a module of ``model`` has state_dict hooks, else {}.
+
+    Why: the names fqnckpt saves and loads are the ones the model's own ``state_dict()`` gives,
+    its hooks included (torch's ``nn.Module._register_state_dict_hook`` /
+    ``register_state_dict_post_hook``: a module that hides a runtime-only level of its own, as
+    quantization and fused wrappers do, renames its keys there, and pairs it with a
+    ``load_state_dict`` pre-hook that renames them back). Tensors are matched by identity
+    (``keep_vars=True``); a hook returning new tensors (a dequantized copy) names nothing here,
+    and such tensors keep their parameter paths."""
+    if not any(m._state_dict_hooks or m._state_dict_pre_hooks for m in model.modules()):
+        return {}
+    from fqn import canonical_fqn
+
+    out: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            names = out.setdefault(id(value), [])
+            name = canonical_fqn(key, model)
+            if name not in names:
+                names.append(name)
+    return out
 
 
 def alias_key(t: torch.Tensor) -> tuple | None:

@@ -302,10 +302,10 @@ def _worker(rank, world, path, save_pl, load_pl, mesh_shape, resume_path, resume
         sliced.append(key)
         return get_slice(self, key, slices)
 
-    def counted_copy(self, key, out, slices=None):  # a block read through the window
+    def counted_copy(self, key, out, slices=None, check=False):  # a block read through the window
         if slices is not None:
             sliced.append(key)
-        return copy_into(self, key, out, slices)
+        return copy_into(self, key, out, slices, check)
 
     CheckpointReader.get_slice, CheckpointReader.copy_into = counted, counted_copy
     try:

@@ -21,7 +21,7 @@ from checkpoint.sources import st_headers
 def test_one_header_parse_per_file(tmp_path, monkeypatch):
     opened: list[str] = []
     real_open = st_headers._open
-    monkeypatch.setattr(st_headers, "_open", lambda p, fw: opened.append(p.name) or real_open(p, fw))
+    monkeypatch.setattr(st_headers, "_open", lambda p, fw, *digest: opened.append(p.name) or real_open(p, fw, *digest))
     # Data is read with preadv at the scanned byte ranges: no safe_open after the scan.
     monkeypatch.setattr(st_source, "safe_open", lambda *a, **k: opened.append("re-opened"), raising=False)
     d = tmp_path / "shards"

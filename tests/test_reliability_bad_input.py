@@ -16,6 +16,7 @@ import zipfile
 import pytest
 import torch
 import torch.nn as nn
+import xxhash
 
 import checkpoint
 from checkpoint import (
@@ -264,6 +265,11 @@ def test_tensor_in_two_files(tmp_path):
     n = len(data)
     head[key] = {**src_head[key], "data_offsets": [n, n + e - b]}
     write_st(path / SHARD1, head, data + src_data[b:e])
+    # The index records the edited header's digest (else that mismatch is refused first): the
+    # duplicate itself is what is refused here.
+    raw = (path / SHARD1).read_bytes()
+    new = xxhash.xxh3_128_hexdigest(raw[: 8 + struct.unpack("<Q", raw[:8])[0]])
+    rewrite_index(path, lambda d: d["metadata"]["fqnckpt"]["files"][SHARD1].__setitem__("header", new))
     err = rejected(path, DuplicateTensorError, key, SHARD1, SHARD2)
     assert err.files == [SHARD1, SHARD2]
 

@@ -40,8 +40,10 @@ that a file cut short turns into SIGBUS (a SIGBUS-safe read from a private mappi
 
 Integrity: a tensor read whole, or through all of its rows, is checked against the index's
 xxh3-128 digest by one rank (the coordinator assigns each such tensor to one of the ranks reading
-it); a mismatch raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file and tensor,
-on every rank. Ranks that opened different checkpoints (an overwrite landing while they opened
+it); a tensor read only in ``Shard(0)`` row blocks is checked from the digest chunks each rank
+hashes in its rows, gathered after the reads (format 3, a load on the whole default process
+group); a mismatch raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file and
+tensor, on every rank. Ranks that opened different checkpoints (an overwrite landing while they opened
 it) are refused the same way instead of loading a mix.
 """
 
@@ -111,6 +113,19 @@ class StoredChunk:
     key: str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChecksPlan:
+    """``LoadPlan.storage_data`` the coordinator gives each rank (:meth:`StorageReader.prepare_global_plan`):
+    ``mine``, the ``(reader, key)`` of the tensors this rank checks whole; ``rows``, those no rank
+    reads whole whose row blocks every rank hashes in digest chunks; ``exchange``: whether the
+    ranks gather those chunk digests after their reads (on the default process group, which
+    this load runs on all of)."""
+
+    mine: frozenset
+    rows: frozenset = frozenset()
+    exchange: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,9 +267,11 @@ class StorageReader(Located, dcp_storage.StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: give each rank the stored tensors it checks against the index's digests
-        (``LoadPlan.storage_data``, a frozenset of ``(reader, key)``): each tensor some rank reads
-        whole (or all of its rows, a column block) is checked by one of those ranks, the one with
-        the fewest elements to check so far, so no tensor is hashed twice.
+        (``LoadPlan.storage_data``, a :class:`ChecksPlan`): each tensor some rank reads whole (or
+        all of its rows, a column block) is checked by one of those ranks, the one with the fewest
+        elements to check so far, so no tensor is hashed twice; a tensor read only in row blocks
+        (``Shard(0)``) is checked from the digest chunks of every rank's rows, gathered after the
+        reads.
 
         Raises :class:`~checkpoint.errors.CorruptCheckpointError` (on every rank, through DCP)
         when the ranks opened different checkpoints (a path per rank, or a save replaced it while
@@ -271,6 +288,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
             )
         readers_of: dict[tuple[int, str], set[int]] = {}
         size: dict[tuple[int, str], int] = {}
+        partial: set[tuple[int, str]] = set()  # read in row blocks (a Shard(0) load) by some rank
         for r, p in enumerate(plans):
             for it in p.items:
                 c = self.storage_data.get(it.storage_index) if it.type != LoadItemType.BYTE_IO else None
@@ -281,20 +299,36 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if lengths == c.shape or rows:
                     readers_of.setdefault((c.reader, c.key), set()).add(r)
                     size[(c.reader, c.key)] = math.prod(c.shape)
+                elif c.shape and lengths[1:] == c.shape[1:]:
+                    partial.add((c.reader, c.key))
         load = [0] * len(plans)
         mine: list[set[tuple[int, str]]] = [set() for _ in plans]
         for k, ranks in readers_of.items():
             r = min(ranks, key=lambda r: (load[r], r))
             load[r] += size[k]
             mine[r].add(k)
-        return [replace(p, storage_data=frozenset(m)) for p, m in zip(plans, mine)]
+        # Tensors no rank reads whole: each rank hashes the digest chunks of its rows and the
+        # ranks gather them after reading (CheckpointReader.check_chunks), where the index has
+        # chunked digests and this load runs on the whole default process group.
+        src = self._open()
+        rows = frozenset(
+            (rd, k) for rd, k in partial - set(readers_of)
+            if src.local and getattr(src.readers[rd], "digest_chunk", None) and src.readers[rd].recorded_digest(k) is not None
+        )  # fmt: skip
+        exchange = bool(rows) and _whole_world(len(plans))
+        return [replace(p, storage_data=ChecksPlan(frozenset(m), rows if exchange else frozenset(), exchange))
+                for p, m in zip(plans, mine)]  # fmt: skip
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner's targets (see module docstring); the
         future is already complete."""
         src = self._open()
+        checks = _checks_of(plan)
         try:
-            self._read(src, plan, planner)
+            if checks is None or not checks.exchange:
+                self._read(src, plan, planner)
+            else:
+                self._read_and_exchange(src, plan, planner, checks)
         finally:
             self._close()
         fut: Future[None] = Future()
@@ -323,10 +357,38 @@ class StorageReader(Located, dcp_storage.StorageReader):
         state["_source"] = None
         return state
 
-    def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_and_exchange(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan) -> None:
+        """:meth:`_read`, then the ranks' chunk digests of ``checks.rows`` gathered (every rank
+        gets here, a failed read included: its error travels in the same exchange) and each such
+        tensor checked against the index's digest by every rank alike.
+
+        Raises:
+            CorruptCheckpointError: a combined digest differs (file and tensor named), on every rank.
+        """
+        import torch.distributed as dist
+
+        digests: dict[tuple[int, str], dict[int, bytes]] = {}
+        err: BaseException | None = None
+        try:
+            self._read(src, plan, planner, digests)
+        except BaseException as e:  # noqa: BLE001 - raised after the exchange every rank joins
+            err = e
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, None if err is not None else digests)
+        if err is not None:
+            raise err
+        if any(g is None for g in gathered):
+            return  # another rank failed: DCP reports its error on every rank
+        for rd, k in sorted(checks.rows):
+            src.readers[rd].check_chunks(k, {i: d for g in gathered for i, d in g.get((rd, k), {}).items()})
+
+    def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, rows: dict | None = None) -> None:
         # Tensors this rank checks against the index's digests (prepare_global_plan); every
-        # tensor it reads whole when DCP planned without the coordinator.
-        assigned = plan.storage_data if isinstance(plan.storage_data, frozenset) else None
+        # tensor it reads whole when DCP planned without the coordinator. ``rows`` receives the
+        # chunk digests of the row blocks of ChecksPlan.rows' tensors, by (reader, key).
+        checks = _checks_of(plan)
+        assigned = checks.mine if checks is not None else None
+        row_keys = checks.rows if checks is not None and rows is not None else frozenset()
         # Every target checked before the first read or write, as checkpoint.load does
         # (plan.values.target_problem): an expand()ed target failed mid-load in copy_ with a bare
         # RuntimeError; an inference tensor was written behind torch's back (torch's own readers
@@ -391,7 +453,13 @@ class StorageReader(Located, dcp_storage.StorageReader):
             pairs = [(k, t) if sl is None else (k, t, sl) for k, (_, t, sl) in zip(keys, items)]
             check: Any = True if assigned is None else {k for rr, k in assigned if rr == r}
             many = getattr(reader, "read_many", None)
-            done = many(pairs, check) if many is not None else [False] * len(pairs)
+            chunks = {k: [] for rr, k in row_keys if rr == r}
+            if many is None:
+                done = [False] * len(pairs)
+            else:
+                done = many(pairs, check, chunks=chunks) if chunks else many(pairs, check)
+            for k, blocks in chunks.items():
+                rows[(r, k)] = {i: d for bc in blocks for i, d in bc.digests.items()}
             for k, (item, target, sl), ok in zip(keys, items, done):
                 # Else (a column block, a converting target) the package's one block read
                 # (local files; checked against the digest when all rows pass through it), or a
@@ -410,6 +478,25 @@ def _check_known(src: _Source, storage: Mapping[MetadataIndex, Any], item: ReadI
             raise UnknownReadItemError(src.where, idx.fqn)
     elif not isinstance(storage.get(idx), StoredChunk) or idx.fqn not in src.chunks:
         raise UnknownReadItemError(src.where, idx.fqn, tuple(idx.offset or ()))
+
+
+def _checks_of(plan: LoadPlan) -> ChecksPlan | None:
+    """The coordinator's :class:`ChecksPlan` of ``plan`` (a bare frozenset: the tensors this rank
+    checks whole), None when DCP planned without the coordinator (then every tensor read whole is
+    checked)."""
+    sd = plan.storage_data
+    if isinstance(sd, ChecksPlan):
+        return sd
+    return ChecksPlan(sd) if isinstance(sd, frozenset) else None
+
+
+def _whole_world(ranks: int) -> bool:
+    """Whether a load planned over ``ranks`` ranks runs on the whole default process group (the
+    group the chunk-digest exchange of :meth:`StorageReader._read_and_exchange` uses: DCP does not
+    hand its group to storage readers)."""
+    import torch.distributed as dist
+
+    return ranks > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == ranks
 
 
 def _identity(src: _Source) -> tuple:

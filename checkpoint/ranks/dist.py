@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointExistsError, ConcurrentSaveError, RankAgreementError
+from ..errors import CheckpointError, CheckpointExistsError, ConcurrentSaveError, CorruptCheckpointError, RankAgreementError
 
-_AGREED = {c.__name__: c for c in (ConcurrentSaveError, CheckpointExistsError)}
+_AGREED = {c.__name__: c for c in (ConcurrentSaveError, CheckpointExistsError, CorruptCheckpointError)}
 
 _local = threading.local()
 
@@ -71,8 +71,8 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 def _message(error: BaseException | None) -> Any:
     """What a rank sends of its ``error``: its message, and for an error every rank must raise
-    alike (a class with ``agreed = True``: ConcurrentSaveError, CheckpointExistsError) its class
-    name and constructor arguments."""
+    alike (a class with ``agreed = True``: ConcurrentSaveError, CheckpointExistsError,
+    CorruptCheckpointError) its class name and constructor arguments."""
     if error is None:
         return None
     msg = f"{type(error).__name__}: {error}"
@@ -91,8 +91,8 @@ def _raise_for(what: str, error: BaseException | None, sent: dict[int, Any]) -> 
     for r in sorted(sent):
         m = sent[r]
         if not isinstance(m, str) and m[1] in _AGREED:  # only our own classes, by name: nothing else is rebuilt
-            path, why = m[2]
-            raise _AGREED[m[1]](path, f"{why} (found on rank {r})") from agreement
+            path, why, *rest = m[2]
+            raise _AGREED[m[1]](path, f"{why} (found on rank {r})", *rest) from agreement
     raise agreement
 
 

@@ -19,8 +19,7 @@ import torch
 
 from ..storage.layout import ST_TO_DTYPE
 from ..storage.reader import _whole_block, block_slices, check_tensor_digest
-from ..storage.writer import tensor_bytes
-from ..storage.tensor_read import Where, read_block, read_tensor
+from ..storage.tensor_read import Where, read_block, read_hashed, read_tensor
 from .base import Source
 from .st_headers import HFIndex, scan_safetensors
 
@@ -50,10 +49,13 @@ class _FileReader:
     def get(self, key: str) -> torch.Tensor:
         at, begin = self._at(key)
         spec = self.specs[key]
-        t = read_tensor(at, key, begin, spec.shape, spec.dtype)
         want = self.digests.get(key)
-        if want is not None:  # a migration must not copy flipped bytes into a checkpoint it digests anew
-            check_tensor_digest(str(self.root / self.files[key]), key, tensor_bytes(t), want, self.digest_chunk)
+        if want is None:
+            return read_tensor(at, key, begin, spec.shape, spec.dtype)
+        # A migration must not copy flipped bytes into a checkpoint it digests anew: hashed as the
+        # pieces land, on the read threads (no second pass), then checked.
+        t, got = read_hashed(at, key, begin, spec.shape, spec.dtype, self.digest_chunk)
+        check_tensor_digest(str(self.root / self.files[key]), key, got, want, self.digest_chunk)
         return t
 
     def get_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:

@@ -52,20 +52,23 @@ class HeaderDType(NamedTuple):
 HEADER_DTYPES = {st: HeaderDType(name, size) for st, (name, size) in ST_DTYPES.items()}
 
 
-def _open(path: Path, framework: str):
+def _open(path: Path, framework: str, header_digest: str | None = None):
     try:
-        return open_safetensors_with_header(str(path), framework)
+        return open_safetensors_with_header(str(path), framework, header_digest=header_digest)
     except CorruptCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors / OS errors become ours, naming the file
         raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
 
 
-def _header(path: Path, dtypes: dict[str, Any], framework: str, spans: dict[str, tuple[int, int]]) -> tuple[dict[str, SourceSpec], Any]:
+def _header(
+    path: Path, dtypes: dict[str, Any], framework: str, spans: dict[str, tuple[int, int]], header_digest: str | None = None
+) -> tuple[dict[str, SourceSpec], Any]:
     """Specs of file ``path``'s tensors and its ``safe_open`` handle; ``spans`` receives each
     tensor's absolute ``[begin, end)`` byte range (validated by ``safe_open``), for reads by
-    ``preadv`` (:mod:`checkpoint.storage.tensor_read`)."""
-    h, head = _open(path, framework)
+    ``preadv`` (:mod:`checkpoint.storage.tensor_read`); ``header_digest``: the index's digest of
+    the header bytes, checked (:func:`~checkpoint.storage.st_header.header_of_bytes`)."""
+    h, head = _open(path, framework, header_digest)
     with open(path, "rb") as f:
         start = 8 + int.from_bytes(f.read(8), "little")
     out = {}
@@ -138,9 +141,10 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
         missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
         if missing:
             raise MissingShardError(str(root), missing, index_file.name)
+        recorded = _recorded_headers(index.metadata)  # each file's header digest, checked on open
         headers = {}
         for f in files:
-            headers[f], handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}))
+            headers[f], handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}), recorded.get(f))
         for key, f in index.weight_map.items():
             if key not in headers[f]:
                 found = next((g for g, h in headers.items() if key in h), None)
@@ -161,18 +165,35 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
     return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes, spans, digests, chunk)
 
 
-def _recorded_digests(metadata: dict[str, Any]) -> tuple[dict[str, str], int | None]:
-    """({key: tensor digest hex}, tensor_digest_chunk) of an fqnckpt index's ``metadata`` (format
-    versions 2 and 3), through the index's own schema; ({}, None) for other indexes (a block that
-    does not parse is reported by ``verify``, which reads it with the checkpoint reader)."""
+def _fqnckpt_block(metadata: dict[str, Any]):
+    """An fqnckpt index's own metadata block, parsed through its schema; None for other indexes
+    (a block that does not parse is reported by ``verify``, which reads it with the checkpoint
+    reader)."""
     from ..storage.format import FqnckptMeta
 
     block = metadata.get("fqnckpt") if isinstance(metadata, dict) else None
     if block is None:
-        return {}, None
+        return None
     try:
-        meta = FqnckptMeta.model_validate(block)
+        return FqnckptMeta.model_validate(block)
     except ValidationError:
+        return None
+
+
+def _recorded_headers(metadata: dict[str, Any]) -> dict[str, str]:
+    """{file: xxh3-128 digest of its header bytes} of an fqnckpt index's ``metadata`` (format
+    versions 2 and 3); {} for other indexes."""
+    meta = _fqnckpt_block(metadata)
+    if meta is None:
+        return {}
+    return {name: rec.header for name, rec in meta.files.items() if getattr(rec, "header", None) is not None}
+
+
+def _recorded_digests(metadata: dict[str, Any]) -> tuple[dict[str, str], int | None]:
+    """({key: tensor digest hex}, tensor_digest_chunk) of an fqnckpt index's ``metadata`` (format
+    versions 2 and 3), through the index's own schema; ({}, None) for other indexes."""
+    meta = _fqnckpt_block(metadata)
+    if meta is None:
         return {}, None
     return meta.tensor_digests(), meta.tensor_digest_chunk
 

@@ -114,12 +114,18 @@ class FqnckptMeta(BaseModel):
     # sha256 (hex) of the side files the save wrote ({object name: digest}: config.json, ...):
     # a removal deletes one only while its bytes are still these (checkpoint.storage.commit.removable).
     object_digests: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = None
+    # safetensors files of the save beside this part's shards, not in its weight_map (peft's
+    # adapter_model.safetensors, checkpoint.peft_state): their records, checked as a shard's are
+    # (header on open, tensors on read, every byte by verify).
+    extra_shards: dict[str, FileRecordV2] | None = None
     # xxh3-128 of the index file's bytes with this value zeroed (version 2; set when serialized).
     index_xxh3_128: Annotated[str, Field(pattern=_HEX128)] | None = None
 
     @model_validator(mode="after")
     def _records_match_version(self) -> FqnckptMeta:
         want = FileRecord if self.format_version == 1 else FileRecordV2
+        if self.extra_shards and self.format_version < 2:
+            raise ValueError("extra_shards are not part of format version 1")
         for name, rec in self.files.items():
             if not isinstance(rec, want):
                 raise ValueError(
@@ -142,6 +148,13 @@ class FqnckptMeta(BaseModel):
             if isinstance(rec, FileRecordV2):
                 out.update(rec.tensors)
         return out
+
+    def record(self, name: str) -> FileRecordV2 | FileRecord | None:
+        """The record of file ``name``: a shard of :attr:`files` or one of :attr:`extra_shards`."""
+        rec = self.files.get(name)
+        if rec is None and self.extra_shards:
+            rec = self.extra_shards.get(name)
+        return rec
 
 
 class IndexMetadata(BaseModel):

@@ -17,11 +17,14 @@ from .remote_reader import open_remote_checkpoint, remote_view
 
 
 def open_checkpoint(
-    path: str | os.PathLike | Any, prefix: str = MODEL_PREFIX, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike | Any, prefix: str = MODEL_PREFIX, storage_options: Mapping[str, Any] | None = None,
+    *, check_headers: bool = True,
 ) -> reader.CheckpointReader:
     """Open and validate a checkpoint (see :func:`checkpoint.storage.reader.open_checkpoint`).
     A URL (``s3://...``, ``memory://...``) is read through fsspec with ranged reads, every part
     from the one model index fetched (``storage_options`` go to the fsspec filesystem).
+    ``check_headers``: compare each shard's header with the index's digest of it on open (see
+    :func:`checkpoint.storage.st_header.header_of_bytes`); ``verify`` alone turns it off.
 
     Raises what :func:`checkpoint.storage.reader.open_checkpoint` and
     :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raise;
@@ -30,8 +33,8 @@ def open_checkpoint(
     where = resolve(path, storage_options)
     if is_remote(where):
         with remote_view(where) as view:
-            return open_remote_checkpoint(view, prefix)
-    return reader.open_checkpoint(where, prefix)
+            return open_remote_checkpoint(view, prefix, check_headers=check_headers)
+    return reader.open_checkpoint(where, prefix, check_headers=check_headers)
 
 
 __all__ = ["open_checkpoint", "recover"]

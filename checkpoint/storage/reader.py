@@ -192,6 +192,9 @@ class CheckpointReader:
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
         self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
+        # Whether opening a shard compares its header bytes with the index's digest (off for
+        # ``verify``, which re-hashes every file and reports each difference instead of stopping).
+        self.check_headers = True
 
     # -- lookups ------------------------------------------------------------------------------
     @property
@@ -258,7 +261,7 @@ class CheckpointReader:
         meta = self.meta
         if meta is None:
             return None
-        rec = meta.files.get(self._key_file.get(key, ""))
+        rec = meta.record(self._key_file.get(key, ""))
         return rec.tensors.get(key) if isinstance(rec, FileRecordV2) else None
 
     def _digest_due(self, key: str) -> bool:
@@ -279,6 +282,25 @@ class CheckpointReader:
         if want is None or self._key_file[key] in self._verified:
             return  # no digest, or its whole file was checked already (load(verify=True))
         check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
+
+    def check_chunks(self, key: str, digests: dict[int, bytes]) -> bool:
+        """Check tensor ``key`` against the index's digest from the 16-byte digests of its format-3
+        chunks by index (gathered from the ranks that read its rows: :meth:`read_many`'s
+        ``chunks``). Returns False, checking nothing, when a chunk is missing (a rank read its
+        block another way) or the index records no digest for it.
+
+        Raises:
+            CorruptCheckpointError: the combined digest differs (file and tensor named).
+        """
+        want, chunk = self.recorded_digest(key), self.digest_chunk
+        if want is None or not chunk or self._key_file[key] in self._verified:
+            return False
+        b, e = self._spans[key]
+        n = _digest.chunk_count(e - b, chunk)
+        if e == b or any(k not in digests for k in range(n)):
+            return False
+        self.check_digest(key, _digest.combine_chunks([digests[k] for k in range(n)]))
+        return True
 
     def copy_into(
         self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
@@ -398,7 +420,9 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
-    def read_many(self, pairs: Sequence[tuple], check: bool | Container[str] = True) -> list[bool]:
+    def read_many(
+        self, pairs: Sequence[tuple], check: bool | Container[str] = True, chunks: dict[str, list] | None = None
+    ) -> list[bool]:
         """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
         DTensor's local shard, or a block of it) when that block is one contiguous range of the
@@ -411,6 +435,12 @@ class CheckpointReader:
         holds its key: hashed by the read pool's thread that read its bytes, right after they
         landed (:class:`~.digest.RunHashes`), compared once every read finished.
 
+        ``chunks``: ``{key: []}`` of tensors whose partial blocks (a rank's ``Shard(0)`` rows) are
+        to be hashed in format 3's chunks: each such block read appends its
+        :class:`~.digest.BlockChunks` (the chunks lying whole in it hashed by the read threads as
+        they land, the chunk starting in it and ending after it read from the file), for the
+        caller to combine with the other ranks' (:meth:`check_chunks`).
+
         Raises:
             CorruptCheckpointError: a file ends early, or a tensor read whole differs from its
                 digest (file and tensor named; the targets hold what was read).
@@ -419,6 +449,7 @@ class CheckpointReader:
         done = [False] * len(pairs)
         whole: list[tuple[str, memoryview]] = []  # tensors read whole, to check against the index
         hashed: dict[str, tuple[_digest.RunHashes, int]] = {}  # their hashes, fed as reads land
+        blocks: list[tuple[str, str, _digest.BlockChunks]] = []  # (key, file, chunks) of partial blocks
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str, torch.Tensor]]] = {}
@@ -444,15 +475,20 @@ class CheckpointReader:
                     ) and self._digest_due(key)
                     if checked:
                         whole.append((key, view))
+                    bc = None
+                    if chunks is not None and not checked and key in chunks and self.digest_chunk and self._digest_due(key):
+                        sb, se = self._spans[key]
+                        bc = _digest.BlockChunks(view, b - sb, self.digest_chunk, se - sb)
+                        chunks[key].append(bc)
+                        blocks.append((key, name, bc))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
                         hashes = _digest.RunHashes([view], [True], self.digest_chunk) if checked else None
                         if hashes is not None:
                             hashed[key] = (hashes, 0)
-                        runs.append(
-                            _pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), hashes and hashes.landed)
-                        )
+                        after = hashes.landed if hashes is not None else bc.landed if bc is not None else None
+                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), after))
                     elif e > b:
-                        small.setdefault(name, []).append((b, e, view, key, out, checked))
+                        small.setdefault(name, []).append((b, e, view, key, out, checked, bc))
                 except CheckpointError:
                     raise
                 except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
@@ -470,14 +506,30 @@ class CheckpointReader:
                     if any(x[5] for x in run):  # hashed by the thread that read them, in its cache
                         hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run], self.digest_chunk)
                         hashed.update((x[3], (hashes, i)) for i, x in enumerate(run) if x[5])
+                    after = hashes and hashes.landed
+                    if any(x[6] is not None for x in run):  # partial blocks' chunks, where they land
+                        after = _landed_in_views(run, after)
                     runs.append(
                         _pread.Run(
                             fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name,
-                            tuple(x[4] for x in run), hashes and hashes.landed,
+                            tuple(x[4] for x in run), after,
                         )
                     )
                     start = j
             stats.bytes_read += read_runs(runs)
+            tails: dict[str, list[tuple[str, int, int]]] = {}
+            for key, name, bc in blocks:
+                bc.finish()
+                t = bc.tail()
+                if t is not None:  # the rest of the chunk starting here lies in another rank's rows
+                    sb = self._spans[key][0]
+                    tails.setdefault(name, []).append((f"{t[0]}:{key}", sb + t[1], sb + t[2]))
+            for name, spans in tails.items():
+                got = _digest.hash_spans(self.held_path(name), spans, self.digest_chunk)
+                for key, name_, bc in blocks:
+                    t = bc.tail() if name_ == name else None
+                    if t is not None:
+                        bc.digests[t[0]] = bytes.fromhex(got[f"{t[0]}:{key}"])
             for key, view in whole:
                 hashes, i = hashed.get(key, (None, 0))
                 self.check_digest(key, hashes.digest(i) if hashes is not None and hashes.complete() else view)
@@ -489,12 +541,21 @@ class CheckpointReader:
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk with
-        ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). Raises what :meth:`get` raises."""
+        ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). A block of every row (a
+        column block, step 1) passes all of the tensor's bytes through memory and is checked
+        against the index's digest on the way (:meth:`copy_into`), as a whole read is. Raises
+        what :meth:`get` raises."""
         slices = block_slices(key, self._specs[self._known(key)][0], slices)
         if _whole_block(self._specs[key][0], slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
-        at, begin = self._where(key)
         spec = self.spec(key)
+        if self._digest_due(key) and all(s.step in (None, 1) for s in slices):
+            bounds = [s.indices(n)[:2] for s, n in zip(slices, spec.shape)] + [(0, n) for n in spec.shape[len(slices) :]]
+            if all(hi > lo for lo, hi in bounds) and _tread.hashable(spec.shape, spec.dtype, bounds):
+                out = torch.empty([hi - lo for lo, hi in bounds], dtype=spec.dtype)
+                self.copy_into(key, out, slices, check=True)
+                return out
+        at, begin = self._where(key)
         t = _tread.read_block(at, key, begin, spec.shape, spec.dtype, slices)
         stats.bytes_read += t.numel() * t.element_size()
         return t
@@ -512,7 +573,7 @@ class CheckpointReader:
             raise KeyError(f"{name!r} is not a file of {self.root}; files: {self.files}")
         path = os.path.join(self.root, name)
         src = self.held_path(name)
-        rec = self.meta.files.get(name) if self.meta else None
+        rec = self.meta.record(name) if self.meta else None
         check = check_file(src, rec, self.digest_chunk)  # the file opened, even if a save replaced it since
         if check.problem is not None:
             raise ChecksumMismatchError(path, rec.digest, f"{check.digest} ({check.problem})")
@@ -548,7 +609,7 @@ class CheckpointReader:
 
     def check_file(self, name: str) -> FileDigestCheck:
         """:func:`check_file` of shard ``name`` against its index record (one read of the file)."""
-        rec = self.meta.files.get(name) if self.meta else None
+        rec = self.meta.record(name) if self.meta else None
         return check_file(self.held_path(name), rec, self.digest_chunk)
 
     def header_total(self, name: str) -> int:
@@ -559,11 +620,11 @@ class CheckpointReader:
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
-        none. Raises what :func:`open_checkpoint` raises."""
+        none (headers checked as this reader's are). Raises what :func:`open_checkpoint` raises."""
         name = recorded_object(self.index, index_name(prefix)) if self.index is not None else index_name(prefix)
         if name is None or not os.path.isfile(os.path.join(self.root, name)):
             return None
-        return open_checkpoint(self.root, prefix=prefix)
+        return open_checkpoint(self.root, prefix=prefix, check_headers=self.check_headers)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _index_bytes(self) -> bytes:
@@ -592,13 +653,21 @@ class CheckpointReader:
             )
         return path
 
+    def recorded_header(self, name: str) -> str | None:
+        """The index's xxh3-128 digest of shard ``name``'s header bytes (format versions 2 and 3),
+        checked on every open of the file (:func:`~.st_header.header_of_bytes`); None without
+        one, or when this reader was opened with ``check_headers=False``."""
+        meta = self.meta
+        rec = meta.record(name) if meta is not None and self.check_headers else None
+        return rec.header if isinstance(rec, FileRecordV2) else None
+
     def _open_file(self, name: str):
         path = os.path.join(self.root, name)
         # The raw fd first; the header is read and validated through it (never mapped: a file cut
         # while mapped kills the process by SIGBUS), so header and data come from one inode.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            h, head = open_safetensors_with_header(path, fd=fd)
+            h, head = open_safetensors_with_header(path, fd=fd, header_digest=self.recorded_header(name))
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         except BaseException:
             os.close(fd)
@@ -684,6 +753,27 @@ class CheckpointReader:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
 
 
+def _landed_in_views(run: list[tuple], first):
+    """A run's ``after(lo, hi)`` (bytes from its first view's start) that calls ``first`` and
+    each view's :class:`~.digest.BlockChunks` (item ``[6]`` of ``run``'s items) with the part of
+    ``[lo, hi)`` in that view, in the view's own coordinates."""
+    parts, pos = [], 0
+    for x in run:
+        if x[6] is not None:
+            parts.append((pos, len(x[2]), x[6].landed))
+        pos += len(x[2])
+
+    def after(lo: int, hi: int) -> None:
+        if first is not None:
+            first(lo, hi)
+        for st, n, landed in parts:
+            a, z = max(lo, st), min(hi, st + n)
+            if a < z:
+                landed(a - st, z - st)
+
+    return after
+
+
 def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int | None = None) -> None:
     """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, a hasher of
     :func:`~.digest.tensor_hasher` fed every byte, or their hex digest) against ``want``, the
@@ -756,7 +846,7 @@ def _unit_dims_dropped(
     return tuple(shape[i] for i in keep), out, slices
 
 
-def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX, *, check_headers: bool = True) -> CheckpointReader:
     """Open and validate a checkpoint.
 
     ``path`` is a directory with ``<prefix>.safetensors.index.json`` (authoritative), a directory
@@ -771,8 +861,10 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
             outside the checkpoint directory (see :mod:`checkpoint.storage.paths`).
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: a tensor is stored in two files.
-        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), or
-            an fqnckpt index's ``metadata.total_size`` differs from the indexed tensors' bytes.
+        CorruptCheckpointError: the index or a header is invalid (git-lfs pointers are named), a
+            header's bytes differ from the digest the index records for them (``check_headers``,
+            the default; ``verify`` turns it off to report every file instead), or an fqnckpt
+            index's ``metadata.total_size`` differs from the indexed tensors' bytes.
         InterruptedCommitError: a save was killed mid-commit and this process cannot complete it.
         TypeError: ``path`` is a URL (see above).
 
@@ -788,10 +880,10 @@ def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX) -> Chec
     # One checkpoint, whole: every file is opened inside one read view (no commit runs meanwhile;
     # see checkpoint.storage.local_commit), and a reader keeps the files it opened.
     with atomic.read_view(path):
-        return _open_checkpoint(path, prefix)
+        return _open_checkpoint(path, prefix, check_headers)
 
 
-def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
+def _open_checkpoint(path: str, prefix: str, check_headers: bool = True) -> CheckpointReader:
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
             raise CheckpointNotFoundError(path, "expected a directory or a .safetensors file")
@@ -819,6 +911,7 @@ def _open_checkpoint(path: str, prefix: str) -> CheckpointReader:
                 f"metadata.fqnckpt.files {sorted(meta.files)} differ from the weight_map's files {files}",
             )
         reader = CheckpointReader(path, index, idx_path, dict(index.weight_map))
+        reader.check_headers = check_headers
         _warn_strays(path, prefix, set(files))
     elif os.path.isfile(single):
         h = open_safetensors(single)

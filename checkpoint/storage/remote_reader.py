@@ -76,7 +76,7 @@ class RemoteCheckpointReader(CheckpointReader):
         if 8 + n > size:
             raise CorruptCheckpointError(where, f"not a valid safetensors file: header of {n} bytes in {size}")
         head_bytes = first[: 8 + n] if 8 + n <= len(first) else first + self.store.get_range(name, len(first), 8 + n)
-        head = header_of_bytes(head_bytes, size, where)[1]
+        head = header_of_bytes(head_bytes, size, where, header_digest=self.recorded_header(name))[1]
         self._totals[name] = sum(
             v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__"
         )
@@ -277,7 +277,7 @@ class RemoteCheckpointReader(CheckpointReader):
     def open_part(self, prefix: str) -> CheckpointReader | None:
         if self.view.object_of(index_name(prefix)) is None or self.view.member_bytes(index_name(prefix)) is None:
             return None
-        return open_remote_checkpoint(self.view, prefix)
+        return open_remote_checkpoint(self.view, prefix, check_headers=self.check_headers)
 
     def held_path(self, name: str) -> str:
         return self.store.url_of(name)
@@ -292,9 +292,11 @@ class RemoteCheckpointReader(CheckpointReader):
         return f"RemoteCheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
 
 
-def open_remote_checkpoint(view: RemoteView, prefix: str = MODEL_PREFIX) -> RemoteCheckpointReader:
+def open_remote_checkpoint(
+    view: RemoteView, prefix: str = MODEL_PREFIX, *, check_headers: bool = True
+) -> RemoteCheckpointReader:
     """Open and validate part ``prefix`` of the checkpoint of ``view`` (errors as
-    :func:`checkpoint.storage.reader.open_checkpoint`, naming URLs).
+    :func:`checkpoint.storage.reader.open_checkpoint`, naming URLs; ``check_headers`` as there).
 
     Raises:
         CheckpointNotFoundError: no model index (nothing committed there) and no single
@@ -348,6 +350,7 @@ def open_remote_checkpoint(view: RemoteView, prefix: str = MODEL_PREFIX) -> Remo
         if missing:
             raise MissingShardError(store.url, missing, name)
     reader = RemoteCheckpointReader(view, index, obj, dict(index.weight_map), sizes)
+    reader.check_headers = check_headers
     reader.index_raw = raw
     reader._heads = heads
     reader._load_headers()

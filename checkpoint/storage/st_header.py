@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CorruptCheckpointError
+from . import digest as _digest
 from .format import IndexFile
 
 # safetensors dtype strings (safetensors/src/tensor.rs ``Dtype``) -> (torch dtype attribute, bytes
@@ -280,24 +281,34 @@ def read_header_bytes(fd: int, path: str) -> tuple[bytes, int]:
         raise CorruptCheckpointError(path, f"not a valid safetensors file (cannot be read): {e}") from e
 
 
-def header_of_bytes(raw: bytes, size: int, where: str, framework: str = "pt") -> tuple[object, dict]:
+def header_of_bytes(
+    raw: bytes, size: int, where: str, framework: str = "pt", header_digest: str | None = None
+) -> tuple[object, dict]:
     """The checks of a safetensors header from its bytes ``raw`` (as :func:`read_header_bytes`
     reads them; ``size``: the file's length; ``where``: the file's path or URL, for messages):
     safetensors' own validation (:func:`validate_header`, no mapping of the file), the one check
-    safetensors lacks (a tensor name twice in the JSON header), and the shapes torch can hold
-    (:func:`check_header_shapes`). Returns ``(handle, header)``: the handle of the validated
+    safetensors lacks (a tensor name twice in the JSON header), the shapes torch can hold
+    (:func:`check_header_shapes`), and, when the index records it (``header_digest``: fqnckpt
+    format versions 2 and 3, ``FileRecordV2.header``), the xxh3-128 digest of exactly these bytes
+    ``[0, data_start)`` (:func:`check_header_digest`). Every reader of a shard opens it through
+    here, so a header edited in a way safetensors accepts (a dtype ``"F32"`` -> ``"I32"``, a
+    shape ``[4, 8]`` -> ``[8, 4]``: same byte sizes, data untouched) is refused on every path
+    before any tensor byte is read. Returns ``(handle, header)``: the handle of the validated
     copy (keys and metadata only) and the parsed JSON header of the same bytes, so that shapes
     and dtypes of 10^5 tensors come from one ``json.loads`` instead of a call per tensor.
 
     Raises:
         CorruptCheckpointError: safetensors rejects the bytes (message names the tensor at fault
-            where it can, and Git LFS pointers), the header repeats a tensor name, or a shape is
-            one torch cannot hold (:func:`shape_problem`).
+            where it can, and Git LFS pointers), the header repeats a tensor name, a shape is
+            one torch cannot hold (:func:`shape_problem`), or the bytes differ from
+            ``header_digest``.
     """
     try:
         handle = validate_header(raw, size, where, framework)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(where, f"{str(e).split(': ', 1)[-1]}{_header_problem(raw, size)}{_lfs_hint(raw)}") from e
+    if header_digest is not None:
+        check_header_digest(raw, where, header_digest)
     n = struct.unpack("<Q", raw[:8])[0]
     head = json.loads(raw[8 : 8 + n])  # the bytes safetensors validated
     _check_unique_header_keys(where, raw[8 : 8 + n], head)
@@ -305,11 +316,15 @@ def header_of_bytes(raw: bytes, size: int, where: str, framework: str = "pt") ->
     return handle, head
 
 
-def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | None = None) -> tuple[object, dict]:
+def open_safetensors_with_header(
+    path: str, framework: str = "pt", fd: int | None = None, header_digest: str | None = None
+) -> tuple[object, dict]:
     """:func:`header_of_bytes` of safetensors file ``path``'s header, read through descriptor
     ``fd`` when given (the file a reader holds open), else through one opened here; the file is
     never mapped. ``framework="numpy"`` validates the same header without importing torch
-    (``fqnckpt inspect``). Raises what :func:`read_header_bytes` and :func:`header_of_bytes` raise.
+    (``fqnckpt inspect``); ``header_digest``: the index's digest of the header bytes, checked
+    (see :func:`header_of_bytes`). Raises what :func:`read_header_bytes` and
+    :func:`header_of_bytes` raise.
     """
     if fd is None:
         try:
@@ -322,7 +337,26 @@ def open_safetensors_with_header(path: str, framework: str = "pt", fd: int | Non
             os.close(own)
     else:
         raw, size = read_header_bytes(fd, path)
-    return header_of_bytes(raw, size, path, framework)
+    return header_of_bytes(raw, size, path, framework, header_digest)
+
+
+def check_header_digest(raw: bytes, where: str, want: str) -> None:
+    """Check a shard's header bytes ``raw`` (the 8-byte length and the JSON header: bytes
+    ``[0, data_start)``, as :func:`checkpoint.storage.digest.hash_file` hashes them) against
+    ``want``, the index's xxh3-128 digest of them (``FileRecordV2.header``).
+
+    Raises:
+        CorruptCheckpointError: the digests differ (names ``where``): a dtype, shape, offset or
+            name in the header was changed since the save, so its tensors would load as other
+            values (``F32`` read as ``I32``: 1.0 as 1065353216) with every data byte intact.
+    """
+    got = _digest.hexdigest(raw)
+    if got != want:
+        raise CorruptCheckpointError(
+            where,
+            f"its header bytes differ from the index's xxh3-128 digest ({got} != {want}): a tensor's "
+            "dtype, shape, offsets or name was changed since the save (`fqnckpt verify` names every changed file)",
+        )
 
 
 def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
@@ -369,4 +403,4 @@ def parse_index_bytes(raw: bytes, path: str) -> IndexFile:
         raise CorruptCheckpointError(path, f"index does not follow the schema: {e}") from e
 
 
-__all__ = ["ST_DTYPES", "PACKED", "torch_shape", "header_shape", "INT64_MAX", "check_header_shapes", "cover_problem", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
+__all__ = ["ST_DTYPES", "PACKED", "torch_shape", "header_shape", "INT64_MAX", "check_header_shapes", "check_header_digest", "cover_problem", "header_of_bytes", "open_safetensors_with_header", "read_header_bytes", "parse_index_bytes", "validate_header", "read_index", "shape_problem"]
