@@ -115,7 +115,8 @@ def test_safetensors_single_sharded_and_index(tmp_path):
 
 
 def test_lfs_pointer_refused(tmp_path):
-    p = tmp_path / "model.safetensors"
+    (tmp_path / "src").mkdir()  # a folder of its own: "out" beside it is no folder inside a checkpoint
+    p = tmp_path / "src" / "model.safetensors"
     p.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
     with pytest.raises(CorruptCheckpointError, match="git lfs pull"):
         migrate(p, tmp_path / "out")

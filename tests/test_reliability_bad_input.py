@@ -348,7 +348,8 @@ class _SystemPayload(_OpenPayload):
 def test_reduce_payload_never_runs(tmp_path, form):
     canary = tmp_path / "canary"
     obj = {"w": torch.zeros(2), "x": _SystemPayload(str(canary)), "y": _OpenPayload(str(canary))}
-    p = tmp_path / ("model.safetensors" if form == "disguised_safetensors" else "model.pt")
+    (tmp_path / "src").mkdir()  # a folder of its own: "out" beside it is no folder inside a checkpoint
+    p = tmp_path / "src" / ("model.safetensors" if form == "disguised_safetensors" else "model.pt")
     if form == "raw_pickle":
         with open(p, "wb") as f:
             pickle.dump(obj, f, protocol=2)
