@@ -1,7 +1,8 @@
 """One rule for a directory holding DCP's ``.metadata`` beside a safetensors checkpoint's
 ``model.safetensors.index.json`` / ``model.safetensors``: every entry point refuses it with the same
-``AmbiguousSourceError`` naming both files (``checkpoint/storage/dir_layout.py``); before, ``load``
-and sniffing read the DCP checkpoint while ``inspect`` and the DCP ``StorageReader`` read the index."""
+``AmbiguousSourceError`` naming both files (``checkpoint/storage/dir_layout.py``), and so is
+``.metadata`` beside ``pytorch_model.bin`` (what transformers reads when there is no
+``model.safetensors``)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,32 @@ def test_a_metadata_symlink_leading_outside_is_refused_by_every_reader(tmp_path,
         assert rc != 0 and "UnsafePathError" in out.out, (argv, out)
     snap.assert_unchanged()
     assert listing() == before
+
+
+@pytest.mark.parametrize("entry", ["pytorch_model.bin", "pytorch_model.bin.index.json"])
+def test_dcp_metadata_beside_pytorch_model_bin_is_refused(tmp_path, entry):
+    d = tmp_path / "mixed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, checkpoint_id=str(d))
+    torch.save({"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, d / "pytorch_model.bin")
+    if entry.endswith(".json"):
+        (d / entry).write_text('{"metadata": {}, "weight_map": {"weight": "pytorch_model.bin", "bias": "pytorch_model.bin"}}')
+    present = [entry, "pytorch_model.bin"] if entry.endswith(".json") else [entry]
+    want = (f"{d}: holds both a DCP checkpoint (.metadata) and a pickle checkpoint ({entry}); "
+            "DCP and Hugging Face readers would read different checkpoints from it: remove one of them "
+            f"or move it to a directory of its own; choices for the path: {['.metadata', *present]}")  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    snap, before = Snapshot(model), dir_snapshot(d)
+    for call in (lambda: checkpoint.load(model, d), lambda: checkpoint.verify(d), lambda: sniff(d),
+                 lambda: checkpoint.migrate(d, tmp_path / "out")):  # fmt: skip
+        with pytest.raises(AmbiguousSourceError) as e:
+            call()
+        assert str(e.value) == want and e.value.choices == [".metadata", *present]
+    snap.assert_unchanged()
+    assert dir_snapshot(d) == before and not (tmp_path / "out").exists()
+    os.remove(d / ".metadata")  # the pickle alone: read
+    for f in d.glob("*.json"):
+        f.unlink()
+    checkpoint.load(model, d)
+    assert torch.equal(model.weight, torch.zeros(2, 2))

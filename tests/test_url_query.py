@@ -1,12 +1,14 @@
-"""A URL with a query (``?versionId=...``, a presigned signature, any key) or a fragment is refused
-by every entry point with the same ``UnsupportedURLError`` naming the URL (values masked) and what
-it carries, before any object is read or written (``checkpoint/storage/urls.py`` ``check_url``,
-called by ``checkpoint.storage.location.resolve``); before, ``save`` wrote objects under a
-prefix holding ``?versionId=3`` and s3fs took the version for the prefix."""
+"""URLs as entry points take them: a URL with a query (``?versionId=...``, a presigned signature,
+any key) or a fragment is refused by every entry point with the same ``UnsupportedURLError`` naming
+the URL (values masked, a bare token never shown) and what it carries, before any object is read or
+written (``checkpoint/storage/urls.py`` ``check_url``, called by
+``checkpoint.storage.location.resolve``); an fsspec chained URL (``simplecache::s3://...``) is a
+URL, never a local path."""
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import fsspec
@@ -83,3 +85,28 @@ def test_a_plain_url_still_saves_and_loads():
     m2 = torch.nn.Linear(2, 2)
     checkpoint.load(m2, "memory://urlq-plain/ck")
     assert torch.equal(m2.weight, m.weight) and torch.equal(m2.bias, m.bias)
+
+
+@pytest.mark.parametrize("url,shown,parts", [
+    ("memory://r7/ck?s3cr3tT0ken", "memory://r7/ck?***", "a query"),
+    ("memory://r7/ck?versionId=1&s3cr3tT0ken", "memory://r7/ck?versionId=***&***", "query keys ['versionId']"),
+])  # fmt: skip
+def test_a_bare_query_token_is_not_shown_as_a_key(url, shown, parts):
+    with pytest.raises(UnsupportedURLError) as e:
+        checkpoint.save(torch.nn.Linear(2, 2), url)
+    assert "s3cr3t" not in str(e.value) and "s3cr3t" not in repr(e.value.parts)
+    assert (e.value.url, e.value.parts) == (shown, [parts])
+
+
+def test_a_chained_fsspec_url_is_not_a_local_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for url in ("simplecache::memory://r7chain/ck", "blockcache::s3://bucket/ck"):
+        with pytest.raises(UnsupportedStorageError) as e:
+            checkpoint.save(torch.nn.Linear(2, 2), url)
+        assert url.split("://")[0] in str(e.value)
+        with pytest.raises(UnsupportedStorageError):
+            checkpoint.load(torch.nn.Linear(2, 2), url)
+    assert os.listdir(tmp_path) == []  # nothing written locally
+    local = tmp_path / "a::b"  # "::" without "://" stays a local name
+    checkpoint.save(torch.nn.Linear(2, 2), local)
+    assert (local / "model.safetensors.index.json").is_file()
