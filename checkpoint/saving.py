@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fqn import FQNMap, FQNMapFile
 
-from . import _faults
+from .testing import faults
 from .storage.local_commit import StagedCheckpoint, enclosing_checkpoint
 from .storage.commit import is_part
 from .convert import run_recipe
@@ -171,8 +171,8 @@ def _spec_of(path: str, fqn: str, tensor: torch.Tensor) -> TensorSpec:
 
 def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
     """Data is in place: write the index files last, then move the checkpoint into place."""
-    _faults.fault_point("after_data_written")
-    _faults.fault_point("before_index_write")
+    faults.fault_point("after_data_written")
+    faults.fault_point("before_index_write")
     # The model index records every other file of the save (as on object storage): overwrite and
     # retention remove the files a record names, never a file for its name (checkpoint.storage.local_commit).
     others = sorted((getattr(staged, "written", set()) | {index_name(p.prefix) for p in parts}) - {index_name(MODEL_PREFIX)})
@@ -184,7 +184,7 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
             idx.metadata.fqnckpt.object_digests = kept_digests | {n: digests[n] for n in others if n in digests and not is_part(n)} or None
     for part, idx in zip(parts, indexes):
         staged.write_file(index_name(part.prefix), idx.to_json_bytes())
-    _faults.fault_point("after_index_write")
+    faults.fault_point("after_index_write")
     staged.commit()
 
 
@@ -207,12 +207,12 @@ def _save_parts(
                 for fplan in layout.files:
                     w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan)
                     try:
-                        _faults.fault_point("after_file_create")
-                        kill_after_tensor = _faults.armed("after_tensor_write")
+                        faults.fault_point("after_file_create")
+                        kill_after_tensor = faults.armed("after_tensor_write")
                         for slot in fplan.slots:
                             w.write(slot, _fetch_checked(part, slot.spec))
                             if kill_after_tensor:
-                                _faults.fault_point("after_tensor_write")
+                                faults.fault_point("after_tensor_write")
                         records[fplan.name] = w.finish()
                     finally:
                         w.close()
@@ -653,7 +653,7 @@ def _save_distributed(
             staging_dir = staged.dir
             for _, f in files:
                 os.close(create_shard_file(os.path.join(staged.dir, f.name), f))
-            _faults.fault_point("after_file_create")
+            faults.fault_point("after_file_create")
         except BaseException as e:  # noqa: BLE001 - agreed below, re-raised on every rank
             err = (
                 e
@@ -678,7 +678,7 @@ def _save_distributed(
         w, w_name = None, None
         covered: dict[str, int] = {}  # DTensor fqn -> elements this rank wrote of it
         try:
-            kill_after_tensor = _faults.armed("after_tensor_write")
+            kill_after_tensor = faults.armed("after_tensor_write")
             for k in walk:
                 part, lay, f, i, slot = order[k]
                 if w_name != f.name and w is not None:
@@ -699,7 +699,7 @@ def _save_distributed(
                     for block in blocks:
                         _write_chunked(w, slot, *block, mine, back.setdefault(f.name, []))
                 if kill_after_tensor:
-                    _faults.fault_point("after_tensor_write")
+                    faults.fault_point("after_tensor_write")
         except BaseException as e:  # noqa: BLE001 - agreed below
             err = e
         finally:
@@ -721,11 +721,11 @@ def _save_distributed(
                     if j % world == rank:
                         fd = os.open(os.path.join(staging_dir, f.name), os.O_RDONLY)
                         try:
-                            _faults.fault_point("before_file_fsync")
+                            faults.fault_point("before_file_fsync")
                             os.fsync(fd)
                         finally:
                             os.close(fd)
-                        _faults.fault_point("after_file_fsync")
+                        faults.fault_point("after_file_fsync")
             finally:
                 ownership.settle([reading] if reading is not None else [])
             got = reading.result() if reading is not None else _read_back_chunks(staging_dir, todo) if todo else {}

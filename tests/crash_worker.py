@@ -518,7 +518,7 @@ def plan_trial(seed: int, mode: str, kill: str, max_frac: float = 1.2, point: st
     files beside it) for even seeds, and a fault point the save reaches (any rank for points every
     rank passes, else rank 0) or a kill delay as a fraction of a save's duration (above 1 some
     saves finish first)."""
-    from checkpoint._faults import POINTS
+    from checkpoint.testing.faults import POINTS
 
     rng = random.Random(seed)
     plan = {"had_old": seed % 2 == 0}

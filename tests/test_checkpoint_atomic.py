@@ -14,7 +14,7 @@ import torch
 
 import checkpoint
 from checkpoint import open_checkpoint
-from checkpoint._faults import POINTS
+from checkpoint.testing.faults import POINTS
 from checkpoint.cli.main import main as cli_main
 from checkpoint.storage.bytestore import LocalStore
 from checkpoint.storage.commit import leftovers

@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 from checkpoint import CheckpointWriteError
-from checkpoint._faults import POINTS
+from checkpoint.testing.faults import POINTS
 
 # The trial driver reads /proc and makes the worker a child subreaper (prctl): Linux only.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux /proc and prctl")]

@@ -245,17 +245,17 @@ def test_overwrite_killed_between_index_and_cleanup_leaks_nothing(object_store, 
     url, opts = object_store
     checkpoint.save({"w": torch.zeros(4)}, url, storage_options=opts)
     first = set(_names(url, opts))
-    real = remote_commit._faults.fault_point
+    real = remote_commit.faults.fault_point
 
     def kill(name):
         if name == "after_index_put":
             raise _Killed
         return real(name)
 
-    monkeypatch.setattr(remote_commit._faults, "fault_point", kill)
+    monkeypatch.setattr(remote_commit.faults, "fault_point", kill)
     with pytest.raises(_Killed):
         checkpoint.save({"w": torch.ones(4)}, url, overwrite=True, storage_options=opts)
-    monkeypatch.setattr(remote_commit._faults, "fault_point", real)
+    monkeypatch.setattr(remote_commit.faults, "fault_point", real)
     t = {"w": torch.zeros(4)}
     assert checkpoint.load(t, url, storage_options=opts, verify=True).ok and torch.equal(t["w"], torch.ones(4))
     store = _store(url, opts)

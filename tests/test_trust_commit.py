@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 import checkpoint
-from checkpoint import _faults
+from checkpoint.testing import faults as _faults
 from checkpoint.storage import local_commit as atomic
 from checkpoint.errors import InterruptedCommitError, UnsavableError, UnsavableTypeError
 from checkpoint.storage import limits

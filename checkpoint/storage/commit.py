@@ -62,7 +62,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .. import _faults
+from ..testing import faults
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError, ConcurrentSaveError, LoadError
 from .format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, index_name
 from .bytestore import ByteStore
@@ -472,7 +472,7 @@ class RemoteCommit:
             self.abort()
             raise ConcurrentSaveError(self.store.url) from None
         self.committed = True
-        _faults.fault_point("after_index_put")  # killed here: our manifest names what we replace
+        faults.fault_point("after_index_put")  # killed here: our manifest names what we replace
         try:  # committed: a failure from here on leaves only unnamed objects, never a bad checkpoint
             self.store.delete(sorted(old - new_owned - {MODEL_INDEX}))
             clean_dead(self.store, new_owned, token=self.token)
@@ -544,7 +544,7 @@ def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
                 store.delete_if(MODEL_INDEX, tag)
             except PreconditionFailed:
                 raise ConcurrentSaveError(store.url, "a save committed there while it was being removed; it stays") from None
-        _faults.fault_point("removal_after_index")
+        faults.fault_point("removal_after_index")
         store.delete(sorted(owned - {MODEL_INDEX, RECORD}))
         store.delete([RECORD])
         clean_dead(store, set(), unborn=unborn)

@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .. import _faults
+from ..testing import faults
 from ..errors import CheckpointExistsError, InterruptedCommitError
 from .bytestore import (
     COMMIT_TAG, LOCK_TAG, MARKER, STAGING_TAG, LocalStore, StagingMarker, checkpoint_lock, remove_staging_area, sibling,
@@ -224,14 +224,14 @@ def _roll_forward(path: str, commit_dir: str, manifest: CommitManifest) -> None:
             os.replace(src, os.path.join(path, name))
             moved += 1
             if moved == 1:
-                _faults.fault_point("after_first_move")
+                faults.fault_point("after_first_move")
     for name, size in manifest.remove.items():
         full = os.path.join(path, name)
         if _plain(name) and name not in manifest.files and _matches(full, size):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(full)
     fsync_path(path)
-    _faults.fault_point("before_cleanup")
+    faults.fault_point("before_cleanup")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(commit_dir, MARKER))
     os.unlink(os.path.join(commit_dir, MANIFEST))  # from here on the directory is no commit
@@ -363,13 +363,13 @@ class StagedCheckpoint:
             complete_interrupted(self.path)
             clean_dead(LocalStore(self.path), set())
             _remove_marker(self.path)
-            _faults.fault_point("after_lock")
+            faults.fault_point("after_lock")
             check_target(self.path, self.overwrite)
             tag = STAGING_TAG + self.token
             self.dir = os.path.join(self.path, tag) if os.path.isdir(self.path) else sibling(self.path, tag)
             os.mkdir(self.dir)
             self._write(MARKER, StagingMarker(token=self.token).model_dump_json().encode())
-            _faults.fault_point("after_staging_created")
+            faults.fault_point("after_staging_created")
         except BaseException:
             try:
                 if self.dir and os.path.isdir(self.dir):  # made by this save: ours
@@ -407,14 +407,14 @@ class StagedCheckpoint:
     def commit(self) -> None:
         """fsync the staging dir and commit it (see module docstring)."""
         fsync_path(self.dir)
-        _faults.fault_point("after_staging_fsync")
+        faults.fault_point("after_staging_fsync")
         parent = os.path.dirname(self.path)
         if not os.path.lexists(self.path):
-            _faults.fault_point("before_commit_rename")
+            faults.fault_point("before_commit_rename")
             os.rename(self.dir, self.path)
             fsync_path(parent)
             self.committed = True
-            _faults.fault_point("after_commit_rename")
+            faults.fault_point("after_commit_rename")
             # Killed before this, the next writer there removes the marker (_remove_marker).
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.path, MARKER))
@@ -436,11 +436,11 @@ class StagedCheckpoint:
         fsync_path(self.dir)
         commit_dir = os.path.join(self.path, COMMIT_TAG + self.token)
         with _dir_lock(self.path, fcntl.LOCK_EX):
-            _faults.fault_point("before_commit_rename")
+            faults.fault_point("before_commit_rename")
             os.rename(self.dir, commit_dir)  # the commit point
             fsync_path(self.path)
             self.committed = True
-            _faults.fault_point("after_commit_rename")
+            faults.fault_point("after_commit_rename")
             _roll_forward(self.path, commit_dir, manifest)
         # What saves left that could commit only onto the index just replaced (the same rule as
         # an object store's commit; under the writer lock no other save runs).

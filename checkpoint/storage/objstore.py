@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _faults
+from ..testing import faults
 from ..errors import LoadError, UnsupportedStorageError
 from .secrets import register, scrub, scrubber
 from .urls import redact_url, url_scheme
@@ -550,7 +550,7 @@ class ObjectWriter:
                     self._cond.notify_all()
         with _stats_lock:
             stats.parts += 1
-        _faults.fault_point("after_part_upload")
+        faults.fault_point("after_part_upload")
 
     def close(self) -> None:
         """Send what is buffered, wait for every part, complete the upload (the object appears).

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _faults
+from ..testing import faults
 from ..errors import CheckpointError, CheckpointWriteError, ConcurrentSaveError
 from ..ranks import dist
 from . import digest
@@ -58,7 +58,7 @@ class _ShardUpload:
         self.tensors[slot.spec.fqn] = h.hexdigest()
         self.pos += len(data)
         stats.bytes_written += len(data)
-        _faults.fault_point("after_tensor_write")
+        faults.fault_point("after_tensor_write")
 
     def finish(self) -> FileRecordV2:
         if self.pos != self.plan.size:
@@ -189,7 +189,7 @@ def _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fe
     err = None
     if rank == 0:
         try:
-            _faults.fault_point("after_data_written")
+            faults.fault_point("after_data_written")
             objects: dict[str, str] = {}
             for name, data in extra_files.items():
                 objects[name] = _object_name(name, token)
@@ -210,9 +210,9 @@ def _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fe
             } or None
             owned = {MODEL_INDEX, *objects.values()}
             owned.update(stored_name(f.name, token) for _, _, f in files)
-            _faults.fault_point("before_index_write")
+            faults.fault_point("before_index_write")
             commit.commit(model_index.to_json_bytes(), owned)
-            _faults.fault_point("after_index_write")
+            faults.fault_point("after_index_write")
         except BaseException as e:  # noqa: BLE001
             err = _wrap(store, e, 0 if distributed else None)
     if distributed:

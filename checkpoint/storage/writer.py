@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _faults
+from ..testing import faults
 from . import digest, fskind, ownership, threads, writeback
 from .format import FileRecordV2
 from .layout import FilePlan, TensorSlot
@@ -384,10 +384,10 @@ class SequentialFileWriter:
         if self._next != len(self.plan.slots):
             raise RuntimeError(f"{self.plan.name}: {len(self.plan.slots) - self._next} tensors not written")
         self._flush()
-        _faults.fault_point("before_file_fsync")
+        faults.fault_point("before_file_fsync")
         os.fsync(self.fd)
         self.close()
-        _faults.fault_point("after_file_fsync")
+        faults.fault_point("after_file_fsync")
         return FileRecordV2(
             size=self.plan.size,
             digest=digest.combine(self.header_digest, self.tensor_digests.values()),

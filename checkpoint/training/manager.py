@@ -13,7 +13,7 @@ index first (from then on the step is incomplete, never loaded), then only the f
 name; a user's file in a step directory stays (and so does the directory). A step left without
 an index by a killed save or removal is removed by the next retention.
 
-Fault points (``checkpoint._faults``) of the manager, for crash tests:
+Fault points (``checkpoint.testing.faults``) of the manager, for crash tests:
 ``manager_before_retention`` (committed, nothing removed) and ``manager_after_retention_removal``
 (one old checkpoint removed).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _faults
+from ..testing import faults
 from ..storage.opening import recover
 from ..ranks import dist
 from ..errors import CheckpointError, CheckpointNotFoundError, InterruptedCommitError, RankMismatchError
@@ -521,7 +521,7 @@ class CheckpointManager:
     def _retain(self, written: int) -> None:
         if dist.rank() != 0 or self.keep_latest is None:
             return
-        _faults.fault_point("manager_before_retention")
+        faults.fault_point("manager_before_retention")
         steps = self.steps()
         keep = set(steps[-self.keep_latest :]) | {written}
         if steps:
@@ -537,7 +537,7 @@ class CheckpointManager:
             except (OSError, CheckpointError) as e:  # the new step is committed: not its failure
                 warnings.warn(f"{self.path(step)}: retention could not remove it ({e}); retried after the next save", stacklevel=2)
                 continue
-            _faults.fault_point("manager_after_retention_removal")
+            faults.fault_point("manager_after_retention_removal")
 
     def _recover_steps(self) -> None:
         """As the next writer of its root, complete what killed saves of its steps left beside
