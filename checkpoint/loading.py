@@ -12,7 +12,7 @@ of the file, else ``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Collection, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -183,6 +183,7 @@ def load(
     err: BaseException | None = None
     agreed = False
     reader = plan = extra = None
+    converted = False
 
     def agree() -> None:
         nonlocal agreed
@@ -198,12 +199,17 @@ def load(
                 reader = open_adapter_reader(os.fspath(path))
             else:
                 reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj,
-                                            key=key, trusted_globals=trusted_globals)  # fmt: skip
+                                            key=key, trusted_globals=trusted_globals, known=state.by_name(), verify=verify)  # fmt: skip
+            converted = recipe is None and type(reader).__name__ == "ConvertedReader"  # transformers' own layout
+            if converted and (optimizer is not None or extra_state is not None):
+                raise TypeError(f"load({path}): the checkpoint is in transformers' on-disk layout (converted by the model's "
+                                "conversion mapping while loading), which holds model tensors only: no optimizer= / extra_state=; "
+                                "a training checkpoint is saved with layout='memory'")  # fmt: skip
             if peft_dir == "both":
                 reader = open_adapter_reader(os.fspath(path), reader)
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else str(path), strict=strict, optimizer=optimizer, dtype=dtype,
-                assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
+                assign=assign, allow_lossy=allow_lossy, verify=verify and not converted, state=state, agree=agree,
             )  # fmt: skip
             if extra_state is not None:
                 extra = plan_extra_state(reader, extra_state, plan.report, plan=plan, optimizer=optimizer)
@@ -291,19 +297,28 @@ def _view(path):
 
 
 def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,
-                       key: str | None = None, trusted_globals: Iterable[Any] = ()):  # fmt: skip
+                       key: str | None = None, trusted_globals: Iterable[Any] = (), known: Collection[str] = (),
+                       verify: bool = False):  # fmt: skip
     """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an
     fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle, the format
     sniffed; ``read_optimizer``: also read DCP's optimizer param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
-    the checked conversion of any source format (planned against ``model``). Raises what they
-    raise (a conversion: RecipeError / ConversionError before any tensor is read)."""
+    the checked conversion of any source format (planned against ``model``). Without ``recipe``,
+    for a transformers ``model`` whose conversion mapping changes keys of the checkpoint that are
+    not its names (``known``), that conversion (:func:`checkpoint.convert.reader.pretrained_reader`;
+    ``verify``: the source's checksums checked first). Raises what they raise (a conversion:
+    RecipeError / ConversionError before any tensor is read)."""
     if recipe is not None:
         from .convert import open_conversion
         from .convert.reader import ConvertedReader
 
         model = model if isinstance(model, torch.nn.Module) else None
         return ConvertedReader(open_conversion(path, recipe, model=model, key=key, trusted_globals=trusted_globals))
-    return open_source_target(path, read_optimizer=read_optimizer, key=key, trusted_globals=trusted_globals)
+    reader = open_source_target(path, read_optimizer=read_optimizer, key=key, trusted_globals=trusted_globals)
+    if isinstance(model, torch.nn.Module):
+        from .convert.reader import pretrained_reader
+
+        reader = pretrained_reader(reader, path, model, known, verify=verify, key=key, trusted_globals=trusted_globals)
+    return reader
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

@@ -16,7 +16,7 @@ whole from its group's sources and cut, so a rank still reads no tensor its targ
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -185,4 +185,45 @@ class ConvertedReader:
         self.close()
 
 
-__all__ = ["ConvertedReader", "GROUPS_KEPT"]
+
+def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str] = (), *, verify: bool = False,
+                      key: str | None = None, trusted_globals: Iterable[Any] = ()) -> Any:  # fmt: skip
+    """``reader`` (the checkpoint at ``path`` opened by its format), or, where ``model`` is a
+    transformers model whose own conversion mapping (``transformers.conversion_mapping``, through
+    :func:`~.transformers_rules.pretrained_recipe`) converts or renames some of ``reader``'s keys
+    that are not names of the model (``known``), a :class:`ConvertedReader` over that conversion:
+    what ``from_pretrained`` reads (per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the
+    fused ``mlp.experts.gate_up_proj``, Mixtral's ``block_sparse_moe`` renamed ``mlp``, ...).
+    ``reader`` is closed then. ``verify``: the checkpoint's index digest and files are checked on
+    ``reader`` first (a conversion has no checksums of its own).
+
+    A model whose mapping fqnckpt cannot translate (scoped or regex patterns) keeps ``reader``:
+    keys it cannot match are then reported by the name checks as for any checkpoint.
+
+    Raises:
+        RecipeError, ConversionError: the conversion does not fit the model (named); what
+            ``reader.verify_file`` raises with ``verify``. ``reader`` is closed on every error.
+    """
+    from .transformers_rules import changes_keys, pretrained_recipe, transformers_model
+
+    try:
+        rec = pretrained_recipe(model)
+    except ValueError:
+        return reader
+    try:
+        if rec is None or not changes_keys(rec, reader.keys(), known):
+            return reader
+        if verify:
+            reader.check_index_digest()
+            for name in reader.files:
+                reader.verify_file(name)
+    except BaseException:
+        reader.close()
+        raise
+    reader.close()
+    from .api import open_conversion
+
+    return ConvertedReader(open_conversion(path, rec, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
+
+
+__all__ = ["ConvertedReader", "GROUPS_KEPT", "pretrained_reader"]
