@@ -1,0 +1,169 @@
+"""transformers 5 checkpoints in and out: MoE models keep their experts fused in memory
+(``mlp.experts.gate_up_proj``) and per expert on disk (``mlp.experts.0.gate_proj.weight``,
+Mixtral's ``block_sparse_moe.experts.0.w1.weight``), through transformers' own conversion mapping.
+``checkpoint.load`` of a ``save_pretrained`` directory must give what ``from_pretrained`` gives, and
+``checkpoint.save`` must write the names and tensors ``save_pretrained`` writes, bit for bit; the
+family matrix checks the same for the dense families."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.errors import CheckpointError
+from checkpoint.storage.format import IndexFile
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+
+_DENSE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
+# model_type -> config fields (tiny: 4 experts, 2 per token); "-tied": the output tied to the embeddings.
+MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, head_dim=8, tie_word_embeddings=False),
+    "qwen3_moe-tied": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, head_dim=8, tie_word_embeddings=True),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                        v_head_dim=8, n_shared_experts=1, tie_word_embeddings=False),
+}  # fmt: skip
+# The fused in-memory names and what save_pretrained writes for them (layer 1 is a MoE layer in each).
+FUSED = "model.layers.1.mlp.experts.gate_up_proj"
+PER_EXPERT = {
+    "mixtral": "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+    "qwen3_moe": "model.layers.1.mlp.experts.3.gate_proj.weight",
+    "qwen3_moe-tied": "model.layers.1.mlp.experts.3.gate_proj.weight",
+    "deepseek_v3": "model.layers.1.mlp.experts.3.gate_proj.weight",
+}
+
+
+def tiny(kind: str, seed: int, table=None):
+    """The tiny model ``kind`` (``MOE`` / ``FAMILIES``), every parameter drawn from ``seed``
+    (normal, std 0.5: no two models of different seeds share a value)."""
+    fields = {**_DENSE, **(table or MOE)[kind]}
+    cfg = transformers.AutoConfig.for_model(kind.removesuffix("-tied"), **fields)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def stored(d) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint directory, by its stored key."""
+    idx = os.path.join(d, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(idx))["weight_map"].values())) if os.path.exists(idx) else ["model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(d, f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def from_pretrained(d):
+    return transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+
+
+@pytest.mark.parametrize("kind", list(MOE))
+def test_save_pretrained_directory_loads_as_from_pretrained(tmp_path, kind):
+    """The per-expert keys of a save_pretrained directory fill the fused experts (Mixtral's
+    block_sparse_moe renamed mlp): into the eager model and a torch.compile wrapper, values equal
+    to from_pretrained's, the report clean."""
+    tiny(kind, 0).save_pretrained(tmp_path / "hub")
+    assert PER_EXPERT[kind] in stored(tmp_path / "hub")  # transformers' on-disk layout
+    want = state(from_pretrained(tmp_path / "hub"))
+    assert FUSED in want
+    model = tiny(kind, 1)
+    rep = checkpoint.load(model, tmp_path / "hub")
+    assert rep.ok and rep.missing_keys == [] and rep.unexpected_keys == []
+    assert same(state(model), want)
+    wrapped = torch.compile(tiny(kind, 2))
+    assert checkpoint.load(wrapped, tmp_path / "hub").ok
+    assert same(state(wrapped._orig_mod), want)
+
+
+@pytest.mark.parametrize("kind", list(MOE))
+def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
+    """save's default is transformers' on-disk layout: the same keys and bytes as save_pretrained,
+    from_pretrained gives the model back exactly, and load reads it (with verify=True: the index
+    carries fqnckpt's checksums). layout='memory' writes the module's own fused names, which
+    load takes as they are."""
+    model = tiny(kind, 0)
+    model.save_pretrained(tmp_path / "hub")
+    index = checkpoint.save(model, tmp_path / "ours")
+    assert isinstance(index, IndexFile)
+    assert same(stored(tmp_path / "ours"), stored(tmp_path / "hub"))
+    assert sorted(os.listdir(tmp_path / "ours")) == [
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert same(state(from_pretrained(tmp_path / "ours")), state(model))
+    back = tiny(kind, 1)
+    assert checkpoint.load(back, tmp_path / "ours", verify=True).ok
+    assert same(state(back), state(model))
+
+    checkpoint.save(model, tmp_path / "mem", layout="memory")
+    mem = stored(tmp_path / "mem")
+    assert FUSED in mem and PER_EXPERT[kind] not in mem
+    assert torch.equal(mem[FUSED], model.state_dict()[FUSED])
+    back = tiny(kind, 1)
+    assert checkpoint.load(back, tmp_path / "mem").ok
+    assert same(state(back), state(model))
+
+
+def test_training_checkpoint_keeps_the_memory_layout(tmp_path):
+    """With an optimizer the default is the in-memory layout (the optimizer state is keyed by the
+    fused parameters) and resumes exactly; the on-disk layout asked for with an optimizer, an
+    unknown layout, or a save_pretrained directory loaded with optimizer= are refused by name
+    before anything is written or changed."""
+    model = tiny("qwen3_moe", 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.arange(8)[None]).logits.sum().backward()
+    opt.step()
+    checkpoint.save(model, tmp_path / "train", optimizer=opt)
+    assert FUSED in stored(tmp_path / "train")
+    fresh = tiny("qwen3_moe", 1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert checkpoint.load(fresh, tmp_path / "train", optimizer=fresh_opt).ok
+    assert same(state(fresh), state(model))
+    assert torch.equal(fresh_opt.state[fresh.get_parameter(FUSED)]["exp_avg"], opt.state[model.get_parameter(FUSED)]["exp_avg"])
+
+    with pytest.raises(TypeError, match="layout='pretrained'.*optimizer"):
+        checkpoint.save(model, tmp_path / "no", optimizer=opt, layout="pretrained")
+    with pytest.raises(ValueError, match="layout='fused'"):
+        checkpoint.save(model, tmp_path / "no", layout="fused")
+    with pytest.raises(TypeError, match="recipe.*layout"):
+        checkpoint.save(model, tmp_path / "no", layout="memory", recipe="fused-to-experts")
+    assert not (tmp_path / "no").exists()
+
+    model.save_pretrained(tmp_path / "hub")
+    before, opt_before = state(fresh), {k: dict(v) for k, v in fresh_opt.state_dict()["state"].items()}
+    with pytest.raises(TypeError, match="transformers' on-disk layout.*optimizer="):
+        checkpoint.load(fresh, tmp_path / "hub", optimizer=fresh_opt)
+    assert same(state(fresh), before)
+    after = fresh_opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, s in opt_before.items() for k, v in s.items())
+
+
+def test_mismatched_experts_are_refused_and_change_nothing(tmp_path):
+    """A save_pretrained directory of 4 experts into a model of 8: refused by the conversion's
+    checks (our error, naming the fused target) before any tensor of the model changes."""
+    tiny("qwen3_moe", 0).save_pretrained(tmp_path / "hub")
+    fields = {**MOE["qwen3_moe"], "num_experts": 8}
+    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**_DENSE, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    before = state(model)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj' would be \[4, 16, 16\], the model has \[8"):
+        checkpoint.load(model, tmp_path / "hub")
+    assert same(state(model), before)
