@@ -167,3 +167,81 @@ def test_mismatched_experts_are_refused_and_change_nothing(tmp_path):
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj' would be \[4, 16, 16\], the model has \[8"):
         checkpoint.load(model, tmp_path / "hub")
     assert same(state(model), before)
+
+
+def _pmod_ranks(rank: int, world: int, root: str) -> dict:
+    """Each rank: the parallel module of each MoE model (built on meta, default plan: the fused
+    experts Shard(0), 2 of 4 experts a rank) loaded from the save_pretrained directory with every
+    read of the conversion's source counted, then saved (default layout) beside it."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autoparallel import AutoParallel
+    from checkpoint.convert.catalog import Catalog
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    reads: list[str] = []
+    get, get_slice = Catalog.get, Catalog.get_slice
+
+    def counted_get(self, key, shard=0):
+        reads.append(key)
+        return get(self, key, shard)
+
+    def counted_slice(self, key, slices, shard=0):
+        reads.append(key)
+        return get_slice(self, key, slices, shard)
+
+    for kind in PMOD_KINDS:
+        with torch.device("meta"):
+            meta = tiny_meta(kind)
+        ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(4))
+        with AutoParallel(meta, lambda: {"args": (), "kwargs": {"input_ids": ids}}, mesh) as autop:
+            pmod = autop.apply_placement()
+        pmod.to_empty(device="cpu")
+        pmod.init_weights()
+        fused = pmod.get_parameter(FUSED)
+        out[f"{kind} placement"] = isinstance(fused, DTensor) and tuple(fused.placements) == (Shard(0),)
+        reads.clear()
+        with mock.patch.object(Catalog, "get", counted_get), mock.patch.object(Catalog, "get_slice", counted_slice):
+            out[f"{kind} load ok"] = checkpoint.load(pmod, os.path.join(root, kind, "hub")).ok
+        out[f"{kind} experts read"] = sorted({k for k in reads if ".experts." in k})
+        out[f"{kind} state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                                for k, v in pmod.state_dict().items()}  # fmt: skip
+        checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+    return out
+
+
+PMOD_KINDS = ("qwen3_moe", "mixtral")
+
+
+def tiny_meta(kind: str):
+    """``tiny(kind)``'s architecture without values (built under the meta device)."""
+    cfg = transformers.AutoConfig.for_model(kind, **{**_DENSE, **MOE[kind], "use_cache": False})
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.slow
+def test_parallel_module_on_two_ranks(tmp_path):
+    """2 gloo ranks, autoparallel's parallel module with the fused experts sharded by expert: the
+    save_pretrained directory loads to from_pretrained's values, each rank reading only the
+    per-expert keys of its own 2 experts; the collective save writes save_pretrained's keys and
+    bytes."""
+    from checkpoint.ranks.launch import run_ranks
+
+    for kind in PMOD_KINDS:
+        tiny(kind, 0).save_pretrained(tmp_path / kind / "hub")
+    results = run_ranks(_pmod_ranks, 2, str(tmp_path), backend="gloo", timeout=600)
+    per_expert = {"qwen3_moe": "model.layers.{i}.mlp.experts.{e}.{p}.weight", "mixtral": "model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight"}
+    parts = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w2", "w3")}
+    for kind in PMOD_KINDS:
+        want = state(from_pretrained(tmp_path / kind / "hub"))
+        for rank, res in enumerate(results):
+            assert res[f"{kind} placement"] and res[f"{kind} load ok"]
+            assert same(res[f"{kind} state"], want), (kind, rank)
+            mine = sorted(per_expert[kind].format(i=i, e=e, p=p) for i in range(2) for e in (2 * rank, 2 * rank + 1) for p in parts[kind])
+            assert res[f"{kind} experts read"] == mine, (kind, rank)
+        assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["hub", "ours"]  # the temporary save removed
