@@ -156,17 +156,42 @@ def test_training_checkpoint_keeps_the_memory_layout(tmp_path):
     assert all(torch.equal(after[i][k], v) for i, s in opt_before.items() for k, v in s.items())
 
 
-def test_mismatched_experts_are_refused_and_change_nothing(tmp_path):
-    """A save_pretrained directory of 4 experts into a model of 8: refused by the conversion's
-    checks (our error, naming the fused target) before any tensor of the model changes."""
-    tiny("qwen3_moe", 0).save_pretrained(tmp_path / "hub")
-    fields = {**MOE["qwen3_moe"], "num_experts": 8}
-    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**_DENSE, **fields})
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    before = state(model)
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj' would be \[4, 16, 16\], the model has \[8"):
-        checkpoint.load(model, tmp_path / "hub")
-    assert same(state(model), before)
+def test_mismatches_are_reported_as_for_any_checkpoint(tmp_path):
+    """The converted keys go through load's own checks: 4 experts into a model of 8 are
+    shape-mismatched fused keys (CheckpointMismatchError, nothing changed); a directory missing
+    lm_head.weight and holding a stray key is refused with both named, and strict=False loads
+    the rest, equal to from_pretrained's values."""
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint.errors import CheckpointMismatchError
+
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "hub")
+    fields = {**_DENSE, **MOE["mixtral"], "num_local_experts": 8}
+    eight = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("mixtral", **fields))
+    before = state(eight)
+    with pytest.raises(CheckpointMismatchError) as err:
+        checkpoint.load(eight, tmp_path / "hub")
+    shapes = {m.key: (m.checkpoint_shape, m.target_shape) for m in err.value.report.shape_mismatched}
+    assert shapes == {f"model.layers.{i}.mlp.{k}": ([4, *rest], [8, *rest]) for i in range(2)
+                      for k, rest in (("experts.gate_up_proj", [64, 16]), ("experts.down_proj", [16, 32]), ("gate.weight", [16]))}  # fmt: skip
+    assert same(state(eight), before)
+
+    tensors = load_file(tmp_path / "hub" / "model.safetensors")
+    del tensors["lm_head.weight"]
+    tensors["extra.thing"] = torch.zeros(2)
+    (tmp_path / "partial").mkdir()
+    save_file(tensors, tmp_path / "partial" / "model.safetensors", metadata={"format": "pt"})
+    target = tiny("mixtral", 1)
+    before = state(target)
+    with pytest.raises(CheckpointMismatchError) as err:
+        checkpoint.load(target, tmp_path / "partial")
+    assert (err.value.report.missing_keys, err.value.report.unexpected_keys) == (["lm_head.weight"], ["extra.thing"])
+    assert same(state(target), before)
+    rep = checkpoint.load(target, tmp_path / "partial", strict=False)
+    assert (rep.missing_keys, rep.unexpected_keys) == (["lm_head.weight"], ["extra.thing"])
+    want = {**state(model), "lm_head.weight": before["lm_head.weight"]}
+    assert same(state(target), want)
 
 
 def _pmod_ranks(rank: int, world: int, root: str) -> dict:

@@ -200,9 +200,14 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
     A model whose mapping fqnckpt cannot translate (scoped or regex patterns) keeps ``reader``:
     keys it cannot match are then reported by the name checks as for any checkpoint.
 
+    The converted keys are checked against the model by ``load`` as any checkpoint's are (missing,
+    unexpected, shapes: :class:`~checkpoint.errors.CheckpointMismatchError`, ``strict=False``
+    honoured).
+
     Raises:
-        RecipeError, ConversionError: the conversion does not fit the model (named); what
-            ``reader.verify_file`` raises with ``verify``. ``reader`` is closed on every error.
+        RecipeError, ConversionError: the source does not fit the conversion (an expert missing,
+            experts of different shapes; named); what ``reader.verify_file`` raises with
+            ``verify``. ``reader`` is closed on every error.
     """
     from .transformers_rules import changes_keys, pretrained_recipe, transformers_model
 
@@ -221,8 +226,13 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
         reader.close()
         raise
     reader.close()
+    from dataclasses import replace
+
     from .api import open_conversion
 
+    # writes="hf": the targets are matched against the model by load's own name and shape checks
+    # (missing / unexpected / shapes in the LoadReport, strict=False honoured), not the plan's.
+    rec = replace(rec, writes="hf")
     return ConvertedReader(open_conversion(path, rec, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
 
 
