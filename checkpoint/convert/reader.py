@@ -211,12 +211,15 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
     """
     from .transformers_rules import changes_keys, pretrained_recipe, transformers_model
 
+    unknown = [k for k in reader.keys() if k not in known]
+    if not unknown:  # every key names a tensor of the model: nothing to convert, no mapping built
+        return reader
     try:
         rec = pretrained_recipe(model)
     except ValueError:
         return reader
     try:
-        if rec is None or not changes_keys(rec, reader.keys(), known):
+        if rec is None or not changes_keys(rec, unknown):
             return reader
         if verify:
             reader.check_index_digest()
