@@ -380,13 +380,34 @@ def _pretrained_layout(obj) -> Any:
     return back if changes_keys(back, [e.fqn for e in object_state(obj).entries]) else None
 
 
+def _state_catalog(part: _Part, where: str) -> Any:
+    """The model part of a single-process save as the source of a conversion
+    (:class:`checkpoint.convert.catalog.Catalog`): each tensor fetched and checked as ``save``
+    fetches it, when the conversion asks for it."""
+    from pathlib import Path
+
+    from .convert.catalog import Catalog
+    from .sources.base import Source, SourceSpec
+
+    by_fqn = {s.fqn: s for s in part.specs}
+
+    class _Fetch:
+        def get(self, key: str) -> torch.Tensor:
+            return _fetch_checked(part, by_fqn[key])
+
+    specs = {s.fqn: SourceSpec(s.fqn, s.shape, s.dtype) for s in part.specs}
+    source = Source(Path(where), "safetensors", [], specs, dict.fromkeys(specs, "(in memory)"), _Fetch())
+    return Catalog(Path(where), [source], None)
+
+
 def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, progress, index: bool = False):
     """``save(obj, path, recipe=...)``: saved in fqnckpt's layout into a temporary directory beside
     ``path`` (the destination's filesystem, which every rank of a distributed save writes), then
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
     the report or raises (rank 0's own error; :class:`RankAgreementError` on the others).
     ``index``: return the model index written instead, and write no ``conversion_report.json``
-    (the layout a model's own ``save_pretrained`` writes, not a conversion asked for)."""
+    (the layout a model's own ``save_pretrained`` writes, not a conversion asked for); in a single
+    process the conversion then reads the module's tensors directly (no temporary save)."""
     distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
     if is_remote(path) and distributed:  # the ranks' shared temporary directory would be local
         what = "save(layout='pretrained')" if index else "save(recipe=...)"
@@ -401,6 +422,10 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
             extra = {k: v for k, v in extra.items() if k != CONVERSION_REPORT_NAME}
         written.append(inner(specs, fetch, extra, layout))
 
+    if not distributed and index:  # converted straight from the module's tensors: nothing written twice
+        part = _prepare(str(path), obj, None, None)[0][0]
+        run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
+        return written[0]
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
