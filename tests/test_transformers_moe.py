@@ -272,15 +272,23 @@ def test_parallel_module_on_two_ranks(tmp_path):
         assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["hub", "ours"]  # the temporary save removed
 
 
-# Dense families (tiny configs; fields a family does not know are kept unused by its config).
+# The other families (tiny configs; fields a family does not know are kept unused by its config):
+# dense ones, and the other MoE ones (GPT-OSS keeps its experts fused on disk too).
+_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 FAMILIES = {
-    name: {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **({"head_dim": 8} if name in ("gemma2", "gemma3_text", "qwen3") else {})}
-    for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "olmo", "olmo2", "granite", "stablelm")
+    **{name: {**_IDS, **({"head_dim": 8} if name in ("gemma2", "gemma3_text", "qwen3") else {})}
+       for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2", "granite", "stablelm")},
+    "gpt2": {**_IDS, "tie_word_embeddings": True},
+    "qwen2_moe": {**_IDS, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8},
+    "olmoe": {**_IDS, "num_experts": 4, "num_experts_per_tok": 2},
+    "glm4_moe": {**_IDS, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "first_k_dense_replace": 1,
+                 "n_group": 1, "topk_group": 1, "head_dim": 8},
+    "gpt_oss": {**_IDS, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]},
 }  # fmt: skip
 
 
 def test_family_matrix(tmp_path):
-    """Every dense family: the save_pretrained directory loads to from_pretrained's values; save
+    """Every other family: the save_pretrained directory loads to from_pretrained's values; save
     writes save_pretrained's keys (the tied output not stored twice) and bytes, and from_pretrained
     reads it back exactly."""
     bad = {}
