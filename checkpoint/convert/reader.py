@@ -15,6 +15,7 @@ whole from its group's sources and cut, so a rank still reads no tensor its targ
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -53,6 +54,11 @@ class ConvertedReader:
 
     def __contains__(self, key: str) -> bool:
         return key in self._specs
+
+    def nbytes(self, key: str) -> int:
+        """Size of target ``key`` in bytes."""
+        s = self._specs[key]
+        return math.prod(s.shape) * s.dtype.itemsize
 
     def file_of(self, key: str) -> str:
         """The source file(s) the target is computed from, for messages."""
@@ -186,19 +192,40 @@ class ConvertedReader:
 
 
 
+def pretrained_conversion(keys: Sequence[str], model: Any, known: Collection[str] = ()) -> Any:
+    """The conversion ``from_pretrained`` would apply to a checkpoint of ``keys`` for ``model``
+    (a :class:`~.rules.Recipe`, ``experts-to-fused`` from the model's own conversion mapping:
+    :func:`~.transformers_rules.pretrained_recipe`), or None: ``model`` is no transformers model,
+    its mapping changes none of the ``keys`` that are not its names (``known``), or fqnckpt cannot
+    translate the mapping (scoped or regex patterns: the keys are then checked as they are). Its
+    targets are not checked against the model while planning (``writes="hf"``): the caller's own
+    name and shape checks report them (``load``: missing / unexpected / shapes, ``strict=False``
+    honoured)."""
+    from dataclasses import replace
+
+    from .transformers_rules import changes_keys, pretrained_recipe
+
+    unknown = [k for k in keys if k not in known]
+    if not unknown:  # every key names a tensor of the model: nothing to convert, no mapping built
+        return None
+    try:
+        rec = pretrained_recipe(model)
+    except ValueError:
+        return None
+    if rec is None or not changes_keys(rec, unknown):
+        return None
+    return replace(rec, writes="hf")
+
+
 def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str] = (), *, verify: bool = False,
                       key: str | None = None, trusted_globals: Iterable[Any] = ()) -> Any:  # fmt: skip
     """``reader`` (the checkpoint at ``path`` opened by its format), or, where ``model`` is a
-    transformers model whose own conversion mapping (``transformers.conversion_mapping``, through
-    :func:`~.transformers_rules.pretrained_recipe`) converts or renames some of ``reader``'s keys
-    that are not names of the model (``known``), a :class:`ConvertedReader` over that conversion:
-    what ``from_pretrained`` reads (per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the
+    transformers model whose own conversion mapping converts or renames some of ``reader``'s keys
+    (:func:`pretrained_conversion`), a :class:`ConvertedReader` over that conversion: what
+    ``from_pretrained`` reads (per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the
     fused ``mlp.experts.gate_up_proj``, Mixtral's ``block_sparse_moe`` renamed ``mlp``, ...).
     ``reader`` is closed then. ``verify``: the checkpoint's index digest and files are checked on
     ``reader`` first (a conversion has no checksums of its own).
-
-    A model whose mapping fqnckpt cannot translate (scoped or regex patterns) keeps ``reader``:
-    keys it cannot match are then reported by the name checks as for any checkpoint.
 
     The converted keys are checked against the model by ``load`` as any checkpoint's are (missing,
     unexpected, shapes: :class:`~checkpoint.errors.CheckpointMismatchError`, ``strict=False``
@@ -209,17 +236,9 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
             experts of different shapes; named); what ``reader.verify_file`` raises with
             ``verify``. ``reader`` is closed on every error.
     """
-    from .transformers_rules import changes_keys, pretrained_recipe, transformers_model
-
-    unknown = [k for k in reader.keys() if k not in known]
-    if not unknown:  # every key names a tensor of the model: nothing to convert, no mapping built
-        return reader
     try:
-        rec = pretrained_recipe(model)
-    except ValueError:
-        return reader
-    try:
-        if rec is None or not changes_keys(rec, unknown):
+        rec = pretrained_conversion(reader.keys(), model, known)
+        if rec is None:
             return reader
         if verify:
             reader.check_index_digest()
@@ -229,14 +248,17 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
         reader.close()
         raise
     reader.close()
-    from dataclasses import replace
+    return open_pretrained(path, rec, model, key=key, trusted_globals=trusted_globals)
 
+
+def open_pretrained(path: Any, recipe: Any, model: Any, *, key: str | None = None, trusted_globals: Iterable[Any] = ()) -> ConvertedReader:
+    """A :class:`ConvertedReader` of the checkpoint at ``path`` through ``recipe`` (from
+    :func:`pretrained_conversion`), its dims and tied output taken from the transformers model under
+    ``model``. Raises what :func:`~.api.open_conversion` raises."""
     from .api import open_conversion
+    from .transformers_rules import transformers_model
 
-    # writes="hf": the targets are matched against the model by load's own name and shape checks
-    # (missing / unexpected / shapes in the LoadReport, strict=False honoured), not the plan's.
-    rec = replace(rec, writes="hf")
-    return ConvertedReader(open_conversion(path, rec, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
+    return ConvertedReader(open_conversion(path, recipe, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
 
 
-__all__ = ["ConvertedReader", "GROUPS_KEPT", "pretrained_reader"]
+__all__ = ["ConvertedReader", "GROUPS_KEPT", "pretrained_conversion", "pretrained_reader", "open_pretrained"]
