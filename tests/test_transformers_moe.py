@@ -194,6 +194,40 @@ def test_mismatches_are_reported_as_for_any_checkpoint(tmp_path):
     assert same(state(target), want)
 
 
+def mixtral_model():
+    """``fqnckpt diff --model tests.test_transformers_moe:mixtral_model``: the tiny Mixtral."""
+    return tiny("mixtral", 5)
+
+
+def test_diff_reads_the_on_disk_layout_as_the_model_holds_it(tmp_path, capsys):
+    """fqnckpt diff of a save_pretrained directory (per-expert keys) and the in-memory layout
+    (fused): different by raw names; with the transformers --model, the per-expert side is read
+    through the model's conversion mapping, every tensor compared by value, and the report says so.
+    A changed expert is a value difference of its fused tensor."""
+    from checkpoint.cli.main import main
+
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "hub")
+    checkpoint.save(model, tmp_path / "mem", layout="memory")
+    hub, mem = str(tmp_path / "hub"), str(tmp_path / "mem")
+    assert main(["diff", hub, mem, "--part", "model"]) == 1
+    capsys.readouterr()
+    assert main(["diff", hub, mem, "--part", "model", "--model", "tests.test_transformers_moe:mixtral_model", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    n = len(model.state_dict())
+    assert (out["same"], out["common"], out["values_compared"]) == (True, n, n)
+    assert out["converted"] == {"a": "experts-to-fused (transformers' conversion mapping of the model)"}
+    assert main(["diff", hub, mem, "--part", "model", "--model", "tests.test_transformers_moe:mixtral_model"]) == 0
+    assert "a read as the model holds it: experts-to-fused" in capsys.readouterr().out
+
+    with torch.no_grad():
+        model.get_parameter("model.layers.1.mlp.experts.down_proj")[2, 0, 0] += 1
+    checkpoint.save(model, tmp_path / "changed")
+    assert main(["diff", hub, str(tmp_path / "changed"), "--part", "model", "--model", "tests.test_transformers_moe:mixtral_model", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["value_differs"] == ["model.layers.1.mlp.experts.down_proj"] and out["converted"].keys() == {"a", "b"}
+
+
 def _pmod_ranks(rank: int, world: int, root: str) -> dict:
     """Each rank: the parallel module of each MoE model (built on meta, default plan: the fused
     experts Shard(0), 2 of 4 experts a rank) loaded from the save_pretrained directory with every
