@@ -377,7 +377,7 @@ def _pretrained_layout(obj) -> Any:
     if rec is None:
         return None
     back = rec.inverse()
-    return back if changes_keys(back, [e.fqn for e in object_state(obj).entries]) else None
+    return back if changes_keys(back, (e.fqn for e in object_state(obj).entries)) else None
 
 
 def _state_catalog(part: _Part, where: str) -> Any:

@@ -181,6 +181,9 @@ def changes_keys(recipe: Recipe, keys: Iterable[str], known: Collection[str] = (
     the target has already: a legacy rename such as ``.weight_g`` never takes a key the model
     itself uses). Matching only, nothing is read."""
     rules = [p for rule in recipe.rules for p in rule.source_patterns]
+    renames = [r for r in (*recipe.pre, *recipe.post) if getattr(r, "forward", r) is not None]
+    if not rules and not renames:  # legacy renames only, on the way back (never written): no key read
+        return False
     for key in keys:
         if key in known:
             continue
