@@ -95,6 +95,23 @@ def test_save_pretrained_directory_loads_as_from_pretrained(tmp_path, kind):
     assert same(state(wrapped._orig_mod), want)
 
 
+def test_hub_snapshot_loads(tmp_path):
+    """A Hub cache snapshot (files symlinked to blobs) of a save_pretrained directory loads as the
+    directory does."""
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "hub")
+    repo = tmp_path / "cache" / "models--org--tiny-mixtral"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in os.listdir(tmp_path / "hub"):
+        (repo / "blobs" / f"{f}.blob").write_bytes((tmp_path / "hub" / f).read_bytes())
+        (snap / f).symlink_to(f"../../blobs/{f}.blob")
+    target = tiny("mixtral", 1)
+    assert checkpoint.load(target, snap).ok
+    assert same(state(target), state(model))
+
+
 @pytest.mark.parametrize("kind", list(MOE))
 def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
     """save's default is transformers' on-disk layout: the same keys and bytes as save_pretrained,
