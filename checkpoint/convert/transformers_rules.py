@@ -150,12 +150,13 @@ def transformers_model(obj: Any) -> Any:
         return None
     from transformers import PreTrainedModel
 
-    from .hf_files import is_peft_model, unwrap_model
+    from ..peft_state import find_peft
+    from .hf_files import unwrap_model
 
-    if is_peft_model(obj):
+    if find_peft(obj) is not None:  # a PeftModel under any wrappers
         return None
     inner = unwrap_model(obj)
-    return inner if isinstance(inner, PreTrainedModel) and not is_peft_model(inner) else None
+    return inner if isinstance(inner, PreTrainedModel) else None
 
 
 def pretrained_recipe(obj: Any) -> Recipe | None:
