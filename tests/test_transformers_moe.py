@@ -248,7 +248,8 @@ def test_diff_reads_the_on_disk_layout_as_the_model_holds_it(tmp_path, capsys):
 def _pmod_ranks(rank: int, world: int, root: str) -> dict:
     """Each rank: the parallel module of each MoE model (built on meta, default plan: the fused
     experts Shard(0), 2 of 4 experts a rank) loaded from the save_pretrained directory with every
-    read of the conversion's source counted, then saved (default layout) beside it."""
+    read of the conversion's source counted, then saved (default layout) beside it; the same load
+    and save of a fully_shard-ed Qwen3-MoE."""
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -287,6 +288,14 @@ def _pmod_ranks(rank: int, world: int, root: str) -> dict:
         out[f"{kind} state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                 for k, v in pmod.state_dict().items()}  # fmt: skip
         checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+    # FSDP2: fully_shard's FSDPQwen3MoeForCausalLM class, rules from the eager class under it.
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny("qwen3_moe", 1)
+    fully_shard(model, mesh=mesh)
+    out["fsdp load ok"] = checkpoint.load(model, os.path.join(root, "qwen3_moe", "hub")).ok
+    out["fsdp state"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    checkpoint.save(model, os.path.join(root, "qwen3_moe", "fsdp"))
     return out
 
 
@@ -304,7 +313,7 @@ def test_parallel_module_on_two_ranks(tmp_path):
     """2 gloo ranks, autoparallel's parallel module with the fused experts sharded by expert: the
     save_pretrained directory loads to from_pretrained's values, each rank reading only the
     per-expert keys of its own 2 experts; the collective save writes save_pretrained's keys and
-    bytes."""
+    bytes. The same for FSDP2 (fully_shard) of Qwen3-MoE."""
     from checkpoint.ranks.launch import run_ranks
 
     for kind in PMOD_KINDS:
@@ -320,7 +329,10 @@ def test_parallel_module_on_two_ranks(tmp_path):
             mine = sorted(per_expert[kind].format(i=i, e=e, p=p) for i in range(2) for e in (2 * rank, 2 * rank + 1) for p in parts[kind])
             assert res[f"{kind} experts read"] == mine, (kind, rank)
         assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
-        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["hub", "ours"]  # the temporary save removed
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["fsdp"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
+    want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
+    assert all(res["fsdp load ok"] and same(res["fsdp state"], want) for res in results)
+    assert same(stored(tmp_path / "qwen3_moe" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
 
 
 # The other families (tiny configs; fields a family does not know are kept unused by its config):
