@@ -245,6 +245,39 @@ def test_diff_reads_the_on_disk_layout_as_the_model_holds_it(tmp_path, capsys):
     assert out["value_differs"] == ["model.layers.1.mlp.experts.down_proj"] and out["converted"].keys() == {"a", "b"}
 
 
+def test_inspect_shows_the_other_layouts_names(tmp_path, capsys):
+    """fqnckpt inspect of a Mixtral checkpoint with its config.json: per-expert keys (save_pretrained)
+    show the fused names the model holds in memory and the keys each is built from; fused keys
+    (layout='memory') show the per-expert names save_pretrained writes. A dense model's shows none."""
+    from checkpoint.cli.main import main
+
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "hub")
+    checkpoint.save(model, tmp_path / "mem", layout="memory")
+    assert main(["inspect", str(tmp_path / "hub"), "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)["transformers_names"]
+    assert (other["as"], other["model"], other["recipe"], other["tensors"]) == ("in memory", "MixtralForCausalLM", "experts-to-fused", 21)
+    layer = "model.layers.1.block_sparse_moe"
+    assert other["from"] == {
+        **{f"model.layers.{i}.mlp.experts.gate_up_proj": [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+                                                           for w in ("w1", "w3") for e in range(4)] for i in range(2)},
+        **{f"model.layers.{i}.mlp.experts.down_proj": [f"model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
+           for i in range(2)},
+        **{f"model.layers.{i}.mlp.gate.weight": [f"model.layers.{i}.block_sparse_moe.gate.weight"] for i in range(2)},
+    }  # fmt: skip
+    assert main(["inspect", str(tmp_path / "mem"), "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)["transformers_names"]
+    assert (other["as"], other["recipe"], other["tensors"]) == ("as save_pretrained writes it", "fused-to-experts", 41)
+    assert other["from"][f"{layer}.experts.3.w3.weight"] == ["model.layers.1.mlp.experts.gate_up_proj"]
+    assert sorted(other["from"]) == sorted(set(stored(tmp_path / "hub")) - set(stored(tmp_path / "mem")))
+    assert main(["inspect", str(tmp_path / "hub")]) == 0
+    assert "in memory (MixtralForCausalLM of config.json, by experts-to-fused): 21 tensors, 6 of them" in capsys.readouterr().out
+
+    tiny("llama", 0, FAMILIES).save_pretrained(tmp_path / "dense")
+    assert main(["inspect", str(tmp_path / "dense"), "--json"]) == 0
+    assert "transformers_names" not in json.loads(capsys.readouterr().out)
+
+
 def _pmod_ranks(rank: int, world: int, root: str) -> dict:
     """Each rank: the parallel module of each MoE model (built on meta, default plan: the fused
     experts Shard(0), 2 of 4 experts a rank) loaded from the save_pretrained directory with every
