@@ -76,6 +76,16 @@ def load(
     checkpoint stored. Several stored keys naming one target tensor must hold equal values.
     Keys that are non-persistent buffers of the target are ``ignorable_keys``, not loaded.
 
+    transformers models (eager, wrapped, FSDP2 or the parallel module): a checkpoint whose keys the
+    model's own conversion mapping (``transformers.conversion_mapping``, the installed version)
+    converts or renames, e.g. a ``save_pretrained`` directory or Hub snapshot of a MoE model with
+    per-expert keys (``mlp.experts.0.gate_proj.weight``, Mixtral's
+    ``block_sparse_moe.experts.0.w1.weight``) into the fused ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, is read through that conversion, as ``from_pretrained`` reads it (the
+    ``experts-to-fused`` recipe, planned before any tensor is read; a rank reads only its experts'
+    keys); then checked as any checkpoint. Model tensors only: ``optimizer=`` / ``extra_state=``
+    are refused for it. A checkpoint in the model's own names opens as it is.
+
     Dtypes: tensors stored in another dtype are converted to the target's dtype and listed in
     ``dtype_converted``. A conversion that loses values is refused (:class:`LossyConversionError`)
     unless ``allow_lossy=True``: by kind (complex -> real, floating -> integer / bool, integer ->
@@ -149,7 +159,8 @@ def load(
         OverlappingTargetsError: distinct targets share memory and the checkpoint gives the shared
             elements different values.
         OptimizerMismatchError (``checkpoint.optim``): optimizer groups match no saved groups.
-        TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module.
+        TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module;
+            ``optimizer`` / ``extra_state`` for a checkpoint in transformers' on-disk layout.
         RankAgreementError: another rank failed (when loading DTensors).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
     copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole differs

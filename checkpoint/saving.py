@@ -339,7 +339,10 @@ def save(
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
     naming the key for a non-tensor value; on ranks whose peers failed,
-    :class:`~checkpoint.errors.RankAgreementError`.
+    :class:`~checkpoint.errors.RankAgreementError`; ``ValueError`` for an unknown ``layout``,
+    ``TypeError`` for ``layout="pretrained"`` with ``optimizer`` / ``extra_state``, and for
+    ``layout`` with ``recipe``; ``NotImplementedError`` for DTensors to a URL in the
+    ``"pretrained"`` layout.
     """
     path = resolve(path, storage_options, transfer)
     if layout not in (None, "pretrained", "memory"):
