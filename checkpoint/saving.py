@@ -317,7 +317,8 @@ def save(
     model tensors alone, ``"memory"`` with ``optimizer=`` or ``extra_state=`` (a training
     checkpoint: the optimizer state is keyed by the in-memory parameters, and ``load`` resumes it
     from that layout). Every other model is written the same either way. With DTensors the
-    ``"pretrained"`` layout needs a local ``path`` every rank shares (rank 0 converts).
+    ``"pretrained"`` layout needs a local ``path`` every rank shares (rank 0 converts); to a URL
+    the default then writes the ``"memory"`` layout, with a warning.
 
     ``recipe``: write another layout (``fqnckpt recipes``, e.g. ``hf-to-torchtitan-llama3``): saved
     as usual into a temporary directory beside ``path``, then converted by
@@ -354,8 +355,13 @@ def save(
                         "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
     if recipe is None and layout != "memory" and optimizer is None and extra_state is None:
         pretrained = _pretrained_layout(obj)
-        if pretrained is not None:
-            return _save_with_recipe(obj, path, pretrained, max_shard_size, overwrite, progress, index=True)
+        target = local_target(path)  # file://: the directory, converted as a local path
+        if pretrained is not None and layout is None and is_remote(target) and object_state(obj).has_dtensor:
+            warnings.warn(f"save({path}): DTensors are written to a URL in the module's "
+                          "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
+                          "a local path every rank shares; checkpoint.load reads either layout", stacklevel=3)  # fmt: skip
+        elif pretrained is not None:
+            return _save_with_recipe(obj, target, pretrained, max_shard_size, overwrite, progress, index=True)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")

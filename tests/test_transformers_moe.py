@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -278,7 +279,7 @@ def test_inspect_shows_the_other_layouts_names(tmp_path, capsys):
     assert "transformers_names" not in json.loads(capsys.readouterr().out)
 
 
-def _pmod_ranks(rank: int, world: int, root: str) -> dict:
+def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
     """Each rank: the parallel module of each MoE model (built on meta, default plan: the fused
     experts Shard(0), 2 of 4 experts a rank) loaded from the save_pretrained directory with every
     read of the conversion's source counted, then saved (default layout) beside it; the same load
@@ -321,6 +322,16 @@ def _pmod_ranks(rank: int, world: int, root: str) -> dict:
         out[f"{kind} state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                 for k, v in pmod.state_dict().items()}  # fmt: skip
         checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+        if kind == "qwen3_moe":  # to a URL: file:// is a local directory (on-disk layout); S3 keeps the module's own, warned
+            checkpoint.save(pmod, f"file://{root}/qwen3_moe/file-url")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                checkpoint.save(pmod, "s3://moe/pmod", storage_options=s3)
+            out["s3 warned"] = [str(w.message)[:60] for w in caught if "layout" in str(w.message)]
+            try:
+                checkpoint.save(pmod, "s3://moe/refused", storage_options=s3, layout="pretrained")
+            except NotImplementedError as e:
+                out["s3 refused"] = str(e)
     # FSDP2: fully_shard's FSDPQwen3MoeForCausalLM class, rules from the eager class under it.
     from torch.distributed.fsdp import fully_shard
 
@@ -349,9 +360,20 @@ def test_parallel_module_on_two_ranks(tmp_path):
     bytes. The same for FSDP2 (fully_shard) of Qwen3-MoE."""
     from checkpoint.ranks.launch import run_ranks
 
+    from checkpoint.storage.location import resolve
+    from tests.s3_server import make_bucket, start_moto, storage_options
+
     for kind in PMOD_KINDS:
         tiny(kind, 0).save_pretrained(tmp_path / kind / "hub")
-    results = run_ranks(_pmod_ranks, 2, str(tmp_path), backend="gloo", timeout=600)
+    server, port = start_moto()
+    try:
+        make_bucket(port, "moe")
+        results = run_ranks(_pmod_ranks, 2, str(tmp_path), storage_options(port), backend="gloo", timeout=600)
+        s3 = resolve("s3://moe", storage_options(port))
+        s3_keys = {k for k in json.loads(s3.get("pmod/model.safetensors.index.json"))["weight_map"]}
+        s3_names = set(s3.listing())
+    finally:
+        server.stop()
     per_expert = {"qwen3_moe": "model.layers.{i}.mlp.experts.{e}.{p}.weight", "mixtral": "model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight"}
     parts = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w2", "w3")}
     for kind in PMOD_KINDS:
@@ -362,8 +384,12 @@ def test_parallel_module_on_two_ranks(tmp_path):
             mine = sorted(per_expert[kind].format(i=i, e=e, p=p) for i in range(2) for e in (2 * rank, 2 * rank + 1) for p in parts[kind])
             assert res[f"{kind} experts read"] == mine, (kind, rank)
         assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
-        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["fsdp"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["file-url", "fsdp"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
+    assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert s3_keys == set(want) and s3_names == {"pmod"}  # the module's own names; nothing of the refused save
+    assert [res["s3 warned"] for res in results] == [['save(s3://moe/pmod): DTensors are written to a URL in the mo']] * 2
+    assert [res["s3 refused"][:60] for res in results] == ["save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
     assert all(res["fsdp load ok"] and same(res["fsdp state"], want) for res in results)
     assert same(stored(tmp_path / "qwen3_moe" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
 
