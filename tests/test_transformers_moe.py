@@ -113,6 +113,22 @@ def test_hub_snapshot_loads(tmp_path):
     assert same(state(target), state(model))
 
 
+def test_urls(tmp_path):
+    """One process, through fsspec: save to memory:// writes save_pretrained's layout and loads
+    back; a file:// URL of a save_pretrained directory loads as the directory does."""
+    import uuid
+
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "hub")
+    url = f"memory://moe-{uuid.uuid4().hex[:8]}/ck"
+    index = checkpoint.save(model, url)
+    assert sorted(index.weight_map) == sorted(stored(tmp_path / "hub"))
+    for src in (url, f"file://{tmp_path / 'hub'}"):
+        target = tiny("mixtral", 1)
+        assert checkpoint.load(target, src).ok
+        assert same(state(target), state(model))
+
+
 @pytest.mark.parametrize("kind", list(MOE))
 def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
     """save's default is transformers' on-disk layout: the same keys and bytes as save_pretrained,
