@@ -113,6 +113,23 @@ def test_hub_snapshot_loads(tmp_path):
     assert same(state(target), state(model))
 
 
+def test_base_model_and_head(tmp_path):
+    """As for any checkpoint, the converted keys resolve by container prefix: a MixtralForCausalLM
+    directory into MixtralModel (lm_head unexpected) and a MixtralModel directory into
+    MixtralForCausalLM (lm_head missing), strict=False loading the rest exactly."""
+    model = tiny("mixtral", 0)
+    model.save_pretrained(tmp_path / "full")
+    model.model.save_pretrained(tmp_path / "base")
+    base = transformers.MixtralModel(model.config)
+    rep = checkpoint.load(base, tmp_path / "full", strict=False)
+    assert (rep.missing_keys, rep.unexpected_keys) == ([], ["lm_head.weight"])
+    assert same(state(base), state(model.model))
+    full = tiny("mixtral", 1)
+    rep = checkpoint.load(full, tmp_path / "base", strict=False)
+    assert (rep.missing_keys, rep.unexpected_keys) == (["lm_head.weight"], [])
+    assert same(state(full.model), state(model.model))
+
+
 def test_urls(tmp_path):
     """One process, through fsspec: save to memory:// writes save_pretrained's layout and loads
     back; a file:// URL of a save_pretrained directory loads as the directory does."""

@@ -258,7 +258,11 @@ def open_pretrained(path: Any, recipe: Any, model: Any, *, key: str | None = Non
     from .api import open_conversion
     from .transformers_rules import transformers_model
 
-    return ConvertedReader(open_conversion(path, recipe, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
+    reader = ConvertedReader(open_conversion(path, recipe, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
+    # The targets were not checked against the model's names (writes="hf"): a base model's keys into
+    # a model with a head, or the reverse, resolve by container prefix as any checkpoint's do.
+    reader.resolve_names = True
+    return reader
 
 
 __all__ = ["ConvertedReader", "GROUPS_KEPT", "pretrained_conversion", "pretrained_reader", "open_pretrained"]
