@@ -438,8 +438,7 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
-            report = run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
-            return written[0] if index else report
+            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
     tmp, err = None, None
     if dist.rank() == 0:
         try:
