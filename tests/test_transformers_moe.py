@@ -355,6 +355,16 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
         out[f"{kind} state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                 for k, v in pmod.state_dict().items()}  # fmt: skip
         checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+        if kind == "mixtral":  # each rank its own copy of the saved checkpoint (node-local disks): one checkpoint by digest
+            import shutil
+
+            mine = shutil.copytree(os.path.join(root, kind, "ours"), os.path.join(root, f"copy-{rank}"))
+            with torch.no_grad():
+                for p in pmod.parameters():
+                    p.zero_()
+            out["own copy load ok"] = checkpoint.load(pmod, mine).ok
+            out["own copy state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                                     for k, v in pmod.state_dict().items()}  # fmt: skip
         if kind == "qwen3_moe":  # to a URL: file:// is a local directory (on-disk layout); S3 keeps the module's own, warned
             checkpoint.save(pmod, f"file://{root}/qwen3_moe/file-url")
             with warnings.catch_warnings(record=True) as caught:
@@ -418,6 +428,7 @@ def test_parallel_module_on_two_ranks(tmp_path):
             assert res[f"{kind} experts read"] == mine, (kind, rank)
         assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
         assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["file-url", "fsdp"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
+    assert all(res["own copy load ok"] and same(res["own copy state"], res["mixtral state"]) for res in results)
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
     assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert s3_keys == set(want) and s3_names == {"pmod"}  # the module's own names; nothing of the refused save

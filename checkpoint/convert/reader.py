@@ -248,7 +248,11 @@ def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str]
         reader.close()
         raise
     reader.close()
-    return open_pretrained(path, rec, model, key=key, trusted_globals=trusted_globals)
+    converted = open_pretrained(path, rec, model, key=key, trusted_globals=trusted_globals)
+    # The source's index record (its xxh3-128 digest names the content): ranks of a collective load
+    # compare what they opened by it, so node-local copies of one checkpoint still agree.
+    converted.meta = getattr(reader, "meta", None)
+    return converted
 
 
 def open_pretrained(path: Any, recipe: Any, model: Any, *, key: str | None = None, trusted_globals: Iterable[Any] = ()) -> ConvertedReader:
