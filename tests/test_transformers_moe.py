@@ -94,6 +94,9 @@ def test_save_pretrained_directory_loads_as_from_pretrained(tmp_path, kind):
     wrapped = torch.compile(tiny(kind, 2))
     assert checkpoint.load(wrapped, tmp_path / "hub").ok
     assert same(state(wrapped._orig_mod), want)
+    half = tiny(kind, 3).to(torch.bfloat16)  # another dtype: converted by the copy, not read straight in
+    assert checkpoint.load(half, tmp_path / "hub").ok
+    assert same(state(half), {k: v.to(torch.bfloat16) for k, v in want.items()})
 
 
 def test_hub_snapshot_loads(tmp_path):

@@ -66,8 +66,36 @@ class ConvertedReader:
         keys = self.plan.groups[gi].source_keys() if gi is not None else [self.plan.unchanged[key]]
         return f"{keys[0]} (converted by {self.plan.recipe.name})"
 
-    def read_into(self, key: str, t: torch.Tensor) -> bool:
-        return False
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Stacked experts (``Stack(0)``, then at most one ``Concat`` along a later dim, as
+        transformers' fused ``gate_up_proj`` / ``down_proj``) written straight into ``out``: each
+        expert's source tensor copied into its slice, no stacked or concatenated tensor in between
+        (a load otherwise holds the group's target twice more). ``out`` must have the target's shape
+        and dtype (sources of another dtype are converted by the copy only after load's checks);
+        False for any other target, or a target computed already (then :meth:`get`)."""
+        plan = self.plan
+        gi = plan._group_of.get(key)
+        spec = self._specs[key]
+        if gi is None or gi in self._kept or plan.catalog.shards != 1 or out.dtype != spec.dtype or tuple(out.shape) != spec.shape:
+            return False
+        g = plan.groups[gi]
+        ops, pats = g.rule.ops, g.rule.source_patterns
+        if len(g.rule.target_patterns) != 1 or not ops or ops[0] != Stack(0) or len(ops) > 2 or not all(p.gathered for p in pats):
+            return False
+        if len(ops) == 2 and not (isinstance(ops[1], Concat) and ops[1].dim >= 1):
+            return False
+        if any(plan.catalog.specs(k)[0].dtype != spec.dtype for m in g.members for k in m.values()):
+            return False
+        dim = ops[1].dim - 1 if len(ops) == 2 else None  # the concatenated dim of one expert's tensor
+        width = spec.shape[dim + 1] // len(pats) if dim is not None else 0
+        with torch.no_grad():
+            for j, members in enumerate(g.members):
+                for e in sorted(members):
+                    row = out[e]
+                    if dim is not None:
+                        row = row.narrow(dim, j * width, width)
+                    row.copy_(plan.catalog.get(members[e], 0))
+        return True
 
     def get(self, key: str) -> torch.Tensor:
         gi: int | str = self.plan._group_of.get(key, key)
