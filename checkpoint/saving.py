@@ -442,6 +442,7 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
     tmp, err = None, None
     if dist.rank() == 0:
         try:
+            os.makedirs(parent, exist_ok=True)  # as a save without conversion creates the destination's parents
             tmp = tempfile.mkdtemp(prefix=".fqnckpt-convert-", dir=parent)
         except Exception as e:  # noqa: BLE001 - agreed: no rank left waiting for rank 0's directory
             err = e

@@ -386,7 +386,7 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
     fully_shard(model, mesh=mesh)
     out["fsdp load ok"] = checkpoint.load(model, os.path.join(root, "qwen3_moe", "hub")).ok
     out["fsdp state"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    checkpoint.save(model, os.path.join(root, "qwen3_moe", "fsdp"))
+    checkpoint.save(model, os.path.join(root, "new", "parents", "fsdp"))  # parents created, as without conversion
     return out
 
 
@@ -430,7 +430,7 @@ def test_parallel_module_on_two_ranks(tmp_path):
             assert len(mine) == 6 * (1 if kind == "deepseek_v3" else 2)  # 2 experts x 3 matrices a MoE layer (DeepSeek: layer 1 only)
             assert res[f"{kind} experts read"] == mine, (kind, rank)
         assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
-        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["file-url", "fsdp"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["file-url"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
     assert all(res["own copy load ok"] and same(res["own copy state"], res["mixtral state"]) for res in results)
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
     assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
@@ -438,7 +438,8 @@ def test_parallel_module_on_two_ranks(tmp_path):
     assert [res["s3 warned"] for res in results] == [['save(s3://moe/pmod): DTensors are written to a URL in the mo']] * 2
     assert [res["s3 refused"][:60] for res in results] == ["save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
     assert all(res["fsdp load ok"] and same(res["fsdp state"], want) for res in results)
-    assert same(stored(tmp_path / "qwen3_moe" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert same(stored(tmp_path / "new" / "parents" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert os.listdir(tmp_path / "new" / "parents") == ["fsdp"]
 
 
 # The other families (tiny configs; fields a family does not know are kept unused by its config):
