@@ -182,7 +182,7 @@ def detect_layout(keys) -> str | None:
         return "megatron local (non-TE norm names)"
     if any(k.endswith(".mlp.experts.gate_up_proj") for k in keys):
         return "hf fused-experts (transformers 5)"
-    if any(".mlp.experts.0." in k for k in keys):
+    if any(".mlp.experts.0." in k or ".block_sparse_moe.experts.0." in k for k in keys):  # Mixtral's own name
         return "hf per-expert"
     if "tok_embeddings.weight" in ks and any(k.endswith(".attention.wq.weight") for k in keys):
         return "meta / torchtitan legacy"

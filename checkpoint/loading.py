@@ -12,7 +12,7 @@ of the file, else ``safe_open(...).get_slice``), so loading reshards.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Collection, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -76,6 +76,16 @@ def load(
     target is matched by its keys exactly. Tied tensors are filled from whichever alias the
     checkpoint stored. Several stored keys naming one target tensor must hold equal values.
     Keys that are non-persistent buffers of the target are ``ignorable_keys``, not loaded.
+
+    transformers models (eager, wrapped, FSDP2 or the parallel module): a checkpoint whose keys the
+    model's own conversion mapping (``transformers.conversion_mapping``, the installed version)
+    converts or renames, e.g. a ``save_pretrained`` directory or Hub snapshot of a MoE model with
+    per-expert keys (``mlp.experts.0.gate_proj.weight``, Mixtral's
+    ``block_sparse_moe.experts.0.w1.weight``) into the fused ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, is read through that conversion, as ``from_pretrained`` reads it (the
+    ``experts-to-fused`` recipe, planned before any tensor is read; a rank reads only its experts'
+    keys); then checked as any checkpoint. Model tensors only: ``optimizer=`` / ``extra_state=``
+    are refused for it. A checkpoint in the model's own names opens as it is.
 
     Dtypes: tensors stored in another dtype are converted to the target's dtype and listed in
     ``dtype_converted``. A conversion that loses values is refused (:class:`LossyConversionError`)
@@ -154,7 +164,8 @@ def load(
         OverlappingTargetsError: distinct targets share memory and the checkpoint gives the shared
             elements different values.
         OptimizerMismatchError (``checkpoint.optim``): optimizer groups match no saved groups.
-        TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module.
+        TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module;
+            ``optimizer`` / ``extra_state`` for a checkpoint in transformers' on-disk layout.
         RankAgreementError: another rank failed (when loading DTensors).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
     copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole (or through
@@ -189,6 +200,7 @@ def load(
     agreed = False
     reader = plan = extra = None
     rows: dict[str, list] = {}  # row_chunk_keys' chunk digests of this rank (collective loads)
+    converted = False
 
     def agree() -> None:
         nonlocal agreed
@@ -206,7 +218,12 @@ def load(
                 reader = open_adapter_reader(os.fspath(path))
             else:
                 reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj,
-                                            key=key, trusted_globals=trusted_globals)  # fmt: skip
+                                            key=key, trusted_globals=trusted_globals, known=state.by_name(), verify=verify)  # fmt: skip
+            converted = recipe is None and type(reader).__name__ == "ConvertedReader"  # transformers' own layout
+            if converted and (optimizer is not None or extra_state is not None):
+                raise TypeError(f"load({path}): the checkpoint is in transformers' on-disk layout (converted by the model's "
+                                "conversion mapping while loading), which holds model tensors only: no optimizer= / extra_state=; "
+                                "a training checkpoint is saved with layout='memory'")  # fmt: skip
             if peft_dir == "both":
                 reader = open_adapter_reader(os.fspath(path), reader)
             elif peft_dir is None and recipe is None:  # FP8 / MXFP4 weights into other dtypes: dequantized
@@ -214,7 +231,7 @@ def load(
                                              str(path), dtype)  # fmt: skip
             plan = plan_load(
                 obj, reader, f"DCP checkpoint {path}" if fmt else str(path), strict=strict, optimizer=optimizer, dtype=dtype,
-                assign=assign, allow_lossy=allow_lossy, verify=verify, state=state, agree=agree,
+                assign=assign, allow_lossy=allow_lossy, verify=verify and not converted, state=state, agree=agree,
             )  # fmt: skip
             if isinstance(reader, DequantizingReader):
                 plan.report.dequantized = {a.entry.fqn: reader.dequantized(a.key) for a in plan.copies
@@ -305,19 +322,28 @@ def _has_model_part(path: str) -> bool:
 
 
 def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,
-                       key: str | None = None, trusted_globals: Iterable[Any] = ()):  # fmt: skip
+                       key: str | None = None, trusted_globals: Iterable[Any] = (), known: Collection[str] = (),
+                       verify: bool = False):  # fmt: skip
     """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an
     fqnckpt / Hugging Face checkpoint, a DCP directory, a ``torch.save`` pickle, the format
     sniffed; ``read_optimizer``: also read DCP's optimizer param groups), or with ``recipe`` a :class:`~checkpoint.convert.reader.ConvertedReader` over
-    the checked conversion of any source format (planned against ``model``). Raises what they
-    raise (a conversion: RecipeError / ConversionError before any tensor is read)."""
+    the checked conversion of any source format (planned against ``model``). Without ``recipe``,
+    for a transformers ``model`` whose conversion mapping changes keys of the checkpoint that are
+    not its names (``known``), that conversion (:func:`checkpoint.convert.reader.pretrained_reader`;
+    ``verify``: the source's checksums checked first). Raises what they raise (a conversion:
+    RecipeError / ConversionError before any tensor is read)."""
     if recipe is not None:
         from .convert import open_conversion
         from .convert.reader import ConvertedReader
 
         model = model if isinstance(model, torch.nn.Module) else None
         return ConvertedReader(open_conversion(path, recipe, model=model, key=key, trusted_globals=trusted_globals))
-    return open_source_target(path, read_optimizer=read_optimizer, key=key, trusted_globals=trusted_globals)
+    reader = open_source_target(path, read_optimizer=read_optimizer, key=key, trusted_globals=trusted_globals)
+    if isinstance(model, torch.nn.Module):
+        from .convert.reader import pretrained_reader
+
+        reader = pretrained_reader(reader, path, model, known, verify=verify, key=key, trusted_globals=trusted_globals)
+    return reader
 
 
 __all__ = ["load", "plan_load", "apply_load", "LoadPlan", "CopyAction", "check_tied_values", "guarded_get"]

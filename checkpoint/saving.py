@@ -28,7 +28,7 @@ from fqn import FQNMap, FQNMapFile
 from .testing import faults
 from .storage.local_commit import StagedCheckpoint, enclosing_checkpoint
 from .storage.commit import is_part
-from .convert import run_recipe
+from .convert import CONVERSION_REPORT_NAME, run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
 from .errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
@@ -77,15 +77,15 @@ class _Part:
 
 def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -> Callable:
     """``write(specs, fetch, extra_files, layout)`` for :func:`checkpoint.convert.run_recipe`: the
-    tensors streamed into this format at ``path`` (one model part), or for ``layout="meta"`` into
-    Meta's ``consolidated.NN.pth`` files; committed atomically either way."""
+    tensors streamed into this format at ``path`` (one model part; returns its index), or for
+    ``layout="meta"`` into Meta's ``consolidated.NN.pth`` files; committed atomically either way."""
 
-    def write(specs, fetch, extra, layout=None) -> None:
+    def write(specs, fetch, extra, layout=None) -> IndexFile | None:
         if layout == "meta":  # local or any byte store (checkpoint.convert.meta_files)
             refuse_nested(local_target(resolve(path)))
             write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
-            return
-        _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)
+            return None
+        return _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)[0]
 
     return write
 
@@ -286,6 +286,7 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     transfer: Any = None,
     peft: str = "adapter",
+    layout: str | None = None,
 ) -> IndexFile:
     """Save a module or state_dict as a sharded safetensors checkpoint keyed by eager FQNs.
 
@@ -332,6 +333,19 @@ def save(
     ``progress``: tqdm bar on stderr, rank 0 only (``None``: only when stderr is a terminal;
     shown after 1 s).
 
+    ``layout``: for a transformers model (eager, wrapped or the parallel module) whose own
+    conversion mapping (``transformers.conversion_mapping``) changes names or tensors on the way to
+    disk, ``"pretrained"`` writes what ``save_pretrained`` writes (MoE experts per expert,
+    ``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``;
+    ``from_pretrained`` and :func:`checkpoint.load` read it back), converted by the
+    ``fused-to-experts`` recipe (:mod:`checkpoint.convert`); ``"memory"`` writes the module's own
+    names and tensors (``mlp.experts.gate_up_proj``). Default (``None``): ``"pretrained"`` for
+    model tensors alone, ``"memory"`` with ``optimizer=`` or ``extra_state=`` (a training
+    checkpoint: the optimizer state is keyed by the in-memory parameters, and ``load`` resumes it
+    from that layout). Every other model is written the same either way. With DTensors the
+    ``"pretrained"`` layout needs a local ``path`` every rank shares (rank 0 converts); to a URL
+    the default then writes the ``"memory"`` layout, with a warning.
+
     ``recipe``: write another layout (``fqnckpt recipes``, e.g. ``hf-to-torchtitan-llama3``): saved
     as usual into a temporary directory beside ``path``, then converted by
     :mod:`checkpoint.convert`; returns its ``ConversionReport``. With DTensors (call on every rank)
@@ -354,9 +368,28 @@ def save(
     naming the key for a non-tensor value, :class:`~checkpoint.errors.NestedCheckpointError` for a
     local ``path`` inside another checkpoint's folder (:func:`refuse_nested`), ``ValueError``
     naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
-    peers failed, :class:`~checkpoint.errors.RankAgreementError`.
+    peers failed, :class:`~checkpoint.errors.RankAgreementError`; ``ValueError`` for an unknown
+    ``layout``, ``TypeError`` for ``layout="pretrained"`` with ``optimizer`` / ``extra_state``, and
+    for ``layout`` with ``recipe``; ``NotImplementedError`` for DTensors to a URL in the
+    ``"pretrained"`` layout.
     """
     path = resolve(path, storage_options, transfer)
+    if layout not in (None, "pretrained", "memory"):
+        raise ValueError(f"save(layout={layout!r}): 'pretrained' (what save_pretrained writes) or 'memory' (the module's own names)")
+    if recipe is not None and layout is not None:
+        raise TypeError(f"save(recipe={recipe!r}, layout={layout!r}): a recipe names the layout written; pass one of them")
+    if layout == "pretrained" and (optimizer is not None or extra_state is not None):
+        raise TypeError("save(layout='pretrained') writes model tensors only (as save_pretrained): the optimizer state and "
+                        "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
+    if recipe is None and layout != "memory" and optimizer is None and extra_state is None:
+        pretrained = _pretrained_layout(obj)
+        target = local_target(path)  # file://: the directory, converted as a local path
+        if pretrained is not None and layout is None and local_path(target) is None and object_state(obj).has_dtensor:
+            warnings.warn(f"save({path}): DTensors are written to a URL in the module's "
+                          "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
+                          "a local path every rank shares; checkpoint.load reads either layout", stacklevel=3)  # fmt: skip
+        elif pretrained is not None:
+            return _save_with_recipe(obj, target, pretrained, max_shard_size, overwrite, progress, index=True)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
@@ -368,38 +401,92 @@ def save(
         return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
 
 
-def _save_with_recipe(obj, path: str, recipe: str, max_shard_size, overwrite: bool, progress):
+def _pretrained_layout(obj) -> Any:
+    """The ``fused-to-experts`` recipe (transformers' conversion mapping reversed, what
+    ``save_pretrained`` writes) for a transformers model whose saved names it changes; else None
+    (any other model, or transformers never imported)."""
+    from .convert.transformers_rules import changes_keys, pretrained_recipe
+
+    try:
+        rec = pretrained_recipe(obj)
+    except ValueError:  # a mapping fqnckpt does not translate: refused when asked for explicitly only
+        return None
+    if rec is None:
+        return None
+    back = rec.inverse()
+    return back if changes_keys(back, (e.fqn for e in object_state(obj).entries)) else None
+
+
+def _state_catalog(part: _Part, where: str) -> Any:
+    """The model part of a single-process save as the source of a conversion
+    (:class:`checkpoint.convert.catalog.Catalog`): each tensor fetched and checked as ``save``
+    fetches it, when the conversion asks for it."""
+    from pathlib import Path
+
+    from .convert.catalog import Catalog
+    from .sources.base import Source, SourceSpec
+
+    by_fqn = {s.fqn: s for s in part.specs}
+
+    class _Fetch:
+        def get(self, key: str) -> torch.Tensor:
+            return _fetch_checked(part, by_fqn[key])
+
+    specs = {s.fqn: SourceSpec(s.fqn, s.shape, s.dtype) for s in part.specs}
+    source = Source(Path(where), "safetensors", [], specs, dict.fromkeys(specs, "(in memory)"), _Fetch())
+    return Catalog(Path(where), [source], None)
+
+
+def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, progress, index: bool = False):
     """``save(obj, path, recipe=...)``: saved in fqnckpt's layout into a temporary directory beside
     ``path`` (the destination's filesystem, which every rank of a distributed save writes), then
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
-    the report or raises (rank 0's own error; :class:`RankAgreementError` on the others)."""
+    the report or raises (rank 0's own error; :class:`RankAgreementError` on the others).
+    ``index``: return the model index written instead, and write no ``conversion_report.json``
+    (the layout a model's own ``save_pretrained`` writes, not a conversion asked for); in a single
+    process the conversion then reads the module's tensors directly (no temporary save)."""
     distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
     local = local_path(path)
     if local is None and distributed:  # the ranks' shared temporary directory would be local
-        raise NotImplementedError(f"save(recipe=...) of DTensors to {path}: save to a shared local path, then migrate")
+        what = "save(layout='pretrained')" if index else "save(recipe=...)"
+        raise NotImplementedError(f"{what} of DTensors to {path}: save to a shared local path, then migrate"
+                                  + (", or pass layout='memory'" if index else ""))  # fmt: skip
     parent = None if local is None else os.path.dirname(os.path.abspath(local))  # a URL: converted from a local temp dir
+    inner = converted_writer(path, max_shard_size, overwrite)
+    written: list[IndexFile] = []
+
+    def writer(specs, fetch, extra, layout=None) -> None:
+        if index:
+            extra = {k: v for k, v in extra.items() if k != CONVERSION_REPORT_NAME}
+        written.append(inner(specs, fetch, extra, layout))
+
+    if not distributed and index:  # converted straight from the module's tensors: nothing written twice
+        part = _prepare(str(path), obj, None, None)[0][0]
+        run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
+        return written[0]
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
-            save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
-            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
-                              write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
+            save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
+            return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
     tmp, err = None, None
     if dist.rank() == 0:
         try:
+            os.makedirs(parent, exist_ok=True)  # as a save without conversion creates the destination's parents
             tmp = tempfile.mkdtemp(prefix=".fqnckpt-convert-", dir=parent)
         except Exception as e:  # noqa: BLE001 - agreed: no rank left waiting for rank 0's directory
             err = e
-    tmp = dist.check_all_gather(f"save(recipe={recipe!r}) preparing {parent}", err, tmp)[0]
+    tmp = dist.check_all_gather(f"save(recipe={getattr(recipe, 'name', recipe)!r}) preparing {parent}", err, tmp)[0]
     try:
-        save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress)
+        save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
         report, error = None, None
         if dist.rank() == 0:
             try:
-                report = run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress,
-                                    write=converted_writer(path, max_shard_size, overwrite))  # fmt: skip
+                report = run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
+                if index:
+                    report = written[0]
             except Exception as e:  # noqa: BLE001 - every rank raises it (check_all)
                 error = e
-        dist.check_all(f"save(recipe={recipe!r}) converting on rank 0", error)
+        dist.check_all(f"save(recipe={getattr(recipe, 'name', recipe)!r}) converting on rank 0", error)
         return dist.broadcast_object(report)
     finally:
         dist.barrier()  # every rank is done with tmp before rank 0 removes it

@@ -1,6 +1,8 @@
 """``fqnckpt diff``: compare two checkpoints part by part (model, optimizer, extra state).
 
-Tensors are matched by name (raw, ``--canonical`` or the eager FQNs of ``--model``), then shape,
+Tensors are matched by name (raw, ``--canonical`` or the eager FQNs of ``--model``; with a
+transformers ``--model``, a side in transformers' on-disk layout, e.g. a MoE model's per-expert
+keys, is read through the model's own conversion mapping, as ``load`` reads it), then shape,
 dtype and, unless ``--no-values``, the sha256 of their bytes in C order (every dtype the formats
 hold: 0-dim, bool, complex, conjugate / negative views resolved first, float8). One tensor under
 several names is one tensor: the names of a tied group on one side (GPT-2's ``lm_head.weight``
@@ -259,9 +261,12 @@ def run(args: argparse.Namespace) -> int:
         mb = stack.enter_context(_open(args.b, "model", pb, args.trust))
         wanted = ("model", "optimizer", "extra_state", "adapter") if args.part == "all" else (args.part,)
         sides: dict[str, tuple[Any, Any]] = {}
+        converted: dict[str, str] = {}
         if "model" in wanted:
-            sides["model"] = (_model_side(ma, pa, resolve, model is not None),
-                              _model_side(mb, pb, resolve, model is not None))  # fmt: skip
+            za, zb = (_in_model_layout(stack, src, path, model, tag, converted, args.trust)
+                      for src, path, tag in ((ma, args.a, "a"), (mb, args.b, "b")))  # fmt: skip
+            sides["model"] = (_model_side(za, pa if za is ma else None, resolve, model is not None),
+                              _model_side(zb, pb if zb is mb else None, resolve, model is not None))  # fmt: skip
         if "optimizer" in wanted:
             oa = stack.enter_context(_open(args.a, "optimizer", pa, args.trust)) if pa and pa.optimizer else ma
             ob = stack.enter_context(_open(args.b, "optimizer", pb, args.trust)) if pb and pb.optimizer else mb
@@ -303,7 +308,27 @@ def run(args: argparse.Namespace) -> int:
                 results["extra_state"] = _absent("a" if ea is not None else "b")
     if args.part != "all" and args.part not in results:
         raise BadInput(f"neither {args.a} nor {args.b} has a {args.part} part", flag="--part")
+    if converted and "model" in results:
+        results["model"]["converted"] = converted
     return _report(args, model, results)
+
+
+def _in_model_layout(stack: ExitStack, src, path: str, model, tag: str, converted: dict[str, str], trust: list[str]):
+    """``src``, or with a transformers ``--model`` whose own conversion mapping changes ``src``'s
+    keys (a ``save_pretrained`` directory of a MoE model: per-expert keys), the checkpoint read
+    through that conversion, in the model's names (``converted[tag]`` says which), so that it
+    compares with a checkpoint of the model's in-memory layout."""
+    if model is None:
+        return src
+    from fqn import eager_tensors
+
+    from ..convert.reader import open_pretrained, pretrained_conversion
+
+    rec = pretrained_conversion(src.keys(), model, {n for t in eager_tensors(model) for n in t.names})
+    if rec is None:
+        return src
+    converted[tag] = f"{rec.name} (transformers' conversion mapping of the model)"
+    return stack.enter_context(open_pretrained(path, rec, model, trusted_globals=trust))
 
 
 def _report(args: argparse.Namespace, model, results: dict[str, dict]) -> int:
@@ -322,6 +347,8 @@ def _report(args: argparse.Namespace, model, results: dict[str, dict]) -> int:
         compared = f"values compared by sha256 for {sum(r.get('values_compared', 0) for r in results.values())} tensors"
     what = f"{m['common']} common tensors" if "common" in m else ", ".join(results) or "nothing"
     lines = [f"{args.a} vs {args.b}: {'same' if same else 'DIFFERENT'} ({what} by {naming}; {compared})"]
+    for tag, how in m.get("converted", {}).items():
+        lines.append(f"  {tag} read as the model holds it: {how}")
     for part, r in results.items():
         pad = "  " if part == "model" else "    "
         if "present_only_in" in r:

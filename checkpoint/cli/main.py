@@ -153,8 +153,57 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.keys:
         lines.append("  keys:")
         lines += [f"    {k}  {tuple(v['shape'])}  {v['dtype']}" for k, v in data["keys"].items()]
+    other = _other_layout(args.path, keys, data["layout"], args.trust)
+    if other is not None:
+        data["transformers_names"] = other
+        changed = other["from"]
+        lines.append(f"  {other['as']} ({other['model']} of config.json, by {other['recipe']}): {other['tensors']} tensors, "
+                     f"{len(changed)} of them named or built otherwise, from {len({k for v in changed.values() for k in v})} keys")  # fmt: skip
+        lines += [f"    {t} <- {src[0]}" + (f" (+{len(src) - 1} more)" if len(src) > 1 else "")
+                  for t, src in (changed.items() if args.keys else list(changed.items())[:3])]  # fmt: skip
+        if not args.keys and len(changed) > 3:
+            lines.append(f"    ... {len(changed) - 3} more (--keys lists all)")
     emit(args, data, "\n".join(lines))
     return EXIT_OK
+
+
+def _other_layout(path: str, keys: Sequence[str], layout: str | None, trust: list[str]) -> dict | None:
+    """For a checkpoint of a transformers MoE model with its ``config.json`` beside it, the names
+    of its other layout by the model's own conversion mapping: per-expert keys (what
+    ``save_pretrained`` writes) -> the names the model holds in memory, as ``load`` and
+    ``from_pretrained`` read them; fused keys (``save(layout="memory")``) -> what
+    ``save_pretrained`` writes. ``{"as", "model", "recipe", "tensors", "from": {name: [stored
+    keys]}}`` for the names that differ; None otherwise (transformers is imported only for these
+    two layouts). Headers only."""
+    if layout not in ("hf per-expert", "hf fused-experts (transformers 5)"):
+        return None
+    where = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(where, "config.json"), "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    from ..convert.hf_files import meta_model_from_config
+    from ..convert.reader import open_pretrained, pretrained_conversion
+    from ..convert.transformers_rules import changes_keys, pretrained_recipe
+
+    try:
+        model = meta_model_from_config(config, f"{where}: config.json")
+        if layout == "hf per-expert":
+            how, rec = "in memory", pretrained_conversion(keys, model, set(model.state_dict()))
+        else:
+            how, rec = "as save_pretrained writes it", pretrained_recipe(model).inverse()
+            rec = rec if changes_keys(rec, keys) else None
+    except ValueError:  # transformers missing, no model of its own for this config, a mapping not translated
+        return None
+    if rec is None:
+        return None
+    with open_pretrained(path, rec, model, trusted_globals=trust) as converted:
+        plan = converted.plan
+        changed = {t: g.source_keys() for g in plan.groups for t in g.targets}
+        changed.update({t: [s] for t, s in plan.unchanged.items() if t != s})
+        return {"as": how, "model": type(model).__name__, "recipe": rec.name, "tensors": len(converted.keys()),
+                "from": dict(sorted(changed.items()))}  # fmt: skip
 
 
 def _layout_of(keys, path, src) -> str | None:

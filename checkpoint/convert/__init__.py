@@ -4,7 +4,9 @@ Conv1D, MoE experts) and Hugging Face, both ways and checked.
 - :mod:`.ops`: transforms as data, each with an exact inverse.
 - :mod:`.rules`: key patterns, :class:`Rule`, :class:`Recipe` (``recipe.inverse()``).
 - :mod:`.recipes`: the built-in recipes; :mod:`.transformers_rules` takes ``experts-to-fused``
-  from transformers' own ``get_model_conversion_mapping``.
+  from transformers' own ``get_model_conversion_mapping``: ``load`` and ``save`` of a
+  transformers model apply it by default (:func:`.reader.pretrained_reader`), as
+  ``from_pretrained`` / ``save_pretrained`` do.
 - :mod:`.plan`: planning apart from bytes (every source key consumed once, every target filled
   once, shapes checked on meta tensors) and streaming one group at a time.
 - :mod:`.api`: what ``checkpoint.migrate(..., recipe=)`` and ``fqnckpt migrate --recipe`` call.

@@ -15,7 +15,7 @@ import torch
 from ..progress import progress_bar
 from ..storage.layout import TensorSpec
 from .hf_files import META_LAYOUT_KEY, META_PARAMS_KEY, hf_config_files, llama_config_from_meta, llama_generation_config, meta_model_from_config, with_transformers4_rope
-from .catalog import HF_CONFIG_NAME, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
+from .catalog import HF_CONFIG_NAME, Catalog, PARAMS_DIMS, PARAMS_NAME, hf_config_of, hf_dims, model_dims, open_catalog, params_dims, write_params_json
 from .dims import resolve as resolve_dims
 from .layouts import LayoutError, bind_dims, meta_versioned, variant_versioned, versioned
 from .verify import GENERATION_CONFIG_NAME, dims_problems, inverse_problems, side_file_problems
@@ -170,7 +170,8 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
     ``config.json``) beside ``src``, then the ``model``'s config, then ``dims``; several Meta
     shards read set ``dims["shards"]``, and ``dims["shards"]`` is how many a Meta target gets.
     ``src`` may be a URL (``s3://...``; ``storage_options`` for its filesystem) or an object store:
-    read through the remote source stage (:func:`~checkpoint.convert.catalog.open_catalog`).
+    read through the remote source stage (:func:`~checkpoint.convert.catalog.open_catalog`); or
+    a :class:`~checkpoint.convert.catalog.Catalog` opened already (tensors in memory).
 
     The returned plan keeps the source open: call ``plan.catalog.close()`` when done.
 
@@ -179,8 +180,11 @@ def open_conversion(src: Any, recipe: str | Recipe, *, model: Any = None,
             or a Meta target whose ``params.json`` dims are not known (named).
         ConversionError: the plan's checks failed (see :func:`plan_conversion`); nothing was read.
     """
-    catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
-    src = getattr(src, "url", src)  # an object store: messages name its URL
+    if isinstance(src, Catalog):  # tensors already at hand (save of a model in memory)
+        catalog, src = src, src.path
+    else:
+        catalog = open_catalog(src, trusted_globals=trusted_globals, key=key, storage_options=storage_options)
+        src = getattr(src, "url", src)  # an object store: messages name its URL
     try:
         asked, options = None, []
         if isinstance(recipe, str):  # NAME[@version][+option...]: hf-to-torchtitan-llama3@legacy

@@ -15,8 +15,9 @@ whole from its group's sources and cut, so a rank still reads no tensor its targ
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -54,14 +55,47 @@ class ConvertedReader:
     def __contains__(self, key: str) -> bool:
         return key in self._specs
 
+    def nbytes(self, key: str) -> int:
+        """Size of target ``key`` in bytes."""
+        s = self._specs[key]
+        return math.prod(s.shape) * s.dtype.itemsize
+
     def file_of(self, key: str) -> str:
         """The source file(s) the target is computed from, for messages."""
         gi = self.plan._group_of.get(key)
         keys = self.plan.groups[gi].source_keys() if gi is not None else [self.plan.unchanged[key]]
         return f"{keys[0]} (converted by {self.plan.recipe.name})"
 
-    def read_into(self, key: str, t: torch.Tensor) -> bool:
-        return False
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Stacked experts (``Stack(0)``, then at most one ``Concat`` along a later dim, as
+        transformers' fused ``gate_up_proj`` / ``down_proj``) written straight into ``out``: each
+        expert's source tensor copied into its slice, no stacked or concatenated tensor in between
+        (a load otherwise holds the group's target twice more). ``out`` must have the target's shape
+        and dtype (sources of another dtype are converted by the copy only after load's checks);
+        False for any other target, or a target computed already (then :meth:`get`)."""
+        plan = self.plan
+        gi = plan._group_of.get(key)
+        spec = self._specs[key]
+        if gi is None or gi in self._kept or plan.catalog.shards != 1 or out.dtype != spec.dtype or tuple(out.shape) != spec.shape:
+            return False
+        g = plan.groups[gi]
+        ops, pats = g.rule.ops, g.rule.source_patterns
+        if len(g.rule.target_patterns) != 1 or not ops or ops[0] != Stack(0) or len(ops) > 2 or not all(p.gathered for p in pats):
+            return False
+        if len(ops) == 2 and not (isinstance(ops[1], Concat) and ops[1].dim >= 1):
+            return False
+        if any(plan.catalog.specs(k)[0].dtype != spec.dtype for m in g.members for k in m.values()):
+            return False
+        dim = ops[1].dim - 1 if len(ops) == 2 else None  # the concatenated dim of one expert's tensor
+        width = spec.shape[dim + 1] // len(pats) if dim is not None else 0
+        with torch.no_grad():
+            for j, members in enumerate(g.members):
+                for e in sorted(members):
+                    row = out[e]
+                    if dim is not None:
+                        row = row.narrow(dim, j * width, width)
+                    row.copy_(plan.catalog.get(members[e], 0))
+        return True
 
     def get(self, key: str) -> torch.Tensor:
         gi: int | str = self.plan._group_of.get(key, key)
@@ -185,4 +219,82 @@ class ConvertedReader:
         self.close()
 
 
-__all__ = ["ConvertedReader", "GROUPS_KEPT"]
+
+def pretrained_conversion(keys: Sequence[str], model: Any, known: Collection[str] = ()) -> Any:
+    """The conversion ``from_pretrained`` would apply to a checkpoint of ``keys`` for ``model``
+    (a :class:`~.rules.Recipe`, ``experts-to-fused`` from the model's own conversion mapping:
+    :func:`~.transformers_rules.pretrained_recipe`), or None: ``model`` is no transformers model,
+    its mapping changes none of the ``keys`` that are not its names (``known``), or fqnckpt cannot
+    translate the mapping (scoped or regex patterns: the keys are then checked as they are). Its
+    targets are not checked against the model while planning (``writes="hf"``): the caller's own
+    name and shape checks report them (``load``: missing / unexpected / shapes, ``strict=False``
+    honoured)."""
+    from dataclasses import replace
+
+    from .transformers_rules import changes_keys, pretrained_recipe
+
+    unknown = [k for k in keys if k not in known]
+    if not unknown:  # every key names a tensor of the model: nothing to convert, no mapping built
+        return None
+    try:
+        rec = pretrained_recipe(model)
+    except ValueError:
+        return None
+    if rec is None or not changes_keys(rec, unknown):
+        return None
+    return replace(rec, writes="hf")
+
+
+def pretrained_reader(reader: Any, path: Any, model: Any, known: Collection[str] = (), *, verify: bool = False,
+                      key: str | None = None, trusted_globals: Iterable[Any] = ()) -> Any:  # fmt: skip
+    """``reader`` (the checkpoint at ``path`` opened by its format), or, where ``model`` is a
+    transformers model whose own conversion mapping converts or renames some of ``reader``'s keys
+    (:func:`pretrained_conversion`), a :class:`ConvertedReader` over that conversion: what
+    ``from_pretrained`` reads (per-expert ``mlp.experts.{e}.gate_proj.weight`` stacked into the
+    fused ``mlp.experts.gate_up_proj``, Mixtral's ``block_sparse_moe`` renamed ``mlp``, ...).
+    ``reader`` is closed then. ``verify``: the checkpoint's index digest and files are checked on
+    ``reader`` first (a conversion has no checksums of its own).
+
+    The converted keys are checked against the model by ``load`` as any checkpoint's are (missing,
+    unexpected, shapes: :class:`~checkpoint.errors.CheckpointMismatchError`, ``strict=False``
+    honoured).
+
+    Raises:
+        RecipeError, ConversionError: the source does not fit the conversion (an expert missing,
+            experts of different shapes; named); what ``reader.verify_file`` raises with
+            ``verify``. ``reader`` is closed on every error.
+    """
+    try:
+        rec = pretrained_conversion(reader.keys(), model, known)
+        if rec is None:
+            return reader
+        if verify:
+            reader.check_index_digest()
+            for name in reader.files:
+                reader.verify_file(name)
+    except BaseException:
+        reader.close()
+        raise
+    reader.close()
+    converted = open_pretrained(path, rec, model, key=key, trusted_globals=trusted_globals)
+    # The source's index record (its xxh3-128 digest names the content): ranks of a collective load
+    # compare what they opened by it, so node-local copies of one checkpoint still agree.
+    converted.meta = getattr(reader, "meta", None)
+    return converted
+
+
+def open_pretrained(path: Any, recipe: Any, model: Any, *, key: str | None = None, trusted_globals: Iterable[Any] = ()) -> ConvertedReader:
+    """A :class:`ConvertedReader` of the checkpoint at ``path`` through ``recipe`` (from
+    :func:`pretrained_conversion`), its dims and tied output taken from the transformers model under
+    ``model``. Raises what :func:`~.api.open_conversion` raises."""
+    from .api import open_conversion
+    from .transformers_rules import transformers_model
+
+    reader = ConvertedReader(open_conversion(path, recipe, model=transformers_model(model), key=key, trusted_globals=trusted_globals))
+    # The targets were not checked against the model's names (writes="hf"): a base model's keys into
+    # a model with a head, or the reverse, resolve by container prefix as any checkpoint's do.
+    reader.resolve_names = True
+    return reader
+
+
+__all__ = ["ConvertedReader", "GROUPS_KEPT", "pretrained_conversion", "pretrained_reader", "open_pretrained"]

@@ -12,6 +12,9 @@ at planning time naming it (and whether transformers has an inverse for it).
 from __future__ import annotations
 
 import re
+import sys
+import weakref
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +89,10 @@ def _eager_model(model: Any) -> Any:
     """``model``, or for a wrapper class (``fully_shard``'s ``FSDP<Name>``, a parallel module's
     subclass) a meta-device instance of the transformers class it derives from: transformers looks
     the mapping up by class name and, not finding ``FSDP<Name>``, would scope its rules."""
-    eager = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    from .hf_files import architecture_class
+
+    eager = architecture_class(model)
+    eager = next(c for c in eager.__mro__ if c.__module__.startswith("transformers."))
     if eager is type(model):
         return model
     import torch
@@ -131,4 +137,65 @@ def experts_recipe(model: Any) -> Recipe:
     )  # fmt: skip
 
 
-__all__ = ["experts_recipe", "TransformersRename", "Untranslated"]
+_RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def transformers_model(obj: Any) -> Any:
+    """The transformers ``PreTrainedModel`` ``obj`` is, or holds under torch's wrappers
+    (``torch.compile``, DDP, checkpoint wrappers; FSDP2's and autoparallel's subclasses are the
+    model itself); None for any other object, for a peft ``PeftModel`` (its adapter layout is
+    :mod:`checkpoint.peft_state`'s), and whenever transformers was never imported (no model of
+    it can exist then, and it is not imported here)."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    from ..peft_state import find_peft
+    from .hf_files import unwrap_model
+
+    if find_peft(obj) is not None:  # a PeftModel under any wrappers
+        return None
+    inner = unwrap_model(obj)
+    return inner if isinstance(inner, PreTrainedModel) else None
+
+
+def pretrained_recipe(obj: Any) -> Recipe | None:
+    """``experts-to-fused`` for the transformers model under ``obj`` (:func:`transformers_model`):
+    the conversions ``from_pretrained`` applies to that model's checkpoint keys (its
+    ``inverse()``: what ``save_pretrained`` writes). None for another object. Built once per model
+    instance.
+
+    Raises:
+        ValueError: as :func:`experts_recipe`, a converter fqnckpt cannot translate.
+    """
+    model = transformers_model(obj)
+    if model is None:
+        return None
+    rec = _RECIPES.get(model)
+    if rec is None:
+        rec = _RECIPES[model] = experts_recipe(model)
+    return rec
+
+
+def changes_keys(recipe: Recipe, keys: Iterable[str], known: Collection[str] = ()) -> bool:
+    """Whether ``recipe`` converts or renames any of ``keys`` other than those in ``known`` (names
+    the target has already: a legacy rename such as ``.weight_g`` never takes a key the model
+    itself uses). Matching only, nothing is read."""
+    rules = [p for rule in recipe.rules for p in rule.source_patterns]
+    renames = [r for r in (*recipe.pre, *recipe.post) if getattr(r, "forward", r) is not None]
+    if not rules and not renames:  # legacy renames only, on the way back (never written): no key read
+        return False
+    for key in keys:
+        if key in known:
+            continue
+        name = key
+        for r in recipe.pre:
+            name = r.apply(name)
+        if name != key or any(p.match(name) for p in rules):
+            return True
+        if any(r.apply(name) != name for r in recipe.post):
+            return True
+    return False
+
+
+__all__ = ["experts_recipe", "pretrained_recipe", "transformers_model", "changes_keys", "TransformersRename", "Untranslated"]

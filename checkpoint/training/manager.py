@@ -261,7 +261,7 @@ class CheckpointManager:
         if self._saver is None:
             from ..saving import save
 
-            save(module, path, **kw)
+            save(module, path, layout="memory", **kw)  # a training checkpoint: the module's own names, as async saves write
             self._retain(step)
             return None
         self._future = self._saver.save(
