@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from .errors import CheckpointError, LoadError
 from .plan.actions import CopyAction, LoadPlan
-from .plan.model import _owner_slot
-from .plan.values import _file, _read_target_block
+from .plan.model import owner_slot
+from .plan.values import file_of_key, read_target_block
 from .ranks import shards
 from .reports import LoadReport
 from .state import object_state
@@ -85,7 +85,7 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
                 continue
             if not a.assign and _copy_into(reader, a.key, t, a.key not in others):
                 continue  # converted / strided / sharded: through a window, no whole-size tensor
-            src = _read_target_block(reader, a.key, t)
+            src = read_target_block(reader, a.key, t)
             if a.assign:
                 replaced.update(_assign(obj, a, src))
             elif isinstance(t, DTensor):
@@ -97,7 +97,7 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
-            raise LoadError(a.key, _file(reader, a.key), f"{type(e).__name__}: {e}") from e
+            raise LoadError(a.key, file_of_key(reader, a.key), f"{type(e).__name__}: {e}") from e
 
 
 def row_chunk_keys(copies: list[CopyAction], reader) -> set[str]:
@@ -267,7 +267,7 @@ def _assign(obj, a: CopyAction, src: torch.Tensor) -> dict[int, torch.Tensor]:
         else value
     )
     for n in a.entry.module_names:
-        owner, slots, attr = _owner_slot(obj, n)
+        owner, slots, attr = owner_slot(obj, n)
         getattr(owner, slots)[attr] = new
     return {id(old): new} if new is not value else {}
 

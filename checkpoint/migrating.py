@@ -36,8 +36,8 @@ from .migration_report import (
     read_report,
 )
 from .plan.extra_state import source_extra_state
-from .plan.migration import _file_of, _optimizer_meta, _plan_model, _plan_optimizer, carry_fqnckpt_optimizer
-from .plan.names import _load_fqn_map, compile_rules, naming_schemes, plan_names
+from .plan.migration import file_of, optimizer_meta, plan_model, plan_optimizer, carry_fqnckpt_optimizer
+from .plan.names import load_fqn_map, compile_rules, naming_schemes, plan_names
 from .plan.values import check_tied_values, stored_key
 from .progress import progress_bar
 from .sources import open_source
@@ -141,7 +141,7 @@ def migrate(
     if local_path(src_where) is None:  # a byte store: its parts are the objects its model index names
         view = stack.enter_context(checkpoint_view(src_where))
     with stack:
-        fmap = _load_fqn_map(fqn_map)
+        fmap = load_fqn_map(fqn_map)
         compiled = compile_rules(rules)
         src_path = Path(src)
         opt_part = None
@@ -176,12 +176,12 @@ def migrate(
             info = source.optimizer
             opt_plan: dict[str, str] = {}
             if info is not None and not info.separate:  # the chosen container is an optimizer
-                plan = _plan_optimizer(source, model, fmap, compiled, report, keys, report.entries)
+                plan = plan_optimizer(source, model, fmap, compiled, report, keys, report.entries)
             else:
-                plan = _plan_model(source, keys, specs, model, fmap, compiled, report)
+                plan = plan_model(source, keys, specs, model, fmap, compiled, report)
                 if info is not None:
                     opt_keys = list(info.state)
-                    opt_plan = _plan_optimizer(
+                    opt_plan = plan_optimizer(
                         source, model, fmap, compiled, report, opt_keys, report.optimizer_entries
                     )
             if not report.ok and not allow_unresolved:
@@ -204,18 +204,18 @@ def migrate(
             for s in plan.values():  # refused before anything is written, naming file and key
                 why = storable_problem(source.spec(s).dtype, tuple(source.spec(s).shape))
                 if why is not None:
-                    raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
+                    raise UnsupportedTensorError(file_of(source, s), stored_key(source, s), why)
             for s in opt_plan.values():
                 why = storable_problem(opt_src.spec(s).dtype, tuple(opt_src.spec(s).shape))
                 if why is not None:
-                    raise UnsupportedTensorError(_file_of(source, s), stored_key(source, s), why)
+                    raise UnsupportedTensorError(file_of(source, s), stored_key(source, s), why)
             report.total_bytes = sum(source.nbytes(s) for s in plan.values()) + sum(
                 opt_src.spec(s).nbytes for s in opt_plan.values()
             )
             for srcs in report.tied_sources:  # never let one alias silently stand for a different one
                 check_tied_values(source, srcs, str(src))
             if info is not None and info.separate:
-                opt_meta = _optimizer_meta(source, report, opt_plan)
+                opt_meta = optimizer_meta(source, report, opt_plan)
             if dry_run:
                 return report
             _write(source, plan, dst if local_path(dst) is None else Path(dst), report, fmap, max_shard_size, overwrite, progress, opt_plan, opt_meta,
@@ -279,7 +279,7 @@ def _write(
     source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None,
     opt_src=None, extra_files=None,
 ) -> None:
-    from .saving import _Part, _save_parts
+    from .saving import Part, write_parts
     from .storage.layout import TensorSpec, plan_layout
 
     opt_src = opt_src if opt_src is not None else source
@@ -300,7 +300,7 @@ def _write(
     if isinstance(fmap, FQNMap):
         fmap = fmap.to_model()
     parts = [
-        _Part(
+        Part(
             MODEL_PREFIX,
             specs_of(plan),
             fetcher(plan),
@@ -310,7 +310,7 @@ def _write(
     ]
     if opt_meta is not None:
         parts.append(
-            _Part(OPTIMIZER_PREFIX, specs_of(opt_plan, opt_src), fetcher(opt_plan, opt_src), optimizer=opt_meta)
+            Part(OPTIMIZER_PREFIX, specs_of(opt_plan, opt_src), fetcher(opt_plan, opt_src), optimizer=opt_meta)
         )
     if source.format.startswith("dcp"):  # DCP reads in batches along the order the writer asks
         order = []
@@ -325,7 +325,7 @@ def _write(
 
         extra[OPTIMIZER_GROUPS_NAME] = json.dumps(report.optimizer_param_groups, indent=2).encode()
     try:
-        _save_parts(dst if local_path(dst) is None else os.fspath(dst), parts, max_shard_size, overwrite, extra)
+        write_parts(dst if local_path(dst) is None else os.fspath(dst), parts, max_shard_size, overwrite, extra)
     except BaseException:
         report.written = False
         raise

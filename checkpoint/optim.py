@@ -207,7 +207,7 @@ def _decode(v: object, where: str, read) -> object:
 # -- save ------------------------------------------------------------------------------------------
 
 
-def _param_names(optimizer: torch.optim.Optimizer, state: ModuleState) -> dict[int, str]:
+def optimizer_param_names(optimizer: torch.optim.Optimizer, state: ModuleState) -> dict[int, str]:
     by_id = {id(e.tensor): e.fqn for e in state.entries}
     out: dict[int, str] = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -233,7 +233,7 @@ def optimizer_entries(
         OptimizerMismatchError: an optimizer parameter is not a parameter of the model.
         TypeError: a value has no exact encoding (names the group / key).
     """
-    names = _param_names(optimizer, state)
+    names = optimizer_param_names(optimizer, state)
     entries: list[Entry] = []
     groups: list[ParamGroup] = []
     values: dict[str, dict[str, Any]] = {}

@@ -2,7 +2,7 @@
 
 One write path: a single process streams tensors one at a time through :func:`save_streaming`;
 ranks holding DTensors each write only the bytes they own into the same full-tensor files
-(:func:`_save_distributed`). Either way the result is Hugging Face's layout
+(:func:`write_parts_distributed`). Either way the result is Hugging Face's layout
 (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``).
 """
 
@@ -63,7 +63,7 @@ from .gc_pause import gc_paused
 
 
 @dataclass
-class _Part:
+class Part:
     """One indexed part of a checkpoint (``model`` or ``optimizer``)."""
 
     prefix: str
@@ -85,12 +85,12 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
             refuse_nested(local_target(resolve(path)))
             write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
             return None
-        return _save_parts(resolve(path), [_Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)[0]
+        return write_parts(resolve(path), [Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)[0]
 
     return write
 
 
-def _index(part: _Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
+def make_index(part: Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
     meta = FqnckptMeta(
         files=records,
         tensor_digest_chunk=digest.TENSOR_CHUNK,
@@ -113,7 +113,7 @@ def _check_extra_name(name: str) -> None:
         raise ValueError(f"extra file name {name!r} is reserved for indexes")
 
 
-def _fetch_checked(part: _Part, spec: TensorSpec) -> torch.Tensor:
+def _fetch_checked(part: Part, spec: TensorSpec) -> torch.Tensor:
     t = part.fetch(spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"value of {spec.fqn!r} is a {type(t).__name__}, not a tensor")
@@ -143,7 +143,7 @@ def refuse_nested(path: Any) -> None:
         raise NestedCheckpointError(local, outer)
 
 
-def _plan_checked(path: str, parts: Sequence[_Part], max_shard_size, world: int = 1) -> list[Layout]:
+def _plan_checked(path: str, parts: Sequence[Part], max_shard_size, world: int = 1) -> list[Layout]:
     """Plan every part's files and check everything safetensors must be able to read back (names,
     header sizes; dtypes were checked when the specs were made) before anything is written: a
     checkpoint no reader can open is never committed. Linear in the number of tensors.
@@ -169,7 +169,7 @@ def _spec_of(path: str, fqn: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec.of(fqn, tensor)
 
 
-def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
+def write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
     """Data is in place: write the index files last, then move the checkpoint into place."""
     faults.fault_point("after_data_written")
     faults.fault_point("before_index_write")
@@ -188,8 +188,8 @@ def _write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence
     staged.commit()
 
 
-def _save_parts(
-    path: str, parts: Sequence[_Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes]
+def write_parts(
+    path: str, parts: Sequence[Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes]
 ) -> list[IndexFile]:
     path = local_target(path)  # file:// commits as a local path
     for name in extra_files:
@@ -198,7 +198,7 @@ def _save_parts(
     if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
         from .storage.remote_save import save_remote
 
-        return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_checked, False)
+        return save_remote(path, parts, layouts, overwrite, extra_files, make_index, _fetch_checked, False)
     indexes: list[IndexFile] = []
     try:
         with StagedCheckpoint(path, overwrite) as st:
@@ -216,10 +216,10 @@ def _save_parts(
                         records[fplan.name] = w.finish()
                     finally:
                         w.close()
-                indexes.append(_index(part, layout, records))
+                indexes.append(make_index(part, layout, records))
             for name, data in extra_files.items():
                 st.write_file(name, bytes(data))
-            _write_indexes_and_commit(st, parts, indexes)
+            write_indexes_and_commit(st, parts, indexes)
     except CheckpointError:
         raise
     except OSError as e:
@@ -268,8 +268,8 @@ def save_streaming(
     """
     if isinstance(fqn_map, FQNMap):
         fqn_map = fqn_map.to_model()
-    part = _Part(MODEL_PREFIX, list(specs), fetch, [list(g) for g in alias_groups], fqn_map)
-    return _save_parts(resolve(path, storage_options), [part], max_shard_size, overwrite, extra_files or {})[0]
+    part = Part(MODEL_PREFIX, list(specs), fetch, [list(g) for g in alias_groups], fqn_map)
+    return write_parts(resolve(path, storage_options), [part], max_shard_size, overwrite, extra_files or {})[0]
 
 
 @gc_paused
@@ -397,8 +397,8 @@ def save(
     parts, distributed, extra_files = prepare_agreed(path, obj, optimizer, extra_state, peft)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
         if distributed:
-            return _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
-        return _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+            return write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+        return write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
 
 
 def _pretrained_layout(obj) -> Any:
@@ -417,7 +417,7 @@ def _pretrained_layout(obj) -> Any:
     return back if changes_keys(back, (e.fqn for e in object_state(obj).entries)) else None
 
 
-def _state_catalog(part: _Part, where: str) -> Any:
+def _state_catalog(part: Part, where: str) -> Any:
     """The model part of a single-process save as the source of a conversion
     (:class:`checkpoint.convert.catalog.Catalog`): each tensor fetched and checked as ``save``
     fetches it, when the conversion asks for it."""
@@ -461,7 +461,7 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
         written.append(inner(specs, fetch, extra, layout))
 
     if not distributed and index:  # converted straight from the module's tensors: nothing written twice
-        part = _prepare(str(path), obj, None, None)[0][0]
+        part = prepare_parts(str(path), obj, None, None)[0][0]
         run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
         return written[0]
     if not distributed:
@@ -496,22 +496,22 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
 
 def prepare_agreed(
     path: str, obj, optimizer, extra_state, peft: str = "adapter"
-) -> tuple[list[_Part], bool, dict[str, bytes]]:
-    """:func:`_prepare`, with a failure on some ranks of a distributed save (state holding
+) -> tuple[list[Part], bool, dict[str, bytes]]:
+    """:func:`prepare_parts`, with a failure on some ranks of a distributed save (state holding
     DTensors, process group up) agreed before any rank waits in another collective: the failing
-    rank joins the first exchange of :func:`_save_distributed` with its error, so it raises its
+    rank joins the first exchange of :func:`write_parts_distributed` with its error, so it raises its
     own error and every other rank a :class:`RankAgreementError` naming it (no hang, no bare
     backend error when it exits). A single-process save raises as usual."""
     try:
-        return _prepare(path, obj, optimizer, extra_state, peft)
+        return prepare_parts(path, obj, optimizer, extra_state, peft)
     except Exception as e:
-        if not _many_ranks(obj):
+        if not many_ranks(obj):
             raise
         agree_prepare_failure(path, e)
         raise  # (agree_prepare_failure raises: this rank's own error)
 
 
-def _many_ranks(obj) -> bool:
+def many_ranks(obj) -> bool:
     """Whether a save of ``obj`` is collective (DTensors and a process group), as save decides."""
     try:
         return dist.active() and object_state(obj).has_dtensor
@@ -520,14 +520,14 @@ def _many_ranks(obj) -> bool:
 
 
 def agree_prepare_failure(path: str, error: BaseException) -> None:
-    """This rank's side of :func:`_save_distributed`'s first exchange when it failed before it:
+    """This rank's side of :func:`write_parts_distributed`'s first exchange when it failed before it:
     raises ``error`` after every rank learnt of it."""
     dist.check_all_gather(f"preparing {path}", error, None)
 
 
-def _prepare(
+def prepare_parts(
     path: str, obj, optimizer, extra_state, peft: str = "adapter"
-) -> tuple[list[_Part], bool, dict[str, bytes]]:
+) -> tuple[list[Part], bool, dict[str, bytes]]:
     """What ``save`` writes: the parts, whether they hold DTensors, and the extra files (also used by
     :func:`checkpoint.training.async_save.async_save`, which stages the parts before writing)."""
     extra_files: dict[str, bytes] = {}
@@ -556,7 +556,7 @@ def _prepare(
     for prefix, entries, groups, fm, om in parts_entries:
         by_fqn = {e.fqn: e.tensor for e in entries}
         specs = [_spec_of(path, e.fqn, e.tensor) for e in entries]
-        parts.append(_Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
+        parts.append(Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
     if ADAPTER_WEIGHTS in extra_files:  # the adapter's digests in the model index, as a shard's
         parts[0].extra_shards = {ADAPTER_WEIGHTS: side_file_record(extra_files[ADAPTER_WEIGHTS])}
     distributed = any(isinstance(e.tensor, DTensor) for _, es, *_ in parts_entries for e in es)
@@ -573,7 +573,7 @@ def side_file_record(data: bytes) -> FileRecordV2:
 
 def _extra_state_files(path: str, extra_state, state) -> dict[str, bytes]:
     """``extra_state.json`` (+ this rank's per-rank file, gathered to rank 0 by
-    :func:`_save_distributed`). Per-rank entries need a save on every rank: refused (ValueError
+    :func:`write_parts_distributed`). Per-rank entries need a save on every rank: refused (ValueError
     naming them) when one process saves for a world of several ranks."""
     shared, mine = snapshot_extra_state_parts(extra_state)
     rank, world = (dist.rank(), dist.world_size()) if dist.active() else (0, 1)
@@ -614,7 +614,7 @@ def _owned_blocks(t: torch.Tensor, index: int, fqn: str) -> list[tuple[torch.Ten
     return [(local[lsl], tuple(g.start for g in gsl)) for lsl, gsl in blocks]
 
 
-def _check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[str]) -> None:
+def check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[str]) -> None:
     """Refuse a collective call whose ranks were given different arguments (``per_rank[r]``: rank
     ``r``'s values, in the order of ``names``): only rank 0's would take effect (it commits) and
     the others' would be ignored without a word, e.g. a destination per rank. The same verdict
@@ -676,9 +676,9 @@ def _check_covered(path: Any, covered: Sequence[Mapping[str, int]], numel: Mappi
             )  # fmt: skip
 
 
-def _save_distributed(
+def write_parts_distributed(
     path: str,
-    parts: Sequence[_Part],
+    parts: Sequence[Part],
     max_shard_size,
     overwrite: bool,
     extra_files: Mapping[str, bytes] | None = None,
@@ -708,7 +708,7 @@ def _save_distributed(
     local = local_path(path)
     args = (str(path) if local is None else os.path.abspath(local), bool(overwrite))  # a store: its URL
     gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
-    _check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
+    check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
     if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
         _check_same_tensors(path, [fp for fp, *_ in gathered])
         raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
@@ -728,7 +728,7 @@ def _save_distributed(
     if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
         from .storage.remote_save import save_remote
 
-        return save_remote(path, parts, layouts, overwrite, extra_files, _index, _fetch_any, True)
+        return save_remote(path, parts, layouts, overwrite, extra_files, make_index, fetch_tensor, True)
     files = [(lay, f) for lay in layouts for f in lay.files]
 
     staged: StagedCheckpoint | None = None
@@ -771,7 +771,7 @@ def _save_distributed(
                 if w_name != f.name and w is not None:
                     w.close()
                     w, w_name = None, None
-                t = _fetch_any(part, slot.spec)
+                t = fetch_tensor(part, slot.spec)
                 blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
                 if isinstance(t, DTensor):
                     covered[slot.spec.fqn] = sum(b.numel() for b, _ in blocks)
@@ -836,7 +836,7 @@ def _save_distributed(
                 tensor_digests[fqn] = _joined_digest(fqn, pieces.get(fqn, []), n)
         records = {f.name: distributed_record(f, tensor_digests) for _, f in files}
         indexes = [
-            _index(part, lay, {f.name: records[f.name] for f in lay.files})
+            make_index(part, lay, {f.name: records[f.name] for f in lay.files})
             for part, lay in zip(parts, layouts)
         ]
         err = None
@@ -844,7 +844,7 @@ def _save_distributed(
             try:
                 for name, data in extra_files.items():  # rank 0's, like the indexes
                     staged.write_file(name, bytes(data))
-                _write_indexes_and_commit(staged, parts, indexes)
+                write_indexes_and_commit(staged, parts, indexes)
             except BaseException as e:  # noqa: BLE001
                 err = (
                     CheckpointWriteError(path, f"{type(e).__name__}: {e}", 0)
@@ -1010,7 +1010,7 @@ def _base(lay: Layout, f) -> int:
     return lay.first_slot[f.name]
 
 
-def _fetch_any(part: _Part, spec: TensorSpec) -> torch.Tensor:
+def fetch_tensor(part: Part, spec: TensorSpec) -> torch.Tensor:
     t = part.fetch(spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"value of {spec.fqn!r} is a {type(t).__name__}, not a tensor")

@@ -48,7 +48,7 @@ def is_transparent_parametrization(module: nn.Module) -> bool:
     return bool(plist) and all(getattr(p, "_fqnckpt_transparent", False) for p in plist)
 
 
-def _transparent_name(model: nn.Module, name: str) -> str:
+def transparent_name(model: nn.Module, name: str) -> str:
     segs = name.split(".")
     if len(segs) >= 3 and segs[-1] == "original" and segs[-3] == "parametrizations":
         owner = model.get_submodule(".".join(segs[:-3])) if len(segs) > 3 else model
@@ -67,7 +67,7 @@ def eager_tensors(model: nn.Module) -> list[EagerTensor]:
     order: list[EagerTensor] = []
 
     def add(name: str, t: torch.Tensor, kind: TensorKind) -> None:
-        fqn = canonical_fqn(_transparent_name(model, name), model)
+        fqn = canonical_fqn(transparent_name(model, name), model)
         rec = by_id.get(id(t))
         if rec is None:
             rec = by_id[id(t)] = EagerTensor(fqn, t, kind)

@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from .eager import TensorKind, _transparent_name, eager_tensors
+from .eager import TensorKind, transparent_name, eager_tensors
 from .errors import AmbiguousFQNError, FlatParamError, FQNCollisionError, FQNError, UnknownNameError
 from .registry import dtype_name
 from .rules import FLAT_PARAM_SEGMENTS, WRAPPER_SEGMENTS, canonical_fqn
@@ -180,7 +180,7 @@ def _receiver(model: nn.Module) -> str:
 
 
 def _eager_of(model: nn.Module, module_name: str, names: list[str]) -> str:
-    fqn = canonical_fqn(_transparent_name(model, module_name), model)
+    fqn = canonical_fqn(transparent_name(model, module_name), model)
     return fqn if fqn in names else names[0]
 
 

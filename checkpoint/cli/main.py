@@ -324,7 +324,7 @@ def _check_migrate_flags(args: argparse.Namespace):
     """Validate the flags that need no checkpoint before anything is read: ``--rule``,
     ``--max-shard-size``, ``--fqn-map`` (returns the compiled rules and the loaded FQN map)."""
     from ..errors import CheckpointError
-    from ..migrating import _load_fqn_map, compile_rules
+    from ..migrating import load_fqn_map, compile_rules
     from ..storage.format import parse_size
 
     try:
@@ -339,7 +339,7 @@ def _check_migrate_flags(args: argparse.Namespace):
     fmap = None
     if args.fqn_map is not None:
         try:
-            fmap = _load_fqn_map(args.fqn_map)
+            fmap = load_fqn_map(args.fqn_map)
         except (CheckpointError, OSError, ValueError) as e:
             raise BadInput(one_line(str(e)), flag="--fqn-map", file=args.fqn_map) from None
     return [(pat, repl) for pat, _, repl in rules], fmap

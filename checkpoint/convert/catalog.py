@@ -146,7 +146,7 @@ def _beside(p: Path, name: str) -> Path:
     return p / name if p.is_dir() else p.parent / name
 
 
-def _parse_params(data: bytes, where: str) -> MetaParams:
+def parse_params(data: bytes, where: str) -> MetaParams:
     try:
         return MetaParams.model_validate_json(data)
     except ValidationError as e:
@@ -154,7 +154,7 @@ def _parse_params(data: bytes, where: str) -> MetaParams:
         raise CorruptCheckpointError(where, f"not a Meta params.json: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-def _parse_hf_config(data: bytes, where: str) -> HFTextConfig:
+def parse_hf_config(data: bytes, where: str) -> HFTextConfig:
     try:
         parsed = json.loads(data)
         if not isinstance(parsed, dict):
@@ -183,9 +183,9 @@ def _side_configs(read) -> tuple[MetaParams | None, HFTextConfig | None]:
     ``read(name) -> (bytes | None, where)``."""
     data, where = read(PARAMS_NAME)
     if data is not None:
-        return _parse_params(data, where), None
+        return parse_params(data, where), None
     data, where = read(HF_CONFIG_NAME)
-    return None, (_parse_hf_config(data, where) if data is not None else None)
+    return None, (parse_hf_config(data, where) if data is not None else None)
 
 
 def _local_file(p: Path):

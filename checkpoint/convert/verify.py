@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .catalog import HF_CONFIG_NAME, PARAMS_NAME, _parse_hf_config, _parse_params, hf_dims, meta_ffn_dim, params_dims
+from .catalog import HF_CONFIG_NAME, PARAMS_NAME, parse_hf_config, parse_params, hf_dims, meta_ffn_dim, params_dims
 from .dims import shape_dims, tensor_problems
 from .report import Problem
 
@@ -57,7 +57,7 @@ def check_params_json(data: bytes, plan) -> list[str]:
     (the reader ``meta-llama-to-hf`` uses): its dims equal the plan's, its ``dim`` / ``vocab_size``
     the tensors', its ``multiple_of`` / ``ffn_dim_multiplier`` give the MLP rows."""
     try:
-        params = _parse_params(data, PARAMS_NAME)
+        params = parse_params(data, PARAMS_NAME)
     except Exception as e:  # noqa: BLE001 - the reader's refusal is the finding
         return [f"{PARAMS_NAME} as written is refused by its reader: {e}"]
     shapes = hf_side_shapes(plan)
@@ -97,7 +97,7 @@ def check_hf_config(data: bytes, plan) -> list[str]:
     """``config.json`` as written, read back by fqnckpt's reader and by the installed transformers:
     dims equal the plan's and the tensors' (hidden size, vocab, heads, layers, MLP rows)."""
     try:
-        cfg = _parse_hf_config(data, HF_CONFIG_NAME)
+        cfg = parse_hf_config(data, HF_CONFIG_NAME)
     except Exception as e:  # noqa: BLE001
         return [f"{HF_CONFIG_NAME} as written is refused by its reader: {e}"]
     shapes = hf_side_shapes(plan)

@@ -626,7 +626,7 @@ def _extra_values(root: str) -> dict[str, Any]:
     ``reshard`` rules live in the saving program: ``checkpoint.load(extra_state=...)`` applies
     them)."""
     from ..ranks import dist
-    from ..storage.extra_state import _decode, read_extra_state_file, read_rank_file
+    from ..storage.extra_state import decode_node, read_extra_state_file, read_rank_file
 
     doc = read_extra_state_file(root)
     if doc is None:
@@ -641,7 +641,7 @@ def _extra_values(root: str) -> dict[str, Any]:
                 "reshard=...)}}), whose reshard rule derives each rank's value"
             )
         entries.update(read_rank_file(root, doc, dist.rank()).entries)
-    return {k: _decode(e.value, k) for k, e in entries.items()}
+    return {k: decode_node(e.value, k) for k, e in entries.items()}
 
 
 def _files(root: str, paths: list[str]) -> _Source:

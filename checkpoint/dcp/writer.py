@@ -52,7 +52,7 @@ from torch.futures import Future
 from ..storage.local_commit import StagedCheckpoint
 from ..errors import CheckpointError, CheckpointWriteError, RankMismatchError, UnsavableError
 from ..ranks import dist
-from ..saving import _check_same_arguments, _fetch_any, _index, _Part, _write_indexes_and_commit, refuse_nested
+from ..saving import check_same_arguments, fetch_tensor, make_index, Part, write_indexes_and_commit, refuse_nested
 from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX, parse_size
@@ -132,7 +132,7 @@ def _agreed(what: str, plans: list[SavePlan]) -> list[SavePlan]:
     """
     ranked = [(r, p.storage_data) for r, p in enumerate(plans) if isinstance(p.storage_data, _RankArgs)]
     args = [(a.destination, a.overwrite) for _, a in ranked]
-    _check_same_arguments(f"saving {what}", args, ("destination", "overwrite"))  # checkpoint.save's rule
+    check_same_arguments(f"saving {what}", args, ("destination", "overwrite"))  # checkpoint.save's rule
     seen: dict[str, dict[int, str]] = {}
     for r, a in ranked:
         for fqn, shape, dtype in a.tensors:
@@ -351,13 +351,13 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
                 raise CheckpointWriteError(
                     str(self.path), f"no rank wrote {missing[:10]}{' ...' if len(missing) > 10 else ''}"
                 )
-            part = _Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None, self._aliases)
-            index = _index(part, layout, _records(st.dir, layout, known))
+            part = Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None, self._aliases)
+            index = make_index(part, layout, _records(st.dir, layout, known))
             if extra:
                 entries = snapshot_extra_state(_nested(extra, metadata.planner_data))
                 for name, data in extra_state_file_bytes(entries).items():
                     st.write_file(name, data)
-            _write_indexes_and_commit(st, [part], [index])
+            write_indexes_and_commit(st, [part], [index])
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -458,10 +458,10 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         if dist.rank() == 0 and data.extra_keys:
             values = {k: state[k] for k in data.extra_keys}
             files = extra_state_file_bytes(snapshot_extra_state(_nested(values, getattr(planner, "mappings", None))))
-        part = _Part(MODEL_PREFIX, specs, lambda s: state[s.fqn], [list(g) for g in data.aliases])
+        part = Part(MODEL_PREFIX, specs, lambda s: state[s.fqn], [list(g) for g in data.aliases])
         group = dist.using_group(self.process_group) if self.process_group is not None else contextlib.nullcontext()
         with group:  # the ranks agree on upload and commit on the caller's group, not the default one
-            save_remote(self._where(), [part], [data.layout], self.overwrite, files, _index, _fetch_any, dist.active())
+            save_remote(self._where(), [part], [data.layout], self.overwrite, files, make_index, fetch_tensor, dist.active())
         return [
             WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items
         ]

@@ -32,7 +32,7 @@ from ..storage.extra_state import (
     EXTRA_STATE_FILE,
     REPORT_PREFIX,
     PerRank,
-    _decode,
+    decode_node,
     is_stateful,
     rank_file_name,
     ExtraStateEntry,
@@ -83,7 +83,7 @@ def _both_tensors(a: Any, b: Any) -> bool:
 
 def _decoded(e: Any, k: str, where: str) -> StoredExtra:
     try:
-        value = _decode(e.value, k)
+        value = decode_node(e.value, k)
     except ValueError as err:
         raise CorruptCheckpointError(where, f"extra_state {k!r}: {err}") from err
     return StoredExtra(e.stateful, e.class_name, value)

@@ -59,12 +59,12 @@ def _optimizer_names(
 
 
 
-def _file_of(source: Source, key: str) -> str:
+def file_of(source: Source, key: str) -> str:
     return str(source.path / source.file_of(key)) if source.path.is_dir() else str(source.path)
 
 
 
-def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationReport) -> dict[str, str]:
+def plan_model(source, keys, specs, model, fmap, compiled, report: MigrationReport) -> dict[str, str]:
     """Fill ``report`` for a model state_dict; return ``{eager key: source key}`` to write."""
     planned, bad = plan_names(keys, specs, model=model, fqn_map=fmap, rules=compiled)
     report.unresolved.extend(bad)
@@ -147,7 +147,7 @@ def _plan_model(source, keys, specs, model, fmap, compiled, report: MigrationRep
 
 
 
-def _plan_optimizer(
+def plan_optimizer(
     source: Source,
     model,
     fmap,
@@ -200,7 +200,7 @@ def _plan_optimizer(
 
 
 
-def _optimizer_meta(source: Source, report: MigrationReport, opt_plan: dict[str, str]):
+def optimizer_meta(source: Source, report: MigrationReport, opt_plan: dict[str, str]):
     """The optimizer index metadata (:mod:`checkpoint.optim` format) of a migrated optimizer."""
 
     scalars = sorted(t for t, s in opt_plan.items() if s in source.optimizer.scalars)

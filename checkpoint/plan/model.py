@@ -29,13 +29,13 @@ from .actions import CopyAction, LoadPlan
 from .names import match_stored
 from .optimizer import plan_optimizer, saved_source_optimizer
 from .values import (
-    _check_overlaps,
-    _file,
+    check_overlaps,
+    file_of_key,
     cast_problem,
     stored_key,
-    _local,
-    _overlap_clusters,
-    _read_target_block,
+    local_shard,
+    overlap_clusters,
+    read_target_block,
     conversion_kind_problem,
     needs_value_check,
     target_problem,
@@ -44,7 +44,7 @@ from .values import (
 )
 
 
-def _owner_slot(model: torch.nn.Module, name: str):
+def owner_slot(model: torch.nn.Module, name: str):
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     if attr in owner._parameters:
@@ -106,11 +106,11 @@ def plan_load(
         if spec.dtype != target:
             why = cast_problem(spec.dtype, target)
             if why:  # no conversion exists (float4_e2m1fn_x2): refused even with allow_lossy
-                raise UnsupportedTensorError(_file(reader, key), stored_key(reader, key), why)
+                raise UnsupportedTensorError(file_of_key(reader, key), stored_key(reader, key), why)
             why = conversion_kind_problem(spec.dtype, target)
             if why and not allow_lossy:
                 raise LossyConversionError(
-                    stored_key(reader, key), _file(reader, key), dtype_name(spec.dtype), dtype_name(target), why
+                    stored_key(reader, key), file_of_key(reader, key), dtype_name(spec.dtype), dtype_name(target), why
                 )
             report.dtype_converted.append(
                 DtypeConversion(
@@ -122,10 +122,10 @@ def plan_load(
                 raise UnwritableTargetError(e.fqn, path, "assign=True does not replace DTensor targets")
             if model is not None:
                 for n in e.module_names:
-                    _owner_slot(model, n)
+                    owner_slot(model, n)
             elif not isinstance(obj, MutableMapping):
                 raise TypeError(f"assign=True needs a mutable state_dict, got {type(obj).__name__}")
-        elif (local := _local(t)).is_meta:
+        elif (local := local_shard(t)).is_meta:
             meta.append(e.fqn)
         elif target == t.dtype or model is None:  # else module.to makes a new tensor
             why = target_problem(local, inference_mode)
@@ -151,7 +151,7 @@ def plan_load(
         prefetch([(a.key, a.entry.tensor) for a in copies])
 
     def read(a: CopyAction) -> torch.Tensor:
-        return _read_target_block(reader, a.key, a.entry.tensor)
+        return read_target_block(reader, a.key, a.entry.tensor)
 
     fits = getattr(reader, "fits", None)  # a bound on the values, known without reading them all
     for a in copies:
@@ -161,10 +161,10 @@ def plan_load(
             why = value_problem(read(a), a.dtype)
             if why:
                 raise LossyConversionError(
-                    stored_key(reader, a.key), _file(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
+                    stored_key(reader, a.key), file_of_key(reader, a.key), dtype_name(a.stored_dtype), dtype_name(a.dtype), why
                 )
-    for cluster in _overlap_clusters(copies, spans):
-        _check_overlaps(cluster, read, path)
+    for cluster in overlap_clusters(copies, spans):
+        check_overlaps(cluster, read, path)
 
     plan = LoadPlan(report, copies)
     if optimizer is not None and model is None:

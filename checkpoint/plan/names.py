@@ -69,7 +69,7 @@ def _apply_rules(name: str, rules: Sequence[tuple[str, re.Pattern, str]]) -> tup
     return name, used
 
 
-def _load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
+def load_fqn_map(fqn_map: FQNMap | str | os.PathLike | None) -> FQNMap | None:
     if fqn_map is None or isinstance(fqn_map, FQNMap):
         return fqn_map
     try:

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, CorruptCheckpointError, LoadError
-from ..optim import OptimizerMismatchError, _param_names, decode_value
+from ..optim import OptimizerMismatchError, optimizer_param_names, decode_value
 from ..ranks.shards import read_local
 from ..sources.base import OptimizerInfo
 from ..state import ModuleState
@@ -158,7 +158,7 @@ def plan_optimizer(
     """
     saved = saved if saved is not None else saved_fqnckpt_optimizer(reader)
     where = saved.where
-    names = _param_names(optimizer, state)
+    names = optimizer_param_names(optimizer, state)
     by_name = state.by_name()
     aliases = aliases or {}
 
@@ -246,7 +246,7 @@ def saved_source_optimizer(
     if info.param_names is not None:
         fqn_of = dict(zip(info.param_ids, info.param_names))
     elif optimizer is not None and info.param_ids and not all(isinstance(i, str) for i in info.param_ids):
-        names = _param_names(optimizer, state)
+        names = optimizer_param_names(optimizer, state)
         sizes = [len(g["params"]) for g in optimizer.param_groups]
         saved_sizes = [len(ids) for ids in info.group_ids]
         if sizes != saved_sizes:

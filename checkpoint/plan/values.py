@@ -61,10 +61,10 @@ def guarded_get(reader, key: str) -> torch.Tensor:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        raise LoadError(stored_key(reader, key), _file(reader, key), f"{type(e).__name__}: {e}") from e
+        raise LoadError(stored_key(reader, key), file_of_key(reader, key), f"{type(e).__name__}: {e}") from e
     why = read_problem(reader.spec(key), t)
     if why is not None:
-        raise CorruptCheckpointError(_file(reader, key), f"tensor {stored_key(reader, key)!r} {why}")
+        raise CorruptCheckpointError(file_of_key(reader, key), f"tensor {stored_key(reader, key)!r} {why}")
     return t
 
 
@@ -166,7 +166,7 @@ def value_problem(src: torch.Tensor, dst: torch.dtype) -> str | None:
 
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     # The local shard itself, what to_local() returns under no_grad: to_local() with grad enabled
     # is an autograd Function call (~0.1-0.4 ms), paid three times per DTensor while planning.
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -249,7 +249,7 @@ def target_span(local: torch.Tensor, i: int) -> tuple[int, int, int, object] | N
     return base + lo, base + hi, i, None if local.is_cpu else local.device
 
 
-def _overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int, object]]) -> list[list[CopyAction]]:
+def overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int, object]]) -> list[list[CopyAction]]:
     """Groups of in-place copy targets whose bytes intersect in memory (distinct entries: exact
     aliases are one entry), in address order; ``spans``: :func:`target_span` of the copies to
     check. Swept by address per device, so views made through different storage objects of one
@@ -282,12 +282,12 @@ def _overlap_clusters(copies: list[CopyAction], spans: list[tuple[int, int, int,
     return clusters
 
 
-def _check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
+def check_overlaps(cluster: list[CopyAction], read, path: str) -> None:
     """Targets sharing memory: apply their copies, in order, to scratch memory laid out like the
     cluster's address range (each target's view at its own byte offset, strides, dtype and
     conjugate / negative bits); every target must then read back its own checkpoint value, else
     one overwrote another. Raises :class:`OverlappingTargetsError` naming them."""
-    targets = [_local(a.entry.tensor) for a in cluster]
+    targets = [local_shard(a.entry.tensor) for a in cluster]
     spans = [target_span(t, 0) for t in targets]
     lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
     lo -= lo % 64  # every target's offset from here is a multiple of its element size
@@ -325,7 +325,7 @@ def stored_key(reader: Any, key: str) -> str:
     return named(key) if named is not None else key
 
 
-def _file(reader: CheckpointReader, key: str) -> str:
+def file_of_key(reader: CheckpointReader, key: str) -> str:
     """Path of the file holding ``key``, for messages."""
     path = getattr(reader, "path", None)  # a migration Source: path is the file or the directory
     if path is not None and not os.path.isdir(path):
@@ -334,7 +334,7 @@ def _file(reader: CheckpointReader, key: str) -> str:
 
 
 
-def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> torch.Tensor:
+def read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> torch.Tensor:
     """The block of ``key`` that target ``t`` holds on this rank (all of it for a plain tensor).
 
     Raises:
@@ -351,4 +351,4 @@ def _read_target_block(reader: CheckpointReader, key: str, t: torch.Tensor) -> t
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. SafetensorError after the file changed
-        raise LoadError(stored_key(reader, key), _file(reader, key), f"{type(e).__name__}: {e}") from e
+        raise LoadError(stored_key(reader, key), file_of_key(reader, key), f"{type(e).__name__}: {e}") from e

@@ -162,7 +162,7 @@ def _readers():
     return SafeFileSystemReader, SafeHFReader
 
 
-def _planner(path: str | os.PathLike):
+def dcp_load_planner(path: str | os.PathLike):
     """A DCP load planner for ``path`` (DCP's own ``DefaultLoadPlanner``: it plans the reads,
     resharding onto the targets' meshes) whose non-tensor entries go through :func:`torch_load`."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -272,7 +272,7 @@ class _DCPReader:
 
         out = {self.flat[k]: torch.empty(self.specs[k].shape, dtype=self.specs[k].dtype) for k in keys}
         with dcp_errors(self.path, list(out), self.files_of(list(out))):
-            dcp.load(out, storage_reader=self.reader, planner=_planner(self.path), no_dist=True)
+            dcp.load(out, storage_reader=self.reader, planner=dcp_load_planner(self.path), no_dist=True)
         return {k: out[self.flat[k]] for k in keys}
 
     def get(self, key: str) -> torch.Tensor:
@@ -289,7 +289,7 @@ class _DCPReader:
 
         out: dict[str, Any] = dict.fromkeys(flat_keys)
         with dcp_errors(self.path, flat_keys, self.files_of(flat_keys)):
-            dcp.load(out, storage_reader=self.reader, planner=_planner(self.path), no_dist=True)
+            dcp.load(out, storage_reader=self.reader, planner=dcp_load_planner(self.path), no_dist=True)
         return out
 
     def files_of(self, flat_keys: list[str]) -> list[str]:
@@ -577,7 +577,7 @@ def read_entries(src: Source, keys: dict[str, list[str]]) -> dict[str, Any]:
         out = {k: torch.empty(md.state_dict_metadata[k].size, dtype=md.state_dict_metadata[k].properties.dtype)
                for k in tensors}  # fmt: skip
         with dcp_errors(r.path, tensors, r.files_of(tensors)):
-            dcp.load(out, storage_reader=r.reader, planner=_planner(r.path), no_dist=True)
+            dcp.load(out, storage_reader=r.reader, planner=dcp_load_planner(r.path), no_dist=True)
         values.update(out)
     result: dict[str, Any] = {}
     for top, ks in keys.items():

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ranks import dist
 from .base import Source
-from .dcp import _planner, dcp_errors, read_entries
+from .dcp import dcp_load_planner, dcp_errors, read_entries
 from .target_reader import SourceTargetReader
 
 
@@ -55,7 +55,7 @@ class DCPTargetReader(SourceTargetReader):
         collective = dist.active() and any(isinstance(b, DTensor) for b in bufs.values())
         path = Path(self.root)
         with dcp_errors(path, list(bufs), self.source._reader.files_of(list(bufs))):
-            dcp.load(bufs, storage_reader=self.source._reader.reader, planner=_planner(path),
+            dcp.load(bufs, storage_reader=self.source._reader.reader, planner=dcp_load_planner(path),
                      no_dist=not collective)  # fmt: skip
         self._bufs.update({k: bufs[flat[k]] for k, _ in pairs})
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..storage.layout import ST_TO_DTYPE
-from ..storage.reader import _whole_block, block_slices, check_tensor_digest
+from ..storage.reader import is_whole_block, block_slices, check_tensor_digest
 from ..storage.tensor_read import Where, read_block, read_hashed, read_tensor
 from .base import Source
 from .st_headers import HFIndex, scan_safetensors
@@ -62,7 +62,7 @@ class _FileReader:
         """Only the bytes of ``tensor[slices]`` (:func:`~checkpoint.storage.tensor_read.read_block`);
         the whole tensor through :meth:`get` (checked)."""
         slices = block_slices(key, self.specs[key].shape, slices)
-        if _whole_block(self.specs[key].shape, slices):
+        if is_whole_block(self.specs[key].shape, slices):
             return self.get(key)
         at, begin = self._at(key)
         spec = self.specs[key]

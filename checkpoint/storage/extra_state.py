@@ -242,7 +242,7 @@ def _encode(v: Any, where: str, depth: int = 0) -> _Node:
     )
 
 
-def _decode(n: _Node, where: str) -> Any:
+def decode_node(n: _Node, where: str) -> Any:
     if isinstance(n, NoneNode):
         return None
     if isinstance(n, (BoolNode, IntNode, StrNode)):
@@ -272,10 +272,10 @@ def _decode(n: _Node, where: str) -> Any:
             return torch.empty(n.shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(n.shape).clone()
     if isinstance(n, ListNode):
-        items = [_decode(x, f"{where}[{i}]") for i, x in enumerate(n.items)]
+        items = [decode_node(x, f"{where}[{i}]") for i, x in enumerate(n.items)]
         return tuple(items) if n.kind == "tuple" else items
     if isinstance(n, DictNode):
-        return {k: _decode(x, f"{where}[{k!r}]") for k, x in n.items}
+        return {k: decode_node(x, f"{where}[{k!r}]") for k, x in n.items}
     raise AssertionError(type(n))
 
 

@@ -56,7 +56,7 @@ from . import tensor_read as _tread
 from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
 from .st_header import PACKED, open_safetensors_with_header, read_index, torch_shape
-from .writer import _NUMPY_DTYPES, sha256_file, stats, tensor_bytes
+from .writer import NUMPY_DTYPES, sha256_file, stats, tensor_bytes
 
 class _Hashed:
     """A digest already computed, in the form :meth:`CheckpointReader.check_digest` takes."""
@@ -342,7 +342,7 @@ class CheckpointReader:
         stats.bytes_read += out.numel() * spec.dtype.itemsize
         if hashed:
             self.check_digest(key, hasher)
-        elif hasher is not None and out.numel() and _whole_block(spec.shape, slices):
+        elif hasher is not None and out.numel() and is_whole_block(spec.shape, slices):
             self.get(key)  # a whole read the block copy could not hash: checked by a whole read
         return True
 
@@ -372,7 +372,7 @@ class CheckpointReader:
         n = out.nbytes
         if 0 < n < _SMALL_TARGET:
             return _bytes_at(out.data_ptr(), n)
-        if out.dtype in _NUMPY_DTYPES and n and out.dim() <= 32:  # numpy 1 holds 32 dims
+        if out.dtype in NUMPY_DTYPES and n and out.dim() <= 32:  # numpy 1 holds 32 dims
             return memoryview((out.detach() if out.requires_grad else out).numpy()).cast("B")
         return tensor_bytes(out)  # out's own memory (contiguous CPU: no copy)
 
@@ -546,7 +546,7 @@ class CheckpointReader:
         against the index's digest on the way (:meth:`copy_into`), as a whole read is. Raises
         what :meth:`get` raises."""
         slices = block_slices(key, self._specs[self._known(key)][0], slices)
-        if _whole_block(self._specs[key][0], slices):
+        if is_whole_block(self._specs[key][0], slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
         spec = self.spec(key)
         if self._digest_due(key) and all(s.step in (None, 1) for s in slices):
@@ -821,7 +821,7 @@ def block_slices(key: str, shape: Sequence[int], slices: Sequence[slice]) -> lis
     return out
 
 
-def _whole_block(shape: Sequence[int], slices: Sequence[slice] | None) -> bool:
+def is_whole_block(shape: Sequence[int], slices: Sequence[slice] | None) -> bool:
     """Whether block ``tensor[slices]`` of a tensor of ``shape`` is all of it, in order."""
     return slices is None or (
         len(slices) <= len(shape) and all(s.indices(n) == (0, n, 1) for s, n in zip(slices, shape))
@@ -919,11 +919,11 @@ def _open_checkpoint(path: str, prefix: str, check_headers: bool = True) -> Chec
     else:
         raise CheckpointNotFoundError(path, f"no {index_name(prefix)} and no {prefix}.safetensors")
     reader._load_headers()
-    _check_total_size(reader)
+    check_total_size(reader)
     return reader
 
 
-def _check_total_size(reader: CheckpointReader) -> None:
+def check_total_size(reader: CheckpointReader) -> None:
     """An fqnckpt index's ``metadata.total_size`` must equal the indexed tensors' data bytes (a
     mismatch means index and files do not belong together). Foreign (e.g. HF) indexes may count
     whole storages, so they are not held to it."""

@@ -37,8 +37,8 @@ from .layout import ST_TO_DTYPE
 from .reader import (
     CheckpointReader,
     FileDigestCheck,
-    _check_total_size,
-    _whole_block,
+    check_total_size,
+    is_whole_block,
     block_slices,
     compare_record,
 )
@@ -143,7 +143,7 @@ class RemoteCheckpointReader(CheckpointReader):
         block's contiguous runs need (one covering GET when that reads at most twice the bytes)."""
         name, b, _, shape, dtype = self._span(key)
         slices = block_slices(key, shape, slices)
-        if _whole_block(shape, slices):
+        if is_whole_block(shape, slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
         starts, lens = [], []
         for s, dim in zip(tuple(slices) + (slice(None),) * (len(shape) - len(slices)), shape):
@@ -354,7 +354,7 @@ def open_remote_checkpoint(
     reader.index_raw = raw
     reader._heads = heads
     reader._load_headers()
-    _check_total_size(reader)
+    check_total_size(reader)
     return reader
 
 

@@ -26,7 +26,7 @@ _HASH_CHUNK = 16 << 20  # bytes per read when hashing a finished file
 
 
 # dtypes whose tensors numpy can view directly (not bfloat16 / float8).
-_NUMPY_DTYPES = frozenset(
+NUMPY_DTYPES = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
      torch.uint8, torch.bool, torch.complex64}
 )  # fmt: skip
@@ -58,7 +58,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.cpu()
     if t.is_conj() or t.is_neg() or not t.is_contiguous():
         t = t.resolve_conj().resolve_neg().contiguous()
-    if t.dtype in _NUMPY_DTYPES and t.numel() and t.dim() <= 32:  # numpy 1 holds 32 dims, 2 holds 64
+    if t.dtype in NUMPY_DTYPES and t.numel() and t.dim() <= 32:  # numpy 1 holds 32 dims, 2 holds 64
         return memoryview(t.numpy()).cast("B")  # one call instead of two views (~2x faster)
     flat = t.view(-1)
     if flat.dtype != torch.uint8:

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..saving import _many_ranks, _prepare, _save_distributed, _save_parts, agree_prepare_failure, refuse_nested
+from ..saving import many_ranks, prepare_parts, write_parts_distributed, write_parts, agree_prepare_failure, refuse_nested
 from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
@@ -537,7 +537,7 @@ class AsyncSaver:
             if not background:  # a background touch runs beside a save in flight instead
                 self._halt_touch()
                 self.wait()
-            parts, distributed, _ = _prepare("(prepare)", obj, optimizer, None)
+            parts, distributed, _ = prepare_parts("(prepare)", obj, optimizer, None)
             with torch.no_grad():
                 _, copies, _ = self._stage_parts(parts, distributed, max_shard_size, reduce=not background)
                 if background:
@@ -588,9 +588,9 @@ class AsyncSaver:
                 self._hook.remove()
                 self._hook = None
             try:
-                parts, distributed, extra_files = _prepare(path, obj, optimizer, extra_state)
+                parts, distributed, extra_files = prepare_parts(path, obj, optimizer, extra_state)
             except Exception as e:
-                if _many_ranks(obj):  # peers go on into the background's first exchange: join it
+                if many_ranks(obj):  # peers go on into the background's first exchange: join it
                     group = self._background_group() if dist.active() else None
                     self._pending = self._executor.submit(_agree_failure, path, e, group, background_staging)
                 raise
@@ -710,11 +710,11 @@ def _write(
         with dist.using_group(group):
             if background:  # same on every rank (an argument of the call): every rank stops if one is torn
                 dist.check_all(f"staging {path}", err)
-            index = _save_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+            index = write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
     else:
         if err is not None:
             raise err
-        index = _save_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+        index = write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
     if after_commit is not None:
         after_commit()
     return index

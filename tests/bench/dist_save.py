@@ -69,7 +69,7 @@ def _instrument(phases: dict[str, float]) -> None:
     wrap(saving, "_write_hashed", "write + hash whole tensors")
     wrap(saving, "_write_chunked", "write + hash own chunks")
     wrap(saving, "_read_back_chunks", "read back straddling chunks (thread)")
-    wrap(saving, "_write_indexes_and_commit", "index + commit")
+    wrap(saving, "write_indexes_and_commit", "index + commit")
     real_fsync = saving.os.fsync
 
     def fsync(fd):

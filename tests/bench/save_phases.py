@@ -117,7 +117,7 @@ def instrument() -> None:
     _wrap(writer.ownership, "settle", "wait for hash thread")
     _wrap(writer.SequentialFileWriter, "finish", "finish file")
     _wrap(writer.writeback, "start_writeback", "start writeback")
-    _wrap(saving, "_index", "index record")
+    _wrap(saving, "make_index", "index record")
     _wrap(saving.IndexFile, "to_json_bytes", "index serialize")
     _wrap(atomic.StagedCheckpoint, "write_file", "index write")
     _wrap(atomic.StagedCheckpoint, "commit", "commit")
