@@ -1,0 +1,290 @@
+"""Writes through views of a sharded DTensor inside ``init_weights``: exact on every mesh.
+
+Single-device init code writes through indexing, slices and views of a parameter:
+``nn.init.zeros_(w[padding_idx])``, ``w.data[idx] = 0``, ``w[:, :k].normal_()``. On a DTensor
+split over ranks, a view that cuts across the split (a row of a ``Shard(0)`` weight, a column of a
+``Shard(1)`` one) is not a view of the local shard: DTensor gathers the full tensor and returns a
+view of that copy, so an in-place write to it is lost (and ``w.data[0] = 0`` raises inside
+DTensor). Inside :func:`autoparallel.init_weights.dtensor_init_context` such a view is a
+:class:`ShardView` instead: the DTensor plus the view's geometry (sizes, strides, storage offset)
+in the tensor's global row-major layout, computed on a meta tensor by the view op itself, so any
+chain of strided views composes (``w[0]``, ``w[2:5, 1]``, ``w.view(-1)[3:]``, ``w.t()[0]``,
+``split`` / ``unbind`` pieces). Views DTensor keeps on the local shard (its sharding propagation
+needs no redistribution: ``w.t()``, ``w[:, 0]`` of a ``Shard(0)`` weight) stay DTensors.
+
+An in-place op on a :class:`ShardView` runs on a plain tensor of the view's shape and each rank
+copies back the elements of the view that lie in its local shard, so the result on every mesh is
+the single-device result:
+
+* ops that do not read their target (``copy_``, ``fill_``, ``zero_``, random fills) start from
+  an empty tensor; random fills are those of :mod:`autoparallel.mesh_init` on a plain tensor of the
+  view's shape, as on one device (a view of a parameter is a temporary there too);
+* element-wise ops (``torch.Tag.pointwise``: ``mul_``, ``clamp_``, ``masked_fill_`` ...) start
+  from the local elements (the others are never read back);
+* other in-place ops, and any read of a :class:`ShardView` (``w[0].sum()``, ``w[0] * 2``), use the
+  view's full values: the DTensor's ``full_tensor()`` on every rank (a collective; ranks run the
+  same init code), announced by one :class:`~autoparallel.mesh_init.FullTensorWarning` per tensor.
+
+In-place ops on a sharded DTensor itself that DTensor refuses because its placements would
+change (``w[index_tensor] = v``: ``index_put_``; ``w.data[i] = 0``: ``fill_`` with a 0-dim tensor)
+take the same path on the whole tensor. Refused with :class:`~autoparallel.errors.InitWriteError`
+(nothing written): a write into a view whose elements overlap (stride 0, as after ``expand``), a
+view of a DTensor with placements other than ``Shard`` / ``Replicate`` or a non-contiguous
+global layout, and any use of a :class:`ShardView` outside the init context. Written by hand:
+DTensor has no write-through views of redistributed tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .errors import InitWriteError
+from .uninitialized import note_written
+
+# In-place ops whose result does not depend on the target's values.
+_OVERWRITE = {"copy_", "fill_", "zero_"}
+# In-place ops that read their target element by element without the pointwise tag.
+_ELEMENTWISE = {"masked_fill_"}
+# Ops that read only a tensor's metadata (shape, dtype, device).
+_METADATA = {
+    "new_empty",
+    "new_empty_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+}
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(
+        not p.is_replicate() and t.device_mesh.size(i) > 1 for i, p in enumerate(t.placements)
+    )
+
+
+class ShardView(torch.Tensor):
+    """A view of a sharded DTensor that its local shard cannot hold: the DTensor (``base``) and
+    the view's geometry as a meta tensor (``geometry``: sizes, strides and storage offset in the
+    DTensor's global row-major layout). Usable only inside the init context (module doc); its
+    own dispatch raises :class:`~autoparallel.errors.InitWriteError`."""
+
+    base: DTensor
+    geometry: torch.Tensor
+    fqn: str
+
+    @staticmethod
+    def __new__(cls, base: DTensor, geometry: torch.Tensor, name: str):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            geometry.shape,
+            strides=geometry.stride(),
+            dtype=base.dtype,
+            device=base._local_tensor.device,
+            requires_grad=False,
+        )
+        r.base = base
+        r.geometry = geometry
+        r.fqn = name
+        return r
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"ShardView(of {self.fqn!r}, shape={tuple(self.shape)})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        view = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, ShardView))
+        raise InitWriteError(
+            f"{func} on a view of {view.fqn!r} outside init_weights: a view of a sharded "
+            "parameter that cuts across its shards exists only while init code runs; take the "
+            "view again where it is used"
+        )
+
+
+def _geometry(t: DTensor, name: str) -> torch.Tensor:
+    """The meta tensor standing for ``t``'s global row-major layout (refusals: module doc)."""
+    if any(type(p) not in (Shard, Replicate) for p in t.placements):
+        raise InitWriteError(
+            f"init code wrote through a view of {name!r}, whose placements {tuple(t.placements)} "
+            "have no exact write-through view (only Shard / Replicate)"
+        )
+    if tuple(t.stride()) != _contiguous_strides(t.shape):
+        raise InitWriteError(
+            f"init code wrote through a view of {name!r}, whose global layout is not contiguous "
+            f"(stride {tuple(t.stride())})"
+        )
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _keeps_local(func, args, kwargs) -> bool:
+    """DTensor runs this view op on the local shard (no redistribution): its output aliases it."""
+    try:
+        dispatcher = DTensor._op_dispatcher
+        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+        dispatcher.sharding_propagator.propagate(info)
+        return not info.output_sharding.needs_redistribute
+    except Exception:  # no strategy, or a propagation that fails: take the exact path
+        return False
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
+def _positions(geometry: torch.Tensor, shape, offset, box) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices into the view's row-major order, indices into the local shard's row-major order)
+    of the view's elements that lie in the local box ``offset`` + ``box`` of a ``shape`` tensor."""
+    with _disable_current_modes(), torch.no_grad():
+        pos = torch.tensor(geometry.storage_offset(), dtype=torch.int64)
+        for n, st in zip(geometry.shape, geometry.stride()):
+            pos = pos.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+        pos = pos.reshape(-1)
+        keep = torch.ones(pos.shape, dtype=torch.bool)
+        local = torch.zeros_like(pos)
+        for d, (n, st, lst) in enumerate(zip(shape, _contiguous_strides(shape), _contiguous_strides(box))):
+            rel = pos.div(st, rounding_mode="floor").remainder_(max(n, 1)).sub_(offset[d])
+            keep &= (rel >= 0) & (rel < box[d])
+            local += rel * lst
+        sel = keep.nonzero().flatten()
+        return sel, local[sel]
+
+
+def _written(func, args) -> int | None:
+    """Index of the positional argument ``func`` writes in place (its ``self``), if any."""
+    for i, a in enumerate(func._schema.arguments[: len(args)]):
+        if a.alias_info is not None and a.alias_info.is_write:
+            return i
+    return None
+
+
+class ShardWrites(TorchDispatchMode):
+    """Make views of sharded DTensors :class:`ShardView` s and run the ops on them (module doc).
+    Entered innermost in the init context, so it sees every op before the random fills' mode.
+
+    ``name_of(t)``: the FQN of a DTensor (or None), for messages; ``warn_full(t, why)``: called
+    before the full tensor of a sharded DTensor is made on every rank."""
+
+    def __init__(self, name_of: Callable[[DTensor], str | None], warn_full: Callable[[DTensor, str], None]):
+        super().__init__()
+        self.name_of = name_of
+        self.warn_full = warn_full
+
+    def _name(self, t: DTensor) -> str:
+        return self.name_of(t) or f"DTensor{tuple(t.shape)}"
+
+    def _full(self, t: torch.Tensor, why: str) -> torch.Tensor:
+        """The full (single-device) value of a ShardView or DTensor; plain tensors unchanged."""
+        if isinstance(t, ShardView):
+            if _is_sharded(t.base):
+                self.warn_full(t.base, why)
+            full = t.base.full_tensor().contiguous()
+            return full.as_strided(t.geometry.shape, t.geometry.stride(), t.geometry.storage_offset())
+        if isinstance(t, DTensor):
+            if _is_sharded(t):
+                self.warn_full(t, why)
+            return t.full_tensor()
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(x, (ShardView, DTensor)) for x in leaves):
+            return func(*args, **kwargs)
+        src = args[0] if args else None
+        if func.is_view and isinstance(src, (ShardView, DTensor)):
+            return self._view(func, src, args, kwargs)
+        slot = _written(func, args)
+        if slot is not None and func._schema.is_mutable:
+            dst = args[slot]
+            if isinstance(dst, ShardView):
+                return self._write(func, args, kwargs, slot, dst)
+            if _is_sharded(dst) and slot == 0:
+                try:
+                    return func(*args, **kwargs)
+                except (RuntimeError, NotImplementedError) as e:
+                    # Refused by DTensor before any computation (its placements would change).
+                    if not isinstance(e, NotImplementedError) and "placement changes" not in str(e):
+                        raise
+                name = self._name(dst)
+                view = ShardView(dst, _geometry(dst, name), name)
+                self._write(func, args, kwargs, slot, view)
+                return dst
+        if any(isinstance(x, ShardView) for x in leaves):
+            if func.overloadpacket.__name__ in _METADATA:
+                make = lambda v: torch.empty(v.shape, dtype=v.dtype, device=v.device)  # noqa: E731
+            else:  # a read: the views' full values
+                make = lambda v: self._full(v, "a read of a view of it")  # noqa: E731
+            args, kwargs = pytree.tree_map_only(ShardView, make, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _view(self, func, src, args, kwargs):
+        if isinstance(src, DTensor):
+            if not _is_sharded(src) or _keeps_local(func, args, kwargs):
+                return func(*args, **kwargs)
+            name = self._name(src)
+            base, geometry = src, _geometry(src, name)
+        else:
+            base, geometry, name = src.base, src.geometry, src.fqn
+        out = func(geometry, *args[1:], **kwargs)
+        if isinstance(src, DTensor) and isinstance(out, torch.Tensor) and _same_geometry(out, geometry):
+            return func(*args, **kwargs)  # the whole tensor (detach, alias, w[:]): DTensor's own
+        return pytree.tree_map_only(torch.Tensor, lambda g: ShardView(base, g, name), out)
+
+    def _write(self, func, args, kwargs, slot, view: ShardView):
+        base, geometry, name = view.base, view.geometry, view.fqn
+        if any(st == 0 and n > 1 for n, st in zip(geometry.shape, geometry.stride())):
+            raise InitWriteError(
+                f"{func} writes a view of {name!r} whose elements overlap (stride 0): "
+                "single-device torch refuses such writes too"
+            )
+        local = base._local_tensor
+        if not local.is_contiguous():
+            raise InitWriteError(f"{func} writes a view of {name!r}, whose local shard is not contiguous")
+        box, offset = compute_local_shape_and_global_offset(base.shape, base.device_mesh, base.placements)
+        if tuple(box) != tuple(local.shape):
+            raise InitWriteError(
+                f"{func} writes a view of {name!r}: local shard {tuple(local.shape)}, its placements "
+                f"give {tuple(box)}"
+            )
+        sel, where = _positions(geometry, tuple(base.shape), tuple(offset), tuple(box))
+        op = func.overloadpacket.__name__
+        if op in _OVERWRITE or torch.Tag.nondeterministic_seeded in func.tags:
+            tmp = torch.empty(geometry.shape, dtype=base.dtype, device=local.device)
+        elif op in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
+            tmp = torch.zeros(geometry.shape, dtype=base.dtype, device=local.device)
+            with torch.no_grad():
+                tmp.view(-1)[sel] = local.view(-1)[where]
+        else:
+            tmp = self._full(view, f"{op} of a view of it reads all its values").clone()
+        others = (args[:slot], args[slot + 1 :], kwargs)
+        before, after, rest_kwargs = pytree.tree_map_only(
+            (ShardView, DTensor), lambda t: self._full(t, f"{op} reads it"), others
+        )
+        rest_args = (*before, tmp, *after)
+        with torch.no_grad():
+            func(*rest_args, **rest_kwargs)  # the modes below (random fills) see a plain tensor
+            local.view(-1)[where] = tmp.reshape(-1)[sel].to(local.dtype)
+        note_written(base)
+        return view
