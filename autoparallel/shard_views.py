@@ -28,7 +28,8 @@ the single-device result:
 In-place ops on a sharded DTensor itself that DTensor refuses because its placements would
 change (``w[index_tensor] = v``: ``index_put_``; ``w.data[i] = 0``: ``fill_`` with a 0-dim tensor)
 take the same path on the whole tensor. Refused with :class:`~autoparallel.errors.InitWriteError`
-(nothing written): a write into a view whose elements overlap (stride 0, as after ``expand``), a
+(nothing written): a write other than ``fill_`` / ``zero_`` into a view whose elements overlap
+(stride 0, as after ``expand``; single-device torch refuses those too), a
 view of a DTensor with placements other than ``Shard`` / ``Replicate`` or a non-contiguous
 global layout, and any use of a :class:`ShardView` outside the init context. Written by hand:
 DTensor has no write-through views of redistributed tensors.
@@ -69,12 +70,14 @@ _METADATA = {
 }
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(strides))
+def _dense(shape, stride) -> bool:
+    """Every element at its own position, no gaps: a permutation of a contiguous layout."""
+    acc = 1
+    for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n != 1), key=lambda x: x[1]):
+        if st != acc:
+            return False
+        acc *= n
+    return True
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -124,18 +127,19 @@ class ShardView(torch.Tensor):
 
 
 def _geometry(t: DTensor, name: str) -> torch.Tensor:
-    """The meta tensor standing for ``t``'s global row-major layout (refusals: module doc)."""
+    """The meta tensor standing for ``t``'s global layout (refusals: module doc)."""
     if any(type(p) not in (Shard, Replicate) for p in t.placements):
         raise InitWriteError(
             f"init code wrote through a view of {name!r}, whose placements {tuple(t.placements)} "
             "have no exact write-through view (only Shard / Replicate)"
         )
-    if tuple(t.stride()) != _contiguous_strides(t.shape):
+    geometry = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if not _dense(t.shape, t.stride()):
         raise InitWriteError(
-            f"init code wrote through a view of {name!r}, whose global layout is not contiguous "
-            f"(stride {tuple(t.stride())})"
+            f"init code wrote through a view of {name!r}, whose global layout (stride "
+            f"{tuple(t.stride())}) is not dense"
         )
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return geometry
 
 
 def _keeps_local(func, args, kwargs) -> bool:
@@ -153,22 +157,23 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
 
-def _positions(geometry: torch.Tensor, shape, offset, box) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices into the view's row-major order, indices into the local shard's row-major order)
-    of the view's elements that lie in the local box ``offset`` + ``box`` of a ``shape`` tensor."""
+def _positions(geometry: torch.Tensor, base: DTensor, offset, box) -> tuple[torch.Tensor, tuple]:
+    """(indices into the view's row-major order, per-dim indices into the local shard) of the
+    view's elements that lie in the local box ``offset`` + ``box`` of ``base`` (its global layout
+    dense: a position's coordinate on dim d is ``position // stride[d] % size[d]``)."""
     with _disable_current_modes(), torch.no_grad():
         pos = torch.tensor(geometry.storage_offset(), dtype=torch.int64)
         for n, st in zip(geometry.shape, geometry.stride()):
             pos = pos.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
         pos = pos.reshape(-1)
         keep = torch.ones(pos.shape, dtype=torch.bool)
-        local = torch.zeros_like(pos)
-        for d, (n, st, lst) in enumerate(zip(shape, _contiguous_strides(shape), _contiguous_strides(box))):
+        coords = []
+        for d, (n, st) in enumerate(zip(base.shape, base.stride())):
             rel = pos.div(st, rounding_mode="floor").remainder_(max(n, 1)).sub_(offset[d])
             keep &= (rel >= 0) & (rel < box[d])
-            local += rel * lst
+            coords.append(rel)
         sel = keep.nonzero().flatten()
-        return sel, local[sel]
+        return sel, tuple(c[sel] for c in coords)
 
 
 def _written(func, args) -> int | None:
@@ -199,7 +204,9 @@ class ShardWrites(TorchDispatchMode):
         if isinstance(t, ShardView):
             if _is_sharded(t.base):
                 self.warn_full(t.base, why)
-            full = t.base.full_tensor().contiguous()
+            base = t.base
+            full = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=t.device)
+            full.copy_(base.full_tensor())
             return full.as_strided(t.geometry.shape, t.geometry.stride(), t.geometry.storage_offset())
         if isinstance(t, DTensor):
             if _is_sharded(t):
@@ -220,13 +227,20 @@ class ShardWrites(TorchDispatchMode):
             dst = args[slot]
             if isinstance(dst, ShardView):
                 return self._write(func, args, kwargs, slot, dst)
-            if _is_sharded(dst) and slot == 0:
+            if isinstance(dst, DTensor) and slot == 0:
                 try:
                     return func(*args, **kwargs)
                 except (RuntimeError, NotImplementedError) as e:
-                    # Refused by DTensor before any computation (its placements would change).
+                    # Refused by DTensor before any computation: no sharding strategy (fill_ with
+                    # a 0-dim tensor), or its placements would change (index_put_).
                     if not isinstance(e, NotImplementedError) and "placement changes" not in str(e):
                         raise
+                if not _is_sharded(dst):  # every rank holds all of it: the op on the local tensor
+                    rest = pytree.tree_map_only(DTensor, lambda t: self._full(t, "read"), (args[1:], kwargs))
+                    with torch.no_grad():
+                        func(dst._local_tensor, *rest[0], **rest[1])
+                    note_written(dst)
+                    return dst
                 name = self._name(dst)
                 view = ShardView(dst, _geometry(dst, name), name)
                 self._write(func, args, kwargs, slot, view)
@@ -241,7 +255,7 @@ class ShardWrites(TorchDispatchMode):
 
     def _view(self, func, src, args, kwargs):
         if isinstance(src, DTensor):
-            if not _is_sharded(src) or _keeps_local(func, args, kwargs):
+            if _keeps_local(func, args, kwargs):
                 return func(*args, **kwargs)
             name = self._name(src)
             base, geometry = src, _geometry(src, name)
@@ -254,28 +268,27 @@ class ShardWrites(TorchDispatchMode):
 
     def _write(self, func, args, kwargs, slot, view: ShardView):
         base, geometry, name = view.base, view.geometry, view.fqn
-        if any(st == 0 and n > 1 for n, st in zip(geometry.shape, geometry.stride())):
+        overlap = any(st == 0 and n > 1 for n, st in zip(geometry.shape, geometry.stride()))
+        if overlap and func.overloadpacket.__name__ not in ("fill_", "zero_"):
             raise InitWriteError(
                 f"{func} writes a view of {name!r} whose elements overlap (stride 0): "
                 "single-device torch refuses such writes too"
             )
         local = base._local_tensor
-        if not local.is_contiguous():
-            raise InitWriteError(f"{func} writes a view of {name!r}, whose local shard is not contiguous")
         box, offset = compute_local_shape_and_global_offset(base.shape, base.device_mesh, base.placements)
         if tuple(box) != tuple(local.shape):
             raise InitWriteError(
                 f"{func} writes a view of {name!r}: local shard {tuple(local.shape)}, its placements "
                 f"give {tuple(box)}"
             )
-        sel, where = _positions(geometry, tuple(base.shape), tuple(offset), tuple(box))
+        sel, where = _positions(geometry, base, tuple(offset), tuple(box))
         op = func.overloadpacket.__name__
         if op in _OVERWRITE or torch.Tag.nondeterministic_seeded in func.tags:
             tmp = torch.empty(geometry.shape, dtype=base.dtype, device=local.device)
         elif op in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
             tmp = torch.zeros(geometry.shape, dtype=base.dtype, device=local.device)
             with torch.no_grad():
-                tmp.view(-1)[sel] = local.view(-1)[where]
+                tmp.view(-1)[sel] = local[where]
         else:
             tmp = self._full(view, f"{op} of a view of it reads all its values").clone()
         others = (args[:slot], args[slot + 1 :], kwargs)
@@ -285,6 +298,6 @@ class ShardWrites(TorchDispatchMode):
         rest_args = (*before, tmp, *after)
         with torch.no_grad():
             func(*rest_args, **rest_kwargs)  # the modes below (random fills) see a plain tensor
-            local.view(-1)[where] = tmp.reshape(-1)[sel].to(local.dtype)
+            local[where] = tmp.reshape(-1)[sel].to(local.dtype)
         note_written(base)
         return view
