@@ -115,7 +115,9 @@ def hf_models() -> dict:
         ),
         "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=66, head_dim=8, **small)),
         "gpt2": lambda: tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=66, n_embd=32, n_layer=1, n_head=4, n_positions=64, use_cache=False)
+            tf.GPT2Config(
+                vocab_size=66, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+            )
         ),
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(
@@ -151,6 +153,18 @@ def unequal(got: dict, want: dict) -> list[str]:
     """The keys whose tensors differ (dtype, shape or any bit)."""
     assert list(got) == list(want)
     return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+
+
+def _on_meta(make) -> nn.Module:
+    with torch.device("meta"):
+        model = make()
+    return model.to_empty(device="cpu")
+
+
+def _input_embedding_fqn(make) -> str:
+    model = make()
+    emb = model.get_input_embeddings().weight
+    return next(k for k, v in model.named_parameters() if v is emb)
 
 
 def _reference(make) -> dict[str, torch.Tensor]:
@@ -197,6 +211,13 @@ def view_checks(meshes: dict, plans) -> dict:
     hf = hf_models()
     for family, make in hf.items():
         ref = _reference(make)
+        # transformers' constructor semantics, however the eager model was built: built on CPU
+        # (tied, marked initialized) or on meta then to_empty (untied, unmarked), the same values.
+        assert unequal(_reference(lambda: _on_meta(make)), ref) == [], family
+        pad = make().get_input_embeddings().padding_idx
+        if pad is not None:  # the padding row, and only it, zero: it survives a tied head's init
+            zero_rows = (~ref[_input_embedding_fqn(make)].any(dim=1)).nonzero().flatten().tolist()
+            assert zero_rows == [pad], (family, zero_rows)
         for key, mesh in meshes.items():
             if mesh.ndim == 1:
                 pl = lambda nd: (Shard(0),)  # noqa: E731
@@ -227,9 +248,9 @@ class _Embedding(nn.Module):
 
 def parallel_module_checks(meshes: dict) -> dict:
     """The parallel module (one capture, a module per mesh "1", "2", "4", built on meta and
-    materialized) of an embedding whose init zeroes row 0 through an index: its weight equals
-    ``mesh_independent_init`` of the eager model bit for bit (row 0 zero) on every mesh.
-    Returns ``{(mesh, "parallel module"): [unequal FQNs]}``."""
+    materialized) of an embedding whose init zeroes row 0 through an index, and of transformers'
+    Qwen2 with a tied head (meshes "1", "2", "2x2"): every tensor equals ``mesh_independent_init``
+    of the eager model bit for bit. Returns ``{(mesh, case): [unequal FQNs]}``."""
     eager = _Embedding()
     torch.manual_seed(0)
     want = full_state(mesh_independent_init(eager))
@@ -247,6 +268,22 @@ def parallel_module_checks(meshes: dict) -> dict:
         torch.manual_seed(0)
         pmod.init_weights()
         out[(key, "parallel module")] = unequal(full_state(pmod), want)
+
+    # transformers' Qwen2 with a tied head and a padding row, built on meta: one capture, a
+    # parallel module per mesh (the embedding Shard(0) over 2 and 4 ranks, 2x2).
+    make = hf_models()["qwen2"]
+    want = _reference(make)
+    with torch.device("meta"):
+        meta = make()
+    cap = capture(meta, (), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    for key in ("1", "2", "2x2"):
+        mesh = meshes[key]
+        pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh)
+        assert pmod.lm_head.weight is pmod.model.embed_tokens.weight
+        pmod.to_empty(device="cpu")
+        torch.manual_seed(5)
+        pmod.init_weights()
+        out[(key, "parallel module qwen2")] = unequal(full_state(pmod), want)
     return out
 
 

@@ -533,6 +533,7 @@ def test_init_is_bit_identical_on_every_mesh():
         "tied (Shard(0), Shard(1))",
         "transformers t5",
         "parallel module",
+        "parallel module qwen2",
     }
     assert {k: v for k, v in views.items() if v} == {}
     assert refused == 3
