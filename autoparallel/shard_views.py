@@ -176,12 +176,25 @@ def _positions(geometry: torch.Tensor, base: DTensor, offset, box) -> tuple[torc
         return sel, tuple(c[sel] for c in coords)
 
 
-def _written(func, args) -> int | None:
-    """Index of the positional argument ``func`` writes in place (its ``self``), if any."""
-    for i, a in enumerate(func._schema.arguments[: len(args)]):
+def _written(func, args, kwargs) -> int | str | None:
+    """Where ``func`` writes in place: the position or keyword (``out=``) of that argument."""
+    for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
-            return i
+            if i < len(args):
+                return i
+            if a.name in kwargs:
+                return a.name
     return None
+
+
+def _arg(args, kwargs, slot):
+    return args[slot] if isinstance(slot, int) else kwargs[slot]
+
+
+def _with(args, kwargs, slot, value):
+    if isinstance(slot, int):
+        return (*args[:slot], value, *args[slot + 1 :]), kwargs
+    return args, {**kwargs, slot: value}
 
 
 class ShardWrites(TorchDispatchMode):
@@ -222,12 +235,12 @@ class ShardWrites(TorchDispatchMode):
         src = args[0] if args else None
         if func.is_view and isinstance(src, (ShardView, DTensor)):
             return self._view(func, src, args, kwargs)
-        slot = _written(func, args)
-        if slot is not None and func._schema.is_mutable:
-            dst = args[slot]
+        slot = _written(func, args, kwargs)
+        if slot is not None:
+            dst = _arg(args, kwargs, slot)
             if isinstance(dst, ShardView):
                 return self._write(func, args, kwargs, slot, dst)
-            if isinstance(dst, DTensor) and slot == 0:
+            if isinstance(dst, DTensor):
                 try:
                     return func(*args, **kwargs)
                 except (RuntimeError, NotImplementedError) as e:
@@ -235,15 +248,18 @@ class ShardWrites(TorchDispatchMode):
                     # a 0-dim tensor), or its placements would change (index_put_).
                     if not isinstance(e, NotImplementedError) and "placement changes" not in str(e):
                         raise
-                if not _is_sharded(dst):  # every rank holds all of it: the op on the local tensor
-                    rest = pytree.tree_map_only(DTensor, lambda t: self._full(t, "read"), (args[1:], kwargs))
+                op = func.overloadpacket.__name__
+                if op in ("fill_", "zero_") or not _is_sharded(dst):
+                    # The same value everywhere, or every rank holds all of it: on the local tensor.
+                    full = lambda t: self._full(t, f"{op} reads it")  # noqa: E731
+                    rest = pytree.tree_map_only((ShardView, DTensor), full, _with(args, kwargs, slot, None))
+                    rest_args, rest_kwargs = _with(*rest, slot, dst._local_tensor)
                     with torch.no_grad():
-                        func(dst._local_tensor, *rest[0], **rest[1])
+                        func(*rest_args, **rest_kwargs)
                     note_written(dst)
                     return dst
                 name = self._name(dst)
-                view = ShardView(dst, _geometry(dst, name), name)
-                self._write(func, args, kwargs, slot, view)
+                self._write(func, args, kwargs, slot, ShardView(dst, _geometry(dst, name), name))
                 return dst
         if any(isinstance(x, ShardView) for x in leaves):
             if func.overloadpacket.__name__ in _METADATA:
@@ -268,8 +284,9 @@ class ShardWrites(TorchDispatchMode):
 
     def _write(self, func, args, kwargs, slot, view: ShardView):
         base, geometry, name = view.base, view.geometry, view.fqn
+        op = func.overloadpacket.__name__
         overlap = any(st == 0 and n > 1 for n, st in zip(geometry.shape, geometry.stride()))
-        if overlap and func.overloadpacket.__name__ not in ("fill_", "zero_"):
+        if overlap and op not in ("fill_", "zero_"):
             raise InitWriteError(
                 f"{func} writes a view of {name!r} whose elements overlap (stride 0): "
                 "single-device torch refuses such writes too"
@@ -282,8 +299,8 @@ class ShardWrites(TorchDispatchMode):
                 f"give {tuple(box)}"
             )
         sel, where = _positions(geometry, base, tuple(offset), tuple(box))
-        op = func.overloadpacket.__name__
-        if op in _OVERWRITE or torch.Tag.nondeterministic_seeded in func.tags:
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if op in _OVERWRITE or isinstance(slot, str) or seeded:  # does not read its target (out=)
             tmp = torch.empty(geometry.shape, dtype=base.dtype, device=local.device)
         elif op in _ELEMENTWISE or torch.Tag.pointwise in func.tags:
             tmp = torch.zeros(geometry.shape, dtype=base.dtype, device=local.device)
@@ -291,11 +308,11 @@ class ShardWrites(TorchDispatchMode):
                 tmp.view(-1)[sel] = local[where]
         else:
             tmp = self._full(view, f"{op} of a view of it reads all its values").clone()
-        others = (args[:slot], args[slot + 1 :], kwargs)
-        before, after, rest_kwargs = pytree.tree_map_only(
+        others = _with(args, kwargs, slot, None)
+        rest_args, rest_kwargs = pytree.tree_map_only(
             (ShardView, DTensor), lambda t: self._full(t, f"{op} reads it"), others
         )
-        rest_args = (*before, tmp, *after)
+        rest_args, rest_kwargs = _with(rest_args, rest_kwargs, slot, tmp)
         with torch.no_grad():
             func(*rest_args, **rest_kwargs)  # the modes below (random fills) see a plain tensor
             local[where] = tmp.reshape(-1)[sel].to(local.dtype)
