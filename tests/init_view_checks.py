@@ -148,7 +148,9 @@ def distribute(model: nn.Module, mesh, placements_of) -> nn.Module:
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+    """Full values of the state dict and of the non-persistent buffers (rotary ``inv_freq``)."""
+    state = {**model.state_dict(), **dict(model.named_buffers())}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
 
 
 def unequal(got: dict, want: dict) -> list[str]:
