@@ -7,32 +7,37 @@ split over ranks, a view that cuts across the split (a row of a ``Shard(0)`` wei
 view of that copy, so an in-place write to it is lost (and ``w.data[0] = 0`` raises inside
 DTensor). Inside :func:`autoparallel.init_weights.dtensor_init_context` such a view is a
 :class:`ShardView` instead: the DTensor plus the view's geometry (sizes, strides, storage offset)
-in the tensor's global row-major layout, computed on a meta tensor by the view op itself, so any
-chain of strided views composes (``w[0]``, ``w[2:5, 1]``, ``w.view(-1)[3:]``, ``w.t()[0]``,
-``split`` / ``unbind`` pieces). Views DTensor keeps on the local shard (its sharding propagation
-needs no redistribution: ``w.t()``, ``w[:, 0]`` of a ``Shard(0)`` weight) stay DTensors.
+in the tensor's global layout, computed on a meta tensor by the view op itself, so any chain of
+strided views composes (``w[0]``, ``w[2:5, 1]``, ``w.view(-1)[3:]``, ``w.t()[0]``, ``split`` /
+``unbind`` pieces). Views DTensor keeps on the local shard (its sharding propagation needs no
+redistribution: ``w.t()``, ``w[:, 0]`` of a ``Shard(0)`` weight) stay DTensors.
 
-An in-place op on a :class:`ShardView` runs on a plain tensor of the view's shape and each rank
-copies back the elements of the view that lie in its local shard, so the result on every mesh is
-the single-device result:
+An in-place op on a :class:`ShardView` (or an ``out=`` into one: ``torch.eye(..., out=view)``)
+runs on a plain tensor of the view's shape and each rank copies back the elements of the view
+that lie in its local shard, so the result on every mesh is the single-device result:
 
-* ops that do not read their target (``copy_``, ``fill_``, ``zero_``, random fills) start from
-  an empty tensor; random fills are those of :mod:`autoparallel.mesh_init` on a plain tensor of the
-  view's shape, as on one device (a view of a parameter is a temporary there too);
+* ops that do not read their target (``copy_``, ``fill_``, ``zero_``, random fills, ``out=``)
+  start from an empty tensor; random fills are those of :mod:`autoparallel.mesh_init` on a plain
+  tensor of the view's shape, as on one device (a view of a parameter is a temporary there too);
 * element-wise ops (``torch.Tag.pointwise``: ``mul_``, ``clamp_``, ``masked_fill_`` ...) start
   from the local elements (the others are never read back);
 * other in-place ops, and any read of a :class:`ShardView` (``w[0].sum()``, ``w[0] * 2``), use the
   view's full values: the DTensor's ``full_tensor()`` on every rank (a collective; ranks run the
   same init code), announced by one :class:`~autoparallel.mesh_init.FullTensorWarning` per tensor.
 
-In-place ops on a sharded DTensor itself that DTensor refuses because its placements would
-change (``w[index_tensor] = v``: ``index_put_``; ``w.data[i] = 0``: ``fill_`` with a 0-dim tensor)
-take the same path on the whole tensor. Refused with :class:`~autoparallel.errors.InitWriteError`
-(nothing written): a write other than ``fill_`` / ``zero_`` into a view whose elements overlap
-(stride 0, as after ``expand``; single-device torch refuses those too), a
-view of a DTensor with placements other than ``Shard`` / ``Replicate`` or a non-contiguous
-global layout, and any use of a :class:`ShardView` outside the init context. Written by hand:
-DTensor has no write-through views of redistributed tensors.
+Each write builds int64 index tensors of the view's size on every rank (the view's elements and
+their place in the local shard): cheap for rows and columns, the size of the tensor for a view of
+all of it. In-place ops DTensor refuses on a DTensor (no sharding strategy: ``fill_`` with a 0-dim
+tensor, as ``w.data[i] = 0`` does; or its placements would change: ``w[index_tensor] = v``) run
+on the local tensor where that is exact (``fill_`` / ``zero_``, or a tensor no mesh dim splits),
+else take the :class:`ShardView` path on the whole tensor. Refused with
+:class:`~autoparallel.errors.InitWriteError` (nothing written): a write other than ``fill_`` /
+``zero_`` into a view whose elements overlap (stride 0, as after ``expand``; single-device torch
+refuses those too), a view of a DTensor with placements other than ``Shard`` / ``Replicate``, and
+any use of a :class:`ShardView` outside the init context. A view of a strided view that DTensor
+kept local (``w[:, :4][0]`` of a ``Shard(0)`` weight) is placed by the coordinates of that view
+(row-major), so a ``view`` single-device torch refuses on it (not contiguous) is accepted here.
+Written by hand: DTensor has no write-through views of redistributed tensors.
 """
 
 from __future__ import annotations
@@ -87,17 +92,19 @@ def _is_sharded(t: torch.Tensor) -> bool:
 
 
 class ShardView(torch.Tensor):
-    """A view of a sharded DTensor that its local shard cannot hold: the DTensor (``base``) and
-    the view's geometry as a meta tensor (``geometry``: sizes, strides and storage offset in the
-    DTensor's global row-major layout). Usable only inside the init context (module doc); its
-    own dispatch raises :class:`~autoparallel.errors.InitWriteError`."""
+    """A view of a DTensor that its local shard cannot hold: the DTensor (``base``, named ``fqn``
+    in messages) and the view's geometry as a meta tensor (``geometry``: sizes, strides and
+    storage offset in a dense layout of ``base`` whose strides are ``base_strides``). Usable only
+    inside the init context (module doc); its own dispatch raises
+    :class:`~autoparallel.errors.InitWriteError`."""
 
     base: DTensor
     geometry: torch.Tensor
     fqn: str
+    base_strides: tuple[int, ...]
 
     @staticmethod
-    def __new__(cls, base: DTensor, geometry: torch.Tensor, name: str):
+    def __new__(cls, base: DTensor, geometry: torch.Tensor, name: str, layout: tuple[int, ...]):
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             geometry.shape,
@@ -109,6 +116,7 @@ class ShardView(torch.Tensor):
         r.base = base
         r.geometry = geometry
         r.fqn = name
+        r.base_strides = layout
         return r
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -126,20 +134,19 @@ class ShardView(torch.Tensor):
         )
 
 
-def _geometry(t: DTensor, name: str) -> torch.Tensor:
-    """The meta tensor standing for ``t``'s global layout (refusals: module doc)."""
+def _geometry(t: DTensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(the meta tensor standing for ``t``, the strides of the layout it stands in): ``t``'s own
+    global layout where it is dense, else row-major coordinates of ``t`` (a strided view DTensor
+    keeps local: its slices and rows still map to its elements; refusals: module doc)."""
     if any(type(p) not in (Shard, Replicate) for p in t.placements):
         raise InitWriteError(
             f"init code wrote through a view of {name!r}, whose placements {tuple(t.placements)} "
             "have no exact write-through view (only Shard / Replicate)"
         )
-    geometry = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if not _dense(t.shape, t.stride()):
-        raise InitWriteError(
-            f"init code wrote through a view of {name!r}, whose global layout (stride "
-            f"{tuple(t.stride())}) is not dense"
-        )
-    return geometry
+    if _dense(t.shape, t.stride()):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), tuple(t.stride())
+    geometry = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return geometry, tuple(geometry.stride())
 
 
 def _keeps_local(func, args, kwargs) -> bool:
@@ -157,10 +164,11 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
 
 
-def _positions(geometry: torch.Tensor, base: DTensor, offset, box) -> tuple[torch.Tensor, tuple]:
+def _positions(geometry: torch.Tensor, shape, layout, offset, box) -> tuple[torch.Tensor, tuple]:
     """(indices into the view's row-major order, per-dim indices into the local shard) of the
-    view's elements that lie in the local box ``offset`` + ``box`` of ``base`` (its global layout
-    dense: a position's coordinate on dim d is ``position // stride[d] % size[d]``)."""
+    view's elements that lie in the local box ``offset`` + ``box`` of a ``shape`` tensor laid out
+    densely with strides ``layout`` (the coordinate of a position on dim d:
+    ``pos // layout[d] % shape[d]``)."""
     with _disable_current_modes(), torch.no_grad():
         pos = torch.tensor(geometry.storage_offset(), dtype=torch.int64)
         for n, st in zip(geometry.shape, geometry.stride()):
@@ -168,7 +176,7 @@ def _positions(geometry: torch.Tensor, base: DTensor, offset, box) -> tuple[torc
         pos = pos.reshape(-1)
         keep = torch.ones(pos.shape, dtype=torch.bool)
         coords = []
-        for d, (n, st) in enumerate(zip(base.shape, base.stride())):
+        for d, (n, st) in enumerate(zip(shape, layout)):
             rel = pos.div(st, rounding_mode="floor").remainder_(max(n, 1)).sub_(offset[d])
             keep &= (rel >= 0) & (rel < box[d])
             coords.append(rel)
@@ -218,7 +226,7 @@ class ShardWrites(TorchDispatchMode):
             if _is_sharded(t.base):
                 self.warn_full(t.base, why)
             base = t.base
-            full = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=t.device)
+            full = torch.empty_strided(base.shape, t.base_strides, dtype=base.dtype, device=t.device)
             full.copy_(base.full_tensor())
             return full.as_strided(t.geometry.shape, t.geometry.stride(), t.geometry.storage_offset())
         if isinstance(t, DTensor):
@@ -259,7 +267,8 @@ class ShardWrites(TorchDispatchMode):
                     note_written(dst)
                     return dst
                 name = self._name(dst)
-                self._write(func, args, kwargs, slot, ShardView(dst, _geometry(dst, name), name))
+                geometry, layout = _geometry(dst, name)
+                self._write(func, args, kwargs, slot, ShardView(dst, geometry, name, layout))
                 return dst
         if any(isinstance(x, ShardView) for x in leaves):
             if func.overloadpacket.__name__ in _METADATA:
@@ -274,13 +283,13 @@ class ShardWrites(TorchDispatchMode):
             if _keeps_local(func, args, kwargs):
                 return func(*args, **kwargs)
             name = self._name(src)
-            base, geometry = src, _geometry(src, name)
+            base, (geometry, layout) = src, _geometry(src, name)
         else:
-            base, geometry, name = src.base, src.geometry, src.fqn
+            base, geometry, name, layout = src.base, src.geometry, src.fqn, src.base_strides
         out = func(geometry, *args[1:], **kwargs)
         if isinstance(src, DTensor) and isinstance(out, torch.Tensor) and _same_geometry(out, geometry):
             return func(*args, **kwargs)  # the whole tensor (detach, alias, w[:]): DTensor's own
-        return pytree.tree_map_only(torch.Tensor, lambda g: ShardView(base, g, name), out)
+        return pytree.tree_map_only(torch.Tensor, lambda g: ShardView(base, g, name, layout), out)
 
     def _write(self, func, args, kwargs, slot, view: ShardView):
         base, geometry, name = view.base, view.geometry, view.fqn
@@ -298,7 +307,8 @@ class ShardWrites(TorchDispatchMode):
                 f"{func} writes a view of {name!r}: local shard {tuple(local.shape)}, its placements "
                 f"give {tuple(box)}"
             )
-        sel, where = _positions(geometry, base, tuple(offset), tuple(box))
+        shape, layout = tuple(base.shape), view.base_strides
+        sel, where = _positions(geometry, shape, layout, tuple(offset), tuple(box))
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if op in _OVERWRITE or isinstance(slot, str) or seeded:  # does not read its target (out=)
             tmp = torch.empty(geometry.shape, dtype=base.dtype, device=local.device)

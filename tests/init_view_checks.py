@@ -50,6 +50,7 @@ class Views(nn.Module):
             self.a[1].mul_(-1.0)  # element-wise, reading the row
             self.a.data[:, 6] = 0.5  # a column through .data
             nn.init.eye_(self.a[3:6, 4:7])  # torch.eye(..., out=view)
+            self.a[:, 3:6][7].fill_(-2.0)  # a row of a strided view (kept local on Shard(0))
             self.a[8].masked_fill_(torch.arange(7) % 2 == 0, 7.0)
             self.b.view(-1)[5:30].normal_()  # a view of a view
             self.b.t()[3].copy_(torch.arange(5.0))  # column 3 of b
