@@ -535,5 +535,6 @@ def test_init_is_bit_identical_on_every_mesh():
         "parallel module",
         "parallel module qwen2",
     }
+    assert ("1", "parallel module qwen2") in views and ("2x2", "transformers gemma2") in views
     assert {k: v for k, v in views.items() if v} == {}
     assert refused == 3
