@@ -74,7 +74,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from fqn import eager_tensors
 
-from .hf_init import construction_init
 from .fill_rules import (
     check_like_torch,
     half_open,
@@ -83,6 +82,7 @@ from .fill_rules import (
     random_transform,
     uniform_bounds,
 )
+from .hf_init import construction_init
 from .rng import fill_box, stream_id
 from .shard_views import ShardView
 from .uninitialized import note_written
