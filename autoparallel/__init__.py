@@ -14,6 +14,7 @@ from .errors import (
     AutoParallelError,
     CaptureError,
     DataAssignmentError,
+    InitWriteError,
     InputError,
     PlacementError,
     StateError,
@@ -49,5 +50,6 @@ __all__ = [
     "DataAssignmentError",
     "StateError",
     "InputError",
+    "InitWriteError",
     "UninitializedStateError",
 ]

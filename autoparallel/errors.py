@@ -35,3 +35,10 @@ class UninitializedStateError(AutoParallelError):
     def __init__(self, message: str, fqns: list[str]):
         super().__init__(message)
         self.fqns = list(fqns)
+
+
+class InitWriteError(AutoParallelError):
+    """``init_weights`` wrote a parallel module's DTensor in a way that cannot give the single-device
+    values on every mesh (a write into overlapping view elements, a view of a tensor with
+    placements other than Shard / Replicate, a view of a sharded tensor used after init): nothing
+    was written. The message names the tensor."""

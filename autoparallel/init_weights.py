@@ -15,6 +15,11 @@ Three things make single-device code work (written by hand: no library does this
   eager model. Ranks must share the default generator's seed, as single-device init code run on
   every rank does after ``torch.manual_seed``. ``mesh_independent=False`` keeps the former rule
   (each shard drawn from its own torch stream: cheaper, values depend on the mesh);
+* writes through indexing, slices and views (``nn.init.zeros_(w[padding_idx])``,
+  ``w.data[i] = 0``) land on the ranks holding those elements, also where the view cuts across
+  the shards (:mod:`autoparallel.shard_views`);
+* a transformers model's ``init_weights`` runs as its constructor runs it: tied targets separate
+  until the init returns, so the tie's source wins (:mod:`autoparallel.hf_init`);
 * ``dtensor.data = t`` would swap the wrapper's metadata and silently drop the write, so it raises
   :class:`~autoparallel.errors.DataAssignmentError`.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 
 import torch
 from torch import nn
@@ -33,7 +39,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import DataAssignmentError
-from .mesh_init import mesh_independent_context
+from .hf_init import construction_init
+from .mesh_init import FullTensorWarning, current_state, mesh_independent_context
+from .shard_views import ShardWrites
 from .uninitialized import NoteWrites
 
 _active = threading.local()
@@ -81,6 +89,21 @@ class _ShardedRandom(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _name_of(t: DTensor, names: dict[int, str]) -> str | None:
+    state = current_state()
+    return (state.fqn_of(t) if state is not None else None) or names.get(id(t))
+
+
+def _warn_full(t: DTensor, why: str) -> None:
+    state = current_state()
+    name = (state.fqn_of(t) if state is not None else None) or f"DTensor{tuple(t.shape)}"
+    if state is not None:
+        state.warn_full(name, why)
+    else:
+        message = f"init of {name!r} made its full tensor on every rank ({why})"
+        warnings.warn(message, FullTensorWarning, stacklevel=6)
+
+
 def _copy_into(dst: DTensor, value: torch.Tensor, where: str) -> None:
     if isinstance(value, nn.Parameter):
         value = value.detach()
@@ -93,9 +116,12 @@ def _copy_into(dst: DTensor, value: torch.Tensor, where: str) -> None:
 
 
 @contextlib.contextmanager
-def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
+def dtensor_init_context(module: nn.Module, mesh_independent: bool = True, construction: bool = False):
     """Context in which single-device init code writes into ``module``'s DTensors (see module doc).
 
+    ``construction``: for a transformers model, run the body as its constructor runs
+    ``init_weights`` (:func:`autoparallel.hf_init.construction_init`: tied targets separate until
+    the init returns, ``_is_hf_initialized`` marks cleared); no effect on other modules.
     Re-entrant: nested calls (a parent's ``init_weights`` calling its children's) share one context.
     Patches ``nn.Module.__setattr__`` for its duration (process-wide; not thread-safe for other
     threads building modules at the same time).
@@ -107,6 +133,15 @@ def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
         finally:
             _active.depth -= 1
         return
+    with contextlib.ExitStack() as stack:
+        if construction:
+            stack.enter_context(construction_init(module))
+        stack.enter_context(_writes_into_dtensors(module, mesh_independent))
+        yield
+
+
+@contextlib.contextmanager
+def _writes_into_dtensors(module: nn.Module, mesh_independent: bool):
     slots: dict[tuple[int, str], tuple[str, DTensor]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for store in (mod._parameters, mod._buffers):
@@ -126,10 +161,13 @@ def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
     nn.Module.__setattr__ = setattr_into_dtensor
     try:
         rng = mesh_independent_context(module) if mesh_independent else _ShardedRandom()
+        names = {id(t): fqn for fqn, t in slots.values()}
         # NoteWrites outside the random fills' mode; that mode reports its DTensor writes to it by
-        # hand (its element-wise ops skip the modes below it, mesh_init._fill).
+        # hand (its element-wise ops skip the modes below it, mesh_init._fill). ShardWrites
+        # innermost: it sees views of sharded tensors, and writes through them, first.
         with implicit_replication(), _RefuseDataSet(), NoteWrites(), rng:
-            yield
+            with ShardWrites(lambda t: _name_of(t, names), _warn_full):
+                yield
     finally:
         nn.Module.__setattr__ = original_setattr
         _active.depth = 0
@@ -137,7 +175,8 @@ def dtensor_init_context(module: nn.Module, mesh_independent: bool = True):
 
 def wrap_init_weights(root: nn.Module, method: str = "init_weights", mesh_independent: bool = True) -> int:
     """Make ``root.<method>`` and every submodule's ``<method>`` run in :func:`dtensor_init_context`
-    (``mesh_independent`` passed on).
+    (``mesh_independent`` passed on; ``construction`` for ``init_weights``, so a transformers
+    model's ties and marks are those of its constructor).
 
     The bound method is wrapped per instance, so calling a submodule's ``init_weights`` directly
     works too. Returns the number of modules wrapped.
@@ -146,15 +185,16 @@ def wrap_init_weights(root: nn.Module, method: str = "init_weights", mesh_indepe
     for mod in root.modules():
         fn = getattr(type(mod), method, None)
         if callable(fn):
-            object.__setattr__(mod, method, _in_context(root, fn.__get__(mod), mesh_independent))
+            run = _in_context(root, fn.__get__(mod), mesh_independent, method == "init_weights")
+            object.__setattr__(mod, method, run)
             wrapped += 1
     return wrapped
 
 
-def _in_context(root: nn.Module, bound, mesh_independent: bool):
+def _in_context(root: nn.Module, bound, mesh_independent: bool, construction: bool):
     @functools.wraps(bound)
     def run(*args, **kwargs):
-        with dtensor_init_context(root, mesh_independent):
+        with dtensor_init_context(root, mesh_independent, construction):
             return bound(*args, **kwargs)
 
     return run

@@ -82,7 +82,9 @@ from .fill_rules import (
     random_transform,
     uniform_bounds,
 )
+from .hf_init import construction_init
 from .rng import fill_box, stream_id
+from .shard_views import ShardView
 from .uninitialized import note_written
 
 aten = torch.ops.aten
@@ -118,6 +120,8 @@ class _State:
         hit = self.by_id.get(id(t))
         if hit is not None and hit[1] is t:
             return hit[0]
+        if isinstance(t, ShardView):  # a part of a tensor: a temporary, as a view is on one device
+            return None
         local = t._local_tensor if isinstance(t, DTensor) else t
         if local.numel() and local.device.type != "meta":
             return self.by_storage.get(_storage_key(t))
@@ -153,6 +157,11 @@ def _storage_key(t: torch.Tensor) -> tuple:
         local.stride(),
         tuple(t.shape),
     )
+
+
+def current_state() -> _State | None:
+    """The active :func:`mesh_independent_context`'s bookkeeping (FQNs of tensors, warnings), or None."""
+    return getattr(_active, "state", None)
 
 
 def _draw_key(generator: torch.Generator | None = None) -> int:
@@ -208,6 +217,12 @@ def _bind(func, args, kwargs) -> dict[str, Any]:
 
 def _fill(dst: torch.Tensor, op: str, a: dict[str, Any], state: _State) -> torch.Tensor:
     """Fill ``dst`` (DTensor or plain) in place by the mesh-independent rule of ``op``."""
+    if isinstance(dst, ShardView):  # a plain tensor of the view's shape, copied in by ShardWrites
+        tmp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        _fill(tmp, op, a, state)
+        with torch.no_grad():
+            dst.copy_(tmp)
+        return dst
     name = state.name_for(dst)
     local, gshape, offset = _box(dst, name)
     check_like_torch(op, local.dtype, a)  # torch's refusals (dtype, arguments) before any draw
@@ -472,17 +487,21 @@ def mesh_independent_init(module: nn.Module, fn: Callable[[nn.Module], Any] | No
 
     On an ordinary module this gives, for the same default-generator state, bit-identical values to
     the parallel module's ``init_weights()`` on any mesh and placements (same device type). See the
-    module doc for the rule and methods. Returns ``module``.
+    module doc for the rule and methods. A transformers model's ``init_weights`` runs as its
+    constructor runs it (:func:`autoparallel.hf_init.construction_init`: ties made after the init,
+    ``_is_hf_initialized`` marks cleared), however the model was built. Returns ``module``.
 
     Raises:
         TypeError: ``fn`` is None and ``module`` has no callable ``init_weights``.
         NotImplementedError: a seeded op on a DTensor that has no mesh-independent form.
     """
+    construction = contextlib.nullcontext()
     if fn is None:
         init = getattr(module, "init_weights", None)
         if not callable(init):
             raise TypeError(f"{type(module).__name__} has no init_weights(); pass fn=")
         fn = lambda m: init()  # noqa: E731
-    with mesh_independent_context(module):
+        construction = construction_init(module)
+    with construction, mesh_independent_context(module):
         fn(module)
     return module

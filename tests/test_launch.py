@@ -26,6 +26,30 @@ def test_run_ranks_reports_failing_rank():
         run_ranks(_boom, 2, backend="gloo", timeout=60)
 
 
+def _in_flight_at_return(rank, world_size):
+    """Collectives in flight on the default group and a subgroup: the launcher's teardown waits
+    them (checked here by calling it), and waits those still in flight when ``fn`` returns before
+    it destroys the groups."""
+    from checkpoint.ranks.launch import _wait_collectives
+
+    sub = dist.new_group([0, 1])
+    works = []
+    for _ in range(3):
+        works.append(dist.all_reduce(torch.ones(256), async_op=True))
+        works.append(dist.all_reduce(torch.ones(256), group=sub, async_op=True))
+    _wait_collectives()
+    done = [w.is_completed() for w in works]
+    for _ in range(3):  # never waited here
+        dist.all_reduce(torch.ones(4096), group=sub, async_op=True)
+        dist.all_reduce(torch.ones(4096), async_op=True)
+    return done
+
+
+def test_teardown_waits_collectives_in_flight_then_destroys_the_groups():
+    for _ in range(3):  # each rank's exit with collectives issued and not waited by fn
+        assert run_ranks(_in_flight_at_return, 2, backend="gloo", timeout=60) == [[True] * 6] * 2
+
+
 def _abort(rank, world_size):
     if rank == 0:
         import os

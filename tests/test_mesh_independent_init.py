@@ -504,7 +504,12 @@ def _mesh_rank_main(rank, world):
         pmod.init_weights()
     assert comm.get_total_counts() == 0
     table[("2x2", "parallel module of TinyTransformer")] = _max_diff(_state_full(pmod), eager)
-    return table
+
+    # Writes through views, ties and transformers' own init on the same meshes (one spawn).
+    from tests.init_view_checks import parallel_module_checks, refusal_checks, view_checks
+
+    views = {**view_checks(meshes, _plans), **parallel_module_checks(meshes)}
+    return table, views, refusal_checks(meshes["2"])
 
 
 @pytest.mark.slow
@@ -513,10 +518,23 @@ def test_init_is_bit_identical_on_every_mesh():
 
     results = run_ranks(_mesh_rank_main, 4, backend="gloo", timeout=400)
     assert all(r == results[0] for r in results)
-    assert {mesh for mesh, _ in results[0]} == {"1", "2", "4", "2x2"}
+    table, views, refused = results[0]
+    assert {mesh for mesh, _ in table} == {"1", "2", "4", "2x2"}
     print(
         "\nmax |parallel init_weights() - mesh_independent_init(eager)| over all tensors (0: bit-identical)"
     )
-    for (mesh, plan), d in results[0].items():
+    for (mesh, plan), d in table.items():
         print(f"  mesh {mesh:4s} {plan:38s} {d:g}")
-    assert all(d == 0.0 for d in results[0].values()), results[0]
+    assert all(d == 0.0 for d in table.values()), table
+    # Writes through views, ties, transformers models, the parallel module of A54's embedding.
+    assert {mesh for mesh, _ in views} == {"1", "2", "4", "2x2"}
+    assert {case for _, case in views} >= {
+        "views Shard(0)",
+        "tied (Shard(0), Shard(1))",
+        "transformers t5",
+        "parallel module",
+        "parallel module qwen2",
+    }
+    assert ("1", "parallel module qwen2") in views and ("2x2", "transformers gemma2") in views
+    assert {k: v for k, v in views.items() if v} == {}
+    assert refused == 3

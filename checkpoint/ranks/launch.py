@@ -31,6 +31,7 @@ killed rank's native stacks also go into the failure's message and its kept file
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import re
@@ -268,13 +269,42 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, queue, environ
         )
         try:
             out = fn(rank, world_size, *args)
+            _wait_collectives()
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()  # groups held in reference cycles are freed here, on this thread
         # Plain pickle bytes: torch's queue reducers would send tensors as shared-memory handles
         # that die with the rank.
         queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report every failure, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
+
+
+def _wait_collectives() -> None:
+    """Wait every collective this rank issued, on every process group it is a member of, before
+    the groups are destroyed (after ``fn`` returned on every rank; a peer that failed exits and
+    its closed connections end the wait with an error, ignored here: the peer reports its own).
+
+    A barrier on a gloo group completes only after all earlier work on that group
+    (``ProcessGroupGloo::barrier`` waits the work in progress and queued); groups are visited in
+    the order of their names, the same on every rank, so no two ranks wait for each other in
+    opposite orders. Functional collectives never waited (``wait_tensor``) stay in c10d's work
+    registry: no API waits them without their tensors.
+    """
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    def order(item):
+        name = item[1]
+        return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+    try:
+        for pg, _ in sorted(_world.pg_names.items(), key=order):
+            dist.barrier(group=pg)
+    except Exception:  # noqa: BLE001 - a failed peer closed its connections; it reports itself
+        pass
 
 
 def run_ranks(
