@@ -211,3 +211,50 @@ def test_kill_at_fault_points_leaves_old_or_new(backend, tmp_path, moto_opts):
     checkpoint.save(new, ck, overwrite=True, **_kw(opts))  # the next save cleans up what kills left
     names = set(snapshot(ck, opts))
     assert not any(n.startswith(".") for n in names), names
+
+
+def test_fifos_named_like_our_records_are_no_records(tmp_path):
+    """A FIFO where a marker or a commit manifest would be is no record of ours: saves, recover and
+    readers neither block on it nor remove it (run in a child process: blocking fails the test
+    through its timeout)."""
+    import stat as stat_
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.ones(3)}, ck)
+    staging, commit = ck / (".fqnckpt-staging-" + "a" * 32), ck / (".fqnckpt-commit-" + "b" * 32)
+    staging.mkdir()
+    commit.mkdir()
+    os.mkfifo(staging / ".fqnckpt-staging.json")
+    os.mkfifo(commit / ".fqnckpt-manifest.json")
+    os.mkfifo(ck / ".fqnckpt-staging.0123456789ab.json")  # the object-store manifest's name
+    script = (
+        "import sys, torch, checkpoint\n"
+        "ck = sys.argv[1]; t = {'x': torch.zeros(3)}\n"
+        "checkpoint.load(t, ck); checkpoint.recover(ck)\n"
+        "checkpoint.save({'x': torch.full((3,), 2.0)}, ck, overwrite=True)\n"
+        "checkpoint.load(t, ck); assert torch.equal(t['x'], torch.full((3,), 2.0)); print('OK')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script, str(ck)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "OK", out.stderr
+    assert stat_.S_ISFIFO(os.lstat(staging / ".fqnckpt-staging.json").st_mode)
+    assert stat_.S_ISFIFO(os.lstat(commit / ".fqnckpt-manifest.json").st_mode)
+
+
+def test_a_save_killed_before_its_marker_leaves_nothing_the_next_save_keeps(tmp_path):
+    """Killed between creating its staging directory and writing its marker, a save leaves an
+    empty directory (or one holding an empty marker file) of the exact name form: the next save
+    removes it, as nothing in it is anyone's; one holding anything else stays."""
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.ones(2)}, ck)
+    empty, marker_only, kept = (ck / (".fqnckpt-staging-" + c * 32) for c in "cde")
+    beside = tmp_path / (".ck.fqnckpt-staging-" + "f" * 32)
+    for d in (empty, marker_only, kept, beside):
+        d.mkdir()
+    (marker_only / ".fqnckpt-staging.json").touch()
+    (kept / "notes.txt").write_text("mine")
+    checkpoint.save({"x": torch.zeros(2)}, ck, overwrite=True)
+    assert not empty.exists() and not marker_only.exists() and not beside.exists()
+    assert (kept / "notes.txt").read_text() == "mine"

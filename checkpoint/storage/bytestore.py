@@ -37,7 +37,7 @@ import shutil
 import stat
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,7 +45,7 @@ from .secrets import scrub, scrub_url
 
 __all__ = [
     "ByteStore", "ByteWriter", "LocalStore", "FsspecStore", "PreconditionFailed", "checkpoint_lock", "sibling",
-    "StagingMarker", "staging_token", "is_staging_area", "remove_staging_area", "MARKER",
+    "StagingMarker", "staging_token", "is_staging_area", "remove_staging_area", "read_record", "MARKER",
 ]  # fmt: skip
 
 
@@ -126,20 +126,44 @@ class StagingMarker(BaseModel):
     token: str = Field(pattern="^" + _TOKEN32 + "$")
 
 
+def read_record(dir_path: str, name: str, model: type[BaseModel], limit: int = 1 << 20) -> Any:
+    """Record ``name`` in directory ``dir_path`` (a marker, a manifest) parsed by pydantic model
+    ``model``, or None: unless ``dir_path`` is a real directory (not a symlink) and ``name`` a
+    regular file of at most ``limit`` bytes that validates, nothing there is a record of ours. Never
+    follows a symlink and never blocks (a FIFO with that name is no record)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(dir_path).st_mode):
+            return None
+        fd = os.open(os.path.join(dir_path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                return None
+            return model.model_validate_json(f.read(limit + 1))
+    except (ValidationError, ValueError, OSError):
+        return None
+
+
 def is_staging_area(path: str, token: str) -> bool:
     """Whether directory ``path`` is a staging area a save of ours made with ``token`` (a real
     directory, not a symlink, holding a marker that validates and names ``token``)."""
+    marker = read_record(path, MARKER, StagingMarker, 4096)
+    return marker.token == token if marker is not None else _unborn(path)
+
+
+def _unborn(path: str) -> bool:
+    """A staging directory whose save was killed before its marker was written: a real directory,
+    empty or holding only an empty marker file. Nothing in it is anyone's data, so the exact name
+    form is enough to remove it."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return False
-        fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_NOFOLLOW)
+        entries = list(os.scandir(path))
+        return all(e.name == MARKER and e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_size == 0 for e in entries)
     except OSError:
-        return False
-    try:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(4096)
-        return StagingMarker.model_validate_json(raw).token == token
-    except (ValidationError, ValueError, OSError):
         return False
 
 
@@ -263,15 +287,17 @@ class LocalStore:
         return out
 
     def get(self, name: str) -> bytes | None:
-        try:
-            fd = os.open(self._p(name), os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # O_NONBLOCK: a FIFO of that name must not block the open
+            fd = os.open(self._p(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR):
-                return None  # a symlink or a directory is no object of ours
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                return None  # a symlink, a directory or a socket is no object of ours
             raise
         with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None  # a FIFO or a device is no object of ours
             return f.read()
 
     def get_tagged(self, name: str) -> tuple[bytes | None, str | None]:

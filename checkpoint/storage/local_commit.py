@@ -52,12 +52,13 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..testing import faults
 from ..errors import CheckpointExistsError, InterruptedCommitError
 from .bytestore import (
-    COMMIT_TAG, LOCK_TAG, MARKER, STAGING_TAG, LocalStore, StagingMarker, checkpoint_lock, remove_staging_area, sibling,
+    COMMIT_TAG, LOCK_TAG, MARKER, STAGING_TAG, LocalStore, StagingMarker, checkpoint_lock, read_record, remove_staging_area,
+    sibling,
 )  # fmt: skip
 from .commit import (
     MODEL_INDEX, carried_side_files, check_clashes, clean_dead, holds_checkpoint, owned_objects, parse_index, removable,
@@ -172,20 +173,8 @@ def _commit_manifest(commit_dir: str) -> CommitManifest | None:
     """The manifest of ``commit_dir`` when the directory is a commit of ours (see module
     docstring), else None."""
     m = _COMMIT.match(os.path.basename(commit_dir))
-    if m is None:
-        return None
-    try:
-        if not stat.S_ISDIR(os.lstat(commit_dir).st_mode):
-            return None
-        fd = os.open(os.path.join(commit_dir, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            manifest = CommitManifest.model_validate_json(f.read(1 << 24))
-    except (ValidationError, ValueError, OSError):
-        return None
-    return manifest if manifest.token == m.group(1) else None
+    manifest = read_record(commit_dir, MANIFEST, CommitManifest, 1 << 24) if m is not None else None
+    return manifest if manifest is not None and manifest.token == m.group(1) else None
 
 
 def _names(path: str) -> list[str]:
@@ -259,18 +248,9 @@ def complete_interrupted(path: str) -> None:
 def _remove_marker(path: str) -> None:
     """Remove a staging marker of ours left in committed directory ``path`` by a save killed
     right after its commit rename (a file of that name whose content is not one stays)."""
-    full = os.path.join(path, MARKER)
-    try:
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "rb") as f:
-            StagingMarker.model_validate_json(f.read(4096))
-    except (ValidationError, ValueError, OSError):
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(full)
+    if read_record(path, MARKER, StagingMarker, 4096) is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, MARKER))
 
 
 def recover(path: str | os.PathLike) -> None:
