@@ -258,3 +258,26 @@ def test_a_save_killed_before_its_marker_leaves_nothing_the_next_save_keeps(tmp_
     checkpoint.save({"x": torch.zeros(2)}, ck, overwrite=True)
     assert not empty.exists() and not marker_only.exists() and not beside.exists()
     assert (kept / "notes.txt").read_text() == "mine"
+
+
+def test_recover_says_what_it_completed_and_removed(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    old = {f"t{i}": torch.full((64,), float(i)) for i in range(4)}
+    checkpoint.save(old, ck, max_shard_size=300)
+    for point, key in (("after_first_move", "completed"), ("after_tensor_write", "removed")):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.environ["FQNCKPT_FAULT_POINT"] = point
+                checkpoint.save({k: v + 100 for k, v in old.items()}, ck, overwrite=True, max_shard_size=300)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        left = sorted(n for n in os.listdir(ck) if n.startswith(".fqnckpt-"))
+        assert len(left) == 1, (point, left)
+        capsys.readouterr()
+        assert cli_main(["recover", str(ck), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[key] == left, point
+        assert not any(n.startswith(".fqnckpt-") for n in os.listdir(ck))
+    assert checkpoint.recover(tmp_path / "nothing") == {"completed": [], "removed": []}
+    assert not (tmp_path / "nothing").exists()

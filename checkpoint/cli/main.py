@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 # Only light modules at the top: --version / --help must not import torch; each
 # command imports what it needs when it runs.
@@ -447,15 +446,17 @@ def _recover_args(p: argparse.ArgumentParser) -> None:
 def _recover(args: argparse.Namespace) -> int:
     from ..storage.opening import recover
 
-    recover(args.path)
-    emit(args, {"path": args.path, "recovered": True}, f"{args.path}: nothing of an interrupted save is left")
+    done = recover(args.path)
+    lines = [f"{args.path}: completed the interrupted commit {c}" for c in done["completed"]]
+    lines += [f"{args.path}: removed {n} (left by a save that can no longer commit)" for n in done["removed"]]
+    emit(args, {"path": args.path, **done}, "\n".join(lines) or f"{args.path}: nothing of an interrupted save to recover")
     return EXIT_OK
 
 
 register_command(
     Command(
-        "recover", "complete a save interrupted after its commit point, remove what dead saves left "
-        "(what the next save there does first; only what a manifest of fqnckpt's names)", _recover_args, _recover,
+        "recover", "complete a save interrupted after its commit point and remove what dead saves left, "
+        "as the next save there would (only entries a marker or manifest of fqnckpt names)", _recover_args, _recover,
     )
 )  # fmt: skip
 

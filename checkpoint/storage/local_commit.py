@@ -253,15 +253,17 @@ def _remove_marker(path: str) -> None:
             os.unlink(os.path.join(path, MARKER))
 
 
-def recover(path: str | os.PathLike) -> None:
+def recover(path: str | os.PathLike) -> list[str]:
     """Complete an interrupted commit of ours in checkpoint directory ``path`` and remove the
     staging areas of dead saves there (what the next save would do first), under the writer lock.
-    Nothing that is not ours is touched."""
+    Nothing that is not ours is touched. Returns the names of the commit directories completed."""
     path = os.path.abspath(os.fspath(path))
     with checkpoint_lock(path):
+        completed = [os.path.basename(c) for c in pending_commits(path)]
         complete_interrupted(path)
         clean_dead(LocalStore(path), set())
         _remove_marker(path)
+    return completed
 
 
 # -- readers ----------------------------------------------------------------------------------------

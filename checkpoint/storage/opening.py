@@ -10,9 +10,9 @@ from typing import Any
 from . import reader
 from .format import MODEL_PREFIX
 from .bytestore import LocalStore
-from .commit import clean_dead
+from .commit import clean_dead, leftovers
 from .local_commit import recover as local_recover
-from .location import is_remote, local_target, resolve
+from .location import is_remote, resolve, store_of
 from .remote_reader import open_remote_checkpoint, remote_view
 
 
@@ -40,21 +40,31 @@ def open_checkpoint(
 __all__ = ["open_checkpoint", "recover"]
 
 
-def recover(path: str | os.PathLike | Any, storage_options: Mapping[str, Any] | None = None) -> None:
+def recover(path: str | os.PathLike | Any, storage_options: Mapping[str, Any] | None = None) -> dict[str, list[str]]:
     """Do what the next save at ``path`` does first, and nothing else: complete a commit of ours
     that was interrupted after its commit point (a local directory:
     :func:`checkpoint.storage.local_commit.recover`), and remove what saves that can no longer
     commit there left (their staging areas, or on object storage the objects their staging
-    manifests name: :func:`checkpoint.storage.commit.clean_dead`). Only what a manifest or marker
-    of ours names is touched; a checkpoint with nothing to recover is left as it is. Readers never
-    do this (they raise :class:`~checkpoint.errors.InterruptedCommitError` instead).
+    manifests name and their unfinished uploads: :func:`checkpoint.storage.commit.clean_dead`).
+    Only what a marker or manifest of ours names is touched; a checkpoint with nothing to recover is
+    left as it is. Readers never do this (they raise
+    :class:`~checkpoint.errors.InterruptedCommitError` instead).
+
+    Returns ``{"completed": [commit directories completed], "removed": [staging areas, manifests,
+    objects and uploads removed]}`` (names relative to ``path``; both empty when nothing was left).
 
     Raises:
         UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
     """
     where = resolve(path, storage_options)
-    if is_remote(where) and not isinstance(where, LocalStore):
-        with where.writer_lock():
-            clean_dead(where, set())
-        return
-    local_recover(local_target(where))
+    store = store_of(where)
+    before = leftovers(store)
+    if isinstance(store, LocalStore):
+        completed = local_recover(store.root)
+    else:
+        completed = []
+        with store.writer_lock():
+            clean_dead(store, set())
+    after = leftovers(store)
+    removed = sorted(n for k in ("staging", "objects", "uploads") for n in set(before[k]) - set(after[k]))
+    return {"completed": completed, "removed": removed}
