@@ -221,7 +221,7 @@ def get_recipe(name: str | Recipe, model: Any = None) -> Recipe:
         return name
     entry = RECIPES.get(name)
     if entry is None:
-        raise RecipeError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+        raise RecipeError(f"unknown recipe {name!r}; known: {sorted([*RECIPES, *QUANT_SUMMARIES])}")
     if entry.needs_model and model is None:
         raise RecipeError(f"recipe {name!r} takes its rules from the target model: pass model= (--model)")
     return entry.build(model)
