@@ -1344,6 +1344,8 @@ def test_unknown_recipe_lists_every_recipe_fqnckpt_recipes_lists():
     names = sorted(r["name"] for r in recipe_table())
     assert "dequantize-bf16" in names and "quantize-fp8" in names
     assert str(e.value) == f"unknown recipe 'no-such'; known: {names}"
+    with pytest.raises(RecipeError, match=r"recipe 'dequantize-bf16' converts a whole checkpoint: checkpoint\.migrate"):
+        get_recipe("dequantize-bf16")
 
 
 def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
