@@ -83,6 +83,18 @@ def test_inspect_shows_every_part_and_a_manager_roots_steps(manager_root, capsys
     assert f"fqnckpt inspect {step}" in out and "['step-abc']" in out
 
 
+def test_verify_of_a_manager_root_names_its_latest_step(manager_root, capsys):
+    root, _, _ = manager_root
+    before = sorted(p.name for p in root.iterdir())
+    rc, out, err = cli(capsys, "verify", root)
+    assert rc == 2 and out == ""
+    assert err.strip() == (
+        f"fqnckpt verify: error: {root} is a CheckpointManager root (2 steps), not one checkpoint; "
+        f"verify a step: fqnckpt verify {root / 'step-00000002'}"
+    )
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
 def test_diff_part_model_optimizer_extra_state(manager_root, capsys, tmp_path):
     root, m, _ = manager_root
     a, b = root / "step-00000001", root / "step-00000002"

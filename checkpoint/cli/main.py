@@ -266,7 +266,7 @@ def _inspect_leftovers(path, data: dict) -> list[str]:
         return []
     data["leftovers"] = left
     return [
-        f"  leftovers of unfinished saves (removed by the next save here): {len(left['staging'])} staging manifest(s) / dir(s) "
+        f"  leftovers of unfinished saves (removed by the next save here or by fqnckpt recover): {len(left['staging'])} staging manifest(s) / dir(s) "
         f"{left['staging']}, objects {left['objects']}, incomplete multipart uploads {left['uploads']}"
     ]
 
@@ -405,7 +405,13 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from ..verifying import verify
+    from .parts import manager_root
 
+    root = manager_root(args.path)
+    if root is not None:  # many checkpoints, one per step: say which one to verify
+        hint = f"verify a step: fqnckpt verify {root.latest}" if root.latest else "it holds no complete step"
+        raise BadInput(f"{args.path} is a CheckpointManager root ({plural(len(root.steps), 'step')}), not one "
+                       f"checkpoint; {hint}", file=str(args.path))  # fmt: skip
     rep = verify(args.path, progress=None)
     algos = sorted({f.algorithm for f in rep.files if f.expected_digest is not None})
     what = (
