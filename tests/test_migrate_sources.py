@@ -56,6 +56,18 @@ def test_pickles_zip_and_legacy(tmp_path, fmt):
     _assert_migrated(tmp_path / "out", sd)
 
 
+def test_pickle_of_meta_tensors_is_refused_as_holding_no_values(tmp_path):
+    """torch.save of a meta tensor stores its shape and dtype and no bytes: opening it names the
+    key and says the values were never saved, and migrate writes nothing."""
+    path = tmp_path / "meta.pt"
+    torch.save({"enc.weight": torch.empty(4, 3, device="meta")}, path)
+    with pytest.raises(CorruptCheckpointError) as e:
+        migrate(path, tmp_path / "out")
+    assert e.value.key == "enc.weight"
+    assert "tensor 'enc.weight' holds no values: it was saved from the meta device" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_nested_containers_key_and_choices(tmp_path):
     sd, ema = _sd(0), _sd(1)
     path = tmp_path / "ckpt.pt"

@@ -131,11 +131,11 @@ def _inspect(args: argparse.Namespace) -> int:
             f"  wrapper segments (tensors): {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}"
         )
     lines.append("  files:")
-    lines += [f"    {f}: {v['tensors']} tensors, {human(v['bytes'])}" for f, v in sorted(per_file.items())]
+    lines += [f"    {f}: {plural(v['tensors'], 'tensor')}, {human(v['bytes'])}" for f, v in sorted(per_file.items())]
     if opt is not None:
         o = data["optimizer_state"]
-        lines.append(f"  optimizer state: {o['tensors']} tensors for {o['params']} params, {o['param_groups']} "
-                     f"param groups, {human(o['bytes'])}")  # fmt: skip
+        lines.append(f"  optimizer state: {plural(o['tensors'], 'tensor')} for {plural(o['params'], 'param')}, "
+                     f"{plural(o['param_groups'], 'param group')}, {human(o['bytes'])}")  # fmt: skip
     if src.skipped:
         lines.append(f"  non-tensor entries skipped: {sorted(src.skipped)}")
     lines += [f"  note: {n}" for n in src.notes]
@@ -239,12 +239,12 @@ def _inspect_parts(parts, data: dict) -> list[str]:
              + (f", optimizer ({opt['index']})" if opt else "") + (", extra state (extra_state.json)" if extra else "")
              + (", peft adapter (adapter_model.safetensors + adapter_config.json)" if parts.adapter else "")]  # fmt: skip
     if opt is not None:
-        lines.append(f"  optimizer: {opt['optimizer_class']}, {opt['tensors']} state tensors "
-                     f"({', '.join(opt['state_slots'])}) for {opt['params']} params, "
+        lines.append(f"  optimizer: {opt['optimizer_class']}, {plural(opt['tensors'], 'state tensor')} "
+                     f"({', '.join(opt['state_slots'])}) for {plural(opt['params'], 'param')}, "
                      f"{plural(len(opt['param_groups']), 'param group')}, {human(opt['bytes'])}")  # fmt: skip
         for i, g in enumerate(opt["param_groups"]):
             hyper = ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
-            lines.append(f"    group {i}: {g['params']} params; {hyper}")
+            lines.append(f"    group {i}: {plural(g['params'], 'param')}; {hyper}")
     if adapter_cfg is not None:
         lines.append("  adapter config: " + ", ".join(f"{k}={v}" for k, v in adapter_cfg.items()))
     if extra is not None:
@@ -265,7 +265,7 @@ def _inspect_leftovers(path, data: dict) -> list[str]:
         return []
     data["leftovers"] = left
     return [
-        f"  leftovers of unfinished saves (removed by the next save here): {len(left['staging'])} staging manifest(s) / dir(s) "
+        f"  leftovers of unfinished saves (removed by the next save here or by fqnckpt recover): {len(left['staging'])} staging manifest(s) / dir(s) "
         f"{left['staging']}, objects {left['objects']}, incomplete multipart uploads {left['uploads']}"
     ]
 
@@ -404,7 +404,13 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from ..verifying import verify
+    from .parts import manager_root
 
+    root = manager_root(args.path)
+    if root is not None:  # many checkpoints, one per step: say which one to verify
+        hint = f"verify a step: fqnckpt verify {root.latest}" if root.latest else "it holds no complete step"
+        raise BadInput(f"{args.path} is a CheckpointManager root ({plural(len(root.steps), 'step')}), not one "
+                       f"checkpoint; {hint}", file=str(args.path))  # fmt: skip
     rep = verify(args.path, progress=None)
     algos = sorted({f.algorithm for f in rep.files if f.expected_digest is not None})
     what = (

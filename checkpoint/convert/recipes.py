@@ -215,13 +215,19 @@ def get_recipe(name: str | Recipe, model: Any = None) -> Recipe:
     """The recipe called ``name`` (a :class:`Recipe` is returned as is).
 
     Raises:
-        RecipeError: no such recipe (the known names listed), or it needs ``model=``.
+        RecipeError: no such recipe (the known names listed), a quantization recipe (those convert
+            whole checkpoints through ``checkpoint.migrate`` only), or it needs ``model=``.
     """
     if isinstance(name, Recipe):
         return name
     entry = RECIPES.get(name)
+    if entry is None and name in QUANT_SUMMARIES:
+        raise RecipeError(
+            f"recipe {name!r} converts a whole checkpoint: checkpoint.migrate(src, dst, recipe={name!r}) "
+            "or fqnckpt migrate --recipe; a load dequantizes FP8 / MXFP4 weights without a recipe"
+        )
     if entry is None:
-        raise RecipeError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+        raise RecipeError(f"unknown recipe {name!r}; known: {sorted([*RECIPES, *QUANT_SUMMARIES])}")
     if entry.needs_model and model is None:
         raise RecipeError(f"recipe {name!r} takes its rules from the target model: pass model= (--model)")
     return entry.build(model)

@@ -431,7 +431,8 @@ def _check_records(path: Path, fd: int, tensors: Mapping[str, torch.Tensor]) -> 
     its own layout rules; the zip's directory and local headers are what the file says).
 
     Raises:
-        CorruptCheckpointError: a record missing, compressed or too short (names file and tensor).
+        CorruptCheckpointError: a record missing, compressed or too short, or a tensor saved from
+            the meta device (no record at all; names file and tensor).
     """
     import struct
     import zipfile
@@ -451,7 +452,14 @@ def _check_records(path: Path, fd: int, tensors: Mapping[str, torch.Tensor]) -> 
         if not t.is_meta:
             continue
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-        rec = records.get(off) if off is not None else None
+        if off is None:  # torch pickles a meta tensor with no storage record (_rebuild_meta_tensor_no_storage)
+            raise CorruptCheckpointError(
+                str(path),
+                f"tensor {key!r} holds no values: it was saved from the meta device, "
+                "and torch.save keeps only a meta tensor's shape and dtype",
+                key,
+            )
+        rec = records.get(off)
         hi = _extent(t)[1] * t.element_size()
         if rec is None:
             raise CorruptCheckpointError(str(path), f"tensor {key!r}: no zip record at its storage offset {off}", key)
