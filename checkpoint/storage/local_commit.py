@@ -168,6 +168,36 @@ def owned_files(path: str, listing: dict | None = None) -> set[str]:
 # -- recovery (writers only) ------------------------------------------------------------------------
 
 
+def _read_record(full: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of ``full`` when it is a regular file (a record of ours can only
+    be one), else None: a symlink is not followed, and a FIFO, socket or device named like a record
+    is never read (opening a FIFO for reading would block until a writer comes)."""
+    try:
+        if not stat.S_ISREG(os.lstat(full).st_mode):
+            return None
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return _read_all(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, limit: int) -> bytes:
+    out = bytearray()
+    while len(out) < limit:
+        piece = os.read(fd, limit - len(out))
+        if not piece:
+            break
+        out += piece
+    return bytes(out)
+
+
 def _commit_manifest(commit_dir: str) -> CommitManifest | None:
     """The manifest of ``commit_dir`` when the directory is a commit of ours (see module
     docstring), else None."""
@@ -177,15 +207,14 @@ def _commit_manifest(commit_dir: str) -> CommitManifest | None:
     try:
         if not stat.S_ISDIR(os.lstat(commit_dir).st_mode):
             return None
-        fd = os.open(os.path.join(commit_dir, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
+    raw = _read_record(os.path.join(commit_dir, MANIFEST), 1 << 24)
     try:
-        with os.fdopen(fd, "rb") as f:
-            manifest = CommitManifest.model_validate_json(f.read(1 << 24))
-    except (ValidationError, ValueError, OSError):
+        manifest = CommitManifest.model_validate_json(raw) if raw is not None else None
+    except (ValidationError, ValueError):
         return None
-    return manifest if manifest.token == m.group(1) else None
+    return manifest if manifest is not None and manifest.token == m.group(1) else None
 
 
 def _names(path: str) -> list[str]:
@@ -260,14 +289,12 @@ def _remove_marker(path: str) -> None:
     """Remove a staging marker of ours left in committed directory ``path`` by a save killed
     right after its commit rename (a file of that name whose content is not one stays)."""
     full = os.path.join(path, MARKER)
+    raw = _read_record(full, 4096)
     try:
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "rb") as f:
-            StagingMarker.model_validate_json(f.read(4096))
-    except (ValidationError, ValueError, OSError):
+        if raw is None:
+            return
+        StagingMarker.model_validate_json(raw)
+    except (ValidationError, ValueError):
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(full)

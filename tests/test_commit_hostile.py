@@ -1,0 +1,88 @@
+"""Hostile entries named like the local commit's records: a FIFO (or other non-regular file) where
+a commit manifest or a staging marker of ours would be is not a record of ours. It is never
+opened (opening a FIFO for reading blocks until a writer comes), never removed, and the reader or
+writer goes on as if it were not there."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+
+import torch
+
+import checkpoint
+
+TOKEN = "ab" * 16
+
+
+def _tree(root) -> dict[str, object]:
+    """Every entry under ``root``: regular files by their bytes, anything else by its kind
+    (a FIFO is never opened here)."""
+    out: dict[str, object] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            mode = os.lstat(p).st_mode
+            if stat.S_ISREG(mode):
+                with open(p, "rb") as f:
+                    out[os.path.relpath(p, root)] = f.read()
+            else:
+                out[os.path.relpath(p, root)] = stat.S_IFMT(mode)
+    return out
+
+
+class _FifoWatch:
+    """Writers that keep opening ``fifo`` (so a reader that opens it never blocks the test) and log
+    each open: a log left afterwards means the code under test opened the FIFO."""
+
+    def __init__(self, fifo, log):
+        self.fifo, self.log = fifo, log
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(["sh", "-c", 'while :; do : > "$0"; echo >> "$1"; done', str(self.fifo), str(self.log)])
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+    @property
+    def opened(self) -> bool:
+        return os.path.exists(self.log)
+
+
+def test_fifo_as_commit_manifest_is_not_a_commit(tmp_path):
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.arange(3.0)}, ck)
+    commit_dir = ck / f".fqnckpt-commit-{TOKEN}"
+    commit_dir.mkdir()
+    os.mkfifo(commit_dir / ".fqnckpt-manifest.json")
+    before = _tree(tmp_path)
+    t = {"x": torch.zeros(3)}
+    with _FifoWatch(commit_dir / ".fqnckpt-manifest.json", tmp_path.parent / f"{tmp_path.name}.log") as w:
+        checkpoint.load(t, ck)
+        assert torch.equal(t["x"], torch.arange(3.0))
+        assert _tree(tmp_path) == before  # a reader changes nothing
+        checkpoint.recover(ck)
+        checkpoint.save({"x": torch.full((3,), 7.0)}, ck, overwrite=True)
+    assert not w.opened
+    after = _tree(tmp_path)
+    assert after[f"ck/.fqnckpt-commit-{TOKEN}/.fqnckpt-manifest.json"] == stat.S_IFIFO  # not ours: stays
+    t = {"x": torch.zeros(3)}
+    checkpoint.load(t, ck)
+    assert torch.equal(t["x"], torch.full((3,), 7.0))
+
+
+def test_fifo_as_staging_marker_in_a_checkpoint_is_not_ours(tmp_path):
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.arange(3.0)}, ck)
+    os.mkfifo(ck / ".fqnckpt-staging.json")
+    with _FifoWatch(ck / ".fqnckpt-staging.json", tmp_path.parent / f"{tmp_path.name}.log") as w:
+        checkpoint.recover(ck)
+        checkpoint.save({"x": torch.full((3,), 5.0)}, ck, overwrite=True)
+    assert not w.opened
+    assert _tree(ck)[".fqnckpt-staging.json"] == stat.S_IFIFO
+    t = {"x": torch.zeros(3)}
+    checkpoint.load(t, ck)
+    assert torch.equal(t["x"], torch.full((3,), 5.0))
