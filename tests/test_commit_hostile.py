@@ -9,9 +9,12 @@ import os
 import stat
 import subprocess
 
+import pytest
 import torch
 
 import checkpoint
+from checkpoint.cli.main import EXIT_BAD_INPUT
+from checkpoint.cli.main import main as cli_main
 
 TOKEN = "ab" * 16
 
@@ -86,3 +89,17 @@ def test_fifo_as_staging_marker_in_a_checkpoint_is_not_ours(tmp_path):
     t = {"x": torch.zeros(3)}
     checkpoint.load(t, ck)
     assert torch.equal(t["x"], torch.full((3,), 5.0))
+
+
+@pytest.mark.parametrize("rel", ["missing/a/ck", "afile/ck"])
+def test_recover_where_no_save_can_be_creates_nothing(tmp_path, capsys, rel):
+    (tmp_path / "afile").write_bytes(b"mine")
+    before = _tree(tmp_path)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(tmp_path / rel)):
+        checkpoint.recover(tmp_path / rel)
+    assert _tree(tmp_path) == before
+    capsys.readouterr()
+    assert cli_main(["recover", str(tmp_path / rel)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert str(tmp_path / rel) in err and "Traceback" not in err
+    assert _tree(tmp_path) == before

@@ -55,7 +55,7 @@ from collections.abc import Iterable, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..testing import faults
-from ..errors import CheckpointExistsError, InterruptedCommitError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, InterruptedCommitError
 from .bytestore import (
     COMMIT_TAG, LOCK_TAG, MARKER, STAGING_TAG, LocalStore, StagingMarker, checkpoint_lock, remove_staging_area, sibling,
 )  # fmt: skip
@@ -303,8 +303,16 @@ def _remove_marker(path: str) -> None:
 def recover(path: str | os.PathLike) -> None:
     """Complete an interrupted commit of ours in checkpoint directory ``path`` and remove the
     staging areas of dead saves there (what the next save would do first), under the writer lock.
-    Nothing that is not ours is touched."""
+    Nothing that is not ours is touched, and nothing is created where no save could have been.
+
+    Raises:
+        CheckpointNotFoundError: the directory ``path`` would be in does not exist (or is a file):
+            no save can have left anything there (a mistyped path), and none is created.
+    """
     path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise CheckpointNotFoundError(path, f"{parent} is not a directory: no save can have left anything there")
     with checkpoint_lock(path):
         complete_interrupted(path)
         clean_dead(LocalStore(path), set())
