@@ -103,3 +103,14 @@ def test_recover_where_no_save_can_be_creates_nothing(tmp_path, capsys, rel):
     err = capsys.readouterr().err
     assert str(tmp_path / rel) in err and "Traceback" not in err
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("rel", ["afile", "afile/run"])
+def test_manager_root_on_a_file_is_refused_naming_it(tmp_path, rel):
+    from checkpoint.training.manager import CheckpointManager
+
+    (tmp_path / "afile").write_bytes(b"mine")
+    before = _tree(tmp_path)
+    with pytest.raises(checkpoint.CheckpointExistsError, match=str(tmp_path / rel)):
+        CheckpointManager(tmp_path / rel, async_save=False)
+    assert _tree(tmp_path) == before
