@@ -114,3 +114,27 @@ def test_manager_root_on_a_file_is_refused_naming_it(tmp_path, rel):
     with pytest.raises(checkpoint.CheckpointExistsError, match=str(tmp_path / rel)):
         CheckpointManager(tmp_path / rel, async_save=False)
     assert _tree(tmp_path) == before
+
+
+def test_checkpoint_removed_while_being_listed_is_not_found(tmp_path, monkeypatch):
+    """A directory removed (a retention, ``rm -r``) between the reader's first look and its
+    listing: CheckpointNotFoundError naming it, never a bare FileNotFoundError."""
+    from checkpoint.sources import sniffing
+
+    d = tmp_path / "gone"
+
+    def removed_meanwhile(p):
+        (d / "notes.txt").unlink()
+        d.rmdir()
+        return False
+
+    monkeypatch.setattr(sniffing, "is_dcp", removed_meanwhile)
+    d.mkdir()
+    (d / "notes.txt").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=f"{d}.*removed while"):
+        sniffing.sniff(d)
+    d.mkdir()
+    (d / "notes.txt").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(d)):
+        checkpoint.load({"x": torch.zeros(2)}, d)
+    assert not d.exists()
