@@ -138,3 +138,28 @@ def test_checkpoint_removed_while_being_listed_is_not_found(tmp_path, monkeypatc
     with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(d)):
         checkpoint.load({"x": torch.zeros(2)}, d)
     assert not d.exists()
+
+
+def test_a_load_begun_where_nothing_was_never_reads_a_later_checkpoint(tmp_path, monkeypatch):
+    """The reader's view starts where nothing is yet: a checkpoint committed there after (here by
+    another thread between the view and the opens) is not this view's; without the directory's
+    lock a retention could remove its parts under the reader. Nothing is read, nothing written."""
+    import threading
+
+    from checkpoint import loading
+
+    ck = tmp_path / "ck"
+    opened = loading.open_target_reader
+
+    def committed_meanwhile(path, **kw):
+        t = threading.Thread(target=checkpoint.save, args=({"x": torch.ones(3)}, ck), kwargs={"extra_state": {"step": 1}})
+        t.start()
+        t.join()
+        return opened(path, **kw)
+
+    monkeypatch.setattr(loading, "open_target_reader", committed_meanwhile)
+    target, extra = {"x": torch.zeros(3)}, {"step": 0}
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(ck)):
+        checkpoint.load(target, ck, extra_state=extra)
+    assert torch.equal(target["x"], torch.zeros(3)) and extra == {"step": 0}
+    assert not ck.exists()

@@ -332,9 +332,12 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
     parts (model and optimizer) wraps all the opens in one block. Nothing is written. Hold it
     only while opening: a save's commit waits for it.
 
-    A path that is not a directory (a ``.safetensors`` file, nothing) is opened without a lock.
+    A path that is a file (a ``.safetensors`` file) is opened without a lock. Nothing at ``path``
+    is no checkpoint: the view ends there, so that a reader never reads a checkpoint committed
+    (or removed, unlocked) after its view began.
 
     Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
         InterruptedCommitError: a commit of ours inside ``path`` was interrupted (its files are
             partly in place); the next save there, or :func:`recover`, completes it.
     """
@@ -345,6 +348,8 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
         return
     fd = _open_dir(path)
     if fd is None:
+        if not os.path.lexists(path):  # a checkpoint committed there later is not this view's
+            raise CheckpointNotFoundError(path)
         yield
         return
     try:
