@@ -163,3 +163,27 @@ def test_a_load_begun_where_nothing_was_never_reads_a_later_checkpoint(tmp_path,
         checkpoint.load(target, ck, extra_state=extra)
     assert torch.equal(target["x"], torch.zeros(3)) and extra == {"step": 0}
     assert not ck.exists()
+
+
+def test_load_of_a_directory_removed_while_its_format_is_sniffed(tmp_path, monkeypatch):
+    """``load`` asks first whether the directory is DCP's; removed right then (a retention racing
+    the load): CheckpointNotFoundError naming it, never a bare FileNotFoundError."""
+    from checkpoint.sources import dcp
+
+    d = tmp_path / "gone"
+    d.mkdir()
+    (d / "notes.txt").write_bytes(b"x")
+
+    def removed_meanwhile(p):
+        (d / "notes.txt").unlink()
+        d.rmdir()
+        return False
+
+    def lists_it(p):  # the listing that meets the directory gone (os.scandir, as glob does)
+        return bool(list(os.scandir(p)))
+
+    monkeypatch.setattr(dcp, "is_dcp", removed_meanwhile)
+    monkeypatch.setattr(dcp, "is_dcp_hf", lists_it)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(d)):
+        checkpoint.load({"x": torch.zeros(2)}, d)
+    assert not d.exists()
