@@ -187,3 +187,36 @@ def test_load_of_a_directory_removed_while_its_format_is_sniffed(tmp_path, monke
     with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(d)):
         checkpoint.load({"x": torch.zeros(2)}, d)
     assert not d.exists()
+
+
+def test_a_view_on_a_directory_replaced_while_opening_is_refused(tmp_path, monkeypatch):
+    """The reader opened the directory, which a retention then removed and a save made anew
+    before the reader's lock was taken: that lock would guard the removed directory only, so the
+    view refuses (CheckpointNotFoundError) instead of reading the new one unguarded."""
+    import shutil
+    import threading
+
+    from checkpoint.storage import local_commit
+
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.ones(3)}, ck)
+    flock = local_commit._flock
+    state = {"done": False}
+
+    def replaced_first(fd, op):
+        if not state["done"]:
+            state["done"] = True
+            shutil.rmtree(ck)
+            t = threading.Thread(target=checkpoint.save, args=({"x": torch.full((3,), 2.0)}, ck))
+            t.start()
+            t.join()
+        flock(fd, op)
+
+    monkeypatch.setattr(local_commit, "_flock", replaced_first)
+    target = {"x": torch.zeros(3)}
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match=f"{ck}.*removed while"):
+        checkpoint.load(target, ck)
+    assert torch.equal(target["x"], torch.zeros(3))
+    monkeypatch.setattr(local_commit, "_flock", flock)
+    checkpoint.load(target, ck)
+    assert torch.equal(target["x"], torch.full((3,), 2.0))

@@ -324,6 +324,16 @@ def recover(path: str | os.PathLike) -> None:
 _views = threading.local()
 
 
+def _names_inode(path: str, fd: int) -> bool:
+    """Whether ``path`` still leads to the directory open as ``fd`` (a lock on a directory that
+    was removed meanwhile excludes no commit or removal of the one at ``path`` now)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 @contextlib.contextmanager
 def read_view(path: str | os.PathLike) -> Iterator[None]:
     """Open a checkpoint's files inside this block to get one consistent checkpoint (see module
@@ -337,7 +347,8 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
     (or removed, unlocked) after its view began.
 
     Raises:
-        CheckpointNotFoundError: nothing is at ``path``.
+        CheckpointNotFoundError: nothing is at ``path``, or the directory there was removed
+            while the view was being taken.
         InterruptedCommitError: a commit of ours inside ``path`` was interrupted (its files are
             partly in place); the next save there, or :func:`recover`, completes it.
     """
@@ -354,6 +365,8 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
         return
     try:
         _flock(fd, fcntl.LOCK_SH)
+        if not _names_inode(path, fd):  # removed (a retention) and made anew since it was opened
+            raise CheckpointNotFoundError(path, "it was removed while it was being opened")
         if pending_commits(path):
             raise InterruptedCommitError(path, "its files are partly those of the interrupted save")
         held[path] = fd
