@@ -220,3 +220,37 @@ def test_a_view_on_a_directory_replaced_while_opening_is_refused(tmp_path, monke
     monkeypatch.setattr(local_commit, "_flock", flock)
     checkpoint.load(target, ck)
     assert torch.equal(target["x"], torch.full((3,), 2.0))
+
+
+def test_directory_in_the_way_of_an_interrupted_commit_is_named(tmp_path, capsys):
+    """A save killed after its commit point; then a directory is made where one of its files
+    goes. recover, the next save and the CLI name that directory (CheckpointExistsError) and move
+    nothing; once it is moved away, recover completes the commit."""
+    ck = tmp_path / "ck"
+    checkpoint.save({"x": torch.ones(3)}, ck, extra_state={"step": 1})
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.environ["FQNCKPT_FAULT_POINT"] = "after_commit_rename"
+            checkpoint.save({"x": torch.full((3,), 2.0)}, ck, overwrite=True, extra_state={"step": 2})
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    (ck / "extra_state.json").unlink()
+    (ck / "extra_state.json").mkdir()
+    (tmp_path / ".ck.fqnckpt-lock").unlink(missing_ok=True)  # the killed save's: the next writer's unlinks it
+    before = _tree(tmp_path)
+    blocked = str(ck / "extra_state.json")
+    with pytest.raises(checkpoint.CheckpointExistsError, match=blocked):
+        checkpoint.recover(ck)
+    with pytest.raises(checkpoint.CheckpointExistsError, match=blocked):
+        checkpoint.save({"x": torch.zeros(3)}, ck, overwrite=True)
+    capsys.readouterr()
+    assert cli_main(["recover", str(ck)]) != 0
+    assert blocked in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+    (ck / "extra_state.json").rmdir()
+    checkpoint.recover(ck)
+    target, extra = {"x": torch.zeros(3)}, {"step": 0}
+    checkpoint.load(target, ck, extra_state=extra)
+    assert torch.equal(target["x"], torch.full((3,), 2.0)) and extra == {"step": 2}

@@ -243,7 +243,18 @@ def _matches(full: str, size: int | None) -> bool:
 
 
 def _roll_forward(path: str, commit_dir: str, manifest: CommitManifest) -> None:
-    """Finish a decided commit; idempotent (a crash in here is finished by the next writer)."""
+    """Finish a decided commit; idempotent (a crash in here is finished by the next writer).
+
+    Raises:
+        CheckpointExistsError: a directory stands where a file of the commit goes (made after the
+            commit was interrupted); nothing is moved, the commit stays to be completed once it
+            is moved away."""
+    for name in manifest.files:
+        dst = os.path.join(path, name)
+        if _plain(name) and os.path.lexists(os.path.join(commit_dir, name)) and os.path.isdir(dst) and not os.path.islink(dst):
+            raise CheckpointExistsError(
+                dst, "a directory has the name of a file of an interrupted commit; move it away, then run `fqnckpt recover`"
+            )
     moved = 0
     for name in manifest.files:
         if not _plain(name):
