@@ -630,10 +630,20 @@ def _flat_groups(md: Any, pg_keys: list[str], values: dict[str, Any]) -> dict[in
 
 def dcp_format(path: str | os.PathLike) -> str | None:
     """``"dcp"`` / ``"dcp-hf-sharded"`` when ``path`` is a DCP directory, else None (cheap: no
-    header of a plain safetensors checkpoint is parsed)."""
+    header of a plain safetensors checkpoint is parsed); None too for a directory removed while
+    it is being looked at (its reader then finds nothing)."""
     p = Path(path)
     if not p.is_dir():
         return None
+    try:
+        return _dcp_dir_format(p)
+    except CheckpointError:
+        raise
+    except (FileNotFoundError, NotADirectoryError):  # removed meanwhile (a retention, rm -r)
+        return None
+
+
+def _dcp_dir_format(p: Path) -> str | None:
     if is_dcp(p):
         return "dcp"
     if (p / "model.safetensors.index.json").exists() or (p / "model.safetensors").exists():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import (
     AmbiguousSourceError,
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedFormatError,
@@ -119,8 +120,8 @@ def sniff(path: str | os.PathLike) -> str:
     :data:`checkpoint.sources.FORMATS`.
 
     Raises:
-        CheckpointNotFoundError: nothing at ``path``, or a directory without a known layout
-            (several pickles are listed by name).
+        CheckpointNotFoundError: nothing at ``path``, a directory without a known layout
+            (several pickles are listed by name), or one removed while it is being listed.
         UnsafePathError: a file in the directory is a symlink leading outside it.
         CorruptCheckpointError / UnsupportedFormatError: see :func:`sniff_file`.
     """
@@ -132,6 +133,16 @@ def sniff(path: str | os.PathLike) -> str:
         return "safetensors-sharded" if kind == "index" else kind
     if not p.is_dir():  # a FIFO / socket / device: opening it could block or never end
         raise CheckpointNotFoundError(str(p), "not a regular file or a directory")
+    try:
+        return _sniff_dir(p)
+    except CheckpointError:
+        raise
+    except (FileNotFoundError, NotADirectoryError):  # removed meanwhile (a retention, rm -r)
+        raise CheckpointNotFoundError(str(p), "it was removed while its files were being listed") from None
+
+
+def _sniff_dir(p: Path) -> str:
+    """:func:`sniff` of directory ``p``."""
     if is_dcp(p):
         return "dcp"
     # HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True) leaves DCP's

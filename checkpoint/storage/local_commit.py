@@ -55,7 +55,7 @@ from collections.abc import Iterable, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..testing import faults
-from ..errors import CheckpointExistsError, InterruptedCommitError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, InterruptedCommitError
 from .bytestore import (
     COMMIT_TAG, LOCK_TAG, MARKER, STAGING_TAG, LocalStore, StagingMarker, checkpoint_lock, read_record, remove_staging_area,
     sibling,
@@ -203,7 +203,18 @@ def _matches(full: str, size: int | None) -> bool:
 
 
 def _roll_forward(path: str, commit_dir: str, manifest: CommitManifest) -> None:
-    """Finish a decided commit; idempotent (a crash in here is finished by the next writer)."""
+    """Finish a decided commit; idempotent (a crash in here is finished by the next writer).
+
+    Raises:
+        CheckpointExistsError: a directory stands where a file of the commit goes (made after the
+            commit was interrupted); nothing is moved, the commit stays to be completed once it
+            is moved away."""
+    for name in manifest.files:
+        dst = os.path.join(path, name)
+        if _plain(name) and os.path.lexists(os.path.join(commit_dir, name)) and os.path.isdir(dst) and not os.path.islink(dst):
+            raise CheckpointExistsError(
+                dst, "a directory has the name of a file of an interrupted commit; move it away, then run `fqnckpt recover`"
+            )
     moved = 0
     for name in manifest.files:
         if not _plain(name):
@@ -256,8 +267,17 @@ def _remove_marker(path: str) -> None:
 def recover(path: str | os.PathLike) -> list[str]:
     """Complete an interrupted commit of ours in checkpoint directory ``path`` and remove the
     staging areas of dead saves there (what the next save would do first), under the writer lock.
-    Nothing that is not ours is touched. Returns the names of the commit directories completed."""
+    Nothing that is not ours is touched, and nothing is created where no save could have been.
+    Returns the names of the commit directories completed.
+
+    Raises:
+        CheckpointNotFoundError: the directory ``path`` would be in does not exist (or is a file):
+            no save can have left anything there (a mistyped path), and none is created.
+    """
     path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise CheckpointNotFoundError(path, f"{parent} is not a directory: no save can have left anything there")
     with checkpoint_lock(path):
         completed = [os.path.basename(c) for c in pending_commits(path)]
         complete_interrupted(path)
@@ -271,6 +291,16 @@ def recover(path: str | os.PathLike) -> list[str]:
 _views = threading.local()
 
 
+def _names_inode(path: str, fd: int) -> bool:
+    """Whether ``path`` still leads to the directory open as ``fd`` (a lock on a directory that
+    was removed meanwhile excludes no commit or removal of the one at ``path`` now)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 @contextlib.contextmanager
 def read_view(path: str | os.PathLike) -> Iterator[None]:
     """Open a checkpoint's files inside this block to get one consistent checkpoint (see module
@@ -279,9 +309,13 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
     parts (model and optimizer) wraps all the opens in one block. Nothing is written. Hold it
     only while opening: a save's commit waits for it.
 
-    A path that is not a directory (a ``.safetensors`` file, nothing) is opened without a lock.
+    A path that is a file (a ``.safetensors`` file) is opened without a lock. Nothing at ``path``
+    is no checkpoint: the view ends there, so that a reader never reads a checkpoint committed
+    (or removed, unlocked) after its view began.
 
     Raises:
+        CheckpointNotFoundError: nothing is at ``path``, or the directory there was removed
+            while the view was being taken.
         InterruptedCommitError: a commit of ours inside ``path`` was interrupted (its files are
             partly in place); the next save there, or :func:`recover`, completes it.
     """
@@ -292,10 +326,14 @@ def read_view(path: str | os.PathLike) -> Iterator[None]:
         return
     fd = _open_dir(path)
     if fd is None:
+        if not os.path.lexists(path):  # a checkpoint committed there later is not this view's
+            raise CheckpointNotFoundError(path)
         yield
         return
     try:
         _flock(fd, fcntl.LOCK_SH)
+        if not _names_inode(path, fd):  # removed (a retention) and made anew since it was opened
+            raise CheckpointNotFoundError(path, "it was removed while it was being opened")
         if pending_commits(path):
             raise InterruptedCommitError(path, "its files are partly those of the interrupted save")
         held[path] = fd

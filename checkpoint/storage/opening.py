@@ -55,6 +55,8 @@ def recover(path: str | os.PathLike | Any, storage_options: Mapping[str, Any] | 
 
     Raises:
         UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
+        CheckpointNotFoundError: a local ``path`` whose parent is not a directory (nothing is
+            created).
     """
     where = resolve(path, storage_options)
     store = store_of(where)

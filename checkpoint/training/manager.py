@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..testing import faults
 from ..storage.opening import recover
 from ..ranks import dist
-from ..errors import CheckpointError, CheckpointNotFoundError, InterruptedCommitError, RankMismatchError
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, InterruptedCommitError, RankMismatchError
 from ..storage.extra_state import PerRank, read_extra_state_file
 from ..storage.location import local_path, local_target, resolve, store_of
 from ..storage.views import checkpoint_view
@@ -159,6 +159,7 @@ class CheckpointManager:
     Raises:
         ValueError: ``keep_latest`` is not None or an int >= 1.
         UnsupportedStorageError: a URL whose scheme has no installed fsspec backend.
+        CheckpointExistsError: a local ``root`` (or a folder above it) is a file.
     """
 
     def __init__(
@@ -190,7 +191,10 @@ class CheckpointManager:
         self._future: SaveFuture | None = None
         self._step_hook: Any = None  # see _prepare_soon
         self.last_report = None  # LoadReport of the last load_latest
-        self._store.ensure_dir()
+        try:
+            self._store.ensure_dir()
+        except (FileExistsError, NotADirectoryError):
+            raise CheckpointExistsError(self.root, "it or a folder above it is a file, not a directory of steps") from None
         if dist.rank() == 0:
             self._recover_steps()
             foreign = self.foreign_entries()
