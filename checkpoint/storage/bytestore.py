@@ -131,10 +131,11 @@ def read_record(dir_path: str, name: str, model: type[BaseModel], limit: int = 1
     ``model``, or None: unless ``dir_path`` is a real directory (not a symlink) and ``name`` a
     regular file of at most ``limit`` bytes that validates, nothing there is a record of ours. Never
     follows a symlink and never blocks (a FIFO with that name is no record)."""
-    try:
-        if not stat.S_ISDIR(os.lstat(dir_path).st_mode):
+    full = os.path.join(dir_path, name)
+    try:  # never opened unless a regular file (a FIFO is not even opened), and checked again once open
+        if not stat.S_ISDIR(os.lstat(dir_path).st_mode) or not stat.S_ISREG(os.lstat(full).st_mode):
             return None
-        fd = os.open(os.path.join(dir_path, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:

@@ -14,7 +14,9 @@ held for the whole save):
    ``path/.fqnckpt-staging-<token>``; ``<token>`` is 32 hex digits only this save knows, and the
    directory's first entry is its marker (:class:`StagingMarker`, naming the token). Only a
    directory with that exact name form and a marker naming its token is a staging area of ours:
-   the next writer removes the files in it (never a subdirectory), then the directory.
+   the next writer removes it with what it holds (all of it that save's). A directory of that
+   name form that is empty, or holds only an empty marker (a save killed before writing its
+   marker), is removed too: nothing in it is anyone's.
 2. New path: the staging directory is renamed to ``path`` (atomic; the commit point). Done.
 3. Existing directory: a manifest (:class:`CommitManifest`: the token, the files to move in, the
    files of the previous checkpoint to remove with the size the record gave each) is written into
