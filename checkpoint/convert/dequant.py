@@ -235,15 +235,26 @@ def dequantized_view(reader: Any) -> Any:
     Raises:
         QuantizationError: as :func:`dequantizing_reader`.
     """
+    pairs = _quantized_pairs(reader)
+    if pairs is None:
+        return reader
+    fp8, mx = pairs
+    return DequantizingReader(reader, fp8, {k: (p, False) for k, p in mx.items()}, set())
+
+
+def _quantized_pairs(reader: Any) -> tuple[dict, dict] | None:
+    """``(fp8, mx)`` (:func:`~.quant.find_pairs`) of the quantized weights ``reader`` holds, with
+    the ``config.json`` beside it; None when it holds none (no config saying so, no scale keys).
+
+    Raises:
+        QuantizationError: see :func:`~.quant.find_pairs`."""
     root = getattr(reader, "root", None)
     config = read_quantization_config(root if isinstance(root, str) else None)
     keys = reader.keys()
     if config is None and not any(k.endswith((FP8_SCALE_SUFFIX, MX_SCALES)) for k in keys):
-        return reader
+        return None
     fp8, mx = find_pairs(keys, reader.spec, config, _where(reader))
-    if not fp8 and not mx:
-        return reader
-    return DequantizingReader(reader, fp8, {k: (p, False) for k, p in mx.items()}, set())
+    return (fp8, mx) if fp8 or mx else None
 
 
 def _where(reader: Any):
@@ -271,15 +282,10 @@ def dequantizing_reader(reader: Any, state: Any, model: Any, path: str, dtype: t
     """
     if getattr(reader, "prefetch", None) is not None or getattr(reader, "read_block", None) is not None:
         return reader
-    root = getattr(reader, "root", None)
-    config = read_quantization_config(root if isinstance(root, str) else None)
-    keys = reader.keys()
-    if config is None and not any(k.endswith((FP8_SCALE_SUFFIX, MX_SCALES)) for k in keys):
+    pairs = _quantized_pairs(reader)
+    if pairs is None:
         return reader
-
-    fp8, mx = find_pairs(keys, reader.spec, config, _where(reader))
-    if not fp8 and not mx:
-        return reader
+    fp8, mx = pairs
     from ..plan.names import match_stored  # plan depends on storage only; imported here, no cycle
 
     # Every way a target may take these tensors: raw names, and MXFP4 in transformers' layout.
