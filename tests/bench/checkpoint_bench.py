@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import checkpoint  # noqa: E402
+from checkpoint.storage.local_commit import fsync_path  # noqa: E402
 # The package imports its operations on first use (torch.distributed.tensor: 1-2 s here); import
 # them before timing, as safetensors is, or the first round of each side times an import.
 import checkpoint.loading  # noqa: E402,F401
@@ -79,12 +80,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def touch(sd) -> float:
