@@ -32,14 +32,12 @@ def apply_load(
     optimizer: torch.optim.Optimizer | None = None,
     dtype: torch.dtype | None = None,
     on_copy: Callable[[str], None] | None = None,
-    row_chunks: dict[str, list] | None = None,
 ) -> LoadReport:
     """Carry out a checked :class:`LoadPlan`: ``module.to(dtype)``, the copies (or replacements),
     the optimizer state. Only reads and writes remain here; a failure of torch or the OS (e.g. the
-    file vanishes from under a mapping) is a :class:`LoadError` naming key and file.
-    ``row_chunks``: ``{key: []}`` of the tensors no rank reads whole (:func:`row_chunk_keys`),
-    filled with the chunk digests of this rank's blocks (``CheckpointReader.read_many``'s
-    ``chunks``) for the load to exchange and check."""
+    file vanishes from under a mapping) is a :class:`LoadError` naming key and file. The digests
+    were checked first (:func:`check_reads`); a reader without ``check_first`` checks each
+    tensor as it is read."""
     copies = plan.copies
     if dtype is not None:
         try:
@@ -51,7 +49,7 @@ def apply_load(
         copies = [CopyAction(fresh[a.entry.fqn], a.key, a.dtype, a.assign, a.stored_dtype) for a in copies]
     replaced: dict[int, torch.Tensor] = {}
     try:
-        _apply_copies(copies, obj, reader, on_copy, replaced, row_chunks)
+        _apply_copies(copies, obj, reader, on_copy, replaced)
     finally:
         release_scratch()
     if optimizer is not None and plan.optimizer_state is not None:
@@ -70,10 +68,10 @@ def apply_load(
     return plan.report
 
 
-def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor], row_chunks=None) -> None:
+def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
     """The copies of :func:`apply_load` (straight reads first, then one by one)."""
-    others = _checked_elsewhere(copies)
-    direct = _read_direct(reader, copies, on_copy, others, row_chunks)
+    others = _checks(reader, copies)[2]  # hashed by another rank (check_reads)
+    direct = _read_direct(reader, copies, on_copy, others)
     for a in copies:
         if id(a) in direct:
             continue  # same dtype, contiguous CPU target: bytes read straight into it
@@ -100,45 +98,63 @@ def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor
             raise LoadError(a.key, file_of_key(reader, a.key), f"{type(e).__name__}: {e}") from e
 
 
-def row_chunk_keys(copies: list[CopyAction], reader) -> set[str]:
-    """Keys of DTensor targets whose placements shard dim 0 (``Shard(0)``, ``_StridedShard(0)``)
-    read from a checkpoint with format-3 chunk digests: no rank reads such a tensor whole, so
-    each rank hashes the chunks starting in its rows and the ranks combine them
-    (:meth:`CheckpointReader.check_chunks`). The same on every rank (placements and the index
-    only), so whether the load exchanges chunk digests is agreed without a collective."""
-    if not getattr(reader, "digest_chunk", None) or getattr(reader, "read_many", None) is None:
-        return set()
-    return {
-        a.key for a in copies
-        if not a.assign and isinstance(a.entry.tensor, DTensor) and a.entry.tensor.dim()
-        and any(getattr(p, "dim", None) == 0 for p in a.entry.tensor.placements)
-        and reader.recorded_digest(a.key) is not None
-    }  # fmt: skip
+def check_reads(reader, copies: list[CopyAction]) -> dict[str, dict[int, bytes]]:
+    """The load's data check, run before any target is written (``reader.check_first``): every
+    tensor this rank reads whole or passes whole through memory is hashed and compared with the
+    index; for a DTensor target whose placements shard dim 0 (``Shard(0)``,
+    ``_StridedShard(0)``) and a checkpoint with format-3 chunk digests, the chunks starting in this
+    rank's rows are hashed and returned, ``{key: {chunk index: digest}}``, for the load to gather
+    from every rank and check (:meth:`CheckpointReader.check_chunks`) before it copies. A tensor
+    every rank of a mesh reads the same bytes of (``Replicate``, ``Shard(1)``, or ``Shard(0)``
+    without chunk digests) is hashed by one mesh rank in turn (:func:`_checker`): the load's
+    agreement raises its mismatch on every rank. Readers without digests check nothing.
+
+    Raises:
+        CorruptCheckpointError: a tensor this rank hashed whole differs from its digest (file and
+            tensor named), before any target changed.
+    """
+    check_first = getattr(reader, "check_first", None)
+    if check_first is None:
+        return {}
+    whole, rows, _ = _checks(reader, copies)
+    return check_first(whole, rows)
 
 
-def _checked_elsewhere(copies: list[CopyAction]) -> set[str]:
-    """Keys of DTensor targets whose digest another rank checks: a tensor whose placements do not
-    shard dim 0 (``Replicate``, ``Shard(1)``, ``_StridedShard(1)``) passes every byte through each
-    rank of its mesh, so one of them is enough to hash it: the ``i``-th such copy is checked by
-    the mesh rank ``i % mesh size`` (every rank plans the same copies in the same order, so they
-    agree without an exchange; a mismatch found by one rank is raised on all by the load's
-    closing ``check_all``). Saves each rank hashing every such tensor: 1/N of the hashing each
-    on N ranks."""
-    out: set[str] = set()
+def _checks(reader, copies: list[CopyAction]) -> tuple[list[str], dict[str, list[tuple[int, int]]], set[str]]:
+    """``(whole, rows, others)`` of :func:`check_reads`: the keys this rank hashes whole, the byte
+    ranges of its ``Shard(0)`` rows per key, and the keys another rank of the mesh hashes."""
+    chunk = getattr(reader, "digest_chunk", None)
+    whole: list[str] = []
+    rows: dict[str, list[tuple[int, int]]] = {}
+    others: set[str] = set()
     turn = 0
     for a in copies:
         t = a.entry.tensor
-        if a.assign or not isinstance(t, DTensor) or not t.dim() or any(getattr(p, "dim", None) == 0 for p in t.placements):
+        if not isinstance(t, DTensor) or not t.dim():
+            whole.append(a.key)
             continue
-        mesh = t.device_mesh
-        size = mesh.size()
-        if size > 1:
-            coord = mesh.get_coordinate()
-            pos = None if coord is None else int(np.ravel_multi_index(tuple(coord), tuple(mesh.shape)))
-            if pos != turn % size:
-                out.add(a.key)
+        if chunk and any(getattr(p, "dim", None) == 0 for p in t.placements):
+            row = reader.spec(a.key).nbytes // t.shape[0] if t.shape[0] else 0
+            spans = rows.setdefault(a.key, [])
+            for _, gsl in shards.local_blocks(t):
+                lo, hi, _ = gsl[0].indices(t.shape[0])
+                spans.append((lo * row, hi * row))
+            continue
+        (whole.append(a.key) if _checker(t, turn) else others.add(a.key))
         turn += 1
-    return out
+    return whole, rows, others
+
+
+def _checker(t: DTensor, turn: int) -> bool:
+    """Whether this rank hashes the ``turn``-th tensor that every rank of ``t``'s mesh reads the
+    same bytes of: the mesh rank ``turn % mesh size`` (every rank plans the same copies in the
+    same order, so they agree without an exchange)."""
+    mesh = t.device_mesh
+    size = mesh.size()
+    if size <= 1:
+        return True
+    coord = mesh.get_coordinate()
+    return coord is not None and int(np.ravel_multi_index(tuple(coord), tuple(mesh.shape))) == turn % size
 
 
 class _AllBut:
@@ -154,16 +170,14 @@ class _AllBut:
         return True
 
 
-def _read_direct(
-    reader, copies: list[CopyAction], on_copy, others: set[str] = frozenset(), row_chunks: dict | None = None
-) -> set[int]:
+def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = frozenset()) -> set[int]:
     """The copies read straight into their targets by one ``reader.read_many`` (readers that
     have it: adjacent tensors in one ``preadv``); ids of the copies done. A DTensor
     target's local shard is read block by block where each block is one contiguous byte range of
     the file (a ``Shard(0)`` row block is): one copy, page cache -> local shard, instead of
     ``get_slice`` into a new tensor and ``copy_`` into the shard (two copies).
-    Tensors read whole are checked against their digests, but those of ``others``
-    (:func:`_checked_elsewhere`); the blocks of ``row_chunks``' keys are hashed in chunks."""
+    Tensors read whole are checked against their digests (a no-op for those :func:`check_reads`
+    checked first), but those of ``others`` (hashed by another rank)."""
     read_many = getattr(reader, "read_many", None)
     if read_many is None:
         return set()
@@ -190,7 +204,6 @@ def _read_direct(
     if not items:
         return set()
     check = _AllBut(others) if others else True
-    chunked = {"chunks": row_chunks} if row_chunks else {}
     # Targets on an accelerator go through pinned host buffers (checkpoint.device_load).
     # (is_cpu first: ~0.1 us a tensor where device.type costs ~0.8 us, and loads take 10^5 tensors)
     on_device = [i for i, it in enumerate(items) if not it[1].is_cpu and not it[1].is_meta]
@@ -200,12 +213,12 @@ def _read_direct(
         moved = set(on_device)
         host = [i for i in range(len(items)) if i not in moved]
         done = [False] * len(items)
-        for i, ok in zip(host, read_many([items[i] for i in host], check, **chunked) if host else []):
+        for i, ok in zip(host, read_many([items[i] for i in host], check) if host else []):
             done[i] = ok
         for i, ok in zip(on_device, read_to_device(reader, [items[i] for i in on_device])):
             done[i] = ok
     else:
-        done = read_many(items, check, **chunked)  # its errors name key and file
+        done = read_many(items, check)  # its errors name key and file
     missed = {id(a) for a, ok in zip(owner, done) if not ok}
     out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
@@ -223,7 +236,7 @@ def _copy_into(reader, key: str, t: torch.Tensor, mine: bool = True) -> bool:
     ``Replicate`` one, and a block of every row (``Shard(1)``, ``_StridedShard`` on dim 1: each
     rank reads its columns out of whole rows, so it hashes the whole tensor on the way; once per
     rank, on its first such block; ``mine``: False when another rank checks it,
-    :func:`_checked_elsewhere`). A ``Shard(0)`` row block covers no tensor whole: unchecked."""
+    :func:`check_reads`). A ``Shard(0)`` row block covers no tensor whole: unchecked."""
     copy = getattr(reader, "copy_into", None)
     if copy is None or t.is_meta:
         return False

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .apply import apply_load, row_chunk_keys
+from .apply import apply_load, check_reads
 from .storage.views import checkpoint_view
 from .convert.dequant import DequantizingReader, dequantizing_reader
 from .errors import CheckpointMismatchError, DCPLoadError, RankMismatchError
@@ -199,7 +199,6 @@ def load(
     err: BaseException | None = None
     agreed = False
     reader = plan = extra = None
-    rows: dict[str, list] = {}  # row_chunk_keys' chunk digests of this rank (collective loads)
     converted = False
 
     def agree() -> None:
@@ -249,26 +248,30 @@ def load(
         elif err is not None:
             raise err
         err = None
-        if collective:  # tensors no rank reads whole: chunk digests of each rank's rows (the same keys on every rank)
-            rows = {k: [] for k in row_chunk_keys(plan.copies, reader)}
+        # Every digest first, then the copies: a flipped byte is refused before any target
+        # changes. Chunk digests of Shard(0) rows are gathered from every rank and combined
+        # (each rank then checks the same digests, so a mismatch is raised alike on all).
+        rows: dict[str, dict[int, bytes]] = {}
+        try:
+            rows = check_reads(reader, plan.copies)
+        except BaseException as e:  # noqa: BLE001 - agreed across ranks below
+            err = e
+        gathered = dist.check_all_gather(f"checking {path}", err, rows) if collective else [rows]
+        if err is not None:
+            raise err
+        for k in sorted(rows):
+            reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
         try:
             expect = getattr(reader, "expect", None)  # object storage: read ahead in large ranged GETs
             if expect is not None:
                 expect([a.key for a in plan.copies if not isinstance(a.entry.tensor, DTensor)])
             with copy_progress(reader, plan.copies, progress) as on_copy:
-                apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy, row_chunks=rows)
+                apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy)
             if extra is not None:
                 extra.apply()
         except BaseException as e:  # noqa: BLE001
             err = e
-        if collective and rows:
-            # One exchange carries the agreement and the chunk digests; every rank then checks
-            # the same combined digests, so a mismatch is raised alike on all of them.
-            mine = {k: {i: d for bc in blocks for i, d in bc.digests.items()} for k, blocks in rows.items()}
-            gathered = dist.check_all_gather(f"loading {path}", err, mine)
-            for k in sorted(rows):
-                reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
-        elif collective:
+        if collective:
             dist.check_all(f"loading {path}", err)
         elif err is not None:
             raise err

@@ -57,7 +57,8 @@ def test_pieces_of_all_tensors_are_shared_by_the_calling_and_pool_threads(tmp_pa
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], v) for k, v in sd.items())
-    assert len(both_sides.names) >= 12 and both_sides.crews == 1  # one queue for the whole load
+    # one queue for all the copies, and at most one for the digest check before them
+    assert len(both_sides.names) >= 12 and both_sides.crews in (1, 2)
     assert both_sides.saw_both()
 
 
@@ -164,7 +165,8 @@ def test_adjacent_small_tensors_are_read_by_one_preadv_per_run(tmp_path, monkeyp
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, *f: calls.append(len(bufs)) or real(fd, bufs, off, *f))
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(got[k], v) for k, v in sd.items())
-    assert len(calls) == files and sum(calls) == 300  # one call per file, every tensor in it
+    # per file: one call hashing its tensors (check_first, one buffer) and one into every target
+    assert len(calls) == 2 * files and sum(calls) == 300 + files
     calls.clear()
     got = {k: torch.full_like(v, 7) for k, v in sd.items()}
     monkeypatch.setattr(os, "preadv", short_preadv)

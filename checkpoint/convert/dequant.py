@@ -15,7 +15,7 @@ blocks that cover it, nothing more, and dequantized there.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -174,17 +174,31 @@ class DequantizingReader:
                 done[i] = ok
         return done
 
-    def expect(self, keys: Sequence[str]) -> None:
-        """Read-ahead hint of an object-store reader, for the stored tensors behind ``keys``."""
-        hint = getattr(self.inner, "expect", None)
-        if hint is None:
-            return
+    def _stored(self, keys: Iterable[str]) -> list[str]:
+        """The stored tensors behind presented ``keys`` (a dequantized weight's pair)."""
         raw: list[str] = []
         for k in keys:
             p = self.fp8.get(k)
             m = self.mx.get(k)
             raw += [p.weight, p.scale] if p is not None else [m[0].blocks, m[0].scales] if m is not None else [k]
-        hint(raw)
+        return raw
+
+    def check_first(self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> dict:
+        """The inner reader's ``check_first`` over the stored tensors behind ``keys``; a
+        dequantized weight's row ranges are in dequantized bytes, so its stored pair is checked
+        whole (every rank holding rows of it), other ``rows`` as the inner reader checks them."""
+        check = getattr(self.inner, "check_first", None)
+        if check is None:
+            return {}
+        rows = rows or {}
+        whole = self._stored(list(keys) + [k for k in rows if k in self._specs])
+        return check(whole, {k: r for k, r in rows.items() if k not in self._specs})
+
+    def expect(self, keys: Sequence[str]) -> None:
+        """Read-ahead hint of an object-store reader, for the stored tensors behind ``keys``."""
+        hint = getattr(self.inner, "expect", None)
+        if hint is not None:
+            hint(self._stored(keys))
 
     def close(self) -> None:
         self.inner.close()

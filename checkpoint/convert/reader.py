@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,22 @@ class ConvertedReader:
         gi = self.plan._group_of.get(key)
         keys = self.plan.groups[gi].source_keys() if gi is not None else [self.plan.unchanged[key]]
         return f"{keys[0]} (converted by {self.plan.recipe.name})"
+
+    def check_first(self, keys: Iterable[str] = (), rows: Mapping[str, Any] | None = None) -> dict:
+        """Check, before any target is written, the source tensors the targets ``keys`` (and
+        ``rows``' keys: a converted block's bytes are not the target's rows, so its sources are
+        checked whole) are computed from, in every source shard (``Source.check_first``)."""
+        plan = self.plan
+        need: list[str] = []
+        for key in [*keys, *(rows or {})]:
+            gi = plan._group_of.get(key)
+            need += plan.groups[gi].source_keys() if gi is not None else [plan.unchanged[key]]
+        need = list(dict.fromkeys(need))
+        for src in plan.catalog.sources:
+            check = getattr(src, "check_first", None)
+            if check is not None:
+                check(need)
+        return {}
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         """Stacked experts (``Stack(0)``, then at most one ``Concat`` along a later dim, as

@@ -38,12 +38,14 @@ torch's reader copies its columns out of a mapping; about the same CPU time, wit
 that a file cut short turns into SIGBUS (a SIGBUS-safe read from a private mapping through
 ``process_vm_readv`` pins a page per run and is several times slower).
 
-Integrity: a tensor read whole, or through all of its rows, is checked against the index's
-xxh3-128 digest by one rank (the coordinator assigns each such tensor to one of the ranks reading
-it); a tensor read only in ``Shard(0)`` row blocks is checked from the digest chunks each rank
-hashes in its rows, gathered after the reads (format 3, a load on the whole default process
-group); a mismatch raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file and
-tensor, on every rank. Ranks that opened different checkpoints (an overwrite landing while they opened
+Integrity, before any target is written: a tensor read whole, or through all of its rows, is
+checked against the index's xxh3-128 digest by one rank (the coordinator assigns each such tensor
+to one of the ranks reading it); a tensor read only in row blocks (``Shard(0)``,
+``_StridedShard(0)``) is checked from the digest chunks each rank hashes in its rows (format 3);
+on the whole default process group the ranks then exchange those digests and their outcomes, so a
+mismatch found by any rank raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file
+and tensor on every rank before one of them copies a byte. A load on a subgroup checks what each
+rank reads whole, before that rank's copies. Ranks that opened different checkpoints (an overwrite landing while they opened
 it) are refused the same way instead of loading a mix.
 """
 
@@ -315,7 +317,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
             (rd, k) for rd, k in partial - set(readers_of)
             if src.local and getattr(src.readers[rd], "digest_chunk", None) and src.readers[rd].recorded_digest(k) is not None
         )  # fmt: skip
-        exchange = bool(rows) and _whole_world(len(plans))
+        exchange = _whole_world(len(plans))  # every rank's checks agreed before any target is written
         return [replace(p, storage_data=ChecksPlan(frozenset(m), rows if exchange else frozenset(), exchange))
                 for p, m in zip(plans, mine)]  # fmt: skip
 
@@ -323,12 +325,11 @@ class StorageReader(Located, dcp_storage.StorageReader):
         """Read every item of ``plan`` into the planner's targets (see module docstring); the
         future is already complete."""
         src = self._open()
-        checks = _checks_of(plan)
         try:
-            if checks is None or not checks.exchange:
-                self._read(src, plan, planner)
-            else:
-                self._read_and_exchange(src, plan, planner, checks)
+            for item in plan.items:
+                _check_known(src, self.storage_data, item)
+            self._check_first(src, plan, planner, _checks_of(plan))
+            self._read(src, plan, planner)
         finally:
             self._close()
         fut: Future[None] = Future()
@@ -357,38 +358,68 @@ class StorageReader(Located, dcp_storage.StorageReader):
         state["_source"] = None
         return state
 
-    def _read_and_exchange(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan) -> None:
-        """:meth:`_read`, then the ranks' chunk digests of ``checks.rows`` gathered (every rank
-        gets here, a failed read included: its error travels in the same exchange) and each such
-        tensor checked against the index's digest by every rank alike.
+    def _check_first(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan | None) -> None:
+        """Every digest this rank checks, before any target is written (``check_first`` of each
+        reader): the tensors the coordinator gave it (``checks.mine``; without a coordinator,
+        every tensor it reads whole or through all of its rows), and the digest chunks starting
+        in its rows of the tensors no rank reads whole (``checks.rows``). With ``checks.exchange``
+        the ranks then gather those chunk digests and every rank's outcome (on the default
+        process group, which this load runs on all of): each rank checks the same combined
+        digests, and a rank whose check failed stops every rank before its first write.
 
         Raises:
-            CorruptCheckpointError: a combined digest differs (file and tensor named), on every rank.
+            CorruptCheckpointError: a digest differs (file and tensor named), on this rank or,
+                with the exchange, on any rank (its error's text named, with the rank).
         """
-        import torch.distributed as dist
-
+        whole: dict[int, list[str]] = {}
+        rows: dict[int, dict[str, list[tuple[int, int]]]] = {}
+        mine = checks.mine if checks is not None else None
+        row_keys = checks.rows if checks is not None else frozenset()
+        for item in plan.items:
+            c = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
+            if not isinstance(c, StoredChunk):
+                continue
+            lengths, offsets = tuple(item.lengths), tuple(item.storage_offsets)
+            if (c.reader, c.key) in row_keys:
+                row = src.readers[c.reader].spec(c.key).nbytes // c.shape[0]
+                dt = _planned(planner, item.dest_index.fqn)
+                spans = ([(g[0].start, g[0].stop) for _, g in shards.local_blocks(dt)] if _scattered(dt)
+                         else [(offsets[0], offsets[0] + lengths[0])])  # fmt: skip
+                rows.setdefault(c.reader, {}).setdefault(c.key, []).extend((lo * row, hi * row) for lo, hi in spans)
+            elif (lengths == c.shape or (len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0])) and (
+                mine is None or (c.reader, c.key) in mine
+            ):
+                whole.setdefault(c.reader, []).append(c.key)
         digests: dict[tuple[int, str], dict[int, bytes]] = {}
         err: BaseException | None = None
         try:
-            self._read(src, plan, planner, digests)
+            for r in sorted(set(whole) | set(rows)):
+                check = getattr(src.readers[r], "check_first", None)
+                if check is not None:
+                    digests.update(((r, k), d) for k, d in check(whole.get(r, ()), rows.get(r)).items())
         except BaseException as e:  # noqa: BLE001 - raised after the exchange every rank joins
             err = e
+        if checks is None or not checks.exchange:
+            if err is not None:
+                raise err
+            return
+        import torch.distributed as dist
+
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, None if err is not None else digests)
+        dist.all_gather_object(gathered, (digests, None if err is None else f"{type(err).__name__}: {err}"))
         if err is not None:
             raise err
-        if any(g is None for g in gathered):
-            return  # another rank failed: DCP reports its error on every rank
+        for rank, (_, text) in enumerate(gathered):
+            if text is not None:
+                raise CorruptCheckpointError(src.where, f"rank {rank} refused the checkpoint before any target was written: {text}")
         for rd, k in sorted(checks.rows):
-            src.readers[rd].check_chunks(k, {i: d for g in gathered for i, d in g.get((rd, k), {}).items()})
+            src.readers[rd].check_chunks(k, {i: d for g, _ in gathered for i, d in g.get((rd, k), {}).items()})
 
-    def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, rows: dict | None = None) -> None:
-        # Tensors this rank checks against the index's digests (prepare_global_plan); every
-        # tensor it reads whole when DCP planned without the coordinator. ``rows`` receives the
-        # chunk digests of the row blocks of ChecksPlan.rows' tensors, by (reader, key).
+    def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
+        # The digests were checked first (_check_first): a reader with ``check_first`` hashes
+        # nothing here; one without it checks what it reads whole, as it reads.
         checks = _checks_of(plan)
         assigned = checks.mine if checks is not None else None
-        row_keys = checks.rows if checks is not None and rows is not None else frozenset()
         # Every target checked before the first read or write, as checkpoint.load does
         # (plan.values.target_problem): an expand()ed target failed mid-load in copy_ with a bare
         # RuntimeError; an inference tensor was written behind torch's back (torch's own readers
@@ -397,8 +428,6 @@ class StorageReader(Located, dcp_storage.StorageReader):
         meta: list[str] = []  # targets DCP's planner left on the meta device (see _META_HOW)
         later: list[ReadItem] = []
         pending: dict[int, list[tuple[ReadItem, torch.Tensor, tuple | None]]] = {}
-        for item in plan.items:
-            _check_known(src, self.storage_data, item)
         for item in plan.items:
             fqn = item.dest_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -453,13 +482,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
             pairs = [(k, t) if sl is None else (k, t, sl) for k, (_, t, sl) in zip(keys, items)]
             check: Any = True if assigned is None else {k for rr, k in assigned if rr == r}
             many = getattr(reader, "read_many", None)
-            chunks = {k: [] for rr, k in row_keys if rr == r}
-            if many is None:
-                done = [False] * len(pairs)
-            else:
-                done = many(pairs, check, chunks=chunks) if chunks else many(pairs, check)
-            for k, blocks in chunks.items():
-                rows[(r, k)] = {i: d for bc in blocks for i, d in bc.digests.items()}
+            done = [False] * len(pairs) if many is None else many(pairs, check)
             for k, (item, target, sl), ok in zip(keys, items, done):
                 # Else (a column block, a converting target) the package's one block read
                 # (local files; checked against the digest when all rows pass through it), or a
@@ -492,7 +515,7 @@ def _checks_of(plan: LoadPlan) -> ChecksPlan | None:
 
 def _whole_world(ranks: int) -> bool:
     """Whether a load planned over ``ranks`` ranks runs on the whole default process group (the
-    group the chunk-digest exchange of :meth:`StorageReader._read_and_exchange` uses: DCP does not
+    group the exchange of :meth:`StorageReader._check_first` uses: DCP does not
     hand its group to storage readers)."""
     import torch.distributed as dist
 

@@ -4,7 +4,7 @@ streams one tensor at a time from any format."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -117,6 +117,14 @@ class Source:
     def file_of(self, key: str) -> str:
         """The file holding ``key`` (the first of several for a DCP tensor split over files)."""
         return self._file_of[key]
+
+    def check_first(self, keys: Iterable[str]) -> None:
+        """Check tensors ``keys`` against the checkpoint's digests before anything is written
+        (:meth:`checkpoint.storage.reader.CheckpointReader.check_first`); nothing for a format
+        without digests. Raises what that raises."""
+        check = getattr(self._reader, "check_first", None)
+        if check is not None:
+            check([self.stored_key(k) for k in keys])
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor ``key``, contiguous. For a zip pickle it may view the memory-mapped file: use

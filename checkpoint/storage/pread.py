@@ -217,3 +217,10 @@ def pread_run(fd: int, views: list[memoryview], keys: list[str], offset: int, ro
         if n:  # a short read inside one buffer: the rest of it next
             views = [*views[:i], memoryview(views[i])[n:], *views[i + 1 :]]  # (a ctypes array slices to a list)
     return total
+
+
+def threads_for(nbytes: int, jobs: int) -> int:
+    """Threads (the calling one included) that share ``jobs`` tasks over ``nbytes`` bytes in
+    the page cache: one below 2 :data:`PIECE` (a thread's start costs more than it saves),
+    else up to the read pool's size."""
+    return 1 if nbytes < 2 * PIECE else max(1, min(_THREADS, jobs))

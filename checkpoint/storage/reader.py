@@ -20,7 +20,7 @@ import operator
 import os
 import struct
 import warnings
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
@@ -52,6 +52,7 @@ from .format import (
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from . import pread as _pread
+from . import read_check as _read_check
 from . import tensor_read as _tread
 from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
@@ -191,6 +192,7 @@ class CheckpointReader:
         self._spec_objs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
         self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
+        self._checked: set[str] = set()  # tensors check_first found intact: no second hash on read
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
@@ -267,7 +269,9 @@ class CheckpointReader:
     def _digest_due(self, key: str) -> bool:
         """Whether a whole read of ``key`` is to be checked: the index records its digest and its
         file was not checked whole already."""
-        return self.recorded_digest(key) is not None and self._key_file[key] not in self._verified
+        return (
+            self.recorded_digest(key) is not None and self._key_file[key] not in self._verified and key not in self._checked
+        )
 
     def check_digest(self, key: str, data: object) -> None:
         """Check ``data`` (all of tensor ``key``'s stored bytes, any buffer: a target read whole,
@@ -279,9 +283,70 @@ class CheckpointReader:
             CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
         """
         want = self.recorded_digest(key)
-        if want is None or self._key_file[key] in self._verified:
-            return  # no digest, or its whole file was checked already (load(verify=True))
+        if want is None or self._key_file[key] in self._verified or key in self._checked:
+            return  # no digest, or checked already (check_first, or load(verify=True)'s whole files)
         check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
+
+    def check_first(
+        self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None
+    ) -> dict[str, dict[int, bytes]]:
+        """Check, before any target is written, the tensors ``keys`` whole against the index's
+        digests, and hash the format-3 chunks of ``rows`` (``{key: [(lo, hi), ...]}``: byte
+        ranges of the tensor, such as a rank's ``Shard(0)`` rows) that start in those ranges, for
+        the caller to gather from every rank and check with :meth:`check_chunks`. Tensors without
+        a recorded digest, or checked already, are skipped; a tensor found intact is not hashed
+        again by a later read. The bytes go through one small buffer per read thread
+        (:mod:`~.read_check`), never into a target.
+
+        Returns:
+            ``{key: {chunk index: 16-byte digest}}`` for ``rows``' keys that have chunk digests.
+
+        Raises:
+            CorruptCheckpointError: a tensor's bytes differ from its digest, or its file ends
+                early (file and tensor named; ``key`` set); no target was written.
+            LoadError: a read fails (tensor and file named).
+        """
+        chunk = self.digest_chunk
+        whole, parts = self._due_checks(keys, rows)
+        units = []
+        for k in whole:
+            (at, b), e = self._where(k), self._spans[k][1]
+            units += _read_check.tensor_units(at.fd, os.path.join(self.root, at.name), k, b, e, chunk)
+        for k, ranges in parts.items():
+            (at, b), e = self._where(k), self._spans[k][1]
+            for lo, hi in ranges:
+                first, stop = _read_check.row_chunks(e - b, chunk, lo, hi)
+                units += _read_check.tensor_units(at.fd, os.path.join(self.root, at.name), k, b, e, chunk, first, stop)
+        got = _read_check.hash_units(units)
+        stats.bytes_checked += sum(u.hi - u.lo for u in units)
+        for k in whole:
+            b, e = self._spans[k]
+            self.check_digest(k, _Hashed(_read_check.tensor_digest(got, k, e - b, chunk)))
+            self._checked.add(k)
+        out: dict[str, dict[int, bytes]] = {k: {} for k in parts}
+        for (k, i), d in got.items():
+            if i is not None and k in out:
+                out[k][i] = d
+        return out
+
+    def _due_checks(
+        self, keys: Iterable[str], rows: Mapping[str, Sequence[tuple[int, int]]] | None
+    ) -> tuple[list[str], dict[str, Sequence[tuple[int, int]]]]:
+        """:meth:`check_first`'s work: the tensors to hash whole (those of ``keys`` not checked
+        yet, and those of ``rows`` of one chunk or without chunk digests: a row block of such a
+        tensor can only be checked by reading it whole) and the row ranges to hash in chunks."""
+        chunk = self.digest_chunk
+        whole = [k for k in dict.fromkeys(keys) if self._digest_due(self._known(k))]
+        parts: dict[str, Sequence[tuple[int, int]]] = {}
+        for k, r in (rows or {}).items():
+            if not self._digest_due(self._known(k)) or k in whole:
+                continue
+            b, e = self._spans[k]
+            if chunk and e - b > chunk:
+                parts[k] = r
+            elif r:
+                whole.append(k)
+        return whole, parts
 
     def check_chunks(self, key: str, digests: dict[int, bytes]) -> bool:
         """Check tensor ``key`` against the index's digest from the 16-byte digests of its format-3
@@ -293,13 +358,14 @@ class CheckpointReader:
             CorruptCheckpointError: the combined digest differs (file and tensor named).
         """
         want, chunk = self.recorded_digest(key), self.digest_chunk
-        if want is None or not chunk or self._key_file[key] in self._verified:
+        if want is None or not chunk or self._key_file[key] in self._verified or key in self._checked:
             return False
         b, e = self._spans[key]
         n = _digest.chunk_count(e - b, chunk)
         if e == b or any(k not in digests for k in range(n)):
             return False
         self.check_digest(key, _digest.combine_chunks([digests[k] for k in range(n)]))
+        self._checked.add(key)
         return True
 
     def copy_into(
@@ -311,13 +377,14 @@ class CheckpointReader:
         whole rows through one reused window; no intermediate tensor of the tensor's size, no
         mapping). False (nothing read) when ``out`` is not on the CPU.
 
-        ``check``: when the read passes all of the tensor's bytes through memory (a block of
-        every row, such as a ``Shard(1)`` column block: :func:`~.tensor_read.hashable`), they are
-        hashed on the way and checked against the index's digest (:meth:`check_digest`).
+        ``check``: when the block holds every row (the whole tensor, a ``Shard(1)`` column
+        block), the tensor is checked against the index's digest before ``out`` is written
+        (:meth:`check_first`); a block of some rows only is not (the digest covers bytes it
+        does not read: :meth:`check_first`'s ``rows`` check those across ranks).
 
         Raises:
             CorruptCheckpointError: the file ends before the tensor (file and tensor named), or
-                a checked tensor's bytes differ from its digest.
+                a checked tensor's bytes differ from its digest (``out`` unchanged).
             LoadError: the read fails (tensor and file named).
         """
         if not out.is_cpu:
@@ -326,24 +393,16 @@ class CheckpointReader:
         spec = self.spec(key)
         if slices is not None:
             slices = block_slices(key, spec.shape, slices)
-        hasher = None
-        if check and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified:
-            if not spec.shape and tuple(out.shape) == ():
-                out.copy_(self.get(key))  # 0-D: read whole and checked, then copied
-                return True
-            hasher = _digest.tensor_hasher(self.digest_chunk)
+        if check and self._digest_due(key) and (not slices or not spec.shape or _all_rows(spec.shape, slices)):
+            self.check_first([key])  # a block of every row: the whole tensor checked before the copy
         shape = spec.shape
         if len(shape) > 32:  # numpy (the block copies' byte views) holds 32 (1.x) / 64 dims; torch more
             shape, out, slices = _unit_dims_dropped(shape, out, slices)
         try:
-            hashed = _tread.copy_into(at, key, begin, shape, spec.dtype, out, slices, hasher)
+            _tread.copy_into(at, key, begin, shape, spec.dtype, out, slices)
         finally:
             increment_version(out)  # preadv may have written behind torch's back, as in read_many
         stats.bytes_read += out.numel() * spec.dtype.itemsize
-        if hashed:
-            self.check_digest(key, hasher)
-        elif hasher is not None and out.numel() and is_whole_block(spec.shape, slices):
-            self.get(key)  # a whole read the block copy could not hash: checked by a whole read
         return True
 
     def _where(self, key: str) -> tuple[_tread.Where, int]:
@@ -420,9 +479,7 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
-    def read_many(
-        self, pairs: Sequence[tuple], check: bool | Container[str] = True, chunks: dict[str, list] | None = None
-    ) -> list[bool]:
+    def read_many(self, pairs: Sequence[tuple], check: bool | Container[str] = True) -> list[bool]:
         """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
         DTensor's local shard, or a block of it) when that block is one contiguous range of the
@@ -431,25 +488,21 @@ class CheckpointReader:
         runs and pieces of the call shared by a few threads (:func:`~.pread.read_runs`).
 
         A tensor read whole (a pair, or a triple whose block is the whole tensor) is checked
-        against its xxh3-128 digest in the index (:meth:`check_digest`) when ``check`` is True or
-        holds its key: hashed by the read pool's thread that read its bytes, right after they
-        landed (:class:`~.digest.RunHashes`), compared once every read finished.
-
-        ``chunks``: ``{key: []}`` of tensors whose partial blocks (a rank's ``Shard(0)`` rows) are
-        to be hashed in format 3's chunks: each such block read appends its
-        :class:`~.digest.BlockChunks` (the chunks lying whole in it hashed by the read threads as
-        they land, the chunk starting in it and ending after it read from the file), for the
-        caller to combine with the other ranks' (:meth:`check_chunks`).
+        against its xxh3-128 digest in the index when ``check`` is True or holds its key, before
+        any target is written (:meth:`check_first`).
 
         Raises:
             CorruptCheckpointError: a file ends early, or a tensor read whole differs from its
-                digest (file and tensor named; the targets hold what was read).
+                digest (file and tensor named; no target written then).
             LoadError: torch or the OS fails on a tensor (key and file named).
         """
+        if check:
+            self.check_first(
+                p[0] for p in pairs
+                if (check is True or p[0] in check) and p[0] in self._spans
+                and (len(p) == 2 or is_whole_block(self._specs[p[0]][0], p[2]))
+            )  # fmt: skip
         done = [False] * len(pairs)
-        whole: list[tuple[str, memoryview]] = []  # tensors read whole, to check against the index
-        hashed: dict[str, tuple[_digest.RunHashes, int]] = {}  # their hashes, fed as reads land
-        blocks: list[tuple[str, str, _digest.BlockChunks]] = []  # (key, file, chunks) of partial blocks
         try:
             large = 2 * _pread.PIECE  # from here on a tensor is read in pieces; a run is cut there too
             small: dict[str, list[tuple[int, int, memoryview, str, torch.Tensor]]] = {}
@@ -470,25 +523,10 @@ class CheckpointReader:
                         continue
                     done[i] = True
                     name = self._key_file[key]
-                    checked = (len(pair) == 2 or e - b == self._spans[key][1] - self._spans[key][0]) and (
-                        check is True or (check and key in check)
-                    ) and self._digest_due(key)
-                    if checked:
-                        whole.append((key, view))
-                    bc = None
-                    if chunks is not None and not checked and key in chunks and self.digest_chunk and self._digest_due(key):
-                        sb, se = self._spans[key]
-                        bc = _digest.BlockChunks(view, b - sb, self.digest_chunk, se - sb)
-                        chunks[key].append(bc)
-                        blocks.append((key, name, bc))
                     if e - b >= large:  # cut into pieces and shared by a few threads (see pread)
-                        hashes = _digest.RunHashes([view], [True], self.digest_chunk) if checked else None
-                        if hashes is not None:
-                            hashed[key] = (hashes, 0)
-                        after = hashes.landed if hashes is not None else bc.landed if bc is not None else None
-                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,), after))
+                        runs.append(_pread.Run(self._fd(name), [view], [key], b, self.root, name, (out,)))
                     elif e > b:
-                        small.setdefault(name, []).append((b, e, view, key, out, checked, bc))
+                        small.setdefault(name, []).append((b, e, view, key, out))
                 except CheckpointError:
                     raise
                 except Exception as e:  # noqa: BLE001 - torch / OS errors are named by key and file
@@ -502,37 +540,11 @@ class CheckpointReader:
                     if j < len(items) and items[j][0] == items[j - 1][1] and items[j][1] - items[start][0] <= large:
                         continue
                     run = items[start:j]
-                    hashes = None
-                    if any(x[5] for x in run):  # hashed by the thread that read them, in its cache
-                        hashes = _digest.RunHashes([x[2] for x in run], [x[5] for x in run], self.digest_chunk)
-                        hashed.update((x[3], (hashes, i)) for i, x in enumerate(run) if x[5])
-                    after = hashes and hashes.landed
-                    if any(x[6] is not None for x in run):  # partial blocks' chunks, where they land
-                        after = _landed_in_views(run, after)
                     runs.append(
-                        _pread.Run(
-                            fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name,
-                            tuple(x[4] for x in run), after,
-                        )
+                        _pread.Run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name, tuple(x[4] for x in run))
                     )
                     start = j
             stats.bytes_read += read_runs(runs)
-            tails: dict[str, list[tuple[str, int, int]]] = {}
-            for key, name, bc in blocks:
-                bc.finish()
-                t = bc.tail()
-                if t is not None:  # the rest of the chunk starting here lies in another rank's rows
-                    sb = self._spans[key][0]
-                    tails.setdefault(name, []).append((f"{t[0]}:{key}", sb + t[1], sb + t[2]))
-            for name, spans in tails.items():
-                got = _digest.hash_spans(self.held_path(name), spans, self.digest_chunk)
-                for key, name_, bc in blocks:
-                    t = bc.tail() if name_ == name else None
-                    if t is not None:
-                        bc.digests[t[0]] = bytes.fromhex(got[f"{t[0]}:{key}"])
-            for key, view in whole:
-                hashes, i = hashed.get(key, (None, 0))
-                self.check_digest(key, hashes.digest(i) if hashes is not None and hashes.complete() else view)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
             # (autograd's saved-tensor check, and autoparallel's never-written check, read them).
@@ -794,6 +806,11 @@ def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int
             "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
             key=key,
         )
+
+
+def _all_rows(shape: Sequence[int], slices: Sequence[slice]) -> bool:
+    """Whether block ``slices`` of a tensor of ``shape`` holds every dim-0 row."""
+    return slices[0].indices(shape[0])[:2] == (0, shape[0])
 
 
 def block_slices(key: str, shape: Sequence[int], slices: Sequence[slice]) -> list[slice]:

@@ -18,7 +18,7 @@ hole, opened with ``safe_open``; no data bytes stored or fetched).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
@@ -34,6 +34,7 @@ from . import digest as _digest
 from . import paths
 from .format import MODEL_PREFIX, FileRecordV2, index_name
 from .layout import ST_TO_DTYPE
+from .read_check import row_chunks
 from .reader import (
     CheckpointReader,
     FileDigestCheck,
@@ -50,6 +51,9 @@ _HEAD_GUESS = 64 << 10  # first ranged GET per shard: the header of most files f
 _VERIFY_CHUNK = 16 << 20
 _READ_AHEAD = 64 << 20  # bytes fetched ahead at once (RemoteCheckpointReader.expect)
 _RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
+# Bytes of checked tensors kept between a load's check and its copies (RemoteCheckpointReader.check_first):
+# a tensor kept is fetched once; past this, a tensor is fetched again for its copy (memory bounded).
+_STAGE_MAX = 1 << 30
 
 class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
@@ -62,6 +66,7 @@ class RemoteCheckpointReader(CheckpointReader):
         self.index_raw = b""  # the index object's bytes (set by open_remote_checkpoint)
         self._totals: dict[str, int] = {}  # data bytes per shard header (verify)
         self._heads: dict[str, bytes] = {}  # first bytes of each shard, fetched together
+        self._staged: dict[str, memoryview] = {}  # tensors check_first fetched, kept for their copy
 
     # -- headers --------------------------------------------------------------------------------
     def _open_file(self, name: str):
@@ -165,7 +170,7 @@ class RemoteCheckpointReader(CheckpointReader):
         """Bytes ``spans`` of object ``name``, concatenated, into ``dst`` (a read failing for
         good is a LoadError naming tensor ``key``)."""
         try:
-            self._fill_spans(dst, name, spans)
+            self._fill_spans(dst, name, spans, key)
         except LoadError as e:
             raise LoadError(key, e.file, str(e).split(" failed: ", 1)[-1]) from None
         except CorruptCheckpointError as e:
@@ -173,6 +178,46 @@ class RemoteCheckpointReader(CheckpointReader):
                 raise
             why = str(e).removeprefix(f"{e.file}: ")
             raise CorruptCheckpointError(e.file, f"tensor {key!r}: {why} (changed or cut since it was opened?)", key=key) from None
+
+    def check_first(
+        self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None
+    ) -> dict[str, dict[int, bytes]]:
+        """:meth:`CheckpointReader.check_first` over ranged GETs: each tensor of ``keys`` is
+        fetched whole and checked before any target is written; it is then kept (up to
+        :data:`_STAGE_MAX` bytes in all) for the copy that follows, so a load fetches it once; the
+        format-3 chunks starting in ``rows``' ranges are fetched whole and hashed.
+
+        Raises:
+            CorruptCheckpointError: a tensor's bytes differ from its digest, or its object is
+                shorter than its index says (URL and tensor named); no target written.
+            LoadError: a ranged GET fails.
+        """
+        chunk = self.digest_chunk
+        whole, parts = self._due_checks(keys, rows)
+        room = _STAGE_MAX - sum(len(v) for v in self._staged.values())
+        for k in whole:
+            name, b, e, _, _ = self._span(k)
+            buf = memoryview(bytearray(e - b))
+            self._fill(buf, name, [(b, e)], k)
+            self.check_digest(k, buf)
+            self._checked.add(k)
+            if e - b <= room:
+                self._staged[k] = buf
+                room -= e - b
+        out: dict[str, dict[int, bytes]] = {}
+        for k, ranges in parts.items():
+            name, b, e, _, _ = self._span(k)
+            got = out.setdefault(k, {})
+            for lo, hi in ranges:
+                first, stop = row_chunks(e - b, chunk, lo, hi)
+                if first >= stop:
+                    continue
+                a, z = b + first * chunk, min(e, b + stop * chunk)
+                buf = memoryview(bytearray(z - a))
+                self._fill(buf, name, [(a, z)], k)
+                for i in range(first, stop):
+                    got[i] = _digest.chunk_digest(buf[(i - first) * chunk : (i - first + 1) * chunk])
+        return out
 
     def expect(self, keys: Sequence[str]) -> None:
         """Hint: whole tensors ``keys`` will be read in this order. They are then fetched ahead,
@@ -207,9 +252,13 @@ class RemoteCheckpointReader(CheckpointReader):
             for span in spans:
                 self._cache[span] = view[span[1] - lo : span[2] - lo]
 
-    def _fill_spans(self, dst: memoryview, name: str, spans: list[tuple[int, int]]) -> None:
+    def _fill_spans(self, dst: memoryview, name: str, spans: list[tuple[int, int]], key: str = "") -> None:
         need = sum(e - b for b, e in spans)
         if need == 0:
+            return
+        staged = self._staged.get(key)
+        if staged is not None and len(spans) == 1 and spans[0] == self._spans.get(key):  # fetched by check_first
+            dst[:need] = self._staged.pop(key)
             return
         ahead = getattr(self, "_ahead_at", {})
         if len(spans) == 1 and (name, *spans[0]) in ahead:  # expected: served from the read-ahead

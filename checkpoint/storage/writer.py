@@ -37,11 +37,13 @@ class IOStats:
     """Bytes written / read by this process since the last ``reset()`` (data and headers)."""
 
     bytes_written: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0  # into targets or new tensors
+    bytes_checked: int = 0  # read to check digests before any target is written (check_first)
 
     def reset(self) -> None:
         self.bytes_written = 0
         self.bytes_read = 0
+        self.bytes_checked = 0
 
 
 stats = IOStats()

@@ -1,0 +1,170 @@
+"""Digests of what a read will cover, taken before any target is written: the read pipeline's
+one data check (:meth:`checkpoint.storage.reader.CheckpointReader.check_first` calls it for
+every entry point, placement and file kind).
+
+A load that copied each tensor into its target while hashing it would find a flipped byte only
+after the target held it: a model half-overwritten by a checkpoint that is then refused. So the
+bytes a load covers are hashed first, from the file, through one small buffer per thread (the
+buffer stays in the CPU cache between the ``preadv`` and the hash, so this pass costs about one
+hash of the data), and only a checkpoint whose digests all match is copied into the targets.
+
+Units hashed (see :mod:`~.digest` for the scheme): a tensor whose digest is one xxh3-128 (format
+version 2, or a tensor of at most one chunk) is hashed whole; a larger tensor of format version 3
+in its chunks, by index, so that a tensor split over ranks (``Shard(0)`` rows) is checked from the
+chunks each rank hashes in its own rows, combined after an exchange.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from ..errors import CorruptCheckpointError, LoadError
+from . import digest as _digest
+from . import ownership
+from .pread import PIECE, threads_for
+
+_BUFFER = PIECE  # bytes one thread reads per step (it stays in cache for the hash)
+
+
+class Unit(NamedTuple):
+    """One digest to take: file bytes ``[lo, hi)`` of tensor ``key`` in file ``path`` (open as
+    ``fd``); ``chunk`` is the chunk's index (format version 3), or None for the tensor's plain
+    xxh3-128 of all its bytes."""
+
+    fd: int
+    path: str
+    key: str
+    chunk: int | None
+    lo: int
+    hi: int
+
+
+def tensor_units(fd: int, path: str, key: str, begin: int, end: int, chunk: int | None,
+                 first: int = 0, stop: int | None = None) -> list[Unit]:  # fmt: skip
+    """The units of tensor ``key`` (file bytes ``[begin, end)``): its plain digest when ``chunk``
+    is None (format version 2) or the tensor is at most one chunk, else its chunks ``first`` to
+    ``stop`` (default: all) of ``chunk`` bytes, the last one shorter."""
+    if chunk is None or end - begin <= chunk:
+        return [Unit(fd, path, key, None, begin, end)]
+    n = _digest.chunk_count(end - begin, chunk)
+    stop = n if stop is None else min(stop, n)
+    return [Unit(fd, path, key, i, begin + i * chunk, min(end, begin + (i + 1) * chunk)) for i in range(first, stop)]
+
+
+def row_chunks(nbytes: int, chunk: int, lo: int, hi: int) -> tuple[int, int]:
+    """``(first, stop)``: the chunks (of ``chunk`` bytes, of a tensor of ``nbytes``) whose first
+    byte lies in the tensor's bytes ``[lo, hi)`` (a rank's rows): each chunk is hashed by exactly
+    one of the ranks whose rows partition the tensor."""
+    n = _digest.chunk_count(nbytes, chunk)
+    return min(n, -(-lo // chunk)), min(n, -(-hi // chunk))
+
+
+def _groups(units: Sequence[Unit]) -> list[list[Unit]]:
+    """Units in file order cut into groups read by one ``preadv`` each: adjacent units of one
+    file, at most :data:`_BUFFER` bytes together (a larger unit is a group of its own, read in
+    steps through the buffer)."""
+    out: list[list[Unit]] = []
+    cur: list[Unit] = []
+    for u in sorted(units, key=lambda u: (u.fd, u.lo, u.hi)):
+        if cur and (u.fd != cur[-1].fd or u.lo != cur[-1].hi or u.hi - cur[0].lo > _BUFFER):
+            out.append(cur)
+            cur = []
+        cur.append(u)
+    if cur:
+        out.append(cur)
+    return out
+
+
+_local = threading.local()
+
+
+def _buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(_BUFFER))
+    return buf
+
+
+def _read(fd: int, view: memoryview, pos: int, u: Unit) -> None:
+    """Fill ``view`` from file offset ``pos``; a short file is corrupt (names file and tensor)."""
+    got = 0
+    while got < len(view):
+        try:
+            n = os.preadv(fd, [view[got:]], pos + got)
+        except OSError as e:
+            raise LoadError(u.key, u.path, f"{type(e).__name__}: {e}") from e
+        if n <= 0:
+            raise CorruptCheckpointError(u.path, f"tensor {u.key!r}: file ends early", key=u.key)
+        got += n
+
+
+def _hash_group(group: list[Unit], out: dict) -> None:
+    buf = _buffer()
+    lo, hi = group[0].lo, group[-1].hi
+    if hi - lo <= len(buf):
+        view = buf[: hi - lo]
+        _read(group[0].fd, view, lo, group[0])
+        for u in group:
+            piece = view[u.lo - lo : u.hi - lo]
+            # A hasher object's update gives up the GIL (the one-shot functions hold it).
+            h = _digest.new(piece)
+            out[(u.key, u.chunk)] = h.digest() if u.chunk is not None else h.hexdigest()
+        return
+    (u,) = group  # one unit larger than the buffer: a plain digest, streamed through it
+    h = _digest.new()
+    pos = lo
+    while pos < hi:
+        view = buf[: min(len(buf), hi - pos)]
+        _read(u.fd, view, pos, u)
+        h.update(view)
+        pos += len(view)
+    out[(u.key, u.chunk)] = h.digest() if u.chunk is not None else h.hexdigest()
+
+
+def hash_units(units: Iterable[Unit]) -> dict[tuple[str, int | None], bytes | str]:
+    """``{(key, chunk): digest}`` of every unit (16 bytes for a chunk, the hex digest for a plain
+    unit), read with ``preadv`` and hashed by the calling thread and the read pool's threads,
+    each through its own buffer; every thread has stopped before this returns or raises.
+
+    Raises:
+        CorruptCheckpointError: a file ends before a unit (file and tensor named).
+        LoadError: a read fails (tensor and file named).
+    """
+    groups = _groups(list(units))
+    out: dict[tuple[str, int | None], bytes | str] = {}
+    if not groups:
+        return out
+    workers = threads_for(sum(g[-1].hi - g[0].lo for g in groups), len(groups))
+    if workers <= 1:
+        for g in groups:
+            _hash_group(g, out)
+        return out
+    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
+    errors: list[BaseException] = []
+
+    def work(stop) -> None:
+        while not errors and not stop.is_set():
+            j = next(counter)
+            if j >= len(groups):
+                return
+            try:
+                _hash_group(groups[j], out)  # (distinct keys: dict stores are atomic under the GIL)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
+                errors.append(e)
+
+    ownership.share("read", workers, work, workers - 1)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def tensor_digest(got: dict, key: str, nbytes: int, chunk: int | None) -> str:
+    """Tensor ``key``'s digest (:func:`~.digest.tensor_hexdigest`'s value) from the units of
+    :func:`tensor_units` hashed by :func:`hash_units`."""
+    if chunk is None or nbytes <= chunk:
+        return got[(key, None)]
+    return _digest.combine_chunks([got[(key, i)] for i in range(_digest.chunk_count(nbytes, chunk))])
