@@ -527,3 +527,77 @@ def test_every_placement_refuses_a_changed_shard_on_two_ranks(tmp_path):
             assert "xxh3-128 digest" in got[2], where
             if case.startswith("data"):
                 assert f"'{case.split()[1]}'" in got[2], where
+
+
+# -- the last tensor read is the corrupt one: nothing written before the refusal -------------------
+
+
+def _flip_last(ck) -> str:
+    """Flip one bit of the tensor stored last in the checkpoint's last shard file (the one a
+    load reads last); returns its key."""
+    files = sorted(f for f in os.listdir(ck) if f.startswith("model") and f.endswith(".safetensors"))
+    p = ck / files[-1]
+    raw = bytearray(p.read_bytes())
+    n, head = _header(p)
+    key = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][0])
+    b, e = head[key]["data_offsets"]
+    raw[8 + n + (b + e) // 2] ^= 0x04
+    p.write_bytes(bytes(raw))
+    return key
+
+
+def test_transformers_layout_load_refuses_before_any_parameter_changes(tmp_path):
+    """A transformers MoE model saved in its on-disk layout (per-expert tensors converted to the
+    fused ones while loading) with a flipped byte in the tensor read last: the load is refused
+    naming it, and not one parameter of the model changed (the stored sources are checked before
+    the first conversion is copied)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        head_dim=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    src = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    checkpoint.save(src, tmp_path / "ck")
+    key = _flip_last(tmp_path / "ck")
+    torch.manual_seed(1)
+    dst = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    snap = Snapshot(dict(dst.named_parameters()))
+    with pytest.raises(CorruptCheckpointError) as err:
+        checkpoint.load(dst, tmp_path / "ck")
+    assert err.value.key == key and "xxh3-128 digest" in str(err.value)
+    snap.assert_unchanged()
+
+
+def test_object_storage_load_refuses_before_any_target_changes(tmp_path):
+    """The same promise on object storage (moto's S3 server): the checked tensors are fetched,
+    hashed and only then copied, so a flipped byte in the last tensor leaves every target as it was;
+    the clean checkpoint loads exactly, each tensor fetched once."""
+    pytest.importorskip("s3fs")
+    import fsspec
+
+    from checkpoint.storage.writer import stats
+    from tests.s3_server import make_bucket, start_moto, storage_options
+
+    server, port = start_moto()
+    try:
+        make_bucket(port, "bkt")
+        opts = storage_options(port)
+        ref = reference()
+        checkpoint.save(ref, tmp_path / "ck")
+        fs = fsspec.filesystem("s3", **opts)
+        fs.put(str(tmp_path / "ck"), "bkt/clean", recursive=True)
+        key = _flip_last(tmp_path / "ck")
+        fs.put(str(tmp_path / "ck"), "bkt/bad", recursive=True)
+        target = {k: torch.zeros_like(v) for k, v in ref.items()}
+        stats.reset()
+        checkpoint.load(target, "s3://bkt/clean", storage_options=opts)
+        assert all(torch.equal(target[k], v) for k, v in ref.items())
+        assert stats.bytes_read == sum(v.nbytes for v in ref.values())  # fetched once: checked, then copied
+        target = {k: torch.zeros_like(v) for k, v in ref.items()}
+        with unchanged_on_refusal(target), pytest.raises(CorruptCheckpointError) as err:
+            checkpoint.load(target, "s3://bkt/bad", storage_options=opts)
+        assert err.value.key == key
+    finally:
+        server.stop()

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..storage.layout import ST_TO_DTYPE
-from ..storage.reader import is_whole_block, block_slices, check_tensor_digest
+from ..storage.read_check import Whole, check_tensor_digest, check_whole
+from ..storage.reader import block_slices, is_whole_block
 from ..storage.tensor_read import Where, read_block, read_hashed, read_tensor
 from .base import Source
 from .st_headers import HFIndex, scan_safetensors
@@ -37,6 +38,7 @@ class _FileReader:
         self.root, self.files, self.spans, self.specs = root, files, spans, specs
         self.digests = digests or {}  # an fqnckpt index's: whole reads are checked, as load's are
         self.digest_chunk = digest_chunk
+        self.checked: set[str] = set()  # tensors check_first found intact
         self.handles = handles  # file -> safe_open handle, opened while reading the headers
         self.fds = {f: os.open(root / f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for f in handles}
 
@@ -46,11 +48,23 @@ class _FileReader:
             raise ValueError(f"{self.root / name}: the source is closed")
         return Where(self.fds[name], str(self.root), name), self.spans[key][0]
 
+    def check_first(self, keys) -> None:
+        """Check tensors ``keys`` against the index's digests before anything is written
+        (:func:`~checkpoint.storage.read_check.check_whole`); a tensor found intact is not hashed
+        again by :meth:`get`. Raises what that raises."""
+        todo = [k for k in dict.fromkeys(keys) if self.digests.get(k) is not None and k not in self.checked]
+        wholes = []
+        for k in todo:
+            at, begin = self._at(k)
+            wholes.append(Whole(k, at.fd, str(self.root / self.files[k]), begin, self.spans[k][1], self.digests[k]))
+        check_whole(wholes, self.digest_chunk)
+        self.checked.update(todo)
+
     def get(self, key: str) -> torch.Tensor:
         at, begin = self._at(key)
         spec = self.specs[key]
         want = self.digests.get(key)
-        if want is None:
+        if want is None or key in self.checked:
             return read_tensor(at, key, begin, spec.shape, spec.dtype)
         # A migration must not copy flipped bytes into a checkpoint it digests anew: hashed as the
         # pieces land, on the read threads (no second pass), then checked.

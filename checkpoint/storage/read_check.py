@@ -26,6 +26,7 @@ from ..errors import CorruptCheckpointError, LoadError
 from . import digest as _digest
 from . import ownership
 from .pread import PIECE, threads_for
+from .writer import stats
 
 _BUFFER = PIECE  # bytes one thread reads per step (it stays in cache for the hash)
 
@@ -160,6 +161,58 @@ def hash_units(units: Iterable[Unit]) -> dict[tuple[str, int | None], bytes | st
     if errors:
         raise errors[0]
     return out
+
+
+class Whole(NamedTuple):
+    """A tensor to check whole: file bytes ``[begin, end)`` of ``key`` in file ``path`` (open as
+    ``fd``), whose recorded digest is ``want``."""
+
+    key: str
+    fd: int
+    path: str
+    begin: int
+    end: int
+    want: str
+
+
+def check_whole(tensors: Sequence[Whole], chunk: int | None) -> None:
+    """Hash every tensor of ``tensors`` (:func:`hash_units`, digest chunk ``chunk``: the index's
+    ``tensor_digest_chunk``, None for format version 2) and compare it with its recorded digest,
+    in file order; the first mismatch raises.
+
+    Raises:
+        CorruptCheckpointError: a tensor's bytes differ from its digest, or its file ends early
+            (file and tensor named; ``key`` set).
+        LoadError: a read fails (tensor and file named).
+    """
+    units = [u for t in tensors for u in tensor_units(t.fd, t.path, t.key, t.begin, t.end, chunk)]
+    got = hash_units(units)
+    stats.bytes_checked += sum(u.hi - u.lo for u in units)
+    for t in sorted(tensors, key=lambda t: (t.path, t.begin)):
+        check_tensor_digest(t.path, t.key, tensor_digest(got, t.key, t.end - t.begin, chunk), t.want, chunk)
+
+
+def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int | None = None) -> None:
+    """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, a hasher of
+    :func:`~.digest.tensor_hasher` fed every byte, or their hex digest) against ``want``, the
+    index's digest of ``key`` (file ``path``; ``chunk``: the index's ``tensor_digest_chunk``,
+    None for format version 2): the one check of every reader of fqnckpt checkpoints.
+
+    Raises:
+        CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
+    """
+    if isinstance(data, str):  # a hex digest already taken
+        got = data
+    else:
+        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.tensor_hexdigest(data, chunk)
+    if got != want:
+        raise CorruptCheckpointError(
+            path,
+            f"tensor {key!r}: its bytes differ from the index's xxh3-128 digest ({got} != {want}); "
+            "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
+            key=key,
+        )
+
 
 
 def tensor_digest(got: dict, key: str, nbytes: int, chunk: int | None) -> str:

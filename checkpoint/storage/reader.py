@@ -53,6 +53,7 @@ from .format import (
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
 from . import pread as _pread
 from . import read_check as _read_check
+from .read_check import check_tensor_digest
 from . import tensor_read as _tread
 from .pread import read_runs
 # Torch-free: fqnckpt inspect reads headers and indexes through it without torch.
@@ -308,21 +309,20 @@ class CheckpointReader:
         """
         chunk = self.digest_chunk
         whole, parts = self._due_checks(keys, rows)
-        units = []
+        spans = []
         for k in whole:
             (at, b), e = self._where(k), self._spans[k][1]
-            units += _read_check.tensor_units(at.fd, os.path.join(self.root, at.name), k, b, e, chunk)
+            spans.append(_read_check.Whole(k, at.fd, os.path.join(self.root, at.name), b, e, self.recorded_digest(k)))
+        units = []
         for k, ranges in parts.items():
             (at, b), e = self._where(k), self._spans[k][1]
             for lo, hi in ranges:
                 first, stop = _read_check.row_chunks(e - b, chunk, lo, hi)
                 units += _read_check.tensor_units(at.fd, os.path.join(self.root, at.name), k, b, e, chunk, first, stop)
+        _read_check.check_whole(spans, chunk)
+        self._checked.update(whole)
         got = _read_check.hash_units(units)
         stats.bytes_checked += sum(u.hi - u.lo for u in units)
-        for k in whole:
-            b, e = self._spans[k]
-            self.check_digest(k, _Hashed(_read_check.tensor_digest(got, k, e - b, chunk)))
-            self._checked.add(k)
         out: dict[str, dict[int, bytes]] = {k: {} for k in parts}
         for (k, i), d in got.items():
             if i is not None and k in out:
@@ -784,28 +784,6 @@ def _landed_in_views(run: list[tuple], first):
                 landed(a - st, z - st)
 
     return after
-
-
-def check_tensor_digest(path: str, key: str, data: object, want: str, chunk: int | None = None) -> None:
-    """Check ``data`` (all of tensor ``key``'s stored bytes: a buffer, a hasher of
-    :func:`~.digest.tensor_hasher` fed every byte, or their hex digest) against ``want``, the
-    index's digest of ``key`` (file ``path``; ``chunk``: the index's ``tensor_digest_chunk``,
-    None for format version 2): the one check of every reader of fqnckpt checkpoints.
-
-    Raises:
-        CorruptCheckpointError: the digests differ (file and tensor named; ``key`` set).
-    """
-    if isinstance(data, str):  # a hex digest already taken
-        got = data
-    else:
-        got = data.hexdigest() if hasattr(data, "hexdigest") else _digest.tensor_hexdigest(data, chunk)
-    if got != want:
-        raise CorruptCheckpointError(
-            path,
-            f"tensor {key!r}: its bytes differ from the index's xxh3-128 digest ({got} != {want}); "
-            "flipped or overwritten bytes (`fqnckpt verify` lists every such tensor)",
-            key=key,
-        )
 
 
 def _all_rows(shape: Sequence[int], slices: Sequence[slice]) -> bool:
