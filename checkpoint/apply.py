@@ -231,12 +231,10 @@ def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = f
 def _copy_into(reader, key: str, t: torch.Tensor, mine: bool = True) -> bool:
     """``reader.copy_into`` (a local window, or ranged GETs) for a target read neither straight nor replaced:
     a plain CPU tensor whole, a DTensor's CPU local shard block by block; False when the reader
-    or the target cannot (then the block is read whole and copied). Checked against the index's
-    digest wherever the read passes every byte of the tensor through memory: a plain target, a
-    ``Replicate`` one, and a block of every row (``Shard(1)``, ``_StridedShard`` on dim 1: each
-    rank reads its columns out of whole rows, so it hashes the whole tensor on the way; once per
-    rank, on its first such block; ``mine``: False when another rank checks it,
-    :func:`check_reads`). A ``Shard(0)`` row block covers no tensor whole: unchecked."""
+    or the target cannot (then the block is read whole and copied). ``check`` is passed where the
+    block holds every row (a plain target, ``Replicate``, ``Shard(1)``), once per rank (``mine``:
+    False when another rank checks it): a no-op after :func:`check_reads`, the check of a reader
+    without ``check_first``."""
     copy = getattr(reader, "copy_into", None)
     if copy is None or t.is_meta:
         return False

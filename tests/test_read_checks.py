@@ -599,5 +599,21 @@ def test_object_storage_load_refuses_before_any_target_changes(tmp_path):
         with unchanged_on_refusal(target), pytest.raises(CorruptCheckpointError) as err:
             checkpoint.load(target, "s3://bkt/bad", storage_options=opts)
         assert err.value.key == key
+        # What the ranks of a Shard(0) load exchange, over ranged GETs: the chunks starting in
+        # each rank's rows (two uneven row blocks of "big", 3 chunks), combined and checked.
+        fs.put(str(saved(tmp_path, "data", "big", "start")), "bkt/bad-big", recursive=True)
+        row = ref["big"].nbytes // ref["big"].shape[0]
+        for url, ok in (("s3://bkt/clean", True), ("s3://bkt/bad-big", False)):
+            got: dict[int, bytes] = {}
+            with checkpoint.open_checkpoint(url, storage_options=opts) as r:
+                for lo, hi in ((0, 300), (300, 1024)):
+                    mine = r.check_first([], {"big": [(lo * row, hi * row)]})["big"]
+                    assert not set(mine) & set(got)
+                    got.update(mine)
+                if ok:
+                    assert sorted(got) == [0, 1, 2] and r.check_chunks("big", got) is True
+                else:
+                    with pytest.raises(CorruptCheckpointError):
+                        r.check_chunks("big", got)
     finally:
         server.stop()

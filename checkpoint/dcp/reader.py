@@ -87,7 +87,6 @@ from ..errors import (
 )
 from ..plan.values import cast_problem, target_problem
 from ..ranks import shards
-from ..storage import digest
 from ..storage.format import OPTIMIZER_PREFIX, index_name
 from ..storage.location import local_path, shown
 from ..storage.views import checkpoint_view
@@ -310,8 +309,8 @@ class StorageReader(Located, dcp_storage.StorageReader):
             load[r] += size[k]
             mine[r].add(k)
         # Tensors no rank reads whole: each rank hashes the digest chunks of its rows and the
-        # ranks gather them after reading (CheckpointReader.check_chunks), where the index has
-        # chunked digests and this load runs on the whole default process group.
+        # ranks gather them before any copy (_check_first, CheckpointReader.check_chunks), where
+        # the index has chunked digests and this load runs on the whole default process group.
         src = self._open()
         rows = frozenset(
             (rd, k) for rd, k in partial - set(readers_of)

@@ -268,58 +268,6 @@ class RunHashes:
         return self.digests[i]
 
 
-class BlockChunks:
-    """Format-3 chunk digests of one block of a tensor's bytes read into ``view`` (a rank's
-    ``Shard(0)`` rows: bytes ``[rel, rel + len(view))`` of a tensor of ``nbytes`` bytes): the
-    16-byte digest of each ``chunk``-byte chunk lying whole in the block, by chunk index
-    (:attr:`digests`), hashed by the read thread whose range holds it right after it landed
-    (:meth:`landed`, a :class:`~.pread.Run`'s ``after`` in view coordinates); a chunk cut by two
-    landed ranges is hashed from ``view`` by :meth:`finish`. :meth:`tail` names the chunk that
-    starts in the block and ends after it (its owner reads the rest from the file). Ranks
-    exchange these and compare the combined digest (:func:`combine_chunks`) with the index's:
-    no rank holds such a tensor whole."""
-
-    __slots__ = ("view", "rel", "chunk", "nbytes", "digests")
-
-    def __init__(self, view, rel: int, chunk: int, nbytes: int):
-        self.view, self.rel, self.chunk, self.nbytes = _bytes_view(view), rel, chunk, nbytes
-        self.digests: dict[int, bytes] = {}
-
-    def _inside(self, a: int, b: int):
-        """``(index, start, end)`` of the chunks lying whole in tensor bytes ``[a, b)``."""
-        c = self.chunk
-        k = -(-a // c)
-        while k * c < b:
-            s, e = k * c, min(k * c + c, self.nbytes)
-            if e > b:
-                return
-            yield k, s, e
-            k += 1
-
-    def landed(self, lo: int, hi: int) -> None:
-        """Bytes ``[lo, hi)`` of the view were read: hash the chunks lying whole in them."""
-        for k, s, e in self._inside(lo + self.rel, hi + self.rel):
-            self.digests[k] = new(self.view[s - self.rel : e - self.rel]).digest()  # (update gives up the GIL)
-
-    def finish(self) -> None:
-        """Hash the chunks of the block that no single landed range held whole."""
-        for k, s, e in self._inside(self.rel, self.rel + len(self.view)):
-            if k not in self.digests:
-                self.digests[k] = new(self.view[s - self.rel : e - self.rel]).digest()
-
-    def tail(self) -> tuple[int, int, int] | None:
-        """``(index, start, end)`` in tensor bytes of the chunk starting in the block and ending
-        after it, or None."""
-        c, hi = self.chunk, self.rel + len(self.view)
-        if hi <= self.rel:
-            return None
-        k = (hi - 1) // c  # the chunk holding the block's last byte
-        s = k * c
-        if s >= self.rel and min(s + c, self.nbytes) > hi:
-            return k, s, min(s + c, self.nbytes)
-        return None
-
-
 def combine(header: str, tensors: Iterable[str]) -> str:
     """File-level digest: xxh3-128 of the header digest followed by the tensor digests in byte order."""
     h = xxhash.xxh3_128(bytes.fromhex(header))

@@ -554,19 +554,15 @@ class CheckpointReader:
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk with
         ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). A block of every row (a
-        column block, step 1) passes all of the tensor's bytes through memory and is checked
-        against the index's digest on the way (:meth:`copy_into`), as a whole read is. Raises
-        what :meth:`get` raises."""
+        column block) is checked with the whole tensor against the index's digest first
+        (:meth:`check_first`), as a whole read is; a block of some rows is not (the digest covers
+        bytes it does not read). Raises what :meth:`get` raises."""
         slices = block_slices(key, self._specs[self._known(key)][0], slices)
         if is_whole_block(self._specs[key][0], slices):
             return self.get(key)  # the whole tensor: checked against its digest like any whole read
         spec = self.spec(key)
-        if self._digest_due(key) and all(s.step in (None, 1) for s in slices):
-            bounds = [s.indices(n)[:2] for s, n in zip(slices, spec.shape)] + [(0, n) for n in spec.shape[len(slices) :]]
-            if all(hi > lo for lo, hi in bounds) and _tread.hashable(spec.shape, spec.dtype, bounds):
-                out = torch.empty([hi - lo for lo, hi in bounds], dtype=spec.dtype)
-                self.copy_into(key, out, slices, check=True)
-                return out
+        if self._digest_due(key) and spec.shape and _all_rows(spec.shape, slices):
+            self.check_first([key])
         at, begin = self._where(key)
         t = _tread.read_block(at, key, begin, spec.shape, spec.dtype, slices)
         stats.bytes_read += t.numel() * t.element_size()
@@ -763,27 +759,6 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({self.root!r}, {len(self._key_file)} tensors in {len(self.files)} files)"
-
-
-def _landed_in_views(run: list[tuple], first):
-    """A run's ``after(lo, hi)`` (bytes from its first view's start) that calls ``first`` and
-    each view's :class:`~.digest.BlockChunks` (item ``[6]`` of ``run``'s items) with the part of
-    ``[lo, hi)`` in that view, in the view's own coordinates."""
-    parts, pos = [], 0
-    for x in run:
-        if x[6] is not None:
-            parts.append((pos, len(x[2]), x[6].landed))
-        pos += len(x[2])
-
-    def after(lo: int, hi: int) -> None:
-        if first is not None:
-            first(lo, hi)
-        for st, n, landed in parts:
-            a, z = max(lo, st), min(hi, st + n)
-            if a < z:
-                landed(a - st, z - st)
-
-    return after
 
 
 def _all_rows(shape: Sequence[int], slices: Sequence[slice]) -> bool:

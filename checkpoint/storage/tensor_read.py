@@ -18,9 +18,8 @@ the stored dtype) by one ``preadv`` per segment of the file, the holes between r
 syscall (a call costs about what the kernel needs to copy tens of KiB). The
 iovec arrays are built by numpy and passed to libc's ``preadv`` through ctypes (``os.preadv``
 wants one Python buffer object per iovec). Blocks of many short runs (:data:`SHORT_RUN`: a
-``Shard(1)`` block of rows of a few KiB) into a same-dtype target and blocks checked against
-their digest are read a window of whole dim-0 rows at a time by one ``pread`` into a reused
-scratch buffer and the block copied out of it (:func:`_rows`: ``np.copyto`` into a same-dtype
+``Shard(1)`` block of rows of a few KiB) into a same-dtype target are read a window of whole
+dim-0 rows at a time by one ``pread`` into a reused scratch buffer and the block copied out of it (:func:`_rows`: ``np.copyto`` into a same-dtype
 target, 1 MiB windows that stay in cache between the read and the copy; else ``copy_``).
 Targets not contiguous in the stored dtype (a converting or strided load target:
 :func:`copy_into`) are filled in pieces of :data:`CHUNK` bytes (whole rows, or the block's runs
@@ -28,14 +27,8 @@ packed), each read into a thread's scratch and copied out by ``copy_`` on the sa
 the bytes are in its core's cache, the pieces shared by the calling thread and the read pool with
 each thread's ``copy_`` on that thread alone (:func:`_run_pieces`, :func:`_serial_copies`): the
 read of one piece overlaps the conversion of another. No intermediate tensor of the whole size.
-A checked read of such a target (the whole tensor, or every row of a column block) is shared by
-the threads too. Format 3 (digests of fixed chunks, :mod:`~.digest`): pieces of whole chunks,
-each read, hashed and copied by the thread that took it, in any order (:func:`_run_chunked`;
-rows cut anywhere, copied as row-major boxes: :func:`_boxes`). Format 2 (one plain digest):
-pieces of whole rows hashed in file order by the thread whose piece comes next, pieces landing
-early parked in their buffer until then (at most 2 buffers per thread: :func:`_run_hashed`,
-:class:`_InOrder`), so a checked read costs little more than an unchecked one
-(``tests/bench/converting_load.py`` compares them).
+Digests are not taken here: a read into a caller's tensor is checked before it starts
+(:mod:`~.read_check`), a read into a new tensor as it lands (:func:`read_hashed`).
 This is the package's one column-block read: ``get_slice``,
 ``copy_into`` (``checkpoint.load`` of DTensor blocks, ``dcp.load``'s ``Shard(1)`` blocks,
 migrations). One ``pread`` per run (skipping the holes) costs microseconds of Python and
@@ -80,7 +73,7 @@ GAP = 64 << 10
 # through the window (:func:`_rows`) instead of one iovec per run and hole: for runs this short
 # the iovecs cost more than reading the holes (tests/bench/read_paths.py compares the two).
 SHORT_RUN = 1 << 10
-# Largest scratch window (whole rows checked against a digest; the row limit of hashable blocks).
+# Largest scratch window of whole rows (_rows; a longer row is read row by row of its own dim 0).
 WINDOW = 16 << 20
 # Bytes of one piece of a converting or strided read (:func:`_run_pieces`): read into the thread's
 # scratch and copied into the target by the same thread while the bytes are still in its core's
@@ -321,7 +314,7 @@ def _pread_fn():
 
 def _rows(
     at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor, hasher=None,
+    out: torch.Tensor,
 ) -> None:
     """Block ``bounds`` of the tensor (``shape`` / ``dtype`` at ``begin``, at least 2 dims, a
     dim-0 row of at most :data:`WINDOW` bytes) into ``out`` through whole dim-0 rows: one
@@ -329,8 +322,7 @@ def _rows(
     copied out: by ``np.copyto`` on byte views when ``out`` is contiguous in ``dtype``
     (single-threaded, no OpenMP region per window; windows of :data:`ROWS_WINDOW` bytes, which
     stay in the core's cache between the read and the copy), else by ``copy_`` (dtype
-    conversion, strides; windows of :data:`WINDOW` bytes). ``hasher``: fed every byte of the
-    tensor in order (the block must span all rows)."""
+    conversion, strides; windows of :data:`WINDOW` bytes)."""
     item = dtype.itemsize
     row = math.prod(shape[1:]) * item
     lo, hi = bounds[0]
@@ -351,8 +343,6 @@ def _rows(
         r1 = min(hi, r0 + per)
         nb = (r1 - r0) * row
         _pread_into(at, key, addr, nb, begin + r0 * row, view)
-        if hasher is not None:
-            hasher.update(raw[:nb])
         if direct:
             np.copyto(dst[r0 - lo : r1 - lo], raw[:nb].reshape(r1 - r0, *tail)[(slice(None), *inner)])
         else:
@@ -362,7 +352,7 @@ def _rows(
 
 def _fill(
     at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor, hasher=None,
+    out: torch.Tensor,
 ) -> None:
     """Fill ``out`` (any CPU tensor of the block's shape) with the block ``bounds`` (one
     ``(lo, hi)`` per dim) of the tensor of ``shape`` / ``dtype`` stored at ``begin``: the one
@@ -370,46 +360,33 @@ def _fill(
     blocks, migrations).
 
     Straight into ``out`` when it is contiguous in ``dtype`` and the block's runs are long
-    (:func:`_scatter`: no second copy); a converting or strided target (no ``hasher``) in pieces
-    of :data:`CHUNK` bytes, each read into a thread's scratch and copied out by that thread,
-    shared by the calling thread and the read pool (:func:`_plan`, :func:`_run_pieces`); for
-    many short runs into a same-dtype target (:func:`_dense`), and when ``hasher`` is given
-    (every byte of the tensor must pass through memory: the block spans all rows), through whole
-    dim-0 rows (:func:`_rows`), a row over :data:`WINDOW` bytes row by row of its own dim 0."""
+    (:func:`_scatter`: no second copy); a converting or strided target in pieces of :data:`CHUNK`
+    bytes, each read into a thread's scratch and copied out by that thread, shared by the calling
+    thread and the read pool (:func:`_plan`, :func:`_run_pieces`); for many short runs into a
+    same-dtype target (:func:`_dense`), through whole dim-0 rows (:func:`_rows`), a row over
+    :data:`WINDOW` bytes row by row of its own dim 0."""
     if not out.numel():
         return
     item = dtype.itemsize
     lens = tuple(hi - lo for lo, hi in bounds)
     starts = [lo for lo, _ in bounds]
     dense = _dense(shape, lens, item)
-    if hasher is None and not dense and _direct(out, dtype):
+    if not dense and _direct(out, dtype):
         _scatter(at, key, begin, item, *_run_starts(shape, lens, starts), out)
         return
-    if hasher is not None and not _direct(out, dtype) and _chunk_of(hasher) and _hashed_pieces(shape, dtype, bounds):
-        _run_chunked(at, key, begin, shape, dtype, bounds, out, hasher)  # format 3: chunks in any order
-        return
-    if not _direct(out, dtype) and (hasher is None or _hashed_pieces(shape, dtype, bounds)):
-        # converting / strided: pieces shared by threads (hashed in file order when checked)
+    if not _direct(out, dtype):  # converting / strided: pieces shared by threads
         jobs: list = []
-        size = min(WINDOW, CHUNK)
-        if hasher is None:
-            _plan(at, key, begin, shape, dtype, bounds, out, dense, size, jobs)
-        else:  # whole rows (the block picked from them): every byte of the tensor, in order
-            _plan(at, key, begin, shape, dtype, bounds, out, True, size, jobs, hashed=True)
-        _run_pieces(at, key, dtype, jobs, hasher)
+        _plan(at, key, begin, shape, dtype, bounds, out, dense, min(WINDOW, CHUNK), jobs)
+        _run_pieces(at, key, dtype, jobs)
         return
-    # Left: a digest to feed (every byte in order), or many short runs into a same-dtype target.
+    # Left: many short runs into a same-dtype target (a 1-D block is one run: never dense).
     lo, hi = bounds[0]
-    if len(shape) == 1:  # (a 1-D block is one run: never dense)
-        raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of a tensor of 2 dims or more")
     row = math.prod(shape[1:]) * item
-    if hasher is not None and not hashable(shape, dtype, bounds):
-        raise ValueError(f"tensor {key!r}: a digest needs a block of all rows of at most {WINDOW} bytes each")
     if row > WINDOW:
         for r in range(lo, hi):
-            _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo], hasher)
+            _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
     else:
-        _rows(at, key, begin, shape, dtype, bounds, out, hasher)
+        _rows(at, key, begin, shape, dtype, bounds, out)
 
 
 class _Span:
@@ -426,13 +403,11 @@ class _Span:
 
 def _plan(
     at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor, dense: bool, size: int, jobs: list, hashed: bool = False,
+    out: torch.Tensor, dense: bool, size: int, jobs: list,
 ) -> None:
     """Append to ``jobs`` one piece per ``size`` bytes of window (whole dim-0 rows; a row over
     ``size`` bytes split along its own dims): a :class:`_Span` when the piece is one range of the
-    file, else a callable reading the block's runs of its rows (see :func:`_fill`). ``hashed``
-    (with ``dense``; the block is the whole tensor or spans every row of at most ``size``
-    bytes: :func:`_hashed_pieces`): only spans, consecutive in the file from ``begin`` on."""
+    file, else a callable reading the block's runs of its rows (see :func:`_fill`)."""
     item = dtype.itemsize
     lo, hi = bounds[0]
     if len(shape) == 1:
@@ -448,10 +423,10 @@ def _plan(
         sub_dense = _dense(shape[1:], lens, item)
         for r in range(lo, hi):
             sub = out[r - lo]
-            if not hashed and not sub_dense and _direct(sub, dtype):  # a row of a target strided in dim 0 only
+            if not sub_dense and _direct(sub, dtype):  # a row of a target strided in dim 0 only
                 jobs.append(functools.partial(_fill, at, key, begin + r * row, shape[1:], dtype, bounds[1:], sub))
             else:
-                _plan(at, key, begin + r * row, shape[1:], dtype, bounds[1:], sub, sub_dense or hashed, size, jobs, hashed)
+                _plan(at, key, begin + r * row, shape[1:], dtype, bounds[1:], sub, sub_dense, size, jobs)
         return
     whole = lens == tuple(shape[1:])  # whole rows: one range of the file per piece
     pick = None if whole or not dense else (slice(None), *(slice(a, b) for a, b in bounds[1:]))
@@ -473,16 +448,12 @@ def _piece_rows(at, key, begin, shape, dtype, bounds, r0, r1, wrow, out) -> None
     out.copy_(window)
 
 
-def _run_pieces(at: Where, key: str, dtype: torch.dtype, jobs: list, hasher=None) -> None:
+def _run_pieces(at: Where, key: str, dtype: torch.dtype, jobs: list) -> None:
     """Run every piece of :func:`_plan`. Two or more: shared by the calling thread and pool
     threads, each taking the next piece (read and copy on one thread: the copy reads the bytes
     from that core's cache), with ``copy_`` on one thread each (:func:`_serial_copies`; an
     OpenMP team per copy would put 2 threads per core on the cores the readers use). Every
-    thread has stopped before this returns or raises, Ctrl-C included (:mod:`~.ownership`).
-    ``hasher``: fed the raw bytes of every piece in file order (:func:`_run_hashed`)."""
-    if hasher is not None:
-        _run_hashed(at, key, dtype, jobs, hasher)
-        return
+    thread has stopped before this returns or raises, Ctrl-C included (:mod:`~.ownership`)."""
 
     def one(job, windows: dict) -> None:
         if type(job) is not _Span:
@@ -521,297 +492,6 @@ def _run_pieces(at: Where, key: str, dtype: torch.dtype, jobs: list, hasher=None
         raise errors[0]
 
 
-def _hashed_pieces(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[int, int]]) -> bool:
-    """Whether a checked converting or strided read of block ``bounds`` goes through hashed
-    pieces (:func:`_run_hashed`): the whole tensor (any shape), or every dim-0 row of a tensor of
-    2 dims or more whose row fits a piece (:data:`CHUNK`); else whole rows through one window
-    (:func:`_rows`, one thread)."""
-    if all(tuple(b) == (0, n) for b, n in zip(bounds, shape)):
-        return True
-    return len(shape) >= 2 and tuple(bounds[0]) == (0, shape[0]) and 0 < math.prod(shape[1:]) * dtype.itemsize <= CHUNK
-
-
-_spares: list[torch.Tensor] = []  # piece buffers of :func:`_run_hashed`, kept for the next tensor of a load
-_spares_lock = threading.Lock()
-
-
-class _InOrder:
-    """The piece buffers of one hashed read (:func:`_run_hashed`) and the hashing of their raw
-    bytes in file order. A piece read and copied out is handed over (:meth:`landed`); when it
-    comes next, the thread hashes it and every piece that landed early after it (still in the
-    shared cache), as :class:`~.digest.RunHashes` does for ``read_runs``; else its buffer is
-    parked until then and the thread takes another (:meth:`take`). At most ``limit`` buffers:
-    a thread takes its buffer *before* its next piece, so the piece hashed next is always held
-    by a thread that has its buffer (no thread waits on a buffer that waits on it); a waiting
-    thread also leaves when the read stops (``stop`` set, or an error)."""
-
-    __slots__ = ("hasher", "jobs", "nbytes", "limit", "free", "made", "pending", "next", "busy", "cond", "views")
-
-    def __init__(self, hasher, jobs: list, limit: int):
-        self.hasher, self.jobs, self.limit = hasher, jobs, limit
-        self.nbytes = max(j.nbytes for j in jobs)
-        with _spares_lock:
-            self.free = [b for b in _spares if b.numel() >= self.nbytes][:limit]
-            taken = {id(b) for b in self.free}
-            _spares[:] = [b for b in _spares if id(b) not in taken]  # (by identity: == compares values)
-        self.made = len(self.free)
-        self.pending: dict[int, torch.Tensor] = {}
-        self.next, self.busy = 0, False
-        self.cond = threading.Condition(threading.Lock())
-        self.views: dict = {}  # (buffer id, piece bytes, shape) -> (byte view, window to copy from)
-
-    def take(self, stop: threading.Event, errors: list) -> torch.Tensor | None:
-        """A free buffer (made when fewer than ``limit`` exist), waiting for one the hashing
-        frees; None when the read stops meanwhile."""
-        with self.cond:
-            while True:
-                if self.free:
-                    return self.free.pop()
-                if self.made < self.limit:
-                    self.made += 1
-                    break
-                if stop.is_set() or errors:
-                    return None
-                self.cond.wait(0.05)
-        return torch.empty(max(self.nbytes, CHUNK), dtype=torch.uint8)  # (kept as a spare: any piece fits)
-
-    def window(self, buf: torch.Tensor, job: _Span, dtype: torch.dtype):
-        """(``buf``'s first ``job.nbytes`` as a byte view to read into, its part to copy out)."""
-        got = self.views.get((id(buf), job.nbytes, job.shape))
-        if got is None:
-            b = buf[: job.nbytes]
-            win = b.view(dtype).view(job.shape)
-            got = self.views[id(buf), job.nbytes, job.shape] = (memoryview(b.numpy()), win if job.pick is None else win[job.pick])
-        return got
-
-    def landed(self, j: int, buf: torch.Tensor) -> torch.Tensor | None:
-        """Piece ``j`` (in ``buf``) was read and copied out: hash it now if it comes next (and
-        every piece parked after it), else park it. Returns the buffer the thread keeps for its
-        next piece (``buf`` when it was hashed here), or None (take another)."""
-        with self.cond:
-            self.pending[j] = buf
-            if self.busy or j != self.next:
-                return None
-            self.busy = True
-        mine = None
-        try:
-            while True:
-                with self.cond:
-                    got = self.pending.pop(self.next, None)
-                    if got is None:
-                        self.busy = False  # with the look: a piece landing now is hashed by its thread
-                        return mine
-                    job = self.jobs[self.next]
-                self.hasher.update(self.views[id(got), job.nbytes, job.shape][0])
-                with self.cond:
-                    self.next += 1
-                    if got is buf:
-                        mine = got
-                    else:
-                        self.free.append(got)
-                        self.cond.notify_all()
-        except BaseException:
-            with self.cond:
-                self.busy = False
-            raise
-
-    def give(self, buf: torch.Tensor | None) -> None:
-        """A thread's buffer back once it has no piece left."""
-        if buf is not None:
-            with self.cond:
-                self.free.append(buf)
-                self.cond.notify_all()
-
-    def close(self) -> None:
-        """Every buffer back to the spares (all threads stopped)."""
-        bufs = [b for b in self.free + list(self.pending.values()) if b.numel() == CHUNK]
-        with _spares_lock:
-            _spares.extend(bufs[: max(0, 2 * _pread._THREADS - len(_spares))])
-
-
-def _run_hashed(at: Where, key: str, dtype: torch.dtype, jobs: list, hasher) -> None:
-    """:func:`_run_pieces` of spans consecutive in the file (:func:`_plan` with ``hashed``),
-    ``hasher`` fed every piece's raw bytes in file order: each piece is read into a buffer of
-    :class:`_InOrder` and copied out by the thread that took it, then hashed right away when it
-    comes next (else by the thread hashing the piece before it), so the read, the conversion and
-    the hash of different pieces overlap, with at most 2 buffers per thread. Raises what
-    :func:`~.pread.pread_run` raises, or RuntimeError when a piece was not hashed (a defect)."""
-    if len(jobs) < 2 or _pread._THREADS == 1 or _omp() is None:  # one thread: in order anyway
-        for job in jobs:
-            buf = _scratch(job.nbytes)[: job.nbytes]
-            raw = memoryview(buf.numpy())
-            _pread.pread_run(at.fd, [raw], [key], job.offset, at.root, at.name)
-            win = buf.view(dtype).view(job.shape)
-            job.out.copy_(win if job.pick is None else win[job.pick])
-            hasher.update(raw)
-        return
-    threads = min(_pread._THREADS, len(jobs))
-    order = _InOrder(hasher, jobs, 2 * threads)
-    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
-    errors: list[BaseException] = []
-
-    def one(buf: torch.Tensor, j: int) -> torch.Tensor | None:
-        job = jobs[j]
-        raw, win = order.window(buf, job, dtype)
-        _pread.pread_run(at.fd, [raw], [key], job.offset, at.root, at.name)
-        job.out.copy_(win)
-        return order.landed(j, buf)
-
-    def work(stop) -> None:
-        buf = None
-        try:
-            while not errors and not stop.is_set():
-                if buf is None:  # before the piece: see _InOrder
-                    buf = order.take(stop, errors)
-                    if buf is None:
-                        return
-                j = next(counter)
-                if j >= len(jobs):
-                    return
-                buf = one(buf, j)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
-            buf = None
-            errors.append(e)
-        finally:
-            order.give(buf)
-
-    def helper(stop) -> None:
-        with _serial_copies():
-            work(stop)
-
-    try:
-        ownership.share("read", _pread._THREADS, helper, threads - 1)
-    finally:
-        order.close()
-    if errors:
-        raise errors[0]
-    if order.next != len(jobs):
-        raise RuntimeError(f"tensor {key!r}: {len(jobs) - order.next} pieces of the read were not hashed")
-
-
-def _chunk_of(hasher) -> int | None:
-    """The chunk of a format-3 digest hasher not fed yet (:class:`~.digest.ChunkedHasher`: its
-    chunks can be hashed in any order), when a piece of whole chunks fits :data:`WINDOW`."""
-    from .digest import ChunkedHasher
-
-    if type(hasher) is ChunkedHasher and not hasher.count and not hasher.fill and hasher.chunk <= WINDOW:
-        return hasher.chunk
-    return None
-
-
-def _boxes(shape: Sequence[int], a: int, b: int):
-    """Elements ``[a, b)`` (row-major) of a tensor of ``shape`` as at most ``2 * ndim - 1``
-    boxes ``(start, lens)``, in order, each one consecutive range of the elements."""
-    if a >= b:
-        return
-    if len(shape) == 1:
-        yield (a,), (b - a,)
-        return
-    inner = math.prod(shape[1:])
-    r0, o0 = divmod(a, inner)
-    r1, o1 = divmod(b, inner)
-    if r0 == r1:
-        for st, ln in _boxes(shape[1:], o0, o1):
-            yield (r0, *st), (1, *ln)
-        return
-    if o0:
-        for st, ln in _boxes(shape[1:], o0, inner):
-            yield (r0, *st), (1, *ln)
-        r0 += 1
-    if r1 > r0:
-        yield (r0, *(0 for _ in shape[1:])), (r1 - r0, *shape[1:])
-    if o1:
-        for st, ln in _boxes(shape[1:], 0, o1):
-            yield (r1, *st), (1, *ln)
-
-
-def _run_chunked(
-    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]],
-    out: torch.Tensor, hasher,
-) -> None:
-    """A checked converting or strided read of a format-3 tensor (digest of ``c``-byte chunks,
-    :class:`~.digest.ChunkedHasher`): pieces of whole chunks (:data:`CHUNK` rounded to them)
-    shared by the calling thread and pool threads as in :func:`_run_pieces`; each thread reads
-    its piece into its scratch, hashes the piece's chunks there (in cache; each chunk's digest
-    stored at its index, so pieces need no order and no buffer waits), then copies the
-    block's part of each row-major box of the piece (:func:`_boxes`) into ``out``. The chunk
-    digests are fed to ``hasher`` in order at the end. Raises what :func:`~.pread.pread_run`
-    raises, or RuntimeError when a chunk was not hashed (a defect)."""
-    import xxhash
-
-    c = hasher.chunk
-    item = dtype.itemsize
-    total = math.prod(shape) * item
-    size = max(c, min(WINDOW, CHUNK) // c * c)  # piece bytes: whole chunks
-    digests: list = [None] * max(1, -(-total // c))
-    lo_b = [lo for lo, _ in bounds]
-    plan = []  # per piece: (offset, nbytes, first chunk, [(element offset in piece, lens, pick, target)])
-    for p0 in range(0, total, size):
-        p1 = min(total, p0 + size)
-        copies = []
-        for st, ln in _boxes(shape, p0 // item, p1 // item):
-            cut = [(max(s, lo), min(s + n, hi)) for s, n, (lo, hi) in zip(st, ln, bounds)]
-            if any(x >= y for x, y in cut):
-                continue  # no part of the block in this box (a column block's other columns)
-            pick = tuple((x - s, y - s) for (x, y), s in zip(cut, st))  # (slices are not hashable here)
-            dst = out[tuple(slice(x - lo, y - lo) for (x, y), lo in zip(cut, lo_b))]
-            flat = 0
-            for i, s in enumerate(st):
-                flat = flat * shape[i] + s
-            copies.append((flat - p0 // item, ln, None if all(y - x == n for (x, y), n in zip(cut, ln)) else pick, dst))
-        plan.append((begin + p0, p1 - p0, p0 // c, copies))
-
-    def one(job, windows: dict, h) -> None:
-        pos, nbytes, first, copies = job
-        got = windows.get(nbytes)
-        if got is None:
-            buf = _scratch(nbytes)[:nbytes]
-            got = windows[nbytes] = (buf, memoryview(buf.numpy()))
-        buf, raw = got
-        _pread.pread_run(at.fd, [raw], [key], pos, at.root, at.name)
-        for i, lo in enumerate(range(0, nbytes, c)):
-            h.reset()
-            h.update(raw[lo : lo + c])  # (a hasher's update gives up the GIL; the one-shot function does not)
-            digests[first + i] = h.digest()
-        for eoff, ln, pick, dst in copies:
-            k = (nbytes, eoff, ln, pick)  # (nbytes: the views of that piece size's buffer)
-            win = windows.get(k)
-            if win is None:
-                win = buf[eoff * item : (eoff + math.prod(ln)) * item].view(dtype).view(ln)
-                win = windows[k] = win if pick is None else win[tuple(slice(x, y) for x, y in pick)]
-            dst.copy_(win)
-
-    errors: list[BaseException] = []
-    if len(plan) < 2 or _pread._THREADS == 1 or _omp() is None:
-        windows: dict = {}
-        h = xxhash.xxh3_128()
-        for job in plan:
-            one(job, windows, h)
-    else:
-        counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
-
-        def work(stop) -> None:
-            windows: dict = {}  # this thread's views of its scratch
-            h = xxhash.xxh3_128()
-            with _serial_copies():
-                while not errors and not stop.is_set():
-                    j = next(counter)
-                    if j >= len(plan):
-                        return
-                    try:
-                        one(plan[j], windows, h)
-                    except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
-                        errors.append(e)
-
-        ownership.share("read", _pread._THREADS, work, min(_pread._THREADS, len(plan)) - 1)
-    if errors:
-        raise errors[0]
-    if any(d is None for d in digests):
-        raise RuntimeError(f"tensor {key!r}: a chunk of the read was not hashed")
-    hasher.add_chunks(digests)
-
-
-@functools.cache
 def _omp():
     """``(omp_get_max_threads, omp_set_num_threads)`` of the OpenMP runtime torch's CPU kernels
     run on (found among the loaded libraries), or None (another parallel backend, none found):
@@ -847,17 +527,6 @@ def _serial_copies():
         yield
     finally:
         put(prev)
-
-
-def hashable(shape: Sequence[int], dtype: torch.dtype, bounds: Sequence[tuple[int, int]]) -> bool:
-    """Whether reading block ``bounds`` of a tensor of ``shape`` / ``dtype`` passes every byte of
-    the tensor through memory, in order (:func:`_rows`), so a hasher can check its digest: at
-    least 2 dims, every dim-0 row, a row of at most :data:`WINDOW` bytes."""
-    return (
-        len(shape) >= 2
-        and tuple(bounds[0]) == (0, shape[0])
-        and 0 < math.prod(shape[1:]) * dtype.itemsize <= WINDOW
-    )
 
 
 def _fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -902,18 +571,17 @@ def read_hashed(
 
 def copy_into(
     at: Where, key: str, begin: int, shape: Sequence[int], dtype: torch.dtype, out: torch.Tensor,
-    slices: Sequence[slice] | None = None, hasher=None,
-) -> bool:
+    slices: Sequence[slice] | None = None,
+) -> None:
     """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, any CPU
     tensor of that shape (another dtype, non-contiguous: ``copy_``'s rules): straight into it
     when it is contiguous in the stored dtype, else through a reused window (no intermediate
-    tensor of the whole size). ``hasher`` (an ``xxhash`` hasher): fed every byte of the tensor
-    in order when the block allows it (:func:`hashable`); returns whether it was (then the
-    caller checks its digest). Raises what :func:`read_tensor` raises."""
+    tensor of the whole size). Digests are checked before, by the caller
+    (:meth:`~.reader.CheckpointReader.check_first`). Raises what :func:`read_tensor` raises."""
     shape = tuple(shape)
     if not shape:
         _read_as(at, key, begin, out, dtype)
-        return False
+        return
     slices = tuple(slices or ()) + (slice(None),) * (len(shape) - len(slices or ()))
     bounds = []
     for s, n in zip(slices, shape):
@@ -923,12 +591,7 @@ def copy_into(
         bounds.append((lo, max(lo, hi)))
     if tuple(out.shape) != tuple(hi - lo for lo, hi in bounds):
         raise ValueError(f"tensor {key!r}: block {tuple(hi - lo for lo, hi in bounds)} into a target of shape {tuple(out.shape)}")
-    if hasher is not None and not (
-        out.numel() and (hashable(shape, dtype, bounds) or (not _direct(out, dtype) and _hashed_pieces(shape, dtype, bounds)))
-    ):
-        hasher = None
-    _fill(at, key, begin, shape, dtype, bounds, out, hasher)
-    return hasher is not None
+    _fill(at, key, begin, shape, dtype, bounds, out)
 
 
 def read_block(
