@@ -329,6 +329,16 @@ def refusal_checks(mesh) -> int:
         model.kept.add_(1.0)
     assert torch.equal(model.w.full_tensor(), torch.zeros(6, 4))
 
+    class Rebuilt(Bad):  # transformers' tie_weights: bias.data = pad(bias.data, (0, 0)), a DTensor copied in
+        def init_weights(self):
+            nn.init.ones_(self.w)
+            self.w.data = nn.functional.pad(self.w.data, (0, 0)) * 2.0
+
+    model = distribute(Rebuilt(), mesh, lambda nd: (Shard(0),) * mesh.ndim)
+    placements = model.w.placements
+    model.init_weights()
+    assert torch.equal(model.w.full_tensor(), torch.full((6, 4), 2.0)) and model.w.placements == placements
+
     strided = (_StridedShard(0, split_factor=2),) + (Replicate(),) * (mesh.ndim - 1)
     model = distribute(Bad(), mesh, lambda nd: strided)
     before = model.w.to_local().clone()
