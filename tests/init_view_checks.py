@@ -227,8 +227,6 @@ def view_checks(meshes: dict, plans) -> dict:
             zero_rows = (~ref[emb_fqn].any(dim=1)).nonzero().flatten().tolist()
             assert zero_rows == [pad], (family, zero_rows)
         for key, mesh in meshes.items():
-            if key == "1":  # the 1-rank mesh: the same init code as "2" without a split
-                continue
             if mesh.ndim == 1:
                 pl = lambda nd: (Shard(0),)  # noqa: E731
             else:
@@ -257,9 +255,9 @@ class _Embedding(nn.Module):
 
 
 def parallel_module_checks(meshes: dict) -> dict:
-    """The parallel module (one capture, a module per mesh "1", "2", "4", built on meta and
+    """The parallel module (one capture, a module per mesh "1", "2", "4", "2x2", built on meta and
     materialized) of an embedding whose init zeroes row 0 through an index, and of transformers'
-    Qwen2 with a tied head (meshes "1", "2", "2x2"): every tensor equals ``mesh_independent_init``
+    Qwen2 with a tied head and a padding row: every tensor equals ``mesh_independent_init``
     of the eager model bit for bit. Returns ``{(mesh, case): [unequal FQNs]}``."""
     eager = _Embedding()
     torch.manual_seed(0)
@@ -270,10 +268,10 @@ def parallel_module_checks(meshes: dict) -> dict:
     ids = torch.zeros(2, 3, dtype=torch.long)  # each rank's local batch
     cap = capture(meta, (ids,))
     out = {}
-    for key in ("1", "2", "4"):
+    for key in ("1", "2", "4", "2x2"):
         mesh = meshes[key]
-        pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh, [(Shard(0),)])
-        assert mesh.size() == 1 or pmod.emb.weight.placements == (Shard(0),)
+        pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh, [(Shard(0),) * mesh.ndim])
+        assert mesh.size() == 1 or pmod.emb.weight.placements[0] == Shard(0)
         pmod.to_empty(device="cpu")
         torch.manual_seed(0)
         pmod.init_weights()
@@ -286,7 +284,7 @@ def parallel_module_checks(meshes: dict) -> dict:
     with torch.device("meta"):
         meta = make()
     cap = capture(meta, (), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
-    for key in ("1", "2", "2x2"):
+    for key in ("1", "2", "4", "2x2"):
         mesh = meshes[key]
         pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh)
         assert pmod.lm_head.weight is pmod.model.embed_tokens.weight
