@@ -374,22 +374,9 @@ def save(
     ``"pretrained"`` layout.
     """
     path = resolve(path, storage_options, transfer)
-    if layout not in (None, "pretrained", "memory"):
-        raise ValueError(f"save(layout={layout!r}): 'pretrained' (what save_pretrained writes) or 'memory' (the module's own names)")
-    if recipe is not None and layout is not None:
-        raise TypeError(f"save(recipe={recipe!r}, layout={layout!r}): a recipe names the layout written; pass one of them")
-    if layout == "pretrained" and (optimizer is not None or extra_state is not None):
-        raise TypeError("save(layout='pretrained') writes model tensors only (as save_pretrained): the optimizer state and "
-                        "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
-    if recipe is None and layout != "memory" and optimizer is None and extra_state is None:
-        pretrained = _pretrained_layout(obj)
-        target = local_target(path)  # file://: the directory, converted as a local path
-        if pretrained is not None and layout is None and local_path(target) is None and object_state(obj).has_dtensor:
-            warnings.warn(f"save({path}): DTensors are written to a URL in the module's "
-                          "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
-                          "a local path every rank shares; checkpoint.load reads either layout", stacklevel=3)  # fmt: skip
-        elif pretrained is not None:
-            return _save_with_recipe(obj, target, pretrained, max_shard_size, overwrite, progress, index=True)
+    pretrained = pretrained_layout_for(obj, path, layout, optimizer, extra_state, recipe, "save")
+    if pretrained is not None:
+        return _save_with_recipe(obj, local_target(path), pretrained, max_shard_size, overwrite, progress, index=True)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
@@ -399,6 +386,33 @@ def save(
         if distributed:
             return write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
         return write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+
+
+def pretrained_layout_for(obj, path, layout: str | None, optimizer, extra_state, recipe=None, what: str = "save") -> Any:
+    """The recipe converting ``obj``'s tensors into what ``save_pretrained`` writes, where a save
+    (``what``: ``"save"`` / ``"async_save"``) with these arguments writes that layout (see
+    :func:`save`'s ``layout``); None where it writes the module's own names and tensors.
+
+    Raises ``ValueError`` for an unknown ``layout``, ``TypeError`` for ``layout="pretrained"`` with
+    ``optimizer`` / ``extra_state`` and for ``layout`` with ``recipe``; warns where DTensors go to
+    a URL by default (written in the module's own layout)."""
+    if layout not in (None, "pretrained", "memory"):
+        raise ValueError(f"{what}(layout={layout!r}): 'pretrained' (what save_pretrained writes) or 'memory' (the module's own names)")
+    if recipe is not None and layout is not None:
+        raise TypeError(f"{what}(recipe={recipe!r}, layout={layout!r}): a recipe names the layout written; pass one of them")
+    if layout == "pretrained" and (optimizer is not None or extra_state is not None):
+        raise TypeError(f"{what}(layout='pretrained') writes model tensors only (as save_pretrained): the optimizer state and "
+                        "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
+    if recipe is not None or layout == "memory" or optimizer is not None or extra_state is not None:
+        return None
+    pretrained = _pretrained_layout(obj)
+    # file://: the directory, converted as a local path
+    if pretrained is not None and layout is None and local_path(local_target(path)) is None and object_state(obj).has_dtensor:
+        warnings.warn(f"{what}({path}): DTensors are written to a URL in the module's "
+                      "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
+                      "a local path every rank shares; checkpoint.load reads either layout", stacklevel=4)  # fmt: skip
+        return None
+    return pretrained
 
 
 def _pretrained_layout(obj) -> Any:
@@ -462,12 +476,52 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
 
     if not distributed and index:  # converted straight from the module's tensors: nothing written twice
         part = prepare_parts(str(path), obj, None, None)[0][0]
-        run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
-        return written[0]
+        return convert_state(part, path, recipe, obj, max_shard_size, overwrite, progress)
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
             return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
+
+    def save_memory(ck: str) -> None:
+        save(obj, ck, max_shard_size=max_shard_size, progress=progress, layout="memory")
+
+    return convert_through_temporary(path, recipe, obj, save_memory, writer, written, progress, index)
+
+
+def convert_state(part: Part, path, recipe, obj, max_shard_size, overwrite: bool, progress) -> IndexFile:
+    """Single process: the model ``part`` (its tensors fetched as a save fetches them, e.g. an
+    async save's staged copies) converted by ``recipe`` (what ``save_pretrained`` writes) straight
+    into ``path``, nothing written twice; returns the index written (no ``conversion_report.json``).
+
+    Raises: what :func:`checkpoint.convert.run_recipe` and the write raise."""
+    writer, written = pretrained_writer(path, max_shard_size, overwrite)
+    run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
+    return written[0]
+
+
+def pretrained_writer(path, max_shard_size, overwrite: bool) -> tuple[Callable, list[IndexFile]]:
+    """:func:`converted_writer` for the layout ``save_pretrained`` writes (no
+    ``conversion_report.json``: a model's own layout, not a conversion asked for), and the list
+    it appends each index written to."""
+    inner = converted_writer(path, max_shard_size, overwrite)
+    written: list[IndexFile] = []
+
+    def writer(specs, fetch, extra, layout=None) -> None:
+        written.append(inner(specs, fetch, {k: v for k, v in extra.items() if k != CONVERSION_REPORT_NAME}, layout))
+
+    return writer, written
+
+
+def convert_through_temporary(path, recipe, obj, save_memory: Callable[[str], Any], writer, written: list, progress,
+                              index: bool) -> Any:  # fmt: skip
+    """Every rank (a distributed save, on the group of :mod:`checkpoint.ranks.dist`):
+    ``save_memory(directory)`` writes the module's own layout into a temporary directory beside
+    ``path`` (rank 0 creates it), then rank 0 alone converts it into ``path`` by ``recipe`` through
+    ``writer`` (which appends the index it writes to ``written``), and the directory is removed.
+    Returns on every rank the conversion's report, or with ``index`` the index written.
+
+    Raises: rank 0's error on every rank (:class:`RankAgreementError` on the others)."""
+    parent = os.path.dirname(os.path.abspath(local_path(path)))
     tmp, err = None, None
     if dist.rank() == 0:
         try:
@@ -477,7 +531,7 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
             err = e
     tmp = dist.check_all_gather(f"save(recipe={getattr(recipe, 'name', recipe)!r}) preparing {parent}", err, tmp)[0]
     try:
-        save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
+        save_memory(os.path.join(tmp, "ck"))
         report, error = None, None
         if dist.rank() == 0:
             try:

@@ -191,6 +191,36 @@ def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
     assert same(state(back), state(model))
 
 
+def test_async_save_writes_what_save_pretrained_writes(tmp_path):
+    """async_save's default is save's: a MoE model's tensors alone go to disk as save_pretrained
+    writes them (same keys and bytes, the values at the call though the model changes right
+    after), converted in the background from the staged copies; layout='memory' writes the fused
+    names; a bad layout is refused in the call, nothing written."""
+    from checkpoint.training.async_save import async_save
+
+    for kind in ("mixtral", "qwen3_moe-tied"):
+        model = tiny(kind, 0)
+        model.save_pretrained(tmp_path / kind / "hub")
+        want = state(model)
+        fut = async_save(model, tmp_path / kind / "async")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        index = fut.result()
+        assert sorted(index.weight_map) == sorted(stored(tmp_path / kind / "hub"))
+        assert same(stored(tmp_path / kind / "async"), stored(tmp_path / kind / "hub"))
+        assert same(state(from_pretrained(tmp_path / kind / "async")), want)
+    async_save(model, tmp_path / "mem", layout="memory").result()
+    mem = stored(tmp_path / "mem")
+    assert FUSED in mem and PER_EXPERT["qwen3_moe"] not in mem
+    with pytest.raises(ValueError, match=r"async_save\(layout='fused'\)"):
+        async_save(model, tmp_path / "no", layout="fused")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"async_save\(layout='pretrained'\).*optimizer"):
+        async_save(model, tmp_path / "no", optimizer=opt, layout="pretrained")
+    assert not (tmp_path / "no").exists()
+
+
 def test_training_checkpoint_keeps_the_memory_layout(tmp_path):
     """With an optimizer the default is the in-memory layout (the optimizer state is keyed by the
     fused parameters) and resumes exactly; the on-disk layout asked for with an optimizer, an
@@ -384,6 +414,9 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
             out["own copy state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                      for k, v in pmod.state_dict().items()}  # fmt: skip
         if kind == "qwen3_moe":  # to a URL: file:// is a local directory (on-disk layout); S3 keeps the module's own, warned
+            from checkpoint.training.async_save import async_save
+
+            async_save(pmod, os.path.join(root, kind, "async")).result()  # as save: the on-disk layout
             checkpoint.save(pmod, f"file://{root}/qwen3_moe/file-url")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -444,10 +477,12 @@ def test_parallel_module_on_two_ranks(tmp_path):
             assert len(mine) == 6 * (1 if kind == "deepseek_v3" else 2)  # 2 experts x 3 matrices a MoE layer (DeepSeek: layer 1 only)
             assert res[f"{kind} experts read"] == mine, (kind, rank)
         assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
-        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["file-url"] * (kind == "qwen3_moe") + ["hub", "ours"]  # temporary save removed
+        extra = ["async", "file-url"] if kind == "qwen3_moe" else []
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == extra + ["hub", "ours"]  # temporary saves removed
     assert all(res["own copy load ok"] and same(res["own copy state"], res["mixtral state"]) for res in results)
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
     assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert same(stored(tmp_path / "qwen3_moe" / "async"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert s3_keys == set(want) and s3_names == {"pmod"}  # the module's own names; nothing of the refused save
     assert [res["s3 warned"] for res in results] == [['save(s3://moe/pmod): DTensors are written to a URL in the mo']] * 2
     assert [res["s3 refused"][:60] for res in results] == ["save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
