@@ -669,11 +669,16 @@ def test_family_on_two_ranks(family_spawn, kind):
     ref = from_pretrained(hub)
     loaded = state(ref)
     batch = matrix_inputs(kind, len(ranks))
-    with torch.no_grad():
-        for rank, res in enumerate(ranks):
-            assert res["load ok"]
-            assert same({k: res["loaded"][k] for k in loaded}, loaded), rank
-            rows = {k: v[RANK_BATCH * rank : RANK_BATCH * (rank + 1)] for k, v in batch.items()}
-            assert torch.equal(res["logits"], ref(**rows).logits), rank
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank computes (tests/rank_threads.py): the same kernels' splits
+    try:
+        with torch.no_grad():
+            for rank, res in enumerate(ranks):
+                assert res["load ok"]
+                assert same({k: res["loaded"][k] for k in loaded}, loaded), rank
+                rows = {k: v[RANK_BATCH * rank : RANK_BATCH * (rank + 1)] for k, v in batch.items()}
+                assert torch.equal(res["logits"], ref(**rows).logits), rank
+    finally:
+        torch.set_num_threads(threads)
     assert same(stored(ours), stored(hub))
     assert same(state(from_pretrained(ours)), loaded)
