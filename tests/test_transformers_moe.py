@@ -2,8 +2,9 @@
 (``mlp.experts.gate_up_proj``) and per expert on disk (``mlp.experts.0.gate_proj.weight``,
 Mixtral's ``block_sparse_moe.experts.0.w1.weight``), through transformers' own conversion mapping.
 ``checkpoint.load`` of a ``save_pretrained`` directory must give what ``from_pretrained`` gives, and
-``checkpoint.save`` must write the names and tensors ``save_pretrained`` writes, bit for bit; the
-family matrix checks the same for the dense families."""
+``checkpoint.save`` (and ``async_save``) must write the names and tensors ``save_pretrained`` writes,
+bit for bit; the family matrix checks the same for the other families in one process, and for the
+dense ones on 2 ranks through the parallel module (capture, FQN map, init, load, outputs, save)."""
 
 from __future__ import annotations
 
