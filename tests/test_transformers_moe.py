@@ -403,7 +403,17 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
         out[f"{kind} experts read"] = sorted({k for k in reads if ".experts." in k})
         out[f"{kind} state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                 for k, v in pmod.state_dict().items()}  # fmt: skip
-        checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+        if kind == "mixtral":  # no temporary save: rank 0 converts the tensors as they are gathered
+            import checkpoint.saving as saving
+
+            with mock.patch.object(saving, "write_parts_distributed", side_effect=AssertionError("temporary save")):
+                checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+            try:  # rank 0's refusal (the destination exists), agreed by every rank
+                checkpoint.save(pmod, os.path.join(root, kind, "ours"))
+            except CheckpointError as e:
+                out["again"] = (type(e).__name__, os.path.join(root, kind, "ours") in str(e))
+        else:
+            checkpoint.save(pmod, os.path.join(root, kind, "ours"))
         if kind == "mixtral":  # each rank its own copy of the saved checkpoint (node-local disks): one checkpoint by digest
             import shutil
 
@@ -414,7 +424,7 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
             out["own copy load ok"] = checkpoint.load(pmod, mine).ok
             out["own copy state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                                      for k, v in pmod.state_dict().items()}  # fmt: skip
-        if kind == "qwen3_moe":  # to a URL: file:// is a local directory (on-disk layout); S3 keeps the module's own, warned
+        if kind == "qwen3_moe":  # to URLs: file:// and S3 in the on-disk layout (rank 0 writes what it converts)
             from checkpoint.training.async_save import async_save
 
             async_save(pmod, os.path.join(root, kind, "async")).result()  # as save: the on-disk layout
@@ -422,9 +432,11 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 checkpoint.save(pmod, "s3://moe/pmod", storage_options=s3)
-            out["s3 warned"] = [str(w.message)[:60] for w in caught if "layout" in str(w.message)]
+                # async_save converts from a temporary save every rank writes: local paths only
+                async_save(pmod, "s3://moe/async", storage_options=s3).result()
+            out["s3 warned"] = [str(w.message)[:64] for w in caught if "layout" in str(w.message)]
             try:
-                checkpoint.save(pmod, "s3://moe/refused", storage_options=s3, layout="pretrained")
+                async_save(pmod, "s3://moe/refused", storage_options=s3, layout="pretrained")
             except NotImplementedError as e:
                 out["s3 refused"] = str(e)
     # FSDP2: fully_shard's FSDPQwen3MoeForCausalLM class, rules from the eager class under it.
@@ -466,6 +478,7 @@ def test_parallel_module_on_two_ranks(tmp_path):
         results = run_ranks(_pmod_ranks, 2, str(tmp_path), storage_options(port), backend="gloo", timeout=600)
         s3 = resolve("s3://moe", storage_options(port))
         s3_keys = {k for k in json.loads(s3.get("pmod/model.safetensors.index.json"))["weight_map"]}
+        s3_async = {k for k in json.loads(s3.get("async/model.safetensors.index.json"))["weight_map"]}
         s3_names = set(s3.listing())
     finally:
         server.stop()
@@ -481,12 +494,14 @@ def test_parallel_module_on_two_ranks(tmp_path):
         extra = ["async", "file-url"] if kind == "qwen3_moe" else []
         assert sorted(p.name for p in (tmp_path / kind).iterdir()) == extra + ["hub", "ours"]  # temporary saves removed
     assert all(res["own copy load ok"] and same(res["own copy state"], res["mixtral state"]) for res in results)
+    assert [res["again"] for res in results] == [("CheckpointExistsError", True)] * 2
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
     assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert same(stored(tmp_path / "qwen3_moe" / "async"), stored(tmp_path / "qwen3_moe" / "hub"))
-    assert s3_keys == set(want) and s3_names == {"pmod"}  # the module's own names; nothing of the refused save
-    assert [res["s3 warned"] for res in results] == [['save(s3://moe/pmod): DTensors are written to a URL in the mo']] * 2
-    assert [res["s3 refused"][:60] for res in results] == ["save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
+    assert s3_keys == set(stored(tmp_path / "qwen3_moe" / "hub"))  # save: save_pretrained's names
+    assert s3_async == set(want) and s3_names == {"pmod", "async"}  # async_save: the module's own; nothing refused
+    assert [res["s3 warned"] for res in results] == [["async_save(s3://moe/async): DTensors are written to a URL in the"]] * 2
+    assert [res["s3 refused"][:66] for res in results] == ["async_save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
     assert all(res["fsdp load ok"] and same(res["fsdp state"], want) for res in results)
     assert same(stored(tmp_path / "new" / "parents" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert os.listdir(tmp_path / "new" / "parents") == ["fsdp"]
