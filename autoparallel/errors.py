@@ -16,7 +16,8 @@ class PlacementError(AutoParallelError, ValueError):
 
 
 class DataAssignmentError(AutoParallelError):
-    """``dtensor.data = t`` on a parallel module's DTensor: the write would be silently lost."""
+    """``dtensor.data = t`` on a parallel module's DTensor, ``t`` not a DTensor of the same shape
+    and dtype: the write would be silently lost."""
 
 
 class StateError(AutoParallelError):

@@ -21,7 +21,8 @@ Three things make single-device code work (written by hand: no library does this
 * a transformers model's ``init_weights`` runs as its constructor runs it: tied targets separate
   until the init returns, so the tie's source wins (:mod:`autoparallel.hf_init`);
 * ``dtensor.data = t`` would swap the wrapper's metadata and silently drop the write, so it raises
-  :class:`~autoparallel.errors.DataAssignmentError`.
+  :class:`~autoparallel.errors.DataAssignmentError`; a DTensor ``t`` of the same shape and dtype
+  (a tensor rebuilt from its own ``.data``) is copied in instead.
 """
 
 from __future__ import annotations
@@ -49,11 +50,19 @@ _DATA_SETTER = torch._C.TensorBase.data
 
 
 class _RefuseDataSet(TorchFunctionMode):
-    """Refuse ``dtensor.data = t`` (routed here as ``Tensor.data.__set__``)."""
+    """Refuse ``dtensor.data = t`` (routed here as ``Tensor.data.__set__``), except where ``t`` is a
+    DTensor of the same shape and dtype, as code rebuilding a tensor from its own ``.data`` makes
+    (transformers' ``_adjust_bias`` in ``tie_weights``: ``bias.data = pad(bias.data, (0, 0))``):
+    its values are copied into the DTensor, which keeps its placements (``t`` is not aliased)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", None) == "__set__" and getattr(func, "__self__", None) is _DATA_SETTER:
             if args and isinstance(args[0], DTensor):
+                dst, value = args[0], args[1] if len(args) > 1 else None
+                if isinstance(value, DTensor) and value.shape == dst.shape and value.dtype == dst.dtype:
+                    with torch.no_grad():
+                        dst.copy_(value)
+                    return None
                 raise DataAssignmentError(
                     f"`.data = ...` on a DTensor of shape {tuple(args[0].shape)} would silently lose the "
                     "write; use an in-place op (`with torch.no_grad(): w.copy_(t)`) or `w.data[:] = t`"

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -342,9 +343,9 @@ def save(
     names and tensors (``mlp.experts.gate_up_proj``). Default (``None``): ``"pretrained"`` for
     model tensors alone, ``"memory"`` with ``optimizer=`` or ``extra_state=`` (a training
     checkpoint: the optimizer state is keyed by the in-memory parameters, and ``load`` resumes it
-    from that layout). Every other model is written the same either way. With DTensors the
-    ``"pretrained"`` layout needs a local ``path`` every rank shares (rank 0 converts); to a URL
-    the default then writes the ``"memory"`` layout, with a warning.
+    from that layout). Every other model is written the same either way. With DTensors (call on
+    every rank) rank 0 converts and writes, each tensor gathered when the conversion asks for it
+    (memory: one rule group, e.g. one layer's experts; no temporary copy), to a local path or a URL.
 
     ``recipe``: write another layout (``fqnckpt recipes``, e.g. ``hf-to-torchtitan-llama3``): saved
     as usual into a temporary directory beside ``path``, then converted by
@@ -370,26 +371,12 @@ def save(
     naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
     peers failed, :class:`~checkpoint.errors.RankAgreementError`; ``ValueError`` for an unknown
     ``layout``, ``TypeError`` for ``layout="pretrained"`` with ``optimizer`` / ``extra_state``, and
-    for ``layout`` with ``recipe``; ``NotImplementedError`` for DTensors to a URL in the
-    ``"pretrained"`` layout.
+    for ``layout`` with ``recipe``; ``NotImplementedError`` for DTensors to a URL with ``recipe``.
     """
     path = resolve(path, storage_options, transfer)
-    if layout not in (None, "pretrained", "memory"):
-        raise ValueError(f"save(layout={layout!r}): 'pretrained' (what save_pretrained writes) or 'memory' (the module's own names)")
-    if recipe is not None and layout is not None:
-        raise TypeError(f"save(recipe={recipe!r}, layout={layout!r}): a recipe names the layout written; pass one of them")
-    if layout == "pretrained" and (optimizer is not None or extra_state is not None):
-        raise TypeError("save(layout='pretrained') writes model tensors only (as save_pretrained): the optimizer state and "
-                        "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
-    if recipe is None and layout != "memory" and optimizer is None and extra_state is None:
-        pretrained = _pretrained_layout(obj)
-        target = local_target(path)  # file://: the directory, converted as a local path
-        if pretrained is not None and layout is None and local_path(target) is None and object_state(obj).has_dtensor:
-            warnings.warn(f"save({path}): DTensors are written to a URL in the module's "
-                          "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
-                          "a local path every rank shares; checkpoint.load reads either layout", stacklevel=3)  # fmt: skip
-        elif pretrained is not None:
-            return _save_with_recipe(obj, target, pretrained, max_shard_size, overwrite, progress, index=True)
+    pretrained = pretrained_layout_for(obj, path, layout, optimizer, extra_state, recipe, "save")
+    if pretrained is not None:
+        return _save_with_recipe(obj, local_target(path), pretrained, max_shard_size, overwrite, progress, index=True)
     if recipe is not None:  # save as usual, then convert (checkpoint.convert) into path
         if optimizer is not None or extra_state is not None:
             raise TypeError("save(recipe=...) writes model tensors only: save the optimizer / extra_state without a recipe")
@@ -399,6 +386,39 @@ def save(
         if distributed:
             return write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
         return write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+
+
+def pretrained_layout_for(obj, path, layout: str | None, optimizer, extra_state, recipe=None, what: str = "save") -> Any:
+    """The recipe converting ``obj``'s tensors into what ``save_pretrained`` writes, where a save
+    (``what``: ``"save"`` / ``"async_save"``) with these arguments writes that layout (see
+    :func:`save`'s ``layout``); None where it writes the module's own names and tensors.
+
+    Raises ``ValueError`` for an unknown ``layout``, ``TypeError`` for ``layout="pretrained"`` with
+    ``optimizer`` / ``extra_state`` and for ``layout`` with ``recipe``; for ``async_save`` of
+    DTensors to a URL (its conversion reads a temporary save every rank writes to a local path),
+    ``NotImplementedError`` for ``layout="pretrained"``, and a warning by default (written in the
+    module's own layout)."""
+    if layout not in (None, "pretrained", "memory"):
+        raise ValueError(f"{what}(layout={layout!r}): 'pretrained' (what save_pretrained writes) or 'memory' (the module's own names)")
+    if recipe is not None and layout is not None:
+        raise TypeError(f"{what}(recipe={recipe!r}, layout={layout!r}): a recipe names the layout written; pass one of them")
+    if layout == "pretrained" and (optimizer is not None or extra_state is not None):
+        raise TypeError(f"{what}(layout='pretrained') writes model tensors only (as save_pretrained): the optimizer state and "
+                        "extra_state are keyed by the in-memory parameters; save a training checkpoint with layout='memory'")  # fmt: skip
+    if recipe is not None or layout == "memory" or optimizer is not None or extra_state is not None:
+        return None
+    pretrained = _pretrained_layout(obj)
+    # async_save converts DTensors from a temporary save every rank writes: a local path (file://: the directory)
+    if (pretrained is not None and what == "async_save" and local_path(local_target(path)) is None
+            and object_state(obj).has_dtensor):  # fmt: skip
+        if layout is not None:
+            raise NotImplementedError(f"{what}(layout='pretrained') of DTensors to {path}: save to a shared local path, "
+                                      "use save, or pass layout='memory'")  # fmt: skip
+        warnings.warn(f"{what}({path}): DTensors are written to a URL in the module's "
+                      "own layout (as layout='memory'): the on-disk layout of save_pretrained is converted on rank 0 from "
+                      "a local path every rank shares (or by save); checkpoint.load reads either layout", stacklevel=4)  # fmt: skip
+        return None
+    return pretrained
 
 
 def _pretrained_layout(obj) -> Any:
@@ -417,20 +437,21 @@ def _pretrained_layout(obj) -> Any:
     return back if changes_keys(back, (e.fqn for e in object_state(obj).entries)) else None
 
 
-def _state_catalog(part: Part, where: str) -> Any:
+def _state_catalog(part: Part, where: str, fetch: Callable[[TensorSpec], torch.Tensor] | None = None) -> Any:
     """The model part of a single-process save as the source of a conversion
     (:class:`checkpoint.convert.catalog.Catalog`): each tensor fetched and checked as ``save``
-    fetches it, when the conversion asks for it."""
+    fetches it (or by ``fetch``), when the conversion asks for it."""
     from pathlib import Path
 
     from .convert.catalog import Catalog
     from .sources.base import Source, SourceSpec
 
     by_fqn = {s.fqn: s for s in part.specs}
+    get_tensor = fetch or (lambda spec: _fetch_checked(part, spec))
 
     class _Fetch:
         def get(self, key: str) -> torch.Tensor:
-            return _fetch_checked(part, by_fqn[key])
+            return get_tensor(by_fqn[key])
 
     specs = {s.fqn: SourceSpec(s.fqn, s.shape, s.dtype) for s in part.specs}
     source = Source(Path(where), "safetensors", [], specs, dict.fromkeys(specs, "(in memory)"), _Fetch())
@@ -443,14 +464,13 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
     converted into ``path`` by rank 0 alone, streamed one rule group at a time; every rank returns
     the report or raises (rank 0's own error; :class:`RankAgreementError` on the others).
     ``index``: return the model index written instead, and write no ``conversion_report.json``
-    (the layout a model's own ``save_pretrained`` writes, not a conversion asked for); in a single
-    process the conversion then reads the module's tensors directly (no temporary save)."""
+    (the layout a model's own ``save_pretrained`` writes, not a conversion asked for); the
+    conversion then reads the module's tensors directly, no temporary save (in a single process
+    :func:`convert_state`, on many ranks :func:`convert_gathered`)."""
     distributed = object_state(obj).has_dtensor  # as save decides: DTensors mean every rank saves
     local = local_path(path)
-    if local is None and distributed:  # the ranks' shared temporary directory would be local
-        what = "save(layout='pretrained')" if index else "save(recipe=...)"
-        raise NotImplementedError(f"{what} of DTensors to {path}: save to a shared local path, then migrate"
-                                  + (", or pass layout='memory'" if index else ""))  # fmt: skip
+    if local is None and distributed and not index:  # the ranks' shared temporary directory would be local
+        raise NotImplementedError(f"save(recipe=...) of DTensors to {path}: save to a shared local path, then migrate")
     parent = None if local is None else os.path.dirname(os.path.abspath(local))  # a URL: converted from a local temp dir
     inner = converted_writer(path, max_shard_size, overwrite)
     written: list[IndexFile] = []
@@ -462,12 +482,107 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
 
     if not distributed and index:  # converted straight from the module's tensors: nothing written twice
         part = prepare_parts(str(path), obj, None, None)[0][0]
-        run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
-        return written[0]
+        return convert_state(part, path, recipe, obj, max_shard_size, overwrite, progress)
     if not distributed:
         with tempfile.TemporaryDirectory(prefix=".fqnckpt-convert-", dir=parent) as tmp:
             save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
             return run_recipe(os.path.join(tmp, "ck"), path, recipe, model=obj, progress=progress, write=writer)
+
+    if index:  # what save_pretrained writes: rank 0 converts the tensors as they are gathered, nothing written twice
+        part, err = None, None
+        try:
+            part = prepare_parts(str(path), obj, None, None)[0][0]
+        except Exception as e:  # noqa: BLE001 - agreed: every rank raises
+            err = e
+        dist.check_all(f"preparing {path}", err)
+        return convert_gathered(part, path, recipe, obj, max_shard_size, overwrite, progress)
+
+    def save_memory(ck: str) -> None:
+        save(obj, ck, max_shard_size=max_shard_size, progress=progress, layout="memory")
+
+    return convert_through_temporary(path, recipe, obj, save_memory, writer, written, progress, index)
+
+
+def convert_gathered(part: Part, path, recipe, obj, max_shard_size, overwrite: bool, progress) -> IndexFile:
+    """Every rank of a distributed save (on the group of :mod:`checkpoint.ranks.dist`): the model
+    ``part`` converted by ``recipe`` (what ``save_pretrained`` writes) into ``path`` by rank 0, as
+    :func:`convert_state` does in one process, each tensor gathered when the conversion asks for
+    it (``DTensor.full_tensor`` on every rank, rank 0 naming the tensor first: the ranks follow
+    rank 0's order), so no rank writes a temporary copy and rank 0 holds one rule group at a
+    time. Returns on every rank the index written.
+
+    Raises: rank 0's error on every rank (:class:`RankAgreementError` on the others)."""
+    by_fqn = {s.fqn: s for s in part.specs}
+    lock = threading.Lock()  # one gather at a time, whichever thread of the conversion fetches
+
+    def gathered(spec: TensorSpec) -> torch.Tensor:  # the same verdict on every rank: same model
+        t = part.fetch(spec)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"value of {spec.fqn!r} is a {type(t).__name__}, not a tensor")
+        if t.is_meta:
+            raise TypeError(f"{spec.fqn!r} is on the meta device: it has no data to save")
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    index, error = None, None
+    if dist.rank() == 0:
+
+        def fetch(spec: TensorSpec) -> torch.Tensor:
+            with lock:
+                dist.broadcast_object(spec.fqn)
+                return gathered(spec)
+
+        try:
+            writer, written = pretrained_writer(path, max_shard_size, overwrite)
+            run_recipe(_state_catalog(part, str(path), fetch), path, recipe, model=obj, progress=progress, write=writer)
+            index = written[0]
+        except Exception as e:  # noqa: BLE001 - every rank raises it (check_all)
+            error = e
+        finally:
+            dist.broadcast_object(None)  # the others stop serving
+    else:
+        while (fqn := dist.broadcast_object(None)) is not None:
+            try:
+                gathered(by_fqn[fqn])
+            except Exception as e:  # noqa: BLE001 - rank 0 raises the same; served on until it stops
+                error = error or e
+    dist.check_all(f"save({path}) converting to save_pretrained's layout on rank 0", error)
+    return dist.broadcast_object(index)
+
+
+def convert_state(part: Part, path, recipe, obj, max_shard_size, overwrite: bool, progress) -> IndexFile:
+    """Single process: the model ``part`` (its tensors fetched as a save fetches them, e.g. an
+    async save's staged copies) converted by ``recipe`` (what ``save_pretrained`` writes) straight
+    into ``path``, nothing written twice; returns the index written (no ``conversion_report.json``).
+
+    Raises: what :func:`checkpoint.convert.run_recipe` and the write raise."""
+    writer, written = pretrained_writer(path, max_shard_size, overwrite)
+    run_recipe(_state_catalog(part, str(path)), path, recipe, model=obj, progress=progress, write=writer)
+    return written[0]
+
+
+def pretrained_writer(path, max_shard_size, overwrite: bool) -> tuple[Callable, list[IndexFile]]:
+    """:func:`converted_writer` for the layout ``save_pretrained`` writes (no
+    ``conversion_report.json``: a model's own layout, not a conversion asked for), and the list
+    it appends each index written to."""
+    inner = converted_writer(path, max_shard_size, overwrite)
+    written: list[IndexFile] = []
+
+    def writer(specs, fetch, extra, layout=None) -> None:
+        written.append(inner(specs, fetch, {k: v for k, v in extra.items() if k != CONVERSION_REPORT_NAME}, layout))
+
+    return writer, written
+
+
+def convert_through_temporary(path, recipe, obj, save_memory: Callable[[str], Any], writer, written: list, progress,
+                              index: bool) -> Any:  # fmt: skip
+    """Every rank (a distributed save, on the group of :mod:`checkpoint.ranks.dist`):
+    ``save_memory(directory)`` writes the module's own layout into a temporary directory beside
+    ``path`` (rank 0 creates it), then rank 0 alone converts it into ``path`` by ``recipe`` through
+    ``writer`` (which appends the index it writes to ``written``), and the directory is removed.
+    Returns on every rank the conversion's report, or with ``index`` the index written.
+
+    Raises: rank 0's error on every rank (:class:`RankAgreementError` on the others)."""
+    parent = os.path.dirname(os.path.abspath(local_path(path)))
     tmp, err = None, None
     if dist.rank() == 0:
         try:
@@ -477,7 +592,7 @@ def _save_with_recipe(obj, path: str, recipe, max_shard_size, overwrite: bool, p
             err = e
     tmp = dist.check_all_gather(f"save(recipe={getattr(recipe, 'name', recipe)!r}) preparing {parent}", err, tmp)[0]
     try:
-        save(obj, os.path.join(tmp, "ck"), max_shard_size=max_shard_size, progress=progress, layout="memory")
+        save_memory(os.path.join(tmp, "ck"))
         report, error = None, None
         if dist.rank() == 0:
             try:

@@ -227,8 +227,6 @@ def view_checks(meshes: dict, plans) -> dict:
             zero_rows = (~ref[emb_fqn].any(dim=1)).nonzero().flatten().tolist()
             assert zero_rows == [pad], (family, zero_rows)
         for key, mesh in meshes.items():
-            if key == "1":  # the 1-rank mesh: the same init code as "2" without a split
-                continue
             if mesh.ndim == 1:
                 pl = lambda nd: (Shard(0),)  # noqa: E731
             else:
@@ -257,9 +255,9 @@ class _Embedding(nn.Module):
 
 
 def parallel_module_checks(meshes: dict) -> dict:
-    """The parallel module (one capture, a module per mesh "1", "2", "4", built on meta and
+    """The parallel module (one capture, a module per mesh "1", "2", "4", "2x2", built on meta and
     materialized) of an embedding whose init zeroes row 0 through an index, and of transformers'
-    Qwen2 with a tied head (meshes "1", "2", "2x2"): every tensor equals ``mesh_independent_init``
+    Qwen2 with a tied head and a padding row: every tensor equals ``mesh_independent_init``
     of the eager model bit for bit. Returns ``{(mesh, case): [unequal FQNs]}``."""
     eager = _Embedding()
     torch.manual_seed(0)
@@ -270,10 +268,10 @@ def parallel_module_checks(meshes: dict) -> dict:
     ids = torch.zeros(2, 3, dtype=torch.long)  # each rank's local batch
     cap = capture(meta, (ids,))
     out = {}
-    for key in ("1", "2", "4"):
+    for key in ("1", "2", "4", "2x2"):
         mesh = meshes[key]
-        pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh, [(Shard(0),)])
-        assert mesh.size() == 1 or pmod.emb.weight.placements == (Shard(0),)
+        pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh, [(Shard(0),) * mesh.ndim])
+        assert mesh.size() == 1 or pmod.emb.weight.placements[0] == Shard(0)
         pmod.to_empty(device="cpu")
         torch.manual_seed(0)
         pmod.init_weights()
@@ -286,7 +284,7 @@ def parallel_module_checks(meshes: dict) -> dict:
     with torch.device("meta"):
         meta = make()
     cap = capture(meta, (), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
-    for key in ("1", "2", "2x2"):
+    for key in ("1", "2", "4", "2x2"):
         mesh = meshes[key]
         pmod = build_parallel_module(meta, cap, default_plan(cap.fqn_map, mesh), mesh)
         assert pmod.lm_head.weight is pmod.model.embed_tokens.weight
@@ -328,6 +326,16 @@ def refusal_checks(mesh) -> int:
     with pytest.raises(InitWriteError, match=r"view of 'w' outside init_weights"), torch.no_grad():
         model.kept.add_(1.0)
     assert torch.equal(model.w.full_tensor(), torch.zeros(6, 4))
+
+    class Rebuilt(Bad):  # transformers' tie_weights: bias.data = pad(bias.data, (0, 0)), a DTensor copied in
+        def init_weights(self):
+            nn.init.ones_(self.w)
+            self.w.data = nn.functional.pad(self.w.data, (0, 0)) * 2.0
+
+    model = distribute(Rebuilt(), mesh, lambda nd: (Shard(0),) * mesh.ndim)
+    placements = model.w.placements
+    model.init_weights()
+    assert torch.equal(model.w.full_tensor(), torch.full((6, 4), 2.0)) and model.w.placements == placements
 
     strided = (_StridedShard(0, split_factor=2),) + (Replicate(),) * (mesh.ndim - 1)
     model = distribute(Bad(), mesh, lambda nd: strided)

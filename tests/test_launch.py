@@ -50,6 +50,63 @@ def test_teardown_waits_collectives_in_flight_then_destroys_the_groups():
         assert run_ranks(_in_flight_at_return, 2, backend="gloo", timeout=60) == [[True] * 6] * 2
 
 
+def _parallel_steps_then_exit(rank, world_size, steps):
+    """``steps`` iterations of the parallel module (forward: its state gathered by bucketed
+    all-gathers; backward: gradients reduce-scattered; then the full state gathered as a
+    checkpoint does), counting after each the collectives issued and never waited (c10d's registry
+    of functional collectives); then a collective left in flight for the launcher's teardown."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from autoparallel import AutoParallel
+
+    unwaited = torch._C._distributed_c10d._get_work_registry_size
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with AutoParallel(model, lambda: torch.zeros(2 * world_size, 8), mesh) as autop:
+        pmod = autop.apply_placement()
+    pmod.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in pmod.parameters():
+            p.fill_(0.5)
+    left, sums = [], []
+    for i in range(steps):
+        x = torch.full((2, 8), float(i))
+        pmod(x).sum().backward()
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pmod.state_dict().items()}
+        grads = [p.grad.full_tensor() for p in pmod.parameters()]
+        left.append(unwaited())
+        sums.append((sum(float(t.sum()) for t in full.values()), sum(float(g.sum()) for g in grads)))
+    dist.all_reduce(torch.ones(1024), async_op=True)  # never waited by fn: the teardown waits it
+    return left, sums
+
+
+def test_parallel_module_collectives_waited_and_ranks_exit_0_in_a_loop():
+    """30 steps of the parallel module's collectives on 2 gloo ranks: none is left unwaited after
+    a step, every rank gets the same state and gradients, and both ranks exit with code 0 (run_ranks
+    fails a rank killed by a signal, or exiting with another code, after its result)."""
+    steps = 30
+    (left0, sums0), (left1, sums1) = run_ranks(_parallel_steps_then_exit, 2, steps, backend="gloo", timeout=300)
+    assert left0 == left1 == [0] * steps
+    assert sums0 == sums1 and len(set(sums0)) == steps  # the gradients change with the batch
+
+
+def _exit_3_after_result(rank, world_size):
+    from multiprocessing import util
+
+    if rank == 1:  # run by multiprocessing after the rank has sent its result
+        util.Finalize(None, __import__("os")._exit, args=(3,), exitpriority=0)
+    return rank
+
+
+def test_rank_exiting_nonzero_after_its_result_fails_the_run():
+    with pytest.raises(RankFailedError, match=r"exited with a nonzero code after sending their results: \{1: 3\}") as e:
+        run_ranks(_exit_3_after_result, 2, backend="gloo", timeout=60)
+    assert e.value.signals == {}
+
+
 def _abort(rank, world_size):
     if rank == 0:
         import os

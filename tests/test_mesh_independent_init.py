@@ -535,6 +535,10 @@ def test_init_is_bit_identical_on_every_mesh():
         "parallel module",
         "parallel module qwen2",
     }
-    assert ("1", "parallel module qwen2") in views and ("2x2", "transformers gemma2") in views
+    # Padding rows and ties on 1, 2 and 4 ranks, 1-D and 2-D: every model on every mesh.
+    for case in ("views Shard(0)", "tied Shard(0)", "parallel module", "parallel module qwen2",
+                 *(f"transformers {f}" for f in ("llama", "qwen2", "gemma2", "gpt2", "t5"))):  # fmt: skip
+        mesh_case = case if case.startswith(("parallel", "transformers")) else case.replace("Shard(0)", "(Shard(0), Shard(1))")
+        assert {m for m, c in views if c in (case, mesh_case)} == {"1", "2", "4", "2x2"}, case
     assert {k: v for k, v in views.items() if v} == {}
     assert refused == 3

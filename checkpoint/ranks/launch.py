@@ -291,6 +291,10 @@ def _wait_collectives() -> None:
     the order of their names, the same on every rank, so no two ranks wait for each other in
     opposite orders. Functional collectives never waited (``wait_tensor``) stay in c10d's work
     registry: no API waits them without their tensors.
+
+    Why: an interpreter that finalizes while gloo still holds a collective's tensors aborts
+    ("terminate called without an active exception", tests/repro/gloo_exit_unwaited.py); after the
+    barriers no gloo worker holds any, and the rank ends with ``os._exit`` (forkserver, fork).
     """
     if not dist.is_initialized():
         return
@@ -326,7 +330,8 @@ def run_ranks(
 
     Raises:
         RankFailedError: a rank raised (its traceback is in the message), exited without a result
-            (any exit code), timed out, or sent a result that does not unpickle here.
+            (any exit code), timed out, sent a result that does not unpickle here, or after sending
+            its result was killed by a signal or exited with a code other than 0.
         ValueError: an unknown ``start_method``.
     """
     backend = backend or default_backend()
@@ -412,6 +417,9 @@ def run_ranks(
             killed,
             {r: files[r] for r in killed if _has_stack(files[r])},
         )
+    codes = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode and r not in ours}
+    if codes:  # a clean rank exits 0: anything else after its result is a failed teardown
+        raise RankFailedError(f"rank(s) exited with a nonzero code after sending their results: {codes}")
     return [results[r] for r in range(world_size)]
 
 

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..errors import SnapshotChangedError
 from ..ranks import dist
 from ..saving import many_ranks, prepare_parts, write_parts_distributed, write_parts, agree_prepare_failure, refuse_nested
+from ..saving import convert_state, convert_through_temporary, pretrained_layout_for, pretrained_writer
 from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout
@@ -572,6 +573,7 @@ class AsyncSaver:
         after_commit: Callable[[], None] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         transfer: Any = None,
+        layout: str | None = None,
     ) -> SaveFuture:
         """See :func:`async_save`. ``after_commit``: run in the background thread once the checkpoint
         is committed (its error becomes the future's; used for the manager's retention)."""
@@ -580,6 +582,9 @@ class AsyncSaver:
         if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
             parse_size(max_shard_size)  # a bad size fails here, not in the background
         refuse_nested(path)  # inside another checkpoint: refused here, not in the background
+        # What save_pretrained writes (a transformers model whose conversion mapping changes names):
+        # the staged tensors converted in the background, as save converts the module's.
+        recipe = pretrained_layout_for(obj, path, layout, optimizer, extra_state, None, "async_save")
         with self._lock:
             self._check_open()
             self._halt_touch()  # stopped, never waited for: the copies fault in the rest
@@ -627,7 +632,7 @@ class AsyncSaver:
                 self._hook = optimizer.register_step_pre_hook(hold_step)
             fut = self._executor.submit(
                 _write, path, staged, distributed, extra_files, max_shard_size, overwrite, event, group,
-                after_commit, background_staging, deferred, staged_event,
+                after_commit, background_staging, deferred, staged_event, recipe and (recipe, obj),
             )  # fmt: skip
             self._pending = fut
             self._last = SaveFuture(fut, path, nbytes, staged_event)
@@ -694,9 +699,12 @@ def _agree_failure(path: str, error: BaseException, group: Any, background: bool
 
 def _write(
     path, parts, distributed, extra_files, max_shard_size, overwrite, event, group, after_commit,
-    background, deferred, staged_event,
+    background, deferred, staged_event, convert=None,
 ) -> IndexFile:  # fmt: skip
-    """Background thread: stage the deferred tensors, then the write / hash / commit of ``save``."""
+    """Background thread: stage the deferred tensors, then the write / hash / commit of ``save``.
+    ``convert``: ``(recipe, module)``: the staged model tensors written as ``save_pretrained``
+    writes them (single process: converted straight from the staged copies; many ranks: saved in
+    the module's own layout into a temporary directory beside ``path``, converted by rank 0)."""
     err: BaseException | None = None
     try:
         _stage_deferred(path, deferred)
@@ -710,11 +718,24 @@ def _write(
         with dist.using_group(group):
             if background:  # same on every rank (an argument of the call): every rank stops if one is torn
                 dist.check_all(f"staging {path}", err)
-            index = write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+            if convert is None:
+                index = write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+            else:
+                recipe, module = convert
+                writer, written = pretrained_writer(path, max_shard_size, overwrite)
+
+                def save_memory(ck: str) -> None:
+                    write_parts_distributed(ck, parts, max_shard_size, False, extra_files)
+
+                index = convert_through_temporary(path, recipe, module, save_memory, writer, written, False, True)
     else:
         if err is not None:
             raise err
-        index = write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+        if convert is None:
+            index = write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+        else:
+            recipe, module = convert
+            index = convert_state(parts[0], path, recipe, module, max_shard_size, overwrite, False)
     if after_commit is not None:
         after_commit()
     return index
@@ -798,13 +819,16 @@ def async_save(
     background_staging: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     transfer: Any = None,
+    layout: str | None = None,
 ) -> SaveFuture:
     """:func:`checkpoint.save` in the background: returns once a snapshot of the values at the call
     is staged in host memory, so the caller may update parameters, optimizer state and the objects
     in ``extra_state`` right away. Writing, hashing and the atomic commit run in a background
     thread; the checkpoint is the one ``save`` would have written from the values at the call.
 
-    Arguments as :func:`checkpoint.save` (URLs and ``storage_options`` / ``transfer`` included). If a previous ``async_save`` of this process is still
+    Arguments as :func:`checkpoint.save` (URLs and ``storage_options`` / ``transfer`` included;
+    ``layout`` too: a transformers model's tensors alone are written as ``save_pretrained`` writes
+    them, converted in the background from the staged copies). If a previous ``async_save`` of this process is still
     writing, this call first waits for it (its staging buffers are reused). On many ranks call it on
     every rank (see the module docstring for how ranks talk).
 
@@ -833,7 +857,8 @@ def async_save(
     background thread talks on a group of it.
 
     Raises now: ``TypeError`` / ``ValueError`` for input ``save`` rejects before writing (non-tensor
-    values, a bad ``max_shard_size``, an extra_state value that cannot be saved). Every write
+    values, a bad ``max_shard_size``, an extra_state value that cannot be saved, an unknown
+    ``layout`` or ``layout="pretrained"`` with ``optimizer`` / ``extra_state``). Every write
     error (``CheckpointExistsError``, ``CheckpointWriteError``, ``RankAgreementError``,
     ``SnapshotChangedError``, ...) is raised by ``SaveFuture.result()``.
     """
@@ -847,4 +872,5 @@ def async_save(
         background_staging=background_staging,
         storage_options=storage_options,
         transfer=transfer,
+        layout=layout,
     )
