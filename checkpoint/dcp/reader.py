@@ -44,8 +44,9 @@ to one of the ranks reading it); a tensor read only in row blocks (``Shard(0)``,
 ``_StridedShard(0)``) is checked from the digest chunks each rank hashes in its rows (format 3);
 on the whole default process group the ranks then exchange those digests and their outcomes, so a
 mismatch found by any rank raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file
-and tensor on every rank before one of them copies a byte. A load on a subgroup checks what each
-rank reads whole, before that rank's copies. Ranks that opened different checkpoints (an overwrite landing while they opened
+and tensor on every rank before one of them copies a byte. On a subgroup (DCP does not hand its
+group to storage readers, so the ranks cannot exchange) each rank checks every tensor it reads
+any block of, whole, before its own copies. Ranks that opened different checkpoints (an overwrite landing while they opened
 it) are refused the same way instead of loading a mix.
 """
 
@@ -359,12 +360,12 @@ class StorageReader(Located, dcp_storage.StorageReader):
 
     def _check_first(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan | None) -> None:
         """Every digest this rank checks, before any target is written (``check_first`` of each
-        reader): the tensors the coordinator gave it (``checks.mine``; without a coordinator,
-        every tensor it reads whole or through all of its rows), and the digest chunks starting
-        in its rows of the tensors no rank reads whole (``checks.rows``). With ``checks.exchange``
-        the ranks then gather those chunk digests and every rank's outcome (on the default
-        process group, which this load runs on all of): each rank checks the same combined
-        digests, and a rank whose check failed stops every rank before its first write.
+        reader). With ``checks.exchange`` (a load on the whole default process group): the
+        tensors the coordinator gave it (``checks.mine``) and the digest chunks starting in its
+        rows of the tensors no rank reads whole (``checks.rows``); the ranks then gather those
+        chunk digests and every rank's outcome, each rank checks the same combined digests, and a
+        rank whose check failed stops every rank before its first write. Without it (no
+        coordinator, or a subgroup): every tensor this rank reads any block of, whole.
 
         Raises:
             CorruptCheckpointError: a digest differs (file and tensor named), on this rank or,
@@ -372,14 +373,19 @@ class StorageReader(Located, dcp_storage.StorageReader):
         """
         whole: dict[int, list[str]] = {}
         rows: dict[int, dict[str, list[tuple[int, int]]]] = {}
-        mine = checks.mine if checks is not None else None
-        row_keys = checks.rows if checks is not None else frozenset()
+        agreed = checks is not None and checks.exchange
+        # Without the exchange (no coordinator, or a subgroup of the default group) no rank can
+        # stop another: each checks every tensor it reads any of, whole.
+        mine = checks.mine if agreed else None
+        row_keys = checks.rows if agreed else frozenset()
         for item in plan.items:
             c = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
             if not isinstance(c, StoredChunk):
                 continue
             lengths, offsets = tuple(item.lengths), tuple(item.storage_offsets)
-            if (c.reader, c.key) in row_keys:
+            if not agreed:
+                whole.setdefault(c.reader, []).append(c.key)
+            elif (c.reader, c.key) in row_keys:
                 row = src.readers[c.reader].spec(c.key).nbytes // c.shape[0]
                 dt = _planned(planner, item.dest_index.fqn)
                 spans = ([(g[0].start, g[0].stop) for _, g in shards.local_blocks(dt)] if _scattered(dt)
@@ -398,7 +404,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
                     digests.update(((r, k), d) for k, d in check(whole.get(r, ()), rows.get(r)).items())
         except BaseException as e:  # noqa: BLE001 - raised after the exchange every rank joins
             err = e
-        if checks is None or not checks.exchange:
+        if not agreed:
             if err is not None:
                 raise err
             return
