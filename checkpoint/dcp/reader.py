@@ -365,22 +365,20 @@ class StorageReader(Located, dcp_storage.StorageReader):
         Raises:
             CorruptCheckpointError: a combined digest differs (file and tensor named), on every rank.
         """
-        import torch.distributed as dist
-
         digests: dict[tuple[int, str], dict[int, bytes]] = {}
         err: BaseException | None = None
         try:
             self._read(src, plan, planner, digests)
         except BaseException as e:  # noqa: BLE001 - raised after the exchange every rank joins
             err = e
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, None if err is not None else digests)
+        keys = sorted(checks.rows)
+        merged = _exchange_chunks(src, keys, digests, err is not None)
         if err is not None:
             raise err
-        if any(g is None for g in gathered):
+        if merged is None:
             return  # another rank failed: DCP reports its error on every rank
-        for rd, k in sorted(checks.rows):
-            src.readers[rd].check_chunks(k, {i: d for g in gathered for i, d in g.get((rd, k), {}).items()})
+        for (rd, k), got in zip(keys, merged):
+            src.readers[rd].check_chunks(k, got)
 
     def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, rows: dict | None = None) -> None:
         # Tensors this rank checks against the index's digests (prepare_global_plan); every
@@ -488,6 +486,51 @@ def _checks_of(plan: LoadPlan) -> ChecksPlan | None:
     if isinstance(sd, ChecksPlan):
         return sd
     return ChecksPlan(sd) if isinstance(sd, frozenset) else None
+
+
+def _exchange_chunks(
+    src: _Source, keys: list[tuple[int, str]], digests: dict[tuple[int, str], dict[int, bytes]], failed: bool
+) -> list[dict[int, bytes]] | None:
+    """Every rank's format-3 chunk digests of the tensors ``keys`` (``(reader, key)``, the same
+    sorted list on every rank) merged: per key ``{chunk index: 16-byte digest}`` of the chunks
+    some rank hashed; None on every rank when one of them ``failed`` (its read raised). Called by
+    every rank of the default process group.
+
+    One collective: an ``all_reduce(MAX)`` of a ``uint8`` table with a row of 16 digest bytes and
+    a presence byte per chunk of every key (rows laid out from the keys' sizes, so the same on
+    every rank) and a last row holding the failure flag; a chunk hashed by one rank is its bytes
+    against zeros, by several ranks (replicated rows) the same bytes. Where the default group
+    runs no collective on CPU tensors (NCCL alone), ``all_gather_object`` of the dicts instead
+    (it moves them to the group's device)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    if "gloo" not in backend and backend != "mpi":
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, None if failed else digests)
+        if any(g is None for g in gathered):
+            return None
+        return [{i: d for g in gathered for i, d in g.get(rk, {}).items()} for rk in keys]
+    row = 17
+    counts = [digest.chunk_count(src.readers[rd].spec(k).nbytes, src.readers[rd].digest_chunk) for rd, k in keys]
+    table = bytearray((sum(counts) + 1) * row)
+    base = 0
+    for rk, n in zip(keys, counts):
+        for i, d in digests.get(rk, {}).items() if not failed else ():
+            if 0 <= i < n and len(d) == 16:
+                at = (base + i) * row
+                table[at : at + 16] = d
+                table[at + 16] = 1
+        base += n
+    table[-1] = 1 if failed else 0
+    dist.all_reduce(torch.frombuffer(table, dtype=torch.uint8), op=dist.ReduceOp.MAX)  # in place, in table
+    if table[-1]:
+        return None
+    out, base = [], 0
+    for n in counts:
+        out.append({i: bytes(table[(base + i) * row : (base + i) * row + 16]) for i in range(n) if table[(base + i) * row + 16]})
+        base += n
+    return out
 
 
 def _whole_world(ranks: int) -> bool:
