@@ -14,7 +14,8 @@ Blocks (``--blocks``, comma-separated):
   safetensors' ``safe_open`` + ``get_tensor`` + ``copy_`` into the same tensors (a mapped copy),
   from tmpfs and from disk with a warm page cache; beside them a raw ``os.preadv`` of the same
   bytes into the same targets on as many threads as ours (:func:`raw_preadv`: adjacent tensors in
-  one call, large ones cut in ``pread.PIECE`` pieces, no check).
+  one call, large ones cut in ``pread.PIECE`` pieces, no check), and ours unchecked
+  (:func:`checkpoint_bench.load_unchecked`: what the digest checks cost).
   Goals: >= 1.0x safetensors (tmpfs), >= 0.95x the raw ``preadv`` (warm page cache).
 - ``cold``: the same load from disk with a cold cache: before every timed step the files are
   evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after a sync), or with ``--drop-caches``
@@ -28,7 +29,8 @@ Blocks (``--blocks``, comma-separated):
   ``HuggingFaceStorageReader`` into ``Shard(0)`` and ``Shard(1)`` DTensors on gloo ranks
   (``--worlds``) at each of ``--dcp-mib`` sizes, with :func:`dcp_storage.worker` (each side
   reads what its own writer saved; a time is the slowest rank's; loads interleaved and values
-  checked after every load). Goal: >= 1.0x. On 4 ranks or more a size is capped at
+  checked after every load), and ours unchecked beside them (the same checkpoint read with no
+  digest assigned to any rank: what the checks cost). Goal: >= 1.0x. On 4 ranks or more a size is capped at
   ``--dcp-cap-4`` MiB (default 256: 512 MiB on 4 ranks did not finish in 10 minutes on 2 busy cores).
 
     python tests/bench/goals.py [--mib 512] [--many 20000] [--rounds 5] [--blocks load,cold,save,many,dcp]
@@ -57,7 +59,7 @@ import checkpoint.loading  # noqa: E402,F401  (imported before timing, as safete
 import checkpoint.saving  # noqa: E402,F401
 from checkpoint.storage import pread  # noqa: E402
 from checkpoint.storage.writer import tensor_bytes  # noqa: E402
-from checkpoint_bench import drop_cache, fsync_path, gbs, make_many, ratio_line, rounds, warm  # noqa: E402
+from checkpoint_bench import drop_cache, fsync_path, gbs, load_unchecked, make_many, ratio_line, rounds, warm  # noqa: E402
 
 
 def make_model(total: int, d: int = 768) -> dict[str, torch.Tensor]:
@@ -211,7 +213,7 @@ def block_load(sd: dict, media: list[tuple[str, str]], n: int) -> None:
         load_avg("before")
         try:
             t = rounds({"ours": lambda: checkpoint.load(dst, ours), "safetensors": lambda: st_load(st_file, dst),
-                        "raw": raw}, n)  # fmt: skip
+                        "raw": raw, "unchecked": lambda: load_unchecked(dst, ours)}, n)  # fmt: skip
         finally:
             raw.close()
         check(dst, sd, "load")
@@ -219,6 +221,8 @@ def block_load(sd: dict, media: list[tuple[str, str]], n: int) -> None:
               f"  raw preadv {gbs(size, t['raw'])}")  # fmt: skip
         print(ratio_line("load vs safe_open + copy_ (mapped copy)", t["safetensors"], t["ours"], 1.0))
         print(ratio_line("load vs raw multi-threaded preadv", t["raw"], t["ours"], 0.95))
+        print(ratio_line("load vs the same load unchecked (what the digests cost)", t["unchecked"], t["ours"], None))
+        print(ratio_line("unchecked load vs raw multi-threaded preadv", t["raw"], t["unchecked"], None))
         load_avg("after")
         shutil.rmtree(root, ignore_errors=True)
 
@@ -291,11 +295,12 @@ def block_dcp(root: str, sizes: list[int], worlds: list[int], n: int, repeat: in
             os.makedirs(root)
             try:
                 res = run_ranks(worker, world, root, tensors, rows, cols, n, repeat, ("ours", "torch-hf"),
-                                ("ours", "torch-hf"), backend="gloo", timeout=1800)[0]  # fmt: skip
+                                ("ours", "ours-unchecked", "torch-hf"), backend="gloo", timeout=1800)[0]  # fmt: skip
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             for what in ("load Shard(0)", "load Shard(1)"):
                 print(dcp_ratio(f"torch HF reader / ours, {what}", res["torch-hf"][what], res["ours"][what]))
+                print(dcp_ratio(f"torch HF reader / ours unchecked, {what}", res["torch-hf"][what], res["ours-unchecked"][what]))
             print(dcp_ratio("torch HF writer (+consolidation) / ours, save", res["torch-hf"]["save"], res["ours"]["save"]))
             load_avg("after")
 
