@@ -898,3 +898,29 @@ def test_tied_tensors_written_once_with_save_planner(tmp_path):
     model.config.save_pretrained(once)
     with torch.no_grad():
         assert torch.equal(LlamaForCausalLM.from_pretrained(once).eval()(TOKENS).logits, model(TOKENS).logits)
+
+
+def test_chunk_digest_exchange_merges_each_tensors_chunks_and_fails_alike_on_every_backend(tmp_path, monkeypatch):
+    """The ranks' exchange of row-block chunk digests (one ``all_reduce`` of a table on a group
+    that runs CPU collectives, ``all_gather_object`` on NCCL alone) returns per tensor exactly
+    the chunks some rank hashed, and None when a rank failed, on a world of one."""
+    import torch.distributed as dist
+
+    from checkpoint.dcp import reader as dcp_reader
+
+    t = torch.arange(3 * (1 << 18), dtype=torch.float32).reshape(3, 1 << 18)  # 3 MiB: 3 digest chunks
+    checkpoint.save({"t": t, "s": torch.ones(4)}, tmp_path / "ck")
+    src = dcp_reader._open_source(str(tmp_path / "ck"))
+    keys = [(0, "s"), (0, "t")]
+    sent = {(0, "t"): {0: bytes(range(16)), 2: b"\xff" * 16}, (0, "s"): {0: b"\x00" * 15 + b"\x01"}}
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for backend in ("gloo", "nccl"):  # (NCCL named only: the fallback runs on this gloo group)
+            monkeypatch.setattr(dist, "get_backend", lambda *a, backend=backend, **k: backend)
+            got = dcp_reader._exchange_chunks(src, keys, sent, False)
+            assert got == [sent[(0, "s")], sent[(0, "t")]], backend
+            assert dcp_reader._exchange_chunks(src, keys, sent, True) is None, backend
+            assert dcp_reader._exchange_chunks(src, keys, {}, False) == [{}, {}], backend
+    finally:
+        dist.destroy_process_group()
+        src.close()

@@ -512,7 +512,9 @@ def _exchange_chunks(
             return None
         return [{i: d for g in gathered for i, d in g.get(rk, {}).items()} for rk in keys]
     row = 17
-    counts = [digest.chunk_count(src.readers[rd].spec(k).nbytes, src.readers[rd].digest_chunk) for rd, k in keys]
+    counts = [
+        digest.chunk_count(src.readers[rd].spec(k).nbytes, src.readers[rd].digest_chunk) for rd, k in keys
+    ]
     table = bytearray((sum(counts) + 1) * row)
     base = 0
     for rk, n in zip(keys, counts):
@@ -528,7 +530,8 @@ def _exchange_chunks(
         return None
     out, base = [], 0
     for n in counts:
-        out.append({i: bytes(table[(base + i) * row : (base + i) * row + 16]) for i in range(n) if table[(base + i) * row + 16]})
+        rows = ((i, (base + i) * row) for i in range(n))
+        out.append({i: bytes(table[at : at + 16]) for i, at in rows if table[at + 16]})
         base += n
     return out
 

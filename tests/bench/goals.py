@@ -13,7 +13,7 @@ Blocks (``--blocks``, comma-separated):
   shapes: :func:`make_model`) loaded by ``checkpoint.load`` into preallocated tensors, against
   safetensors' ``safe_open`` + ``get_tensor`` + ``copy_`` into the same tensors (a mapped copy),
   from tmpfs and from disk with a warm page cache; beside them a raw ``os.preadv`` of the same
-  bytes into the same targets on as many threads as ours (:func:`raw_preadv`: adjacent tensors in
+  bytes into the same targets on as many threads as ours (:class:`RawPreadv`: adjacent tensors in
   one call, large ones cut in ``pread.PIECE`` pieces, no check), and ours unchecked
   (:func:`checkpoint_bench.load_unchecked`: what the digest checks cost).
   Goals: >= 1.0x safetensors (tmpfs), >= 0.95x the raw ``preadv`` (warm page cache).
