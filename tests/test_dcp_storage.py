@@ -921,6 +921,8 @@ def test_chunk_digest_exchange_merges_each_tensors_chunks_and_fails_alike_on_eve
             assert got == [sent[(0, "s")], sent[(0, "t")]], backend
             assert dcp_reader._exchange_chunks(src, keys, sent, True) is None, backend
             assert dcp_reader._exchange_chunks(src, keys, {}, False) == [{}, {}], backend
+            with pytest.raises(RuntimeError, match="tensor 't': a chunk digest that is not 16 bytes"):
+                dcp_reader._exchange_chunks(src, keys, {(0, "t"): {1: b"short"}}, False)  # after its collective
     finally:
         dist.destroy_process_group()
         src.close()

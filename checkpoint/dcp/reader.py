@@ -501,13 +501,22 @@ def _exchange_chunks(
     every rank) and a last row holding the failure flag; a chunk hashed by one rank is its bytes
     against zeros, by several ranks (replicated rows) the same bytes. Where the default group
     runs no collective on CPU tensors (NCCL alone), ``all_gather_object`` of the dicts instead
-    (it moves them to the group's device)."""
+    (it moves them to the group's device).
+
+    Raises:
+        RuntimeError: a digest of this rank is not 16 bytes (a defect; after the collective, so
+            no rank waits, and the others return None).
+    """
     import torch.distributed as dist
 
+    bad = next((rk[1] for rk in keys for d in digests.get(rk, {}).values() if len(d) != 16), None)
+    failed = failed or bad is not None  # (xxh3-128 digests are 16 bytes: a defect, raised after the exchange)
     backend = str(dist.get_backend())
     if "gloo" not in backend and backend != "mpi":
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, None if failed else digests)
+        if bad is not None:
+            raise RuntimeError(f"tensor {bad!r}: a chunk digest that is not 16 bytes (a defect)")
         if any(g is None for g in gathered):
             return None
         return [{i: d for g in gathered for i, d in g.get(rk, {}).items()} for rk in keys]
@@ -519,13 +528,15 @@ def _exchange_chunks(
     base = 0
     for rk, n in zip(keys, counts):
         for i, d in digests.get(rk, {}).items() if not failed else ():
-            if 0 <= i < n and len(d) == 16:
+            if 0 <= i < n:  # (an index past the tensor's chunks is not one of them: check_chunks' rule)
                 at = (base + i) * row
                 table[at : at + 16] = d
                 table[at + 16] = 1
         base += n
     table[-1] = 1 if failed else 0
     dist.all_reduce(torch.frombuffer(table, dtype=torch.uint8), op=dist.ReduceOp.MAX)  # in place, in table
+    if bad is not None:
+        raise RuntimeError(f"tensor {bad!r}: a chunk digest that is not 16 bytes (a defect)")
     if table[-1]:
         return None
     out, base = [], 0
