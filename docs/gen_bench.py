@@ -484,6 +484,7 @@ def render(results: dict) -> str:
         "",
         "| script | compares |",
         "|---|---|",
+        "| `goals.py` | every speed goal against its reference in one run: a mixed-dtype model's load against `safe_open` + copy (tmpfs, warm and cold disk), a raw multi-threaded `preadv` and the same load unchecked; save against `save_file`; 20,000 small tensors; `dcp.load` against torch's HF reader into `Shard(0)` / `Shard(1)` on 2 and 4 ranks |",
         "| `checkpoint_bench.py` | save / load against safetensors, a raw `pwrite` and a memory copy, on tmpfs and disk; `--cold` against a raw sequential read; `--dist` on 2 ranks |",
         "| `dist_save.py` | a save on 2 and 4 ranks against `dcp.save`, a raw parallel write and DCP's HF writer with consolidation |",
         "| `dcp_storage.py` | `StorageWriter` / `StorageReader` against torch's HF storage through `dcp.save` / `dcp.load`, `Shard(0)` and `Shard(1)` |",

@@ -93,11 +93,11 @@ def warm(sd) -> None:
         v.fill_(0)
 
 
-def rounds(sides: dict, pairs: int, clear=()) -> dict[str, list[float]]:
+def rounds(sides: dict, pairs: int, clear=(), before=None) -> dict[str, list[float]]:
     """Time each side ``pairs`` times after one untimed round of each; round i starts at side i
     (rotating order). Before each timed
     step the paths in ``clear`` are removed (every side writes new files: freeing the old pages is
-    not part of writing) and os.sync() runs."""
+    not part of writing), os.sync() runs, then ``before()`` when given (untimed: a cache drop)."""
     names = list(sides)
     times: dict[str, list[float]] = {n: [] for n in names}
     for n in names:  # one untimed round: a fresh VM's first touch of memory costs up to 10x
@@ -112,6 +112,8 @@ def rounds(sides: dict, pairs: int, clear=()) -> dict[str, list[float]]:
                     p
                 )
             os.sync()
+            if before is not None:
+                before()
             t = time.perf_counter()
             sides[n]()
             times[n].append(time.perf_counter() - t)

@@ -93,7 +93,10 @@ def _Unchecked(path: str):
     return _unchecked_class()(path)
 
 
-def worker(rank, world, root, n, rows, cols, rounds, repeat):
+def worker(rank, world, root, n, rows, cols, rounds, repeat, sides=SIDES, readers=READERS):
+    """One rank's saves and loads (see the module docstring); ``sides`` save, ``readers`` load
+    (``ours-unchecked`` reads what ``ours`` saved). Returns ``{reader: {kind: [seconds per round]}}``,
+    a time being the slowest rank's."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,7 +110,7 @@ def worker(rank, world, root, n, rows, cols, rounds, repeat):
         for what, d in (("load Shard(0)", 0), ("load Shard(1)", 1))
     }
     kinds = ("save", *targets)
-    times: dict[str, dict[str, list[float]]] = {s: {w: [] for w in kinds} for s in READERS}
+    times: dict[str, dict[str, list[float]]] = {s: {w: [] for w in kinds} for s in readers}
 
     def timed(fn, sync: bool) -> float:
         if sync and rank == 0:
@@ -127,28 +130,28 @@ def worker(rank, world, root, n, rows, cols, rounds, repeat):
         return os.path.join(root, f"{'ours' if side == 'ours-unchecked' else side}-{r}")
 
     for r in range(-1, rounds):  # round -1 warms every side up (imports, first touches); not kept
-        for side in rotated(SIDES, r):
+        for side in rotated(list(sides), r):
             times[side]["save"].append(timed(lambda: dcp.save(sd, storage_writer=_writer(side, path_of(side, r))), True))
         if rank == 0:
             os.sync()  # the saves' dirty pages written back before any load is timed
         for what, target in targets.items():
-            took: dict[str, list[float]] = {s: [] for s in READERS}
+            took: dict[str, list[float]] = {s: [] for s in readers}
             for rep in range(repeat):  # the sides interleaved load by load, order rotating
-                for side in rotated(READERS, r + rep):
+                for side in rotated(list(readers), r + rep):
                     for v in target.values():
                         v.to_local().zero_()
                     took[side].append(timed(lambda: dcp.load(target, storage_reader=_reader(side, path_of(side, r))), False))
                     for i, (k, v) in enumerate(target.items()):
                         if not torch.equal(v.full_tensor(), full(i, rows, cols)):
                             raise AssertionError(f"{side}: {k} loaded wrong values ({what})")
-            for side in READERS:  # this round's time: the median of its loads
+            for side in readers:  # this round's time: the median of its loads
                 times[side][what].append(statistics.median(took[side]))
         dist.barrier()
         if rank == 0:
-            for side in SIDES:
+            for side in sides:
                 shutil.rmtree(path_of(side, r), ignore_errors=True)
         if r < 0:
-            for side in READERS:
+            for side in readers:
                 for ts in times[side].values():
                     if ts:
                         ts.pop()
