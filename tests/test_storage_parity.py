@@ -17,8 +17,8 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 import checkpoint  # noqa: E402
-from checkpoint.cli import main as cli_main  # noqa: E402
 from tests import backends  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 
 ANSWERS: dict[str, dict] = {}
 moto_opts = backends.moto_fixture("par")
@@ -38,14 +38,8 @@ def _trained(seed: int, steps: int):
     return m, opt
 
 
-def _cli(capsys, *argv) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = cli_main([*argv, "--json"])
-    return rc, json.loads(capsys.readouterr().out)
-
-
 def _diff(capsys, a, b) -> tuple[int, dict]:
-    rc, out = _cli(capsys, "diff", a, b)
+    rc, out, _ = run_cli("diff", a, b, capsys=capsys, as_json=True)
     return rc, {part: r["same"] for part, r in out["parts"].items()}
 
 
@@ -81,7 +75,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["load"] = (rep.ok, rep.optimizer_loaded, extra["step"], all(torch.equal(sa[k], st[k]) for k in sa))
 
     # verify, API and CLI
-    ans["verify"] = (checkpoint.verify(a, **kw).ok, _cli(capsys, "verify", a)[0])
+    ans["verify"] = (checkpoint.verify(a, **kw).ok, run_cli("verify", a, capsys=capsys, as_json=True)[0])
 
     # diff: optimizer-only difference, identical copies, and against the local copy of the same save
     ans["diff_a_b"] = _diff(capsys, a, b)
@@ -89,7 +83,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["diff_local_a"] = _diff(capsys, local, a)
 
     # inspect a checkpoint
-    rc, out = _cli(capsys, "inspect", a)
+    rc, out, _ = run_cli("inspect", a, capsys=capsys, as_json=True)
     ans["inspect"] = (rc, out["format"], out["tensors"], out["total_bytes"], out["parts"]["optimizer"]["optimizer_class"],
                       out["parts"]["optimizer"]["tensors"], out["parts"]["extra_state"], "leftovers" in out)  # fmt: skip
 
@@ -104,12 +98,12 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     for step in (1, 2, 3):
         mgr.save(step, m, opt, extra_state={"step": step})
     mgr.wait()
-    rc, out = _cli(capsys, "inspect", f"{root}/run")
+    rc, out, _ = run_cli("inspect", f"{root}/run", capsys=capsys, as_json=True)
     ans["manager"] = (mgr.steps(), rc, out["format"], [(s["step"], s["complete"]) for s in out["steps"]],
                       out["latest"].rsplit("/", 1)[-1])  # fmt: skip
 
     # migrate through the CLI onto the same backend
-    rc, _ = _cli(capsys, "migrate", a, f"{root}/cli-mig")
+    rc, _, _ = run_cli("migrate", a, f"{root}/cli-mig", capsys=capsys, as_json=True)
     ans["cli_migrate"] = (rc, _diff(capsys, a, f"{root}/cli-mig"))
 
     # conversion recipes: reading this backend (written locally), writing to it (save(recipe=),

@@ -1,0 +1,155 @@
+"""Helpers shared by the test files: exact state equality, a tiny model, a few training steps, the CLI.
+
+Import them as ``from tests.helpers import assert_same_state, tiny_model, trained, run_cli``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["assert_same_state", "run_cli", "same_state", "tiny_model", "trained"]
+
+
+def _differences(a: Any, b: Any, where: str, ordered: bool, out: list[str]) -> None:
+    if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+        a, b = a.state_dict(), b.state_dict()
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            out.append(f"{where}: {type(a).__name__} != {type(b).__name__}")
+            return
+        a, b = a.detach(), b.detach()
+        for what in ("dtype", "shape", "device", "layout"):
+            if getattr(a, what) != getattr(b, what):
+                out.append(f"{where}: {what} {getattr(a, what)} != {getattr(b, what)}")
+                return
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        # Bits, not values: nan equals nan, -0.0 differs from 0.0.
+        if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            out.append(f"{where}: tensor values differ")
+        return
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        if (list(a) != list(b)) if ordered else (set(a) != set(b)):
+            out.append(f"{where}: keys {list(a)} != {list(b)}")
+            return
+        for k in a:
+            _differences(a[k], b[k], f"{where}.{k}", ordered, out)
+        return
+    if type(a) is not type(b):
+        out.append(f"{where}: {type(a).__name__} != {type(b).__name__}")
+        return
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{where}: length {len(a)} != {len(b)}")
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            _differences(x, y, f"{where}[{i}]", ordered, out)
+    elif isinstance(a, float):
+        if a.hex() != b.hex():  # bits: nan equals nan, -0.0 differs from 0.0
+            out.append(f"{where}: {a!r} != {b!r}")
+    elif a != b:
+        out.append(f"{where}: {a!r} != {b!r}")
+
+
+def assert_same_state(a: Any, b: Any, *, ordered: bool = False, where: str = "state") -> None:
+    """Assert that ``a`` and ``b`` hold exactly the same state.
+
+    ``a`` and ``b`` are modules (compared by their ``state_dict()``), tensors, or nested mappings,
+    lists and tuples of them and of plain values (an optimizer's ``state_dict()``, extra state).
+    Tensors must agree in dtype, shape, device and layout and bit for bit (``torch.equal`` on their
+    bytes, so nan equals nan and -0.0 differs from 0.0); floats bit for bit; other values by type
+    and ``==``; mappings by key set (``ordered=True``: by key order too), lists and tuples by type,
+    length and element. Raises ``AssertionError`` naming every differing path under ``where``.
+    """
+    out: list[str] = []
+    _differences(a, b, where, ordered, out)
+    assert not out, "\n".join(out[:20])
+
+
+def same_state(a: Any, b: Any, *, ordered: bool = False) -> bool:
+    """``True`` when :func:`assert_same_state` would pass: for code that branches on equality (a rank
+    reporting a check, a trial telling the old values from the new)."""
+    out: list[str] = []
+    _differences(a, b, "state", ordered, out)
+    return not out
+
+
+def tiny_model(*sizes: int, seed: int = 0, norm: bool = False) -> nn.Sequential:
+    """``nn.Sequential`` of ``nn.Linear`` layers through ``sizes`` (default 4 -> 3 -> 2), float32,
+    initialized from ``torch.manual_seed(seed)``; ``norm=True`` appends a ``BatchNorm1d`` (buffers:
+    running statistics and an int64 counter)."""
+    sizes = sizes or (4, 3, 2)
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(i, o) for i, o in zip(sizes, sizes[1:])]
+    if norm:
+        layers.append(nn.BatchNorm1d(sizes[-1]))
+    return nn.Sequential(*layers)
+
+
+def trained(
+    model: nn.Module | None = None,
+    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    steps: int = 1,
+    batch: int = 4,
+    scheduler: bool = False,
+    **opt_kwargs: Any,
+):
+    """``model`` (default :func:`tiny_model`) after ``steps`` optimizer steps on fixed random batches.
+
+    Each step runs ``model(x).sum().backward()`` on a ``[batch, in_features]`` float32 batch (the
+    first ``nn.Linear``'s input size; seeded by the step, so equal calls give equal states), then
+    ``optimizer.step()``, the scheduler's step and ``zero_grad()``. ``opt_kwargs`` go to the optimizer
+    (``lr`` defaults to 0.01). Returns ``(model, optimizer)``, or ``(model, optimizer, scheduler)``
+    with ``scheduler=True`` (a ``LambdaLR`` halving the rate each step).
+    """
+    model = tiny_model() if model is None else model
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    opt = optimizer(model.parameters(), **{"lr": 0.01, **opt_kwargs})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s) if scheduler else None
+    for step in range(steps):
+        x = torch.randn(batch, first.in_features, generator=torch.Generator().manual_seed(step))
+        model(x).sum().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+    return (model, opt, sched) if scheduler else (model, opt)
+
+
+def run_cli(*argv: Any, capsys=None, as_json: bool = False, quiet_warnings: bool = False):
+    """Run the ``fqnckpt`` command line (``checkpoint.cli.main``) in this process with ``argv`` (each
+    item passed through ``str``); returns ``(exit code, stdout, stderr)``.
+
+    With pytest's ``capsys`` the output is read from it (the capture emptied first); without, it is
+    redirected around the call. ``as_json=True`` appends ``--json`` and returns stdout parsed
+    (``json.loads``; a ``json.JSONDecodeError`` when the command printed no JSON).
+    ``quiet_warnings=True`` silences the warnings raised during the call.
+    """
+    code, out, err = _run_cli([str(a) for a in argv] + (["--json"] if as_json else []), capsys, quiet_warnings)
+    return code, (json.loads(out) if as_json else out), err
+
+
+def _run_cli(args: list[str], capsys, quiet_warnings: bool) -> tuple[int, str, str]:
+    from checkpoint.cli import main
+
+    with warnings.catch_warnings() if quiet_warnings else contextlib.nullcontext():
+        if quiet_warnings:
+            warnings.simplefilter("ignore")
+        if capsys is not None:
+            capsys.readouterr()
+            code = main(args)
+            captured = capsys.readouterr()
+            return code, captured.out, captured.err
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+        return code, out.getvalue(), err.getvalue()
