@@ -18,6 +18,11 @@ from torch import nn
 __all__ = ["assert_same_state", "run_cli", "same_state", "tiny_model", "trained"]
 
 
+def _mapping_kind(m: Mapping) -> type:
+    # A state_dict() is an OrderedDict and a snapshot of it a dict: the same kind of state.
+    return dict if isinstance(m, dict) and type(m).__name__ in ("dict", "OrderedDict") else type(m)
+
+
 def _differences(a: Any, b: Any, where: str, ordered: bool, out: list[str]) -> None:
     if isinstance(a, nn.Module) and isinstance(b, nn.Module):
         a, b = a.state_dict(), b.state_dict()
@@ -37,6 +42,9 @@ def _differences(a: Any, b: Any, where: str, ordered: bool, out: list[str]) -> N
             out.append(f"{where}: tensor values differ")
         return
     if isinstance(a, Mapping) and isinstance(b, Mapping):
+        if _mapping_kind(a) is not _mapping_kind(b):
+            out.append(f"{where}: {type(a).__name__} != {type(b).__name__}")
+            return
         if (list(a) != list(b)) if ordered else (set(a) != set(b)):
             out.append(f"{where}: keys {list(a)} != {list(b)}")
             return
@@ -66,8 +74,9 @@ def assert_same_state(a: Any, b: Any, *, ordered: bool = False, where: str = "st
     lists and tuples of them and of plain values (an optimizer's ``state_dict()``, extra state).
     Tensors must agree in dtype, shape, device and layout and bit for bit (``torch.equal`` on their
     bytes, so nan equals nan and -0.0 differs from 0.0); floats bit for bit; other values by type
-    and ``==``; mappings by key set (``ordered=True``: by key order too), lists and tuples by type,
-    length and element. Raises ``AssertionError`` naming every differing path under ``where``.
+    and ``==``; mappings by type (``dict`` and ``OrderedDict`` alike) and key set (``ordered=True``:
+    key order too); lists and tuples by type, length and element. Raises ``AssertionError`` naming
+    every differing path under ``where``.
     """
     out: list[str] = []
     _differences(a, b, where, ordered, out)

@@ -16,6 +16,7 @@ import checkpoint
 from checkpoint.cli.main import main as cli
 from checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from checkpoint.ranks.launch import run_ranks
+from tests.helpers import assert_same_state
 
 
 class Net(nn.Module):
@@ -65,12 +66,6 @@ def _snapshot(model, opt=None):
     return snap
 
 
-def _same(a, b) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
-    )
-
-
 def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, capsys):
     model, opt, src = tutorial
     report = checkpoint.migrate(src, tmp_path / "out", model=Net())
@@ -86,7 +81,7 @@ def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, 
     fresh = Net()
     new_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
     checkpoint.load(fresh, tmp_path / "out", optimizer=new_opt)
-    assert _same(_snapshot(fresh), _snapshot(model))
+    assert_same_state(_snapshot(fresh), _snapshot(model))
     ref, got = opt.state_dict(), new_opt.state_dict()
     assert got["param_groups"] == ref["param_groups"]
     for i, slots in ref["state"].items():
@@ -96,7 +91,7 @@ def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, 
     for m, o in ((model, opt), (fresh, new_opt)):
         m(x).square().sum().backward()
         o.step()
-    assert _same(_snapshot(fresh), _snapshot(model))
+    assert_same_state(_snapshot(fresh), _snapshot(model))
 
     # The CLI says the same: exit 0, and inspect reports the optimizer state.
     assert cli(["migrate", str(src), str(tmp_path / "cli-out")]) == 0
@@ -115,14 +110,14 @@ def test_load_reads_dcp_with_names_resolved(tutorial, tmp_path):
     plain = Net()
     rep = checkpoint.load(plain, src)
     assert rep.ok and rep.loaded_keys == sorted(model.state_dict())
-    assert _same(_snapshot(plain), _snapshot(model))
+    assert_same_state(_snapshot(plain), _snapshot(model))
     wrapped = nn.Module()
     wrapped.model = Net()  # the checkpoint's container prefix "model." is the target's child
     checkpoint.load(wrapped, src)
-    assert _same(_snapshot(wrapped.model), _snapshot(model))
+    assert_same_state(_snapshot(wrapped.model), _snapshot(model))
     sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}  # a plain state_dict target
     checkpoint.load(sd, src)
-    assert _same(sd, _snapshot(model))
+    assert_same_state(sd, _snapshot(model))
 
 
 def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
@@ -132,7 +127,7 @@ def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
     with pytest.raises(CheckpointMismatchError, match="DCP checkpoint") as e:
         checkpoint.load(target, src)
     assert e.value.report.unexpected_keys == ["enc.bias", "enc.weight", "head.bias", "head.weight"]
-    assert _same(_snapshot(target), before)
+    assert_same_state(_snapshot(target), before)
     with pytest.raises(CheckpointError, match="not a parameter of the model"):
         checkpoint.load(Net(), src, optimizer=opt)  # an optimizer of another module
     with pytest.raises(CheckpointError, match="DCP stores no checksums"):
@@ -150,7 +145,7 @@ def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
         checkpoint.load(target, src)
     msg = str(e.value)
     assert "DCP" in msg and data[0] in msg and "rank 0" in msg and "model.enc.weight" in msg
-    assert _same(_snapshot(target), before)
+    assert_same_state(_snapshot(target), before)
     code = cli(["migrate", str(src), str(tmp_path / "out"), "--model", "tests.test_migrate_dcp:Net"])
     assert code == 2 and not (tmp_path / "out").exists()
 
@@ -221,7 +216,8 @@ def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     model, _ = _trained()
     want = _snapshot(model)
     for r in res:
-        assert r["loaded"] == sorted(want) and _same(r["full"], want)
+        assert r["loaded"] == sorted(want)
+        assert_same_state(r["full"], want)
         assert r["opt_loaded"] and sorted(r["opt_state"]) == sorted(want)
         for n, slots in r["want_state"].items():
             assert sorted(slots) == ["exp_avg", "exp_avg_sq", "step"]
@@ -240,7 +236,7 @@ def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     }
     single = Net()  # a single process without a process group reads it too
     checkpoint.load(single, path)
-    assert _same(_snapshot(single), want)
+    assert_same_state(_snapshot(single), want)
 
 
 def test_dcp_hf_rank_shards_load(tmp_path):
@@ -257,7 +253,7 @@ def test_dcp_hf_rank_shards_load(tmp_path):
         )
     target = Net()
     assert checkpoint.load(target, tmp_path / "hf").ok
-    assert _same(_snapshot(target), _snapshot(model))
+    assert_same_state(_snapshot(target), _snapshot(model))
 
 
 def test_small_dcp_items_are_parsed_from_memory_and_large_ones_through_dcps_view(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from checkpoint.errors import (  # noqa: E402
 from checkpoint.ranks.launch import run_ranks  # noqa: E402
 from checkpoint.storage.objstore import TransferConfig, stats  # noqa: E402
 from tests.s3_server import SECRET, FaultProxy, make_bucket, start_moto, storage_options  # noqa: E402
+from tests.helpers import assert_same_state
 
 FAST = TransferConfig(part_size=5 << 20, parts_in_flight=2, retries=3, backoff_s=0.01, max_backoff_s=0.05)
 
@@ -57,13 +58,6 @@ def _objects(url_root: str, opts=None) -> list[str]:
     fs, root = fsspec.core.url_to_fs(url_root, **(opts or {}))
     fs.invalidate_cache()
     return sorted(p[len(root) + 1 :] for p in fs.find(root))
-
-
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 # -- URLs are never local paths ------------------------------------------------------------------
@@ -118,7 +112,7 @@ def test_memory_save_load_overwrite_deletes_only_owned_objects():
     extra = {"step": 0}
     report = checkpoint.load(m2, url, optimizer=opt2, extra_state=extra, verify=True)
     assert report.ok and report.optimizer_loaded and extra == {"step": 7}
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert all(torch.equal(s1[i]["exp_avg_sq"], s2[i]["exp_avg_sq"]) for i in s1)
 
@@ -140,7 +134,7 @@ def test_file_url_is_saved_as_the_local_path(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no "file:" directory
     assert sorted(os.listdir(tmp_path / "ck")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert checkpoint.load(m2, f"file://{tmp_path}/ck").ok
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
 
 
 def test_commit_marker_index_last_and_missing_objects(s3):
@@ -159,19 +153,14 @@ def test_commit_marker_index_last_and_missing_objects(s3):
     with pytest.raises(MissingShardError) as e:
         checkpoint.load(target, url, storage_options=opts)
     assert shard in str(e.value)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)
     # Objects without an index are no checkpoint.
     fs.rm_file("bkt/marker/ck/model.safetensors.index.json")
     fs.pipe_file("bkt/marker/ck/model-00001-of-00001.0123456789ab.safetensors", b"x" * 64)
     with pytest.raises(CheckpointNotFoundError):
         checkpoint.load(target, url, storage_options=opts)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)
     assert CheckpointManager("s3://bkt/marker", storage_options=opts).steps() == []
-
-
-def _same_values(m, before) -> None:
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, before[k]), k
 
 
 def test_remote_reader_offers_the_local_readers_copy_into(tmp_path):
@@ -354,7 +343,7 @@ def test_manager_retention_and_resume_on_s3(s3):
     with pytest.warns(checkpoint.ForeignEntryWarning):
         resumed = CheckpointManager(root, storage_options=opts)
     assert resumed.load_latest(m2, opt2, extra_state=extra) == 3 and extra == {"step": 3}
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
     assert all(
         torch.equal(opt.state_dict()["state"][i]["momentum_buffer"], opt2.state_dict()["state"][i]["momentum_buffer"])
         for i in range(4)
@@ -516,7 +505,7 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     stats.reset()
     assert checkpoint.load(fresh, "s3://bkt/conv/tt", recipe="torchtitan-llama3-to-hf", storage_options=opts).ok
     assert stats.bytes_read >= rep.total_bytes
-    _same(fresh, hf)  # the RoPE permute undone: the original tensors, bit for bit
+    assert_same_state(fresh, hf, ordered=True)  # the RoPE permute undone: the original tensors, bit for bit
     fs, root = fsspec.core.url_to_fs("s3://bkt/conv/tt", **opts)
     # Meta's consolidated.NN.pth files on S3 too, with fqnckpt's record of them
     checkpoint.migrate("s3://bkt/conv/hf", "s3://bkt/conv/meta", recipe="hf-to-meta-llama", storage_options=opts)
@@ -531,4 +520,4 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(MissingShardError):
         checkpoint.load(target, "s3://bkt/conv/tt", recipe="torchtitan-llama3-to-hf", storage_options=opts)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)

@@ -14,6 +14,7 @@ import torch
 import checkpoint
 from checkpoint import CheckpointMismatchError, ChecksumMismatchError, CorruptCheckpointError
 from checkpoint.training.extra_state import EXTRA_STATE_FILE, ExtraStateFile
+from tests.helpers import assert_same_state
 
 
 class Counter:
@@ -58,25 +59,6 @@ def _plain_values():
     }
 
 
-def _same(a, b) -> bool:
-    """Exact equality: types, float bits (nan, -0.0), tensor dtype / shape / bytes."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return a.hex() == b.hex()
-    if isinstance(a, torch.Tensor):
-        return (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 def test_plain_values_roundtrip_exactly_and_fill_the_callers_dict(tmp_path):
     values = _plain_values()
     checkpoint.save(_model(), tmp_path / "ck", extra_state=values)
@@ -85,7 +67,7 @@ def test_plain_values_roundtrip_exactly_and_fill_the_callers_dict(tmp_path):
     report = checkpoint.load(_model(1), tmp_path / "ck", extra_state=target)
     assert id(target) == target_id
     for k in values:
-        assert _same(target[k], values[k]), k
+        assert_same_state(target[k], values[k], ordered=True, where=k)
     assert report.missing_keys == [] and report.unexpected_keys == []
     assert {k for k in report.loaded_keys if k.startswith("extra_state.")} == {
         f"extra_state.{k}" for k in values

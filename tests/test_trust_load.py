@@ -23,6 +23,7 @@ from checkpoint.errors import (
 )
 from checkpoint.optim import OptimizerMismatchError
 from tests.snapshot import Snapshot
+from tests.helpers import assert_same_state
 
 
 class Net(nn.Module):
@@ -391,28 +392,6 @@ def test_aliases_only_when_every_view_property_matches(tmp_path):
 # -- 4. exact optimizer values -------------------------------------------------------------------
 
 
-def _same(a, b, where="") -> None:
-    """Exact equality incl. types: tensors by dtype, shape and bits; floats by bits (nan == nan)."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, float):
-        assert a.hex() == b.hex(), f"{where}: {a} != {b}"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, dict):
-        assert list(a) == list(b) if where.endswith("group") else sorted(a) == sorted(b), (
-            f"{where}: {list(a)} != {list(b)}"
-        )
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _model(sparse=False):
     torch.manual_seed(0)
     if sparse:
@@ -458,8 +437,8 @@ def test_every_torch_optimizer_round_trips_exactly(tmp_path, name):
     assert rep.optimizer_loaded
     a, b = opt.state_dict(), opt2.state_dict()
     assert a["state"].keys() == b["state"].keys()
-    _same(a["param_groups"], b["param_groups"], "param_groups")
-    _same(a["state"], b["state"], "state")
+    assert_same_state(a["param_groups"], b["param_groups"], where="param_groups")
+    assert_same_state(a["state"], b["state"], where="state")
 
 
 def test_edge_hyper_parameters_round_trip_exactly(tmp_path):
@@ -484,7 +463,7 @@ def test_edge_hyper_parameters_round_trip_exactly(tmp_path):
     opt2 = torch.optim.Adam([{"params": [m.weight], "lr": torch.tensor(1.0)}, {"params": [m.bias]}])
     snap_types = type(opt2.param_groups[0]["lr"])
     checkpoint.load(m, tmp_path / "ck", optimizer=opt2)
-    _same(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], "param_groups")
+    assert_same_state(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], where="param_groups")
     assert snap_types is torch.Tensor and math.isnan(opt2.param_groups[1]["lr"])
 
 
@@ -508,8 +487,8 @@ def test_previous_optimizer_encoding_still_loads(tmp_path):
     p.write_text(json.dumps(data))
     opt2 = torch.optim.Adam(m.parameters(), lr=1.0)
     checkpoint.load(m, tmp_path / "ck", optimizer=opt2)
-    _same(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], "param_groups")
-    _same(opt.state_dict()["state"], opt2.state_dict()["state"], "state")
+    assert_same_state(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], where="param_groups")
+    assert_same_state(opt.state_dict()["state"], opt2.state_dict()["state"], where="state")
 
 
 def test_corrupt_optimizer_value_is_named_and_changes_nothing(tmp_path):

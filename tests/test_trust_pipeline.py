@@ -25,6 +25,7 @@ from checkpoint.errors import (
     UnsafePickleError,
 )
 from checkpoint.storage.reader import open_checkpoint
+from tests.helpers import assert_same_state
 
 
 class Net(nn.Module):
@@ -90,17 +91,6 @@ def _save_layout(layout: str, path, model, opt, sched):
         )
 
 
-def _same_state(a, b) -> bool:
-    """Exact equality of nested state (tensors bitwise, dtype and shape included)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 # -- item 4: DCP as a full source ------------------------------------------------------------------
 
 
@@ -114,8 +104,8 @@ def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
         extra.update(train_state=None, dataloader=None)
     rep = checkpoint.load(m2, tmp_path / "dcp", optimizer=o2, extra_state=extra)
     assert rep.ok and rep.optimizer_loaded
-    assert _same_state(m2.state_dict(), model.state_dict())
-    assert _same_state(o2.state_dict(), opt.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(o2.state_dict(), opt.state_dict())
     assert s2.state_dict()["last_epoch"] == 2 and s2.get_last_lr() == sched.get_last_lr()
     if layout == "torchtitan":
         assert extra["train_state"] == {"step": 2, "ntokens_seen": 64} and extra["dataloader"] == {"sample_idx": 5}
@@ -123,7 +113,7 @@ def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
     for m, o in ((model, opt), (m2, o2)):
         m(torch.ones(1, 3)).sum().backward()
         o.step()
-    assert _same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
 
 
 def test_dcp_load_value_checks_are_the_safetensors_ones(tmp_path):
@@ -160,7 +150,8 @@ def test_torchtitan_dcp_migrates_each_entry_to_its_part(tmp_path):
     m2, o2, s2 = _fresh()
     extra = {"lr_scheduler": s2, "train_state": None, "dataloader": None}
     checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state=extra)
-    assert _same_state(o2.state_dict(), opt.state_dict()) and _same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(o2.state_dict(), opt.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
     assert extra["train_state"] == {"step": 2, "ntokens_seen": 64} and s2.last_epoch == 2
 
 
@@ -186,7 +177,8 @@ def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
     m2, o2, s2 = _fresh()
     rng = checkpoint.PerRank(checkpoint.RNGState())  # carried over with the rest of the extra state
     checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state={"sched": s2, "fqnckpt.rng": rng})
-    assert _same_state(o2.state_dict(), opt.state_dict()) and s2.last_epoch == 2
+    assert_same_state(o2.state_dict(), opt.state_dict())
+    assert s2.last_epoch == 2
 
 
 # -- item 2: extra state, validate then mutate, for every source --------------------------------------

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from checkpoint.ranks.launch import run_ranks  # noqa: E402
+from tests.helpers import same_state  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -93,7 +94,8 @@ def _zeros_like(sd: dict, placements=None) -> dict:
 
 
 def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k].full_tensor().cpu(), b[k].full_tensor().cpu()) for k in a)
+    """Same keys, and every DTensor's full tensor the same bits, dtype and shape (on CPU)."""
+    return same_state({k: v.full_tensor().cpu() for k, v in a.items()}, {k: v.full_tensor().cpu() for k, v in b.items()})
 
 
 def _ratio(ref: list[float], ours: list[float]) -> str:
