@@ -9,7 +9,7 @@ import contextlib
 import io
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -91,28 +91,39 @@ def same_state(a: Any, b: Any, *, ordered: bool = False) -> bool:
     return not out
 
 
-def tiny_model(*sizes: int, seed: int = 0, norm: bool = False) -> nn.Sequential:
-    """``nn.Sequential`` of ``nn.Linear`` layers through ``sizes`` (default 4 -> 3 -> 2), float32,
-    initialized from ``torch.manual_seed(seed)``; ``norm=True`` appends a ``BatchNorm1d`` (buffers:
-    running statistics and an int64 counter)."""
+def tiny_model(*sizes: int, seed: int = 0, relu: bool = False, norm: bool = False) -> nn.Module:
+    """A float32 model of ``nn.Linear`` layers through ``sizes`` (default 4 -> 3 -> 2), its values
+    drawn after ``torch.manual_seed(seed)``.
+
+    Two sizes give a bare ``nn.Linear`` (keys ``weight``, ``bias``); more give an ``nn.Sequential``
+    (keys ``0.weight``, ``0.bias``, ...), with an ``nn.ReLU`` between the linears when ``relu`` and a
+    ``BatchNorm1d`` at the end when ``norm`` (buffers: running statistics and an int64 counter).
+    """
     sizes = sizes or (4, 3, 2)
     torch.manual_seed(seed)
-    layers: list[nn.Module] = [nn.Linear(i, o) for i, o in zip(sizes, sizes[1:])]
+    if len(sizes) == 2 and not norm:
+        return nn.Linear(*sizes)
+    layers: list[nn.Module] = []
+    for i, o in zip(sizes, sizes[1:]):
+        layers += [nn.ReLU()] if relu and layers else []
+        layers.append(nn.Linear(i, o))
     if norm:
         layers.append(nn.BatchNorm1d(sizes[-1]))
     return nn.Sequential(*layers)
 
 
 def trained(
-    model: nn.Module | None = None,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
     optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
     *,
+    seed: int = 0,
     steps: int = 1,
     batch: int = 4,
     scheduler: bool = False,
     **opt_kwargs: Any,
 ):
-    """``model`` (default :func:`tiny_model`) after ``steps`` optimizer steps on fixed random batches.
+    """``model`` (default :func:`tiny_model`; a module class or other callable is called after
+    ``torch.manual_seed(seed)``) after ``steps`` optimizer steps on fixed random batches.
 
     Each step runs ``model(x).sum().backward()`` on a ``[batch, in_features]`` float32 batch (the
     first ``nn.Linear``'s input size; seeded by the step, so equal calls give equal states), then
@@ -120,7 +131,11 @@ def trained(
     (``lr`` defaults to 0.01). Returns ``(model, optimizer)``, or ``(model, optimizer, scheduler)``
     with ``scheduler=True`` (a ``LambdaLR`` halving the rate each step).
     """
-    model = tiny_model() if model is None else model
+    if model is None:
+        model = tiny_model(seed=seed)
+    elif not isinstance(model, nn.Module):
+        torch.manual_seed(seed)
+        model = model()
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     opt = optimizer(model.parameters(), **{"lr": 0.01, **opt_kwargs})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s) if scheduler else None

@@ -14,20 +14,12 @@ from safetensors.torch import save_file
 
 import checkpoint
 from tests.helpers import run_cli
-
-
-def _trained(seed=0):
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-    m(torch.randn(5, 3)).sum().backward()
-    opt.step()
-    return m, opt
+from tests.helpers import tiny_model, trained
 
 
 @pytest.fixture
 def manager_root(tmp_path):
-    m, opt = _trained()
+    m, opt = trained(tiny_model(3, 4, norm=True))
     with pytest.warns(checkpoint.ForeignEntryWarning):
         (tmp_path / "root" / "step-abc").mkdir(parents=True)
         mgr = checkpoint.CheckpointManager(tmp_path / "root", async_save=False)

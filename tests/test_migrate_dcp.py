@@ -17,6 +17,7 @@ from checkpoint.cli.main import main as cli
 from checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from checkpoint.ranks.launch import run_ranks
 from tests.helpers import assert_same_state
+from tests.helpers import trained
 
 
 class Net(nn.Module):
@@ -27,17 +28,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.enc(x)))
-
-
-def _trained(steps: int = 2):
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for i in range(steps):
-        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(i))).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
 
 
 def _dcp_save(state, path):
@@ -53,7 +43,7 @@ def tutorial(tmp_path):
     """``dcp.save({"model": ..., "optim": ...})`` as the DCP tutorial does (get_state_dict)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _trained()
+    model, opt = trained(Net, steps=2, weight_decay=0.1)
     msd, osd = get_state_dict(model, opt)
     _dcp_save({"model": msd, "optim": osd}, tmp_path / "dcp")
     return model, opt, tmp_path / "dcp"
@@ -157,7 +147,7 @@ def _sharded_worker(rank, world, path):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     sd = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -213,7 +203,7 @@ def _sharded_worker(rank, world, path):
 def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     path = str(tmp_path / "dcp2")
     res = run_ranks(_sharded_worker, 2, path, backend="gloo", timeout=180)
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     want = _snapshot(model)
     for r in res:
         assert r["loaded"] == sorted(want)
@@ -243,7 +233,7 @@ def test_dcp_hf_rank_shards_load(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(

@@ -19,6 +19,7 @@ pytest.importorskip("moto")
 import checkpoint  # noqa: E402
 from tests import backends  # noqa: E402
 from tests.helpers import run_cli  # noqa: E402
+from tests.helpers import tiny_model, trained
 
 ANSWERS: dict[str, dict] = {}
 moto_opts = backends.moto_fixture("par")
@@ -26,16 +27,6 @@ moto_opts = backends.moto_fixture("par")
 
 def _roots(backend, tmp_path, moto_opts):
     return backends.fresh(backend, tmp_path, moto_opts, "par")
-
-
-def _trained(seed: int, steps: int):
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.Adam(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        m(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    return m, opt
 
 
 def _diff(capsys, a, b) -> tuple[int, dict]:
@@ -55,7 +46,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans: dict = {}
 
     # save: model, optimizer, extra state; a user's object beside the shards stays through overwrite
-    m, opt = _trained(0, 2)
+    m, opt = trained(tiny_model(seed=0), torch.optim.Adam, steps=2)
     local = str(tmp_path / "local-a")
     for where, where_kw in ((a, kw), (same_as_a, kw), (local, {})):
         checkpoint.save(m, where, optimizer=opt, extra_state={"step": 2}, **where_kw)
@@ -68,7 +59,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["user_object_kept"] = _get_user_object(b, opts)
 
     # load (strict, verified) into a fresh model and optimizer
-    mt, ot = _trained(1, 1)
+    mt, ot = trained(tiny_model(seed=1), torch.optim.Adam, steps=1)
     extra = {"step": None}
     rep = checkpoint.load(mt, a, optimizer=ot, extra_state=extra, verify=True, **kw)
     sa, st = m.state_dict(), mt.state_dict()
@@ -89,7 +80,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
 
     # migrate (fqnckpt -> fqnckpt on the same backend), then load it
     mig = checkpoint.migrate(a, f"{root}/mig", **kw)
-    mm, _ = _trained(2, 0)
+    mm, _ = trained(tiny_model(seed=2), torch.optim.Adam, steps=0)
     ans["migrate"] = (bool(mig.written), sorted(mig.keys_written) if hasattr(mig, "keys_written") else None,
                       checkpoint.load(mm, f"{root}/mig", **kw).ok, torch.equal(mm[0].weight, m[0].weight))  # fmt: skip
 

@@ -33,6 +33,7 @@ from checkpoint.ranks.launch import run_ranks  # noqa: E402
 from checkpoint.storage.objstore import TransferConfig, stats  # noqa: E402
 from tests.s3_server import SECRET, FaultProxy, make_bucket, start_moto, storage_options  # noqa: E402
 from tests.helpers import assert_same_state
+from tests.helpers import tiny_model
 
 FAST = TransferConfig(part_size=5 << 20, parts_in_flight=2, retries=3, backoff_s=0.01, max_backoff_s=0.05)
 
@@ -45,11 +46,6 @@ def s3():
     yield {"port": port, "opts": storage_options(port), "proxy": proxy, "popts": storage_options(proxy.port)}
     proxy.stop()
     server.stop()
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
 
 
 def _objects(url_root: str, opts=None) -> list[str]:
@@ -65,7 +61,7 @@ def _objects(url_root: str, opts=None) -> list[str]:
 
 def test_unknown_scheme_refused_everywhere_nothing_written_locally(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    m = _model()
+    m = tiny_model(6, 5, 3)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     calls = [
         lambda: checkpoint.save(m, "nosuchfs://b/run/ck"),
@@ -88,7 +84,7 @@ def test_unknown_scheme_refused_everywhere_nothing_written_locally(tmp_path, mon
 
 def test_memory_save_load_overwrite_deletes_only_owned_objects():
     url = "memory://t1/run/ck"
-    m, m2 = _model(0), _model(1)
+    m, m2 = tiny_model(6, 5, 3, seed=0), tiny_model(6, 5, 3, seed=1)
     opt = torch.optim.Adam(m.parameters())
     m(torch.randn(2, 6)).sum().backward()
     opt.step()
@@ -129,7 +125,7 @@ def test_file_url_is_saved_as_the_local_path(tmp_path, monkeypatch):
     """``file://`` is the local byte store: committed by rename like a plain path (Hugging Face's
     file names, no token), read back through the URL."""
     monkeypatch.chdir(tmp_path)
-    m, m2 = _model(7), _model(8)
+    m, m2 = tiny_model(6, 5, 3, seed=7), tiny_model(6, 5, 3, seed=8)
     checkpoint.save(m, f"file://{tmp_path}/ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no "file:" directory
     assert sorted(os.listdir(tmp_path / "ck")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
@@ -139,7 +135,7 @@ def test_file_url_is_saved_as_the_local_path(tmp_path, monkeypatch):
 
 def test_commit_marker_index_last_and_missing_objects(s3):
     url, opts = "s3://bkt/marker/ck", s3["opts"]
-    m = _model(2)
+    m = tiny_model(6, 5, 3, seed=2)
     checkpoint.save(m, url, storage_options=opts)
     import s3fs
 
@@ -148,7 +144,7 @@ def test_commit_marker_index_last_and_missing_objects(s3):
     shard = next(iter(index["metadata"]["fqnckpt"]["files"]))
     # An index naming an absent object: refused before any tensor changes.
     fs.rm_file(f"bkt/marker/ck/{shard}")
-    target = _model(3)
+    target = tiny_model(6, 5, 3, seed=3)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(MissingShardError) as e:
         checkpoint.load(target, url, storage_options=opts)
@@ -205,7 +201,7 @@ def test_multipart_bounded_memory_and_ranged_reads(s3):
 def test_injected_5xx_and_throttling_retried_then_named_errors(s3):
     proxy, opts = s3["proxy"], s3["popts"]
     url = "s3://bkt/faults/ck"
-    m = _model(4)
+    m = tiny_model(6, 5, 3, seed=4)
     proxy.clear()
     proxy.add("PUT", "partNumber=1", 503, times=2)  # throttled (SlowDown)
     proxy.add("PUT", "partNumber=2", 500, times=1)  # InternalError
@@ -324,7 +320,7 @@ def test_manager_retention_and_resume_on_s3(s3):
     fs.pipe_file("bkt/mgr/step-00000000/mine.txt", b"not fqnckpt's")
     with pytest.warns(checkpoint.ForeignEntryWarning, match="step-notes.txt"):
         mgr = CheckpointManager(root, keep_latest=2, storage_options=opts)
-    m = _model(5)
+    m = tiny_model(6, 5, 3, seed=5)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     for step in (1, 2, 3):
         m(torch.randn(2, 6)).sum().backward()
@@ -338,7 +334,7 @@ def test_manager_retention_and_resume_on_s3(s3):
     assert "step-notes.txt" in objs and "step-00000000/mine.txt" in objs  # foreign objects stay
     left0 = sorted(o for o in objs if o.startswith("step-00000000/"))  # the killed save's leftover goes
     assert left0 == ["step-00000000/mine.txt", "step-00000000/model-00001-of-00001.fedcba987654.safetensors"]
-    m2, extra = _model(6), {"step": None}
+    m2, extra = tiny_model(6, 5, 3, seed=6), {"step": None}
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     with pytest.warns(checkpoint.ForeignEntryWarning):
         resumed = CheckpointManager(root, storage_options=opts)
@@ -465,13 +461,13 @@ def test_cli_inspect_verify_diff_on_s3_through_fsspec_config(s3, monkeypatch, ca
 
     monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3["opts"]))  # what FSSPEC_S3_* env vars set
     url = "s3://bkt/cli/ck"
-    checkpoint.save(_model(9), url, storage_options=s3["opts"])
+    checkpoint.save(tiny_model(6, 5, 3, seed=9), url, storage_options=s3["opts"])
     capsys.readouterr()
     assert cli_main(["inspect", url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["format"] == "safetensors-sharded" and data["tensors"] == 4
     assert cli_main(["verify", url]) == 0 and "OK" in capsys.readouterr().out
-    checkpoint.save(_model(10), "s3://bkt/cli/other", storage_options=s3["opts"])
+    checkpoint.save(tiny_model(6, 5, 3, seed=10), "s3://bkt/cli/other", storage_options=s3["opts"])
     capsys.readouterr()
     assert cli_main(["diff", url, "s3://bkt/cli/other"]) == 1  # same keys, other values
     out = capsys.readouterr().out

@@ -26,6 +26,7 @@ from checkpoint.errors import (
 )
 from checkpoint.storage.reader import open_checkpoint
 from tests.helpers import assert_same_state
+from tests.helpers import trained
 
 
 class Net(nn.Module):
@@ -36,19 +37,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.enc(x)))
-
-
-def _trained(seed: int = 0):
-    torch.manual_seed(seed)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
-    for i in range(2):
-        model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).sum().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return model, opt, sched
 
 
 def _fresh(seed: int = 5):
@@ -96,7 +84,7 @@ def _save_layout(layout: str, path, model, opt, sched):
 
 @pytest.mark.parametrize("layout", ["get_state_dict", "torchtitan"])
 def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     _save_layout(layout, tmp_path / "dcp", model, opt, sched)
     m2, o2, s2 = _fresh()
     extra = {"lr_scheduler": s2}
@@ -131,7 +119,7 @@ def test_dcp_load_value_checks_are_the_safetensors_ones(tmp_path):
 
 
 def test_torchtitan_dcp_migrates_each_entry_to_its_part(tmp_path):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     _save_layout("torchtitan", tmp_path / "dcp", model, opt, sched)
     rep = checkpoint.migrate(tmp_path / "dcp", tmp_path / "out")
     assert rep.entry_kinds["optimizer"] == "optimizer"
@@ -168,7 +156,7 @@ def test_dcp_entries_that_cannot_be_placed_stop_the_migration(tmp_path):
 
 
 def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     mgr = checkpoint.CheckpointManager(tmp_path / "run")
     mgr.save(3, model, optimizer=opt, extra_state={"sched": sched})
     mgr.wait()
@@ -242,7 +230,7 @@ CASES = [(s, r) for s in ("fqnckpt", "manager", "dcp") for r in REJECTIONS if no
 
 @pytest.mark.parametrize("source,rejection", CASES)
 def test_extra_state_rejection_changes_nothing(tmp_path, source, rejection):
-    model, opt, _ = _trained()
+    model, opt, _ = trained(Net, steps=2, scheduler=True)
     stored, target = REJECTIONS[rejection]
     _write(source, tmp_path / "ck", model, opt, {"a": Counter(4), **stored(opt)})
     m2, o2, _ = _fresh()
