@@ -1,4 +1,4 @@
-"""Crash trials shared by ``tests/test_reliability_crash.py`` and ``tests/bench/reliability_report.py``.
+"""Crash trials shared by ``tests/test_crash_safety.py`` and ``tests/bench/reliability_report.py``.
 
 A *zygote* subprocess (this file run by path with ``serve``) imports torch once and forks one
 child per trial, in its own process group: the child saves deterministic "new" values over a path
@@ -633,4 +633,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["serve"]:
         serve()
     else:
-        sys.exit("usage: crash_worker.py serve (started by tests/test_reliability_crash.py)")
+        sys.exit("usage: crash_worker.py serve (started by tests/test_crash_safety.py)")

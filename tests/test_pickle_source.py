@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from snapshot import Snapshot
-from test_trust_pipeline import Net
+from test_dcp_source import Net
 
 import checkpoint
 from checkpoint.errors import CheckpointMismatchError, CheckpointNotFoundError, LossyConversionError, UnsupportedFormatError
