@@ -1,4 +1,4 @@
-"""Every error is ours (issue 10 item 11, case A11): malformed pickles, tensors without flat bytes,
+"""Every error is ours: malformed pickles, tensors without flat bytes,
 dtypes safetensors cannot hold, DCP's BaseException-derived errors. The public API raises our
 exception naming file and key; the CLI exits 2 with one line on stderr and, with ``--json``
 (before or after the subcommand), one JSON object on stdout with ``error``, ``file``, ``key``."""

@@ -1,4 +1,4 @@
-"""The CLI reads everything fqnckpt writes (issue 19 item 6): ``inspect`` shows each part (model,
+"""The CLI reads everything fqnckpt writes: ``inspect`` shows each part (model,
 optimizer, extra state) of a checkpoint and a CheckpointManager root's steps; ``diff --part``
 compares model, optimizer and extra state; the names of one tied tensor are one tensor; every
 dtype and shape the formats hold compares without a crash (0-dim, bool, complex, conj / neg

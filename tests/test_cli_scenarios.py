@@ -1,4 +1,4 @@
-"""What a user of the ``fqnckpt`` command line meets (issue 13 items 2, 4-7): verify on checkpoints
+"""What a user of the ``fqnckpt`` command line meets: verify on checkpoints
 of other tools, diff across naming schemes, tensor counts, ambiguous folders, progress bars,
 the demo printing as it goes, and nothing left behind."""
 

@@ -1,7 +1,7 @@
-"""Issue 19 (trust, round 3): one pipeline from every source. Crafted pickles reach no global
-outside the exact allowlist (item 3); DCP is a full source for load (optimizer, extra state) and
-migrate (every top-level entry classified, item 4); extra state is validated, then applied, for
-every source (item 2); migrating an fqnckpt checkpoint keeps its optimizer (item 6)."""
+"""One pipeline from every source. DCP is a full source for load (optimizer, extra state) and
+migrate (every top-level entry classified); extra state is validated, then applied, for every
+source; migrating an fqnckpt checkpoint keeps its optimizer; crafted pickles reach no global
+outside the exact allowlist."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _save_layout(layout: str, path, model, opt, sched):
         )
 
 
-# -- item 4: DCP as a full source ------------------------------------------------------------------
+# -- DCP as a full source --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["get_state_dict", "torchtitan"])
@@ -105,7 +105,7 @@ def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
 
 
 def test_dcp_load_value_checks_are_the_safetensors_ones(tmp_path):
-    """A25 as a test: range-narrowing conversions are checked by value, target unchanged."""
+    """Range-narrowing conversions are checked by value, target unchanged."""
     _dcp_save({"w": torch.tensor([1e6, 1.0]), "i": torch.tensor([2**40 + 7, 3])}, tmp_path / "dcp")
     for name, dt in (("w", torch.float16), ("i", torch.int32)):
         target = {name: torch.zeros(2, dtype=dt)}
@@ -149,7 +149,7 @@ def test_dcp_entries_that_cannot_be_placed_stop_the_migration(tmp_path):
     with pytest.raises(AmbiguousSourceError, match="ema"):
         checkpoint.migrate(tmp_path / "a", tmp_path / "oa")
     assert not (tmp_path / "oa").exists()
-    # bytes entries (torchtitan's dataloader) are placed since issue 32: carried exactly as extra state
+    # bytes entries (torchtitan's dataloader) are placed: carried exactly as extra state
     _dcp_save({**model.state_dict(), "dataloader": {"blob": b"\x00\x01"}}, tmp_path / "b")
     rep = checkpoint.migrate(tmp_path / "b", tmp_path / "ob")
     assert "dataloader" in rep.extra_state
@@ -169,7 +169,7 @@ def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
     assert s2.last_epoch == 2
 
 
-# -- item 2: extra state, validate then mutate, for every source --------------------------------------
+# -- extra state, validate then mutate, for every source ----------------------------------------------
 
 
 class Counter:
@@ -246,7 +246,7 @@ def test_extra_state_rejection_changes_nothing(tmp_path, source, rejection):
     assert extra["a"].n == 9 and len(o2.state) == 0
 
 
-# -- item 3: unpickling, exact (module, name) pairs --------------------------------------------------
+# -- unpickling, exact (module, name) pairs ---------------------------------------------------------
 
 
 def _su(s: str) -> bytes:

@@ -1,4 +1,4 @@
-"""torchtitan's real DCP checkpoints (issue 32): built as torchtitan's ``CheckpointManager.save``
+"""torchtitan's real DCP checkpoints: built as torchtitan's ``CheckpointManager.save``
 builds them (model state flattened to the top level, ``optimizer`` from
 ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``, ``lr_scheduler``, ``dataloader``
 holding ``{"dp_rank_0": pickle.dumps(state), "world_size": 1}`` as torchtitan's

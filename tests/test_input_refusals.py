@@ -1,6 +1,6 @@
-"""Adversarial inputs found by review: each test pins one defect that was fixed (bad input must
-raise our specific error naming the file / key, never load wrong values, never hang, and the CLI
-must exit 2 with one line). Inputs are crafted in tmp_path per the safetensors / HF index specs.
+"""Crafted inputs that a reader must refuse: each test pins one kind of bad input (it raises our
+specific error naming the file / key, never loads wrong values, never hangs, and the CLI exits 2
+with one line). Inputs are crafted in tmp_path per the safetensors / HF index specs.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_empty_state_dict_round_trips(tmp_path):
     ids=["nested_vs_dotted", "int_vs_str_key"],
 )
 def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
-    """Both entries became one tensor name and the first was silently dropped."""
+    """Two entries that flatten to one tensor name are refused: one of them would be dropped silently."""
     from checkpoint.migrating import migrate
 
     src = tmp_path / "m.pt"

@@ -59,7 +59,7 @@ def _abort(rank, world_size):
 
 
 def test_rank_killed_by_a_signal_is_named_with_its_signal_and_its_stack_kept(tmp_path, monkeypatch):
-    """Crash evidence (issue 34): the failure's message holds the killed rank's faulthandler
+    """Crash evidence: the failure's message holds the killed rank's faulthandler
     stack (every thread), and the file holding it is kept; files of clean ranks are removed."""
     import os
 
@@ -173,7 +173,7 @@ def _segfault_beside_gloo(rank, world_size):
 
 
 def test_rank_killed_by_sigsegv_keeps_every_threads_native_stack(tmp_path, monkeypatch, capfd):
-    """Issue 34: faulthandler shows Python frames only, and gloo's worker threads run CPython code
+    """Faulthandler shows Python frames only, and gloo's worker threads run CPython code
     with no Python frame; a killed rank's C++ stacks of every thread (c10's fatal-signal report,
     gloo's pt_gloo_runloop workers included) are in the failure's message and its kept file, and
     the rank's stderr still reaches the caller's."""
@@ -212,7 +212,7 @@ def _corrupt_heap(rank, world_size):
 
 
 def test_rank_aborted_by_a_corrupted_heap_keeps_its_python_stack(tmp_path, monkeypatch):
-    """The CI crash's face (issue 34): glibc aborts on a corrupted heap. faulthandler's stack is
+    """A corrupted heap: glibc aborts on a corrupted heap. faulthandler's stack is
     written before c10's native report runs (that one allocates, and on this heap dies itself)."""
     monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
     with pytest.raises(RankFailedError) as e:

@@ -1,4 +1,4 @@
-"""Trust on load (issue 10 items 1, 2, 6, 8): validate, then mutate; meta targets; names never
+"""Load validates, then mutates: meta targets; names never
 changed by string alone; exact optimizer values. Every rejection is checked with one bit-exact
 snapshot of model and optimizer (tests/snapshot.py)."""
 
@@ -82,7 +82,7 @@ class Fewer(nn.Module):
 @pytest.mark.parametrize("kind", sorted(REJECTIONS))
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["same-dtype", "dtype=bf16"])
 def test_rejected_load_leaves_model_and_optimizer_bit_identical(tmp_path, kind, dtype):
-    """A01 kind: with or without dtype= / optimizer=, every rejection happens before any change."""
+    """With or without dtype= / optimizer=, every rejection happens before any change."""
     _, d = saved_net(tmp_path, optimizer=kind != "optimizer missing")
     path, kw, exc = REJECTIONS[kind](d)
     target = kw.pop("_target", None)
@@ -129,7 +129,7 @@ def _inference_net():
     ids=["expanded-buffer", "inference-mode-model"],
 )
 def test_target_that_cannot_take_the_copy_is_refused_before_any_copy(tmp_path, make, key, needle):
-    """A02 kind: found in the plan, named, nothing copied (a.weight and a.bias come before b)."""
+    """Found in the plan, named, nothing copied (a.weight and a.bias come before b)."""
     _, d = saved_net(tmp_path)
     m = make()
     snap = Snapshot(m)
@@ -317,7 +317,7 @@ class HasModuleChild(nn.Module):
 
 
 def test_plain_state_dict_saved_with_keys_as_given(tmp_path):
-    """A16 kind: a real child named ``module``, a key that is exactly ``module``, wrapper-looking
+    """A real child named ``module``, a key that is exactly ``module``, wrapper-looking
     segments anywhere: stored as given, and the state_dict loads back strictly into the model."""
     m = HasModuleChild()
     idx = checkpoint.save(m.state_dict(), tmp_path / "a")
@@ -351,7 +351,7 @@ def test_wrapper_keys_resolved_only_through_the_model(tmp_path):
     [("weight", "module.weight"), ("_orig_mod.weight", "module.weight"), ("_orig_mod.weight", "weight")],
 )
 def test_two_spellings_of_one_tensor_refused_when_values_differ(tmp_path, keys):
-    """A17 kind: refused naming both keys and the file; equal values load strictly."""
+    """Refused naming both keys and the file; equal values load strictly."""
     p = tmp_path / "c.safetensors"
     save_file(
         {keys[0]: torch.full((2, 2), 1.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p)
@@ -442,7 +442,7 @@ def test_every_torch_optimizer_round_trips_exactly(tmp_path, name):
 
 
 def test_edge_hyper_parameters_round_trip_exactly(tmp_path):
-    """A23 kind: inf, -inf, nan, -0.0, huge ints, tensor lr, tensor betas, None, bool, str, tuple,
+    """Inf, -inf, nan, -0.0, huge ints, tensor lr, tensor betas, None, bool, str, tuple,
     nested dict, all exact; the stored index is plain JSON (no NaN / Infinity tokens)."""
     m = nn.Linear(2, 2)
     opt = torch.optim.Adam(
@@ -557,7 +557,7 @@ def test_snapshot_helper_sees_every_kind_of_change():
 
 
 def test_targets_sharing_memory_are_found_among_many_and_through_another_storage(tmp_path):
-    """The overlap sweep runs by address over every target (issue 22: no storage asked of the
+    """The overlap sweep runs by address over every target (no storage asked of the
     10^4 targets that share nothing): views of one buffer amid many other tensors, and a view
     made through another storage object of the same memory (``torch.from_numpy``)."""
     d = tmp_path / "ck"

@@ -1,6 +1,5 @@
-"""Hostile inputs on the read and write paths added in the last rounds (header checks from bytes,
-column-block reads, the DCP readers): each test pins one kind of defect found by trying to break
-them. Bad input raises our error naming file and tensor (never a bare ``ValueError`` /
+"""Malformed inputs on the read and write paths (header checks from bytes, column-block reads,
+the DCP readers): each test pins one kind of malformed input. Bad input raises our error naming file and tensor (never a bare ``ValueError`` /
 ``TypeError`` from numpy or torch), nothing is half-loaded, and every reader says the same as
 ``verify``."""
 
@@ -80,7 +79,7 @@ _F32 = b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
     "header",
     [
         # the second entry's key spelled with an escape: safetensors (serde) keeps the last entry,
-        # and the count of the literal word "data_offsets" no longer betrayed the repeat
+        # and the count of the literal word "data_offsets" does not betray the repeat
         b'{"a":{"dtype":"F32","shape":[1],"d\\u0061ta_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
         b'{"\\u0061":' + _F32 + b',"a":' + _F32 + b"}",
         b'{"a":' + _F32 + b',"a":' + _F32 + b"}",

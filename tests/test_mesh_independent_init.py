@@ -526,7 +526,7 @@ def test_init_is_bit_identical_on_every_mesh():
     for (mesh, plan), d in table.items():
         print(f"  mesh {mesh:4s} {plan:38s} {d:g}")
     assert all(d == 0.0 for d in table.values()), table
-    # Writes through views, ties, transformers models, the parallel module of A54's embedding.
+    # Writes through views, ties, transformers models, the parallel module of a tied embedding.
     assert {mesh for mesh, _ in views} == {"1", "2", "4", "2x2"}
     assert {case for _, case in views} >= {
         "views Shard(0)",

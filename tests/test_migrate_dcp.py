@@ -1,4 +1,4 @@
-"""DCP as a first-class source (issue 13 item 3): ``load(module, dcp_dir)`` through
+"""DCP as a first-class source: ``load(module, dcp_dir)`` through
 torch.distributed.checkpoint, ``migrate`` of the tutorial layout ``{"model", "optim"}`` into model
 and optimizer files, true per-file figures in ``inspect``, errors that name DCP."""
 
@@ -247,7 +247,7 @@ def test_dcp_hf_rank_shards_load(tmp_path):
 
 
 def test_small_dcp_items_are_parsed_from_memory_and_large_ones_through_dcps_view(tmp_path, monkeypatch):
-    """Issue 22: an item up to SLICE_IN_MEMORY bytes is read in one call and torch.load parses it
+    """An item up to SLICE_IN_MEMORY bytes is read in one call and torch.load parses it
     from BytesIO (C seek / read); a larger one keeps DCP's file view; values are equal either way."""
     import io
 

@@ -1,4 +1,4 @@
-"""Each naming kind migrates to eager FQNs, and nothing is guessed (B13, B28, collisions, rules)."""
+"""Each naming kind migrates to eager FQNs, and nothing is guessed (weight_norm spellings, prefixes, collisions, rules)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Paths as users type them (issue 32): relative, ``./x/``, trailing slash, ``~`` and a symlinked
+"""Paths as users type them: relative, ``./x/``, trailing slash, ``~`` and a symlinked
 parent work for every layout, in ``load`` and every CLI command, and each directory is read as one
 source, the same in every command (DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
 with consolidation: the consolidated Hugging Face files, not ``sharded/``)."""

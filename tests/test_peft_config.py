@@ -63,7 +63,7 @@ def saved(tmp_path_factory):
     ({"target_modules": ["q_proj"]}, {"target_modules": (["q_proj", "v_proj"], ["q_proj"])}),
 ])
 def test_a_target_built_with_another_config_is_refused_before_any_tensor_changes(saved, where, cfg, fields):
-    # Before: loaded without a word; logits off (0.47 for alpha 64 vs 16, 0.23 for rsLoRA).
+    # Loaded without a word, the logits would be off (0.47 for alpha 64 vs 16, 0.23 for rsLoRA).
     root, _ = saved
     target = lora(1, **cfg)
     before = snapshot(target)

@@ -1,4 +1,4 @@
-"""Issue 19 items 1 and 2 (round-3 review): ``load`` of a ``torch.save`` pickle goes through the
+"""``load`` of a ``torch.save`` pickle goes through the
 one pipeline (same names, value checks, optimizer planner as safetensors / DCP); ``verify``
 reads through the plan stage's read check; optimizer state of another optimizer kind is refused
 before anything changes, torch's own extras (``initial_lr``, version flags) are not."""
@@ -19,7 +19,7 @@ from checkpoint.optim import OptimizerMismatchError
 from tests.helpers import assert_same_state, trained
 
 
-# -- item 1: torch.save pickles through load -------------------------------------------------------
+# -- torch.save pickles through load ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["state_dict", "compiled", "ddp", "legacy", "model+optimizer"])
@@ -118,7 +118,7 @@ def test_verify_reads_through_the_plan_stage_check(tmp_path, monkeypatch):
     ]
 
 
-# -- item 4: another optimizer kind's state --------------------------------------------------------
+# -- another optimizer kind's state ----------------------------------------------------------------
 
 
 def _save_both(tmp_path, m, o):

@@ -1,4 +1,4 @@
-"""``from_pretrained`` of ``checkpoint.save`` gets the trained model whatever wrapped it (issue 32):
+"""``from_pretrained`` of ``checkpoint.save`` gets the trained model whatever wrapped it:
 config.json names the eager class and every tensor its eager name for ``torch.compile``,
 ``checkpoint_wrapper``, ``DataParallel`` and peft's ``PeftModel`` (adapter beside the base, or
 merged). Oracles: transformers' ``from_pretrained`` and peft's ``PeftModel.from_pretrained`` /

@@ -40,8 +40,8 @@ def test_normalize_url(url, want):
 
 
 def test_url_keys_are_normalised_as_local_paths_are():
-    # Before: s3://b//ck (and memory://) wrote every object under "b/" + "/ck/...", a folder
-    # named "" that `s3://b/ck` does not read.
+    # s3://b//ck (and memory://) writes under "b/ck/...", never under "b/" + "/ck/..." (a folder
+    # named "" that `s3://b/ck` does not read).
     import fsspec
 
     fs = fsspec.filesystem("memory")
@@ -58,8 +58,8 @@ def test_url_keys_are_normalised_as_local_paths_are():
 
 @pytest.mark.parametrize("how", ["save", "async_save", "migrate"])
 def test_a_save_into_a_folder_inside_another_checkpoint_is_refused(tmp_path, how):
-    # Before: save and migrate wrote the inner checkpoint inside the outer one's folder (the DCP
-    # StorageWriter already refused it).
+    # save and migrate refuse it as the DCP StorageWriter does: nothing is written inside the
+    # outer checkpoint's folder.
     outer = tmp_path / "outer"
     checkpoint.save(tiny_model(), outer)
     src = tmp_path / "src"
@@ -93,7 +93,7 @@ def test_dcp_writer_and_save_share_the_nested_rule(tmp_path):
 
 @pytest.mark.parametrize("size", [1.5, 2.0, "1.5", True])
 def test_max_shard_size_takes_an_int_or_a_size_string_only(tmp_path, size):
-    # Before: 1.5 (and "1.5") was taken as 1 byte: one file per tensor, without a word.
+    # Refused by name: 1.5 (or "1.5") taken as 1 byte would write one file per tensor, without a word.
     with pytest.raises(ValueError, match="max_shard_size") as e:
         checkpoint.save(tiny_model(), tmp_path / "ck", max_shard_size=size)
     if not isinstance(size, str):

@@ -160,8 +160,8 @@ def test_commit_marker_index_last_and_missing_objects(s3):
 
 
 def test_remote_reader_offers_the_local_readers_copy_into(tmp_path):
-    # Before: open_checkpoint(url).copy_into was None (a capability flag), so calling the
-    # documented reader method on a URL raised a bare TypeError.
+    # copy_into is the documented reader method: callable on a URL's reader too, with the local
+    # reader's results.
     url = "memory://t-copy/ck"
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     checkpoint.save({"w": w}, url)

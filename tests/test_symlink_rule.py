@@ -1,4 +1,4 @@
-"""One symlink rule for every reader (A14, A15): load, verify, migrate, inspect and diff follow a
+"""One symlink rule for every reader: load, verify, migrate, inspect and diff follow a
 symlink only into the checkpoint directory or, for a Hugging Face hub-cache snapshot, into its
 cached repository; anything else is UnsafePathError naming the file."""
 

@@ -1,4 +1,4 @@
-"""A world of one rank is a world (issue 19 item 5): under a process group of world size 1
+"""A world of one rank is a world: under a process group of world size 1
 (``torchrun --nproc-per-node 1``, a 1-GPU FSDP2 or parallel-module run) ``save``, ``load``,
 ``async_save`` (background staging included) and ``CheckpointManager`` work on DTensors, for
 hand-made DTensor parameters, FSDP2 (``fully_shard``) and the autoparallel parallel module.
@@ -197,7 +197,7 @@ def _parallel_module_checks(mesh, root: str) -> dict:
 
 def _wrapped_hf_checks(mesh, root: str) -> dict:
     """A trained tiny Llama saved under FSDP2, FSDP1 and DDP: config.json's ``architectures`` and
-    the reference logits, for the parent's ``from_pretrained`` (issue 32)."""
+    the reference logits, for the parent's ``from_pretrained``."""
     import json
 
     import checkpoint
@@ -252,7 +252,7 @@ def _one_rank(rank, world, root):
 def test_save_load_async_manager_fsdp2_parallel_module_on_one_rank(tmp_path):
     (res,) = run_ranks(_one_rank, 1, str(tmp_path), backend="gloo", timeout=300)
     # from_pretrained (transformers, in this process) of what FSDP2 / FSDP1 / DDP saved: the
-    # trained model's logits exactly, under its eager class (issue 32).
+    # trained model's logits exactly, under its eager class.
     from transformers import AutoModelForCausalLM
 
     for how in ("fsdp2", "fsdp1", "ddp"):

@@ -1,4 +1,4 @@
-"""Per-rank device checks run by tests/gpu/run.sh (issue 35): one rank per visible GPU (NCCL), or
+"""Per-rank device checks run by tests/gpu/run.sh: one rank per visible GPU (NCCL), or
 CPU ranks (gloo) with ``--device cpu`` (what CI runs, small). Prints one line per check (OK /
 FAIL with the numbers) and GB/s; exits 1 if a check failed.
 
