@@ -116,7 +116,8 @@ def _env_and_print(rank, world_size):
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_get_the_callers_environment_and_stdout(method, monkeypatch, capfd):
-    run_ranks(_allreduce, 1, backend="gloo", timeout=60, start_method=method)  # server already up
+    if method == "forkserver":  # the server already up (spawn has none: each rank starts afresh)
+        run_ranks(_allreduce, 1, backend="gloo", timeout=60, start_method=method)
     monkeypatch.setenv("FQNCKPT_TEST_ENV", f"set after the server started ({method})")
     out = run_ranks(_env_and_print, 2, backend="gloo", timeout=60, start_method=method)
     assert [o[0] for o in out] == [f"set after the server started ({method})"] * 2
@@ -138,12 +139,10 @@ def _exit_without_result(rank, world_size):
 
 
 def test_rank_that_exits_0_without_a_result_is_reported_not_waited_for():
-    import time
-
-    t0 = time.monotonic()
+    # Waiting for the timeout would raise "ranks did not finish within 600 s" instead.
     with pytest.raises(RankFailedError, match=r"died without a result: \[\(0, 0\)\]") as e:
-        run_ranks(_exit_without_result, 1, backend="gloo", timeout=120)
-    assert time.monotonic() - t0 < 60 and e.value.signals == {}
+        run_ranks(_exit_without_result, 1, backend="gloo", timeout=600)
+    assert e.value.signals == {}
 
 
 class _FailsToUnpickle:
