@@ -65,8 +65,8 @@ def test_dims_from_dim_alone_are_said_unchecked_and_config_json_absence_explaine
 
 
 def test_recipes_lists_without_importing_torch_or_transformers():
-    """``fqnckpt recipes`` is data: listing it imports neither torch nor transformers (it took
-    seconds building every recipe, transformers' experts one included)."""
+    """``fqnckpt recipes`` is data: listing it imports neither torch nor transformers (building
+    every recipe, transformers' experts one included, would take seconds)."""
     import subprocess
     import sys
     import textwrap

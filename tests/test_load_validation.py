@@ -618,7 +618,7 @@ def test_shared_memory_through_a_view_of_another_start_and_conj_neg_views_are_ch
 
 def test_internal_overlap_of_strided_targets_is_exact_and_linear_in_dims():
     """target_problem's overlap test: the stride-sorted reach check answers strided views torch
-    calls TooHard (x[::2] of 10^7 elements took seconds through the element count) and agrees
+    calls TooHard (x[::2] of 10^7 elements: seconds through the element count) and agrees
     with counting every element's offset on random as_strided views."""
     import itertools
     import random

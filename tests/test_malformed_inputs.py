@@ -130,9 +130,10 @@ def _dcp_hf_shards(root, chunks) -> None:
     ids=["overlap-and-gap", "gap", "same-offsets"],
 )
 def test_dcp_chunks_not_covering_the_tensor_are_refused(tmp_path, capsys, chunks, needle):
-    """The migration source accepted any chunks inside the tensor: a gap came back as
-    uninitialised memory, and ``migrate`` wrote it into a new checkpoint. The DCP StorageReader
-    took equal volume and distinct offsets for coverage (an overlap and a gap of one size passed)."""
+    """Chunks must cover the tensor exactly, for the migration source and the DCP StorageReader
+    alike: a gap would come back as uninitialised memory (and ``migrate`` would write it into a
+    new checkpoint); equal volume and distinct offsets are not coverage (an overlap and a gap of
+    one size have both)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
