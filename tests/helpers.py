@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["assert_same_state", "run_cli", "same_state", "tiny_model", "trained"]
+__all__ = ["assert_same_state", "pools_idle", "run_cli", "same_state", "tiny_model", "trained"]
 
 
 def _mapping_kind(m: Mapping) -> type:
@@ -177,3 +178,17 @@ def _run_cli(args: list[str], capsys, quiet_warnings: bool) -> tuple[int, str, s
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(args)
         return code, out.getvalue(), err.getvalue()
+
+
+def pools_idle(timeout: float = 60) -> None:
+    """Return once every thread of every fqnckpt pool (``checkpoint.storage.threads``) has finished
+    every task submitted so far: each pool's workers all meet at one barrier, and a pool takes its
+    tasks in order, so a worker waiting there has finished whatever it took before. For tests that
+    check nothing happens after a call returned or raised, without sleeping "long enough".
+    Raises ``threading.BrokenBarrierError`` when a pool stays busy ``timeout`` seconds."""
+    from checkpoint.storage import threads
+
+    for pool in list(threads._pools.values()):
+        barrier = threading.Barrier(pool._max_workers)
+        for fut in [pool.submit(barrier.wait, timeout) for _ in range(pool._max_workers)]:
+            fut.result()

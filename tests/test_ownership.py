@@ -19,6 +19,7 @@ import torch
 
 import checkpoint
 from checkpoint.storage import ownership, pread
+from tests.helpers import pools_idle
 
 N, SZ = 24, 4096  # 24 tensors of 16 KiB; pieces of 16 KiB: 24 pieces shared by 3 threads
 
@@ -81,22 +82,10 @@ def slow_pool(tmp_path, monkeypatch):
     return path, state
 
 
-def _pools_idle(timeout: float = 60) -> None:
-    """Return once every thread of every fqnckpt pool has finished every task submitted so far:
-    each pool's workers all meet at one barrier (a pool takes tasks in order, so a thread waiting
-    there has finished whatever it took before)."""
-    from checkpoint.storage import threads
-
-    for pool in list(threads._pools.values()):
-        barrier = threading.Barrier(pool._max_workers)
-        for fut in [pool.submit(barrier.wait, timeout) for _ in range(pool._max_workers)]:
-            fut.result()
-
-
 def _assert_untouched_after(buf: torch.Tensor, state) -> None:
     assert state["active"] == 0, "a read-pool thread was still reading when load raised"
     buf.fill_(-1.0)  # the caller resets its tensors after the failed load
-    _pools_idle()  # whatever a pool thread still had to do is done
+    pools_idle()  # whatever a pool thread still had to do is done
     assert bool((buf == -1.0).all()), "bytes from the file appeared after load raised"
 
 
@@ -203,7 +192,7 @@ def test_crew_helper_that_had_not_started_never_runs():
         crew.run(lambda stop: (calls.append(threading.current_thread().name), (_ for _ in ()).throw(ValueError())), 1)
     gate.set()
     blocker.result()
-    _pools_idle()  # a helper the crew had left queued would have run by now
+    pools_idle()  # a helper the crew had left queued would have run by now
     assert calls == [threading.main_thread().name]
 
 
@@ -345,7 +334,7 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
             r.copy_into("w", out, check=check is not None)
         assert state["active"] == 0, "a pool thread was still reading when copy_into raised"
         out.fill_(-1.0)
-        _pools_idle()  # whatever a pool thread still had to do is done
+        pools_idle()  # whatever a pool thread still had to do is done
         assert bool((out == -1.0).all()), "bytes from the file appeared after copy_into raised"
         state["main"] = 0
         raised.clear()

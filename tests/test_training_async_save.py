@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import checkpoint
 from checkpoint import CheckpointExistsError
 from checkpoint.training.async_save import AsyncSaver
-from tests.helpers import tiny_model, trained
+from tests.helpers import pools_idle, tiny_model, trained
 
 MLP = (16, 32, 4)  # Linear, ReLU, Linear: keys 0.* and 2.*
 
@@ -460,6 +459,6 @@ def test_first_save_faults_fresh_staging_ahead_of_the_copy_piece_by_piece(tmp_pa
     with pytest.raises(MemoryError, match="copy failed"):
         fresh.save(sd, tmp_path / "c")
     n = len(events)
-    time.sleep(0.1)
+    pools_idle()  # a touch still going would have touched its remaining pieces by now
     assert len(events) == n < len(pops)  # the thread stopped before the call raised, pieces left
     assert not (tmp_path / "c").exists()
