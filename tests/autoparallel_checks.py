@@ -302,7 +302,7 @@ class _OpOrder(TorchDispatchMode):
 
 class InFlight(TorchDispatchMode):
     """``max``: the most functional collectives issued and not yet waited at any moment (c10d's
-    registry of pending functional works, read after each one is issued). Issue 34: on gloo,
+    registry of pending functional works, read after each one is issued). On gloo,
     several of torch 2.13's functional all-gathers in flight corrupt the heap
     (tests/repro/gloo_functional_inflight.py); the parallel module keeps at most one on CPU."""
 
@@ -344,7 +344,7 @@ def bucket_checks(rank: int, mesh: DeviceMesh) -> dict:
     # reduce="mean" (uneven and empty shards, per-tensor members) eager's / world.
     one, each = _bucket_pmods(model, mesh, ids, caps=(None, 1))
     (mean,) = _bucket_pmods(model, mesh, ids, reduce="mean")
-    if world > 1:  # on CPU one collective in flight at a time (issue 34; before: 2 and 5 here)
+    if world > 1:  # on CPU (gloo) one collective in flight at a time
         for pmod in (one, each):
             with InFlight() as flight:
                 out, _ = pmod(ids.chunk(world)[rank])
@@ -482,7 +482,7 @@ def _full_grad(g: torch.Tensor) -> torch.Tensor:
 
 
 def replaced_param_checks(rank: int, mesh: DeviceMesh) -> dict:
-    """A parameter replaced by a DTensor with other placements than the plan's (case A31) is
+    """A parameter replaced by a DTensor with other placements than the plan's is
     gathered by its own placements: forward and gradients equal eager with the new value, the
     gradient in the new placements (both paths: a bucket member and a per-tensor one, under
     ``reduce="sum"`` and ``"mean"``). A replacement the graph cannot take (global shape, dtype,
@@ -631,7 +631,7 @@ def one_rank_checks(rank: int, mesh: DeviceMesh, workdir: str) -> dict:
     assert grad <= 1e-6, grad
 
     saved = os.path.join(workdir, "sync")
-    checkpoint.save(pmod, saved)  # DTensors on a 1-rank process group (case A27)
+    checkpoint.save(pmod, saved)  # DTensors on a 1-rank process group
     second = build()
     checkpoint.load(second, saved)
     assert all(torch.equal(v, want[k]) for k, v in full_state(second).items())

@@ -1,4 +1,4 @@
-"""Crash trials shared by ``tests/test_reliability_crash.py`` and ``tests/bench/reliability_report.py``.
+"""Crash trials shared by ``tests/test_crash_safety.py`` and ``tests/bench/reliability_report.py``.
 
 A *zygote* subprocess (this file run by path with ``serve``) imports torch once and forks one
 child per trial, in its own process group: the child saves deterministic "new" values over a path
@@ -382,12 +382,6 @@ class Tally:
         return not self.failures
 
 
-def _equal(a: dict, b: dict) -> bool:
-    import torch
-
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
 # Files the user keeps beside a previous checkpoint (Hugging Face layout): every save must leave them.
 USER_FILES = {"config.json": b'{"model_type": "trial"}', "tokenizer/vocab.txt": b"a\nb\n"}
 
@@ -413,6 +407,7 @@ def judge(
     import torch
 
     import checkpoint
+    from tests.helpers import same_state
 
     if user_files and not _user_files_intact(path):
         t.partial_visible += 1
@@ -448,10 +443,10 @@ def judge(
         t.partial_visible += 1
         t.failures.append(f"{what}: partial checkpoint visible: {type(e).__name__}: {e}")
         return "partial"
-    if had_old and _equal(target, old):
+    if had_old and same_state(target, old):
         kind = "old"
         t.loaded_old += 1
-    elif _equal(target, new):
+    elif same_state(target, new):
         kind = "new"
         t.loaded_new += 1
     else:
@@ -638,4 +633,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["serve"]:
         serve()
     else:
-        sys.exit("usage: crash_worker.py serve (started by tests/test_reliability_crash.py)")
+        sys.exit("usage: crash_worker.py serve (started by tests/test_crash_safety.py)")

@@ -160,7 +160,7 @@ class TinyTransformer(nn.Module):
 
 
 class Base(nn.Module):
-    """A base model (B28): its checkpoint goes into ``WithHead`` under the ``backbone.`` prefix."""
+    """A base model: its checkpoint goes into ``WithHead`` under the ``backbone.`` prefix."""
 
     def __init__(self):
         super().__init__()

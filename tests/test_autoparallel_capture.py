@@ -335,7 +335,7 @@ def test_local_inputs_split_the_batch_and_refuse_what_cannot_be_split():
 
 def test_input_signature_checks_exact_dtype_and_device():
     """A float64 or meta batch into a graph captured for a float32 CPU batch is an InputError
-    naming the input (A42); with forward's input cast on, any floating dtype is accepted."""
+    naming the input; with forward's input cast on, any floating dtype is accepted."""
     import torch.utils._pytree as pytree
 
     from autoparallel.data import InputSignature

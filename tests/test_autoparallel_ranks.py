@@ -114,7 +114,7 @@ def _train_and_compare(rank, mesh, mp_policy, overrides, tol):
         with InFlight() as flight:
             out = pmod(tokens.chunk(world)[rank])
             mean_loss(out, targets.chunk(world)[rank]).backward()
-        assert flight.max <= 1, f"{flight.max} functional collectives in flight on gloo (issue 34)"
+        assert flight.max <= 1, f"{flight.max} functional collectives in flight on gloo (one at a time on CPU)"
         ref_out = ref(tokens)
         torch.testing.assert_close(out.float(), ref_out.chunk(world)[rank].float(), **tol)
         out_d = max(out_d, (out.float() - ref_out.chunk(world)[rank].float()).abs().max().item())
@@ -290,7 +290,7 @@ def _api_checks(rank, mesh):
         InputError, match=r"input tensor #0 has shape \(1, 8\).*local \(per-rank\) shape \(2, 8\)"
     ):
         first(tokens[:1])  # the graph is static: another batch size would silently mis-shape masks
-    # Exact dtype (same kind too) and the mesh's device type: never a bare error from the graph (A42).
+    # Exact dtype (same kind too) and the mesh's device type: never a bare error from the graph.
     with pytest.raises(InputError, match=r"input tensor #0 has dtype torch.int32; the graph was captured for torch.int64"):
         first(tokens.int())
     with pytest.raises(InputError, match=r"input tensor #0 is on device meta; the module runs on cpu"):
@@ -354,10 +354,10 @@ WORLDS = {
 
 
 def _spawn(world: int, workdir: str) -> list[dict]:
-    # No rerun: the heap corruption these spawns showed (issue 34) was torch 2.13's functional
-    # collectives on gloo with several in flight (tests/repro/gloo_functional_inflight.py); the
-    # parallel module keeps one at a time on CPU (InFlight checks it above). A rank killed by a
-    # signal fails the tests with its faulthandler and native stacks (RankFailedError).
+    # No rerun: several of torch 2.13's functional collectives in flight on gloo corrupt the heap
+    # (tests/repro/gloo_functional_inflight.py); the parallel module keeps one at a time on CPU
+    # (InFlight checks it above). A rank killed by a signal fails the tests with its faulthandler
+    # and native stacks (RankFailedError).
     runs, hf = WORLDS[world]
     return run_ranks(_ranks_main, world, runs, hf, workdir, backend="gloo", timeout=600)
 

@@ -1,4 +1,5 @@
-"""The shared failure cases B15-B32 as tests of fqnckpt's public API (inputs rebuilt here)."""
+"""Naming and loading situations met in real checkpoints (wrappers, prefixes, parametrizations,
+file layouts) as tests of fqnckpt's public API, each input rebuilt here."""
 
 from __future__ import annotations
 

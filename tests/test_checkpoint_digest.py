@@ -360,9 +360,8 @@ def test_flipped_byte_found_by_a_converting_or_strided_load(tmp_path, monkeypatc
     through pieces read, copied and hashed by several threads: format 3's chunks hashed by each
     piece's thread, format 2's plain digest fed in file order) is checked against the index's
     digest too: a flipped byte anywhere in the tensor (first and last byte, either side of every
-    piece boundary, the middle) is a CorruptCheckpointError naming it (before round 5 a float64
-    target loaded the flipped value silently; a 1-D one until the hashed pieces); the unflipped
-    checkpoint loads exactly."""
+    piece boundary, the middle) is a CorruptCheckpointError naming it, for a float64 and a 1-D
+    target too; the unflipped checkpoint loads exactly."""
     from checkpoint.errors import CorruptCheckpointError
     from checkpoint.storage import pread, tensor_read
     from checkpoint.storage.reader import CheckpointReader

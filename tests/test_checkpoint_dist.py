@@ -74,7 +74,7 @@ def reference_tensors() -> dict[str, torch.Tensor]:
         "bf16": torch.randn(6, 10, generator=g).to(torch.bfloat16),
         "plain": torch.randn(4, generator=g),
         "scalar": torch.tensor(2.5),
-        # Every storage placement (issue 11 item 6): _StridedShard (FSDP2 + TP, AutoParallel),
+        # Every storage placement: _StridedShard (FSDP2 + TP, AutoParallel),
         # uneven, Shard on the last dim of a 3-D tensor.
         "strided": torch.randn(8, 6, generator=g),
         "strided_odd": torch.randn(9, 5, generator=g),
@@ -365,7 +365,7 @@ def _check(path, world, save_pl, load_pl, mesh_shape, resume_path, resume_first,
         assert r["ok"] == want, r["ok"]
         assert r["local_ok"] == {k: True for k in ref}, r["local_ok"]
         assert r["loaded"] == sorted(ref)
-        # Row blocks are read straight into the local shard, never through get_slice (issue 22);
+        # Row blocks are read straight into the local shard, never through get_slice;
         # on 4 ranks a rank holding one row of a column-sharded tensor reads it directly too.
         other = sorted(k for k, c in load_pl.items() if not _row_blocks(c))
         assert set(r["sliced"]) <= set(other) and (world > 2 or r["sliced"] == other), r["sliced"]

@@ -26,6 +26,7 @@ from checkpoint import (
     parse_size,
 )
 from checkpoint.storage.layout import plan_layout
+from tests.helpers import assert_same_state
 
 
 class Block(nn.Module):
@@ -52,12 +53,6 @@ class Small(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
-
-
-def same_bytes(a, b):
-    return a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    )
 
 
 EAGER_KEYS = sorted(k for k in Small().state_dict())
@@ -116,12 +111,12 @@ def test_roundtrip_layout_and_exact_values_all_dtypes(tmp_path):
             for k in f.keys():
                 assert idx.weight_map[k] == fname
                 got = f.get_tensor(k)
-                assert got.dtype == sd[k].dtype and same_bytes(got, sd[k]), k
+                assert_same_state(got, sd[k], where=k)
     assert checkpoint.verify(tmp_path / "ck").ok
     dst = {k: torch.zeros_like(v) for k, v in sd.items()}
     rep = checkpoint.load(dst, tmp_path / "ck")
     assert rep.loaded_keys == sorted(sd) and rep.dtype_converted == []
-    assert all(same_bytes(dst[k], sd[k]) for k in sd)
+    assert_same_state(dst, sd)
 
 
 def test_non_tensor_value_raises_typeerror_naming_key_and_writes_nothing(tmp_path):

@@ -1,4 +1,4 @@
-"""Every error is ours (issue 10 item 11, case A11): malformed pickles, tensors without flat bytes,
+"""Every error is ours: malformed pickles, tensors without flat bytes,
 dtypes safetensors cannot hold, DCP's BaseException-derived errors. The public API raises our
 exception naming file and key; the CLI exits 2 with one line on stderr and, with ``--json``
 (before or after the subcommand), one JSON object on stdout with ``error``, ``file``, ``key``."""
@@ -17,14 +17,9 @@ from safetensors.torch import save_file
 
 import checkpoint
 from checkpoint import CorruptCheckpointError, UnsupportedTensorError
-from checkpoint.cli.main import EXIT_BAD_INPUT, cli_spelling, main
+from checkpoint.cli.main import EXIT_BAD_INPUT, cli_spelling
 from checkpoint.sources import open_source
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+from tests.helpers import run_cli
 
 
 def one_error(rc: int, out: str, err: str) -> dict:
@@ -79,7 +74,7 @@ def test_malformed_pickle_is_one_line_and_one_json_object(tmp_path, capsys, name
     src = tmp_path / f"{name}.pt"
     torch.save(obj, src)
     argv = {"inspect": [str(src)], "migrate": [str(src), str(tmp_path / "out")], "diff": [str(src), str(src)]}
-    data = one_error(*cli(capsys, cmd, *argv[cmd], "--json"))
+    data = one_error(*run_cli(cmd, *argv[cmd], "--json", capsys=capsys))
     assert (data["error"], data["file"], data["key"]) == (error, str(src), key)
     assert not (tmp_path / "out").exists()
 
@@ -89,10 +84,10 @@ def test_dtype_safetensors_cannot_hold_is_refused_before_writing(tmp_path, capsy
     src = tmp_path / "c.pt"
     torch.save({"ok": torch.ones(2), "w": torch.zeros(3, dtype=dtype)}, src)
     # readable: inspect and diff work on it
-    assert cli(capsys, "inspect", str(src))[0] == 0
-    assert cli(capsys, "diff", str(src), str(src))[0] == 0
+    assert run_cli("inspect", str(src), capsys=capsys)[0] == 0
+    assert run_cli("diff", str(src), str(src), capsys=capsys)[0] == 0
     for dry in ([], ["--dry-run"]):
-        data = one_error(*cli(capsys, "migrate", str(src), str(tmp_path / "out"), *dry, "--json"))
+        data = one_error(*run_cli("migrate", str(src), str(tmp_path / "out"), *dry, "--json", capsys=capsys))
         assert (data["error"], data["file"], data["key"]) == ("UnsupportedTensorError", str(src), "w")
         assert "cannot be stored in safetensors" in data["message"]
     assert not (tmp_path / "out").exists()
@@ -135,11 +130,11 @@ def test_dcp_checkpoint_exception_is_ours(tmp_path, capsys):
         checkpoint.migrate(d, tmp_path / "out")
     msg = str(ei.value)
     assert "DCP" in msg and data_file.name in msg and "'w'" in msg and "rank 0" in msg and "\n" not in msg
-    data = one_error(*cli(capsys, "migrate", str(d), str(tmp_path / "out"), "--json"))
+    data = one_error(*run_cli("migrate", str(d), str(tmp_path / "out"), "--json", capsys=capsys))
     assert data["error"] == "CorruptCheckpointError" and data_file.name in data["message"]
     assert not (tmp_path / "out").exists()
     # verify: a damaged DCP file is a finding (exit 1) naming the file
-    rc, out, _ = cli(capsys, "verify", str(d), "--json")
+    rc, out, _ = run_cli("verify", str(d), "--json", capsys=capsys)
     rep = json.loads(out)
     assert (
         rc == 1
@@ -165,11 +160,11 @@ def test_subprocess_json_before_the_subcommand(tmp_path):
 
 
 def test_usage_errors_are_bad_input_naming_the_flag(tmp_path, capsys):
-    data = one_error(*cli(capsys, "--json", "migrate", str(tmp_path / "x.pt")))
+    data = one_error(*run_cli("--json", "migrate", str(tmp_path / "x.pt"), capsys=capsys))
     assert data["error"] == "UsageError" and "dst" in data["message"]
-    data = one_error(*cli(capsys, "demo", "--batch", "many", "--json"))
+    data = one_error(*run_cli("demo", "--batch", "many", "--json", capsys=capsys))
     assert data["flag"] == "--batch"
-    data = one_error(*cli(capsys, "inspect", str(tmp_path), "--nope", "--json"))
+    data = one_error(*run_cli("inspect", str(tmp_path), "--nope", "--json", capsys=capsys))
     assert data["flag"] == "--nope"
 
 
@@ -179,7 +174,7 @@ def test_errors_name_flags_not_python_arguments(tmp_path, capsys):
     src = tmp_path / "w.safetensors"
     save_file({"L__self___fc_weight": torch.ones(2, 2)}, str(src))
     dst = str(tmp_path / "out")
-    rc, out, err = cli(capsys, "migrate", str(src), dst)
+    rc, out, err = run_cli("migrate", str(src), dst, capsys=capsys)
     assert rc == 1 and "--model MODULE:CALLABLE or --fqn-map FILE" in out
     assert "model=" not in out + err and "fqn_map=" not in out + err
     cases = [
@@ -190,7 +185,7 @@ def test_errors_name_flags_not_python_arguments(tmp_path, capsys):
         (["--model", "nosuchmodule:build"], "--model"),
     ]
     for extra, flag in cases:
-        data = one_error(*cli(capsys, "migrate", str(src), dst, *extra, "--json"))
+        data = one_error(*run_cli("migrate", str(src), dst, *extra, "--json", capsys=capsys))
         assert data["flag"] == flag and flag in data["message"], data
         assert "=" not in data["message"].split(":")[0]
     assert not os.path.exists(dst)
@@ -225,7 +220,7 @@ def test_damaged_files_are_named_never_a_traceback(tmp_path, capsys, fmt):
                 ["migrate", str(src), str(tmp_path / "o"), "--dry-run"],
                 ["verify", str(src)],
             ):
-                rc, out, err = cli(capsys, *argv, "--json")
+                rc, out, err = run_cli(*argv, "--json", capsys=capsys)
                 assert rc in (0, 1, 2) and "Traceback" not in err, (kind, frac, argv, err)
                 result = json.loads(out)
                 if rc == 2:

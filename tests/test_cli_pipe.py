@@ -1,4 +1,4 @@
-"""``fqnckpt ... | head`` (issue 32): the reader closing stdout early ends the command quietly with
+"""``fqnckpt ... | head``: the reader closing stdout early ends the command quietly with
 141 (128 + SIGPIPE, as shell tools), never a BrokenPipeError traceback or error line."""
 
 from __future__ import annotations

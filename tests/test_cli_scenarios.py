@@ -1,4 +1,4 @@
-"""What a user of the ``fqnckpt`` command line meets (issue 13 items 2, 4-7): verify on checkpoints
+"""What a user of the ``fqnckpt`` command line meets: verify on checkpoints
 of other tools, diff across naming schemes, tensor counts, ambiguous folders, progress bars,
 the demo printing as it goes, and nothing left behind."""
 
@@ -18,6 +18,7 @@ import checkpoint
 from checkpoint import progress as progress_mod
 from checkpoint.cli import demo
 from checkpoint.cli.main import main
+from tests.helpers import run_cli
 
 TINY = textwrap.dedent(
     """
@@ -29,12 +30,6 @@ TINY = textwrap.dedent(
         return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     """
 )
-
-
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # -- verify ----------------------------------------------------------------------------------------
@@ -56,7 +51,7 @@ def hf_dir(tmp_path):
 
 
 def test_verify_foreign_index_is_ok_with_a_note_and_truncation_is_a_mismatch(hf_dir, capsys):
-    rc, out, _ = cli(capsys, "verify", str(hf_dir))
+    rc, out, _ = run_cli("verify", str(hf_dir), capsys=capsys)
     assert rc == 0, out
     assert out.startswith(f"{hf_dir}: OK (safetensors-sharded") and "not checksummed" in out
     assert "note: " in out and "MISMATCH" not in out
@@ -66,7 +61,7 @@ def test_verify_foreign_index_is_ok_with_a_note_and_truncation_is_a_mismatch(hf_
 
     shard = sorted(hf_dir.glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-10])
-    rc, out, _ = cli(capsys, "verify", str(hf_dir), "--json")
+    rc, out, _ = run_cli("verify", str(hf_dir), "--json", capsys=capsys)
     data = json.loads(out)
     assert rc == 1 and data["ok"] is False and str(shard) in data["problems"][0]
 
@@ -74,13 +69,13 @@ def test_verify_foreign_index_is_ok_with_a_note_and_truncation_is_a_mismatch(hf_
 def test_verify_fqnckpt_checkpoint_is_checksummed_and_names_a_flipped_file(tmp_path, capsys):
     ck = tmp_path / "ck"
     checkpoint.save({"a": torch.arange(6.0), "b": torch.ones(3)}, ck, max_shard_size=24)
-    rc, out, _ = cli(capsys, "verify", str(ck))
+    rc, out, _ = run_cli("verify", str(ck), capsys=capsys)
     assert rc == 0 and "xxh3_128 checked" in out and "note" not in out
     shard = sorted(ck.glob("model-*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01
     shard.write_bytes(bytes(data))
-    rc, out, _ = cli(capsys, "verify", str(ck))
+    rc, out, _ = run_cli("verify", str(ck), capsys=capsys)
     assert rc == 1 and "MISMATCH" in out and f"problem: {shard}: xxh3_128" in out
 
 
@@ -90,11 +85,11 @@ def test_verify_pickle_reads_every_tensor_and_names_a_truncated_one(tmp_path, ca
     rep = checkpoint.verify(p)
     assert rep.ok and rep.format == "torch-zip" and rep.tensors == 1 and rep.total_size == 4096 * 4
     assert rep.checksummed is False and "no checksums" in rep.notes[0]
-    assert cli(capsys, "verify", str(p))[0] == 0
+    assert run_cli("verify", str(p), capsys=capsys)[0] == 0
     p.write_bytes(p.read_bytes()[:2000])
-    rc, out, _ = cli(capsys, "verify", str(p), "--json")
+    rc, out, _ = run_cli("verify", str(p), "--json", capsys=capsys)
     assert rc == 1 and str(p) in json.loads(out)["problems"][0]
-    rc, out, err = cli(capsys, "verify", str(tmp_path / "nothing"))
+    rc, out, err = run_cli("verify", str(tmp_path / "nothing"), capsys=capsys)
     assert rc == 2 and "nothing" in err
 
 
@@ -108,7 +103,7 @@ def test_folder_with_several_pickles_lists_them(tmp_path, capsys, cmd):
     torch.save({"w": torch.ones(1)}, d / "a.pt")
     torch.save({"w": torch.ones(1)}, d / "b.bin")
     argv = [cmd, str(d)] + ([str(tmp_path / "out")] if cmd == "migrate" else [])
-    rc, out, err = cli(capsys, *argv, "--json")
+    rc, out, err = run_cli(*argv, "--json", capsys=capsys)
     data = json.loads(out)
     assert rc == 2 and data["error"] == "AmbiguousSourceError" and data["file"] == str(d)
     assert "['a.pt', 'b.bin']" in err and len(err.strip().splitlines()) == 1
@@ -118,14 +113,14 @@ def test_inspect_counts_tensors_not_segments(tmp_path, capsys):
     sd = {f"module._orig_mod.layers.{i}.weight": torch.ones(2) for i in range(3)}
     sd["head.weight"] = torch.ones(1)
     save_file(sd, tmp_path / "w.safetensors")
-    rc, out, _ = cli(capsys, "inspect", str(tmp_path / "w.safetensors"), "--json")
+    rc, out, _ = run_cli("inspect", str(tmp_path / "w.safetensors"), "--json", capsys=capsys)
     data = json.loads(out)
     assert rc == 0 and data["tensors"] == 4
     assert data["naming_schemes"] == {"wrapper": 3}
     assert data["wrapper_segments"] == {"module": 3, "_orig_mod": 3}
-    rc, out, _ = cli(capsys, "inspect", str(tmp_path / "w.safetensors"))
+    rc, out, _ = run_cli("inspect", str(tmp_path / "w.safetensors"), capsys=capsys)
     assert "naming (tensors): wrapper x3" in out and "_orig_mod x3, module x3" in out
-    assert json.loads(cli(capsys, "--json", "inspect", str(tmp_path / "w.safetensors"))[1]) == data
+    assert json.loads(run_cli("--json", "inspect", str(tmp_path / "w.safetensors"), capsys=capsys)[1]) == data
 
 
 # -- diff across naming schemes -----------------------------------------------------------------------
@@ -148,20 +143,20 @@ def compiled_and_migrated(tmp_path, monkeypatch):
 def test_diff_resolves_names_with_model_or_canonical(compiled_and_migrated, capsys):
     d, factory = compiled_and_migrated
     a, b = str(d / "compiled.pt"), str(d / "migrated")
-    rc, out, _ = cli(capsys, "diff", a, b)
+    rc, out, _ = run_cli("diff", a, b, capsys=capsys)
     assert rc == 1 and "DIFFERENT (0 common tensors by raw names" in out and "--canonical" in out
     for flags in (["--model", factory], ["--canonical"]):
-        rc, out, _ = cli(capsys, "diff", a, b, *flags)
+        rc, out, _ = run_cli("diff", a, b, *flags, capsys=capsys)
         assert rc == 0, out
         assert "same (4 common tensors" in out and "values compared by sha256 for 4 tensors" in out
-    rc, out, _ = cli(capsys, "diff", a, b, "--model", factory, "--no-values")
+    rc, out, _ = run_cli("diff", a, b, "--model", factory, "--no-values", capsys=capsys)
     assert rc == 0 and "values not compared (--no-values)" in out
 
     # a changed value is found after the names are resolved
     sd = torch.load(d / "compiled.pt")
     sd["_orig_mod.2.bias"] = sd["_orig_mod.2.bias"] + 1
     torch.save(sd, d / "compiled.pt")
-    rc, out, _ = cli(capsys, "diff", a, b, "--model", factory, "--json")
+    rc, out, _ = run_cli("diff", a, b, "--model", factory, "--json", capsys=capsys)
     data = json.loads(out)
     assert rc == 1 and data["value_differs"] == ["2.bias"] and data["common"] == 4
     assert data["only_in_a"] == data["only_in_b"] == [] and data["compared_values"] is True
@@ -170,9 +165,7 @@ def test_diff_resolves_names_with_model_or_canonical(compiled_and_migrated, caps
 def test_diff_reports_keys_the_model_cannot_resolve(compiled_and_migrated, capsys):
     d, factory = compiled_and_migrated
     save_file({"0.weight": torch.zeros(4, 3), "nope.weight": torch.ones(1)}, d / "x.safetensors")
-    rc, out, _ = cli(
-        capsys, "diff", str(d / "x.safetensors"), str(d / "migrated"), "--model", factory, "--json"
-    )
+    rc, out, _ = run_cli("diff", str(d / "x.safetensors"), str(d / "migrated"), "--model", factory, "--json", capsys=capsys)
     data = json.loads(out)
     assert rc == 1 and data["unresolved_in_a"] == ["nope.weight"] and data["value_differs"] == ["0.weight"]
 
@@ -287,12 +280,12 @@ def test_every_command_reads_a_hub_cache_snapshot(tmp_path, capsys, sharded):
         blob = repo / "blobs" / f"blob{i}"
         blob.write_bytes(f.read_bytes())
         os.symlink(os.path.join("..", "..", "blobs", blob.name), snap / f.name)
-    assert cli(capsys, "inspect", str(snap))[0] == 0
-    rc, out, _ = cli(capsys, "verify", str(snap))
+    assert run_cli("inspect", str(snap), capsys=capsys)[0] == 0
+    rc, out, _ = run_cli("verify", str(snap), capsys=capsys)
     assert rc == 0, out
-    rc, out, _ = cli(capsys, "diff", str(snap), str(plain))
+    rc, out, _ = run_cli("diff", str(snap), str(plain), capsys=capsys)
     assert rc == 0 and "same (2 common tensors" in out
-    assert cli(capsys, "migrate", str(snap), str(tmp_path / "out"))[0] == 0
+    assert run_cli("migrate", str(snap), str(tmp_path / "out"), capsys=capsys)[0] == 0
     target = {"a.weight": torch.zeros(6), "b.weight": torch.zeros(3)}
     checkpoint.load(target, tmp_path / "out")
     assert torch.equal(target["a.weight"], sd["a.weight"]) and torch.equal(target["b.weight"], sd["b.weight"])

@@ -25,6 +25,7 @@ import checkpoint  # noqa: E402
 from checkpoint.cli.main import main as cli_main  # noqa: E402
 from checkpoint.storage.commit import remove_checkpoint  # noqa: E402
 from tests import backends  # noqa: E402
+from tests.helpers import tiny_model, trained
 
 moto_opts = backends.moto_fixture("cpar")
 BACKENDS = ["local", "file", "memory", "s3"]
@@ -67,18 +68,9 @@ def _kw(opts):
     return {"storage_options": opts} if opts else {}
 
 
-def _trained(seed: int):
-    torch.manual_seed(seed)
-    m = torch.nn.Linear(4, 4)
-    opt = torch.optim.Adam(m.parameters(), lr=0.5)
-    m(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    return m, opt
-
-
 def test_another_runs_parts_are_never_adopted(root, tmp_path, capsys):
     base, opts = root
-    m, opt = _trained(0)
+    m, opt = trained(tiny_model(4, 4, seed=0), torch.optim.Adam, lr=0.5)
     other = tmp_path / "other_run"
     checkpoint.save(m, other, optimizer=opt, extra_state={"step": 777})
     dst = f"{base}/dst"

@@ -15,6 +15,7 @@ import checkpoint
 from checkpoint.convert import ConversionError, ConversionReport, RecipeError
 from checkpoint.sources import open_source
 from tests import conversion_refs as refs
+from tests.helpers import assert_same_state
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", message=".*bos_token_id.*|.*eos_token_id.*")
@@ -57,12 +58,6 @@ def assert_same_model(ref_fn, hf_model):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         hf_fn = lambda ids: hf_model(ids).logits  # noqa: E731
         assert refs.greedy(hf_fn, PROMPT) == refs.greedy(ref_fn, PROMPT)
-
-
-def assert_equal_sd(a: dict, b: dict):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 def llama_config(vocab=V):
@@ -126,7 +121,7 @@ def test_meta_llama_to_hf_logits_and_round_trip(tmp_path, shards):
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama", model=hf)
     back = load_meta_dir(tmp_path / "back")
     assert len(back) == shards
-    assert_equal_sd(join_meta_shards(back), sd)
+    assert_same_state(join_meta_shards(back), sd)
     assert json.loads((tmp_path / "back" / "params.json").read_text())["n_kv_heads"] == NKV
 
 
@@ -170,7 +165,7 @@ def test_hf_to_meta_llama_writes_consolidated_shards(tmp_path, shards, version):
     back = load_meta_dir(tmp_path / "back")
     assert len(back) == shards
     for got, want in zip(back, parts, strict=True):
-        assert_equal_sd(got, want)
+        assert_same_state(got, want)
         assert all(t.untyped_storage().nbytes() == t.nbytes for t in got.values())  # cloned, no base
     got = MetaParams.model_validate_json((tmp_path / "back" / "params.json").read_bytes())
     assert got.model_dump(include=set(params)) == params
@@ -200,13 +195,13 @@ def test_meta_llama2_round_trip_comes_back_in_llama2_split_without_asking(tmp_pa
     assert rep.layouts == {"target": "meta llama2"} and rep.dims["shards"] == 2
     assert any("conversion_report.json" in c and "meta llama2" in c for c in rep.checks)
     for got, want in zip(load_meta_dir(tmp_path / "back"), parts, strict=True):  # torch.save's zip holds a random id
-        assert_equal_sd(got, want)
+        assert_same_state(got, want)
     assert json.loads((tmp_path / "back" / "params.json").read_text()) == json.loads((src / "params.json").read_text())
     # config.json alone (the report gone, as after save_pretrained elsewhere) still says llama2
     (tmp_path / "hf" / "conversion_report.json").unlink()
     rep = checkpoint.migrate(tmp_path / "hf", tmp_path / "back2", recipe="hf-to-meta-llama", dims={"shards": 2})
     assert rep.layouts == {"target": "meta llama2"}
-    assert_equal_sd(load_meta_dir(tmp_path / "back2")[1], parts[1])
+    assert_same_state(load_meta_dir(tmp_path / "back2")[1], parts[1])
     # from the config's vocabulary and rope_theta alone
     llama2 = HFTextConfig.of({"vocab_size": 32000, "rope_theta": 10000.0, "model_type": "llama"})
     llama3 = HFTextConfig.of({"vocab_size": 128256, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}})
@@ -261,7 +256,7 @@ def test_hf_to_meta_llama_cli_shards_refusal_and_overwrite(tmp_path, capsys):
     checkpoint.migrate(tmp_path / "hf", tmp_path / "meta", recipe="hf-to-meta-llama", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "meta").iterdir()) == [
         ".fqnckpt-record.json", "consolidated.00.pth", "conversion_report.json", "params.json", "tokenizer.model"]
-    assert_equal_sd(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts, "llama3"))
+    assert_same_state(load_meta_dir(tmp_path / "meta")[0], join_meta_shards(parts, "llama3"))
 
 
 def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
@@ -274,7 +269,7 @@ def test_torchtitan_llama3_round_trip_from_hf(tmp_path):
     assert "layers.0.attention.wq.weight" in tt
     assert_same_model(lambda ids: refs.meta_llama_logits(tt, NH, NKV, ids), hf)
     checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-llama3-to-hf", model=hf)
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     fresh = transformers.LlamaForCausalLM(llama_config()).eval()
     checkpoint.load(fresh, tmp_path / "back")
     assert_same_model(lambda ids: refs.meta_llama_logits(tt, NH, NKV, ids), fresh)
@@ -313,18 +308,18 @@ def test_experts_to_fused_by_transformers_rules(tmp_path, make):
     checkpoint.load(fresh.eval(), tmp_path / "fused")
     assert_same_model(lambda ids: model(ids).logits, fresh)
     fused = read(tmp_path / "fused")
-    assert_equal_sd(fused, {k: v for k, v in model.state_dict().items()})
+    assert_same_state(fused, {k: v for k, v in model.state_dict().items()})
     # back: fused -> per-expert, bit-identical to what save_pretrained wrote
     checkpoint.migrate(tmp_path / "fused", tmp_path / "back", recipe="fused-to-experts", model=model)
-    assert_equal_sd(read(tmp_path / "back"), hub)
+    assert_same_state(read(tmp_path / "back"), hub)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # config.json written
-    assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
+    assert_same_state(again.state_dict(), model.state_dict())  # same tensors: same logits
     # One command, no --model: the recipe takes its rules from the model the hub's own config.json
     # describes (built on the meta device); config.json is written beside the fused tensors.
     from checkpoint.cli.main import main
 
     assert main(["migrate", str(tmp_path / "hub"), str(tmp_path / "cli"), "--recipe", "experts-to-fused"]) == 0
-    assert_equal_sd(read(tmp_path / "cli"), fused)
+    assert_same_state(read(tmp_path / "cli"), fused)
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["architectures"] == [type(model).__name__]
 
 
@@ -340,9 +335,9 @@ def test_torchtitan_moe_logits_and_round_trip(tmp_path):
     cfg = model.config
     assert_same_model(lambda ids: refs.torchtitan_qwen3_moe_logits(tt, NH, NKV, cfg.num_experts_per_tok, ids), model)
     checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", model=model)
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hub"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hub"))
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # config.json written
-    assert_equal_sd(again.state_dict(), model.state_dict())  # same tensors: same logits
+    assert_same_state(again.state_dict(), model.state_dict())  # same tensors: same logits
 
 
 def deepseek_v3(q_lora_rank, rope_interleave=True, seed=11):
@@ -414,11 +409,11 @@ def test_torchtitan_moe_deepseek_v3_mla_round_trip(tmp_path, q_lora_rank, rope_i
     if q_lora_rank is None:  # MLA keeps attention.wq: the plan names it so, not as Llama's qkv_linear.wq
         assert [u.rule.split(" ")[0] for u in rep.rules if u.groups and "self_attn.q_proj" in u.rule] == ["layers.{i}.attention.wq.weight"]
     assert any(u.groups and u.rule.startswith("layers.{i}.moe.routed_experts.inner_experts.w1_EFD ->") for u in rep.rules)
-    assert_equal_sd(read(tmp_path / "back"), hub)
+    assert_same_state(read(tmp_path / "back"), hub)
     fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # config.json written
     assert type(fresh) is transformers.DeepseekV3ForCausalLM
     assert_same_model(lambda ids: model(ids).logits, fresh)
-    assert_equal_sd(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh.state_dict(), model.state_dict())
 
 
 def test_converted_reader_reads_only_the_block_a_rank_holds(tmp_path, monkeypatch):
@@ -493,7 +488,7 @@ def test_megatron_gpt_logits_and_round_trip(tmp_path):
     assert_same_model(lambda ids: refs.megatron_gpt_logits(mg, NH, NKV, ids), hf)
     fresh = transformers.LlamaForCausalLM(llama_config())
     checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=fresh)
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert_same_model(lambda ids: refs.megatron_gpt_logits(mg, NH, NKV, ids), again)
 
@@ -508,7 +503,7 @@ def test_gpt2_conv1d_to_linear_logits_and_round_trip(tmp_path):
     assert_same_model(lambda ids: refs.gpt2_linear_logits(lin, NH, ids), model)
     fresh = transformers.GPT2LMHeadModel(cfg)
     checkpoint.migrate(tmp_path / "lin", tmp_path / "back", recipe="linear-to-gpt2-conv1d", model=fresh)
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
     assert_same_model(lambda ids: refs.gpt2_linear_logits(lin, NH, ids), again)
 
@@ -725,12 +720,12 @@ def test_save_writes_config_so_from_pretrained_works(tmp_path):
     assert (tmp_path / "ck" / "generation_config.json").is_file()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()
     assert type(again) is transformers.LlamaForCausalLM and again.config.use_cache is True
-    assert_equal_sd(again.state_dict(), model.state_dict())
+    assert_same_state(again.state_dict(), model.state_dict())
     # and save_pretrained's output loads with checkpoint.load
     model.save_pretrained(tmp_path / "sp")
     fresh = transformers.LlamaForCausalLM(llama_config())
     checkpoint.load(fresh, tmp_path / "sp")
-    assert_equal_sd(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh.state_dict(), model.state_dict())
 
 
 def test_load_and_save_with_recipe(tmp_path, monkeypatch):
@@ -763,7 +758,7 @@ def test_load_and_save_with_recipe(tmp_path, monkeypatch):
     assert_same_model(lambda ids: refs.meta_llama_logits(sd, NH, NKV, ids), hf)
     rep = checkpoint.save(hf, tmp_path / "tt", recipe="hf-to-torchtitan-llama3")
     assert isinstance(rep, ConversionReport) and rep.written
-    assert_equal_sd(refs.titan_legacy(read(tmp_path / "tt")), sd)
+    assert_same_state(refs.titan_legacy(read(tmp_path / "tt")), sd)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fqnckpt")] == []  # temp removed
 
 
@@ -791,9 +786,9 @@ def test_torchtitan_moe_router_bias_and_shared_experts_round_trip(tmp_path):
     assert rep.layouts == {"source": "torchtitan legacy..786e26f (read as 786e26f)"}  # no output / attention key to tell
     back = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe@legacy")
     assert back.layouts == {"target": "torchtitan legacy"}
-    assert_equal_sd(read(tmp_path / "back"), tt)
+    assert_same_state(read(tmp_path / "back"), tt)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "today", recipe="hf-to-torchtitan-moe")  # today's names by default
-    assert_equal_sd(refs.titan_legacy(read(tmp_path / "today")), tt)
+    assert_same_state(refs.titan_legacy(read(tmp_path / "today")), tt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool])
@@ -1130,7 +1125,7 @@ def test_every_torchtitan_version_both_ways(tmp_path, capsys, version):
     assert torch.equal(tt[TITAN_NAMES[version]["w1"]][2], hf["model.layers.1.mlp.experts.2.gate_proj.weight"])
     back = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-moe-to-hf", dims={"n_heads": NH, "n_kv_heads": NKV})
     assert back.layouts["source"] == f"torchtitan {version}"  # every axis present: one version fits
-    assert_equal_sd(read(tmp_path / "back"), hf)
+    assert_same_state(read(tmp_path / "back"), hf)
     # the version, detected, is also what `fqnckpt inspect` names
     from checkpoint.cli.main import main
 
@@ -1175,7 +1170,7 @@ def test_tied_torchtitan_llama_both_ways(tmp_path):
     fresh = transformers.LlamaForCausalLM(cfg).eval()
     back = checkpoint.migrate(tmp_path / "tt", tmp_path / "back", recipe="torchtitan-llama3-to-hf", model=fresh)
     assert back.dropped == ["lm_head.weight"]
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     checkpoint.load(fresh, tmp_path / "back")
     assert_same_model(lambda ids: refs.meta_llama_logits(refs.titan_legacy(raw), NH, NKV, ids), fresh)
     import safetensors.torch
@@ -1226,7 +1221,7 @@ def test_meta_llama31_scaled_rope_and_params_keys_both_ways(tmp_path):
     back = checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-meta-llama")
     assert json.loads((tmp_path / "back" / "params.json").read_text()) == params
     assert any("gives back the source config.json" in c for c in back.checks)
-    assert_equal_sd(read(tmp_path / "back"), sd)
+    assert_same_state(read(tmp_path / "back"), sd)
 
 
 def test_hf_llama3_scaled_rope_to_meta_and_back(tmp_path):
@@ -1301,7 +1296,7 @@ def test_megatron_local_norm_names_both_ways(tmp_path, capsys):
     assert_same_model(lambda ids: refs.megatron_gpt_logits(te, NH, NKV, ids), hf)
     back = checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=hf)
     assert back.layouts == {"source": "megatron local"}  # detected from the names
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     from checkpoint.cli.main import main
 
     assert main(["--json", "inspect", str(tmp_path / "mg")]) == 0
@@ -1321,7 +1316,7 @@ def test_megatron_qwen3_qk_layernorm_both_ways(tmp_path):
     mg = read(tmp_path / "mg")
     assert torch.equal(mg["decoder.layers.1.self_attention.k_layernorm.weight"], hf.model.layers[1].self_attn.k_norm.weight)
     checkpoint.migrate(tmp_path / "mg", tmp_path / "back", recipe="megatron-gpt-to-hf", model=hf)
-    assert_equal_sd(read(tmp_path / "back"), read(tmp_path / "hf"))
+    assert_same_state(read(tmp_path / "back"), read(tmp_path / "hf"))
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert_same_model(lambda ids: hf(ids).logits, again)
 
@@ -1374,11 +1369,11 @@ def test_deepseek_v3_mtp_layers_both_ways(tmp_path):
     assert torch.equal(hf["model.layers.3.mlp.experts.5.down_proj.weight"], mtp["mtp_layers.0.moe.routed_experts.inner_experts.w2_EDF"][5])
     assert not any(k.startswith("model.layers.4.") for k in hf)
     checkpoint.migrate(tmp_path / "hf", tmp_path / "back", recipe="hf-to-torchtitan-moe")  # n_layers from config.json
-    assert_equal_sd(read(tmp_path / "back"), tt | mtp)
+    assert_same_state(read(tmp_path / "back"), tt | mtp)
     # fqnckpt's own torchtitan output converts back with no model and no dims: n_layers from its report
     rep = checkpoint.migrate(tmp_path / "back", tmp_path / "hf2", recipe="torchtitan-moe-to-hf")
     assert rep.dim_sources["conversion_report.json"]["n_layers"] == 3
-    assert_equal_sd(read(tmp_path / "hf2"), hf)
+    assert_same_state(read(tmp_path / "hf2"), hf)
 
 
 @pytest.mark.parametrize("how", ["w3-rows", "w2-cols", "w2-dtype"])

@@ -84,7 +84,8 @@ def test_read_data_and_metadata_of_a_hand_written_file(tmp_path):
 
 @pytest.mark.parametrize("kind", ["tensor", "bytes"])
 def test_read_data_refuses_an_item_its_metadata_lacks_before_reading(tmp_path, kind):
-    # Before: a bare KeyError from the metadata lookup (the tensor item), or from the extra state.
+    # Our error naming the item, never a bare KeyError from the metadata lookup (the tensor item)
+    # or from the extra state.
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem

@@ -1,4 +1,4 @@
-"""torchtitan's real DCP checkpoints (issue 32): built as torchtitan's ``CheckpointManager.save``
+"""torchtitan's real DCP checkpoints: built as torchtitan's ``CheckpointManager.save``
 builds them (model state flattened to the top level, ``optimizer`` from
 ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``, ``lr_scheduler``, ``dataloader``
 holding ``{"dp_rank_0": pickle.dumps(state), "world_size": 1}`` as torchtitan's
@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.cli import main
+from tests.helpers import run_cli
 
 LOADER_STATE = {"_num_yielded": 3, "_sampler_iter_yielded": 3, "_sampler_iter_state": None}
 
@@ -78,20 +78,10 @@ def torchtitan_checkpoint(path):
     return model, opt, sched
 
 
-def _cli(*args):
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(list(args))
-    return code, out.getvalue()
-
-
 def test_every_entry_inspected_migrated_diffed_loaded(tmp_path):
     src = tmp_path / "step-10"
     model, opt, sched = torchtitan_checkpoint(src)
-    code, out = _cli("inspect", str(src), "--json")
+    code, out, _ = run_cli("inspect", str(src), "--json")
     assert code == 0
     info = json.loads(out)
     listed = json.dumps(info)
@@ -99,11 +89,11 @@ def test_every_entry_inspected_migrated_diffed_loaded(tmp_path):
         assert name in listed, name
     assert "unreadable" not in listed
 
-    code, _ = _cli("migrate", str(src), str(tmp_path / "out"))
+    code, _, _ = run_cli("migrate", str(src), str(tmp_path / "out"))
     assert code == 0
     doc = json.loads((tmp_path / "out" / "extra_state.json").read_text())
     assert {k for k in doc["entries"]} == {"lr_scheduler", "dataloader", "train_state", "ft_meta"}
-    code, out = _cli("diff", str(src), str(tmp_path / "out"))
+    code, out, _ = run_cli("diff", str(src), str(tmp_path / "out"))
     assert code == 0, out
 
     for where in (src, tmp_path / "out"):  # the DCP checkpoint itself and its migration
@@ -133,9 +123,9 @@ def test_changed_dataloader_bytes_are_a_difference(tmp_path, monkeypatch):
     torchtitan_checkpoint(tmp_path / "a")
     monkeypatch.setattr(Loader, "state_dict", lambda self: {"dp_rank_0": pickle.dumps({"_num_yielded": 4}), "world_size": 1})
     torchtitan_checkpoint(tmp_path / "b")
-    code, out = _cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    code, out, _ = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
     assert code == 1 and "value differs (1): ['dataloader']" in out, out
-    code, _ = _cli("migrate", str(tmp_path / "b"), str(tmp_path / "b-out"))
+    code, _, _ = run_cli("migrate", str(tmp_path / "b"), str(tmp_path / "b-out"))
     assert code == 0
-    code, out = _cli("diff", str(tmp_path / "a"), str(tmp_path / "b-out"))
+    code, out, _ = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b-out"))
     assert code == 1 and "dataloader" in out, out

@@ -88,8 +88,8 @@ def test_dcp_alone_and_index_alone_still_read(tmp_path):
 
 @pytest.mark.parametrize("link", ["/nonexistent/.metadata", "../outside.metadata"])
 def test_a_metadata_symlink_leading_outside_is_refused_by_every_reader(tmp_path, capsys, link):
-    # Before: load refused it (format sniffing) while verify, inspect, open_checkpoint and the DCP
-    # StorageReader read the index beside it and said OK.
+    # Every reader refuses it alike: load, verify, inspect, open_checkpoint and the DCP
+    # StorageReader (none reads the index beside it and says OK).
     d = tmp_path / "ck"
     checkpoint.save(torch.nn.Linear(2, 2), d)
     (tmp_path / "outside.metadata").write_bytes(b"not ours")

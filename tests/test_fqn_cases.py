@@ -1,4 +1,6 @@
-"""The naming cases of shared/cases (B01 ... B28) as tests of fqnckpt's public API.
+"""The naming kinds of real checkpoints (compiled, DataParallel / DDP, FSDP1, activation-checkpoint
+wrappers, dynamo and export names, tied aliases, weight_norm spellings, container prefixes) as
+tests of fqnckpt's public API.
 
 Each test rebuilds the situation with its own tiny model, checks fqn's mapping against the right
 outcome, and where a mapping is produced, loads it strictly and compares values.
@@ -25,7 +27,7 @@ def _load_mapped(target: nn.Module, sd: dict[str, torch.Tensor], mapping: dict[s
         assert torch.equal(got[mapping[k]], v), k
 
 
-# -- B01 / B02: _orig_mod -----------------------------------------------------------------------
+# -- _orig_mod -------------------------------------------------------------------------------------
 class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
@@ -78,7 +80,7 @@ def test_b02_orig_mod_interior():
     _load_mapped(Stack(), sd, expected)
 
 
-# -- B04 / B05: module. (DataParallel / DDP) ----------------------------------------------------
+# -- module. (DataParallel / DDP) ------------------------------------------------------------------
 class Classifier(nn.Module):
     def __init__(self):
         super().__init__()
@@ -137,7 +139,7 @@ def test_b05_submodule_dataparallel():
     _load_mapped(dp, sd, to_dp)
 
 
-# -- B06: FSDP1 names ---------------------------------------------------------------------------
+# -- FSDP1 names -----------------------------------------------------------------------------------
 class FBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -174,7 +176,7 @@ def test_b06_fsdp1_wrapped_names_and_flat_param():
             fqn.canonical_fqn(flat, Backbone())
 
 
-# -- B07: _checkpoint_wrapped_module ------------------------------------------------------------
+# -- _checkpoint_wrapped_module --------------------------------------------------------------------
 class MLPBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -208,7 +210,7 @@ def test_b07_checkpoint_wrapper_named_parameters():
     assert fqn.resolve(eager_sd, train, spelling="state_dict") == {k: k for k in eager_sd}
 
 
-# -- B09: dynamo-mangled names ------------------------------------------------------------------
+# -- dynamo-mangled names --------------------------------------------------------------------------
 class FeedForward(nn.Module):
     def __init__(self):
         super().__init__()
@@ -234,7 +236,7 @@ class Sampler(nn.Module):
         return x
 
 
-B09_EXPECTED = {
+DYNAMO_EXPECTED = {
     "L_self_modules_to_q_parameters_weight_": "to_q.weight",
     "L_self_modules_to_q_parameters_bias_": "to_q.bias",
     "L_self_modules_extra_modules_modules_proj_in_parameters_weight_": "extra_modules.proj_in.weight",
@@ -244,9 +246,9 @@ B09_EXPECTED = {
 }
 for _b in range(2):
     for _t in ("weight", "bias"):
-        B09_EXPECTED[f"L_self_modules_blocks_modules_{_b}_modules_0_parameters_{_t}_"] = f"blocks.{_b}.0.{_t}"
+        DYNAMO_EXPECTED[f"L_self_modules_blocks_modules_{_b}_modules_0_parameters_{_t}_"] = f"blocks.{_b}.0.{_t}"
         for _j in (0, 2):
-            B09_EXPECTED[
+            DYNAMO_EXPECTED[
                 f"L_self_modules_blocks_modules_{_b}_modules_1_modules_seq_modules_{_j}_parameters_{_t}_"
             ] = f"blocks.{_b}.1.seq.{_j}.{_t}"
 
@@ -262,18 +264,18 @@ def test_b09_dynamo_placeholders_by_identity_and_by_model():
     torch._dynamo.reset()
     torch.compile(model, backend=backend)(torch.randn(2, 4))
     fmap = fqn.FQNMap.from_capture(model, seen["gm"], seen["inputs"])
-    assert {k: v for k, v in fmap.captured_to_eager().items() if k.startswith("L_")} == B09_EXPECTED
+    assert {k: v for k, v in fmap.captured_to_eager().items() if k.startswith("L_")} == DYNAMO_EXPECTED
     with pytest.raises(fqn.UnknownNameError):  # a user input is not model state
         fmap.to_eager("L_x_")
     # Without the graph, the same strings resolve against the model's real names.
-    assert fqn.resolve(B09_EXPECTED, Sampler()) == B09_EXPECTED
+    assert fqn.resolve(DYNAMO_EXPECTED, Sampler()) == DYNAMO_EXPECTED
     # node names are the lower-cased spelling
-    lower = {k.replace("L_", "l_", 1): v for k, v in B09_EXPECTED.items()}
+    lower = {k.replace("L_", "l_", 1): v for k, v in DYNAMO_EXPECTED.items()}
     assert fqn.resolve(lower, Sampler()) == lower
 
 
 class Legacy(nn.Module):
-    """The older-spelling fixture of B09: ``sampler.blocks.0.mlp.1.seq.2.weight``."""
+    """The older spelling of the dynamo-mangled names: ``sampler.blocks.0.mlp.1.seq.2.weight``."""
 
     def __init__(self):
         super().__init__()
@@ -300,7 +302,7 @@ def test_b09_legacy_spellings_against_the_model():
     assert ei.value.candidates == ["sampler.to_q.weight", "sampler_to_q.weight"]
 
 
-# -- B10: export placeholders -------------------------------------------------------------------
+# -- export placeholders ---------------------------------------------------------------------------
 class Inner(nn.Module):
     def __init__(self):
         super().__init__()
@@ -320,20 +322,20 @@ class ExportNet(nn.Module):
         return y * self.running_scale + self.offset
 
 
-_B10_COMMON = {
+_EXPORT_COMMON = {
     "p_enc_block_0_weight": "enc.block.0.weight",
     "p_enc_block_0_bias": "enc.block.0.bias",
     "b_running_scale": "running_scale",
     "c_offset": "offset",
 }
-B10_EXPECTED = {
+EXPORT_EXPECTED = {
     True: {
-        **_B10_COMMON,
+        **_EXPORT_COMMON,
         "p_enc_block_0_weight_0": "enc_block.0.weight",
         "p_enc_block_0_bias_0": "enc_block.0.bias",
     },
     False: {
-        **_B10_COMMON,
+        **_EXPORT_COMMON,
         "p_enc_block_0_weight_1": "enc_block.0.weight",
         "p_enc_block_0_bias_1": "enc_block.0.bias",
     },
@@ -346,8 +348,8 @@ def test_b10_export_placeholders_from_signature(strict):
     ep = torch.export.export(model, (torch.randn(2, 4),), strict=strict)
     for m in (None, model):
         fmap = fqn.FQNMap.from_exported_program(ep, m)
-        got = {c: fmap.to_eager(c) for c in B10_EXPECTED[strict]}
-        assert got == B10_EXPECTED[strict]
+        got = {c: fmap.to_eager(c) for c in EXPORT_EXPECTED[strict]}
+        assert got == EXPORT_EXPECTED[strict]
         rec = fmap.record("c_offset")
         assert rec.kind == fqn.TensorKind.constant
         assert (rec.shape, rec.dtype) == ([4], "float32")
@@ -364,7 +366,7 @@ def test_b10_export_placeholders_from_signature(strict):
         fqn.resolve(["c_offset"], ExportNet())
 
 
-# -- B11: strict export drops a tied alias ------------------------------------------------------
+# -- strict export drops a tied alias --------------------------------------------------------------
 class TiedLM(nn.Module):
     def __init__(self):
         super().__init__()
@@ -399,7 +401,7 @@ def test_b11_export_keeps_every_eager_key(with_model):
     assert target.lm_head.weight.data_ptr() == target.embed.weight.data_ptr()
 
 
-# -- B13: weight_norm new <-> legacy ------------------------------------------------------------
+# -- weight_norm new <-> legacy --------------------------------------------------------------------
 class PosConv(nn.Module):
     def __init__(self, wn):
         super().__init__()
@@ -437,7 +439,7 @@ def test_b13_weight_norm_both_directions():
     assert fqn.resolve(new_sd, PosConv(new_wn)) == {k: k for k in new_sd}
 
 
-# -- B23 / B28: container prefixes --------------------------------------------------------------
+# -- container prefixes ----------------------------------------------------------------------------
 class Net23(nn.Module):
     def __init__(self):
         super().__init__()

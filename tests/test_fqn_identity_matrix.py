@@ -376,7 +376,7 @@ def test_raw_dgc_code_spelling_maps_by_identity():
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_export_without_model_keeps_tied_alias(strict):
-    """B11 on the export side: strict export drops the alias, non-strict lifts it; both recorded."""
+    """A tied alias on the export side: strict export drops the alias, non-strict lifts it; both recorded."""
     model = Tied()
     ep = torch.export.export(model, (_x(),), strict=strict)
     fmap = FQNMap.from_exported_program(ep)

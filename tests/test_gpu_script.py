@@ -1,4 +1,4 @@
-"""tests/gpu/run.sh and its helper on a machine without CUDA (issue 35): the script says so and
+"""tests/gpu/run.sh and its helper on a machine without CUDA: the script says so and
 exits 0; the helper's checkpoint checks run on one CPU rank (gloo) through the same code the GPU
 run uses, so the script stays runnable where a GPU is lent."""
 

@@ -116,7 +116,7 @@ def _abort(rank, world_size):
 
 
 def test_rank_killed_by_a_signal_is_named_with_its_signal_and_its_stack_kept(tmp_path, monkeypatch):
-    """Crash evidence (issue 34): the failure's message holds the killed rank's faulthandler
+    """Crash evidence: the failure's message holds the killed rank's faulthandler
     stack (every thread), and the file holding it is kept; files of clean ranks are removed."""
     import os
 
@@ -173,7 +173,8 @@ def _env_and_print(rank, world_size):
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_get_the_callers_environment_and_stdout(method, monkeypatch, capfd):
-    run_ranks(_allreduce, 1, backend="gloo", timeout=60, start_method=method)  # server already up
+    if method == "forkserver":  # the server already up (spawn has none: each rank starts afresh)
+        run_ranks(_allreduce, 1, backend="gloo", timeout=60, start_method=method)
     monkeypatch.setenv("FQNCKPT_TEST_ENV", f"set after the server started ({method})")
     out = run_ranks(_env_and_print, 2, backend="gloo", timeout=60, start_method=method)
     assert [o[0] for o in out] == [f"set after the server started ({method})"] * 2
@@ -195,12 +196,10 @@ def _exit_without_result(rank, world_size):
 
 
 def test_rank_that_exits_0_without_a_result_is_reported_not_waited_for():
-    import time
-
-    t0 = time.monotonic()
+    # Waiting for the timeout would raise "ranks did not finish within 600 s" instead.
     with pytest.raises(RankFailedError, match=r"died without a result: \[\(0, 0\)\]") as e:
-        run_ranks(_exit_without_result, 1, backend="gloo", timeout=120)
-    assert time.monotonic() - t0 < 60 and e.value.signals == {}
+        run_ranks(_exit_without_result, 1, backend="gloo", timeout=600)
+    assert e.value.signals == {}
 
 
 class _FailsToUnpickle:
@@ -230,7 +229,7 @@ def _segfault_beside_gloo(rank, world_size):
 
 
 def test_rank_killed_by_sigsegv_keeps_every_threads_native_stack(tmp_path, monkeypatch, capfd):
-    """Issue 34: faulthandler shows Python frames only, and gloo's worker threads run CPython code
+    """Faulthandler shows Python frames only, and gloo's worker threads run CPython code
     with no Python frame; a killed rank's C++ stacks of every thread (c10's fatal-signal report,
     gloo's pt_gloo_runloop workers included) are in the failure's message and its kept file, and
     the rank's stderr still reaches the caller's."""
@@ -269,7 +268,7 @@ def _corrupt_heap(rank, world_size):
 
 
 def test_rank_aborted_by_a_corrupted_heap_keeps_its_python_stack(tmp_path, monkeypatch):
-    """The CI crash's face (issue 34): glibc aborts on a corrupted heap. faulthandler's stack is
+    """A corrupted heap: glibc aborts on a corrupted heap. faulthandler's stack is
     written before c10's native report runs (that one allocates, and on this heap dies itself)."""
     monkeypatch.setenv("FQNCKPT_CRASH_DIR", str(tmp_path))
     with pytest.raises(RankFailedError) as e:

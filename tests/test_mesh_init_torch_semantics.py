@@ -3,7 +3,7 @@
 One table: every random fill (``uniform_``, ``normal_`` (also ``std=0``), ``random_()`` and with
 bounds, ``bernoulli_``, ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``, the
 ``rand*`` factories) and every ``torch.nn.init`` function, on float64, float32, bfloat16, float16
-and the integer dtypes the op takes, 10^6 samples each: the dtype, the bounds (``uniform_``'s ``to``
+and the integer dtypes the op takes, 2^18 samples each: the dtype, the bounds (``uniform_``'s ``to``
 never returned), and the mean and standard deviation against torch's own sample (within 6 standard
 errors; median and interquartile range for Cauchy, which has neither); deterministic fills equal
 torch's exactly; where torch refuses (dtype, arguments) the fill refuses with torch's error.
@@ -19,10 +19,10 @@ from torch import nn
 
 from autoparallel import mesh_independent_context
 
-N = 1_000_000
+N = 1 << 18  # samples per fill: 6 standard errors of the mean are 1.2% of the std
 FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-SQUARE = (1000, 1000)
+SQUARE = (512, 512)
 I64 = torch.iinfo(torch.int64)
 
 
@@ -83,7 +83,7 @@ ROWS = [
     ("init.ones_", nn.init.ones_, FLOATS, SQUARE, None),
     ("init.zeros_", nn.init.zeros_, FLOATS, SQUARE, None),
     ("init.eye_", nn.init.eye_, FLOATS, SQUARE, None),
-    ("init.dirac_", nn.init.dirac_, FLOATS, (100, 100, 100), None),
+    ("init.dirac_", nn.init.dirac_, FLOATS, (64, 64, 64), None),
     ("init.xavier_uniform_", nn.init.xavier_uniform_, FLOATS, SQUARE, None),
     ("init.xavier_normal_", nn.init.xavier_normal_, FLOATS, SQUARE, None),
     ("init.kaiming_uniform_", lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), FLOATS, SQUARE, None),
@@ -159,8 +159,9 @@ def _compare(label: str, dtype: torch.dtype, ours: torch.Tensor, theirs: torch.T
         assert (top < hi_d) if open_hi else (top <= hi_d), (label, dtype, top, hi_d)
     if label.startswith("cauchy"):
         q = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
-        (a25, med, a75), (b25, bmed, b75) = (torch.quantile(v[: 1 << 20], q).tolist() for v in (x, y))
-        assert abs(med - bmed) < 0.03 and abs((a75 - a25) - (b75 - b25)) < 0.05, (label, dtype)
+        (a25, med, a75), (b25, bmed, b75) = (torch.quantile(v, q).tolist() for v in (x, y))
+        # Standard errors at N = 2^18: the median's 0.006, the interquartile range's 0.01.
+        assert abs(med - bmed) < 0.06 and abs((a75 - a25) - (b75 - b25)) < 0.1, (label, dtype)
         return {"median": med, "iqr": a75 - a25, "torch median": bmed, "torch iqr": b75 - b25}
     mx, sx, sex, ssx = _stats(x)
     my, sy, sey, ssy = _stats(y)
@@ -171,7 +172,7 @@ def _compare(label: str, dtype: torch.dtype, ours: torch.Tensor, theirs: torch.T
         # + a 1/n term: the first-order error of the std vanishes for a symmetric two-point law
         assert abs(sx - sy) <= 6 * math.hypot(ssx, ssy) + 10 * (sx + sy) / x.numel(), (label, dtype, sx, sy)
     if label == "init.sparse_":  # half of each column zeroed, as torch (float16 may underflow more)
-        assert (ours == 0).sum(0).min().item() == (theirs == 0).sum(0).min().item() == 500
+        assert (ours == 0).sum(0).min().item() == (theirs == 0).sum(0).min().item() == SQUARE[0] // 2
     return {"mean": mx, "std": sx, "torch mean": my, "torch std": sy}
 
 
@@ -193,7 +194,7 @@ def test_random_fills_have_torchs_semantics_per_dtype():
         assert want is not None, label
         assert type(got) is type(want) and str(got).splitlines()[0] == str(want).splitlines()[0], (label, got, want)
         table.append((label, dtype, f"refused: {type(want).__name__}"))
-    print("\nmesh-independent fill vs torch, 10^6 samples")
+    print(f"\nmesh-independent fill vs torch, {N} samples")
     for label, dtype, res in table:
         cells = res if isinstance(res, str) else "  ".join(f"{k} {v:.6g}" for k, v in res.items())
         print(f"  {label:24s} {str(dtype).replace('torch.', ''):9s} {cells}")

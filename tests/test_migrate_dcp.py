@@ -1,4 +1,4 @@
-"""DCP as a first-class source (issue 13 item 3): ``load(module, dcp_dir)`` through
+"""DCP as a first-class source: ``load(module, dcp_dir)`` through
 torch.distributed.checkpoint, ``migrate`` of the tutorial layout ``{"model", "optim"}`` into model
 and optimizer files, true per-file figures in ``inspect``, errors that name DCP."""
 
@@ -16,6 +16,8 @@ import checkpoint
 from checkpoint.cli.main import main as cli
 from checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from checkpoint.ranks.launch import run_ranks
+from tests.helpers import assert_same_state
+from tests.helpers import trained
 
 
 class Net(nn.Module):
@@ -26,17 +28,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.enc(x)))
-
-
-def _trained(steps: int = 2):
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for i in range(steps):
-        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(i))).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
 
 
 def _dcp_save(state, path):
@@ -52,7 +43,7 @@ def tutorial(tmp_path):
     """``dcp.save({"model": ..., "optim": ...})`` as the DCP tutorial does (get_state_dict)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _trained()
+    model, opt = trained(Net, steps=2, weight_decay=0.1)
     msd, osd = get_state_dict(model, opt)
     _dcp_save({"model": msd, "optim": osd}, tmp_path / "dcp")
     return model, opt, tmp_path / "dcp"
@@ -63,12 +54,6 @@ def _snapshot(model, opt=None):
     if opt is not None:
         snap["__opt__"] = repr(opt.state_dict())
     return snap
-
-
-def _same(a, b) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
-    )
 
 
 def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, capsys):
@@ -86,7 +71,7 @@ def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, 
     fresh = Net()
     new_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
     checkpoint.load(fresh, tmp_path / "out", optimizer=new_opt)
-    assert _same(_snapshot(fresh), _snapshot(model))
+    assert_same_state(_snapshot(fresh), _snapshot(model))
     ref, got = opt.state_dict(), new_opt.state_dict()
     assert got["param_groups"] == ref["param_groups"]
     for i, slots in ref["state"].items():
@@ -96,7 +81,7 @@ def test_tutorial_layout_migrates_model_and_optimizer_files(tutorial, tmp_path, 
     for m, o in ((model, opt), (fresh, new_opt)):
         m(x).square().sum().backward()
         o.step()
-    assert _same(_snapshot(fresh), _snapshot(model))
+    assert_same_state(_snapshot(fresh), _snapshot(model))
 
     # The CLI says the same: exit 0, and inspect reports the optimizer state.
     assert cli(["migrate", str(src), str(tmp_path / "cli-out")]) == 0
@@ -115,14 +100,14 @@ def test_load_reads_dcp_with_names_resolved(tutorial, tmp_path):
     plain = Net()
     rep = checkpoint.load(plain, src)
     assert rep.ok and rep.loaded_keys == sorted(model.state_dict())
-    assert _same(_snapshot(plain), _snapshot(model))
+    assert_same_state(_snapshot(plain), _snapshot(model))
     wrapped = nn.Module()
     wrapped.model = Net()  # the checkpoint's container prefix "model." is the target's child
     checkpoint.load(wrapped, src)
-    assert _same(_snapshot(wrapped.model), _snapshot(model))
+    assert_same_state(_snapshot(wrapped.model), _snapshot(model))
     sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}  # a plain state_dict target
     checkpoint.load(sd, src)
-    assert _same(sd, _snapshot(model))
+    assert_same_state(sd, _snapshot(model))
 
 
 def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
@@ -132,7 +117,7 @@ def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
     with pytest.raises(CheckpointMismatchError, match="DCP checkpoint") as e:
         checkpoint.load(target, src)
     assert e.value.report.unexpected_keys == ["enc.bias", "enc.weight", "head.bias", "head.weight"]
-    assert _same(_snapshot(target), before)
+    assert_same_state(_snapshot(target), before)
     with pytest.raises(CheckpointError, match="not a parameter of the model"):
         checkpoint.load(Net(), src, optimizer=opt)  # an optimizer of another module
     with pytest.raises(CheckpointError, match="DCP stores no checksums"):
@@ -150,7 +135,7 @@ def test_dcp_errors_name_dcp_and_change_nothing(tutorial, tmp_path):
         checkpoint.load(target, src)
     msg = str(e.value)
     assert "DCP" in msg and data[0] in msg and "rank 0" in msg and "model.enc.weight" in msg
-    assert _same(_snapshot(target), before)
+    assert_same_state(_snapshot(target), before)
     code = cli(["migrate", str(src), str(tmp_path / "out"), "--model", "tests.test_migrate_dcp:Net"])
     assert code == 2 and not (tmp_path / "out").exists()
 
@@ -162,7 +147,7 @@ def _sharded_worker(rank, world, path):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     sd = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -218,10 +203,11 @@ def _sharded_worker(rank, world, path):
 def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     path = str(tmp_path / "dcp2")
     res = run_ranks(_sharded_worker, 2, path, backend="gloo", timeout=180)
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     want = _snapshot(model)
     for r in res:
-        assert r["loaded"] == sorted(want) and _same(r["full"], want)
+        assert r["loaded"] == sorted(want)
+        assert_same_state(r["full"], want)
         assert r["opt_loaded"] and sorted(r["opt_state"]) == sorted(want)
         for n, slots in r["want_state"].items():
             assert sorted(slots) == ["exp_avg", "exp_avg_sq", "step"]
@@ -240,14 +226,14 @@ def test_two_rank_dcp_inspect_per_file_load_resharded(tmp_path, capsys):
     }
     single = Net()  # a single process without a process group reads it too
     checkpoint.load(single, path)
-    assert _same(_snapshot(single), want)
+    assert_same_state(_snapshot(single), want)
 
 
 def test_dcp_hf_rank_shards_load(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    model, _ = _trained()
+    model, _ = trained(Net, steps=2, weight_decay=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(
@@ -257,11 +243,11 @@ def test_dcp_hf_rank_shards_load(tmp_path):
         )
     target = Net()
     assert checkpoint.load(target, tmp_path / "hf").ok
-    assert _same(_snapshot(target), _snapshot(model))
+    assert_same_state(_snapshot(target), _snapshot(model))
 
 
 def test_small_dcp_items_are_parsed_from_memory_and_large_ones_through_dcps_view(tmp_path, monkeypatch):
-    """Issue 22: an item up to SLICE_IN_MEMORY bytes is read in one call and torch.load parses it
+    """An item up to SLICE_IN_MEMORY bytes is read in one call and torch.load parses it
     from BytesIO (C seek / read); a larger one keeps DCP's file view; values are equal either way."""
     import io
 

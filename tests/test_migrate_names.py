@@ -1,4 +1,4 @@
-"""Each naming kind migrates to eager FQNs, and nothing is guessed (B13, B28, collisions, rules)."""
+"""Each naming kind migrates to eager FQNs, and nothing is guessed (weight_norm spellings, prefixes, collisions, rules)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from checkpoint.migrating import REPORT_NAME, migrate, read_report
 from checkpoint.storage.reader import open_checkpoint
 from fqn import FQNMap
 from tests.models import Base, WithHead
+from tests.helpers import assert_same_state
 
 
 def _load_strict(model: nn.Module, dst) -> None:
@@ -27,13 +28,6 @@ def _load_strict(model: nn.Module, dst) -> None:
             for alias in group[1:]:
                 sd[alias] = sd[group[0]]
     model.load_state_dict(sd, strict=True)
-
-
-def _equal_params(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 class Block(nn.Module):
@@ -84,7 +78,7 @@ def test_wrapper_segments_anywhere(tmp_path):
     assert all(e.decided_by == ["wrapper segments"] for e in report.entries)
     dst = _seeded(seed=1)
     _load_strict(dst, tmp_path / "out")
-    _equal_params(src, dst)
+    assert_same_state(src, dst)
 
 
 def test_real_child_named_module_is_kept(tmp_path):
@@ -127,7 +121,7 @@ def test_captured_graph_checkpoint_migrates_and_loads_strictly(tmp_path):
     assert set(report.mapping.values()) == {k for k in src.state_dict()}
     dst = _seeded(seed=1)
     _load_strict(dst, tmp_path / "out")
-    _equal_params(src, dst)
+    assert_same_state(src, dst)
     x = torch.randn(2, 3)
     assert torch.equal(dst(x), src(x))
 
@@ -146,7 +140,7 @@ def test_fqn_map_decides_flattened_names(tmp_path):
     assert report.entries[0].decided_by == ["fqn_map (rule)"]
     dst = _seeded(seed=1)
     _load_strict(dst, tmp_path / "out")
-    _equal_params(src, dst)
+    assert_same_state(src, dst)
 
 
 class Clash(nn.Module):

@@ -1,4 +1,4 @@
-"""Migration never drops a tensor (A10): every tensor of a pickle, however deep in dicts, lists and
+"""Migration never drops a tensor: every tensor of a pickle, however deep in dicts, lists and
 tuples, is migrated, or the migration stops naming it; non-tensor values are reported as such."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_optimizer_beside_model_in_a_pickle_goes_to_optimizer_files(tmp_path):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, path)
 
     # Positional optimizer state and no model: its names are unknown, so the migration stops
-    # (before, the momentum buffers were silently left out of a "successful" migration).
+    # (never a "successful" migration that leaves the momentum buffers out).
     with pytest.raises(MigrationError, match="keyed by position") as e:
         migrate(path, tmp_path / "out")
     assert "key='model'" in str(e.value)

@@ -1,4 +1,4 @@
-"""Linear in the tensor count (A07, A19), pinned by counting work, never by timing: each
+"""Linear in the tensor count, pinned by counting work, never by timing: each
 safetensors header is parsed once per file however many tensors are read; DCP is read in
 batches, not one ``dcp.load`` per tensor; a 5,000-tensor migration keeps every tensor.
 Speed itself is measured by tests/bench/migrate_scale.py."""

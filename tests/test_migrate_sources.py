@@ -1,4 +1,4 @@
-"""Every source format migrates by content (not extension); unsafe pickles are refused (B25, B33)."""
+"""Every source format migrates by content (not extension); unsafe pickles are refused."""
 
 from __future__ import annotations
 

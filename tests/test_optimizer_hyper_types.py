@@ -72,7 +72,8 @@ def test_numbers_and_unset_values_fit_and_the_saved_value_is_restored(tmp_path, 
 
 @pytest.mark.parametrize("key,value", [("lr", np.float32(0.5)), ("lr", np.int64(1)), ("weight_decay", np.float32(0))])
 def test_numpy_numbers_fit_saved_numbers(tmp_path, key, value):
-    # Before: "saved as float, the target's is float32" (torch takes numpy numbers as hyper-parameters).
+    # torch takes numpy numbers as hyper-parameters: they fit the saved Python numbers, no
+    # "saved as float, the target's is float32" refusal.
     saved = _saved(tmp_path)
     weight = torch.load(tmp_path / "c.pt")["model"]["weight"]
     for name, (path, _) in saved.items():

@@ -19,6 +19,7 @@ import torch
 
 import checkpoint
 from checkpoint.storage import ownership, pread
+from tests.helpers import pools_idle
 
 N, SZ = 24, 4096  # 24 tensors of 16 KiB; pieces of 16 KiB: 24 pieces shared by 3 threads
 
@@ -84,7 +85,7 @@ def slow_pool(tmp_path, monkeypatch):
 def _assert_untouched_after(buf: torch.Tensor, state) -> None:
     assert state["active"] == 0, "a read-pool thread was still reading when load raised"
     buf.fill_(-1.0)  # the caller resets its tensors after the failed load
-    time.sleep(0.08)  # longer than a pool thread's piece
+    pools_idle()  # whatever a pool thread still had to do is done
     assert bool((buf == -1.0).all()), "bytes from the file appeared after load raised"
 
 
@@ -191,7 +192,7 @@ def test_crew_helper_that_had_not_started_never_runs():
         crew.run(lambda stop: (calls.append(threading.current_thread().name), (_ for _ in ()).throw(ValueError())), 1)
     gate.set()
     blocker.result()
-    time.sleep(0.02)
+    pools_idle()  # a helper the crew had left queued would have run by now
     assert calls == [threading.main_thread().name]
 
 
@@ -333,7 +334,7 @@ def test_interrupt_in_a_converting_read_or_a_hashed_get_stops_every_thread_first
             r.copy_into("w", out, check=check is not None)
         assert state["active"] == 0, "a pool thread was still reading when copy_into raised"
         out.fill_(-1.0)
-        time.sleep(0.08)  # longer than a pool thread's piece
+        pools_idle()  # whatever a pool thread still had to do is done
         assert bool((out == -1.0).all()), "bytes from the file appeared after copy_into raised"
         state["main"] = 0
         raised.clear()

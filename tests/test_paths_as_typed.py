@@ -1,12 +1,10 @@
-"""Paths as users type them (issue 32): relative, ``./x/``, trailing slash, ``~`` and a symlinked
+"""Paths as users type them: relative, ``./x/``, trailing slash, ``~`` and a symlinked
 parent work for every layout, in ``load`` and every CLI command, and each directory is read as one
 source, the same in every command (DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
 with consolidation: the consolidated Hugging Face files, not ``sharded/``)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import warnings
 
@@ -15,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.cli import main
+from tests.helpers import run_cli
 
 SD = {"a.weight": torch.arange(12.0).reshape(4, 3), "b.bias": torch.tensor([1.0, -2.0, 3.5])}
 
@@ -36,14 +34,6 @@ def _write(root):
 FORMATS = {"ours": "fqnckpt", "dcp": "dcp", "hf-consolidated": "safetensors-sharded", "hf-sharded": "dcp-hf-sharded"}
 
 
-def _cli(*args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        code = main(list(args))
-    return code, out.getvalue() + err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     base = tmp_path_factory.mktemp("typed")
@@ -60,16 +50,16 @@ def test_every_command_reads_the_path_as_typed(layouts, monkeypatch, tmp_path, n
     monkeypatch.chdir(layouts / "real")
     monkeypatch.setenv("HOME", str(layouts / "home"))
     p = typed.format(n=name)
-    code, out = _cli("inspect", p, "--json")
-    assert code == 0, out
+    code, out, err = run_cli("inspect", p, "--json", quiet_warnings=True)
+    assert code == 0, (out, err)
     inspected = json.loads(out)["format"]
-    code, out = _cli("verify", p, "--json")
-    assert code == 0, out
+    code, out, err = run_cli("verify", p, "--json", quiet_warnings=True)
+    assert code == 0, (out, err)
     verified = json.loads(out)["format"]
     assert inspected in (FORMATS[name], "safetensors-sharded") and verified == FORMATS[name], (inspected, verified)
-    assert _cli("diff", p, str(layouts / "real" / name))[0] == 0
-    code, out = _cli("migrate", p, str(tmp_path / "out"))
-    assert code == 0, out
+    assert run_cli("diff", p, str(layouts / "real" / name), quiet_warnings=True)[0] == 0
+    code, out, err = run_cli("migrate", p, str(tmp_path / "out"), quiet_warnings=True)
+    assert code == 0, (out, err)
     target = {k: torch.zeros_like(v) for k, v in SD.items()}
     assert checkpoint.load(target, p).ok
     assert all(torch.equal(target[k], v) for k, v in SD.items())
@@ -84,7 +74,7 @@ def test_consolidated_layout_one_source_everywhere(layouts, monkeypatch):
     shutil.copytree(layouts / "real" / "hf-consolidated", "damaged")
     shard = next(p for p in (layouts / "damaged").glob("model-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-4])  # cut: the consolidated file is unreadable
-    assert _cli("verify", "damaged")[0] != 0
-    assert _cli("migrate", "damaged", "out")[0] != 0
+    assert run_cli("verify", "damaged", quiet_warnings=True)[0] != 0
+    assert run_cli("migrate", "damaged", "out", quiet_warnings=True)[0] != 0
     with pytest.raises(checkpoint.CheckpointError):
         checkpoint.load({k: torch.zeros_like(v) for k, v in SD.items()}, "damaged")

@@ -6,8 +6,6 @@ shows the saved fields, ``diff`` compares them."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 
@@ -16,6 +14,7 @@ import torch
 
 import checkpoint
 from checkpoint.errors import AdapterConfigMismatchError
+from tests.helpers import run_cli
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -64,7 +63,7 @@ def saved(tmp_path_factory):
     ({"target_modules": ["q_proj"]}, {"target_modules": (["q_proj", "v_proj"], ["q_proj"])}),
 ])
 def test_a_target_built_with_another_config_is_refused_before_any_tensor_changes(saved, where, cfg, fields):
-    # Before: loaded without a word; logits off (0.47 for alpha 64 vs 16, 0.23 for rsLoRA).
+    # Loaded without a word, the logits would be off (0.47 for alpha 64 vs 16, 0.23 for rsLoRA).
     root, _ = saved
     target = lora(1, **cfg)
     before = snapshot(target)
@@ -129,19 +128,10 @@ def test_a_field_missing_from_an_older_config_takes_peft_default(saved, tmp_path
     assert e.value.fields == {"use_dora": (False, True)}
 
 
-def _cli(*args):
-    from checkpoint.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main([*map(str, args)])
-    return code, out.getvalue()
-
-
 def test_inspect_and_diff_show_the_adapter_config(saved, tmp_path):
     root, _ = saved
     checkpoint.save(lora(0, lora_alpha=64, use_rslora=True), tmp_path / "b")
-    code, out = _cli("inspect", root / "ck", "--json")
+    code, out, _ = run_cli("inspect", root / "ck", "--json")
     cfg = json.loads(out)["parts"]["adapter_config"]
     assert code == 0 and cfg == {
         "peft_type": "LORA", "r": 4, "lora_alpha": 16, "use_rslora": False, "use_dora": False,
@@ -149,15 +139,15 @@ def test_inspect_and_diff_show_the_adapter_config(saved, tmp_path):
         "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
         "lora_bias": False, "target_parameters": None,
     }  # fmt: skip
-    code, out = _cli("inspect", root / "ck")
+    code, out, _ = run_cli("inspect", root / "ck")
     assert code == 0 and "  adapter config: peft_type=LORA, r=4, lora_alpha=16, use_rslora=False," in out
-    code, out = _cli("inspect", root / "adapter", "--json")  # peft's own adapter directory
+    code, out, _ = run_cli("inspect", root / "adapter", "--json")  # peft's own adapter directory
     assert code == 0 and json.loads(out)["adapter_config"] == cfg
-    code, out = _cli("diff", root / "ck", tmp_path / "b", "--json")
+    code, out, _ = run_cli("diff", root / "ck", tmp_path / "b", "--json")
     data = json.loads(out)
     assert code == 1 and data["parts"]["model"]["same"] and not data["parts"]["adapter"]["same"]
     assert data["parts"]["adapter"]["config_differs"] == {"lora_alpha": [16, 64], "use_rslora": [False, True]}
     assert data["parts"]["adapter"]["value_differs"] == []  # the same tensors, another config
-    code, out = _cli("diff", root / "ck", tmp_path / "b")
+    code, out, _ = run_cli("diff", root / "ck", tmp_path / "b")
     assert code == 1 and "    adapter config differs: lora_alpha: 16 vs 64; use_rslora: False vs True" in out
-    assert _cli("diff", root / "ck", root / "ck")[0] == 0
+    assert run_cli("diff", root / "ck", root / "ck")[0] == 0

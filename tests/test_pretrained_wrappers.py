@@ -1,4 +1,4 @@
-"""``from_pretrained`` of ``checkpoint.save`` gets the trained model whatever wrapped it (issue 32):
+"""``from_pretrained`` of ``checkpoint.save`` gets the trained model whatever wrapped it:
 config.json names the eager class and every tensor its eager name for ``torch.compile``,
 ``checkpoint_wrapper``, ``DataParallel`` and peft's ``PeftModel`` (adapter beside the base, or
 merged). Oracles: transformers' ``from_pretrained`` and peft's ``PeftModel.from_pretrained`` /
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint
+from tests.helpers import run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -220,18 +221,6 @@ def _saved_base(pm, path):
     return path
 
 
-def _cli(*args):
-    import contextlib
-    import io
-
-    from checkpoint.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main([*map(str, args)])
-    return code, out.getvalue()
-
-
 def test_peft_checkpoint_in_inspect_diff_migrate(tmp_path):
     """The adapter beside the base is a part of the checkpoint: inspect lists it, diff compares it
     (an adapter-only change is a difference), migrate carries it byte for byte."""
@@ -241,16 +230,16 @@ def test_peft_checkpoint_in_inspect_diff_migrate(tmp_path):
     with torch.no_grad():
         next(p for n, p in pm.named_parameters() if "lora_B" in n).add_(1.0)
     checkpoint.save(pm, tmp_path / "b")
-    code, out = _cli("inspect", tmp_path / "a", "--json")
+    code, out, _ = run_cli("inspect", tmp_path / "a", "--json")
     assert code == 0 and json.loads(out)["parts"]["adapter"] == "adapter_model.safetensors"
-    code, out = _cli("diff", tmp_path / "a", tmp_path / "b", "--json")
+    code, out, _ = run_cli("diff", tmp_path / "a", tmp_path / "b", "--json")
     data = json.loads(out)
     assert code == 1 and data["parts"]["model"]["same"] and not data["parts"]["adapter"]["same"]
     assert data["parts"]["adapter"]["value_differs"] == [
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     ]
-    assert _cli("diff", tmp_path / "a", tmp_path / "a")[0] == 0
-    assert _cli("migrate", tmp_path / "b", tmp_path / "m")[0] == 0
+    assert run_cli("diff", tmp_path / "a", tmp_path / "a")[0] == 0
+    assert run_cli("migrate", tmp_path / "b", tmp_path / "m")[0] == 0
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    assert _cli("diff", tmp_path / "b", tmp_path / "m")[0] == 0
+    assert run_cli("diff", tmp_path / "b", tmp_path / "m")[0] == 0

@@ -1,4 +1,4 @@
-"""Ranks agree on every failure (issue 34, A44): an error on one rank alone during a collective
+"""Ranks agree on every failure: an error on one rank alone during a collective
 save (extra_state / state snapshot failing there, planning failing there), an async save (with
 and without background staging), a save with a recipe (rank 0's temporary directory), a load
 (opening on one rank) and the manager's ``load_latest`` (listing on one rank) becomes that
@@ -278,9 +278,8 @@ def test_one_rank_failure_is_agreed_by_every_rank(outcomes, stage, failing, own)
     ],
 )
 def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, stage, argument):
-    # Before: every one of these returned on both ranks; rank 0's path (or step, or flag) took
-    # effect and rank 1's was ignored silently (a load filled each rank's shards from another
-    # checkpoint).
+    # Refused on both ranks: otherwise rank 0's path (or step, or flag) would take effect and
+    # rank 1's be ignored silently (a load would fill each rank's shards from another checkpoint).
     for per_rank in outcomes:
         got = per_rank[stage]
         assert "RankMismatchError" in got and f"differ in {argument}" in got, got
@@ -292,7 +291,7 @@ def test_ranks_given_different_arguments_are_refused_on_every_rank(outcomes, sta
     ("dtype", "b", ("rank 0: [3] torch.float32", "rank 1: [3] torch.float16")),
 ])
 def test_dcp_writer_refuses_plain_tensors_that_differ_between_ranks(outcomes, what, key, values):
-    # Before: committed on both ranks, each tensor from whichever rank DCP's dedup kept.
+    # Nothing committed: otherwise each tensor would come from whichever rank DCP's dedup kept.
     for per_rank in outcomes:
         got = per_rank[f"dcp_plain_{what}"]
         assert got.startswith("CheckpointException of RankMismatchError"), got
@@ -305,7 +304,7 @@ def test_dcp_writer_refuses_plain_tensors_that_differ_between_ranks(outcomes, wh
     ("dtype", "b", ("rank 0: [3] F32", "rank 1: [3] F16")),
 ])
 def test_save_names_the_plain_tensor_that_differs_between_ranks(outcomes, what, key, values):
-    # Before: CheckpointError "ranks planned different layouts (different models or dtypes?)".
+    # The error names the tensor and each rank's shape and dtype, not only "different layouts".
     for per_rank in outcomes:
         got = per_rank[f"save_plain_{what}"]
         assert got.startswith("RankMismatchError"), got
@@ -314,8 +313,8 @@ def test_save_names_the_plain_tensor_that_differs_between_ranks(outcomes, what, 
 
 
 def test_load_latest_refuses_a_step_missing_on_one_rank_alike_on_every_rank(outcomes):
-    # Before: rank 0 entered the RNG check's collective and rank 1 load's: both hung until the
-    # process group's timeout, then died with bare gloo errors.
+    # The same error on both ranks: neither enters a collective the other skips (the RNG check's
+    # on one rank and load's on the other would hang both until the process group's timeout).
     got = [per_rank["manager_node_local_missing"] for per_rank in outcomes]
     assert got[0] == got[1], got
     assert got[0].startswith("CheckpointNotFoundError: no checkpoint at "), got[0]

@@ -152,8 +152,8 @@ def _migrated(ck, out_dir):
 def test_every_read_path_refuses_a_changed_shard(tmp_path, kind):
     """Each read path refuses the edited header or flipped byte with an error of ours naming
     the file (and the tensor, for data); a header edit is refused before any target changes
-    (``load``, ``get``, the migration source and ``dcp.load`` used to read ``F32`` bytes as
-    ``I32``: 1.0 became 1065353216.0). The clean checkpoint reads exactly."""
+    (a reader trusting the edited header reads ``F32`` bytes as ``I32``: 1.0 becomes
+    1065353216.0). The clean checkpoint reads exactly."""
     clean = saved(tmp_path, None)
     for name, read in _readers(clean, tmp_path / "out-clean"):
         want = reference()["w"][:, 3:11] if name == "get_slice columns" else reference()["w"]
@@ -497,8 +497,8 @@ def _rank_matrix(rank: int, world: int, cases: dict[str, str]) -> dict:
 def test_every_placement_refuses_a_changed_shard_on_two_ranks(tmp_path):
     """On 2 ranks, ``checkpoint.load`` and ``dcp.load`` (our StorageReader) into ``Shard(1)``,
     ``_StridedShard(1)`` and ``Replicate`` DTensors refuse a flipped byte in a small tensor and in
-    a chunked one, naming file and tensor on every rank (``checkpoint.load`` into ``Shard(1)``
-    loaded it silently before: each rank reads whole rows, so one of them, in turn, hashes the
+    a chunked one, naming file and tensor on every rank (``checkpoint.load`` into ``Shard(1)``:
+    each rank reads whole rows, so one of them, in turn, hashes the
     tensor on the way; the others raise the same error through the load's agreement).
     ``checkpoint.load`` into ``Shard(0)`` / ``_StridedShard(0)`` rows refuses it too: each rank
     hashes the digest chunks starting in its rows (a flip in a chunk inside one rank's rows, and

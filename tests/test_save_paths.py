@@ -1,4 +1,4 @@
-"""The distributed save's write and hash paths (issue 35): each rank starts writeback of what it
+"""The distributed save's write and hash paths: each rank starts writeback of what it
 wrote; whole tensors are hashed from memory, and of split tensors each rank hashes the digest
 chunks (format version 3) lying in its own bytes from memory, reading back only chunks that
 straddle another rank's bytes; the digests equal format version 3's computed here from xxhash
@@ -291,8 +291,8 @@ def _two_rank_grouped_saves(rank, world, root):
     except Exception as e:  # noqa: BLE001 - compared below
         outcome = f"{type(e).__name__}: {e}"
     bad = (sorted(set(wrote)), outcome)
-    # Issue 35: the default max_shard_size cuts a distributed save into >= world-size files (the
-    # 64 MiB floor lowered so these 8 KiB count as large); an explicit one is honoured as before;
+    # The default max_shard_size cuts a distributed save into >= world-size files (the
+    # 64 MiB floor lowered so these 8 KiB count as large); an explicit one is honoured;
     # below the floor the state stays one file.
     from checkpoint.storage import layout
 

@@ -1,7 +1,7 @@
 """Every shape field is checked by one rule (``st_header.shape_problem``): a dimension torch
 cannot hold (over 2**63 - 1, or dims whose strides overflow) in a safetensors header, in extra
 state or in DCP metadata is a named CorruptCheckpointError on every path, and ``verify`` /
-``inspect`` (torch-free) say the same as the torch readers (A41)."""
+``inspect`` (torch-free) say the same as the torch readers."""
 
 from __future__ import annotations
 

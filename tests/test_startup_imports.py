@@ -1,4 +1,4 @@
-"""Start-up cost without a clock (issue 22, item 5): ``import checkpoint`` and ``fqnckpt --version``
+"""Start-up cost without a clock: ``import checkpoint`` and ``fqnckpt --version``
 / ``--help`` import no torch, and ``fqnckpt inspect`` of a safetensors checkpoint (one file, one
 of ours with an index) imports no torch at all, and prints what the torch path prints. The times
 are in tests/bench/cli_startup.py."""

@@ -17,8 +17,9 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 import checkpoint  # noqa: E402
-from checkpoint.cli import main as cli_main  # noqa: E402
 from tests import backends  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
+from tests.helpers import tiny_model, trained
 
 ANSWERS: dict[str, dict] = {}
 moto_opts = backends.moto_fixture("par")
@@ -28,24 +29,8 @@ def _roots(backend, tmp_path, moto_opts):
     return backends.fresh(backend, tmp_path, moto_opts, "par")
 
 
-def _trained(seed: int, steps: int):
-    torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.Adam(m.parameters(), lr=0.01)
-    for _ in range(steps):
-        m(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    return m, opt
-
-
-def _cli(capsys, *argv) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = cli_main([*argv, "--json"])
-    return rc, json.loads(capsys.readouterr().out)
-
-
 def _diff(capsys, a, b) -> tuple[int, dict]:
-    rc, out = _cli(capsys, "diff", a, b)
+    rc, out, _ = run_cli("diff", a, b, capsys=capsys, as_json=True)
     return rc, {part: r["same"] for part, r in out["parts"].items()}
 
 
@@ -61,7 +46,7 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans: dict = {}
 
     # save: model, optimizer, extra state; a user's object beside the shards stays through overwrite
-    m, opt = _trained(0, 2)
+    m, opt = trained(tiny_model(seed=0), torch.optim.Adam, steps=2)
     local = str(tmp_path / "local-a")
     for where, where_kw in ((a, kw), (same_as_a, kw), (local, {})):
         checkpoint.save(m, where, optimizer=opt, extra_state={"step": 2}, **where_kw)
@@ -74,14 +59,14 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["user_object_kept"] = _get_user_object(b, opts)
 
     # load (strict, verified) into a fresh model and optimizer
-    mt, ot = _trained(1, 1)
+    mt, ot = trained(tiny_model(seed=1), torch.optim.Adam, steps=1)
     extra = {"step": None}
     rep = checkpoint.load(mt, a, optimizer=ot, extra_state=extra, verify=True, **kw)
     sa, st = m.state_dict(), mt.state_dict()
     ans["load"] = (rep.ok, rep.optimizer_loaded, extra["step"], all(torch.equal(sa[k], st[k]) for k in sa))
 
     # verify, API and CLI
-    ans["verify"] = (checkpoint.verify(a, **kw).ok, _cli(capsys, "verify", a)[0])
+    ans["verify"] = (checkpoint.verify(a, **kw).ok, run_cli("verify", a, capsys=capsys, as_json=True)[0])
 
     # diff: optimizer-only difference, identical copies, and against the local copy of the same save
     ans["diff_a_b"] = _diff(capsys, a, b)
@@ -89,13 +74,13 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     ans["diff_local_a"] = _diff(capsys, local, a)
 
     # inspect a checkpoint
-    rc, out = _cli(capsys, "inspect", a)
+    rc, out, _ = run_cli("inspect", a, capsys=capsys, as_json=True)
     ans["inspect"] = (rc, out["format"], out["tensors"], out["total_bytes"], out["parts"]["optimizer"]["optimizer_class"],
                       out["parts"]["optimizer"]["tensors"], out["parts"]["extra_state"], "leftovers" in out)  # fmt: skip
 
     # migrate (fqnckpt -> fqnckpt on the same backend), then load it
     mig = checkpoint.migrate(a, f"{root}/mig", **kw)
-    mm, _ = _trained(2, 0)
+    mm, _ = trained(tiny_model(seed=2), torch.optim.Adam, steps=0)
     ans["migrate"] = (bool(mig.written), sorted(mig.keys_written) if hasattr(mig, "keys_written") else None,
                       checkpoint.load(mm, f"{root}/mig", **kw).ok, torch.equal(mm[0].weight, m[0].weight))  # fmt: skip
 
@@ -104,12 +89,12 @@ def test_same_answers_on_every_backend(backend, tmp_path, moto_opts, monkeypatch
     for step in (1, 2, 3):
         mgr.save(step, m, opt, extra_state={"step": step})
     mgr.wait()
-    rc, out = _cli(capsys, "inspect", f"{root}/run")
+    rc, out, _ = run_cli("inspect", f"{root}/run", capsys=capsys, as_json=True)
     ans["manager"] = (mgr.steps(), rc, out["format"], [(s["step"], s["complete"]) for s in out["steps"]],
                       out["latest"].rsplit("/", 1)[-1])  # fmt: skip
 
     # migrate through the CLI onto the same backend
-    rc, _ = _cli(capsys, "migrate", a, f"{root}/cli-mig")
+    rc, _, _ = run_cli("migrate", a, f"{root}/cli-mig", capsys=capsys, as_json=True)
     ans["cli_migrate"] = (rc, _diff(capsys, a, f"{root}/cli-mig"))
 
     # conversion recipes: reading this backend (written locally), writing to it (save(recipe=),

@@ -32,6 +32,8 @@ from checkpoint.errors import (  # noqa: E402
 from checkpoint.ranks.launch import run_ranks  # noqa: E402
 from checkpoint.storage.objstore import TransferConfig, stats  # noqa: E402
 from tests.s3_server import SECRET, FaultProxy, make_bucket, start_moto, storage_options  # noqa: E402
+from tests.helpers import assert_same_state
+from tests.helpers import tiny_model
 
 FAST = TransferConfig(part_size=5 << 20, parts_in_flight=2, retries=3, backoff_s=0.01, max_backoff_s=0.05)
 
@@ -46,11 +48,6 @@ def s3():
     server.stop()
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-
-
 def _objects(url_root: str, opts=None) -> list[str]:
     import fsspec
 
@@ -59,19 +56,12 @@ def _objects(url_root: str, opts=None) -> list[str]:
     return sorted(p[len(root) + 1 :] for p in fs.find(root))
 
 
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-
-
 # -- URLs are never local paths ------------------------------------------------------------------
 
 
 def test_unknown_scheme_refused_everywhere_nothing_written_locally(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    m = _model()
+    m = tiny_model(6, 5, 3)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     calls = [
         lambda: checkpoint.save(m, "nosuchfs://b/run/ck"),
@@ -94,7 +84,7 @@ def test_unknown_scheme_refused_everywhere_nothing_written_locally(tmp_path, mon
 
 def test_memory_save_load_overwrite_deletes_only_owned_objects():
     url = "memory://t1/run/ck"
-    m, m2 = _model(0), _model(1)
+    m, m2 = tiny_model(6, 5, 3, seed=0), tiny_model(6, 5, 3, seed=1)
     opt = torch.optim.Adam(m.parameters())
     m(torch.randn(2, 6)).sum().backward()
     opt.step()
@@ -118,7 +108,7 @@ def test_memory_save_load_overwrite_deletes_only_owned_objects():
     extra = {"step": 0}
     report = checkpoint.load(m2, url, optimizer=opt2, extra_state=extra, verify=True)
     assert report.ok and report.optimizer_loaded and extra == {"step": 7}
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert all(torch.equal(s1[i]["exp_avg_sq"], s2[i]["exp_avg_sq"]) for i in s1)
 
@@ -135,17 +125,17 @@ def test_file_url_is_saved_as_the_local_path(tmp_path, monkeypatch):
     """``file://`` is the local byte store: committed by rename like a plain path (Hugging Face's
     file names, no token), read back through the URL."""
     monkeypatch.chdir(tmp_path)
-    m, m2 = _model(7), _model(8)
+    m, m2 = tiny_model(6, 5, 3, seed=7), tiny_model(6, 5, 3, seed=8)
     checkpoint.save(m, f"file://{tmp_path}/ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no "file:" directory
     assert sorted(os.listdir(tmp_path / "ck")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     assert checkpoint.load(m2, f"file://{tmp_path}/ck").ok
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
 
 
 def test_commit_marker_index_last_and_missing_objects(s3):
     url, opts = "s3://bkt/marker/ck", s3["opts"]
-    m = _model(2)
+    m = tiny_model(6, 5, 3, seed=2)
     checkpoint.save(m, url, storage_options=opts)
     import s3fs
 
@@ -154,29 +144,24 @@ def test_commit_marker_index_last_and_missing_objects(s3):
     shard = next(iter(index["metadata"]["fqnckpt"]["files"]))
     # An index naming an absent object: refused before any tensor changes.
     fs.rm_file(f"bkt/marker/ck/{shard}")
-    target = _model(3)
+    target = tiny_model(6, 5, 3, seed=3)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(MissingShardError) as e:
         checkpoint.load(target, url, storage_options=opts)
     assert shard in str(e.value)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)
     # Objects without an index are no checkpoint.
     fs.rm_file("bkt/marker/ck/model.safetensors.index.json")
     fs.pipe_file("bkt/marker/ck/model-00001-of-00001.0123456789ab.safetensors", b"x" * 64)
     with pytest.raises(CheckpointNotFoundError):
         checkpoint.load(target, url, storage_options=opts)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)
     assert CheckpointManager("s3://bkt/marker", storage_options=opts).steps() == []
 
 
-def _same_values(m, before) -> None:
-    for k, v in m.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
 def test_remote_reader_offers_the_local_readers_copy_into(tmp_path):
-    # Before: open_checkpoint(url).copy_into was None (a capability flag), so calling the
-    # documented reader method on a URL raised a bare TypeError.
+    # copy_into is the documented reader method: callable on a URL's reader too, with the local
+    # reader's results.
     url = "memory://t-copy/ck"
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     checkpoint.save({"w": w}, url)
@@ -216,7 +201,7 @@ def test_multipart_bounded_memory_and_ranged_reads(s3):
 def test_injected_5xx_and_throttling_retried_then_named_errors(s3):
     proxy, opts = s3["proxy"], s3["popts"]
     url = "s3://bkt/faults/ck"
-    m = _model(4)
+    m = tiny_model(6, 5, 3, seed=4)
     proxy.clear()
     proxy.add("PUT", "partNumber=1", 503, times=2)  # throttled (SlowDown)
     proxy.add("PUT", "partNumber=2", 500, times=1)  # InternalError
@@ -335,7 +320,7 @@ def test_manager_retention_and_resume_on_s3(s3):
     fs.pipe_file("bkt/mgr/step-00000000/mine.txt", b"not fqnckpt's")
     with pytest.warns(checkpoint.ForeignEntryWarning, match="step-notes.txt"):
         mgr = CheckpointManager(root, keep_latest=2, storage_options=opts)
-    m = _model(5)
+    m = tiny_model(6, 5, 3, seed=5)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     for step in (1, 2, 3):
         m(torch.randn(2, 6)).sum().backward()
@@ -349,12 +334,12 @@ def test_manager_retention_and_resume_on_s3(s3):
     assert "step-notes.txt" in objs and "step-00000000/mine.txt" in objs  # foreign objects stay
     left0 = sorted(o for o in objs if o.startswith("step-00000000/"))  # the killed save's leftover goes
     assert left0 == ["step-00000000/mine.txt", "step-00000000/model-00001-of-00001.fedcba987654.safetensors"]
-    m2, extra = _model(6), {"step": None}
+    m2, extra = tiny_model(6, 5, 3, seed=6), {"step": None}
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     with pytest.warns(checkpoint.ForeignEntryWarning):
         resumed = CheckpointManager(root, storage_options=opts)
     assert resumed.load_latest(m2, opt2, extra_state=extra) == 3 and extra == {"step": 3}
-    _same(m, m2)
+    assert_same_state(m, m2, ordered=True)
     assert all(
         torch.equal(opt.state_dict()["state"][i]["momentum_buffer"], opt2.state_dict()["state"][i]["momentum_buffer"])
         for i in range(4)
@@ -373,9 +358,6 @@ def _two_rank_main(rank, world, endpoint, local):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import time
-
-    t0 = time.perf_counter()
     opts = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
     mesh = init_device_mesh("cpu", (world,))
     full = _full_state()
@@ -388,7 +370,6 @@ def _two_rank_main(rank, world, endpoint, local):
     mgr = CheckpointManager("s3://bkt/ranks", storage_options=opts, rng_state=False)
     mgr.save(4, state, max_shard_size=100)  # async by default
     mgr.wait()
-    t1 = time.perf_counter()
     uploaded = stats.objects
     # Resharded load on the same 2 ranks: other placements.
     target = {
@@ -406,7 +387,6 @@ def _two_rank_main(rank, world, endpoint, local):
         "v": target["v"].to_local().clone(),
         "count": target["count"].clone(),
         "read": read,
-        "t": (t1 - t0, time.perf_counter() - t1),
     }
 
 
@@ -476,13 +456,13 @@ def test_cli_inspect_verify_diff_on_s3_through_fsspec_config(s3, monkeypatch, ca
 
     monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3["opts"]))  # what FSSPEC_S3_* env vars set
     url = "s3://bkt/cli/ck"
-    checkpoint.save(_model(9), url, storage_options=s3["opts"])
+    checkpoint.save(tiny_model(6, 5, 3, seed=9), url, storage_options=s3["opts"])
     capsys.readouterr()
     assert cli_main(["inspect", url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["format"] == "safetensors-sharded" and data["tensors"] == 4
     assert cli_main(["verify", url]) == 0 and "OK" in capsys.readouterr().out
-    checkpoint.save(_model(10), "s3://bkt/cli/other", storage_options=s3["opts"])
+    checkpoint.save(tiny_model(6, 5, 3, seed=10), "s3://bkt/cli/other", storage_options=s3["opts"])
     capsys.readouterr()
     assert cli_main(["diff", url, "s3://bkt/cli/other"]) == 1  # same keys, other values
     out = capsys.readouterr().out
@@ -516,7 +496,7 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     stats.reset()
     assert checkpoint.load(fresh, "s3://bkt/conv/tt", recipe="torchtitan-llama3-to-hf", storage_options=opts).ok
     assert stats.bytes_read >= rep.total_bytes
-    _same(fresh, hf)  # the RoPE permute undone: the original tensors, bit for bit
+    assert_same_state(fresh, hf, ordered=True)  # the RoPE permute undone: the original tensors, bit for bit
     fs, root = fsspec.core.url_to_fs("s3://bkt/conv/tt", **opts)
     # Meta's consolidated.NN.pth files on S3 too, with fqnckpt's record of them
     checkpoint.migrate("s3://bkt/conv/hf", "s3://bkt/conv/meta", recipe="hf-to-meta-llama", storage_options=opts)
@@ -531,4 +511,4 @@ def test_recipe_migrate_and_load_read_object_storage(s3, tmp_path):
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(MissingShardError):
         checkpoint.load(target, "s3://bkt/conv/tt", recipe="torchtitan-llama3-to-hf", storage_options=opts)
-    _same_values(target, before)
+    assert_same_state(target.state_dict(), before)

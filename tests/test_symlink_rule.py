@@ -1,4 +1,4 @@
-"""One symlink rule for every reader (A14, A15): load, verify, migrate, inspect and diff follow a
+"""One symlink rule for every reader: load, verify, migrate, inspect and diff follow a
 symlink only into the checkpoint directory or, for a Hugging Face hub-cache snapshot, into its
 cached repository; anything else is UnsafePathError naming the file."""
 
@@ -16,8 +16,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 import checkpoint
-from checkpoint.cli.main import main as cli
 from checkpoint.errors import CheckpointError, UnsafePathError
+from tests.helpers import run_cli
 
 
 def _to_hub_cache(src: Path, cache: Path, repo: str = "models--org--tiny", rev: str = "0123abc") -> Path:
@@ -49,12 +49,6 @@ def tiny_bert():
     return cfg, BertModel(cfg)
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    code = cli(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_hub_cache_snapshot_of_save_pretrained_readable_everywhere(tmp_path, tiny_bert, capsys):
     from transformers import BertModel
 
@@ -75,12 +69,12 @@ def test_hub_cache_snapshot_of_save_pretrained_readable_everywhere(tmp_path, tin
     checkpoint.load(again, tmp_path / "migrated")
     assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())
 
-    code, out, _ = _cli(capsys, "inspect", "--json", str(snap))
+    code, out, _ = run_cli("inspect", "--json", str(snap), capsys=capsys)
     data = json.loads(out)
     assert code == 0 and data["format"] == "safetensors-sharded"
     assert sum(f["tensors"] for f in data["per_file"].values()) == data["tensors"] == len(want)
 
-    code, out, _ = _cli(capsys, "diff", "--json", str(snap), str(copy))
+    code, out, _ = run_cli("diff", "--json", str(snap), str(copy), capsys=capsys)
     assert code == 0 and json.loads(out)["same"] is True
 
     # verify reads the snapshot (no fqnckpt checksums in a save_pretrained index: that is all it says)
@@ -154,7 +148,7 @@ def test_symlink_leading_outside_refused_by_every_reader(tmp_path, kind, capsys)
         checkpoint.migrate(d, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     for argv in (["inspect", str(d)], ["diff", str(d), str(d)]):
-        code, out, err = _cli(capsys, *argv)
+        code, out, err = run_cli(*argv, capsys=capsys)
         assert code == 2 and name in err and "symlink" in err, (argv, err)
 
 

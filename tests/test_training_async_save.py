@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,11 @@ import torch
 import checkpoint
 from checkpoint import CheckpointExistsError
 from checkpoint.training.async_save import AsyncSaver
+from tests.helpers import pools_idle, tiny_model, trained
+
+MLP = (16, 32, 4)  # Linear, ReLU, Linear: keys 0.* and 2.*
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-
-def _trained():
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(8, 16)).sum().backward()
-    opt.step()
-    return model, opt
 
 
 def _files(path):
@@ -38,7 +27,7 @@ def _files(path):
 
 
 def test_values_changed_after_the_call_are_not_saved(tmp_path):
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     old = {k: v.clone() for k, v in model.state_dict().items()}
     old_avg = opt.state[model[0].weight]["exp_avg"].clone()
     counter = {"step": 1, "rng": torch.get_rng_state()}
@@ -53,7 +42,7 @@ def test_values_changed_after_the_call_are_not_saved(tmp_path):
     counter["rng"].zero_()
     fut.result(timeout=120)
     assert fut.done() and fut.exception() is None
-    fresh = _model(1)
+    fresh = tiny_model(*MLP, seed=1, relu=True)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     target = {"step": None, "rng": None}
     checkpoint.load(fresh, tmp_path / "ck", optimizer=opt2, extra_state=target)
@@ -63,7 +52,7 @@ def test_values_changed_after_the_call_are_not_saved(tmp_path):
 
 
 def test_files_are_byte_identical_to_save(tmp_path):
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     extra = {"step": 7, "lr": [0.1, float("nan")]}
     checkpoint.save(model, tmp_path / "sync", optimizer=opt, extra_state=extra, max_shard_size=1000)
     fut = checkpoint.async_save(
@@ -77,7 +66,7 @@ def test_files_are_byte_identical_to_save(tmp_path):
 
 
 def test_write_errors_come_out_of_result_and_bad_input_fails_at_once(tmp_path):
-    model, _ = _trained()
+    model, _ = trained(tiny_model(*MLP, relu=True), lr=0.1)
     checkpoint.save(model, tmp_path / "ck")
     before = _files(tmp_path / "ck")
     fut = checkpoint.async_save(model, tmp_path / "ck")
@@ -94,7 +83,7 @@ def test_write_errors_come_out_of_result_and_bad_input_fails_at_once(tmp_path):
 
 def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp_path):
     saver = AsyncSaver()
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     first = {k: v.clone() for k, v in model.state_dict().items()}
     f1 = saver.save(model, tmp_path / "a", optimizer=opt)
     ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
@@ -112,14 +101,14 @@ def test_staging_buffers_are_reused_and_back_to_back_saves_keep_their_values(tmp
     assert {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs
     f2.result()
     for path, want in ((tmp_path / "a", first), (tmp_path / "b", second)):
-        got = _model(1)
+        got = tiny_model(*MLP, seed=1, relu=True)
         checkpoint.load(got, path)
         assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
 
 
 def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tmp_path):
     saver = AsyncSaver()
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(TypeError, match="'a'"):
         saver.prepare({"a": 1.0})
@@ -133,7 +122,7 @@ def test_prepare_allocates_and_touches_the_buffers_the_first_save_then_reuses(tm
     ptrs = {k: b.data_ptr() for k, b in saver._pool.buffers.items()}
     saver.save(model, tmp_path / "a", optimizer=opt).result()
     assert {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs  # the first save allocated nothing
-    got = _model(1)
+    got = tiny_model(*MLP, seed=1, relu=True)
     checkpoint.load(got, tmp_path / "a")
     assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
     mgr = checkpoint.CheckpointManager(tmp_path / "m")
@@ -145,7 +134,7 @@ def test_background_prepare_touches_fresh_buffers_on_the_touch_thread(tmp_path, 
     from checkpoint.training import pages
 
     saver = AsyncSaver()
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     touched_on = []
     real = pages.populate
     monkeypatch.setattr(pages, "populate", lambda b: touched_on.append(threading.current_thread().name) or real(b))
@@ -161,7 +150,7 @@ def test_background_prepare_touches_fresh_buffers_on_the_touch_thread(tmp_path, 
     saver.prepare(model, optimizer=opt, background=True)  # already touched: nothing to do
     saver.save(model, tmp_path / "a", optimizer=opt).result()
     assert touched_on == [] and {k: b.data_ptr() for k, b in saver._pool.buffers.items()} == ptrs
-    got = _model(1)
+    got = tiny_model(*MLP, seed=1, relu=True)
     checkpoint.load(got, tmp_path / "a")
     assert all(torch.equal(v, before[k]) for k, v in got.state_dict().items())
     buf = torch.empty(3 * 4096 + 5, dtype=torch.uint8)[1:]  # pages populate; bytes outside kept
@@ -176,7 +165,7 @@ def test_manager_touches_staging_at_start_and_after_the_first_step(tmp_path, sta
     """No prepare by hand: load_latest (nothing to load yet), or the manager given the module and
     optimizer when created, touches the model's staging in the background; AdamW's state, made by
     its first step, is touched after that step."""
-    model = _model()
+    model = tiny_model(*MLP, relu=True)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     if start == "constructor":
         mgr = checkpoint.CheckpointManager(tmp_path / "m", module=model, optimizer=opt)
@@ -199,7 +188,7 @@ def test_manager_touches_staging_at_start_and_after_the_first_step(tmp_path, sta
     mgr.wait()
     assert {k: b.data_ptr() for k, b in mgr._saver._pool.buffers.items()} == ptrs  # none allocated by the save
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    got, got_opt = _model(1), None
+    got, got_opt = tiny_model(*MLP, seed=1, relu=True), None
     assert checkpoint.CheckpointManager(tmp_path / "m", async_save=False).load_latest(got, got_opt) == 1
     assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
     # synchronous saves hold no staging; a state save refuses is refused by the save, not here
@@ -228,7 +217,7 @@ class _HeldStaging:
 
 def test_background_staging_holds_the_next_step_and_saves_the_values_at_the_call(tmp_path, monkeypatch):
     held = _HeldStaging(monkeypatch)
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     old = {k: v.clone() for k, v in model.state_dict().items()}
     old_avg = opt.state[model[0].weight]["exp_avg"].clone()
     saver = AsyncSaver()
@@ -245,7 +234,7 @@ def test_background_staging_holds_the_next_step_and_saves_the_values_at_the_call
     assert stepped.is_set() and fut.wait_staged(60)
     fut.result(timeout=120)
     assert not torch.equal(model[0].weight, old["0.weight"])  # the step ran, after the copy
-    fresh = _model(1)
+    fresh = tiny_model(*MLP, seed=1, relu=True)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     checkpoint.load(fresh, tmp_path / "ck", optimizer=opt2)
     assert all(torch.equal(v, old[k]) for k, v in fresh.state_dict().items())
@@ -258,7 +247,7 @@ def test_background_staging_holds_the_next_step_and_saves_the_values_at_the_call
 
 @pytest.mark.parametrize("how", ["param", "optimizer_state"])
 def test_write_before_staged_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, how):
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     checkpoint.save(model, tmp_path / "ck", optimizer=opt)
     before = _files(tmp_path / "ck")
     held = _HeldStaging(monkeypatch)
@@ -278,7 +267,7 @@ def test_write_before_staged_fails_the_save_and_keeps_the_previous_checkpoint(tm
 
 
 def test_background_staging_without_optimizer_stages_in_the_call(tmp_path):
-    model, _ = _trained()
+    model, _ = trained(tiny_model(*MLP, relu=True), lr=0.1)
     old = {k: v.clone() for k, v in model.state_dict().items()}
     fut = AsyncSaver().save(model, tmp_path / "ck", background_staging=True)
     assert fut.staged()
@@ -286,7 +275,7 @@ def test_background_staging_without_optimizer_stages_in_the_call(tmp_path):
         for p in model.parameters():
             p.add_(1)
     fut.result(timeout=120)
-    got = _model(1)
+    got = tiny_model(*MLP, seed=1, relu=True)
     checkpoint.load(got, tmp_path / "ck")
     assert all(torch.equal(v, old[k]) for k, v in got.state_dict().items())
 
@@ -370,7 +359,7 @@ def _overlapping(monkeypatch, target, during):
     ],
 )
 def test_write_overlapping_the_background_copy_is_never_committed_torn(tmp_path, monkeypatch, write):
-    model, opt = _trained()
+    model, opt = trained(tiny_model(*MLP, relu=True), lr=0.1)
     w = model[0].weight
     at_call = w.detach().clone()
     raw = w.data.view(-1)  # no version bump: a kernel still running
@@ -403,7 +392,7 @@ def test_write_overlapping_the_background_copy_is_never_committed_torn(tmp_path,
         assert "0.weight" in str(e)
         assert not (tmp_path / "ck").exists()  # nothing committed
         return
-    back = _model(1)
+    back = tiny_model(*MLP, seed=1, relu=True)
     checkpoint.load(back, tmp_path / "ck")
     assert torch.equal(back[0].weight, at_call), "a torn or changed tensor was committed"
 
@@ -470,6 +459,6 @@ def test_first_save_faults_fresh_staging_ahead_of_the_copy_piece_by_piece(tmp_pa
     with pytest.raises(MemoryError, match="copy failed"):
         fresh.save(sd, tmp_path / "c")
     n = len(events)
-    time.sleep(0.1)
+    pools_idle()  # a touch still going would have touched its remaining pieces by now
     assert len(events) == n < len(pops)  # the thread stopped before the call raised, pieces left
     assert not (tmp_path / "c").exists()

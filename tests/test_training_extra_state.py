@@ -14,6 +14,8 @@ import torch
 import checkpoint
 from checkpoint import CheckpointMismatchError, ChecksumMismatchError, CorruptCheckpointError
 from checkpoint.training.extra_state import EXTRA_STATE_FILE, ExtraStateFile
+from tests.helpers import assert_same_state
+from tests.helpers import tiny_model
 
 
 class Counter:
@@ -27,11 +29,6 @@ class Counter:
 
     def load_state_dict(self, sd):
         self.n, self.history = sd["n"], list(sd["history"])
-
-
-def _model(seed: int = 0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 
 
 def _sched(model):
@@ -58,34 +55,15 @@ def _plain_values():
     }
 
 
-def _same(a, b) -> bool:
-    """Exact equality: types, float bits (nan, -0.0), tensor dtype / shape / bytes."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return a.hex() == b.hex()
-    if isinstance(a, torch.Tensor):
-        return (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 def test_plain_values_roundtrip_exactly_and_fill_the_callers_dict(tmp_path):
     values = _plain_values()
-    checkpoint.save(_model(), tmp_path / "ck", extra_state=values)
+    checkpoint.save(tiny_model(), tmp_path / "ck", extra_state=values)
     target = {k: None for k in values}
     target_id = id(target)
-    report = checkpoint.load(_model(1), tmp_path / "ck", extra_state=target)
+    report = checkpoint.load(tiny_model(seed=1), tmp_path / "ck", extra_state=target)
     assert id(target) == target_id
     for k in values:
-        assert _same(target[k], values[k]), k
+        assert_same_state(target[k], values[k], ordered=True, where=k)
     assert report.missing_keys == [] and report.unexpected_keys == []
     assert {k for k in report.loaded_keys if k.startswith("extra_state.")} == {
         f"extra_state.{k}" for k in values
@@ -96,7 +74,7 @@ def test_plain_values_roundtrip_exactly_and_fill_the_callers_dict(tmp_path):
 
 
 def test_stateful_objects_restore_in_place(tmp_path):
-    model = _model()
+    model = tiny_model()
     opt, sched = _sched(model)
     for _ in range(3):
         opt.step()
@@ -104,7 +82,7 @@ def test_stateful_objects_restore_in_place(tmp_path):
     counter = Counter(5)
     counter.history.append(9)
     checkpoint.save(model, tmp_path / "ck", optimizer=opt, extra_state={"sched": sched, "counter": counter})
-    model2 = _model(1)
+    model2 = tiny_model(seed=1)
     opt2, sched2 = _sched(model2)
     counter2 = Counter()
     target = {"sched": sched2, "counter": counter2}
@@ -118,11 +96,11 @@ def test_stateful_objects_restore_in_place(tmp_path):
 
 
 def test_missing_and_unexpected_entries_are_reported_like_tensors(tmp_path):
-    model = _model()
+    model = tiny_model()
     checkpoint.save(model, tmp_path / "ck", extra_state={"step": 3, "old": "x"})
     target = {"step": None, "new": 1.5}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    other = _model(1)
+    other = tiny_model(seed=1)
     with pytest.raises(CheckpointMismatchError) as ei:
         checkpoint.load(other, tmp_path / "ck", extra_state=target)
     assert ei.value.report.missing_keys == ["extra_state.new"]
@@ -135,25 +113,25 @@ def test_missing_and_unexpected_entries_are_reported_like_tensors(tmp_path):
     assert target == {"step": 3, "new": 1.5}
     assert torch.equal(other[0].weight, before["0.weight"])
     only = {"step": None}  # naming a subset of the stored entries is a whole, strict load
-    assert checkpoint.load(_model(1), tmp_path / "ck", extra_state=only).ok and only == {"step": 3}
+    assert checkpoint.load(tiny_model(seed=1), tmp_path / "ck", extra_state=only).ok and only == {"step": 3}
 
 
 def test_checkpoint_without_extra_state_reports_every_entry_missing(tmp_path):
-    checkpoint.save(_model(), tmp_path / "ck")
-    report = checkpoint.load(_model(1), tmp_path / "ck", extra_state={"step": 0}, strict=False)
+    checkpoint.save(tiny_model(), tmp_path / "ck")
+    report = checkpoint.load(tiny_model(seed=1), tmp_path / "ck", extra_state={"step": 0}, strict=False)
     assert report.missing_keys == ["extra_state.step"] and report.unexpected_keys == []
     # And a load without extra_state= ignores a stored one.
-    checkpoint.save(_model(), tmp_path / "ck2", extra_state={"step": 1})
-    assert checkpoint.load(_model(1), tmp_path / "ck2").ok
+    checkpoint.save(tiny_model(), tmp_path / "ck2", extra_state={"step": 1})
+    assert checkpoint.load(tiny_model(seed=1), tmp_path / "ck2").ok
 
 
 def test_value_that_cannot_be_saved_names_its_path_and_writes_nothing(tmp_path):
     with pytest.raises(TypeError, match=r"nested.*\[1\].*object"):
-        checkpoint.save(_model(), tmp_path / "ck", extra_state={"nested": [1, object()]})
+        checkpoint.save(tiny_model(), tmp_path / "ck", extra_state={"nested": [1, object()]})
     with pytest.raises(TypeError, match="key 3"):
-        checkpoint.save(_model(), tmp_path / "ck", extra_state={3: 1})
+        checkpoint.save(tiny_model(), tmp_path / "ck", extra_state={3: 1})
     with pytest.raises(TypeError, match="dict key"):
-        checkpoint.save(_model(), tmp_path / "ck", extra_state={"d": {(1, 2): 3}})
+        checkpoint.save(tiny_model(), tmp_path / "ck", extra_state={"d": {(1, 2): 3}})
     assert os.listdir(tmp_path) == []
 
 
@@ -164,10 +142,10 @@ def _flip_in_json(path):
 
 
 def test_corrupt_or_mismatched_extra_state_is_refused_before_any_change(tmp_path):
-    model = _model()
+    model = tiny_model()
     opt, sched = _sched(model)
     checkpoint.save(model, tmp_path / "ck", extra_state={"step": 3, "sched": sched})
-    other = _model(1)
+    other = tiny_model(seed=1)
     w = other[0].weight.detach().clone()
     target = {"step": 0}
     _, sched2 = _sched(other)

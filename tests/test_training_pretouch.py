@@ -1,4 +1,4 @@
-"""Staging memory touched ahead of the first async save (issue 35): ``AsyncSaver.prepare(...,
+"""Staging memory touched ahead of the first async save: ``AsyncSaver.prepare(...,
 background=True)`` and a ``CheckpointManager`` given the state fault in the staging pages on a
 low-priority thread of the saver, at most a byte cap, never writing the caller's tensors; the
 next save stops it at its next piece instead of waiting for it, and commits exactly the values at

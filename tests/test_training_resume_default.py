@@ -1,4 +1,4 @@
-"""Exact resume by default (issue 32): ``CheckpointManager.load_latest(model, optimizer=opt)`` with
+"""Exact resume by default: ``CheckpointManager.load_latest(model, optimizer=opt)`` with
 no ``extra_state`` restores the RNG states ``save`` kept, so the resumed run draws what the
 uninterrupted one drew; torchdata's ``StatefulDataLoader`` state carried as extra state resumes
 the batch order exactly (oracle: the uninterrupted run)."""

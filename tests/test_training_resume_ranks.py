@@ -1,4 +1,4 @@
-"""Exact resume on any number of ranks (issue 21), with the parallel module and with FSDP2 in the
+"""Exact resume on any number of ranks, with the parallel module and with FSDP2 in the
 same spawns: a 2-rank run with dropout over a shuffled dataset (:class:`ResumableSampler`) saves
 through :class:`CheckpointManager` (model, AdamW, LR scheduler, sampler; each rank's RNG states by
 default) at step K, trains on (the uninterrupted run), and is killed with SIGKILL; then it resumes

@@ -17,15 +17,7 @@ import checkpoint
 from checkpoint.errors import AmbiguousSourceError, TiedValuesMismatchError
 from checkpoint.sources import open_source
 from snapshot import Snapshot
-
-
-def _trained():
-    torch.manual_seed(0)
-    m = torch.nn.Linear(2, 2)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    m(torch.ones(1, 2)).sum().backward()
-    opt.step()
-    return m, opt
+from tests.helpers import tiny_model, trained
 
 
 def _layouts(m, opt):
@@ -47,7 +39,7 @@ def _layouts(m, opt):
 
 @pytest.mark.parametrize("layout", ["top", "nested", "nested_opt", "inner_step", "deep", "lightning_like"])
 def test_pickle_training_state_beside_the_model_is_not_unexpected(tmp_path, layout):
-    m, opt = _trained()
+    m, opt = trained(tiny_model(2, 2), torch.optim.SGD, lr=0.1, momentum=0.9)
     obj, container, beside = _layouts(m, opt)[layout]
     path = tmp_path / f"{layout}.pt"
     torch.save(obj, path)
@@ -62,7 +54,7 @@ def test_pickle_training_state_beside_the_model_is_not_unexpected(tmp_path, layo
 
 
 def test_pickle_optimizer_nested_beside_the_model_loads(tmp_path):
-    m, opt = _trained()
+    m, opt = trained(tiny_model(2, 2), torch.optim.SGD, lr=0.1, momentum=0.9)
     torch.save(_layouts(m, opt)["nested_opt"][0], tmp_path / "c.pt")
     target = torch.nn.Linear(2, 2)
     topt = torch.optim.SGD(target.parameters(), lr=0.5, momentum=0.9)
@@ -73,7 +65,7 @@ def test_pickle_optimizer_nested_beside_the_model_loads(tmp_path):
 
 
 def test_dcp_training_state_beside_the_model_is_extra_state(tmp_path):
-    m, _ = _trained()
+    m, _ = trained(tiny_model(2, 2), torch.optim.SGD, lr=0.1, momentum=0.9)
     d = tmp_path / "dcp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
@@ -91,7 +83,7 @@ def test_dcp_training_state_beside_the_model_is_extra_state(tmp_path):
 def test_model_named_top_level_tensors_keep_the_level_a_state_dict(tmp_path, fmt):
     """Negative control: ``{"weight", "bias", "ema": {...}}`` is a state_dict beside another
     container; the EMA must not be picked (pickle: two values for each target; DCP: ambiguous)."""
-    m, _ = _trained()
+    m, _ = trained(tiny_model(2, 2), torch.optim.SGD, lr=0.1, momentum=0.9)
     obj = {**m.state_dict(), "ema": {k: v + 1 for k, v in m.state_dict().items()}}
     path = tmp_path / "c"
     if fmt == "pickle":

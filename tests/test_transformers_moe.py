@@ -22,6 +22,7 @@ from checkpoint.storage.format import IndexFile
 
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
+from tests.helpers import assert_same_state, same_state
 
 _DENSE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
@@ -81,10 +82,6 @@ def stored(d) -> dict[str, torch.Tensor]:
     return out
 
 
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
 def state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -106,13 +103,13 @@ def test_save_pretrained_directory_loads_as_from_pretrained(tmp_path, kind):
     model = tiny(kind, 1)
     rep = checkpoint.load(model, tmp_path / "hub")
     assert rep.ok and rep.missing_keys == [] and rep.unexpected_keys == []
-    assert same(state(model), want)
+    assert_same_state(state(model), want)
     wrapped = torch.compile(tiny(kind, 2))
     assert checkpoint.load(wrapped, tmp_path / "hub").ok
-    assert same(state(wrapped._orig_mod), want)
+    assert_same_state(state(wrapped._orig_mod), want)
     half = tiny(kind, 3).to(torch.bfloat16)  # another dtype: converted by the copy, not read straight in
     assert checkpoint.load(half, tmp_path / "hub").ok
-    assert same(state(half), {k: v.to(torch.bfloat16) for k, v in want.items()})
+    assert_same_state(state(half), {k: v.to(torch.bfloat16) for k, v in want.items()})
 
 
 def test_hub_snapshot_loads(tmp_path):
@@ -129,7 +126,7 @@ def test_hub_snapshot_loads(tmp_path):
         (snap / f).symlink_to(f"../../blobs/{f}.blob")
     target = tiny("mixtral", 1)
     assert checkpoint.load(target, snap).ok
-    assert same(state(target), state(model))
+    assert_same_state(state(target), state(model))
 
 
 def test_base_model_and_head(tmp_path):
@@ -142,11 +139,11 @@ def test_base_model_and_head(tmp_path):
     base = transformers.MixtralModel(model.config)
     rep = checkpoint.load(base, tmp_path / "full", strict=False)
     assert (rep.missing_keys, rep.unexpected_keys) == ([], ["lm_head.weight"])
-    assert same(state(base), state(model.model))
+    assert_same_state(state(base), state(model.model))
     full = tiny("mixtral", 1)
     rep = checkpoint.load(full, tmp_path / "base", strict=False)
     assert (rep.missing_keys, rep.unexpected_keys) == (["lm_head.weight"], [])
-    assert same(state(full.model), state(model.model))
+    assert_same_state(state(full.model), state(model.model))
 
 
 def test_urls(tmp_path):
@@ -162,7 +159,7 @@ def test_urls(tmp_path):
     for src in (url, f"file://{tmp_path / 'hub'}"):
         target = tiny("mixtral", 1)
         assert checkpoint.load(target, src).ok
-        assert same(state(target), state(model))
+        assert_same_state(state(target), state(model))
 
 
 @pytest.mark.parametrize("kind", list(MOE))
@@ -175,13 +172,13 @@ def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
     model.save_pretrained(tmp_path / "hub")
     index = checkpoint.save(model, tmp_path / "ours")
     assert isinstance(index, IndexFile)
-    assert same(stored(tmp_path / "ours"), stored(tmp_path / "hub"))
+    assert_same_state(stored(tmp_path / "ours"), stored(tmp_path / "hub"))
     assert sorted(os.listdir(tmp_path / "ours")) == [
         "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
-    assert same(state(from_pretrained(tmp_path / "ours")), state(model))
+    assert_same_state(state(from_pretrained(tmp_path / "ours")), state(model))
     back = tiny(kind, 1)
     assert checkpoint.load(back, tmp_path / "ours", verify=True).ok
-    assert same(state(back), state(model))
+    assert_same_state(state(back), state(model))
 
     checkpoint.save(model, tmp_path / "mem", layout="memory")
     mem = stored(tmp_path / "mem")
@@ -189,7 +186,7 @@ def test_save_writes_what_save_pretrained_writes(tmp_path, kind):
     assert torch.equal(mem[FUSED], model.state_dict()[FUSED])
     back = tiny(kind, 1)
     assert checkpoint.load(back, tmp_path / "mem").ok
-    assert same(state(back), state(model))
+    assert_same_state(state(back), state(model))
 
 
 def test_async_save_writes_what_save_pretrained_writes(tmp_path):
@@ -209,8 +206,8 @@ def test_async_save_writes_what_save_pretrained_writes(tmp_path):
                 p.zero_()
         index = fut.result()
         assert sorted(index.weight_map) == sorted(stored(tmp_path / kind / "hub"))
-        assert same(stored(tmp_path / kind / "async"), stored(tmp_path / kind / "hub"))
-        assert same(state(from_pretrained(tmp_path / kind / "async")), want)
+        assert_same_state(stored(tmp_path / kind / "async"), stored(tmp_path / kind / "hub"))
+        assert_same_state(state(from_pretrained(tmp_path / kind / "async")), want)
     async_save(model, tmp_path / "mem", layout="memory").result()
     mem = stored(tmp_path / "mem")
     assert FUSED in mem and PER_EXPERT["qwen3_moe"] not in mem
@@ -236,7 +233,7 @@ def test_training_checkpoint_keeps_the_memory_layout(tmp_path):
     fresh = tiny("qwen3_moe", 1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     assert checkpoint.load(fresh, tmp_path / "train", optimizer=fresh_opt).ok
-    assert same(state(fresh), state(model))
+    assert_same_state(state(fresh), state(model))
     assert torch.equal(fresh_opt.state[fresh.get_parameter(FUSED)]["exp_avg"], opt.state[model.get_parameter(FUSED)]["exp_avg"])
 
     with pytest.raises(TypeError, match="layout='pretrained'.*optimizer"):
@@ -251,7 +248,7 @@ def test_training_checkpoint_keeps_the_memory_layout(tmp_path):
     before, opt_before = state(fresh), {k: dict(v) for k, v in fresh_opt.state_dict()["state"].items()}
     with pytest.raises(TypeError, match="transformers' on-disk layout.*optimizer="):
         checkpoint.load(fresh, tmp_path / "hub", optimizer=fresh_opt)
-    assert same(state(fresh), before)
+    assert_same_state(state(fresh), before)
     after = fresh_opt.state_dict()["state"]
     assert all(torch.equal(after[i][k], v) for i, s in opt_before.items() for k, v in s.items())
 
@@ -275,7 +272,7 @@ def test_mismatches_are_reported_as_for_any_checkpoint(tmp_path):
     shapes = {m.key: (m.checkpoint_shape, m.target_shape) for m in err.value.report.shape_mismatched}
     assert shapes == {f"model.layers.{i}.mlp.{k}": ([4, *rest], [8, *rest]) for i in range(2)
                       for k, rest in (("experts.gate_up_proj", [64, 16]), ("experts.down_proj", [16, 32]), ("gate.weight", [16]))}  # fmt: skip
-    assert same(state(eight), before)
+    assert_same_state(state(eight), before)
 
     tensors = load_file(tmp_path / "hub" / "model.safetensors")
     del tensors["lm_head.weight"]
@@ -287,11 +284,11 @@ def test_mismatches_are_reported_as_for_any_checkpoint(tmp_path):
     with pytest.raises(CheckpointMismatchError) as err:
         checkpoint.load(target, tmp_path / "partial")
     assert (err.value.report.missing_keys, err.value.report.unexpected_keys) == (["lm_head.weight"], ["extra.thing"])
-    assert same(state(target), before)
+    assert_same_state(state(target), before)
     rep = checkpoint.load(target, tmp_path / "partial", strict=False)
     assert (rep.missing_keys, rep.unexpected_keys) == (["lm_head.weight"], ["extra.thing"])
     want = {**state(model), "lm_head.weight": before["lm_head.weight"]}
-    assert same(state(target), want)
+    assert_same_state(state(target), want)
 
 
 def mixtral_model():
@@ -486,24 +483,24 @@ def test_parallel_module_on_two_ranks(tmp_path):
         want = state(from_pretrained(tmp_path / kind / "hub"))
         for rank, res in enumerate(results):
             assert res[f"{kind} placement"] and res[f"{kind} load ok"]
-            assert same(res[f"{kind} state"], want), (kind, rank)
+            assert_same_state(res[f"{kind} state"], want, where=f"{kind} rank {rank}")
             mine = sorted(k for k in stored(tmp_path / kind / "hub") if re.search(rf"\.experts\.({2 * rank}|{2 * rank + 1})\.", k))
             assert len(mine) == 6 * (1 if kind == "deepseek_v3" else 2)  # 2 experts x 3 matrices a MoE layer (DeepSeek: layer 1 only)
             assert res[f"{kind} experts read"] == mine, (kind, rank)
-        assert same(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
+        assert_same_state(stored(tmp_path / kind / "ours"), stored(tmp_path / kind / "hub"))
         extra = ["async", "file-url"] if kind == "qwen3_moe" else []
         assert sorted(p.name for p in (tmp_path / kind).iterdir()) == extra + ["hub", "ours"]  # temporary saves removed
-    assert all(res["own copy load ok"] and same(res["own copy state"], res["mixtral state"]) for res in results)
+    assert all(res["own copy load ok"] and same_state(res["own copy state"], res["mixtral state"]) for res in results)
     assert [res["again"] for res in results] == [("CheckpointExistsError", True)] * 2
     want = state(from_pretrained(tmp_path / "qwen3_moe" / "hub"))
-    assert same(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
-    assert same(stored(tmp_path / "qwen3_moe" / "async"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert_same_state(stored(tmp_path / "qwen3_moe" / "file-url"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert_same_state(stored(tmp_path / "qwen3_moe" / "async"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert s3_keys == set(stored(tmp_path / "qwen3_moe" / "hub"))  # save: save_pretrained's names
     assert s3_async == set(want) and s3_names == {"pmod", "async"}  # async_save: the module's own; nothing refused
     assert [res["s3 warned"] for res in results] == [["async_save(s3://moe/async): DTensors are written to a URL in the"]] * 2
     assert [res["s3 refused"][:66] for res in results] == ["async_save(layout='pretrained') of DTensors to s3://moe/refused: s"] * 2
-    assert all(res["fsdp load ok"] and same(res["fsdp state"], want) for res in results)
-    assert same(stored(tmp_path / "new" / "parents" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
+    assert all(res["fsdp load ok"] and same_state(res["fsdp state"], want) for res in results)
+    assert_same_state(stored(tmp_path / "new" / "parents" / "fsdp"), stored(tmp_path / "qwen3_moe" / "hub"))
     assert os.listdir(tmp_path / "new" / "parents") == ["fsdp"]
 
 
@@ -538,11 +535,11 @@ def test_family_matrix(tmp_path):
         hub, ours = tmp_path / kind / "hub", tmp_path / kind / "ours"
         model.save_pretrained(hub)
         target = tiny(kind, 1, FAMILIES)
-        ok = checkpoint.load(target, hub).ok and same(state(target), state(from_pretrained(hub)))
+        ok = checkpoint.load(target, hub).ok and same_state(state(target), state(from_pretrained(hub)))
         checkpoint.save(model, ours)
         got, want = stored(ours), stored(hub)
         checks = {"load": ok, "keys": sorted(got) == sorted(want), "bytes": all(torch.equal(got[k], want[k]) for k in want if k in got),
-                  "from_pretrained": same(state(from_pretrained(ours)), state(model))}  # fmt: skip
+                  "from_pretrained": same_state(state(from_pretrained(ours)), state(model))}  # fmt: skip
         if not all(checks.values()):
             bad[kind] = [k for k, v in checks.items() if not v] + sorted(set(got) ^ set(want))
     assert bad == {}
@@ -691,10 +688,10 @@ def test_family_on_two_ranks(family_spawn, kind):
         with torch.no_grad():
             for rank, res in enumerate(ranks):
                 assert res["load ok"]
-                assert same({k: res["loaded"][k] for k in loaded}, loaded), rank
+                assert same_state({k: res["loaded"][k] for k in loaded}, loaded), rank
                 rows = {k: v[RANK_BATCH * rank : RANK_BATCH * (rank + 1)] for k, v in batch.items()}
                 assert torch.equal(res["logits"], ref(**rows).logits), rank
     finally:
         torch.set_num_threads(threads)
-    assert same(stored(ours), stored(hub))
-    assert same(state(from_pretrained(ours)), loaded)
+    assert_same_state(stored(ours), stored(hub))
+    assert_same_state(state(from_pretrained(ours)), loaded)

@@ -1,4 +1,4 @@
-"""A world of one rank is a world (issue 19 item 5): under a process group of world size 1
+"""A world of one rank is a world: under a process group of world size 1
 (``torchrun --nproc-per-node 1``, a 1-GPU FSDP2 or parallel-module run) ``save``, ``load``,
 ``async_save`` (background staging included) and ``CheckpointManager`` work on DTensors, for
 hand-made DTensor parameters, FSDP2 (``fully_shard``) and the autoparallel parallel module.
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from checkpoint.ranks.launch import run_ranks
+from tests.helpers import same_state
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -26,10 +27,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _values(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: _full(v) for k, v in module.state_dict().items()}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _dtensor_linear(mesh, seed: int) -> nn.Module:
@@ -51,13 +48,13 @@ def _dtensor_checks(mesh, root: str) -> dict:
     want = _values(m)
     checkpoint.save(m, os.path.join(root, "sync"))
     with checkpoint.open_checkpoint(os.path.join(root, "sync")) as r:
-        out["save"] = _equal({k: r.get(k) for k in r.keys()}, want)
+        out["save"] = same_state({k: r.get(k) for k in r.keys()}, want)
     fresh = _dtensor_linear(mesh, 1)
     rep = checkpoint.load(fresh, os.path.join(root, "sync"))
-    out["load"] = rep.ok and _equal(_values(fresh), want) and isinstance(fresh.weight, DTensor)
+    out["load"] = rep.ok and same_state(_values(fresh), want) and isinstance(fresh.weight, DTensor)
     eager = nn.Linear(4, 6)
     checkpoint.load(eager, os.path.join(root, "sync"))
-    out["load_eager"] = _equal(_values(eager), want)
+    out["load_eager"] = same_state(_values(eager), want)
 
     # async_save with background staging: the values at the call, then a write to the local
     # tensor before staging is refused (the wrapper's counter does not see it).
@@ -70,7 +67,7 @@ def _dtensor_checks(mesh, root: str) -> dict:
     fut.result(timeout=120)
     got = _dtensor_linear(mesh, 2)
     checkpoint.load(got, os.path.join(root, "async"))
-    out["async"] = _equal(_values(got), at_call) and not _equal(_values(m), at_call)
+    out["async"] = same_state(_values(got), at_call) and not same_state(_values(m), at_call)
 
     mod = importlib.import_module("checkpoint.training.async_save")
     gate, original = threading.Event(), mod._stage_deferred
@@ -116,7 +113,7 @@ def _dtensor_checks(mesh, root: str) -> dict:
         mgr.steps() == [2]
         and mgr.load_latest(fresh, extra_state=extra) == 2
         and extra == {"step": 2}
-        and _equal(_values(fresh), step2)
+        and same_state(_values(fresh), step2)
     )
     return out
 
@@ -151,9 +148,9 @@ def _fsdp2_checks(mesh, root: str) -> dict:
     checkpoint.load(eager, path)
     return {
         "fsdp2 dtensor": isinstance(model[0].weight, DTensor),
-        "fsdp2 model": _equal(_values(model2), want),
+        "fsdp2 model": same_state(_values(model2), want),
         "fsdp2 optimizer": want_opt.keys() == got_opt.keys() and all(torch.equal(want_opt[k], got_opt[k]) for k in want_opt),
-        "fsdp2 eager": _equal(_values(eager), want) and torch.equal(eager(x), model2(x).detach()),
+        "fsdp2 eager": same_state(_values(eager), want) and torch.equal(eager(x), model2(x).detach()),
     }
 
 
@@ -192,15 +189,15 @@ def _parallel_module_checks(mesh, root: str) -> dict:
     rep = checkpoint.load(pmod, path)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
     return {
-        "parallel save->eager": _equal(_values(other), want),
-        "parallel load": rep.ok and _equal(_values(pmod), want),
+        "parallel save->eager": same_state(_values(other), want),
+        "parallel load": rep.ok and same_state(_values(pmod), want),
         "parallel output": torch.allclose(pmod(x), other(x), atol=1e-6, rtol=1e-6),
     }
 
 
 def _wrapped_hf_checks(mesh, root: str) -> dict:
     """A trained tiny Llama saved under FSDP2, FSDP1 and DDP: config.json's ``architectures`` and
-    the reference logits, for the parent's ``from_pretrained`` (issue 32)."""
+    the reference logits, for the parent's ``from_pretrained``."""
     import json
 
     import checkpoint
@@ -255,7 +252,7 @@ def _one_rank(rank, world, root):
 def test_save_load_async_manager_fsdp2_parallel_module_on_one_rank(tmp_path):
     (res,) = run_ranks(_one_rank, 1, str(tmp_path), backend="gloo", timeout=300)
     # from_pretrained (transformers, in this process) of what FSDP2 / FSDP1 / DDP saved: the
-    # trained model's logits exactly, under its eager class (issue 32).
+    # trained model's logits exactly, under its eager class.
     from transformers import AutoModelForCausalLM
 
     for how in ("fsdp2", "fsdp1", "ddp"):

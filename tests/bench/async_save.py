@@ -4,7 +4,7 @@
     python tests/bench/async_save.py [--mib 512] [--pairs 7] [--batch 64] [--dir /tmp/fqnckpt-async-bench]
                                      [--first-only] [--first-mib 128] [--first-rounds 3]
 
-Goal (issue 14): the ``async_save`` call blocks <= 10% of a synchronous save of a 512 MiB state.
+Goal: the ``async_save`` call blocks <= 10% of a synchronous save of a 512 MiB state.
 The state is a module of 16 float32 ``Linear(4096, n)`` layers and its AdamW state (parameters,
 ``exp_avg``, ``exp_avg_sq``: ``--mib`` in all). Each round runs, in a rotating order, each to a
 fresh path after ``os.sync()``:
@@ -24,10 +24,10 @@ The async sides' background writes are waited for (untimed) before the next side
 of each kind first allocates the staging buffers (later saves reuse them). Prints medians and
 ranges of each time and of the per-round ratios to ``save``, and the staging memory.
 
-First save (issue 22, item 4: the first call blocks <= 2x a later one): each round runs, in a
+First save (goal: the first call blocks <= 2x a later one): each round runs, in a
 fresh process (fresh host memory), ``async_save`` calls of one saver: the first, then 3 later
 ones, for five sides in rotating order: no preparation, ``AsyncSaver.prepare`` first, a
-``CheckpointManager`` with ``prepare`` first, and (``auto``, issue 35) a ``CheckpointManager``
+``CheckpointManager`` with ``prepare`` first, and (``auto``) a ``CheckpointManager``
 whose ``load_latest`` at the start of the run (nothing to load) touches the staging memory in the
 background by itself, and (``ctor``) a ``CheckpointManager`` given the module and optimizer when
 created (it touches the staging in the background from then); every side runs 3 optimizer steps

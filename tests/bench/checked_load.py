@@ -2,7 +2,7 @@
 against the same load unchecked (the check switched off in the reader), measured in the same run,
 rotating order, warm page cache (not collected by pytest).
 
-Goal (issue 33): a checked load >= 0.95x of the unchecked one. The check hashes each tensor read
+Goal: a checked load >= 0.95x of the unchecked one. The check hashes each tensor read
 whole on the read pool thread that read its bytes, right after they landed
 (:class:`checkpoint.storage.digest.RunHashes`).
 

@@ -9,7 +9,7 @@ the raw write of the same bytes (``os.pwrite`` into one file + fsync) is the phy
 
 Cases: ``large`` (float32 in 8 tensors: 128 MiB by default, 512 MiB with ``--full``, 64 MiB with
 ``--quick``) and ``many`` (tensors of 64x32 float32: 5,000 by default, 20,000 with ``--full``).
-Goals (issue 22): save >= 1.0x ``safetensors.torch.save_file`` (+fsync) and >= 0.9x the raw write;
+Goals: save >= 1.0x ``safetensors.torch.save_file`` (+fsync) and >= 0.9x the raw write;
 load >= 1.0x safetensors' ``safe_open`` + ``get_tensor`` + ``copy_`` into the same tensors, and
 >= 0.9x a multi-threaded ``copy_`` of the same bytes in memory (the memory-bandwidth limit), on
 tmpfs and on disk; with many tensors save and load >= 0.8x safetensors. Load on disk reads from
@@ -192,7 +192,7 @@ def bench_case(
     flat_dst = torch.empty_like(flat_src)
     flat_dst.fill_(0)
 
-    def st_open_copy():  # the reference of issue 22: safe_open + copy_ into the same tensors
+    def st_open_copy():  # the reference: safe_open + copy_ into the same tensors
         with safe_open(st_file, framework="pt") as f:
             for k in f.keys():
                 dst[k].copy_(f.get_tensor(k))
@@ -266,7 +266,7 @@ def drop_cache(paths: list[str], whole_machine: bool = False) -> str:
 
 def bench_cold(name: str, sd: dict[str, torch.Tensor], root: str, pairs: int, whole_machine: bool = False) -> None:
     """Load with a cold page cache (evicted before every timed step) against a raw sequential
-    read of the same files (8 MiB ``readinto`` calls into one buffer): issue 22's goal >= 0.9x."""
+    read of the same files (8 MiB ``readinto`` calls into one buffer): the goal is >= 0.9x."""
     ours = os.path.join(root, f"cold-{name}")
     checkpoint.save(sd, ours, overwrite=True)
     files = sorted(os.path.join(ours, f) for f in os.listdir(ours) if f.endswith(".safetensors"))
@@ -399,7 +399,7 @@ def distributed(root: str, nbytes: int, world: int = 2) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="short run: 64 MiB / 2,000 tensors")
-    ap.add_argument("--full", action="store_true", help="issue 22's sizes: 512 MiB / 20,000 tensors")
+    ap.add_argument("--full", action="store_true", help="the goal's sizes: 512 MiB / 20,000 tensors")
     ap.add_argument("--pairs", type=int, default=5, help="rounds per comparison (>= 3)")
     ap.add_argument("--cases", default="large,many", help="comma-separated: large, many")
     ap.add_argument("--tmpfs", default="/dev/shm/fqnckpt-bench", help="a directory on tmpfs ('' to skip)")

@@ -1,7 +1,7 @@
-"""CLI start-up: wall time of ``fqnckpt --version`` / ``--help`` / ``inspect`` against the goals of
-issue 22, item 5 (< 0.3 s, < 0.3 s, < 1 s), with the floors measured in the same run: an empty
-``python -c pass`` and ``python -c "import torch"`` (what inspect of a safetensors checkpoint no
-longer pays: its headers and index are read without torch). Not collected by pytest.
+"""CLI start-up: wall time of ``fqnckpt --version`` / ``--help`` / ``inspect`` against the goals
+(< 0.3 s, < 0.3 s, < 1 s), with the floors measured in the same run: an empty
+``python -c pass`` and ``python -c "import torch"`` (what inspect of a safetensors checkpoint does
+not pay: its headers and index are read without torch). Not collected by pytest.
 
     python tests/bench/cli_startup.py [--rounds 3]
 

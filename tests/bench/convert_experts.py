@@ -1,5 +1,5 @@
 """experts-to-fused on a 20,000-tensor MoE checkpoint vs safetensors load_file + save_file of the
-same bytes (not collected by pytest). Goal (issue 24): time <= 3x the reference, peak tensor
+same bytes (not collected by pytest). Goal: time <= 3x the reference, peak tensor
 memory <= 2x the largest layer's experts.
 
 Each round runs both in the same process, their order alternating between rounds; prints median

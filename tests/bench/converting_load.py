@@ -1,4 +1,4 @@
-"""Cost of the digest check on a load whose targets are not read straight (issue 34): a float32
+"""Cost of the digest check on a load whose targets are not read straight: a float32
 checkpoint loaded by ``checkpoint.load`` into float64 targets (dtype conversion) and into strided
 float32 targets, each through ``copy_into``'s pieces. Three sides, rotating order, warm page
 cache, in the same run (not collected by pytest):
@@ -6,7 +6,7 @@ cache, in the same run (not collected by pytest):
 - ``checked``: the load as shipped (every byte checked against the index's xxh3-128 digest);
 - ``unchecked``: the same load with the check switched off in the reader (as a checkpoint
   without digests): the reference of the goal, checked >= 0.9x of it;
-- ``mapped``: the path before issue 34 (``safe_open`` per load, ``get_tensor`` + ``copy_``;
+- ``mapped``: the former path (``safe_open`` per load, ``get_tensor`` + ``copy_``;
   unchecked, and a cut file kills it with SIGBUS), for context.
 
 Ratios are reference time / checked time per round (> 1: checked is faster), median [range].
@@ -94,7 +94,7 @@ def main() -> None:
                   f"checked {gbs(size, t['checked'])}; unchecked {gbs(size, t['unchecked'])}; "
                   f"mapped {gbs(size, t['mapped'])}")  # fmt: skip
             print(ratio_line("checked vs unchecked", t["unchecked"], t["checked"], 0.9))
-            print(ratio_line("checked vs mapped (before issue 34)", t["mapped"], t["checked"], None))
+            print(ratio_line("checked vs mapped (the former path)", t["mapped"], t["checked"], None))
             print(f"  load average {os.getloadavg()}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Distributed save against references on the same ranks, same bytes, same run (issue 35; not
+"""Distributed save against references on the same ranks, same bytes, same run (not
 collected by pytest).
 
     python tests/bench/dist_save.py [--worlds 2,4] [--sizes 256,1024] [--rounds 5]
@@ -19,11 +19,11 @@ previous step's pages is not part of a save) and after ``os.sync()``:
   ``pwrite``s its bytes at its own offsets, rank 0 fsyncs): the floor of any format whose files
   hold whole tensors written by several ranks. On tmpfs the kernel serializes writes to one
   file (``shmem_file_write_iter`` holds the inode lock across the copy), so this is about 1/ranks
-  of ``raw`` there (see the closing note of issue 35);
+  of ``raw`` there;
 - ``dcp_hf``: DCP's ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)``
   (per-rank files, then consolidated HF files: every byte written twice; beside, no goal);
-- ``ours_one_order``: ours with every rank going through the shard files in the same order (as
-  before issue 35; ours starts rank ``r`` at file ``r * files // ranks``), to show what the
+- ``ours_one_order``: ours with every rank going through the shard files in the same order (ours
+  starts rank ``r`` at file ``r * files // ranks``), to show what the
   rotation gains when ``--max-shard-size`` gives several files.
 
 Goals: ours >= 1.0x ``dcp`` and >= 0.9x ``raw`` (ratios are reference time / our time per round,
@@ -150,7 +150,7 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
                     os.close(fd)
 
             def ours_one_order():
-                # ours with every rank writing the files in one order (before issue 35's rotation)
+                # ours with every rank writing the files in one order (no rotation)
                 from checkpoint import saving
 
                 real = saving._walk_starts

@@ -1,5 +1,5 @@
 """Migration at MoE scale: ``checkpoint.migrate`` of an N-tensor checkpoint against a safetensors
-``load_file`` + ``save_file`` of the same file (issue 12 goal: migrate <= 3x that reference on
+``load_file`` + ``save_file`` of the same file (goal: migrate <= 3x that reference on
 20,000 tensors), measured in the same run.
 
 Each pair times both sides, alternating which goes first; ``os.sync()`` before each timed step.

@@ -1,9 +1,9 @@
-"""Benchmark of the read paths that moved from safetensors' mapping to ``preadv`` (issue 34:
+"""Benchmark of the read paths that moved from safetensors' mapping to ``preadv`` (
 no SIGBUS on a cut file): the load path of targets not read straight (``copy_into``: dtype
 conversion, strided targets, a ``Shard(1)`` block), ``CheckpointReader.get`` (whole tensors; the
 migration source goes through it), ``get_slice`` of a row block (``Shard(0)``), of a column block
 (``Shard(1)``: the direct-run path) and of a narrow column block (the windowed-rows path), each
-against the former path (the code before issue 34, reconstructed): a reader's ``safe_open``
+against the former path (reconstructed): a reader's ``safe_open``
 handle opened per load (a fresh mapping, faults counted, as each load's reader had) and
 ``get_tensor`` / ``get_slice`` of the same bytes, copied into the same warm targets. Not collected
 by pytest. Sides alternate order every round; ratios are reference / new time, median

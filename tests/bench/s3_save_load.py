@@ -5,7 +5,7 @@ same state, in the same run
 
     python tests/bench/s3_save_load.py [--mib 64] [--tensors 16] [--rounds 5]
 
-Goal (issue 23): ratio DCP time / fqnckpt time >= 1.0x for both save and load.
+Goal: ratio DCP time / fqnckpt time >= 1.0x for both save and load.
 The state is ``--tensors`` float32 tensors of ``--mib`` MiB in all, one process. Each round runs
 the four timings in alternating order (fqnckpt first on even rounds, DCP first on odd ones);
 fqnckpt saves with ``overwrite=True`` over its previous round (commit: index last, old objects

@@ -1,5 +1,5 @@
 """Single-process save, phase by phase, against ``safetensors.torch.save_file`` + fsync and a raw
-write of the same bytes, measured in the same run (issue 35; not collected by pytest).
+write of the same bytes, measured in the same run (not collected by pytest).
 
     python tests/bench/save_phases.py [--sizes 128,512] [--rounds 7] [--dir /dev/shm/fqnckpt-phases]
         [--sides ours,ours_phases,ours_thread,ours_inline,st,raw]   (a disk: --dir /tmp/fqnckpt-phases)

@@ -1,5 +1,5 @@
 """Why a distributed save of whole-tensor (HF) shard files cannot match one file per rank on tmpfs,
-and whether ordering the writes recovers it (issue 35; not collected by pytest).
+and whether ordering the writes recovers it (not collected by pytest).
 
     python tests/bench/shared_writes.py [--procs 2,4] [--mib 256] [--rounds 5] [--dir /dev/shm/fqnckpt-sw]
 

@@ -1,4 +1,4 @@
-"""Per-rank device checks run by tests/gpu/run.sh (issue 35): one rank per visible GPU (NCCL), or
+"""Per-rank device checks run by tests/gpu/run.sh: one rank per visible GPU (NCCL), or
 CPU ranks (gloo) with ``--device cpu`` (what CI runs, small). Prints one line per check (OK /
 FAIL with the numbers) and GB/s; exits 1 if a check failed.
 
@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from checkpoint.ranks.launch import run_ranks  # noqa: E402
+from tests.helpers import same_state  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -93,7 +94,8 @@ def _zeros_like(sd: dict, placements=None) -> dict:
 
 
 def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k].full_tensor().cpu(), b[k].full_tensor().cpu()) for k in a)
+    """Same keys, and every DTensor's full tensor the same bits, dtype and shape (on CPU)."""
+    return same_state({k: v.full_tensor().cpu() for k, v in a.items()}, {k: v.full_tensor().cpu() for k, v in b.items()})
 
 
 def _ratio(ref: list[float], ours: list[float]) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA checks of fqnckpt (issue 35): on every visible GPU, with NCCL, the parallel module against
+# CUDA checks of fqnckpt: on every visible GPU, with NCCL, the parallel module against
 # eager, a checkpoint saved from and loaded straight into CUDA DTensors (pinned host buffers,
 # copies overlapped with reads; resharded too), and async_save from CUDA (pinned staging), with
 # GB/s against a plain safe_open + .to("cuda") reference (tests/gpu/checks.py).

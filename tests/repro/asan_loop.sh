@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 34's crash hunt under AddressSanitizer, without rebuilding anything: libasan is preloaded
+# A crash hunt under AddressSanitizer, without rebuilding anything: libasan is preloaded
 # (with libstdc++, else ASan's __cxa_throw interceptor finds no real one and aborts in torch's
 # first C++ throw) into the launcher, its forkserver and every rank, and Python allocates through
 # malloc so its objects get ASan's redzones and quarantine. Uninstrumented code (torch, gloo,
@@ -9,7 +9,7 @@
 #
 #     sh tests/repro/asan_loop.sh 2 24    # world size, runs (about 40 s a run here, 70 s for 4)
 #
-# 2026-12-05: 24 runs of the 2-rank and 20 of the 4-rank spawn, no report.
+# Measured: 24 runs of the 2-rank and 20 of the 4-rank spawn, no report.
 set -eu
 world=${1:-2}
 runs=${2:-10}

@@ -1,4 +1,4 @@
-"""Issue 34's heap corruption, without fqnckpt: torch 2.13's functional ``all_gather_into_tensor``
+"""A heap corruption, without fqnckpt: torch 2.13's functional ``all_gather_into_tensor``
 on a gloo group with several collectives in flight (issued, not yet waited), as an FSDP-style
 forward issues its bucket all-gathers. Within seconds one rank usually aborts with glibc's
 "malloc(): unaligned tcache chunk detected" on a gloo worker thread (in gloo's own
@@ -10,7 +10,7 @@ Not a test; run by hand::
     python tests/repro/gloo_functional_inflight.py 3000        # 6 in flight
     INFLIGHT=1 python tests/repro/gloo_functional_inflight.py 3000
 
-2026-12-05, 2 cores: 6 in flight crashed 4 of 6 runs of 3,000 iterations (4 of 4 with
+On 2 cores: 6 in flight crashed 4 of 6 runs of 3,000 iterations (4 of 4 with
 ``PYTHONMALLOC=debug``; others hung); 2 in flight of 1-2 KiB 1 of 2; one in flight 0 of 4.
 fqnckpt's parallel module therefore waits each collective as it issues it on CPU
 (``autoparallel/gather.py`` ``Bucket.overlap``).

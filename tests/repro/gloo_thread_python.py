@@ -1,4 +1,4 @@
-"""Python runs on gloo's worker threads in torch 2.13 (issue 34's CI crash: a general protection fault
+"""Python runs on gloo's worker threads in torch 2.13 (a CI crash: a general protection fault
 in libpython on a ``pt_gloo_runloop`` thread). No fqnckpt import. Not a test (pytest collects
 ``test_*.py`` only); run by hand::
 
@@ -20,7 +20,7 @@ and ``__del__`` run on that thread. The probe prints, per kind of tensor, the th
 The stress mode repeats the pattern (hundreds of views deallocated on the workers per collective,
 the main thread meanwhile in functional collectives' Python autograd kernels, the cyclic GC and
 allocation churn); combine with ``PYTHONMALLOC=debug`` or
-``MALLOC_CHECK_=3 LD_PRELOAD=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0``. As of 2026-12-05 it
+``MALLOC_CHECK_=3 LD_PRELOAD=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0``. With torch 2.13.0 it
 has not crashed (2 and 4 ranks, ~10 CPU-minutes): every such path takes the GIL, so the Python on
 the workers is legal, and where the heap corruption comes from is still open.
 """

@@ -1,10 +1,10 @@
 """Run test_autoparallel_ranks.py's spawn of one world size over and over until a rank dies by a signal
-(issue 34's CI crash). Not a test (pytest collects ``test_*.py`` only); run by hand from the repo root::
+(a CI crash). Not a test (pytest collects ``test_*.py`` only); run by hand from the repo root::
 
     PYTHONPATH=$PWD PYTHONMALLOC=debug FQNCKPT_CRASH_DIR=/tmp/crash python tests/repro/spawn_loop.py 2 30
 
 ``PYTHONMALLOC=debug`` (set before the forkserver starts, so every rank has it) puts Python's small
-objects on glibc's heap, where glibc checks its free lists: on 2026-12-05 rank 0 of the 2-rank spawn
+objects on glibc's heap, where glibc checks its free lists: rank 0 of the 2-rank spawn
 aborted with "malloc(): unaligned fastbin chunk detected" in the 2nd run, then in none of the
 next ~78 (48 of them with ``MALLOC_PERTURB_=165``); the launcher keeps the killed rank's faulthandler stack (every thread) in ``FQNCKPT_CRASH_DIR``
 and prints it with every thread's native stack.

@@ -1,4 +1,4 @@
-"""Issue 10, save side: nothing unreadable is committed (names, dtypes, header limit); overwrite
+"""Save side of ownership: nothing unreadable is committed (names, dtypes, header limit); overwrite
 replaces only what a checkpoint owns; a reader sees one checkpoint during a concurrent overwrite;
 recovery only where a commit was provably interrupted. Every rejection snapshots the directory
 (names and bytes) before and after."""
@@ -36,7 +36,7 @@ GOOD = {"good": torch.arange(4.0)}
 @pytest.mark.parametrize(
     "sd, error, match",
     [
-        ({"w\ud800": torch.ones(2)}, UnsavableError, "UTF-8"),  # lone surrogate (A04)
+        ({"w\ud800": torch.ones(2)}, UnsavableError, "UTF-8"),  # lone surrogate
         ({"ok": torch.ones(2), "\udcff.bias": torch.ones(1)}, UnsavableError, "UTF-8"),
         ({"": torch.ones(2)}, UnsavableError, "empty"),
         ({"__metadata__": torch.ones(2)}, UnsavableError, "reserved"),

@@ -1,4 +1,4 @@
-"""Issue 19 item 3: every entry point that unpickles (DCP ``.metadata`` through ``load`` and
+"""Every entry point that unpickles (DCP ``.metadata`` through ``load`` and
 ``fqnckpt inspect``; ``torch.save`` pickles, zip and legacy, through ``load``, ``migrate`` and
 ``inspect``; an optimizer state_dict inside a pickle) refuses a crafted payload for every opcode
 that reaches a global: GLOBAL, STACK_GLOBAL, INST, OBJ, REDUCE / BUILD on allowed classes, and
@@ -176,7 +176,7 @@ def test_optimizer_pickle_payload_refused(tmp_path, opcode):
 
 def test_dcp_metadata_without_copyreg_extensions_skips_the_scan_and_still_refuses_ext(tmp_path, monkeypatch):
     """No extension registered or cached (the usual process): a DCP load runs no opcode scan
-    (issue 22: a pure-Python pass over every opcode), and an EXT opcode still fails as an
+    (a pure-Python pass over every opcode), and an EXT opcode still fails as an
     UnsafePickleError naming the code and the file, its payload never run."""
     import torch.distributed.checkpoint as dcp
 

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 from checkpoint.cli.main import main as cli
+from tests.helpers import run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,8 +65,8 @@ def test_dims_from_dim_alone_are_said_unchecked_and_config_json_absence_explaine
 
 
 def test_recipes_lists_without_importing_torch_or_transformers():
-    """``fqnckpt recipes`` is data: listing it imports neither torch nor transformers (it took
-    seconds building every recipe, transformers' experts one included)."""
+    """``fqnckpt recipes`` is data: listing it imports neither torch nor transformers (building
+    every recipe, transformers' experts one included, would take seconds)."""
     import subprocess
     import sys
     import textwrap
@@ -86,12 +87,6 @@ def test_recipes_lists_without_importing_torch_or_transformers():
     rows = {row["name"]: row for row in got["rows"]}
     assert rows["experts-to-fused"]["needs_model"] is True and rows["experts-to-fused"]["versions"] == []
     assert rows["hf-to-torchtitan-llama3"]["versions"][-2:] == ["3101b42", "fused-qkv"] and rows["hf-to-meta-llama"]["versions"] == ["llama2", "llama3"]
-
-
-def _cli_json(capsys, argv) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = cli(["--json", *argv])
-    return rc, json.loads(capsys.readouterr().out)
 
 
 def _meta_dir(path, shards=2):
@@ -125,7 +120,7 @@ def test_verify_names_the_files_it_checked_for_every_layout(tmp_path, capsys):
     want = {"dcp": [".metadata", "__0_0.distcp"], "hf_ranks": ["shard-00001-model-00001-of-00001.safetensors"],
             "adapter": ["adapter_model.safetensors"], "meta": ["consolidated.00.pth", "consolidated.01.pth"]}  # fmt: skip
     for name, files in want.items():
-        rc, out = _cli_json(capsys, ["verify", str(tmp_path / name)])
+        rc, out, _ = run_cli("verify", str(tmp_path / name), capsys=capsys, as_json=True)
         assert rc == 0 and out["ok"] and [f["file"] for f in out["files"]] == files, (name, out)
         assert [f["size"] for f in out["files"]] == [(tmp_path / name / f).stat().st_size for f in files]
         assert all(f["algorithm"] == "none" and f["expected_digest"] is None for f in out["files"])
@@ -136,26 +131,26 @@ def test_verify_names_the_files_it_checked_for_every_layout(tmp_path, capsys):
 
 def test_inspect_reads_a_meta_shard_directory_as_migrate_does(tmp_path, capsys):
     d = _meta_dir(tmp_path / "meta")
-    rc, out = _cli_json(capsys, ["inspect", "--keys", str(d)])
+    rc, out, _ = run_cli("inspect", "--keys", str(d), capsys=capsys, as_json=True)
     assert rc == 0 and out["format"] == "meta-shards" and out["layout"] == "meta llama2 (2 model-parallel shards)"
     assert out["tensors"] == 4 and out["total_bytes"] == 2 * (8 * 2 + 2 * 4 + 4 + 4 * 4) * 4
     assert sorted(out["per_file"]) == ["consolidated.00.pth", "consolidated.01.pth"]
     assert out["keys"]["tok_embeddings.weight"] == {"shape": [8, 2], "dtype": "torch.float32"}  # one shard's piece
-    rc, one = _cli_json(capsys, ["inspect", str(d / "consolidated.00.pth")])
+    rc, one, _ = run_cli("inspect", str(d / "consolidated.00.pth"), capsys=capsys, as_json=True)
     assert rc == 0 and one["layout"] == "meta (one model-parallel shard: the same in Llama 2 and 3)"
 
 
 def test_plans_print_the_names_of_the_source_version(titan_dir, tmp_path, capsys):
     """A torchtitan checkpoint in today's names (3101b42: lm_head, qkv_linear) is planned in those
     names, not the legacy names the rules are written in; the legacy version keeps its own."""
-    rc, out = _cli_json(capsys, ["migrate", str(titan_dir), str(tmp_path / "x"), "--recipe", "torchtitan-llama3-to-hf",
-                                 "--dim", "n_heads=4", "--dim", "n_kv_heads=2", "--dry-run"])  # fmt: skip
+    rc, out, _ = run_cli("migrate", str(titan_dir), str(tmp_path / "x"), "--recipe", "torchtitan-llama3-to-hf",
+                         "--dim", "n_heads=4", "--dim", "n_kv_heads=2", "--dry-run", capsys=capsys, as_json=True)  # fmt: skip
     rules = [u["rule"].split(" [")[0] for u in out["rules"]]
     assert rc == 0 and out["layouts"] == {"source": "torchtitan 70dd945..3101b42 (read as 3101b42)"}
     assert "lm_head.weight -> lm_head.weight" in rules and "output.weight -> lm_head.weight" not in rules
     assert "layers.{i}.attention.qkv_linear.wq.weight -> model.layers.{i}.self_attn.q_proj.weight" in rules
-    rc, out = _cli_json(capsys, ["migrate", str(titan_dir.parent / "hf"), str(tmp_path / "y"), "--recipe",
-                                 "hf-to-torchtitan-llama3@legacy", "--dry-run"])  # fmt: skip
+    rc, out, _ = run_cli("migrate", str(titan_dir.parent / "hf"), str(tmp_path / "y"), "--recipe",
+                         "hf-to-torchtitan-llama3@legacy", "--dry-run", capsys=capsys, as_json=True)  # fmt: skip
     assert rc == 0 and "model.norm.weight -> norm.weight" in [u["rule"] for u in out["rules"]]
     assert "lm_head.weight -> output.weight" in [u["rule"] for u in out["rules"]]
 

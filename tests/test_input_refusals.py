@@ -1,6 +1,6 @@
-"""Adversarial inputs found by review: each test pins one defect that was fixed (bad input must
-raise our specific error naming the file / key, never load wrong values, never hang, and the CLI
-must exit 2 with one line). Inputs are crafted in tmp_path per the safetensors / HF index specs.
+"""Crafted inputs that a reader must refuse: each test pins one kind of bad input (it raises our
+specific error naming the file / key, never loads wrong values, never hangs, and the CLI exits 2
+with one line). Inputs are crafted in tmp_path per the safetensors / HF index specs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import fqn
 from checkpoint import CorruptCheckpointError
 from checkpoint.cli import main as cli_main
 from checkpoint.cli.main import EXIT_BAD_INPUT
+from tests.helpers import run_cli
 
 INDEX = "model.safetensors.index.json"
 
@@ -24,11 +25,6 @@ INDEX = "model.safetensors.index.json"
 def write_st(p, header_bytes: bytes, data: bytes = b"") -> None:
     """A safetensors file by hand: u64 LE header length, header bytes, data."""
     p.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + data)
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    rc = cli_main(list(argv))
-    return rc, capsys.readouterr().err
 
 
 # -- deeply nested JSON ------------------------------------------------------------------------------
@@ -55,7 +51,7 @@ def test_deeply_nested_json_is_corrupt_not_recursion_error(tmp_path, capsys, whe
     assert torch.equal(target["w"], torch.zeros(3))
     rep = checkpoint.verify(path)
     assert not rep.ok and str(bad) in rep.problems[0]
-    rc, _ = run_cli(capsys, "verify", str(path))
+    rc, _, _ = run_cli("verify", str(path), capsys=capsys)
     assert rc == 1
 
 
@@ -107,7 +103,7 @@ def _cli_with_fifo_writers(capsys, argv, fifos):
         for f, log in zip(fifos, logs)
     ]
     try:
-        rc, err = run_cli(capsys, *argv)
+        rc, _, err = run_cli(*argv, capsys=capsys)
     finally:
         for w in writers:
             w.kill()
@@ -169,7 +165,7 @@ def test_cli_model_module_failing_at_import(tmp_path, capsys, monkeypatch, pickl
     (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.path", list(os.sys.path))  # load_model puts the cwd on sys.path
-    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--model", f"{name}:f")
+    rc, _, err = run_cli("migrate", str(pickle_src), str(tmp_path / "out"), "--model", f"{name}:f", capsys=capsys)
     assert rc == EXIT_BAD_INPUT
     assert needle in err and f"{name}:f" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
@@ -184,13 +180,13 @@ def test_cli_bad_fqn_map_file(tmp_path, capsys, pickle_src, kind):
         fm.write_text("hello")
     else:
         fm.write_text('{"version": 2, "records": []}')
-    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--fqn-map", str(fm))
+    rc, _, err = run_cli("migrate", str(pickle_src), str(tmp_path / "out"), "--fqn-map", str(fm), capsys=capsys)
     assert rc == EXIT_BAD_INPUT and str(fm) in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_rule_with_bad_group_reference(tmp_path, capsys, pickle_src):
-    rc, err = run_cli(capsys, "migrate", str(pickle_src), str(tmp_path / "out"), "--rule", r"l=\9")
+    rc, _, err = run_cli("migrate", str(pickle_src), str(tmp_path / "out"), "--rule", r"l=\9", capsys=capsys)
     assert rc == EXIT_BAD_INPUT and "invalid group reference" in err and r"'l'" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
@@ -222,7 +218,7 @@ def test_empty_state_dict_round_trips(tmp_path):
     ids=["nested_vs_dotted", "int_vs_str_key"],
 )
 def test_pickle_entries_flattening_to_one_name_are_refused(tmp_path, obj, name):
-    """Both entries became one tensor name and the first was silently dropped."""
+    """Two entries that flatten to one tensor name are refused: one of them would be dropped silently."""
     from checkpoint.migrating import migrate
 
     src = tmp_path / "m.pt"
@@ -240,7 +236,7 @@ def test_complex64_checkpoint_inspect_and_migrate(tmp_path, capsys):
 
     c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)
     checkpoint.save({"c": c, "w": torch.arange(2.0)}, tmp_path / "ck")
-    rc, err = run_cli(capsys, "inspect", str(tmp_path / "ck"))
+    rc, _, err = run_cli("inspect", str(tmp_path / "ck"), capsys=capsys)
     assert rc == 0, err
     rep = migrate(tmp_path / "ck", tmp_path / "out")
     assert rep.mapping == {"c": "c", "w": "w"}

@@ -1,4 +1,4 @@
-"""Issue 19 items 4 and 6 (round-3 review): one classification of extra state for every reader.
+"""One classification of extra state for every reader.
 ``inspect`` and ``diff`` show per-rank extra-state entries; a DCP checkpoint's extra-state
 entries are never called "skipped" (migrate's report and notes, inspect); ``diff`` of a DCP
 checkpoint and its migration compares their extra state as equal."""

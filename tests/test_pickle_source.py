@@ -1,4 +1,4 @@
-"""Issue 19 items 1 and 2 (round-3 review): ``load`` of a ``torch.save`` pickle goes through the
+"""``load`` of a ``torch.save`` pickle goes through the
 one pipeline (same names, value checks, optimizer planner as safetensors / DCP); ``verify``
 reads through the plan stage's read check; optimizer state of another optimizer kind is refused
 before anything changes, torch's own extras (``initial_lr``, version flags) are not."""
@@ -11,34 +11,20 @@ import pytest
 import torch
 import torch.nn as nn
 from snapshot import Snapshot
-from test_trust_pipeline import Net
-from test_trust_pipeline import _same_state as _same
+from test_dcp_source import Net
 
 import checkpoint
 from checkpoint.errors import CheckpointMismatchError, CheckpointNotFoundError, LossyConversionError, UnsupportedFormatError
 from checkpoint.optim import OptimizerMismatchError
+from tests.helpers import assert_same_state, trained
 
 
-def _trained(cls=torch.optim.AdamW, sched=False, **kw):
-    torch.manual_seed(0)
-    m = Net()
-    o = cls(m.parameters(), lr=1e-2, **kw)
-    s = torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5**e) if sched else None
-    for i in range(2):
-        m(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).sum().backward()
-        o.step()
-        if s is not None:
-            s.step()
-        o.zero_grad()
-    return m, o
-
-
-# -- item 1: torch.save pickles through load -------------------------------------------------------
+# -- torch.save pickles through load ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["state_dict", "compiled", "ddp", "legacy", "model+optimizer"])
 def test_load_of_a_torch_save_pickle(tmp_path, layout):
-    m, o = _trained()
+    m, o = trained(Net, steps=2)
     sd = m.state_dict()
     f = tmp_path / "x.pt"
     if layout == "compiled":
@@ -56,13 +42,14 @@ def test_load_of_a_torch_save_pickle(tmp_path, layout):
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
     rep = checkpoint.load(m2, f, optimizer=o2 if layout == "model+optimizer" else None)
     assert rep.ok and sorted(rep.loaded_keys) == sorted(sd)
-    assert _same(m2.state_dict(), sd)
+    assert_same_state(m2.state_dict(), sd)
     if layout == "model+optimizer":
-        assert rep.optimizer_loaded and _same(o2.state_dict(), o.state_dict())
+        assert rep.optimizer_loaded
+        assert_same_state(o2.state_dict(), o.state_dict())
         for mm, oo in ((m, o), (m2, o2)):  # steps on exactly as the saved run
             mm(torch.ones(1, 3)).sum().backward()
             oo.step()
-        assert _same(m2.state_dict(), m.state_dict())
+        assert_same_state(m2.state_dict(), m.state_dict())
 
 
 def _refused(tmp_path, sd: dict, target: nn.Module, exc, match: str, **kw) -> None:
@@ -101,7 +88,7 @@ def test_pickle_load_makes_the_safetensors_value_checks(tmp_path):
 
 
 def test_pickle_optimizer_by_position_must_fit_the_target_groups(tmp_path):
-    m, o = _trained()
+    m, o = trained(Net, steps=2)
     f = tmp_path / "x.pt"
     torch.save({"model": m.state_dict(), "optimizer": o.state_dict()}, f)
     m2 = Net()
@@ -119,7 +106,7 @@ def test_verify_reads_through_the_plan_stage_check(tmp_path, monkeypatch):
 
     torch.save({"w": torch.ones(2, 2)}, tmp_path / "v.pt")
     assert checkpoint.verify(tmp_path / "v.pt").ok
-    m, o = _trained()
+    m, o = trained(Net, steps=2)
     torch.save({"model": m.state_dict(), "optimizer": o.state_dict()}, tmp_path / "mo.pt")
     rep = checkpoint.verify(tmp_path / "mo.pt")  # the optimizer beside the model is read too
     assert rep.ok and rep.tensors == 4 + 4 * 3 and rep.total_size == 4 * (12 + 4 + 8 + 2) * 3 + 4 * 4
@@ -131,7 +118,7 @@ def test_verify_reads_through_the_plan_stage_check(tmp_path, monkeypatch):
     ]
 
 
-# -- item 4: another optimizer kind's state --------------------------------------------------------
+# -- another optimizer kind's state ----------------------------------------------------------------
 
 
 def _save_both(tmp_path, m, o):
@@ -151,7 +138,7 @@ def _save_both(tmp_path, m, o):
     ids=["AdamW-into-SGD", "SGD-into-AdamW", "Adam-into-Adagrad"],
 )
 def test_state_of_another_optimizer_kind_is_refused(tmp_path, saved, target, needle):
-    m, o = _trained(saved[0], **saved[1])
+    m, o = trained(Net, saved[0], steps=2, **saved[1])
     for path in _save_both(tmp_path, m, o):
         m2 = Net()
         o2 = target[0](m2.parameters(), lr=0.5, **target[1])
@@ -168,7 +155,7 @@ def test_per_param_state_keys_of_the_target_kind(tmp_path):
     """Group keys alike, state keys not: Adam's group says amsgrad=True (the load installs it)
     but the state has no max_exp_avg_sq, which that Adam keeps (torch would fail on the next
     step); a state key no Adam keeps is named too."""
-    m, o = _trained(torch.optim.Adam)
+    m, o = trained(Net, torch.optim.Adam, steps=2)
     sd = o.state_dict()
     sd["param_groups"][0]["amsgrad"] = True
     torch.save({"model": m.state_dict(), "optimizer": sd}, tmp_path / "a.pt")
@@ -189,7 +176,7 @@ def test_per_param_state_keys_of_the_target_kind(tmp_path):
 def test_scheduler_initial_lr_is_not_another_kind(tmp_path, sched_saved, sched_target):
     """``initial_lr`` (an LR scheduler's) on either side, and a user's key in the target group,
     are no sign of another optimizer kind."""
-    m, o = _trained(torch.optim.AdamW, sched=sched_saved)
+    m, o = trained(Net, steps=2, scheduler=sched_saved)[:2]
     for path in _save_both(tmp_path, m, o):
         m2 = Net()
         o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
@@ -197,7 +184,7 @@ def test_scheduler_initial_lr_is_not_another_kind(tmp_path, sched_saved, sched_t
             torch.optim.lr_scheduler.LambdaLR(o2, lambda e: 0.5**e)
         o2.param_groups[0]["tag"] = "a user's own key"  # not a hyper-parameter of AdamW: no refusal
         checkpoint.load(m2, path, optimizer=o2)
-        assert _same(o2.state_dict()["state"], o.state_dict()["state"])
+        assert_same_state(o2.state_dict()["state"], o.state_dict()["state"])
         assert o2.param_groups[0]["lr"] == o.param_groups[0]["lr"]
 
 
@@ -206,7 +193,7 @@ def test_adam_and_adamw_share_their_state(tmp_path, saved, target):
     """Decided (docstring of checkpoint.plan.optimizer_kind): same group and state keys, so the
     state loads, and the result is torch's own ``load_state_dict`` of that state: AdamW keeps
     decoupled_weight_decay=True, Adam takes the saved flag; both step exactly as torch's would."""
-    m, o = _trained(saved, weight_decay=0.1)
+    m, o = trained(Net, saved, steps=2, weight_decay=0.1)
     for path in _save_both(tmp_path, m, o):
         m2 = Net()
         o2 = target(m2.parameters(), lr=0.5)
@@ -216,8 +203,8 @@ def test_adam_and_adamw_share_their_state(tmp_path, saved, target):
         ref.load_state_dict(m.state_dict())
         ref_o = target(ref.parameters(), lr=0.5)
         ref_o.load_state_dict(copy.deepcopy(o.state_dict()))  # torch's own answer (it shares `step`)
-        assert _same(o2.state_dict(), ref_o.state_dict())
+        assert_same_state(o2.state_dict(), ref_o.state_dict())
         for mm, oo in ((ref, ref_o), (m2, o2)):
             mm(torch.ones(1, 3)).sum().backward()
             oo.step()
-        assert _same(m2.state_dict(), ref.state_dict())
+        assert_same_state(m2.state_dict(), ref.state_dict())

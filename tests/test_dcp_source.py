@@ -1,7 +1,7 @@
-"""Issue 19 (trust, round 3): one pipeline from every source. Crafted pickles reach no global
-outside the exact allowlist (item 3); DCP is a full source for load (optimizer, extra state) and
-migrate (every top-level entry classified, item 4); extra state is validated, then applied, for
-every source (item 2); migrating an fqnckpt checkpoint keeps its optimizer (item 6)."""
+"""One pipeline from every source. DCP is a full source for load (optimizer, extra state) and
+migrate (every top-level entry classified); extra state is validated, then applied, for every
+source; migrating an fqnckpt checkpoint keeps its optimizer; crafted pickles reach no global
+outside the exact allowlist."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from checkpoint.errors import (
     UnsafePickleError,
 )
 from checkpoint.storage.reader import open_checkpoint
+from tests.helpers import assert_same_state
+from tests.helpers import trained
 
 
 class Net(nn.Module):
@@ -35,19 +37,6 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.enc(x)))
-
-
-def _trained(seed: int = 0):
-    torch.manual_seed(seed)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
-    for i in range(2):
-        model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).sum().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return model, opt, sched
 
 
 def _fresh(seed: int = 5):
@@ -90,23 +79,12 @@ def _save_layout(layout: str, path, model, opt, sched):
         )
 
 
-def _same_state(a, b) -> bool:
-    """Exact equality of nested state (tensors bitwise, dtype and shape included)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-# -- item 4: DCP as a full source ------------------------------------------------------------------
+# -- DCP as a full source --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["get_state_dict", "torchtitan"])
 def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     _save_layout(layout, tmp_path / "dcp", model, opt, sched)
     m2, o2, s2 = _fresh()
     extra = {"lr_scheduler": s2}
@@ -114,8 +92,8 @@ def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
         extra.update(train_state=None, dataloader=None)
     rep = checkpoint.load(m2, tmp_path / "dcp", optimizer=o2, extra_state=extra)
     assert rep.ok and rep.optimizer_loaded
-    assert _same_state(m2.state_dict(), model.state_dict())
-    assert _same_state(o2.state_dict(), opt.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(o2.state_dict(), opt.state_dict())
     assert s2.state_dict()["last_epoch"] == 2 and s2.get_last_lr() == sched.get_last_lr()
     if layout == "torchtitan":
         assert extra["train_state"] == {"step": 2, "ntokens_seen": 64} and extra["dataloader"] == {"sample_idx": 5}
@@ -123,11 +101,11 @@ def test_dcp_load_restores_model_optimizer_and_extra_state(tmp_path, layout):
     for m, o in ((model, opt), (m2, o2)):
         m(torch.ones(1, 3)).sum().backward()
         o.step()
-    assert _same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
 
 
 def test_dcp_load_value_checks_are_the_safetensors_ones(tmp_path):
-    """A25 as a test: range-narrowing conversions are checked by value, target unchanged."""
+    """Range-narrowing conversions are checked by value, target unchanged."""
     _dcp_save({"w": torch.tensor([1e6, 1.0]), "i": torch.tensor([2**40 + 7, 3])}, tmp_path / "dcp")
     for name, dt in (("w", torch.float16), ("i", torch.int32)):
         target = {name: torch.zeros(2, dtype=dt)}
@@ -141,7 +119,7 @@ def test_dcp_load_value_checks_are_the_safetensors_ones(tmp_path):
 
 
 def test_torchtitan_dcp_migrates_each_entry_to_its_part(tmp_path):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     _save_layout("torchtitan", tmp_path / "dcp", model, opt, sched)
     rep = checkpoint.migrate(tmp_path / "dcp", tmp_path / "out")
     assert rep.entry_kinds["optimizer"] == "optimizer"
@@ -160,7 +138,8 @@ def test_torchtitan_dcp_migrates_each_entry_to_its_part(tmp_path):
     m2, o2, s2 = _fresh()
     extra = {"lr_scheduler": s2, "train_state": None, "dataloader": None}
     checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state=extra)
-    assert _same_state(o2.state_dict(), opt.state_dict()) and _same_state(m2.state_dict(), model.state_dict())
+    assert_same_state(o2.state_dict(), opt.state_dict())
+    assert_same_state(m2.state_dict(), model.state_dict())
     assert extra["train_state"] == {"step": 2, "ntokens_seen": 64} and s2.last_epoch == 2
 
 
@@ -170,14 +149,14 @@ def test_dcp_entries_that_cannot_be_placed_stop_the_migration(tmp_path):
     with pytest.raises(AmbiguousSourceError, match="ema"):
         checkpoint.migrate(tmp_path / "a", tmp_path / "oa")
     assert not (tmp_path / "oa").exists()
-    # bytes entries (torchtitan's dataloader) are placed since issue 32: carried exactly as extra state
+    # bytes entries (torchtitan's dataloader) are placed: carried exactly as extra state
     _dcp_save({**model.state_dict(), "dataloader": {"blob": b"\x00\x01"}}, tmp_path / "b")
     rep = checkpoint.migrate(tmp_path / "b", tmp_path / "ob")
     assert "dataloader" in rep.extra_state
 
 
 def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
-    model, opt, sched = _trained()
+    model, opt, sched = trained(Net, steps=2, scheduler=True)
     mgr = checkpoint.CheckpointManager(tmp_path / "run")
     mgr.save(3, model, optimizer=opt, extra_state={"sched": sched})
     mgr.wait()
@@ -186,10 +165,11 @@ def test_migrate_of_a_manager_step_keeps_its_optimizer(tmp_path):
     m2, o2, s2 = _fresh()
     rng = checkpoint.PerRank(checkpoint.RNGState())  # carried over with the rest of the extra state
     checkpoint.load(m2, tmp_path / "out", optimizer=o2, extra_state={"sched": s2, "fqnckpt.rng": rng})
-    assert _same_state(o2.state_dict(), opt.state_dict()) and s2.last_epoch == 2
+    assert_same_state(o2.state_dict(), opt.state_dict())
+    assert s2.last_epoch == 2
 
 
-# -- item 2: extra state, validate then mutate, for every source --------------------------------------
+# -- extra state, validate then mutate, for every source ----------------------------------------------
 
 
 class Counter:
@@ -250,7 +230,7 @@ CASES = [(s, r) for s in ("fqnckpt", "manager", "dcp") for r in REJECTIONS if no
 
 @pytest.mark.parametrize("source,rejection", CASES)
 def test_extra_state_rejection_changes_nothing(tmp_path, source, rejection):
-    model, opt, _ = _trained()
+    model, opt, _ = trained(Net, steps=2, scheduler=True)
     stored, target = REJECTIONS[rejection]
     _write(source, tmp_path / "ck", model, opt, {"a": Counter(4), **stored(opt)})
     m2, o2, _ = _fresh()
@@ -266,7 +246,7 @@ def test_extra_state_rejection_changes_nothing(tmp_path, source, rejection):
     assert extra["a"].n == 9 and len(o2.state) == 0
 
 
-# -- item 3: unpickling, exact (module, name) pairs --------------------------------------------------
+# -- unpickling, exact (module, name) pairs ---------------------------------------------------------
 
 
 def _su(s: str) -> bytes:

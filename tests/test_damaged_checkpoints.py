@@ -1,4 +1,4 @@
-"""Reliability, bad input: every broken checkpoint is built in tmp_path (a valid ``checkpoint.save``
+"""Damaged checkpoints: every broken checkpoint is built in tmp_path (a valid ``checkpoint.save``
 then damaged byte by byte, or crafted with struct + json per the safetensors spec), and every
 rejected load must raise the specific error, name the file (and key where there is one) and leave
 the target module's values exactly as they were.

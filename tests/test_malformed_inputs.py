@@ -1,6 +1,5 @@
-"""Hostile inputs on the read and write paths added in the last rounds (header checks from bytes,
-column-block reads, the DCP readers): each test pins one kind of defect found by trying to break
-them. Bad input raises our error naming file and tensor (never a bare ``ValueError`` /
+"""Malformed inputs on the read and write paths (header checks from bytes, column-block reads,
+the DCP readers): each test pins one kind of malformed input. Bad input raises our error naming file and tensor (never a bare ``ValueError`` /
 ``TypeError`` from numpy or torch), nothing is half-loaded, and every reader says the same as
 ``verify``."""
 
@@ -80,7 +79,7 @@ _F32 = b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
     "header",
     [
         # the second entry's key spelled with an escape: safetensors (serde) keeps the last entry,
-        # and the count of the literal word "data_offsets" no longer betrayed the repeat
+        # and the count of the literal word "data_offsets" does not betray the repeat
         b'{"a":{"dtype":"F32","shape":[1],"d\\u0061ta_offsets":[0,4]},"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
         b'{"\\u0061":' + _F32 + b',"a":' + _F32 + b"}",
         b'{"a":' + _F32 + b',"a":' + _F32 + b"}",
@@ -131,9 +130,10 @@ def _dcp_hf_shards(root, chunks) -> None:
     ids=["overlap-and-gap", "gap", "same-offsets"],
 )
 def test_dcp_chunks_not_covering_the_tensor_are_refused(tmp_path, capsys, chunks, needle):
-    """The migration source accepted any chunks inside the tensor: a gap came back as
-    uninitialised memory, and ``migrate`` wrote it into a new checkpoint. The DCP StorageReader
-    took equal volume and distinct offsets for coverage (an overlap and a gap of one size passed)."""
+    """Chunks must cover the tensor exactly, for the migration source and the DCP StorageReader
+    alike: a gap would come back as uninitialised memory (and ``migrate`` would write it into a
+    new checkpoint); equal volume and distinct offsets are not coverage (an overlap and a gap of
+    one size have both)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -13,11 +13,7 @@ import torch
 import checkpoint
 from checkpoint.errors import NestedCheckpointError
 from checkpoint.storage.urls import normalize_url
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+from tests.helpers import tiny_model
 
 
 def _tree(root) -> dict[str, bytes]:
@@ -44,17 +40,17 @@ def test_normalize_url(url, want):
 
 
 def test_url_keys_are_normalised_as_local_paths_are():
-    # Before: s3://b//ck (and memory://) wrote every object under "b/" + "/ck/...", a folder
-    # named "" that `s3://b/ck` does not read.
+    # s3://b//ck (and memory://) writes under "b/ck/...", never under "b/" + "/ck/..." (a folder
+    # named "" that `s3://b/ck` does not read).
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    m = _model()
+    m = tiny_model()
     checkpoint.save(m, "memory://trusta-keys//run/./ck")
     keys = sorted(fs.find("/trusta-keys"))
     assert keys and all("//" not in k and "/./" not in k for k in keys), keys
     assert all(k.startswith("/trusta-keys/run/ck/") for k in keys), keys
-    back = _model(1)
+    back = tiny_model(seed=1)
     assert checkpoint.load(back, "memory://trusta-keys/run/ck").ok
     assert all(torch.equal(back.state_dict()[k], v) for k, v in m.state_dict().items())
     fs.rm("/trusta-keys", recursive=True)
@@ -62,19 +58,19 @@ def test_url_keys_are_normalised_as_local_paths_are():
 
 @pytest.mark.parametrize("how", ["save", "async_save", "migrate"])
 def test_a_save_into_a_folder_inside_another_checkpoint_is_refused(tmp_path, how):
-    # Before: save and migrate wrote the inner checkpoint inside the outer one's folder (the DCP
-    # StorageWriter already refused it).
+    # save and migrate refuse it as the DCP StorageWriter does: nothing is written inside the
+    # outer checkpoint's folder.
     outer = tmp_path / "outer"
-    checkpoint.save(_model(), outer)
+    checkpoint.save(tiny_model(), outer)
     src = tmp_path / "src"
-    checkpoint.save(_model(2), src)
+    checkpoint.save(tiny_model(seed=2), src)
     before = _tree(outer)
     inner = outer / "sub" / "inner"
     with pytest.raises(NestedCheckpointError) as e:
         if how == "save":
-            checkpoint.save(_model(1), inner)
+            checkpoint.save(tiny_model(seed=1), inner)
         elif how == "async_save":
-            checkpoint.async_save(_model(1), inner).result()
+            checkpoint.async_save(tiny_model(seed=1), inner).result()
         else:
             checkpoint.migrate(src, inner)
     assert e.value.path == str(inner) and e.value.outer == str(outer)
@@ -87,19 +83,19 @@ def test_dcp_writer_and_save_share_the_nested_rule(tmp_path):
     from checkpoint.dcp import StorageWriter
 
     outer = tmp_path / "outer"
-    checkpoint.save(_model(), outer)
+    checkpoint.save(tiny_model(), outer)
     before = _tree(outer)
     with pytest.raises(BaseException) as e:  # DCP raises the writer's error as CheckpointException
-        dcp.save(_model(1).state_dict(), storage_writer=StorageWriter(str(outer / "inner")))
+        dcp.save(tiny_model(seed=1).state_dict(), storage_writer=StorageWriter(str(outer / "inner")))
     assert "NestedCheckpointError" in repr(e.value) or isinstance(e.value, NestedCheckpointError)
     assert _tree(outer) == before
 
 
 @pytest.mark.parametrize("size", [1.5, 2.0, "1.5", True])
 def test_max_shard_size_takes_an_int_or_a_size_string_only(tmp_path, size):
-    # Before: 1.5 (and "1.5") was taken as 1 byte: one file per tensor, without a word.
+    # Refused by name: 1.5 (or "1.5") taken as 1 byte would write one file per tensor, without a word.
     with pytest.raises(ValueError, match="max_shard_size") as e:
-        checkpoint.save(_model(), tmp_path / "ck", max_shard_size=size)
+        checkpoint.save(tiny_model(), tmp_path / "ck", max_shard_size=size)
     if not isinstance(size, str):
         assert f"got {type(size).__name__} {size!r}" in str(e.value)
     assert not (tmp_path / "ck").exists()
@@ -116,5 +112,5 @@ def test_max_shard_size_sizes_are_exact(tmp_path):
 
     assert parse_size("1.1GB") == 1_100_000_000 and parse_size("2.5GiB") == 5 * 2**29
     assert parse_size(np.int64(48)) == 48
-    checkpoint.save(_model(), tmp_path / "ck", max_shard_size=np.int64(48))
+    checkpoint.save(tiny_model(), tmp_path / "ck", max_shard_size=np.int64(48))
     assert len([n for n in os.listdir(tmp_path / "ck") if n.endswith(".safetensors")]) > 1

@@ -1,4 +1,5 @@
-"""Variants of the B-case name kinds that the listed cases do not cover, through the public API.
+"""More variants of each naming kind (wrapper prefixes, heads, dynamo names, parametrizations,
+containers), through the public API.
 
 Each test builds the checkpoint as the wrapping / capture / tool really writes it and states the
 right outcome as data: exact key maps, missing / unexpected / ignorable reports, values equal.
@@ -113,7 +114,7 @@ SOURCE_KINDS = ["safetensors", "hf-dir", "fqnckpt", "pickle"]
 
 @pytest.mark.parametrize("kind", SOURCE_KINDS)
 def test_base_checkpoint_into_model_with_head_every_source(tmp_path, kind):
-    """B28 for every source kind: one resolver, the same report (prefix added, head missing)."""
+    """A base checkpoint into a model with a head, for every source kind: one resolver, the same report (prefix added, head missing)."""
     torch.manual_seed(0)
     base = Base()
     path = _write_source(kind, base.state_dict(), tmp_path, "base")
@@ -152,7 +153,7 @@ class BufNet(nn.Module):
 @pytest.mark.parametrize("kind", SOURCE_KINDS)
 @pytest.mark.parametrize("prefix", ["model.", "module."])
 def test_nonpersistent_buffer_under_prefix_is_ignorable(tmp_path, kind, prefix):
-    """B26 under a container / wrapper prefix: still ignorable, never unexpected; a stray key fails."""
+    """A non-persistent buffer under a container / wrapper prefix: still ignorable, never unexpected; a stray key fails."""
     src = BufNet()
     sd = {prefix + k: v for k, v in dict(src.state_dict(), freqs=src.freqs.clone()).items()}
     path = _write_source(kind, sd, tmp_path, "buf")
@@ -327,7 +328,7 @@ SN_NEW_TO_LEGACY = {
 @pytest.mark.parametrize("kind", ["safetensors", "pickle"])
 @pytest.mark.parametrize("legacy_source", [False, True])
 def test_spectral_norm_spellings_migrate_to_the_target_spelling(tmp_path, kind, legacy_source):
-    """B13's kind for spectral_norm: parametrization names <-> legacy hook names, both ways."""
+    """The weight_norm kind for spectral_norm: parametrization names <-> legacy hook names, both ways."""
     torch.manual_seed(0)
     src = _SN(legacy_source).eval()
     x = torch.randn(2, 3, 5)
@@ -397,7 +398,7 @@ class _Tiny(nn.Module):
 
 
 def test_load_takes_the_options_its_pickle_errors_name(tmp_path):
-    """B25 / B23 through ``load``: the refusal names the globals and the containers, and ``load``
+    """Unsafe pickles and container prefixes through ``load``: the refusal names the globals and the containers, and ``load``
     has the options the messages point to (``trusted_globals=``, ``key=``), as ``migrate`` does."""
     import argparse
     import pickle
@@ -454,7 +455,7 @@ def test_load_key_picks_a_dcp_container(tmp_path):
 
 @pytest.mark.parametrize("kind", ["safetensors", "pickle"])
 def test_fsdp1_flat_param_refused_naming_key_and_file(tmp_path, kind):
-    """B06's flat parameters through ``load``: refused by name (key and file), nothing changed;
+    """FSDP1's flat parameters through ``load``: refused by name (key and file), nothing changed;
     never dropped as merely unexpected, also with strict=False."""
     sd = {
         "_fsdp_wrapped_module.fc._fsdp_wrapped_module._flat_param": torch.zeros(6),

@@ -1,4 +1,4 @@
-"""Trust on load (issue 10 items 1, 2, 6, 8): validate, then mutate; meta targets; names never
+"""Load validates, then mutates: meta targets; names never
 changed by string alone; exact optimizer values. Every rejection is checked with one bit-exact
 snapshot of model and optimizer (tests/snapshot.py)."""
 
@@ -23,6 +23,7 @@ from checkpoint.errors import (
 )
 from checkpoint.optim import OptimizerMismatchError
 from tests.snapshot import Snapshot
+from tests.helpers import assert_same_state
 
 
 class Net(nn.Module):
@@ -81,7 +82,7 @@ class Fewer(nn.Module):
 @pytest.mark.parametrize("kind", sorted(REJECTIONS))
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["same-dtype", "dtype=bf16"])
 def test_rejected_load_leaves_model_and_optimizer_bit_identical(tmp_path, kind, dtype):
-    """A01 kind: with or without dtype= / optimizer=, every rejection happens before any change."""
+    """With or without dtype= / optimizer=, every rejection happens before any change."""
     _, d = saved_net(tmp_path, optimizer=kind != "optimizer missing")
     path, kw, exc = REJECTIONS[kind](d)
     target = kw.pop("_target", None)
@@ -128,7 +129,7 @@ def _inference_net():
     ids=["expanded-buffer", "inference-mode-model"],
 )
 def test_target_that_cannot_take_the_copy_is_refused_before_any_copy(tmp_path, make, key, needle):
-    """A02 kind: found in the plan, named, nothing copied (a.weight and a.bias come before b)."""
+    """Found in the plan, named, nothing copied (a.weight and a.bias come before b)."""
     _, d = saved_net(tmp_path)
     m = make()
     snap = Snapshot(m)
@@ -316,7 +317,7 @@ class HasModuleChild(nn.Module):
 
 
 def test_plain_state_dict_saved_with_keys_as_given(tmp_path):
-    """A16 kind: a real child named ``module``, a key that is exactly ``module``, wrapper-looking
+    """A real child named ``module``, a key that is exactly ``module``, wrapper-looking
     segments anywhere: stored as given, and the state_dict loads back strictly into the model."""
     m = HasModuleChild()
     idx = checkpoint.save(m.state_dict(), tmp_path / "a")
@@ -350,7 +351,7 @@ def test_wrapper_keys_resolved_only_through_the_model(tmp_path):
     [("weight", "module.weight"), ("_orig_mod.weight", "module.weight"), ("_orig_mod.weight", "weight")],
 )
 def test_two_spellings_of_one_tensor_refused_when_values_differ(tmp_path, keys):
-    """A17 kind: refused naming both keys and the file; equal values load strictly."""
+    """Refused naming both keys and the file; equal values load strictly."""
     p = tmp_path / "c.safetensors"
     save_file(
         {keys[0]: torch.full((2, 2), 1.0), keys[1]: torch.full((2, 2), 2.0), "bias": torch.zeros(2)}, str(p)
@@ -389,28 +390,6 @@ def test_aliases_only_when_every_view_property_matches(tmp_path):
 
 
 # -- 4. exact optimizer values -------------------------------------------------------------------
-
-
-def _same(a, b, where="") -> None:
-    """Exact equality incl. types: tensors by dtype, shape and bits; floats by bits (nan == nan)."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, float):
-        assert a.hex() == b.hex(), f"{where}: {a} != {b}"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, dict):
-        assert list(a) == list(b) if where.endswith("group") else sorted(a) == sorted(b), (
-            f"{where}: {list(a)} != {list(b)}"
-        )
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _model(sparse=False):
@@ -458,12 +437,12 @@ def test_every_torch_optimizer_round_trips_exactly(tmp_path, name):
     assert rep.optimizer_loaded
     a, b = opt.state_dict(), opt2.state_dict()
     assert a["state"].keys() == b["state"].keys()
-    _same(a["param_groups"], b["param_groups"], "param_groups")
-    _same(a["state"], b["state"], "state")
+    assert_same_state(a["param_groups"], b["param_groups"], where="param_groups")
+    assert_same_state(a["state"], b["state"], where="state")
 
 
 def test_edge_hyper_parameters_round_trip_exactly(tmp_path):
-    """A23 kind: inf, -inf, nan, -0.0, huge ints, tensor lr, tensor betas, None, bool, str, tuple,
+    """Inf, -inf, nan, -0.0, huge ints, tensor lr, tensor betas, None, bool, str, tuple,
     nested dict, all exact; the stored index is plain JSON (no NaN / Infinity tokens)."""
     m = nn.Linear(2, 2)
     opt = torch.optim.Adam(
@@ -484,7 +463,7 @@ def test_edge_hyper_parameters_round_trip_exactly(tmp_path):
     opt2 = torch.optim.Adam([{"params": [m.weight], "lr": torch.tensor(1.0)}, {"params": [m.bias]}])
     snap_types = type(opt2.param_groups[0]["lr"])
     checkpoint.load(m, tmp_path / "ck", optimizer=opt2)
-    _same(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], "param_groups")
+    assert_same_state(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], where="param_groups")
     assert snap_types is torch.Tensor and math.isnan(opt2.param_groups[1]["lr"])
 
 
@@ -508,8 +487,8 @@ def test_previous_optimizer_encoding_still_loads(tmp_path):
     p.write_text(json.dumps(data))
     opt2 = torch.optim.Adam(m.parameters(), lr=1.0)
     checkpoint.load(m, tmp_path / "ck", optimizer=opt2)
-    _same(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], "param_groups")
-    _same(opt.state_dict()["state"], opt2.state_dict()["state"], "state")
+    assert_same_state(opt.state_dict()["param_groups"], opt2.state_dict()["param_groups"], where="param_groups")
+    assert_same_state(opt.state_dict()["state"], opt2.state_dict()["state"], where="state")
 
 
 def test_corrupt_optimizer_value_is_named_and_changes_nothing(tmp_path):
@@ -578,7 +557,7 @@ def test_snapshot_helper_sees_every_kind_of_change():
 
 
 def test_targets_sharing_memory_are_found_among_many_and_through_another_storage(tmp_path):
-    """The overlap sweep runs by address over every target (issue 22: no storage asked of the
+    """The overlap sweep runs by address over every target (no storage asked of the
     10^4 targets that share nothing): views of one buffer amid many other tensors, and a view
     made through another storage object of the same memory (``torch.from_numpy``)."""
     d = tmp_path / "ck"
@@ -639,7 +618,7 @@ def test_shared_memory_through_a_view_of_another_start_and_conj_neg_views_are_ch
 
 def test_internal_overlap_of_strided_targets_is_exact_and_linear_in_dims():
     """target_problem's overlap test: the stride-sorted reach check answers strided views torch
-    calls TooHard (x[::2] of 10^7 elements took seconds through the element count) and agrees
+    calls TooHard (x[::2] of 10^7 elements: seconds through the element count) and agrees
     with counting every element's offset on random as_strided views."""
     import itertools
     import random
