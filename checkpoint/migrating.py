@@ -115,7 +115,7 @@ def migrate(
         NestedCheckpointError: ``dst`` lies inside another checkpoint's folder (as for ``save``).
     """
     if recipe is not None:  # checkpoint.convert plans and streams (a URL source too); written in save's format
-        from .saving import converted_writer
+        from .write.pipeline import converted_writer
 
         if storage_options and options_for(src, storage_options) is None and options_for(dst, storage_options) is None:
             resolve(dst, storage_options)  # the TypeError naming the local path
@@ -131,7 +131,7 @@ def migrate(
                           storage_options=options_for(src, storage_options))  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
     if not dry_run:  # refused before the source is read, as the write would refuse it
-        from .saving import refuse_nested
+        from .write.pipeline import refuse_nested
 
         refuse_nested(local_target(dst))
     # A URL source: every part read from the one model index fetched (optimizer, extra state),
@@ -279,7 +279,7 @@ def _write(
     source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None,
     opt_src=None, extra_files=None,
 ) -> None:
-    from .saving import Part, write_parts
+    from .write.pipeline import Part, write_parts
     from .storage.layout import TensorSpec, plan_layout
 
     opt_src = opt_src if opt_src is not None else source

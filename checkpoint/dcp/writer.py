@@ -52,7 +52,7 @@ from torch.futures import Future
 from ..storage.local_commit import StagedCheckpoint
 from ..errors import CheckpointError, CheckpointWriteError, RankMismatchError, UnsavableError
 from ..ranks import dist
-from ..saving import check_same_arguments, fetch_tensor, make_index, Part, write_indexes_and_commit, refuse_nested
+from ..write.pipeline import check_same_arguments, fetch_tensor, make_index, Part, write_indexes_and_commit, refuse_nested
 from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX, parse_size
@@ -445,7 +445,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         return results
 
     def _write_remote(self, plan: SavePlan, data: _RemotePlan, planner: SavePlanner) -> list[WriteResult]:
-        from ..storage.remote_save import save_remote
+        from ..write.upload import save_remote
 
         state = getattr(planner, "state_dict", None)
         specs = [s.spec for f in data.layout.files for s in f.slots]

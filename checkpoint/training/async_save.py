@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..saving import many_ranks, prepare_parts, write_parts_distributed, write_parts, agree_prepare_failure, refuse_nested
+from ..write.pipeline import many_ranks, prepare_parts, write_parts_distributed, write_parts, agree_prepare_failure, refuse_nested
 from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
 from ..storage.layout import plan_layout

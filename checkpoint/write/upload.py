@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 from ..testing import faults
 from ..errors import CheckpointError, CheckpointWriteError, ConcurrentSaveError
 from ..ranks import dist
-from . import digest
-from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
-from .layout import FilePlan, Layout, TensorSlot
-from .bytestore import ByteStore, ByteWriter
-from .commit import MODEL_INDEX, RemoteCommit, carried_side_files, is_part, stored_name
-from .writer import check_matches, stats, tensor_bytes
+from ..storage import digest
+from ..storage.format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
+from ..storage.layout import FilePlan, Layout, TensorSlot
+from ..storage.bytestore import ByteStore, ByteWriter
+from ..storage.commit import MODEL_INDEX, RemoteCommit, carried_side_files, is_part, stored_name
+from ..storage.writer import check_matches, stats, tensor_bytes
 
 # Files of a save renamed per save (readers find them through the model index); other extra
 # files (Hugging Face's config.json, ...) keep their names: transformers opens them by name.

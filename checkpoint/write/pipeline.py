@@ -25,19 +25,19 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fqn import FQNMap, FQNMapFile
 
-from .testing import faults
-from .storage.local_commit import StagedCheckpoint, enclosing_checkpoint
-from .storage.commit import is_part
-from .convert import CONVERSION_REPORT_NAME, run_recipe
-from .convert.hf_files import hf_config_files
-from .convert.meta_files import write_meta_checkpoint
-from .errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
-from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
-from .progress import counted_fetches
-from .ranks import dist, shards
-from .state import Entry, object_state
-from .storage import limits
-from .storage.format import (
+from ..testing import faults
+from ..storage.local_commit import StagedCheckpoint, enclosing_checkpoint
+from ..storage.commit import is_part
+from ..convert import CONVERSION_REPORT_NAME, run_recipe
+from ..convert.hf_files import hf_config_files
+from ..convert.meta_files import write_meta_checkpoint
+from ..errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
+from ..peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
+from ..progress import counted_fetches
+from ..ranks import dist, shards
+from ..state import Entry, object_state
+from ..storage import limits
+from ..storage.format import (
     MODEL_PREFIX,
     OPTIMIZER_PREFIX,
     FileRecordV2,
@@ -47,11 +47,11 @@ from .storage.format import (
     OptimizerMeta,
     index_name,
 )
-from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
-from .storage.layout import Layout, TensorSpec, plan_layout
-from .storage.location import local_path, local_target, resolve
-from .storage import digest, fskind, ownership, threads
-from .storage.writer import (
+from ..storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
+from ..storage.layout import Layout, TensorSpec, plan_layout
+from ..storage.location import local_path, local_target, resolve
+from ..storage import digest, fskind, ownership, threads
+from ..storage.writer import (
     BlockWriter,
     SequentialFileWriter,
     create_shard_file,
@@ -59,7 +59,7 @@ from .storage.writer import (
     block_runs,
     tensor_bytes,
 )
-from .gc_pause import gc_paused
+from ..gc_pause import gc_paused
 
 
 @dataclass
@@ -196,7 +196,7 @@ def write_parts(
         _check_extra_name(name)
     layouts = _plan_checked(path, parts, max_shard_size)
     if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
-        from .storage.remote_save import save_remote
+        from .upload import save_remote
 
         return save_remote(path, parts, layouts, overwrite, extra_files, make_index, _fetch_checked, False)
     indexes: list[IndexFile] = []
@@ -405,7 +405,7 @@ def _pretrained_layout(obj) -> Any:
     """The ``fused-to-experts`` recipe (transformers' conversion mapping reversed, what
     ``save_pretrained`` writes) for a transformers model whose saved names it changes; else None
     (any other model, or transformers never imported)."""
-    from .convert.transformers_rules import changes_keys, pretrained_recipe
+    from ..convert.transformers_rules import changes_keys, pretrained_recipe
 
     try:
         rec = pretrained_recipe(obj)
@@ -423,8 +423,8 @@ def _state_catalog(part: Part, where: str) -> Any:
     fetches it, when the conversion asks for it."""
     from pathlib import Path
 
-    from .convert.catalog import Catalog
-    from .sources.base import Source, SourceSpec
+    from ..convert.catalog import Catalog
+    from ..sources.base import Source, SourceSpec
 
     by_fqn = {s.fqn: s for s in part.specs}
 
@@ -546,7 +546,7 @@ def prepare_parts(
     if optimizer is not None:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError("saving an optimizer needs the nn.Module (parameters are matched by identity)")
-        from .optim import optimizer_entries
+        from ..optim import optimizer_entries
 
         # A PEFT model's optimizer is keyed by the names its files use (load plans by the same)
         named = saved_names_state(obj, state) if model_state is not state else state
@@ -726,7 +726,7 @@ def write_parts_distributed(
             stacklevel=2,
         )
     if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
-        from .storage.remote_save import save_remote
+        from .upload import save_remote
 
         return save_remote(path, parts, layouts, overwrite, extra_files, make_index, fetch_tensor, True)
     files = [(lay, f) for lay in layouts for f in lay.files]

@@ -1,0 +1,1 @@
+"""The write pipeline: plan, write, digest, index, commit (see pipeline)."""
