@@ -45,8 +45,8 @@ from .errors import (
 # rebinds a public name.
 _LAZY = {
     "load": "loading",
-    "save": "write.pipeline",
-    "save_streaming": "write.pipeline",
+    "save": "saving",
+    "save_streaming": "saving",
     "migrate": "migrating",
     "MigrationReport": "migrating",
     "LoadReport": "reports",
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager names
     from .loading import load
     from .migrating import MigrationReport, migrate
     from .reports import LoadReport, VerifyReport
-    from .write.pipeline import save, save_streaming
+    from .saving import save, save_streaming
     from .storage.format import IndexFile, parse_size
     from .storage.layout import TensorSpec
     from .storage.opening import open_checkpoint, recover

@@ -263,7 +263,7 @@ class CheckpointManager:
                 extra_state = {**(extra_state or {}), RNG_RANKS_KEY: states}
         kw = dict(optimizer=optimizer, extra_state=extra_state, max_shard_size=max_shard_size, overwrite=True)
         if self._saver is None:
-            from ..write.pipeline import save
+            from ..saving import save
 
             save(module, path, layout="memory", **kw)  # a training checkpoint: the module's own names, as async saves write
             self._retain(step)
