@@ -180,7 +180,7 @@ def save(
 
     ``path`` may be a URL (``s3://bucket/run/step-100``, ``memory://...``, ``file://...``): written
     through fsspec, committed without rename, each rank uploading its own files in bounded
-    multipart uploads (:mod:`checkpoint.storage.commit`, :mod:`checkpoint.storage.remote_save`).
+    multipart uploads (:mod:`checkpoint.storage.commit`, :mod:`checkpoint.write.upload`).
     ``storage_options`` go to the fsspec filesystem (s3fs: ``endpoint_url``, ``key``, ``secret``,
     ...); ``transfer``: a :class:`checkpoint.storage.objstore.TransferConfig` (part size, parts in
     flight, retries). A URL whose scheme has no installed backend raises
