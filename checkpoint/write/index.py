@@ -39,10 +39,8 @@ def make_index(part: Part, layout: Layout, records: Mapping[str, FileRecordV2]) 
 def indexes_of(parts: Sequence[Part], layouts: Sequence[Layout], tensor_digests: Mapping[str, str]) -> list[IndexFile]:
     """Every part's index from every tensor's digest (``{fqn: digest}``; the header digests come
     from the planned headers, which are the bytes written)."""
-    return [
-        make_index(part, lay, {f.name: distributed_record(f, dict(tensor_digests)) for f in lay.files})
-        for part, lay in zip(parts, layouts)
-    ]
+    digests = dict(tensor_digests)
+    return [make_index(part, lay, {f.name: distributed_record(f, digests) for f in lay.files}) for part, lay in zip(parts, layouts)]
 
 
 def side_file_record(data: bytes) -> FileRecordV2:
