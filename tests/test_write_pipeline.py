@@ -141,3 +141,75 @@ def test_two_ranks_front_doors_write_the_same_checkpoint(tmp_path):
     loaded = {k: torch.zeros_like(v) for k, v in full.items()}
     checkpoint.load(loaded, tmp_path / "dcp_writer")
     assert all(torch.equal(loaded[k], v) for k, v in full.items())
+
+
+def _modules() -> dict[str, str]:
+    """``{dotted module name: file}`` of the package code (fqn, checkpoint, autoparallel)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for pkg in ("fqn", "checkpoint", "autoparallel"):
+        for d, _, files in os.walk(os.path.join(root, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    name = os.path.relpath(os.path.join(d, f), root)[:-3].replace(os.sep, ".")
+                    out[name.removesuffix(".__init__")] = os.path.join(d, f)
+    return out
+
+
+def _imports(mods: dict[str, str]) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """Each module's imports of package modules (anywhere in it, function bodies included), and
+    every use of another module's private name: ``from m import _x`` or ``m._x`` on a module
+    imported by name."""
+    import ast
+
+    edges: dict[str, set[str]] = {}
+    private: list[tuple[str, str]] = []
+    for mod, path in mods.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        by_name: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = mod.split(".") if path.endswith("__init__.py") else mod.split(".")[:-1]
+                target = node.module if node.level == 0 else ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                for a in node.names:
+                    full = f"{target}.{a.name}"
+                    if full in mods:
+                        by_name[a.asname or a.name] = full
+                        edges.setdefault(mod, set()).add(full)
+                    elif target in mods:
+                        edges.setdefault(mod, set()).add(target)
+                        if a.name.startswith("_") and not a.name.startswith("__") and target != mod:
+                            private.append((mod, full))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        edges.setdefault(mod, set()).add(a.name)
+                        by_name[a.asname or a.name] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = by_name.get(node.value.id) if isinstance(node.value, ast.Name) else None
+                if owner is not None and owner != mod:
+                    private.append((mod, f"{owner}.{node.attr}"))
+    return edges, private
+
+
+def test_write_side_uses_no_private_names_of_other_modules_and_nothing_imports_in_a_cycle():
+    mods = _modules()
+    edges, private = _imports(mods)
+    write_side = ("checkpoint.write", "checkpoint.saving", "checkpoint.dcp.writer", "checkpoint.training.async_save",
+                  "checkpoint.migrating", "checkpoint.convert.api")  # fmt: skip
+    assert [p for p in private if p[0].startswith(write_side)] == []
+    # no import cycle among the package's modules
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        seen[m] = 1
+        for n in sorted(edges.get(m, ())):
+            assert seen.get(n) != 1, " -> ".join(path[path.index(n):] + [m, n]) if n in path else (m, n)
+            if n not in seen:
+                visit(n, path + [m])
+        seen[m] = 2
+
+    for m in sorted(mods):
+        if m not in seen:
+            visit(m, [])
