@@ -3,8 +3,8 @@
 The entry point of the migration pipeline: source (:mod:`checkpoint.sources`) -> names
 (:mod:`checkpoint.plan.names`: a saved ``fqn_map``, the caller's ``rules``, wrapper-segment
 removal, then with a ``model`` ``fqn.resolve`` against its real names, shapes and dtypes) ->
-plan (:mod:`checkpoint.plan.migration`) -> write (``checkpoint.save``'s format, streamed one
-tensor at a time, with ``migration_report.json`` in the same atomic commit). Nothing is guessed:
+plan (:mod:`checkpoint.plan.migration`) -> write (``checkpoint.save``'s format through the write
+pipeline, :func:`checkpoint.write.write_checkpoint`, streamed one tensor at a time, with ``migration_report.json`` in the same atomic commit). Nothing is guessed:
 ambiguous, colliding or unknown keys stop the migration with the report unless
 ``allow_unresolved=True``.
 """
@@ -131,7 +131,7 @@ def migrate(
                           storage_options=options_for(src, storage_options))  # fmt: skip
     dst = resolve(dst, storage_options)  # a URL is written through fsspec, never as a local path
     if not dry_run:  # refused before the source is read, as the write would refuse it
-        from .saving import refuse_nested
+        from .write import refuse_nested
 
         refuse_nested(local_target(dst))
     # A URL source: every part read from the one model index fetched (optimizer, extra state),
@@ -279,8 +279,8 @@ def _write(
     source, plan, dst, report, fmap, max_shard_size, overwrite, progress, opt_plan=None, opt_meta=None,
     opt_src=None, extra_files=None,
 ) -> None:
-    from .saving import Part, write_parts
-    from .storage.layout import TensorSpec, plan_layout
+    from .write import Part, layouts_of, write_checkpoint
+    from .storage.layout import TensorSpec
 
     opt_src = opt_src if opt_src is not None else source
 
@@ -314,8 +314,7 @@ def _write(
         )
     if source.format.startswith("dcp"):  # DCP reads in batches along the order the writer asks
         order = []
-        for part, p in zip(parts, (plan, opt_plan)):
-            layout = plan_layout(part.specs, max_shard_size, part.prefix)
+        for layout, p in zip(layouts_of(parts, max_shard_size), (plan, opt_plan)):
             order += [p[slot.spec.fqn] for f in layout.files for slot in f.slots]
         source.read_ahead(order)
     report.written = True
@@ -325,7 +324,7 @@ def _write(
 
         extra[OPTIMIZER_GROUPS_NAME] = json.dumps(report.optimizer_param_groups, indent=2).encode()
     try:
-        write_parts(dst if local_path(dst) is None else os.fspath(dst), parts, max_shard_size, overwrite, extra)
+        write_checkpoint(dst if local_path(dst) is None else os.fspath(dst), parts, max_shard_size, overwrite, extra)
     except BaseException:
         report.written = False
         raise

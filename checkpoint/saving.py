@@ -1,79 +1,42 @@
-"""``save`` and ``save_streaming``: sharded safetensors checkpoints in eager FQNs, committed atomically.
+"""``save`` and ``save_streaming``: the front doors that save a module or a state_dict as sharded
+safetensors checkpoints in eager FQNs, committed atomically.
 
-One write path: a single process streams tensors one at a time through :func:`save_streaming`;
-ranks holding DTensors each write only the bytes they own into the same full-tensor files
-(:func:`write_parts_distributed`). Either way the result is Hugging Face's layout
-(``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``).
+They decide what is written (the parts: model, optimizer, extra files; :func:`prepare_parts`) and
+hand it to the write pipeline, :func:`checkpoint.write.write_checkpoint` (plan, write, digest,
+index, commit), as ``async_save``, ``migrate``, conversions and DCP's ``StorageWriter`` do. The
+result is Hugging Face's layout (``model-0000k-of-0000n.safetensors`` +
+``model.safetensors.index.json``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import shutil
 import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from fqn import FQNMap, FQNMapFile
 
-from .testing import faults
-from .storage.local_commit import StagedCheckpoint, enclosing_checkpoint
-from .storage.commit import is_part
 from .convert import CONVERSION_REPORT_NAME, run_recipe
 from .convert.hf_files import hf_config_files
 from .convert.meta_files import write_meta_checkpoint
-from .errors import CheckpointError, CheckpointWriteError, NestedCheckpointError, RankMismatchError
 from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_state
 from .progress import counted_fetches
-from .ranks import dist, shards
+from .ranks import dist
 from .state import Entry, object_state
-from .storage import limits
-from .storage.format import (
-    MODEL_PREFIX,
-    OPTIMIZER_PREFIX,
-    FileRecordV2,
-    FqnckptMeta,
-    IndexFile,
-    IndexMetadata,
-    OptimizerMeta,
-    index_name,
-)
-from .storage.extra_state import RANK_FILE_RE, extra_state_file_bytes, snapshot_extra_state_parts
-from .storage.layout import Layout, TensorSpec, plan_layout
+from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, OptimizerMeta
+from .storage.extra_state import extra_state_file_bytes, snapshot_extra_state_parts
+from .storage.layout import TensorSpec
 from .storage.location import local_path, local_target, resolve
-from .storage import digest, fskind, ownership, threads
-from .storage.writer import (
-    BlockWriter,
-    SequentialFileWriter,
-    create_shard_file,
-    distributed_record,
-    block_runs,
-    tensor_bytes,
-)
+from .write import Part, join_failed_prepare, refuse_nested, side_file_record, spec_of, write_checkpoint
+from .write.parts import fetch_checked
 from .gc_pause import gc_paused
-
-
-@dataclass
-class Part:
-    """One indexed part of a checkpoint (``model`` or ``optimizer``)."""
-
-    prefix: str
-    specs: list[TensorSpec]
-    fetch: Callable[[TensorSpec], torch.Tensor]
-    alias_groups: list[list[str]] = field(default_factory=list)
-    fqn_map: FQNMapFile | None = None
-    optimizer: OptimizerMeta | None = None
-    extra_shards: dict[str, FileRecordV2] | None = None  # FqnckptMeta.extra_shards (the model part)
 
 
 def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -> Callable:
@@ -86,146 +49,9 @@ def converted_writer(path: str | os.PathLike, max_shard_size, overwrite: bool) -
             refuse_nested(local_target(resolve(path)))
             write_meta_checkpoint(local_target(resolve(path)), specs, fetch, extra, overwrite)
             return None
-        return write_parts(resolve(path), [Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)[0]
+        return write_checkpoint(resolve(path), [Part(MODEL_PREFIX, list(specs), fetch)], max_shard_size, overwrite, extra)[0]
 
     return write
-
-
-def make_index(part: Part, layout: Layout, records: dict[str, FileRecordV2]) -> IndexFile:
-    meta = FqnckptMeta(
-        files=records,
-        tensor_digest_chunk=digest.TENSOR_CHUNK,
-        alias_groups=[list(g) for g in part.alias_groups],
-        fqn_map=part.fqn_map,
-        optimizer=part.optimizer,
-        extra_shards=part.extra_shards,
-    )
-    return IndexFile(
-        metadata=IndexMetadata(total_size=layout.total_size, fqnckpt=meta), weight_map=layout.weight_map
-    )
-
-
-def _check_extra_name(name: str) -> None:
-    if name == ADAPTER_WEIGHTS:  # peft's adapter file beside the base model (checkpoint.peft_state)
-        return
-    if not name or "/" in name or "\\" in name or name.startswith(".") or name.endswith(".safetensors"):
-        raise ValueError(f"extra file name {name!r} must be a plain file name, not hidden, not .safetensors")
-    if name.endswith(".safetensors.index.json"):
-        raise ValueError(f"extra file name {name!r} is reserved for indexes")
-
-
-def _fetch_checked(part: Part, spec: TensorSpec) -> torch.Tensor:
-    t = part.fetch(spec)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"value of {spec.fqn!r} is a {type(t).__name__}, not a tensor")
-    if isinstance(t, DTensor):
-        raise TypeError(
-            f"{spec.fqn!r} is a DTensor: use checkpoint.save on every rank for distributed tensors"
-        )
-    if t.is_meta:
-        raise TypeError(f"{spec.fqn!r} is on the meta device: it has no data to save")
-    return t
-
-
-def refuse_nested(path: Any) -> None:
-    """Refuse a local save into a folder inside another checkpoint's directory
-    (:func:`checkpoint.storage.local_commit.enclosing_checkpoint`): that checkpoint's overwrite and retention
-    manage only their own files, and readers of it would meet the inner one's. The one rule of
-    ``save``, ``async_save``, ``migrate``, conversions and DCP's ``StorageWriter``. A URL's store
-    (no folders) passes.
-
-    Raises:
-        NestedCheckpointError: naming ``path`` and the enclosing checkpoint."""
-    local = local_path(path)
-    if local is None:
-        return
-    outer = enclosing_checkpoint(local)
-    if outer is not None:
-        raise NestedCheckpointError(local, outer)
-
-
-def _plan_checked(path: str, parts: Sequence[Part], max_shard_size, world: int = 1) -> list[Layout]:
-    """Plan every part's files and check everything safetensors must be able to read back (names,
-    header sizes; dtypes were checked when the specs were made) before anything is written: a
-    checkpoint no reader can open is never committed. Linear in the number of tensors.
-    ``max_shard_size=None``: each part's default for ``world`` ranks (:func:`default_shard_size`).
-    A local ``path`` inside another checkpoint is refused first (:func:`refuse_nested`)."""
-    refuse_nested(path)
-    for part in parts:
-        for spec in part.specs:
-            limits.check_name(spec.fqn, path)
-        for group in part.alias_groups:
-            for name in group:
-                limits.check_name(name, path)
-    layouts = [plan_layout(p.specs, max_shard_size, p.prefix, world) for p in parts]
-    for lay in layouts:
-        for f in lay.files:
-            limits.check_header(f, path)
-    return layouts
-
-
-def _spec_of(path: str, fqn: str, tensor: torch.Tensor) -> TensorSpec:
-    limits.check_name(fqn, path)
-    limits.check_tensor(fqn, tensor, path)
-    return TensorSpec.of(fqn, tensor)
-
-
-def write_indexes_and_commit(staged: StagedCheckpoint, parts, indexes: Sequence[IndexFile]) -> None:
-    """Data is in place: write the index files last, then move the checkpoint into place."""
-    faults.fault_point("after_data_written")
-    faults.fault_point("before_index_write")
-    # The model index records every other file of the save (as on object storage): overwrite and
-    # retention remove the files a record names, never a file for its name (checkpoint.storage.local_commit).
-    others = sorted((getattr(staged, "written", set()) | {index_name(p.prefix) for p in parts}) - {index_name(MODEL_PREFIX)})
-    digests = getattr(staged, "digests", {})
-    kept, kept_digests = staged.carried(others)
-    for part, idx in zip(parts, indexes):
-        if part.prefix == MODEL_PREFIX and idx.metadata.fqnckpt is not None:  # a record, empty or not
-            idx.metadata.fqnckpt.objects = {n: n for n in others} | kept
-            idx.metadata.fqnckpt.object_digests = kept_digests | {n: digests[n] for n in others if n in digests and not is_part(n)} or None
-    for part, idx in zip(parts, indexes):
-        staged.write_file(index_name(part.prefix), idx.to_json_bytes())
-    faults.fault_point("after_index_write")
-    staged.commit()
-
-
-def write_parts(
-    path: str, parts: Sequence[Part], max_shard_size, overwrite: bool, extra_files: Mapping[str, bytes]
-) -> list[IndexFile]:
-    path = local_target(path)  # file:// commits as a local path
-    for name in extra_files:
-        _check_extra_name(name)
-    layouts = _plan_checked(path, parts, max_shard_size)
-    if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
-        from .storage.remote_save import save_remote
-
-        return save_remote(path, parts, layouts, overwrite, extra_files, make_index, _fetch_checked, False)
-    indexes: list[IndexFile] = []
-    try:
-        with StagedCheckpoint(path, overwrite) as st:
-            for part, layout in zip(parts, layouts):
-                records: dict[str, FileRecordV2] = {}
-                for fplan in layout.files:
-                    w = SequentialFileWriter(os.path.join(st.dir, fplan.name), fplan)
-                    try:
-                        faults.fault_point("after_file_create")
-                        kill_after_tensor = faults.armed("after_tensor_write")
-                        for slot in fplan.slots:
-                            w.write(slot, _fetch_checked(part, slot.spec))
-                            if kill_after_tensor:
-                                faults.fault_point("after_tensor_write")
-                        records[fplan.name] = w.finish()
-                    finally:
-                        w.close()
-                indexes.append(make_index(part, layout, records))
-            for name, data in extra_files.items():
-                st.write_file(name, bytes(data))
-            write_indexes_and_commit(st, parts, indexes)
-    except CheckpointError:
-        raise
-    except OSError as e:
-        raise CheckpointWriteError(path, f"{type(e).__name__}: {e}") from e
-    return indexes
 
 
 @gc_paused
@@ -270,7 +96,7 @@ def save_streaming(
     if isinstance(fqn_map, FQNMap):
         fqn_map = fqn_map.to_model()
     part = Part(MODEL_PREFIX, list(specs), fetch, [list(g) for g in alias_groups], fqn_map)
-    return write_parts(resolve(path, storage_options), [part], max_shard_size, overwrite, extra_files or {})[0]
+    return write_checkpoint(resolve(path, storage_options), [part], max_shard_size, overwrite, extra_files or {})[0]
 
 
 @gc_paused
@@ -355,7 +181,7 @@ def save(
 
     ``path`` may be a URL (``s3://bucket/run/step-100``, ``memory://...``, ``file://...``): written
     through fsspec, committed without rename, each rank uploading its own files in bounded
-    multipart uploads (:mod:`checkpoint.storage.commit`, :mod:`checkpoint.storage.remote_save`).
+    multipart uploads (:mod:`checkpoint.storage.commit`, :mod:`checkpoint.write.upload`).
     ``storage_options`` go to the fsspec filesystem (s3fs: ``endpoint_url``, ``key``, ``secret``,
     ...); ``transfer``: a :class:`checkpoint.storage.objstore.TransferConfig` (part size, parts in
     flight, retries). A URL whose scheme has no installed backend raises
@@ -367,7 +193,7 @@ def save(
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
     naming the key for a non-tensor value, :class:`~checkpoint.errors.NestedCheckpointError` for a
-    local ``path`` inside another checkpoint's folder (:func:`refuse_nested`), ``ValueError``
+    local ``path`` inside another checkpoint's folder (:func:`checkpoint.write.plan.refuse_nested`), ``ValueError``
     naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
     peers failed, :class:`~checkpoint.errors.RankAgreementError`; ``ValueError`` for an unknown
     ``layout``, ``TypeError`` for ``layout="pretrained"`` with ``optimizer`` / ``extra_state``, and
@@ -383,9 +209,7 @@ def save(
         return _save_with_recipe(obj, path, recipe, max_shard_size, overwrite, progress)
     parts, distributed, extra_files = prepare_agreed(path, obj, optimizer, extra_state, peft)
     with counted_fetches(parts, "save", progress):  # progress: counts each fetched tensor
-        if distributed:
-            return write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
-        return write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+        return write_checkpoint(path, parts, max_shard_size, overwrite, extra_files, distributed=distributed)[0]
 
 
 def pretrained_layout_for(obj, path, layout: str | None, optimizer, extra_state, recipe=None, what: str = "save") -> Any:
@@ -447,7 +271,7 @@ def _state_catalog(part: Part, where: str, fetch: Callable[[TensorSpec], torch.T
     from .sources.base import Source, SourceSpec
 
     by_fqn = {s.fqn: s for s in part.specs}
-    get_tensor = fetch or (lambda spec: _fetch_checked(part, spec))
+    get_tensor = fetch or (lambda spec: fetch_checked(part, spec))
 
     class _Fetch:
         def get(self, key: str) -> torch.Tensor:
@@ -614,7 +438,7 @@ def prepare_agreed(
 ) -> tuple[list[Part], bool, dict[str, bytes]]:
     """:func:`prepare_parts`, with a failure on some ranks of a distributed save (state holding
     DTensors, process group up) agreed before any rank waits in another collective: the failing
-    rank joins the first exchange of :func:`write_parts_distributed` with its error, so it raises its
+    rank joins the first exchange of :func:`checkpoint.write.write_checkpoint` with its error, so it raises its
     own error and every other rank a :class:`RankAgreementError` naming it (no hang, no bare
     backend error when it exits). A single-process save raises as usual."""
     try:
@@ -635,9 +459,9 @@ def many_ranks(obj) -> bool:
 
 
 def agree_prepare_failure(path: str, error: BaseException) -> None:
-    """This rank's side of :func:`write_parts_distributed`'s first exchange when it failed before it:
-    raises ``error`` after every rank learnt of it."""
-    dist.check_all_gather(f"preparing {path}", error, None)
+    """This rank's side of :func:`checkpoint.write.write_checkpoint`'s first exchange when it
+    failed before it: raises ``error`` after every rank learnt of it."""
+    join_failed_prepare(path, error)
 
 
 def prepare_parts(
@@ -670,7 +494,7 @@ def prepare_parts(
     parts = []
     for prefix, entries, groups, fm, om in parts_entries:
         by_fqn = {e.fqn: e.tensor for e in entries}
-        specs = [_spec_of(path, e.fqn, e.tensor) for e in entries]
+        specs = [spec_of(path, e.fqn, e.tensor) for e in entries]
         parts.append(Part(prefix, specs, lambda s, d=by_fqn: d[s.fqn], groups, fm, om))
     if ADAPTER_WEIGHTS in extra_files:  # the adapter's digests in the model index, as a shard's
         parts[0].extra_shards = {ADAPTER_WEIGHTS: side_file_record(extra_files[ADAPTER_WEIGHTS])}
@@ -678,17 +502,9 @@ def prepare_parts(
     return parts, distributed, extra_files
 
 
-def side_file_record(data: bytes) -> FileRecordV2:
-    """The index record (format version 3) of a safetensors file a save writes from ``data``
-    (peft's adapter file): size, header and tensor digests, as :class:`SequentialFileWriter`
-    records a shard. Raises ValueError when ``data`` is not a safetensors file."""
-    size, header, tensors = digest.hash_bytes(data, digest.TENSOR_CHUNK)
-    return FileRecordV2(size=size, digest=digest.combine(header, tensors.values()), header=header, tensors=tensors)
-
-
 def _extra_state_files(path: str, extra_state, state) -> dict[str, bytes]:
     """``extra_state.json`` (+ this rank's per-rank file, gathered to rank 0 by
-    :func:`write_parts_distributed`). Per-rank entries need a save on every rank: refused (ValueError
+    :func:`checkpoint.write.write_checkpoint`). Per-rank entries need a save on every rank: refused (ValueError
     naming them) when one process saves for a world of several ranks."""
     shared, mine = snapshot_extra_state_parts(extra_state)
     rank, world = (dist.rank(), dist.world_size()) if dist.active() else (0, 1)
@@ -698,437 +514,3 @@ def _extra_state_files(path: str, extra_state, state) -> dict[str, bytes]:
             f"module without DTensors is one process's ({world} ranks): only rank {rank}'s values would be kept"
         )
     return extra_state_file_bytes(shared, mine, rank, world)
-
-
-# -- distributed ------------------------------------------------------------------------------
-
-
-def _owned_blocks(t: torch.Tensor, index: int, fqn: str) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-    """The blocks this rank writes of tensor ``t``: ``(data, global element offset)`` pairs.
-
-    A DTensor's local shard is written by the rank whose coordinate is 0 on every mesh dim that
-    does not shard it (one writer per replica group), as one block per contiguous piece of the
-    global tensor (several for ``_StridedShard``, see :mod:`checkpoint.ranks.shards`); a plain
-    tensor (same on every rank) by rank ``index % world_size``.
-    """
-    if not isinstance(t, DTensor):
-        return [(t, (0,) * t.dim())] if index % dist.world_size() == dist.rank() else []
-    if any(p.is_partial() for p in t.placements):
-        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return []
-    for d, p in enumerate(t.placements):
-        if not isinstance(p, (Shard, _StridedShard)) and coord[d] != 0:
-            return []
-    try:
-        blocks = list(shards.local_blocks(t))
-    except RuntimeError as e:
-        raise RuntimeError(f"{fqn!r}: {e}") from e
-    local = t.to_local()
-    return [(local[lsl], tuple(g.start for g in gsl)) for lsl, gsl in blocks]
-
-
-def check_same_arguments(what: str, per_rank: Sequence[tuple], names: Sequence[str]) -> None:
-    """Refuse a collective call whose ranks were given different arguments (``per_rank[r]``: rank
-    ``r``'s values, in the order of ``names``): only rank 0's would take effect (it commits) and
-    the others' would be ignored without a word, e.g. a destination per rank. The same verdict
-    on every rank (every rank holds the same gathered values).
-
-    Raises:
-        RankMismatchError: naming the first argument that differs and each rank's value.
-    """
-    for i, name in enumerate(names):
-        values = {r: repr(v[i]) for r, v in enumerate(per_rank)}
-        if len(set(values.values())) > 1:
-            raise RankMismatchError(what, name, values)
-
-
-def _check_same_tensors(path: Any, fingerprints: Sequence[list]) -> None:
-    """Ranks whose planned files differ (``fingerprints[r]``: rank ``r``'s ``[(file, header)]``
-    per part): name the first tensor whose shape or dtype differs between ranks, or that some
-    rank lacks, from the safetensors headers they planned. The same verdict on every rank.
-
-    Raises:
-        RankMismatchError: naming the tensor and each rank's shape and dtype ("absent")."""
-    import json
-
-    per_rank: list[dict[str, str]] = []
-    for fp in fingerprints:
-        seen: dict[str, str] = {}
-        for files in fp:
-            for _, header in files:
-                n = int.from_bytes(header[:8], "little")
-                for k, v in json.loads(header[8 : 8 + n]).items():
-                    if k != "__metadata__":
-                        seen[k] = f"{v['shape']} {v['dtype']}"
-        per_rank.append(seen)
-    for key in sorted({k for seen in per_rank for k in seen}):
-        values = {r: seen.get(key, "absent") for r, seen in enumerate(per_rank)}
-        if len(set(values.values())) > 1:
-            raise RankMismatchError(
-                f"saving {path}", f"the shape and dtype of tensor {key!r}", values,
-                note="each rank must save the same tensors; nothing was committed",
-            )  # fmt: skip
-
-
-def _check_covered(path: Any, covered: Sequence[Mapping[str, int]], numel: Mapping[str, int]) -> None:
-    """Every DTensor written whole by the ranks together (``covered[r][fqn]``: elements rank
-    ``r`` wrote of it): ranks that hold one DTensor with different placements (an SPMD program
-    that diverged) would leave rows no rank writes, zeros in a checkpoint whose digests still
-    match, or write rows twice. The same verdict on every rank (the counts were gathered).
-
-    Raises:
-        RankMismatchError: naming the tensor and what each rank wrote; nothing is committed.
-    """
-    for fqn in sorted({k for c in covered for k in c}):
-        total = sum(c.get(fqn, 0) for c in covered)
-        if total != numel.get(fqn, total):
-            per_rank = {r: f"{c.get(fqn, 0)} elements" for r, c in enumerate(covered)}
-            raise RankMismatchError(
-                f"saving {path}", f"the shards of DTensor {fqn!r}", per_rank,
-                note=f"together they cover {total} of its {numel[fqn]} elements (placements differ between ranks?); nothing was committed",
-            )  # fmt: skip
-
-
-def write_parts_distributed(
-    path: str,
-    parts: Sequence[Part],
-    max_shard_size,
-    overwrite: bool,
-    extra_files: Mapping[str, bytes] | None = None,
-) -> list[IndexFile]:
-    path = local_target(path)  # file:// commits as a local path
-    extra_files = extra_files or {}
-    for name in extra_files:
-        _check_extra_name(name)
-    if not dist.active():
-        raise CheckpointError(
-            f"saving {path}: the state holds DTensors but no default process group is initialized "
-            "(torch.distributed.init_process_group, of any world size, one rank included)"
-        )
-    rank, world = dist.rank(), dist.world_size()
-    layouts, fingerprint, extras, mine, failed = None, None, None, {}, None
-    try:
-        layouts = _plan_checked(path, parts, max_shard_size, world)  # same specs on every rank: same verdict
-        fingerprint = [tuple((f.name, f.header) for f in lay.files) for lay in layouts]
-        mine = {n: bytes(d) for n, d in extra_files.items() if RANK_FILE_RE.match(n)}
-        extra_files = {n: d for n, d in extra_files.items() if n not in mine}
-        extras = {name: hashlib.sha256(data).hexdigest() for name, data in extra_files.items()}
-    except Exception as e:  # noqa: BLE001 - agreed in the exchange below (rank agreement)
-        failed = e
-    # One exchange for the layout and extra-state checks (and any rank's failure so far, e.g. its
-    # extra_state or state_dict failing there alone: agree_prepare_failure); it also brings each
-    # rank's per-rank extra state (a few KB) to rank 0, which writes it with the rest.
-    local = local_path(path)
-    args = (str(path) if local is None else os.path.abspath(local), bool(overwrite))  # a store: its URL
-    gathered = dist.check_all_gather(f"preparing {path}", failed, (fingerprint, extras, mine, args))
-    check_same_arguments(f"saving {path}", [g[3] for g in gathered], ("destination", "overwrite"))
-    if len({hash(tuple(fp)) for fp, *_ in gathered}) != 1:
-        _check_same_tensors(path, [fp for fp, *_ in gathered])
-        raise CheckpointError(f"saving {path}: ranks planned different layouts (different models or dtypes?)")
-    rank_files = {n: d for _, _, m, _ in gathered for n, d in m.items()}
-    if rank_files and len(rank_files) != world:  # the same verdict on every rank
-        raise CheckpointError(f"saving {path}: PerRank extra_state passed on {len(rank_files)} of {world} ranks")
-    extra_files.update(rank_files if rank == 0 else {})
-    differ = [r for r, (_, e, _, _) in enumerate(gathered) if e != gathered[0][1]]
-    if differ and rank == 0:
-        # Rank 0's is the one written; per-rank values (e.g. RNG states of ranks seeded apart)
-        # would come back as rank 0's on every rank.
-        warnings.warn(
-            f"saving {path}: extra_state differs between ranks (rank 0 vs ranks {differ}); rank 0's is "
-            "saved and every rank gets it back on load",
-            stacklevel=2,
-        )
-    if local_path(path) is None:  # a byte store: streamed objects, committed by its index (checkpoint.storage.remote_save)
-        from .storage.remote_save import save_remote
-
-        return save_remote(path, parts, layouts, overwrite, extra_files, make_index, fetch_tensor, True)
-    files = [(lay, f) for lay in layouts for f in lay.files]
-
-    staged: StagedCheckpoint | None = None
-    err: BaseException | None = None
-    staging_dir = None
-    if rank == 0:
-        try:
-            staged = StagedCheckpoint(path, overwrite).__enter__()
-            staging_dir = staged.dir
-            for _, f in files:
-                os.close(create_shard_file(os.path.join(staged.dir, f.name), f))
-            faults.fault_point("after_file_create")
-        except BaseException as e:  # noqa: BLE001 - agreed below, re-raised on every rank
-            err = (
-                e
-                if not isinstance(e, OSError) or isinstance(e, CheckpointError)
-                else CheckpointWriteError(path, str(e), 0)
-            )
-    try:
-        staging_dir = dist.check_all_gather(f"preparing {path}", err, staging_dir)[0]
-        err = None
-        # Tensor digests (format version 3: chunked, see checkpoint.storage.digest). A tensor its
-        # writer holds whole is hashed from memory beside its pwrite; of a tensor split over ranks
-        # each rank hashes the chunks lying in its own bytes from its own memory beside their
-        # pwrite, and notes the chunks starting in its bytes that run into another rank's: read
-        # back from the file once every rank wrote (at most two per tensor and rank for Shard(0)).
-        whole_digests: dict[str, str] = {}
-        chunks: dict[str, list[tuple[int, bytes]]] = {}  # fqn -> [(chunk index, 16-byte digest)] hashed here
-        back: dict[str, list[tuple[str, int, int, int]]] = {}  # file -> [(fqn, chunk, begin, end)] to read back
-        writeback_on = not fskind.in_memory_dir(staging_dir)
-        order = [(part, lay, f, i, slot) for part, lay in zip(parts, layouts) for f in lay.files for i, slot in enumerate(f.slots)]
-        walk = _walk(_walk_starts([f.name for *_, f, _, _ in order], world)[rank], len(order))
-        sizes = {slot.spec.fqn: slot.end - slot.begin for *_, slot in order}
-        w, w_name = None, None
-        covered: dict[str, int] = {}  # DTensor fqn -> elements this rank wrote of it
-        try:
-            kill_after_tensor = faults.armed("after_tensor_write")
-            for k in walk:
-                part, lay, f, i, slot = order[k]
-                if w_name != f.name and w is not None:
-                    w.close()
-                    w, w_name = None, None
-                t = fetch_tensor(part, slot.spec)
-                blocks = _owned_blocks(t, _base(lay, f) + i, slot.spec.fqn)
-                if isinstance(t, DTensor):
-                    covered[slot.spec.fqn] = sum(b.numel() for b, _ in blocks)
-                if not blocks:
-                    continue
-                if w is None:
-                    w, w_name = BlockWriter(os.path.join(staging_dir, f.name), writeback_on), f.name
-                if _whole_on_writer(t) and len(blocks) == 1 and tuple(blocks[0][0].shape) == slot.spec.shape:
-                    whole_digests[slot.spec.fqn] = _write_hashed(w, slot, *blocks[0])
-                else:
-                    mine = chunks.setdefault(slot.spec.fqn, [])
-                    for block in blocks:
-                        _write_chunked(w, slot, *block, mine, back.setdefault(f.name, []))
-                if kill_after_tensor:
-                    faults.fault_point("after_tensor_write")
-        except BaseException as e:  # noqa: BLE001 - agreed below
-            err = e
-        finally:
-            if w is not None:
-                w.close()
-        if err is not None and isinstance(err, OSError):
-            err = CheckpointWriteError(path, f"{type(err).__name__}: {err}", rank)
-        dist.check_all(f"writing {path}", err)
-        # Every file is fsynced by one rank (fsync flushes all ranks' pages of the file; each
-        # writer started their writeback already) while the hash thread reads back this rank's
-        # straddling chunks.
-        err = None
-        try:
-            pool = threads.pool("hash-back", 1) if threads.cpus() >= 2 else None
-            todo = {n: v for n, v in back.items() if v}
-            reading = pool.submit(_read_back_chunks, staging_dir, todo) if pool and todo else None
-            try:
-                for j, (_, f) in enumerate(files):
-                    if j % world == rank:
-                        fd = os.open(os.path.join(staging_dir, f.name), os.O_RDONLY)
-                        try:
-                            faults.fault_point("before_file_fsync")
-                            os.fsync(fd)
-                        finally:
-                            os.close(fd)
-                        faults.fault_point("after_file_fsync")
-            finally:
-                ownership.settle([reading] if reading is not None else [])
-            got = reading.result() if reading is not None else _read_back_chunks(staging_dir, todo) if todo else {}
-            for fqn, more in got.items():
-                chunks.setdefault(fqn, []).extend(more)
-        except BaseException as e:  # noqa: BLE001
-            err = (
-                CheckpointWriteError(path, f"{type(e).__name__}: {e}", rank) if isinstance(e, OSError) else e
-            )
-        # Chunk digests travel as runs of consecutive chunks (16 bytes each): 1.6 MB per 100 GB.
-        tensor_digests: dict[str, str] = {}
-        pieces: dict[str, list[tuple[int, bytes]]] = {}
-        hashed = dist.check_all_gather(f"hashing {path}", err, (whole_digests, _chunk_runs(chunks), covered))
-        _check_covered(path, [c for *_, c in hashed], {sp.fqn: math.prod(sp.shape) for p in parts for sp in p.specs})
-        for whole, runs, _ in hashed:
-            tensor_digests.update(whole)
-            for fqn, rs in runs.items():
-                pieces.setdefault(fqn, []).extend(rs)
-        for fqn, n in sizes.items():  # split tensors (an empty one has no chunk written)
-            if fqn not in tensor_digests:
-                tensor_digests[fqn] = _joined_digest(fqn, pieces.get(fqn, []), n)
-        records = {f.name: distributed_record(f, tensor_digests) for _, f in files}
-        indexes = [
-            make_index(part, lay, {f.name: records[f.name] for f in lay.files})
-            for part, lay in zip(parts, layouts)
-        ]
-        err = None
-        if rank == 0:
-            try:
-                for name, data in extra_files.items():  # rank 0's, like the indexes
-                    staged.write_file(name, bytes(data))
-                write_indexes_and_commit(staged, parts, indexes)
-            except BaseException as e:  # noqa: BLE001
-                err = (
-                    CheckpointWriteError(path, f"{type(e).__name__}: {e}", 0)
-                    if isinstance(e, OSError) and not isinstance(e, CheckpointError)
-                    else e
-                )
-        dist.check_all(f"committing {path}", err)
-        return indexes
-    finally:
-        if staged is not None:
-            staged.__exit__(None, None, None)
-
-
-def _whole_on_writer(t: torch.Tensor) -> bool:
-    """Whether the rank that writes ``t`` holds all of it (a plain tensor; a DTensor sharded on no
-    mesh dim of more than one rank): decided from placements alone, so every rank agrees."""
-    if not isinstance(t, DTensor):
-        return True
-    mesh = t.device_mesh
-    return all(
-        not isinstance(p, (Shard, _StridedShard)) or mesh.size(d) == 1 for d, p in enumerate(t.placements)
-    )
-
-
-def _write_hashed(w: BlockWriter, slot, local: torch.Tensor, offset) -> str:
-    """Write a whole tensor while the hash thread reads the same memory; its digest (waited for
-    even when the write fails: the memory is in use until then)."""
-    pool = threads.pool("hash", 1) if threads.cpus() >= 2 else None
-    if pool is None:
-        w.write(slot, local, offset)
-        return digest.tensor_hexdigest(tensor_bytes(local))
-    data = tensor_bytes(local)
-    hashed = pool.submit(digest.tensor_hexdigest, data)  # xxhash releases the GIL
-    try:
-        w.write(slot, local, offset)
-    finally:
-        ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
-    return hashed.result()
-
-
-def _write_chunked(w: BlockWriter, slot, local: torch.Tensor, offset, got: list, back: list) -> None:
-    """Write block ``local`` (at element ``offset``) of a tensor split over ranks, hashing on the
-    hash thread, beside the pwrite, each digest chunk (:data:`digest.TENSOR_CHUNK` bytes of the
-    tensor) lying whole in one contiguous run of the block: ``(chunk index, 16-byte digest)``
-    appended to ``got``; each chunk starting in a run but running past its end (into bytes another
-    rank writes, or another run of this block) is appended to ``back`` as ``(fqn, chunk index,
-    file begin, file end)``, read back once every rank wrote (:func:`_read_back_chunks`). Every
-    chunk of the tensor is so hashed by the one rank writing its first byte."""
-    spec, item, c = slot.spec, slot.spec.itemsize, digest.TENSOR_CHUNK
-    nbytes = slot.end - slot.begin
-    if not local.is_contiguous():  # (a _StridedShard block's view): one copy for the write and the hash
-        local = local.contiguous()
-    data = tensor_bytes(local)
-    views: list[tuple[int, memoryview]] = []
-    for g, lo, n in block_runs(spec.shape, tuple(local.shape), tuple(offset)):
-        a, b, m = g * item, (g + n) * item, lo * item  # the run's tensor bytes [a, b), at m in data
-        j = -(-a // c)  # the first chunk starting in the run
-        while j * c < b:
-            end = min((j + 1) * c, nbytes)
-            if end <= b:
-                views.append((j, data[m + j * c - a : m + end - a]))
-            else:
-                back.append((spec.fqn, j, slot.begin + j * c, slot.begin + end))
-            j += 1
-    pool = threads.pool("hash", 1) if threads.cpus() >= 2 and views else None
-
-    def hash_views() -> list[tuple[int, bytes]]:
-        return [(j, xxhash.xxh3_128_digest(v)) for j, v in views]
-
-    if pool is None:
-        w.write(slot, local, offset)
-        got.extend(hash_views())
-        return
-    hashed = pool.submit(hash_views)  # xxhash releases the GIL
-    try:
-        w.write(slot, local, offset)
-    finally:
-        ownership.settle([hashed])  # on every exit path, Ctrl-C included: it reads the caller's tensor
-    got.extend(hashed.result())
-
-
-def _read_back_chunks(staging_dir: str, back: Mapping[str, list]) -> dict[str, list[tuple[int, bytes]]]:
-    """Digests of the chunks in ``back`` (``{file: [(fqn, chunk index, begin, end)]}``), read back
-    from the staged files with ``preadv`` (never through a mapping: a file cut short fails here
-    rather than killing the process with SIGBUS), once every rank wrote them.
-
-    Raises:
-        OSError: a file ends before a chunk does (cut short) or cannot be read.
-    """
-    out: dict[str, list[tuple[int, bytes]]] = {}
-    buf = memoryview(bytearray(digest.TENSOR_CHUNK))
-    for name, items in back.items():
-        fd = os.open(os.path.join(staging_dir, name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            for fqn, j, b, e in sorted(items, key=lambda x: x[2]):
-                view = buf[: e - b]
-                got = 0
-                while got < len(view):
-                    n = os.preadv(fd, [view[got:]], b + got)
-                    if n <= 0:
-                        raise OSError(f"{os.path.join(staging_dir, name)} ends before byte {e} of {fqn!r} (cut short?)")
-                    got += n
-                out.setdefault(fqn, []).append((j, xxhash.xxh3_128_digest(view)))
-        finally:
-            os.close(fd)
-    return out
-
-
-def _chunk_runs(chunks: Mapping[str, list[tuple[int, bytes]]]) -> dict[str, list[tuple[int, bytes]]]:
-    """``{fqn: [(first chunk index, concatenated digests of consecutive chunks)]}``: the chunk
-    digests of :func:`_write_chunked` packed for the gather."""
-    out: dict[str, list[tuple[int, bytes]]] = {}
-    for fqn, items in chunks.items():
-        runs: list[tuple[int, list[bytes]]] = []
-        for j, d in sorted(items):
-            if runs and runs[-1][0] + len(runs[-1][1]) == j:
-                runs[-1][1].append(d)
-            else:
-                runs.append((j, [d]))
-        out[fqn] = [(j, b"".join(ds)) for j, ds in runs]
-    return out
-
-
-def _joined_digest(fqn: str, runs: list[tuple[int, bytes]], nbytes: int) -> str:
-    """The tensor digest of ``fqn`` (``nbytes`` bytes) from every rank's runs of chunk digests
-    (:func:`_chunk_runs`); every chunk must be there exactly once."""
-    if nbytes == 0:
-        return digest.hexdigest(b"")
-    joined = b"".join(d for _, d in sorted(runs))
-    want = digest.chunk_count(nbytes, digest.TENSOR_CHUNK)
-    starts = sorted(runs)
-    if len(joined) != 16 * want or any(j != sum(len(d) for _, d in starts[:i]) // 16 for i, (j, _) in enumerate(starts)):
-        raise RuntimeError(f"{fqn!r}: the ranks hashed {len(joined) // 16} of its {want} digest chunks (a save bug)")
-    return joined.hex() if want == 1 else digest.hexdigest(joined)
-
-
-def _write_orders(file_names: Sequence[str], world: int) -> list[list[int]]:
-    """For the slots in the common order (``file_names[k]``: the shard file of slot ``k``, slots of
-    one file consecutive): the order each rank writes them in, as indices. Rank ``r`` starts at
-    file ``r * files // world`` and wraps around, so while there are as many files as ranks, ranks
-    write different files at a time.
-
-    Why: the kernel serializes writers of one file (the inode lock, held across each write's copy on
-    tmpfs), so ranks going through the files in one order wait for each other; starting at
-    different files comes close to each rank writing a file of its own
-    (``tests/bench/shared_writes.py`` measures the three)."""
-    n = len(file_names)
-    return [_walk(first, n) for first in _walk_starts(file_names, world)]
-
-
-def _walk_starts(file_names: Sequence[str], world: int) -> list[int]:
-    """The slot each rank starts its walk at (see :func:`_write_orders`)."""
-    starts = [k for k, name in enumerate(file_names) if k == 0 or name != file_names[k - 1]]
-    return [starts[r * len(starts) // world] if starts else 0 for r in range(world)]
-
-
-def _walk(first: int, n: int) -> list[int]:
-    return list(range(first, n)) + list(range(first))
-
-
-def _base(lay: Layout, f) -> int:
-    """Index of the first slot of file ``f`` within its layout (spreads plain tensors over ranks)."""
-    return lay.first_slot[f.name]
-
-
-def fetch_tensor(part: Part, spec: TensorSpec) -> torch.Tensor:
-    t = part.fetch(spec)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"value of {spec.fqn!r} is a {type(t).__name__}, not a tensor")
-    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-        raise ValueError(f"{spec.fqn!r} is {tuple(t.shape)} {t.dtype}, planned {spec.shape} {spec.dtype}")
-    return t

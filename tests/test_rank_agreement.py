@@ -60,6 +60,7 @@ def _stages(rank, world, root):
     import checkpoint
     import checkpoint.loading as loading
     import checkpoint.saving as saving
+    import checkpoint.write.pipeline as pipeline
     from checkpoint.training.manager import CheckpointManager
 
     mesh = init_device_mesh("cpu", (world,))
@@ -83,7 +84,7 @@ def _stages(rank, world, root):
     stage("save_extra", lambda: checkpoint.save(m, p, overwrite=True, extra_state=extra))
 
     # planning fails on rank 1 only (inside the distributed save)
-    with _failing(rank, 1, saving, "_plan_checked", ValueError("planning failed here")):
+    with _failing(rank, 1, pipeline, "plan_parts", ValueError("planning failed here")):
         stage("save_plan", lambda: checkpoint.save(m, p, overwrite=True))
 
     for bg in (False, True):

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 import checkpoint
-from checkpoint import saving
+from checkpoint.write import digests, parts, plan
 from checkpoint.storage import digest, writeback
 from checkpoint.storage.layout import TensorSpec, plan_layout
 from checkpoint.storage.writer import BlockWriter, create_shard_file
@@ -50,14 +50,14 @@ def test_default_shard_size_splits_distributed_saves_into_world_files():
 
 def test_write_orders_start_ranks_at_different_files():
     names = ["a", "a", "b", "c", "c", "c", "d"]  # slots in file order
-    assert saving._write_orders(names, 1) == [list(range(7))]
-    assert saving._write_orders(names, 2) == [list(range(7)), [3, 4, 5, 6, 0, 1, 2]]
-    assert saving._write_orders(names, 4) == [
+    assert plan.write_orders(names, 1) == [list(range(7))]
+    assert plan.write_orders(names, 2) == [list(range(7)), [3, 4, 5, 6, 0, 1, 2]]
+    assert plan.write_orders(names, 4) == [
         list(range(7)), [2, 3, 4, 5, 6, 0, 1], [3, 4, 5, 6, 0, 1, 2], [6, 0, 1, 2, 3, 4, 5]
     ]
     # fewer files than ranks: ranks share starting files; every rank writes every slot once
-    assert saving._write_orders(["a", "b"], 3) == [[0, 1], [0, 1], [1, 0]]
-    assert saving._write_orders(["a"] * 3, 2) == [[0, 1, 2]] * 2 and saving._write_orders([], 2) == [[], []]
+    assert plan.write_orders(["a", "b"], 3) == [[0, 1], [0, 1], [1, 0]]
+    assert plan.write_orders(["a"] * 3, 2) == [[0, 1, 2]] * 2 and plan.write_orders([], 2) == [[], []]
 
 
 def test_hash_spans_reads_ranges_and_refuses_past_end(tmp_path):
@@ -130,8 +130,8 @@ def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
             "c": distribute_tensor(full["c"], mesh, [Shard(0)]),
         }
         hashed_back = []
-        real = saving._read_back_chunks
-        monkeypatch.setattr(saving, "_read_back_chunks", lambda d, b: hashed_back.append(b) or real(d, b))
+        real = digests.read_back_chunks
+        monkeypatch.setattr(digests, "read_back_chunks", lambda d, b: hashed_back.append(b) or real(d, b))
         idx = checkpoint.save(sd, tmp_path / "ck", max_shard_size=2000)
         assert hashed_back == []  # every tensor whole on its writer: none read back
         assert idx.metadata.fqnckpt.tensor_digests() == {k: _xxh(v) for k, v in full.items()}
@@ -149,10 +149,10 @@ def test_world_of_one_dtensor_save_digests_and_errors(tmp_path, monkeypatch):
 def test_read_back_chunks_hashes_file_ranges_and_refuses_cut_files(tmp_path):
     data = os.urandom(10_000)
     (tmp_path / "f").write_bytes(data)
-    got = saving._read_back_chunks(str(tmp_path), {"f": [("b", 3, 9000, 10_000), ("a", 0, 10, 510)]})
+    got = digests.read_back_chunks(str(tmp_path), {"f": [("b", 3, 9000, 10_000), ("a", 0, 10, 510)]})
     assert got == {"a": [(0, xxhash.xxh3_128_digest(data[10:510]))], "b": [(3, xxhash.xxh3_128_digest(data[9000:]))]}
     with pytest.raises(OSError, match="'c'.*cut short"):
-        saving._read_back_chunks(str(tmp_path), {"f": [("c", 0, 9500, 10_001)]})
+        digests.read_back_chunks(str(tmp_path), {"f": [("c", 0, 9500, 10_001)]})
 
 
 _FULL = {"rows": (64, 33), "cols": (8, 512), "odd": (13, 7), "rep": (9, 40)}  # 8448 / 16384 / 182 / 1440 bytes
@@ -172,15 +172,15 @@ def _two_rank_split_save(rank, world, path, chunk):
 
     digest.TENSOR_CHUNK = chunk  # small chunks: several per rank's piece, some straddling
     read, hashed_here = [], []
-    real_back, real_chunked = saving._read_back_chunks, saving._write_chunked
-    saving._read_back_chunks = lambda d, back: read.extend(x[:2] for v in back.values() for x in v) or real_back(d, back)
+    real_back, real_chunked = digests.read_back_chunks, parts.write_chunked
+    digests.read_back_chunks = lambda d, back: read.extend(x[:2] for v in back.values() for x in v) or real_back(d, back)
 
     def write_chunked(w, slot, local, offset, got, back):
         n = len(got)
         real_chunked(w, slot, local, offset, got, back)
         hashed_here.extend((slot.spec.fqn, j) for j, _ in got[n:])
 
-    saving._write_chunked = write_chunked
+    parts.write_chunked = write_chunked
     mesh = init_device_mesh("cpu", (world,))
     pl = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
     sd = {k: distribute_tensor(v, mesh, pl[_PL[k]], src_data_rank=None) for k, v in _split_full().items()}
@@ -268,7 +268,7 @@ def _two_rank_grouped_saves(rank, world, root):
 
 
     wrote = []
-    real_write = saving.BlockWriter.write
+    real_write = BlockWriter.write
 
     def write(self, slot, local, offset):
         wrote.append(slot.spec.fqn)
@@ -276,7 +276,7 @@ def _two_rank_grouped_saves(rank, world, root):
             raise OSError(28, "No space left on device")
         return real_write(self, slot, local, offset)
 
-    saving.BlockWriter.write = write
+    BlockWriter.write = write
     mesh = init_device_mesh("cpu", (world,))
     pl = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
     sd = {f"t{i}": distribute_tensor(v, mesh, pl[_GROUPED_PL[i]], src_data_rank=None) for i, v in enumerate(_grouped_full())}
@@ -296,7 +296,7 @@ def _two_rank_grouped_saves(rank, world, root):
     # below the floor the state stays one file.
     from checkpoint.storage import layout
 
-    saving.BlockWriter.write = real_write
+    BlockWriter.write = real_write
     floor, layout.MIN_SPLIT_SHARD_BYTES = layout.MIN_SPLIT_SHARD_BYTES, 1
     try:
         files = {

@@ -18,12 +18,18 @@ DCP calls (``torch/distributed/checkpoint/storage.py``, ``state_dict_saver.py``)
   global tensor, needs :class:`checkpoint.dcp.SavePlanner`: DCP's default planner refuses it).
   Non-tensor values (DCP's ``BYTE_IO`` items) are
   unpickled with ``weights_only=True`` and kept as fqnckpt extra state.
-- ``finish`` (coordinator) fsyncs and hashes every file once (a rank saw only its own bytes of a
-  file, so digests come from one read-back, as in ``checkpoint.save``'s distributed path), writes
-  ``extra_state.json`` and the index, and commits atomically.
+- ``finish`` (coordinator) fsyncs every file, reads back the digest chunks no rank held whole and
+  joins every tensor's digest, writes ``extra_state.json`` and the index, and commits atomically.
+
+These are the stages of the write pipeline (:mod:`checkpoint.write`), called from DCP's callbacks
+instead of in one :func:`checkpoint.write.write_checkpoint` call since DCP runs them apart: plan
+(:func:`checkpoint.write.plan.plan_parts`), files (:func:`checkpoint.write.parts.create_files`),
+bytes hashed beside their write (:func:`checkpoint.write.parts.write_block_hashed`), digests
+(:mod:`checkpoint.write.digests`), index and commit (:mod:`checkpoint.write.index`): the files,
+digests and index are those ``checkpoint.save`` writes for the same tensors and layout.
 
 Object storage (``s3://``, ...): an object cannot be filled in byte ranges by several processes,
-so ``write_data`` hands the whole save to :func:`checkpoint.storage.remote_save.save_remote`, as
+so ``write_data`` hands the whole save to :func:`checkpoint.write.write_checkpoint`, as
 ``checkpoint.save`` does: each file is uploaded by one rank, a DTensor's bytes reaching it by
 ``full_tensor()`` on the default process group, committed by the model index.
 """
@@ -37,7 +43,6 @@ import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,18 +57,19 @@ from torch.futures import Future
 from ..storage.local_commit import StagedCheckpoint
 from ..errors import CheckpointError, CheckpointWriteError, RankMismatchError, UnsavableError
 from ..ranks import dist
-from ..saving import check_same_arguments, fetch_tensor, make_index, Part, write_indexes_and_commit, refuse_nested
-from ..storage import limits
 from ..storage.extra_state import extra_state_file_bytes, snapshot_extra_state
 from ..storage.format import MODEL_PREFIX, parse_size
-from ..storage.layout import Layout, TensorSlot, TensorSpec, plan_files, plan_layout
+from ..storage.layout import Layout, TensorSlot, TensorSpec
 from ..storage.location import local_path, shown
 from .location import Located
-from ..storage import digest, fskind
-from ..storage.digest import hash_spans
-from ..storage.format import FileRecordV2
+from ..storage import fskind
+from ..storage.writer import BlockWriter
+from ..write import Part, check_same_arguments, plan_parts, write_checkpoint, write_indexes_and_commit
+from ..write.digests import chunk_runs, settle_files, tensor_digests
+from ..write.index import indexes_of
+from ..write.parts import Hashed, create_files, write_block_hashed
+from ..write.plan import layout_by_index
 from .planner import TiedKeys
-from ..storage.writer import BlockWriter, create_shard_file, distributed_record, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class _LocalPlan:
 @dataclass(frozen=True)
 class _RemotePlan:
     """``SavePlan.storage_data`` of one rank (object storage): the whole layout, every rank
-    uploading its files through :func:`~checkpoint.storage.remote_save.save_remote`."""
+    uploading its files through :func:`checkpoint.write.write_checkpoint`."""
 
     layout: Layout
     extra_keys: tuple[str, ...]
@@ -101,12 +107,16 @@ class _RankArgs:
 @dataclass(frozen=True)
 class Written:
     """``WriteResult.storage_data`` of a tensor item: its file, the tensor's absolute byte range
-    there, and its xxh3-128 digest when this rank wrote it whole (else None)."""
+    there, its digest when this rank wrote it whole (else None), else the runs of digest chunks
+    this rank hashed of it (:func:`checkpoint.write.digests.chunk_runs`) and the chunks it left to
+    read back (``(fqn, chunk index, file begin, file end)``)."""
 
     relative_path: str
     begin: int
     end: int
     digest: str | None = None
+    chunks: tuple[tuple[int, bytes], ...] = ()
+    back: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -287,25 +297,22 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         self._aliases = [list(g) for g in tied.groups] if tied is not None else []
         plans = _dedup(plans)
         specs, extra_keys = _specs_of(plans, str(self.path))
-        layout = self._plan_layout(specs)
-        for g in self._aliases:
-            for name in g:
-                limits.check_name(name, str(self.path))
+        chosen = None
+        if self.fqn_to_index_mapping is not None:
+            chosen = [layout_by_index(specs, self.fqn_to_index_mapping, MODEL_PREFIX, str(self.path))]
+        part = Part(MODEL_PREFIX, specs, None, self._aliases)
+        layout = plan_parts(str(self.path), [part], self.max_shard_size, layouts=chosen)[0]  # checkpoint.save's checks
         self._layout = layout
         if local_path(where) is None:  # a byte store: uploaded per file, committed by its index
             data = _RemotePlan(layout, tuple(extra_keys), tuple(tuple(g) for g in self._aliases))
             return [replace(p, storage_data=data) for p in plans]
-        refuse_nested(where)  # checkpoint.save's rule
         _abort(self.path)  # a failed save of this process still holding the lock
-        st = StagedCheckpoint(where, self.overwrite).__enter__()
         try:
-            for f in layout.files:
-                os.close(create_shard_file(os.path.join(st.dir, f.name), f))
-        except BaseException as e:
-            st.__exit__(None, None, None)
-            if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-                raise CheckpointWriteError(where, f"{type(e).__name__}: {e}", self.rank) from e
-            raise
+            st = create_files(where, self.overwrite, layout.files)
+        except OSError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointWriteError(where, f"{type(e).__name__}: {e}", self.rank) from e
         with _PENDING_LOCK:
             _PENDING[self.path] = st
         self._staged_path = self.path
@@ -333,8 +340,9 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: hash the files, write ``extra_state.json`` and the index, commit.
-        (Object storage: committed in ``write_data`` already.)"""
+        """Coordinator: fsync the files, read back the digest chunks no rank held whole, write
+        ``extra_state.json`` and the index, commit. (Object storage: committed in ``write_data``
+        already.)"""
         layout = self._layout
         assert layout is not None, "finish() without prepare_global_plan()"
         if local_path(self._where()) is None:
@@ -345,19 +353,20 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         if st is None:
             raise CheckpointWriteError(str(self.path), "the save was abandoned before finish() (reset() or another save)")
         try:
-            extra, known = _collect(results)
-            missing = sorted(set(layout.slots) - set(known))
+            extra, written = _collect(results)
+            missing = sorted(set(layout.slots) - set(written.seen))
             if missing:
                 raise CheckpointWriteError(
                     str(self.path), f"no rank wrote {missing[:10]}{' ...' if len(missing) > 10 else ''}"
                 )
+            got = settle_files(st.dir, [f.name for f in layout.files], written.back, fsync_threads=4)
+            sizes = {fqn: slot.end - slot.begin for fqn, slot in layout.slots.items()}
+            digests = tensor_digests([written.whole], [written.runs, chunk_runs(got)], sizes)
             part = Part(MODEL_PREFIX, [s.spec for s in layout.slots.values()], None, self._aliases)
-            index = make_index(part, layout, _records(st.dir, layout, known))
+            files = {}
             if extra:
-                entries = snapshot_extra_state(_nested(extra, metadata.planner_data))
-                for name, data in extra_state_file_bytes(entries).items():
-                    st.write_file(name, data)
-            write_indexes_and_commit(st, [part], [index])
+                files = extra_state_file_bytes(snapshot_extra_state(_nested(extra, metadata.planner_data)))
+            write_indexes_and_commit(st, [part], indexes_of([part], [layout], digests), files)
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -386,31 +395,6 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         state["process_group"] = None  # not picklable; the checkpointer process has its own
         return state
 
-    def _plan_layout(self, specs: list[TensorSpec]) -> Layout:
-        path = str(self.path)
-        for s in specs:
-            limits.check_name(s.fqn, path)
-        mapping = self.fqn_to_index_mapping
-        if mapping is None:
-            layout = plan_layout(specs, self.max_shard_size, MODEL_PREFIX)
-        else:
-            missing = sorted(s.fqn for s in specs if s.fqn not in mapping)
-            if missing:
-                raise ValueError(f"saving {path}: fqn_to_index_mapping has no file index for {missing[:10]}")
-            bad = sorted({k for k in mapping.values() if not isinstance(k, int) or isinstance(k, bool) or k < 1})
-            if bad:
-                raise ValueError(f"saving {path}: fqn_to_index_mapping file indexes must be ints >= 1, got {bad}")
-            n = max(mapping.values(), default=1)
-            by_file: dict[int, list[TensorSpec]] = {}
-            for s in specs:
-                by_file.setdefault(mapping[s.fqn], []).append(s)
-            from ..storage.layout import shard_file_name
-
-            layout = plan_files([(shard_file_name(MODEL_PREFIX, k, n), by_file[k]) for k in sorted(by_file)])
-        for f in layout.files:
-            limits.check_header(f, path)
-        return layout
-
     def _write_local(self, plan: SavePlan, data: _LocalPlan, planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
         files: dict[str, BlockWriter] = {}
@@ -426,14 +410,15 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
                 w = files.get(slot.file)
                 if w is None:
                     w = files[slot.file] = BlockWriter(os.path.join(data.staging_dir, slot.file), writeback_on)
-                n, whole = 0, None
-                for local, offset in _blocks(item, t):
-                    w.write(slot, local, offset)
-                    n += local.numel() * local.element_size()
-                    if tuple(local.shape) == slot.spec.shape:  # the whole tensor: hashed from memory
-                        whole = digest.tensor_hexdigest(tensor_bytes(local))
-                results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data=Written(slot.file, slot.begin, slot.end, whole)))  # fmt: skip
+                blocks = _blocks(item, t)
+                hashed = Hashed()
+                write_block_hashed(w, slot, blocks, True, hashed)  # a block that is the whole tensor: hashed whole
+                fqn = item.index.fqn
+                written = Written(slot.file, slot.begin, slot.end, hashed.whole.get(fqn),
+                                  tuple(chunk_runs(hashed.chunks).get(fqn, ())),
+                                  tuple(x for v in hashed.back.values() for x in v))  # fmt: skip
+                n = sum(local.numel() * local.element_size() for local, _ in blocks)
+                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=written))
         except OSError as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -445,8 +430,6 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         return results
 
     def _write_remote(self, plan: SavePlan, data: _RemotePlan, planner: SavePlanner) -> list[WriteResult]:
-        from ..storage.remote_save import save_remote
-
         state = getattr(planner, "state_dict", None)
         specs = [s.spec for f in data.layout.files for s in f.slots]
         if not isinstance(state, Mapping) or any(s.fqn not in state for s in specs):
@@ -461,47 +444,12 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         part = Part(MODEL_PREFIX, specs, lambda s: state[s.fqn], [list(g) for g in data.aliases])
         group = dist.using_group(self.process_group) if self.process_group is not None else contextlib.nullcontext()
         with group:  # the ranks agree on upload and commit on the caller's group, not the default one
-            save_remote(self._where(), [part], [data.layout], self.overwrite, files, make_index, fetch_tensor, dist.active())
+            write_checkpoint(self._where(), [part], self.max_shard_size, self.overwrite, files,
+                             distributed=dist.active(), layouts=[data.layout], agreed=True)  # fmt: skip
         return [
             WriteResult(index=it.index, size_in_bytes=0, storage_data=None) for it in plan.items
         ]
 
-
-def _records(staging_dir: str, layout: Layout, known: Mapping[str, str | None]) -> dict[str, FileRecordV2]:
-    """Every file's record: fsynced once (every rank has written; fsync flushes all ranks' pages
-    of a file), header digest from the plan, each tensor's digest from the rank that wrote it
-    whole, else hashed back from the page cache (split tensors: no rank saw all their bytes). The
-    files, and the tensors to hash in byte-balanced shares, go to a few threads (xxh3 and fsync
-    release the GIL; the other ranks wait in DCP's gather meanwhile)."""
-    tasks: list[tuple[str, list[tuple[str, int, int]]]] = []
-    for f in layout.files:
-        todo = [(s.spec.fqn, s.begin, s.end) for s in f.slots if known.get(s.spec.fqn) is None]
-        total = sum(e - b for _, b, e in todo)
-        share, cur, size = max(total // 4, 1 << 20), [], 0
-        for span in todo:
-            cur.append(span)
-            size += span[2] - span[1]
-            if size >= share:
-                tasks.append((f.name, cur))
-                cur, size = [], 0
-        tasks.append((f.name, cur))  # also the file's fsync
-
-    def run(task: tuple[str, list[tuple[str, int, int]]]) -> dict[str, str]:
-        path = os.path.join(staging_dir, task[0])
-        if task is tasks_last[task[0]]:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        return hash_spans(path, task[1]) if task[1] else {}
-
-    tasks_last = {name: t for name, t in tasks}  # one fsync per file
-    digests = {k: v for k, v in known.items() if v is not None}
-    with ThreadPoolExecutor(max(1, min(4, len(tasks)))) as pool:
-        for d in pool.map(run, tasks):
-            digests.update(d)
-    return {f.name: distributed_record(f, digests) for f in layout.files}
 
 
 def _dedup(plans: list[SavePlan]) -> list[SavePlan]:
@@ -599,18 +547,35 @@ def _nested(flat: Mapping[str, Any], mappings: Mapping[str, Any] | None) -> dict
     return out
 
 
-def _collect(results: list[list[WriteResult]]) -> tuple[dict[str, Any], dict[str, str | None]]:
-    """Non-tensor values, and each written tensor's digest (None: split, hashed back)."""
+@dataclass
+class _Written:
+    """What the ranks wrote (:func:`_collect`): the tensors ``seen``, the digests of those written
+    whole, the chunk-digest runs of the others and the chunks to read back by file."""
+
+    seen: set[str]
+    whole: dict[str, str]
+    runs: dict[str, list[tuple[int, bytes]]]
+    back: dict[str, list[tuple[str, int, int, int]]]
+
+
+def _collect(results: list[list[WriteResult]]) -> tuple[dict[str, Any], _Written]:
+    """Non-tensor values, and what every rank wrote and hashed of each tensor."""
     extra: dict[str, Any] = {}
-    written: dict[str, str | None] = {}
+    out = _Written(set(), {}, {}, {})
     for rank_results in results:
         for wr in rank_results:
-            if isinstance(wr.storage_data, ExtraValue):
-                extra[wr.index.fqn] = wr.storage_data.value
-            elif isinstance(wr.storage_data, Written):
-                if written.get(wr.index.fqn) is None:
-                    written[wr.index.fqn] = wr.storage_data.digest
-    return extra, written
+            d = wr.storage_data
+            if isinstance(d, ExtraValue):
+                extra[wr.index.fqn] = d.value
+            elif isinstance(d, Written):
+                fqn = wr.index.fqn
+                out.seen.add(fqn)
+                if d.digest is not None:
+                    out.whole.setdefault(fqn, d.digest)
+                out.runs.setdefault(fqn, []).extend(d.chunks)
+                out.back.setdefault(d.relative_path, []).extend(d.back)
+    return extra, out
+
 
 
 __all__ = ["StorageWriter", "Written", "ExtraValue"]

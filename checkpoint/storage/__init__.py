@@ -6,6 +6,6 @@ write / multipart, conditional commit, delete), implemented by ``bytestore.Local
 directories: plain local paths and ``file://``) and ``objstore`` (fsspec: requests, retries,
 bounded uploads); above it, written once for every backend: ``commit`` (what a checkpoint owns by
 record, leftovers and their cleanup, removal and retention, completeness; the object stores'
-commit point; local ones commit by rename in ``checkpoint.storage.local_commit``), ``remote_save``,
+commit point; local ones commit by rename in ``checkpoint.storage.local_commit``; saves upload through ``checkpoint.write.upload``),
 ``remote_reader`` and ``opening`` (one ``open_checkpoint`` for both); ``secrets`` scrubs every
 message; ``urls`` / ``location`` say which paths are URLs and resolve them to a byte store."""

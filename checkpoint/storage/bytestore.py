@@ -20,7 +20,7 @@ Implementations: :class:`FsspecStore` (``s3://`` through s3fs with S3's conditio
 ``memory://``, any fsspec backend; :mod:`checkpoint.storage.objstore`) and :class:`LocalStore`
 (a local directory, ``file://``: ``pread``, a temporary file renamed into place, and an ``flock``
 making the conditional writes atomic between processes). The stages above (commit:
-:mod:`~checkpoint.storage.commit`, save: :mod:`~checkpoint.storage.remote_save`, read:
+:mod:`~checkpoint.storage.commit`, save: :mod:`~checkpoint.write.upload`, read:
 :mod:`~checkpoint.storage.remote_reader`, the manager's retention, every CLI command) call only
 these methods, so they are written once and do not know the backend. No fsspec import here.
 """

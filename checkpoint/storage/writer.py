@@ -198,7 +198,7 @@ class BlockWriter:
     is no faster. So a save of whole-tensor files is bound by one file's
     write rate there, about 1/ranks of per-rank files (tests/bench/dist_save.py ``raw_shared``),
     unless there are several files: then ranks start at different ones
-    (``checkpoint.saving._write_orders``; tests/bench/shared_writes.py).
+    (:func:`checkpoint.write.plan.write_orders`; tests/bench/shared_writes.py).
     """
 
     PIECE = 8 << 20  # bytes per pwrite of a large run

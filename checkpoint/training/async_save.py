@@ -38,15 +38,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..errors import SnapshotChangedError
 from ..ranks import dist
-from ..saving import many_ranks, prepare_parts, write_parts_distributed, write_parts, agree_prepare_failure, refuse_nested
-from ..saving import convert_state, convert_through_temporary, pretrained_layout_for, pretrained_writer
+from ..saving import agree_prepare_failure, convert_state, convert_through_temporary, many_ranks, prepare_parts
+from ..saving import pretrained_layout_for, pretrained_writer
+from ..write import layouts_of, refuse_nested, write_checkpoint
+from ..write.plan import slots_written_elsewhere, writes_shard
 from ..storage.location import local_path, local_target, resolve
 from ..storage.format import MODEL_PREFIX, IndexFile, parse_size
-from ..storage.layout import plan_layout
 from ..storage import ownership, threads
 from . import pages
 from .. import optim  # noqa: F401 - imported here, not inside the first save (its pydantic models take ~70 ms to build)
@@ -269,24 +270,6 @@ def _host_bytes_copy(c) -> bool:
     )  # fmt: skip
 
 
-def _plain_written_elsewhere(parts, max_shard_size, by_file: bool = False) -> set[tuple[str, str]]:
-    """(prefix, FQN) of the slots another rank writes if their tensor is plain: ``save`` gives the
-    k-th slot of a part's layout to rank ``k % world size``; on object storage (``by_file``) the
-    j-th file of all parts to rank ``j % world size`` (:mod:`checkpoint.storage.remote_save`)."""
-    out = set()
-    rank, world = dist.rank(), dist.world_size()
-    j = 0
-    for part in parts:
-        k = 0
-        for f in plan_layout(part.specs, max_shard_size, part.prefix, world).files:
-            for slot in f.slots:
-                if (j if by_file else k) % world != rank:
-                    out.add((part.prefix, slot.spec.fqn))
-                k += 1
-            j += 1
-    return out
-
-
 def _gathered_for_files(parts, max_shard_size, elsewhere: set[tuple[str, str]]) -> list:
     """Object storage: each file is uploaded by one rank from whole tensors, so every DTensor is
     gathered now (``full_tensor()``, one tensor at a time in file order, on the caller's thread:
@@ -294,9 +277,9 @@ def _gathered_for_files(parts, max_shard_size, elsewhere: set[tuple[str, str]]) 
     and kept only by the rank uploading its file (host bytes about the tensors of this rank's
     files); the others keep ``None``, never read."""
     out = []
-    for part in parts:
+    for part, layout in zip(parts, layouts_of(parts, max_shard_size, dist.world_size())):
         kept: dict[str, Any] = {}
-        for f in plan_layout(part.specs, max_shard_size, part.prefix, dist.world_size()).files:
+        for f in layout.files:
             for slot in f.slots:
                 t = part.fetch(slot.spec)
                 if isinstance(t, DTensor):
@@ -304,14 +287,6 @@ def _gathered_for_files(parts, max_shard_size, elsewhere: set[tuple[str, str]]) 
                 kept[slot.spec.fqn] = None if (part.prefix, slot.spec.fqn) in elsewhere else t
         out.append(dataclasses.replace(part, fetch=lambda s, d=kept: d[s.fqn]))
     return out
-
-
-def _writes(t: DTensor) -> bool:
-    """Whether this rank writes (part of) DTensor ``t``: the rule of ``save._owned_block``."""
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return False
-    return all(isinstance(p, Shard) or coord[d] == 0 for d, p in enumerate(t.placements))
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -469,7 +444,7 @@ class AsyncSaver:
                 t = t.redistribute(
                     t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements]
                 )
-            if not _writes(t):
+            if not writes_shard(t):  # the pipeline's rule (checkpoint.write.plan)
                 return t  # never read by this rank's writer: nothing to snapshot
             local = t.to_local()
             buf = self._pool.buffer(key, local)
@@ -495,7 +470,7 @@ class AsyncSaver:
         staged = []
         skip: set = set()
         if distributed and dist.active():
-            skip = _plain_written_elsewhere(parts, max_shard_size, remote)
+            skip = slots_written_elsewhere(parts, max_shard_size, dist.rank(), dist.world_size(), remote)
             if remote:
                 parts = _gathered_for_files(parts, max_shard_size, skip)
         for part in parts:
@@ -719,20 +694,20 @@ def _write(
             if background:  # same on every rank (an argument of the call): every rank stops if one is torn
                 dist.check_all(f"staging {path}", err)
             if convert is None:
-                index = write_parts_distributed(path, parts, max_shard_size, overwrite, extra_files)[0]
+                index = write_checkpoint(path, parts, max_shard_size, overwrite, extra_files, distributed=True)[0]
             else:
                 recipe, module = convert
                 writer, written = pretrained_writer(path, max_shard_size, overwrite)
 
                 def save_memory(ck: str) -> None:
-                    write_parts_distributed(ck, parts, max_shard_size, False, extra_files)
+                    write_checkpoint(ck, parts, max_shard_size, False, extra_files, distributed=True)
 
                 index = convert_through_temporary(path, recipe, module, save_memory, writer, written, False, True)
     else:
         if err is not None:
             raise err
         if convert is None:
-            index = write_parts(path, parts, max_shard_size, overwrite, extra_files)[0]
+            index = write_checkpoint(path, parts, max_shard_size, overwrite, extra_files)[0]
         else:
             recipe, module = convert
             index = convert_state(parts[0], path, recipe, module, max_shard_size, overwrite, False)

@@ -54,23 +54,23 @@ from checkpoint_bench import make_large  # noqa: E402  (tests/bench is the scrip
 
 def _instrument(phases: dict[str, float]) -> None:
     """Wrap the distributed save's steps to add their seconds into ``phases`` (this rank)."""
-    from checkpoint import saving
     from checkpoint.ranks import dist as cdist
+    from checkpoint.write import digests, parts, pipeline
 
     from save_phases import wrap_timed
 
     def wrap(obj, name, label):
         wrap_timed(phases, obj, name, label)
 
-    wrap(saving, "_plan_checked", "plan")
-    wrap(saving.dist, "all_gather_object", "exchanges")  # layout / extra-state check, checks
-    wrap(saving, "create_shard_file", "create files")
-    wrap(saving.BlockWriter, "write", "write")
-    wrap(saving, "_write_hashed", "write + hash whole tensors")
-    wrap(saving, "_write_chunked", "write + hash own chunks")
-    wrap(saving, "_read_back_chunks", "read back straddling chunks (thread)")
-    wrap(saving, "write_indexes_and_commit", "index + commit")
-    real_fsync = saving.os.fsync
+    wrap(pipeline, "plan_parts", "plan")
+    wrap(cdist, "all_gather_object", "exchanges")  # layout / extra-state check, checks
+    wrap(parts, "create_shard_file", "create files")
+    wrap(parts.BlockWriter, "write", "write")
+    wrap(parts, "write_hashed", "write + hash whole tensors")
+    wrap(parts, "write_chunked", "write + hash own chunks")
+    wrap(digests, "read_back_chunks", "read back straddling chunks (thread)")
+    wrap(pipeline, "write_indexes_and_commit", "index + commit")
+    real_fsync = digests.os.fsync
 
     def fsync(fd):
         t = time.perf_counter()
@@ -79,8 +79,7 @@ def _instrument(phases: dict[str, float]) -> None:
         finally:
             phases["fsync"] = phases.get("fsync", 0.0) + time.perf_counter() - t
 
-    saving.os.fsync = fsync  # the module's os: only saving's fsync calls are counted
-    del cdist
+    digests.os.fsync = fsync  # os.fsync itself: every fsync of the rank is counted
 
 
 def _cpu() -> float:
@@ -151,14 +150,14 @@ def _rank(rank: int, world: int, roots: list[tuple[str, str]], sizes: list[int],
 
             def ours_one_order():
                 # ours with every rank writing the files in one order (no rotation)
-                from checkpoint import saving
+                from checkpoint.write import parts
 
-                real = saving._walk_starts
-                saving._walk_starts = lambda names, world: [0] * world
+                real = parts.walk_starts
+                parts.walk_starts = lambda names, world: [0] * world
                 try:
                     checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size)
                 finally:
-                    saving._walk_starts = real
+                    parts.walk_starts = real
 
             sides = {
                 "ours": lambda: checkpoint.save(sd, paths["ours"], max_shard_size=max_shard_size),
@@ -265,7 +264,7 @@ def main() -> None:
     for _, r in roots:
         os.makedirs(r, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
-    preload("checkpoint.saving", "torch.distributed.checkpoint")
+    preload("checkpoint.saving", "checkpoint.write", "torch.distributed.checkpoint")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, ours with max_shard_size={args.max_shard_size}; ratios = reference time / our time per "
           f"round, median [range] over {args.rounds} rounds, rotating order")  # fmt: skip
     try:

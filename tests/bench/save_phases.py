@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import checkpoint  # noqa: E402
 import checkpoint.saving as saving  # noqa: E402
+from checkpoint.write import pipeline  # noqa: E402
 from checkpoint.storage import local_commit as atomic  # noqa: E402
 from checkpoint.storage import writer  # noqa: E402
 from checkpoint_bench import make_large  # noqa: E402  (tests/bench is the script's directory)
@@ -109,7 +110,7 @@ def instrument() -> None:
     """Time each phase of ``checkpoint.save`` (single process): wrappers on the functions that
     make up the save, and on ``os.fsync`` / ``os.rename`` (named by the phase calling them)."""
     _wrap(saving, "prepare_agreed", "prepare state")
-    _wrap(saving, "_plan_checked", "plan (layout, header)")
+    _wrap(pipeline, "plan_parts", "plan (layout, header)")
     _wrap(atomic.StagedCheckpoint, "__enter__", "staging (lock, leftovers, mkdir)")
     _wrap(writer, "create_shard_file", "create file + header")
     _wrap(writer, "pwrite_all", "pwrite")
@@ -117,8 +118,8 @@ def instrument() -> None:
     _wrap(writer.ownership, "settle", "wait for hash thread")
     _wrap(writer.SequentialFileWriter, "finish", "finish file")
     _wrap(writer.writeback, "start_writeback", "start writeback")
-    _wrap(saving, "make_index", "index record")
-    _wrap(saving.IndexFile, "to_json_bytes", "index serialize")
+    _wrap(pipeline, "make_index", "index record")
+    _wrap(pipeline.IndexFile, "to_json_bytes", "index serialize")
     _wrap(atomic.StagedCheckpoint, "write_file", "index write")
     _wrap(atomic.StagedCheckpoint, "commit", "commit")
     _wrap(atomic, "fsync_path", "dir fsync")

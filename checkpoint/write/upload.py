@@ -1,5 +1,5 @@
-"""Write a planned checkpoint to object storage, committed without rename
-(:mod:`checkpoint.storage.commit`): one process, or every rank of a distributed save.
+"""Stages 2 to 5 of the write pipeline on object storage: a planned checkpoint uploaded and committed
+without rename (:mod:`checkpoint.storage.commit`): one process, or every rank of a distributed save.
 
 Each shard file is uploaded by one rank (file ``j`` by rank ``j % world_size``), front to back
 through the byte store's streaming writer (a bounded multipart upload on S3, a renamed file locally); its
@@ -7,7 +7,7 @@ xxh3-128 digests are computed on the way, so nothing is read back. A DTensor's b
 file's rank through ``DTensor.full_tensor()`` (all ranks of its mesh take part, one tensor at a
 time): an object cannot be written in byte ranges by several processes (S3 parts are at least
 5 MiB), so the shared-file scheme of local saves does not carry over. ``async_save`` gathers in
-its call instead (:func:`checkpoint.training.async_save._gathered_for_files`), so the background
+its call instead (``checkpoint.training.async_save``), so the background
 thread runs no collective on the DTensors' groups.
 """
 
@@ -23,12 +23,13 @@ from torch.distributed.tensor import DTensor
 from ..testing import faults
 from ..errors import CheckpointError, CheckpointWriteError, ConcurrentSaveError
 from ..ranks import dist
-from . import digest
-from .format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
-from .layout import FilePlan, Layout, TensorSlot
-from .bytestore import ByteStore, ByteWriter
-from .commit import MODEL_INDEX, RemoteCommit, carried_side_files, is_part, stored_name
-from .writer import check_matches, stats, tensor_bytes
+from ..storage import digest
+from ..storage.format import MODEL_PREFIX, FileRecordV2, IndexFile, index_name
+from ..storage.layout import FilePlan, Layout, TensorSlot
+from ..storage.bytestore import ByteStore, ByteWriter
+from .index import make_index
+from ..storage.commit import MODEL_INDEX, RemoteCommit, carried_side_files, is_part, stored_name
+from ..storage.writer import check_matches, stats, tensor_bytes
 
 # Files of a save renamed per save (readers find them through the model index); other extra
 # files (Hugging Face's config.json, ...) keep their names: transformers opens them by name.
@@ -97,13 +98,12 @@ def save_remote(
     layouts: Sequence[Layout],
     overwrite: bool,
     extra_files: Mapping[str, bytes],
-    make_index: Callable[[Any, Layout, dict[str, FileRecordV2]], IndexFile],
     fetch: Callable[[Any, Any], torch.Tensor],
     distributed: bool,
 ) -> list[IndexFile]:
     """Upload ``parts`` as planned in ``layouts`` and commit (see module docstring).
-    ``extra_files``: rank 0's are written (``{name: bytes}``). ``make_index(part, layout,
-    records)``: the part's index; ``fetch(part, spec)``: the tensor of ``spec``.
+    ``extra_files``: rank 0's are written (``{name: bytes}``). ``fetch(part, spec)``: the tensor
+    of ``spec`` (:func:`checkpoint.write.parts.fetch_checked` / ``fetch_tensor``).
 
     Raises:
         CheckpointExistsError: a committed checkpoint is there and ``overwrite`` is False.
@@ -131,7 +131,7 @@ def save_remote(
     elif err is not None:
         raise err
     try:
-        return _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world)
+        return _upload_and_commit(store, parts, layouts, files, extra_files, fetch, distributed, commit, token, rank, world)
     except BaseException as e:
         why = None
         if commit is not None:
@@ -149,7 +149,7 @@ def save_remote(
         raise
 
 
-def _upload_and_commit(store, parts, layouts, files, extra_files, make_index, fetch, distributed, commit, token, rank, world):
+def _upload_and_commit(store, parts, layouts, files, extra_files, fetch, distributed, commit, token, rank, world):
     records: dict[str, FileRecordV2] = {}
     err = None
     try:
