@@ -403,7 +403,13 @@ def _pmod_ranks(rank: int, world: int, root: str, s3: dict) -> dict:
         if kind == "mixtral":  # no temporary save: rank 0 converts the tensors as they are gathered
             import checkpoint.saving as saving
 
-            with mock.patch.object(saving, "write_parts_distributed", side_effect=AssertionError("temporary save")):
+            real = saving.write_checkpoint
+
+            def no_temporary(path, *a, distributed=False, **kw):  # every rank writing the module's layout somewhere
+                assert not distributed, f"temporary save to {path}"
+                return real(path, *a, distributed=distributed, **kw)
+
+            with mock.patch.object(saving, "write_checkpoint", side_effect=no_temporary):
                 checkpoint.save(pmod, os.path.join(root, kind, "ours"))
             try:  # rank 0's refusal (the destination exists), agreed by every rank
                 checkpoint.save(pmod, os.path.join(root, kind, "ours"))
