@@ -4,6 +4,7 @@ and writes remain here (bytes read from the source, copied into the targets)."""
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -127,7 +128,6 @@ def _checks(reader, copies: list[CopyAction]) -> tuple[list[str], dict[str, list
     whole: list[str] = []
     rows: dict[str, list[tuple[int, int]]] = {}
     others: set[str] = set()
-    turn = 0
     for a in copies:
         t = a.entry.tensor
         if not isinstance(t, DTensor) or not t.dim():
@@ -140,21 +140,21 @@ def _checks(reader, copies: list[CopyAction]) -> tuple[list[str], dict[str, list
                 lo, hi, _ = gsl[0].indices(t.shape[0])
                 spans.append((lo * row, hi * row))
             continue
-        (whole.append(a.key) if _checker(t, turn) else others.add(a.key))
-        turn += 1
+        (whole.append(a.key) if _checker(t, a.key) else others.add(a.key))
     return whole, rows, others
 
 
-def _checker(t: DTensor, turn: int) -> bool:
-    """Whether this rank hashes the ``turn``-th tensor that every rank of ``t``'s mesh reads the
-    same bytes of: the mesh rank ``turn % mesh size`` (every rank plans the same copies in the
-    same order, so they agree without an exchange)."""
+def _checker(t: DTensor, key: str) -> bool:
+    """Whether this rank hashes tensor ``key``, whose bytes every rank of ``t``'s mesh reads: the
+    mesh rank ``crc32(key) % mesh size``, a choice every rank of the mesh makes alike from the key
+    alone, whatever else each rank loads (a count over each rank's own copies would differ
+    between ranks with different copies, and then no rank might check it)."""
     mesh = t.device_mesh
     size = mesh.size()
     if size <= 1:
         return True
     coord = mesh.get_coordinate()
-    return coord is not None and int(np.ravel_multi_index(tuple(coord), tuple(mesh.shape))) == turn % size
+    return coord is not None and int(np.ravel_multi_index(tuple(coord), tuple(mesh.shape))) == zlib.crc32(key.encode()) % size
 
 
 class _AllBut:

@@ -259,8 +259,15 @@ def load(
         gathered = dist.check_all_gather(f"checking {path}", err, rows) if collective else [rows]
         if err is not None:
             raise err
-        for k in sorted(rows):
-            reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
+        try:  # (each rank checks its own row keys: agreed, as ranks may load different tensors)
+            for k in sorted(rows):
+                reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
+        except BaseException as e:  # noqa: BLE001 - agreed across ranks below
+            err = e
+        if collective:
+            dist.check_all(f"checking {path}", err)
+        elif err is not None:
+            raise err
         try:
             expect = getattr(reader, "expect", None)  # object storage: read ahead in large ranged GETs
             if expect is not None:

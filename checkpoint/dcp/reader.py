@@ -290,7 +290,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
             )
         readers_of: dict[tuple[int, str], set[int]] = {}
         size: dict[tuple[int, str], int] = {}
-        partial: set[tuple[int, str]] = set()  # read in row blocks (a Shard(0) load) by some rank
+        partial: set[tuple[int, str]] = set()  # read in blocks of some rows by some rank
         for r, p in enumerate(plans):
             for it in p.items:
                 c = self.storage_data.get(it.storage_index) if it.type != LoadItemType.BYTE_IO else None
@@ -301,7 +301,7 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if lengths == c.shape or rows:
                     readers_of.setdefault((c.reader, c.key), set()).add(r)
                     size[(c.reader, c.key)] = math.prod(c.shape)
-                elif c.shape and lengths[1:] == c.shape[1:]:
+                elif c.shape:  # a block of some rows (Shard(0), or a 2-D mesh's (Shard(0), Shard(1)) block)
                     partial.add((c.reader, c.key))
         load = [0] * len(plans)
         mine: list[set[tuple[int, str]]] = [set() for _ in plans]
@@ -309,13 +309,13 @@ class StorageReader(Located, dcp_storage.StorageReader):
             r = min(ranks, key=lambda r: (load[r], r))
             load[r] += size[k]
             mine[r].add(k)
-        # Tensors no rank reads whole: each rank hashes the digest chunks of its rows and the
-        # ranks gather them before any copy (_check_first, CheckpointReader.check_chunks), where
-        # the index has chunked digests and this load runs on the whole default process group.
+        # Tensors no rank reads whole: each rank hashes the digest chunks starting in its rows and
+        # the ranks gather them before any copy (_check_first, CheckpointReader.check_chunks); a
+        # tensor without chunk digests (format 2) is hashed whole by each rank reading a block.
         src = self._open()
         rows = frozenset(
             (rd, k) for rd, k in partial - set(readers_of)
-            if src.local and getattr(src.readers[rd], "digest_chunk", None) and src.readers[rd].recorded_digest(k) is not None
+            if hasattr(src.readers[rd], "check_first") and src.readers[rd].recorded_digest(k) is not None
         )  # fmt: skip
         exchange = _whole_world(len(plans))  # every rank's checks agreed before any target is written
         return [replace(p, storage_data=ChecksPlan(frozenset(m), rows if exchange else frozenset(), exchange))

@@ -49,6 +49,9 @@ def _read_like_unguarded(reader: Any, key: str, param: torch.Tensor) -> torch.Te
             )  # fmt: skip
         return b.to(param.to_local().device if isinstance(param, DTensor) else param.device)
     if isinstance(param, DTensor) and spec.shape == tuple(param.shape) and spec.shape:
+        check = getattr(reader, "check_first", None)
+        if check is not None:  # a block of some rows is checked by no read: the whole state tensor, first
+            check([key])
         local = read_local(reader, key, param)
         return DTensor.from_local(
             local.to(param.device), param.device_mesh, param.placements, run_check=False,

@@ -136,11 +136,11 @@ class RemoteCheckpointReader(CheckpointReader):
         ):  # fmt: skip
             return False
         name, b, e, _, _ = self._span(key)
+        self.check_first([key])  # fetched, checked and kept: ``out`` is written only with checked bytes
         try:
             self._fill(tensor_bytes(out), name, [(b, e)], key)
         finally:
             increment_version(out)  # written behind torch's back, as copy_ would count it
-        self.check_digest(key, tensor_bytes(out))
         return True
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
