@@ -50,8 +50,10 @@ calling thread received takes precedence, with the worker error as its context).
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from concurrent.futures import Future, wait
 
 from . import threads
@@ -129,3 +131,25 @@ class Crew:
 def share(name: str, workers: int, work: Callable[[threading.Event], None], helpers: int) -> None:
     """:meth:`Crew.run` of a new :class:`Crew` (pool ``name`` of ``workers`` threads)."""
     Crew(name, workers).run(work, helpers)
+
+
+def share_queue(name: str, workers: int, jobs: Sequence[Any], run: Callable[[Any], None]) -> None:
+    """``run(job)`` for every job of ``jobs``, taken from one queue by the calling thread and
+    ``workers - 1`` threads of pool ``name`` (:func:`share`); the first error is raised once every
+    thread has stopped, and the others stop taking jobs after it."""
+    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
+    errors: list[BaseException] = []
+
+    def work(stop) -> None:
+        while not errors and not stop.is_set():
+            j = next(counter)
+            if j >= len(jobs):
+                return
+            try:
+                run(jobs[j])
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
+                errors.append(e)
+
+    share(name, workers, work, min(workers, len(jobs)) - 1)
+    if errors:
+        raise errors[0]

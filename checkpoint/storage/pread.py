@@ -22,7 +22,6 @@ Measured throughput: the benchmarks page of the documentation and ``tests/bench/
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -173,23 +172,8 @@ def read_runs(runs: Sequence[Run]) -> int:
         for r in sorted(jobs, key=lambda r: (r.fd, r.offset)):
             r.read()
         return total
-    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
-    errors: list[BaseException] = []
-
-    def work(stop) -> None:
-        while not errors and not stop.is_set():
-            j = next(counter)
-            if j >= len(jobs):
-                return
-            try:
-                jobs[j].read()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
-                errors.append(e)
-
     # Rule 1 of ownership: the crew returns or raises (Ctrl-C included) only once no helper reads.
-    ownership.share("read", _THREADS, work, min(_THREADS, len(jobs)) - 1)
-    if errors:
-        raise errors[0]
+    ownership.share_queue("read", _THREADS, jobs, Run.read)
     return total
 
 

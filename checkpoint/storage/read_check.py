@@ -16,7 +16,6 @@ chunks each rank hashes in its own rows, combined after an exchange.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -144,22 +143,8 @@ def hash_units(units: Iterable[Unit]) -> dict[tuple[str, int | None], bytes | st
         for g in groups:
             _hash_group(g, out)
         return out
-    counter = itertools.count()  # next() on a count is atomic under the GIL: one queue, no lock
-    errors: list[BaseException] = []
-
-    def work(stop) -> None:
-        while not errors and not stop.is_set():
-            j = next(counter)
-            if j >= len(groups):
-                return
-            try:
-                _hash_group(groups[j], out)  # (distinct keys: dict stores are atomic under the GIL)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread stopped
-                errors.append(e)
-
-    ownership.share("read", workers, work, workers - 1)
-    if errors:
-        raise errors[0]
+    # (distinct keys per group: the dict's stores are atomic under the GIL)
+    ownership.share_queue("read", workers, groups, lambda g: _hash_group(g, out))
     return out
 
 
