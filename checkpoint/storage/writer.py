@@ -34,7 +34,8 @@ NUMPY_DTYPES = frozenset(
 
 @dataclass
 class IOStats:
-    """Bytes written / read by this process since the last ``reset()`` (data and headers)."""
+    """Bytes written / read by this process since the last ``reset()`` (data and headers): test
+    and benchmark support (see :mod:`checkpoint.testing`), not part of the API."""
 
     bytes_written: int = 0
     bytes_read: int = 0  # into targets or new tensors
