@@ -194,6 +194,7 @@ class CheckpointReader:
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
         self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
         self._checked: set[str] = set()  # tensors check_first found intact: no second hash on read
+        self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
@@ -261,11 +262,12 @@ class CheckpointReader:
     def recorded_digest(self, key: str) -> str | None:
         """The xxh3-128 hex digest the index records for tensor ``key`` (fqnckpt format version
         2), else None (no index, a foreign index, format version 1)."""
-        meta = self.meta
-        if meta is None:
-            return None
-        rec = meta.record(self._key_file.get(key, ""))
-        return rec.tensors.get(key) if isinstance(rec, FileRecordV2) else None
+        name = self._key_file.get(key, "")
+        got = self._digests_of.get(name, False)
+        if got is False:  # each file's record looked up once (20,000-tensor loads ask per tensor)
+            rec = self.meta.record(name) if self.meta is not None else None
+            got = self._digests_of[name] = rec.tensors if isinstance(rec, FileRecordV2) else None
+        return got.get(key) if got is not None else None
 
     def _digest_due(self, key: str) -> bool:
         """Whether a whole read of ``key`` is to be checked: the index records its digest and its
@@ -309,16 +311,28 @@ class CheckpointReader:
         """
         chunk = self.digest_chunk
         whole, parts = self._due_checks(keys, rows)
+        files: dict[str, tuple[int, str, dict[str, str]]] = {}  # name -> (fd, path, recorded digests)
+
+        def file_of(k: str) -> tuple[int, str, dict[str, str]]:
+            name = self._key_file[k]
+            f = files.get(name)
+            if f is None:
+                at, _ = self._where(k)  # opens the file (and its descriptor) if closed since
+                f = files[name] = (at.fd, os.path.join(self.root, name), self.meta.record(name).tensors)
+            return f
+
         spans = []
         for k in whole:
-            (at, b), e = self._where(k), self._spans[k][1]
-            spans.append(_read_check.Whole(k, at.fd, os.path.join(self.root, at.name), b, e, self.recorded_digest(k)))
+            fd, path, want = file_of(k)
+            b, e = self._spans[k]
+            spans.append(_read_check.Whole(k, fd, path, b, e, want[k]))
         units = []
         for k, ranges in parts.items():
-            (at, b), e = self._where(k), self._spans[k][1]
+            fd, path, _ = file_of(k)
+            b, e = self._spans[k]
             for lo, hi in ranges:
                 first, stop = _read_check.row_chunks(e - b, chunk, lo, hi)
-                units += _read_check.tensor_units(at.fd, os.path.join(self.root, at.name), k, b, e, chunk, first, stop)
+                units += _read_check.tensor_units(fd, path, k, b, e, chunk, first, stop)
         _read_check.check_whole(spans, chunk)
         self._checked.update(whole)
         got = _read_check.hash_units(units)
