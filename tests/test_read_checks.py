@@ -27,6 +27,7 @@ from checkpoint.dcp import StorageReader
 from checkpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 from checkpoint.sources import open_source
 from checkpoint.storage.reader import open_checkpoint
+from tests.helpers import trained
 from tests.snapshot import Snapshot
 
 SHARD = "model-00001-of-00001.safetensors"
@@ -207,11 +208,9 @@ def test_flipped_byte_of_a_chunked_tensor_refused_by_a_column_read(tmp_path):
 def test_optimizer_part_is_checked_like_the_model_part(tmp_path, kind):
     """The optimizer part's shard (``optimizer-*.safetensors``) passes the same checks: an edited
     header (its first tensor's dtype) is refused on open, before the module or the optimizer
-    changes; a flipped byte of a state tensor is refused naming file and tensor."""
-    m = torch.nn.Linear(4, 3)
-    opt = torch.optim.Adam(m.parameters(), lr=0.1)
-    m(torch.ones(2, 4)).sum().backward()
-    opt.step()
+    changes; a flipped byte of a state tensor is refused naming file and tensor, the module and
+    the optimizer unchanged too (every digest is checked before the first copy)."""
+    m, opt = trained(lambda: torch.nn.Linear(4, 3), torch.optim.Adam, lr=0.1)
     ck = tmp_path / "ck"
     checkpoint.save(m, ck, optimizer=opt)
     (shard,) = [f for f in os.listdir(ck) if f.startswith("optimizer-") and f.endswith(".safetensors")]
@@ -235,9 +234,8 @@ def test_optimizer_part_is_checked_like_the_model_part(tmp_path, kind):
     assert shard in str(err.value)
     if kind == "data":
         assert err.value.key == key
-    else:
-        snap.assert_unchanged()
-        assert opt2.state_dict()["state"] == {} and opt2.param_groups[0]["lr"] == 0.5
+    snap.assert_unchanged()
+    assert opt2.state_dict()["state"] == {} and opt2.param_groups[0]["lr"] == 0.5
 
 
 def test_remote_reader_checks_the_header_digest(tmp_path):
