@@ -11,6 +11,7 @@ of the file, else ``safe_open(...).get_slice``), so loading reshards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Iterable, Mapping, MutableMapping
 from typing import Any
@@ -200,6 +201,7 @@ def load(
     agreed = False
     reader = plan = extra = None
     converted = False
+    span = contextlib.ExitStack()
 
     def agree() -> None:
         nonlocal agreed
@@ -252,6 +254,8 @@ def load(
         # changes. Chunk digests of Shard(0) rows are gathered from every rank and combined
         # (each rank then checks the same digests, so a mismatch is raised alike on all).
         rows: dict[str, dict[int, bytes]] = {}
+        if hasattr(reader, "reading"):  # the check and the copies read the files under one lease
+            span.enter_context(reader.reading())
         try:
             rows = check_reads(reader, plan.copies)
         except BaseException as e:  # noqa: BLE001 - agreed across ranks below
@@ -283,6 +287,7 @@ def load(
         elif err is not None:
             raise err
     finally:
+        span.close()
         if reader is not None:
             reader.close()
     return plan.report

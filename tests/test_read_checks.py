@@ -149,12 +149,21 @@ def _migrated(ck, out_dir):
     return open_checkpoint(out_dir).get("w")
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["leased-mapping", "preadv"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_read_path_refuses_a_changed_shard(tmp_path, kind):
+def test_every_read_path_refuses_a_changed_shard(tmp_path, kind, mapped, monkeypatch):
     """Each read path refuses the edited header or flipped byte with an error of ours naming
     the file (and the tensor, for data); a header edit is refused before any target changes
     (a reader trusting the edited header reads ``F32`` bytes as ``I32``: 1.0 becomes
-    1065353216.0). The clean checkpoint reads exactly."""
+    1065353216.0). The clean checkpoint reads exactly. Both ways of reading the bytes: from a
+    mapping under a read lease (every file mapped, whatever its size) and with ``preadv`` only."""
+    from checkpoint.storage import leased
+    from checkpoint.storage import reader as reader_module
+
+    if mapped:
+        monkeypatch.setattr(reader_module, "_MAP_MIN", 0)
+    else:
+        monkeypatch.setattr(leased, "enabled", False)
     clean = saved(tmp_path, None)
     for name, read in _readers(clean, tmp_path / "out-clean"):
         want = reference()["w"][:, 3:11] if name == "get_slice columns" else reference()["w"]

@@ -12,10 +12,10 @@ defeat the kernel's readahead, so one byte at up to 8 places of the load is firs
 ``RWF_NOWAIT`` (page cache only), and when one would wait for the device the load is read by the
 calling thread in file order.
 
-No tensor byte is read through a memory mapping: a file cut short or an I/O error while mapped
-kills the process with SIGBUS instead of raising an error naming the tensor and file, and a mapping
-populated first with ``MADV_POPULATE_READ`` (which reports those as errors) is no faster than
-``preadv``. Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their
+Inside a load, a file held under a read lease is copied from its mapping instead (one ``memmove``
+per target, :mod:`~.leased`: the lease makes every writer and truncation wait, so the mapping
+cannot raise SIGBUS); a plain mapping is never read (a file cut short or an I/O error while mapped
+kills the process with SIGBUS instead of raising an error naming the tensor and file). Many small tensors: tensors adjacent in a file are read by one ``preadv`` into all their
 targets (up to ``IOV_MAX`` buffers), so per-tensor Python and syscall overhead does not dominate.
 Measured throughput: the benchmarks page of the documentation and ``tests/bench/checkpoint_bench.py``.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpointError, LoadError
-from . import ownership, threads
+from . import leased, ownership, threads
 from .libc import libc_function
 
 PIECE = 4 << 20  # bytes per thread task; loads under 2 pieces are read inline
@@ -35,6 +35,9 @@ _MAX_THREADS = 4  # threads reading, the calling one included
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv (Linux: 1024)
 
 _THREADS = max(1, min(_MAX_THREADS, threads.cpus()))
+# Mean bytes per target from which a run of a leased file is copied from its mapping (one
+# ``memmove`` per target) rather than read by one ``preadv`` of all its targets.
+_MAPPED_VIEW = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ def pread_run(fd: int, views: list[memoryview], keys: list[str], offset: int, ro
         CorruptCheckpointError: the file ends early (names the first tensor not read in full).
         LoadError: the read fails (names that tensor too; ``__cause__`` is the OSError).
     """
+    m = leased.mapping(fd)
+    if m is not None and len(views) * _MAPPED_VIEW <= sum(len(v) for v in views):
+        n = m.copy_views(views, offset)  # under the lease (-1: broken, so preadv below)
+        if n >= 0:
+            return n
     i, total = 0, 0
     while i < len(views):
         try:

@@ -4,9 +4,12 @@ every entry point, placement and file kind).
 
 A load that copied each tensor into its target while hashing it would find a flipped byte only
 after the target held it: a model half-overwritten by a checkpoint that is then refused. So the
-bytes a load covers are hashed first, from the file, through one small buffer per thread (the
-buffer stays in the CPU cache between the ``preadv`` and the hash, so this pass costs about one
-hash of the data), and only a checkpoint whose digests all match is copied into the targets.
+bytes a load covers are hashed first, on the read threads, and only a checkpoint whose digests
+all match is copied into the targets. A file mapped under a read lease for the load
+(:mod:`~.leased`) is hashed straight from its mapped pages (no kernel copy; the lease keeps every
+writer out until the copies are done, so they copy the bytes hashed here); any other file through
+one small buffer per thread, read with ``preadv`` (the buffer stays in the CPU cache between the
+read and the hash).
 
 Units hashed (see :mod:`~.digest` for the scheme): a tensor whose digest is one xxh3-128 (format
 version 2, or a tensor of at most one chunk) is hashed whole; a larger tensor of format version 3
@@ -23,11 +26,11 @@ from typing import NamedTuple
 
 from ..errors import CorruptCheckpointError, LoadError
 from . import digest as _digest
-from . import ownership
+from . import leased, ownership
 from .pread import PIECE, threads_for
 from .writer import stats
 
-_BUFFER = PIECE  # bytes one thread reads per step (it stays in cache for the hash)
+_BUFFER = PIECE  # bytes one thread hashes per step (read into a buffer that stays in cache, or a mapped view)
 
 
 class Unit(NamedTuple):
@@ -84,7 +87,7 @@ _local = threading.local()
 
 def _buffer() -> memoryview:
     buf = getattr(_local, "buf", None)
-    if buf is None:
+    if buf is None or len(buf) != _BUFFER:  # (made at another size while _BUFFER was patched)
         buf = _local.buf = memoryview(bytearray(_BUFFER))
     return buf
 
@@ -102,7 +105,38 @@ def _read(fd: int, view: memoryview, pos: int, u: Unit) -> None:
         got += n
 
 
+def _hash_mapped(group: list[Unit], out: dict, m: leased.LeasedMap) -> bool:
+    """:func:`_hash_group` from the file's leased mapping, the lease checked before each
+    :data:`_BUFFER` bytes (a group of small units in one view); False where the lease is broken
+    before the group is done (the caller then hashes it through the buffer, from the start)."""
+    lo, hi = group[0].lo, group[-1].hi
+    if hi - lo <= _BUFFER:
+        view = m.view(lo, hi)
+        if view is None:
+            return False
+        with view:  # (released before the mapping can close)
+            got = {}
+            for u in group:
+                h = _digest.new(view[u.lo - lo : u.hi - lo])
+                got[(u.key, u.chunk)] = h.digest() if u.chunk is not None else h.hexdigest()
+        out.update(got)
+        return True
+    (u,) = group  # one unit larger than the buffer, hashed in steps
+    h = _digest.new()
+    for pos in range(lo, hi, _BUFFER):
+        view = m.view(pos, min(hi, pos + _BUFFER))
+        if view is None:
+            return False
+        with view:
+            h.update(view)
+    out[(u.key, u.chunk)] = h.digest() if u.chunk is not None else h.hexdigest()
+    return True
+
+
 def _hash_group(group: list[Unit], out: dict) -> None:
+    m = leased.mapping(group[0].fd)
+    if m is not None and _hash_mapped(group, out, m):
+        return
     buf = _buffer()
     lo, hi = group[0].lo, group[-1].hi
     if hi - lo <= len(buf):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import operator
 import os
@@ -51,6 +52,7 @@ from .format import (
     index_name,
 )
 from .layout import DTYPE_TO_ST, ST_TO_DTYPE, TensorSpec
+from . import leased as _leased
 from . import pread as _pread
 from . import read_check as _read_check
 from .read_check import check_tensor_digest
@@ -70,6 +72,21 @@ class _Hashed:
 
     def hexdigest(self) -> str:
         return self.value
+
+
+_MAP_MIN = 1 << 20  # bytes of one file a span reads at once before it maps the file (_lease)
+
+
+def _in_span(method):
+    """``method`` run inside :meth:`CheckpointReader.reading` (its leases given back at its end
+    unless an outer span holds them)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.reading():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class StrayFileWarning(UserWarning):
@@ -196,6 +213,8 @@ class CheckpointReader:
         self._checked: set[str] = set()  # tensors check_first found intact: no second hash on read
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
+        self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
+        self._span_depth = 0  # depth of reading() spans open
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
         self.check_headers = True
@@ -298,8 +317,9 @@ class CheckpointReader:
         ranges of the tensor, such as a rank's ``Shard(0)`` rows) that start in those ranges, for
         the caller to gather from every rank and check with :meth:`check_chunks`. Tensors without
         a recorded digest, or checked already, are skipped; a tensor found intact is not hashed
-        again by a later read. The bytes go through one small buffer per read thread
-        (:mod:`~.read_check`), never into a target.
+        again by a later read. The bytes are hashed from the file's leased mapping inside a
+        :meth:`reading` span (the copies that follow in the span then copy the same bytes), else
+        through one small buffer per read thread (:mod:`~.read_check`); never into a target.
 
         Returns:
             ``{key: {chunk index: 16-byte digest}}`` for ``rows``' keys that have chunk digests.
@@ -333,6 +353,12 @@ class CheckpointReader:
             for lo, hi in ranges:
                 first, stop = _read_check.row_chunks(e - b, chunk, lo, hi)
                 units += _read_check.tensor_units(fd, path, k, b, e, chunk, first, stop)
+        by_file: dict[str, int] = {}  # bytes hashed per file: map it under a lease when large
+        for u in [*spans, *units]:
+            name = self._key_file[u.key]
+            by_file[name] = by_file.get(name, 0) + (u.end - u.begin if isinstance(u, _read_check.Whole) else u.hi - u.lo)
+        for name, n in by_file.items():
+            self._lease(name, n)
         _read_check.check_whole(spans, chunk)
         self._checked.update(whole)
         got = _read_check.hash_units(units)
@@ -382,6 +408,7 @@ class CheckpointReader:
         self._checked.add(key)
         return True
 
+    @_in_span
     def copy_into(
         self, key: str, out: torch.Tensor, slices: Sequence[slice] | None = None, check: bool = False
     ) -> bool:
@@ -412,6 +439,7 @@ class CheckpointReader:
         shape = spec.shape
         if len(shape) > 32:  # numpy (the block copies' byte views) holds 32 (1.x) / 64 dims; torch more
             shape, out, slices = _unit_dims_dropped(shape, out, slices)
+        self._lease(at.name, out.numel() * spec.dtype.itemsize)
         try:
             _tread.copy_into(at, key, begin, shape, spec.dtype, out, slices)
         finally:
@@ -493,6 +521,7 @@ class CheckpointReader:
         """
         return self.read_many([(key, out)])[0]
 
+    @_in_span
     def read_many(self, pairs: Sequence[tuple], check: bool | Container[str] = True) -> list[bool]:
         """:meth:`read_into` for each ``(key, out)`` pair; per pair, whether it was read. A triple
         ``(key, out, slices)`` reads only block ``tensor[slices]`` of ``key`` into ``out`` (a
@@ -558,6 +587,11 @@ class CheckpointReader:
                         _pread.Run(fd, [x[2] for x in run], [x[3] for x in run], run[0][0], self.root, name, tuple(x[4] for x in run))
                     )
                     start = j
+            by_file: dict[str, int] = {}
+            for r in runs:
+                by_file[r.name] = by_file.get(r.name, 0) + r.nbytes
+            for name, n in by_file.items():
+                self._lease(name, n)
             stats.bytes_read += read_runs(runs)
         finally:
             # preadv wrote behind torch's back: bump the targets' version counters, as copy_ would
@@ -565,6 +599,7 @@ class CheckpointReader:
             increment_version([p[1] for p, ok in zip(pairs, done) if ok])
         return done
 
+    @_in_span
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """Only the block ``tensor[slices]`` of ``key`` (one ``slice`` per dim), read from disk with
         ``preadv`` as a new tensor (:func:`~.tensor_read.read_block`). A block of every row (a
@@ -578,6 +613,7 @@ class CheckpointReader:
         if self._digest_due(key) and spec.shape and _all_rows(spec.shape, slices):
             self.check_first([key])
         at, begin = self._where(key)
+        self._lease(at.name, math.prod(s.indices(n)[1] - s.indices(n)[0] for s, n in zip(slices, spec.shape)) * spec.dtype.itemsize)
         t = _tread.read_block(at, key, begin, spec.shape, spec.dtype, slices)
         stats.bytes_read += t.numel() * t.element_size()
         return t
@@ -694,6 +730,7 @@ class CheckpointReader:
         except BaseException:
             os.close(fd)
             raise
+        self._drop_map(name)
         old = self._fds.pop(name, None)
         if old is not None:
             os.close(old)
@@ -754,7 +791,38 @@ class CheckpointReader:
                 self._specs.pop(k, None)
                 self._spans.pop(k, None)
 
+    @contextlib.contextmanager
+    def reading(self):
+        """A span of reads (one load: its check and its copies): inside it the files read are
+        mapped under a read lease (:mod:`~.leased`), so the check hashes the mapped pages, the
+        copies copy from them, and no writer changes a file between the two; the leases are
+        given back when the outermost span ends. Spans nest; :meth:`read_many`,
+        :meth:`copy_into` and :meth:`get_slice` open their own."""
+        self._span_depth += 1
+        try:
+            yield self
+        finally:
+            self._span_depth -= 1
+            if not self._span_depth:
+                for name in list(self._maps):
+                    self._drop_map(name)
+
+    def _lease(self, name: str, nbytes: int) -> None:
+        """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or
+        more of it at once (once; None remembered where no lease can be had), so reads of its
+        descriptor copy from the mapping. Smaller reads go through ``preadv``: a mapping's setup
+        and teardown cost tens of microseconds."""
+        if self._span_depth and nbytes >= _MAP_MIN and name not in self._maps:
+            self._maps[name] = _leased.take(self._fd(name))
+
+    def _drop_map(self, name: str) -> None:
+        m = self._maps.pop(name, None)
+        if m is not None:
+            m.release()
+
     def close(self) -> None:
+        for name in list(self._maps):
+            self._drop_map(name)
         self._handles.clear()  # safe_open handles of the headers' private copies (st_header.validate_header)
         fds, self._fds = self._fds, {}
         for fd in fds.values():

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, LoadError
-from . import ownership
+from . import leased, ownership
 from . import pread as _pread
 from .libc import libc_function
 from .writer import tensor_bytes
@@ -367,6 +367,8 @@ def _fill(
     :data:`WINDOW` bytes row by row of its own dim 0."""
     if not out.numel():
         return
+    if _mapped_fill(at, key, begin, shape, dtype, bounds, out):
+        return
     item = dtype.itemsize
     lens = tuple(hi - lo for lo, hi in bounds)
     starts = [lo for lo, _ in bounds]
@@ -387,6 +389,39 @@ def _fill(
             _fill(at, key, begin + r * row, shape[1:], dtype, bounds[1:], out[r - lo])
     else:
         _rows(at, key, begin, shape, dtype, bounds, out)
+
+
+def _mapped_fill(
+    at: Where, key: str, begin: int, shape: tuple[int, ...], dtype: torch.dtype, bounds: list[tuple[int, int]], out: torch.Tensor
+) -> bool:
+    """:func:`_fill` from the file's leased mapping (:mod:`~.leased`), when the load holds one:
+    ``copy_`` of the block's view of the mapped tensor into ``out`` (strides and dtype
+    conversion by torch, one copy), in pieces of whole dim-0 rows of about :data:`CHUNK` stored
+    bytes, the lease checked before each; the rows left when it breaks go through :func:`_fill`'s
+    ``preadv`` paths. False (nothing read) without a mapping."""
+    m = leased.mapping(at.fd)
+    if m is None or not m.intact():
+        return False
+    item = dtype.itemsize
+    row = math.prod(shape[1:]) * item
+    src = m.tensor(begin, math.prod(shape) * item)
+    if src is None:
+        return False  # past the end of the file: the preadv paths name it
+    try:
+        src = src.view(dtype).view(shape)
+        inner = tuple(slice(a, b) for a, b in bounds[1:])
+        lo, hi = bounds[0]
+        per = max(1, CHUNK // max(1, row))
+        for r0 in range(lo, hi, per):
+            r1 = min(hi, r0 + per)
+            if r0 > lo and not m.intact():
+                rest = out[r0 - lo :]
+                _fill(at, key, begin, shape, dtype, [(r0, hi), *bounds[1:]], rest)
+                return True
+            out[r0 - lo : r1 - lo].copy_(src[(slice(r0, r1), *inner)])
+    finally:
+        del src  # (over the mapping: never kept past the span)
+    return True
 
 
 class _Span:

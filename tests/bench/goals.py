@@ -192,6 +192,17 @@ def check(dst: dict, sd: dict, what: str) -> None:
         raise AssertionError(f"{what}: {len(bad)} tensors loaded wrong, first {bad[0]!r}")
 
 
+def load_unmapped(dst, path: str) -> None:
+    """``checkpoint.load(dst, path)`` with every read through ``preadv`` (no leased mapping)."""
+    from checkpoint.storage import leased
+
+    leased.enabled = False
+    try:
+        checkpoint.load(dst, path)
+    finally:
+        leased.enabled = True
+
+
 def prepared(sd: dict, root: str) -> tuple[str, str, dict]:
     """Our checkpoint and safetensors' file of ``sd`` under ``root``, and warm targets."""
     os.makedirs(root, exist_ok=True)
@@ -213,7 +224,8 @@ def block_load(sd: dict, media: list[tuple[str, str]], n: int) -> None:
         load_avg("before")
         try:
             t = rounds({"ours": lambda: checkpoint.load(dst, ours), "safetensors": lambda: st_load(st_file, dst),
-                        "raw": raw, "unchecked": lambda: load_unchecked(dst, ours)}, n)  # fmt: skip
+                        "raw": raw, "unchecked": lambda: load_unchecked(dst, ours),
+                        "unmapped": lambda: load_unmapped(dst, ours)}, n)  # fmt: skip
         finally:
             raw.close()
         check(dst, sd, "load")
@@ -223,6 +235,7 @@ def block_load(sd: dict, media: list[tuple[str, str]], n: int) -> None:
         print(ratio_line("load vs raw multi-threaded preadv", t["raw"], t["ours"], 0.95))
         print(ratio_line("load vs the same load unchecked (what the digests cost)", t["unchecked"], t["ours"], None))
         print(ratio_line("unchecked load vs raw multi-threaded preadv", t["raw"], t["unchecked"], None))
+        print(ratio_line("load vs the same load without leased mappings (preadv only)", t["unmapped"], t["ours"], None))
         load_avg("after")
         shutil.rmtree(root, ignore_errors=True)
 

@@ -1,0 +1,195 @@
+"""A load reads its files from mappings held under a read lease (checkpoint.storage.leased):
+a writer or a truncation that comes between the check and the copies waits until the load ends,
+so the bytes copied are the bytes checked and no mapped read can meet a cut file (SIGBUS); where
+no lease can be had, every read goes through preadv and the load is the same."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.storage import leased
+from checkpoint.storage.reader import CheckpointReader, open_checkpoint
+from tests.helpers import assert_same_state
+
+
+def _leases_here(root) -> bool:
+    path = os.path.join(root, "probe")
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = leased.take(fd)
+        if m is not None:
+            m.release()
+        return m is not None
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    if not _leases_here(tmp_path):
+        pytest.skip("no read leases on this filesystem or platform")
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}  # 2 MiB each: mapped
+    root = str(tmp_path / "ckpt")
+    checkpoint.save(sd, root)
+    (shard,) = [f for f in os.listdir(root) if f.endswith(".safetensors")]
+    return sd, root, os.path.join(root, shard)
+
+
+def _after_check(monkeypatch, action):
+    """Run ``action(reader)`` right after the load's check (its first ``check_first``; the copies'
+    own call finds every tensor checked), before any copy."""
+    original = CheckpointReader.check_first
+    calls = []
+
+    def check_then(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            action(self)
+        return out
+
+    monkeypatch.setattr(CheckpointReader, "check_first", check_then)
+
+
+def _spy(action):
+    original = CheckpointReader.check_first
+
+    def check_then(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        action(self)
+        return out
+
+    return check_then
+
+
+def _wait_broken(reader: CheckpointReader) -> None:
+    """Until the lease of every mapped file reports a writer waiting (bounded: a hang guard)."""
+    maps = [m for m in reader._maps.values() if m is not None]
+    assert maps, "the load mapped no file under a lease"
+    for m in maps:
+        for _ in range(20000):
+            if not m.intact():
+                break
+            threading.Event().wait(0.001)
+        assert not m.intact()
+
+
+def test_load_maps_under_a_lease_and_gives_it_back(saved, monkeypatch):
+    sd, root, shard = saved
+    seen = []
+    monkeypatch.setattr(CheckpointReader, "check_first", _spy(lambda r: seen.append([(n, m.intact()) for n, m in r._maps.items() if m is not None])))
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, root)
+    assert seen and all(s == [(os.path.basename(shard), True)] for s in seen)  # mapped and leased
+    assert_same_state(dst, sd)
+    assert leased._by_fd == {}
+    fd = os.open(shard, os.O_WRONLY)  # the lease is given back: a writer opens at once
+    os.close(fd)
+
+
+def test_writer_between_check_and_copies_waits_for_the_load(saved, monkeypatch):
+    sd, root, shard = saved
+    with open(shard, "rb") as f:
+        before = f.read()
+    offset = len(before) - 1  # the last byte of the last tensor
+    opened = []
+
+    def flip() -> None:
+        with open(shard, "r+b") as f:  # waits while the load holds its lease
+            opened.append(True)
+            f.seek(offset)
+            f.write(bytes([before[offset] ^ 0xFF]))
+
+    writer = threading.Thread(target=flip)
+
+    def start_writer(reader):
+        writer.start()
+        _wait_broken(reader)  # the writer waits in open(); the copies run now
+        assert not opened
+
+    _after_check(monkeypatch, start_writer)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, root)
+    writer.join(timeout=120)
+    assert opened == [True]
+    assert_same_state(dst, sd)  # the bytes checked, not the flipped ones
+    with open(shard, "rb") as f:
+        after = f.read()
+    assert after[offset] == before[offset] ^ 0xFF and after[:offset] == before[:offset]
+
+
+def test_truncation_between_check_and_copies_waits_no_sigbus(saved, monkeypatch):
+    sd, root, shard = saved
+    size = os.path.getsize(shard)
+    child = []
+
+    def truncate_from_another_process(reader):
+        child.append(subprocess.Popen([sys.executable, "-c", f"import os; os.truncate({shard!r}, 8)"]))
+        _wait_broken(reader)
+
+    _after_check(monkeypatch, truncate_from_another_process)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, root)  # a mapped copy of a cut file would end this process by SIGBUS
+    assert child[0].wait(timeout=120) == 0
+    assert_same_state(dst, sd)
+    assert os.path.getsize(shard) == 8 and size > 8
+
+
+def test_file_open_for_writing_loads_without_a_mapping(saved, monkeypatch):
+    sd, root, shard = saved
+    taken = []
+    original = leased.take
+    monkeypatch.setattr(leased, "take", lambda fd: taken.append(original(fd)) or taken[-1])
+    with open(shard, "r+b"):  # a read lease cannot be had while the file is open for writing
+        dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+        checkpoint.load(dst, root)
+    assert taken == [None]
+    assert_same_state(dst, sd)
+
+
+def test_own_sigurg_handler_means_no_lease(saved):
+    sd, root, _ = saved
+    got = []
+    old = signal.signal(signal.SIGURG, lambda *a: got.append(a))
+    try:
+        assert not leased.usable()
+        dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+        checkpoint.load(dst, root)
+    finally:
+        signal.signal(signal.SIGURG, old)
+    assert_same_state(dst, sd)
+    assert got == [] and leased._by_fd == {}
+
+
+def test_mapped_and_unmapped_reads_agree_on_every_read(saved, monkeypatch):
+    sd, root, _ = saved
+    outs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(leased, "enabled", enabled)
+        with open_checkpoint(root) as r:
+            got = {k: torch.zeros_like(v) for k, v in sd.items()}
+            r.read_many(list(got.items()))
+            col = torch.zeros(512, 100)
+            r.copy_into("w1", col, [slice(0, 512), slice(300, 400)], check=True)
+            half = torch.zeros(256, 1024, dtype=torch.float64)
+            r.copy_into("w2", half, [slice(256, 512), slice(0, 1024)])
+            outs.append((got, col, half, r.get_slice("w3", [slice(0, 512), slice(7, 1000)])))
+        assert leased._by_fd == {}
+    (a, *ra), (b, *rb) = outs
+    assert_same_state(a, sd)
+    assert_same_state(b, sd)
+    for x, y in zip(ra, rb):
+        assert torch.equal(x, y)
+    assert torch.equal(ra[0], sd["w1"][:, 300:400]) and torch.equal(ra[1], sd["w2"][256:].double())
