@@ -52,6 +52,8 @@ it) are refused the same way instead of loading a mix.
 
 from __future__ import annotations
 
+import contextlib
+
 import io
 import json
 import math
@@ -328,8 +330,12 @@ class StorageReader(Located, dcp_storage.StorageReader):
         try:
             for item in plan.items:
                 _check_known(src, self.storage_data, item)
-            self._check_first(src, plan, planner, _checks_of(plan))
-            self._read(src, plan, planner)
+            with contextlib.ExitStack() as span:  # the check and the copies under one lease per file
+                for r in src.readers:
+                    if hasattr(r, "reading"):
+                        span.enter_context(r.reading())
+                self._check_first(src, plan, planner, _checks_of(plan))
+                self._read(src, plan, planner)
         finally:
             self._close()
         fut: Future[None] = Future()

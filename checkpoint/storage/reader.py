@@ -6,9 +6,11 @@ missing, an entry leading outside the directory, a tensor missing from its file 
 files, a corrupt header. Headers are validated by ``safetensors.safe_open`` (which also rejects
 overlapping / out-of-range offsets, size-vs-shape mismatches and truncated files) on a private
 copy of the header bytes read through the reader's descriptor
-(:func:`~.st_header.validate_header`: no file of the checkpoint is ever mapped, so a file cut
+(:func:`~.st_header.validate_header`: a header is never read through a mapping, so a file cut
 while read cannot SIGBUS); tensor bytes are read with ``preadv``, whole tensors or only the
-slices a rank needs.
+slices a rank needs, or, inside a load (:meth:`CheckpointReader.reading`), copied from the file's
+mapping held under a read lease (:mod:`~.leased`), which no writer or truncation can change
+while the lease holds.
 """
 
 from __future__ import annotations
@@ -415,8 +417,9 @@ class CheckpointReader:
         """Tensor ``key`` (or its block ``tensor[slices]``, step-1 slices) into ``out``, a CPU
         tensor of that shape in any dtype and layout (``copy_``'s conversions): the package's one
         block read (:func:`~.tensor_read.copy_into`: the block's runs straight into ``out``, or
-        whole rows through one reused window; no intermediate tensor of the tensor's size, no
-        mapping). False (nothing read) when ``out`` is not on the CPU.
+        whole rows through one reused window, or a ``copy_`` from the leased mapping inside a
+        :meth:`reading` span; no intermediate tensor of the tensor's size). False (nothing read)
+        when ``out`` is not on the CPU.
 
         ``check``: when the block holds every row (the whole tensor, a ``Shard(1)`` column
         block), the tensor is checked against the index's digest before ``out`` is written

@@ -34,10 +34,13 @@ This is the package's one column-block read: ``get_slice``,
 migrations). One ``pread`` per run (skipping the holes) costs microseconds of Python and
 syscall per run, more than reading a short hole, so holes up to :data:`GAP` are read, not skipped.
 
-Against a copy straight from a memory mapping, the paths that need a second pass over the bytes
-(a converting or strided target, a whole ``get`` into a new tensor) pay one more copy: ``preadv``
-copies every byte from the page cache once, the price of a named error instead of SIGBUS (a
-mapping cannot report a file cut short or an I/O error any other way: see :mod:`~.pread`). Pieces
+Inside a load whose file is mapped under a read lease (:mod:`~.leased`), a block is one
+``copy_`` of the mapped tensor's block into the target (:func:`_mapped_fill`: strides and dtype
+conversion by torch, in pieces of whole rows with the lease checked before each). Without one,
+the paths that need a second pass over the bytes (a converting or strided target, a whole
+``get`` into a new tensor) pay one more copy than a mapping: ``preadv`` copies every byte from
+the page cache once, the price of a named error instead of SIGBUS (an unleased mapping cannot
+report a file cut short or an I/O error any other way: see :mod:`~.pread`). Pieces
 of :data:`CHUNK` bytes read and converted on one thread each keep that second pass in the core's
 cache, and beat one thread reading and an OpenMP team converting on a busy machine (the team
 waits for its slowest thread). A new tensor's first touch (a page fault per 4 KiB page) is paid by
