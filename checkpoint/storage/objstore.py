@@ -126,19 +126,13 @@ class ObjectVersion:
 class ObjectChangedError(CorruptCheckpointError):
     """Object ``file`` is no longer the one a reader opened (:class:`ObjectVersion` ``pinned``):
     overwritten (its ETag no longer matches) or removed (that object or version is gone) since.
-    ``key``: the tensor being read, once a reader names it (:meth:`for_key`)."""
+    ``why`` says so ("changed while being loaded ..."). Readers raise it on as a plain
+    CorruptCheckpointError naming the tensor (one class every rank of a load raises alike)."""
 
-    def __init__(self, file: str, pinned: ObjectVersion, key: str | None = None, gone: bool = False):
+    def __init__(self, file: str, pinned: ObjectVersion, gone: bool = False):
         self.pinned, self.gone = pinned, gone
         what = "removed" if gone else "overwritten"
-        tensor = f"tensor {key!r}: " if key is not None else ""
-        super().__init__(
-            file, f"{tensor}changed while being loaded (the object opened, {pinned}, was {what} since)", key=key
-        )
-
-    def for_key(self, key: str) -> ObjectChangedError:
-        """The same error naming tensor ``key``."""
-        return ObjectChangedError(self.file, self.pinned, key, self.gone)
+        super().__init__(file, f"changed while being loaded (the object opened, {pinned}, was {what} since)")
 
 
 def _changed(e: BaseException) -> bool:
@@ -298,8 +292,9 @@ class ObjectStore:
         """Bytes ``[start, end)`` of object ``name`` (one ranged GET); ``pins`` as :meth:`get_many`.
 
         Raises:
-            FileNotFoundError: no such object (unpinned). ObjectChangedError: ``name`` is pinned
-            and changed. LoadError: the read failed for good.
+            FileNotFoundError: no such object (not pinned).
+            ObjectChangedError: ``name`` is pinned and changed.
+            LoadError: the read failed for good.
         """
         if end <= start:
             return b""

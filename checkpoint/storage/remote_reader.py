@@ -20,8 +20,8 @@ Every read of a shard object is pinned to the object the load opened (S3; see
 the data check, the copies, ``verify``) names that version or sends ``If-Match``. The bytes copied
 into a target are then the bytes checked, even for tensors fetched again for their copy (``Shard(0)``
 row blocks, tensors past :data:`_STAGE_MAX`): on a versioned bucket the checked version is
-copied whatever was written since; otherwise an overwrite is :class:`~.objstore.ObjectChangedError`
-(a CorruptCheckpointError naming object and tensor: "changed while being loaded"), never unknown
+copied whatever was written since; otherwise an overwrite (or removal) is a
+CorruptCheckpointError naming object and tensor ("changed while being loaded"), never unknown
 bytes. :meth:`RemoteCheckpointReader.confirm_unchanged` (one HEAD per object, run by a load after
 its check) raises it before any target is written.
 """
@@ -64,7 +64,8 @@ _VERIFY_CHUNK = 16 << 20
 _READ_AHEAD = 64 << 20  # bytes fetched ahead at once (RemoteCheckpointReader.expect)
 _RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
 # Bytes of checked tensors kept between a load's check and its copies (RemoteCheckpointReader.check_first):
-# a tensor kept is fetched once; past this, a tensor is fetched again for its copy (memory bounded).
+# a tensor kept is fetched once; past this, a tensor is fetched again for its copy (memory bounded), from
+# the object version it was checked in (RemoteCheckpointReader._pins).
 _STAGE_MAX = 1 << 30
 
 class RemoteCheckpointReader(CheckpointReader):
@@ -111,14 +112,17 @@ class RemoteCheckpointReader(CheckpointReader):
         that version fails the load).
 
         Raises:
-            ObjectChangedError: an object was overwritten or removed since it was opened (a
-                CorruptCheckpointError naming its URL: "changed while being loaded").
+            CorruptCheckpointError: an object was overwritten or removed since it was opened
+                (its URL named: "changed while being loaded").
             LoadError: a HEAD failed for good.
         """
         if not self._pins:
             return
         due = {f for k, f in self._key_file.items() if k not in self._staged}
-        self.store.check_versions({f: v for f, v in self._pins.items() if f in due})
+        try:
+            self.store.check_versions({f: v for f, v in self._pins.items() if f in due})
+        except ObjectChangedError as e:
+            raise CorruptCheckpointError(e.file, e.why) from None
 
     # -- headers --------------------------------------------------------------------------------
     def _open_file(self, name: str):
@@ -170,7 +174,8 @@ class RemoteCheckpointReader(CheckpointReader):
 
         Raises:
             CorruptCheckpointError: an object shorter than its index says, or a whole tensor's
-                bytes differ from its digest.
+                bytes differ from its digest, or its object changed since it was opened ("changed
+                while being loaded": URL and tensor named, ``out`` unchanged).
             LoadError: a ranged GET fails.
         """
         if not out.is_cpu:
@@ -224,7 +229,7 @@ class RemoteCheckpointReader(CheckpointReader):
         try:
             self._fill_spans(dst, name, spans, key)
         except ObjectChangedError as e:
-            raise e.for_key(key) from None
+            raise CorruptCheckpointError(e.file, f"tensor {key!r}: {e.why}", key=key) from None
         except LoadError as e:
             raise LoadError(key, e.file, str(e).split(" failed: ", 1)[-1]) from None
         except CorruptCheckpointError as e:
@@ -243,7 +248,8 @@ class RemoteCheckpointReader(CheckpointReader):
 
         Raises:
             CorruptCheckpointError: a tensor's bytes differ from its digest, or its object is
-                shorter than its index says (URL and tensor named); no target written.
+                shorter than its index says, or changed since it was opened ("changed while
+                being loaded") (URL and tensor named); no target written.
             LoadError: a ranged GET fails.
         """
         chunk = self.digest_chunk
