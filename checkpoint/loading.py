@@ -266,6 +266,9 @@ def load(
         try:  # (each rank checks its own row keys: agreed, as ranks may load different tensors)
             for k in sorted(rows):
                 reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
+            confirm = getattr(reader, "confirm_unchanged", None)  # object storage: nothing overwritten since the check
+            if confirm is not None:
+                confirm()
         except BaseException as e:  # noqa: BLE001 - agreed across ranks below
             err = e
         if collective:

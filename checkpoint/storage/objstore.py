@@ -15,6 +15,12 @@ file; a file of known size within that budget is one PUT (no multipart requests:
 ``tests/bench/s3_save_load.py``, a multipart completion costs as much as a part). Other backends get the same bounded buffering in
 front of ``fs.open(..., "wb")``. Multipart calls go through s3fs's ``call_s3`` (s3fs's own file
 object uploads one part at a time).
+
+Reads can be pinned to the object a reader opened (``pins``, an :class:`ObjectVersion` per
+name): on S3 each later GET names the ``VersionId`` the first one answered (a versioned bucket
+keeps serving those bytes after an overwrite), else sends ``If-Match: <ETag>`` (S3 refuses it
+with 412 once the object changed), so a reader never mixes bytes of two objects under one name:
+a change is :class:`ObjectChangedError`. Other backends have no object identity: no pinning.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..testing import faults
-from ..errors import LoadError, UnsupportedStorageError
+from ..errors import CorruptCheckpointError, LoadError, UnsupportedStorageError
 from .secrets import register, scrub, scrubber
 from .urls import redact_url, url_scheme
 from . import ownership
@@ -85,6 +91,54 @@ def _precondition_failed(e: BaseException) -> bool:
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (412, 409):
                 return True
     return isinstance(e, FileExistsError)
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """Which object's bytes a reader saw under one name (S3): its ``VersionId`` on a versioned
+    bucket (a GET naming it returns those bytes even after an overwrite), else its ``ETag`` (a
+    GET with ``If-Match`` is refused once another object replaced it). S3's version ``"null"``
+    (an unversioned or suspended bucket: an overwrite replaces it) counts as no version."""
+
+    etag: str | None = None
+    version_id: str | None = None
+
+    @classmethod
+    def of(cls, response: Mapping) -> ObjectVersion | None:
+        """The version a GetObject / HeadObject response names; None when it names none."""
+        vid = response.get("VersionId") or None
+        etag = response.get("ETag") or None
+        vid = None if vid == "null" else vid
+        return cls(etag, vid) if etag or vid else None
+
+    def request_args(self) -> dict[str, str]:
+        """GetObject / HeadObject arguments that read exactly this object, or fail."""
+        return {"VersionId": self.version_id} if self.version_id else {"IfMatch": self.etag or ""}
+
+    def same(self, other: ObjectVersion) -> bool:
+        """Whether response version ``other`` is this object (same version id, else same ETag)."""
+        return other.version_id == self.version_id if self.version_id else other.etag == self.etag
+
+    def __str__(self) -> str:
+        return f"version {self.version_id}" if self.version_id else f"ETag {self.etag}"
+
+
+class ObjectChangedError(CorruptCheckpointError):
+    """Object ``file`` is no longer the one a reader opened (:class:`ObjectVersion` ``pinned``):
+    overwritten (its ETag no longer matches) or removed (that object or version is gone) since.
+    ``why`` says so ("changed while being loaded ..."). Readers raise it on as a plain
+    CorruptCheckpointError naming the tensor (one class every rank of a load raises alike)."""
+
+    def __init__(self, file: str, pinned: ObjectVersion, gone: bool = False):
+        self.pinned, self.gone = pinned, gone
+        what = "removed" if gone else "overwritten"
+        super().__init__(file, f"changed while being loaded (the object opened, {pinned}, was {what} since)")
+
+
+def _changed(e: BaseException) -> bool:
+    """Whether a pinned GET / HEAD failed because the object changed: 412 on ``If-Match``, or
+    no such key or version (s3fs: FileNotFoundError)."""
+    return isinstance(e, FileNotFoundError) or _precondition_failed(e)
 
 
 @dataclass
@@ -191,7 +245,7 @@ class ObjectStore:
         for attempt in range(self.transfer.retries + 1):
             try:
                 return fn(*args, **kwargs)
-            except FileNotFoundError:
+            except (FileNotFoundError, ObjectChangedError):
                 raise
             except Exception as e:  # noqa: BLE001 - classified, then retried or reported
                 if kwargs.get("IfMatch") or kwargs.get("IfNoneMatch"):
@@ -212,56 +266,155 @@ class ObjectStore:
     # -- reads: a failure for good is a LoadError naming the object ---------------------------
     def read(self, name: str, fn, *args, **kwargs):
         """:meth:`call` for reads: a failure that stays is :class:`~checkpoint.errors.LoadError`
-        naming object ``name`` (FileNotFoundError passes through)."""
+        naming object ``name`` (FileNotFoundError and :class:`ObjectChangedError` pass through)."""
         try:
             return self.call(f"reading {self.url_of(name)}", fn, *args, **kwargs)
         except ObjectStoreError as e:
             raise LoadError(name, self.url_of(name), str(e)) from None
 
     def get(self, name: str) -> bytes | None:
-        """The whole object ``name``; None when it does not exist.
+        """The whole object ``name``; None when it does not exist. On S3 one GET (the bytes of
+        one object, however large; no HEAD first).
 
         Raises:
             LoadError: the read failed for good (after the retries)."""
         try:
-            data = self.read(name, self.fs.cat_file, self.key(name))
+            if self.s3:
+                data = self._pinned([(name, None, None)], {})[0]
+            else:
+                data = self.read(name, self.fs.cat_file, self.key(name))
         except FileNotFoundError:
             return None
         stats.bytes_read += len(data)
         return data
 
-    def get_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of object ``name`` (one ranged GET).
+    def get_range(self, name: str, start: int, end: int, pins: dict[str, ObjectVersion] | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``name`` (one ranged GET); ``pins`` as :meth:`get_many`.
 
         Raises:
-            FileNotFoundError: no such object. LoadError: the read failed for good.
+            FileNotFoundError: no such object (not pinned).
+            ObjectChangedError: ``name`` is pinned and changed.
+            LoadError: the read failed for good.
         """
         if end <= start:
             return b""
-        data = self.read(name, self.fs.cat_file, self.key(name), start=start, end=end)
+        if pins is not None and self.s3:
+            data = self._pinned([(name, start, end)], pins)[0]
+        else:
+            data = self.read(name, self.fs.cat_file, self.key(name), start=start, end=end)
         stats.ranged_gets += 1
         stats.bytes_read += len(data)
         return data
 
-    def get_ranges(self, name: str, spans: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Several byte ranges of one object (ranged GETs sent concurrently by fsspec)."""
-        data = self.get_many([(name, s, e) for s, e in spans])
+    def get_ranges(
+        self, name: str, spans: Sequence[tuple[int, int]], pins: dict[str, ObjectVersion] | None = None
+    ) -> list[bytes]:
+        """Several byte ranges of one object (ranged GETs sent concurrently); ``pins`` as :meth:`get_many`."""
+        data = self.get_many([(name, s, e) for s, e in spans], pins)
         stats.bytes_read += sum(len(d) for d in data)
         return data
 
-    def get_many(self, spans: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Byte ranges ``(name, start, end)`` of any objects, the GETs sent concurrently by fsspec."""
+    def get_many(
+        self, spans: Sequence[tuple[str, int, int]], pins: dict[str, ObjectVersion] | None = None
+    ) -> list[bytes]:
+        """Byte ranges ``(name, start, end)`` of any objects, the GETs sent concurrently.
+
+        ``pins`` (S3; ignored elsewhere): the objects a reader opened, updated in place: a name
+        in it is read at that :class:`ObjectVersion` only; a name not in it is read as it is
+        now and its version recorded there (the first read of an object pins it).
+
+        Raises:
+            ObjectChangedError: a pinned object was overwritten or removed, or two GETs of one
+                object not pinned yet answered different versions. FileNotFoundError: an object
+                not pinned does not exist. LoadError: a read failed for good.
+        """
         if not spans:
             return []
-        data = self.read(
-            spans[0][0], self.fs.cat_ranges, [self.key(n) for n, _, _ in spans], [s for _, s, _ in spans],
-            [e for _, _, e in spans], on_error="raise",
-        )  # fmt: skip
-        for (name, _, _), d in zip(spans, data):
-            if isinstance(d, BaseException):
-                raise LoadError(name, self.url_of(name), f"{type(d).__name__}: {self.scrub(str(d))}")
+        if pins is not None and self.s3:
+            data = self._pinned(spans, pins)
+        else:
+            data = self.read(
+                spans[0][0], self.fs.cat_ranges, [self.key(n) for n, _, _ in spans], [s for _, s, _ in spans],
+                [e for _, _, e in spans], on_error="raise",
+            )  # fmt: skip
+            for (name, _, _), d in zip(spans, data):
+                if isinstance(d, BaseException):
+                    raise LoadError(name, self.url_of(name), f"{type(d).__name__}: {self.scrub(str(d))}")
         stats.ranged_gets += len(spans)
         return data
+
+    # -- pinned reads (S3) ----------------------------------------------------------------------
+    async def _get_object(self, name: str, start: int | None, end: int | None, pin: ObjectVersion | None):
+        """One GetObject of ``name`` (bytes ``[start, end)``, or all of it when ``start`` is
+        None) at ``pin``: ``(bytes, the version the response names)``."""
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        args = pin.request_args() if pin is not None else {}
+        if start is not None:
+            args["Range"] = f"bytes={start}-{end - 1}"
+        try:
+            r = await self.fs._call_s3("get_object", Bucket=bucket, Key=path, **args)
+            async with r["Body"] as body:
+                data = await body.read()
+        except Exception as e:
+            if pin is not None and _changed(e):
+                raise ObjectChangedError(self.url_of(name), pin, gone=isinstance(e, FileNotFoundError)) from None
+            raise
+        got = ObjectVersion.of(r)
+        if pin is not None and got is not None and not pin.same(got):  # a server that ignored the condition
+            raise ObjectChangedError(self.url_of(name), pin)
+        return data, got
+
+    async def _head_object(self, name: str, pin: ObjectVersion) -> None:
+        """One HeadObject of ``name`` at ``pin``: ObjectChangedError when it is no longer there."""
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        try:
+            r = await self.fs._call_s3("head_object", Bucket=bucket, Key=path, **pin.request_args())
+        except Exception as e:
+            if _changed(e):
+                raise ObjectChangedError(self.url_of(name), pin, gone=isinstance(e, FileNotFoundError)) from None
+            raise
+        got = ObjectVersion.of(r)
+        if got is not None and not pin.same(got):
+            raise ObjectChangedError(self.url_of(name), pin)
+
+    def _gather(self, name: str, coros: list) -> list:
+        """Run ``coros`` concurrently on s3fs's loop (fsspec's batch size at a time), with the
+        retries of :meth:`read`; the first failure raised (an :class:`ObjectChangedError` first)."""
+        from fsspec.asyn import _run_coros_in_chunks, sync
+
+        async def run(fresh):
+            got = await _run_coros_in_chunks(fresh(), nofiles=True, return_exceptions=True)
+            errors = [g for g in got if isinstance(g, BaseException)]
+            if errors:
+                raise next((g for g in errors if isinstance(g, ObjectChangedError)), errors[0])
+            return got
+
+        return self.read(name, sync, self.fs.loop, run, coros)
+
+    def _pinned(self, spans: Sequence[tuple[str, int | None, int | None]], pins: dict[str, ObjectVersion]) -> list[bytes]:
+        """GETs ``spans`` at ``pins`` (see :meth:`get_many`), concurrently."""
+        got = self._gather(spans[0][0], lambda: [self._get_object(n, s, e, pins.get(n)) for n, s, e in spans])
+        seen: dict[str, ObjectVersion] = {}
+        for (n, _, _), (_, v) in zip(spans, got):
+            if v is None or n in pins:
+                continue
+            first = seen.setdefault(n, v)
+            if not first.same(v):
+                raise ObjectChangedError(self.url_of(n), first)
+        pins.update(seen)
+        return [d for d, _ in got]
+
+    def check_versions(self, pins: Mapping[str, ObjectVersion]) -> None:
+        """One HEAD per object of ``pins`` (sent concurrently; S3 only) at its pinned version:
+        whether each is still the object a reader opened.
+
+        Raises:
+            ObjectChangedError: one was overwritten or removed since (the first by name).
+            LoadError: a HEAD failed for good."""
+        if not pins or not self.s3:
+            return
+        names = sorted(pins)
+        self._gather(names[0], lambda: [self._head_object(n, pins[n]) for n in names])
 
     def listing(self) -> dict[str, tuple[str, int]]:
         """``{name: (kind, size)}`` of what lies directly under the prefix (kind ``"file"`` or
@@ -655,4 +808,4 @@ def open_store(
     return ObjectStore(url, fs, root, storage_options, transfer or TransferConfig())
 
 
-__all__ = ["ObjectStore", "ObjectWriter", "ObjectStoreError", "PreconditionFailed", "TransferConfig", "open_store", "is_transient", "stats"]
+__all__ = ["ObjectStore", "ObjectWriter", "ObjectStoreError", "ObjectChangedError", "ObjectVersion", "PreconditionFailed", "TransferConfig", "open_store", "is_transient", "stats"]

@@ -13,6 +13,17 @@ Headers are validated by safetensors itself: its Python API validates a header o
 fetched header bytes go through the local reader's own check
 (:func:`~.st_header.header_of_bytes`: a sealed in-memory copy of the object's size, the data a
 hole, opened with ``safe_open``; no data bytes stored or fetched).
+
+Every read of a shard object is pinned to the object the load opened (S3; see
+:mod:`checkpoint.storage.objstore`): the first GET of each shard (its header) records its
+``VersionId`` (a versioned bucket) or ``ETag``, and every later GET of it (the rest of the header,
+the data check, the copies, ``verify``) names that version or sends ``If-Match``. The bytes copied
+into a target are then the bytes checked, even for tensors fetched again for their copy (``Shard(0)``
+row blocks, tensors past :data:`_STAGE_MAX`): on a versioned bucket the checked version is
+copied whatever was written since; otherwise an overwrite (or removal) is a
+CorruptCheckpointError naming object and tensor ("changed while being loaded"), never unknown
+bytes. :meth:`RemoteCheckpointReader.confirm_unchanged` (one HEAD per object, run by a load after
+its check) raises it before any target is written.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from ..errors import (
 from . import digest as _digest
 from . import paths
 from .format import MODEL_PREFIX, FileRecordV2, index_name
+from .objstore import ObjectChangedError, ObjectVersion
 from .layout import ST_TO_DTYPE
 from .read_check import row_chunks
 from .reader import (
@@ -52,14 +64,18 @@ _VERIFY_CHUNK = 16 << 20
 _READ_AHEAD = 64 << 20  # bytes fetched ahead at once (RemoteCheckpointReader.expect)
 _RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
 # Bytes of checked tensors kept between a load's check and its copies (RemoteCheckpointReader.check_first):
-# a tensor kept is fetched once; past this, a tensor is fetched again for its copy (memory bounded).
+# a tensor kept is fetched once; past this, a tensor is fetched again for its copy (memory bounded), from
+# the object version it was checked in (RemoteCheckpointReader._pins).
 _STAGE_MAX = 1 << 30
 
 class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
     a ranged GET (``root`` is the checkpoint's URL)."""
 
-    def __init__(self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int]):
+    def __init__(
+        self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int],
+        pins: dict[str, ObjectVersion] | None = None,
+    ):  # fmt: skip
         store = view.store
         super().__init__(store.url, index, store.url_of(index_name_) if index_name_ else None, key_file)
         self.view, self.store, self._sizes = view, store, sizes
@@ -67,6 +83,46 @@ class RemoteCheckpointReader(CheckpointReader):
         self._totals: dict[str, int] = {}  # data bytes per shard header (verify)
         self._heads: dict[str, bytes] = {}  # first bytes of each shard, fetched together
         self._staged: dict[str, memoryview] = {}  # tensors check_first fetched, kept for their copy
+        # The version of each shard object its first GET answered (S3): every later GET reads that one.
+        # None: a store without pinned reads (it has no ``check_versions``).
+        self._pins = pins if pins is not None else ({} if hasattr(store, "check_versions") else None)
+
+    def _range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of shard object ``name``, at its pinned version."""
+        if self._pins is None:
+            return self.store.get_range(name, start, end)
+        return self.store.get_range(name, start, end, pins=self._pins)
+
+    def _many(self, spans: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Byte ranges ``(name, start, end)`` of shard objects, concurrently, at their pinned versions."""
+        if self._pins is None:
+            return self.store.get_many(spans)
+        return self.store.get_many(spans, pins=self._pins)
+
+    def confirm_unchanged(self) -> None:
+        """Confirm, before the copies start, that every shard object this reader opened and may
+        fetch again (a tensor not kept by :meth:`check_first`) is still the object it opened: one
+        HEAD per object at its pinned version (S3; nothing elsewhere). A load runs it after its
+        check, so an overwrite since the open is refused before any target is written.
+
+        What remains possible: on a bucket without versioning, an overwrite between this HEAD
+        and the last ranged GET of the copies is still refused (each GET sends ``If-Match``), but
+        mid-copy: targets copied before it hold the checked bytes, the rest are unchanged. On a
+        versioned bucket the pinned version is read whatever is written since (only removing
+        that version fails the load).
+
+        Raises:
+            CorruptCheckpointError: an object was overwritten or removed since it was opened
+                (its URL named: "changed while being loaded").
+            LoadError: a HEAD failed for good.
+        """
+        if not self._pins:
+            return
+        due = {f for k, f in self._key_file.items() if k not in self._staged}
+        try:
+            self.store.check_versions({f: v for f, v in self._pins.items() if f in due})
+        except ObjectChangedError as e:
+            raise CorruptCheckpointError(e.file, e.why) from None
 
     # -- headers --------------------------------------------------------------------------------
     def _open_file(self, name: str):
@@ -74,13 +130,13 @@ class RemoteCheckpointReader(CheckpointReader):
         where = self.store.url_of(name)
         first = self._heads.pop(name, None)
         if first is None:
-            first = self.store.get_range(name, 0, min(size, _HEAD_GUESS))
+            first = self._range(name, 0, min(size, _HEAD_GUESS))
         if len(first) < 8:
             raise CorruptCheckpointError(where, f"not a valid safetensors file: {size} bytes")
         (n,) = struct.unpack("<Q", first[:8])
         if 8 + n > size:
             raise CorruptCheckpointError(where, f"not a valid safetensors file: header of {n} bytes in {size}")
-        head_bytes = first[: 8 + n] if 8 + n <= len(first) else first + self.store.get_range(name, len(first), 8 + n)
+        head_bytes = first[: 8 + n] if 8 + n <= len(first) else first + self._range(name, len(first), 8 + n)
         head = header_of_bytes(head_bytes, size, where, header_digest=self.recorded_header(name))[1]
         self._totals[name] = sum(
             v["data_offsets"][1] - v["data_offsets"][0] for k, v in head.items() if k != "__metadata__"
@@ -118,7 +174,8 @@ class RemoteCheckpointReader(CheckpointReader):
 
         Raises:
             CorruptCheckpointError: an object shorter than its index says, or a whole tensor's
-                bytes differ from its digest.
+                bytes differ from its digest, or its object changed since it was opened ("changed
+                while being loaded": URL and tensor named, ``out`` unchanged).
             LoadError: a ranged GET fails.
         """
         if not out.is_cpu:
@@ -171,6 +228,8 @@ class RemoteCheckpointReader(CheckpointReader):
         good is a LoadError naming tensor ``key``)."""
         try:
             self._fill_spans(dst, name, spans, key)
+        except ObjectChangedError as e:
+            raise CorruptCheckpointError(e.file, f"tensor {key!r}: {e.why}", key=key) from None
         except LoadError as e:
             raise LoadError(key, e.file, str(e).split(" failed: ", 1)[-1]) from None
         except CorruptCheckpointError as e:
@@ -189,7 +248,8 @@ class RemoteCheckpointReader(CheckpointReader):
 
         Raises:
             CorruptCheckpointError: a tensor's bytes differ from its digest, or its object is
-                shorter than its index says (URL and tensor named); no target written.
+                shorter than its index says, or changed since it was opened ("changed while
+                being loaded") (URL and tensor named); no target written.
             LoadError: a ranged GET fails.
         """
         chunk = self.digest_chunk
@@ -245,7 +305,7 @@ class RemoteCheckpointReader(CheckpointReader):
                 last[3].append(span)
             else:
                 ranges.append([name, b, e, [span]])
-        for (name, lo, hi, spans), data in zip(ranges, self.store.get_many([(n, lo, hi) for n, lo, hi, _ in ranges])):
+        for (name, lo, hi, spans), data in zip(ranges, self._many([(n, lo, hi) for n, lo, hi, _ in ranges])):
             if len(data) != hi - lo:
                 raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {hi - lo} bytes at {lo})")
             view = memoryview(data)
@@ -270,7 +330,7 @@ class RemoteCheckpointReader(CheckpointReader):
             return
         lo, hi = spans[0][0], spans[-1][1]
         if len(spans) == 1 or hi - lo <= 2 * need:
-            data = self.store.get_range(name, lo, hi)
+            data = self._range(name, lo, hi)
             if len(data) != hi - lo:
                 raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {hi - lo} bytes at {lo})")
             at = 0
@@ -279,7 +339,8 @@ class RemoteCheckpointReader(CheckpointReader):
                 at += e - b
         else:
             at = 0
-            for (b, e), data in zip(spans, self.store.get_ranges(name, spans)):
+            got = self.store.get_ranges(name, spans) if self._pins is None else self.store.get_ranges(name, spans, pins=self._pins)
+            for (b, e), data in zip(spans, got):
                 if len(data) != e - b:
                     raise CorruptCheckpointError(self.store.url_of(name), f"object ends early ({len(data)} of {e - b} bytes at {b})")
                 dst[at : at + e - b] = data
@@ -305,8 +366,8 @@ class RemoteCheckpointReader(CheckpointReader):
     def _hash_object(self, name: str, rec) -> FileDigestCheck:
         """Format-version-2 digests of object ``name``, read in ranged pieces of 16 MiB."""
         size = self._sizes[name]
-        (n,) = struct.unpack("<Q", self.store.get_range(name, 0, 8))
-        header = _digest.hexdigest(self.store.get_range(name, 0, 8 + n))
+        (n,) = struct.unpack("<Q", self._range(name, 0, 8))
+        header = _digest.hexdigest(self._range(name, 0, 8 + n))
         spans = sorted(
             (b, e, k) for k, (b, e) in self._spans.items() if self._key_file.get(k) == name
         )
@@ -314,7 +375,7 @@ class RemoteCheckpointReader(CheckpointReader):
         for b, e, k in spans:
             h = _digest.tensor_hasher(self.digest_chunk)
             for lo in range(b, e, _VERIFY_CHUNK):
-                h.update(self.store.get_range(name, lo, min(e, lo + _VERIFY_CHUNK)))
+                h.update(self._range(name, lo, min(e, lo + _VERIFY_CHUNK)))
             tensors[k] = h.hexdigest()
         if not isinstance(rec, FileRecordV2):  # written by another tool: nothing to compare with
             return FileDigestCheck(size, "xxh3_128", _digest.combine(header, tensors.values()), tensors, None)
@@ -379,10 +440,12 @@ def open_remote_checkpoint(
             store.url_of(obj), f"metadata.fqnckpt.files {sorted(meta.files)} differ from the weight_map's files {files}"
         )
     heads: dict[str, bytes] = {}
+    pins: dict[str, ObjectVersion] | None = {} if hasattr(store, "check_versions") else None
     if meta is not None:  # sizes recorded: every shard's first bytes in one concurrent batch
         sizes = {f: meta.files[f].size for f in files}
-        try:
-            got = store.get_many([(f, 0, min(sizes[f], _HEAD_GUESS)) for f in files])
+        spans = [(f, 0, min(sizes[f], _HEAD_GUESS)) for f in files]
+        try:  # (these GETs pin each object: see RemoteCheckpointReader._pins)
+            got = store.get_many(spans) if pins is None else store.get_many(spans, pins=pins)
         except FileNotFoundError:
             got = None
         if got is None:
@@ -398,7 +461,7 @@ def open_remote_checkpoint(
         missing = [f for f in files if f not in sizes]
         if missing:
             raise MissingShardError(store.url, missing, name)
-    reader = RemoteCheckpointReader(view, index, obj, dict(index.weight_map), sizes)
+    reader = RemoteCheckpointReader(view, index, obj, dict(index.weight_map), sizes, pins)
     reader.check_headers = check_headers
     reader.index_raw = raw
     reader._heads = heads

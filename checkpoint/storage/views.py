@@ -48,6 +48,8 @@ class CheckpointView:
 
     def member_bytes(self, name: str) -> bytes | None:
         """Bytes of file ``name`` of this checkpoint, None when it has none (fetched once)."""
+        if name == MODEL_INDEX:
+            return self.index_raw  # the commit marker this view holds, never fetched again
         if name not in self._cache:
             obj = self.object_of(name)
             if obj is not None:
