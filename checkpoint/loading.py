@@ -138,6 +138,11 @@ def load(
     torch's ``weights_only`` safe set (classes / functions or ``"module.name"`` strings, as
     ``migrate`` takes them): the explicit allow-list an :class:`UnsafePickleError` points to.
 
+    Ranks: a load into DTensors is collective over the ranks of their meshes (each of them calls
+    ``load``; a 1-D sub-mesh's own group, else the default group): they agree on the checkpoint,
+    the digests and the outcome, so a failure on one is raised on all. A load of plain tensors
+    makes no collective (rank 0 alone may load a module while the other ranks wait).
+
     ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): converted while loading
     (:mod:`checkpoint.convert.reader`; planned and checked against ``obj`` before a tensor is read,
     no temporary files), then checked and copied like any source. Each rank computes the targets
@@ -167,7 +172,7 @@ def load(
         OptimizerMismatchError (``checkpoint.optim``): optimizer groups match no saved groups.
         TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module;
             ``optimizer`` / ``extra_state`` for a checkpoint in transformers' on-disk layout.
-        RankAgreementError: another rank failed (when loading DTensors).
+        RankAgreementError: another rank of the DTensors' meshes failed (an argument error included).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
     copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole (or through
     all of its rows, or, across the ranks of a collective load, through their rows: its digest
@@ -176,32 +181,43 @@ def load(
     values, the optimizer and ``extra_state`` are not applied; ``verify=True`` checks every
     file before anything changes.
     """
-    path = resolve(path, storage_options, transfer)
-    local = local_path(path)
-    if recipe is not None and (optimizer is not None or verify or extra_state is not None):
-        raise TypeError("load(recipe=...) reads model tensors only (no optimizer=, extra_state=, verify=): "
-                        "the optimizer and extra state of another layout are not converted")  # fmt: skip
-    if dtype is not None:
-        if not isinstance(obj, torch.nn.Module):
-            raise TypeError("dtype= needs an nn.Module")
-        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
-            raise TypeError(f"dtype= must be a floating point or complex torch.dtype, got {dtype!r}")
-    fmt = dcp_format(local) if recipe is None and local is not None else None
-    if fmt is not None and verify:
-        raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
+    # Collective when this rank holds DTensors: its agreements run on the ranks of their meshes
+    # (_agreement_group), so a rank loading plain tensors (rank 0 alone, a rank outside a
+    # sub-mesh) makes no collective. An argument error before the first agreement is agreed there.
     state = object_state(obj)
-    peft_dir = None  # "both": model part + peft's adapter files; "adapter": a peft adapter directory
-    if isinstance(obj, torch.nn.Module) and find_peft(obj) is not None and recipe is None:
-        # A PeftModel target is planned under the names its files use (checkpoint.peft_state).
-        if fmt is None and local is not None and os.path.isdir(local) and has_adapter(local):
-            peft_dir = "both" if _has_model_part(local) else "adapter"
-        state = adapter_only_state(obj, state) if peft_dir == "adapter" else saved_names_state(obj, state)
     collective = state.has_dtensor and dist.active()
+    span = contextlib.ExitStack()
+    if collective:
+        span.enter_context(dist.using_group(_agreement_group(state)))
     err: BaseException | None = None
+    try:
+        path = resolve(path, storage_options, transfer)
+        local = local_path(path)
+        if recipe is not None and (optimizer is not None or verify or extra_state is not None):
+            raise TypeError("load(recipe=...) reads model tensors only (no optimizer=, extra_state=, verify=): "
+                            "the optimizer and extra state of another layout are not converted")  # fmt: skip
+        if dtype is not None:
+            if not isinstance(obj, torch.nn.Module):
+                raise TypeError("dtype= needs an nn.Module")
+            if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+                raise TypeError(f"dtype= must be a floating point or complex torch.dtype, got {dtype!r}")
+        fmt = dcp_format(local) if recipe is None and local is not None else None
+        if fmt is not None and verify:
+            raise DCPLoadError(path, "DCP stores no checksums, so verify=True cannot check it")
+        peft_dir = None  # "both": model part + peft's adapter files; "adapter": a peft adapter directory
+        if isinstance(obj, torch.nn.Module) and find_peft(obj) is not None and recipe is None:
+            # A PeftModel target is planned under the names its files use (checkpoint.peft_state).
+            if fmt is None and local is not None and os.path.isdir(local) and has_adapter(local):
+                peft_dir = "both" if _has_model_part(local) else "adapter"
+            state = adapter_only_state(obj, state) if peft_dir == "adapter" else saved_names_state(obj, state)
+    except BaseException as e:  # noqa: BLE001 - agreed across ranks below
+        if not collective:
+            span.close()
+            raise
+        err = e
     agreed = False
     reader = plan = extra = None
     converted = False
-    span = contextlib.ExitStack()
 
     def agree() -> None:
         nonlocal agreed
@@ -211,6 +227,8 @@ def load(
             agreed = False
 
     try:
+        if err is not None:  # an argument error of this rank: agreed at the opening below
+            raise err
         # Model and optimizer parts (and extra state) of one checkpoint: see checkpoint.storage.views.
         with checkpoint_view(path):
             if peft_dir is not None:  # the saved adapter config is the one peft would build
@@ -318,6 +336,24 @@ def _opened(path: Any, reader: Any) -> str | None:
     return os.path.abspath(where)
 
 
+def _agreement_group(state: Any) -> Any:
+    """The process group of a collective load's agreements: None (the default group) when the
+    meshes of the DTensors of ``state`` span every rank, or when they are several meshes or one
+    of several dims (a group of their ranks would need every rank to create it); else the group
+    of their one 1-D mesh (a sub-mesh: ranks outside it load their own tensors without waiting
+    for it, and are not waited for)."""
+    meshes = {}  # by ranks and dims: slicing a mesh twice gives two equal DeviceMesh objects
+    for e in state.entries:
+        if isinstance(e.tensor, DTensor):
+            m = e.tensor.device_mesh
+            meshes.setdefault((tuple(m.mesh.flatten().tolist()), m.ndim), m)
+    ranks = {int(r) for (rs, _) in meshes for r in rs}
+    if len(ranks) == dist.world_size() or len(meshes) != 1:
+        return None
+    (mesh,) = meshes.values()
+    return mesh.get_group() if mesh.ndim == 1 else None
+
+
 def _check_same_checkpoint(what: str, opened: list[str | None]) -> None:
     """A collective load whose ranks opened different checkpoints (a checkpoint directory per
     rank, or one replaced between their opens) is refused on every rank before any tensor is
@@ -327,7 +363,7 @@ def _check_same_checkpoint(what: str, opened: list[str | None]) -> None:
     Raises:
         RankMismatchError: naming each rank's checkpoint.
     """
-    named = {r: o for r, o in enumerate(opened) if o is not None}
+    named = {r: o for r, o in zip(dist.group_ranks(), opened) if o is not None}
     if len(set(named.values())) > 1:
         raise RankMismatchError(f"loading {what}", "checkpoints", named)
 

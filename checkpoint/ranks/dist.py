@@ -25,9 +25,10 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def using_group(group: Any) -> Iterator[None]:
-    """Run this thread's collectives of this module on ``group`` (a group of every rank, e.g. the
-    gloo group of background saves, so they never interleave with the training loop's collectives
-    on the default group). Ranks are the same as in the default group."""
+    """Run this thread's collectives of this module on ``group``: a group of every rank (the gloo
+    group of background saves, so they never interleave with the training loop's collectives on
+    the default group), or the ranks of a load's DTensor meshes. Messages name default-group
+    ranks (:func:`group_ranks`)."""
     prev = getattr(_local, "group", None)
     _local.group = group
     try:
@@ -38,6 +39,12 @@ def using_group(group: Any) -> Iterator[None]:
 
 def _group() -> Any:
     return getattr(_local, "group", None)
+
+
+def current_group() -> Any:
+    """The group this thread's collectives run on (:func:`using_group`), None for the default
+    group: what a collective of another library (``dcp.load``) is given to stay on the same ranks."""
+    return _group()
 
 
 def active() -> bool:
@@ -63,10 +70,18 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank."""
-    out: list[Any] = [None] * dist.get_world_size()
+    """Every rank's ``obj`` of the group in use, indexed by rank in that group
+    (:func:`group_ranks` gives each one's rank in the default group)."""
+    out: list[Any] = [None] * dist.get_world_size(_group())
     dist.all_gather_object(out, obj, group=_group())
     return out
+
+
+def group_ranks() -> list[int]:
+    """The default-group rank of each rank of the group in use, in group order (the group of
+    :func:`using_group`, else every rank)."""
+    group = _group()
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
 def _message(error: BaseException | None) -> Any:
@@ -109,7 +124,7 @@ def check_all(what: str, error: BaseException | None) -> None:
     if not any_true(error is not None):
         return
     msgs = all_gather_object(_message(error))
-    failures = {r: m for r, m in enumerate(msgs) if m is not None}
+    failures = {r: m for r, m in zip(group_ranks(), msgs) if m is not None}
     if not failures:
         return
     _raise_for(what, error, failures)
@@ -120,7 +135,7 @@ def check_all_gather(what: str, error: BaseException | None, value: Any) -> list
     collective costs milliseconds): every rank's ``value`` by rank, or the same raises as
     :func:`check_all` when any rank passes an ``error``."""
     got = all_gather_object((_message(error), None if error is not None else value))
-    failures = {r: m for r, (m, _) in enumerate(got) if m is not None}
+    failures = {r: m for r, (m, _) in zip(group_ranks(), got) if m is not None}
     if not failures:
         return [v for _, v in got]
     _raise_for(what, error, failures)
@@ -156,6 +171,8 @@ __all__ = [
     "all_gather_object",
     "check_all",
     "check_all_gather",
+    "group_ranks",
+    "current_group",
     "barrier",
     "any_true",
     "using_group",

@@ -56,7 +56,7 @@ class DCPTargetReader(SourceTargetReader):
         path = Path(self.root)
         with dcp_errors(path, list(bufs), self.source._reader.files_of(list(bufs))):
             dcp.load(bufs, storage_reader=self.source._reader.reader, planner=dcp_load_planner(path),
-                     no_dist=not collective)  # fmt: skip
+                     no_dist=not collective, process_group=dist.current_group())  # (the load's mesh ranks)
         self._bufs.update({k: bufs[flat[k]] for k, _ in pairs})
 
     def entry_kinds(self) -> dict[str, str]:
