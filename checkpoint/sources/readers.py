@@ -81,7 +81,7 @@ def open_source(
         return open_dcp(p, fmt, key)
     if key is not None:
         raise AmbiguousSourceError(str(p), [], f"key={key!r} applies to pickles and DCP only; this is {fmt}")
-    return open_safetensors_source(p, mmap_window)
+    return open_safetensors_source(p)
 
 
 @contextlib.contextmanager

@@ -9,9 +9,6 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-import torch
-
-from ..errors import external_errors
 from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from ..storage.location import resolve
 from ..storage.remote_reader import open_remote_checkpoint
@@ -19,19 +16,9 @@ from ..storage.views import checkpoint_view
 from .base import Source, SourceSpec
 
 
-class RemoteSource(Source):
-    """A :class:`Source` whose files are objects under ``url`` (messages name the URL)."""
-
-    url: str = ""
-
-    def get(self, key: str) -> torch.Tensor:
-        self._lookup(key)
-        with external_errors(f"{self.url}/{self.file_of(key)}", key, "reading"):
-            return self._reader.get(key)
-
-
-def open_remote_source(url: Any, storage_options: Mapping | None = None) -> RemoteSource:
-    """The model part of the checkpoint at URL ``url`` as a :class:`Source`; a URL ending in one
+def open_remote_source(url: Any, storage_options: Mapping | None = None) -> Source:
+    """The model part of the checkpoint at URL ``url`` as a :class:`Source` (``url`` set: messages
+    name its objects), read by its :class:`~checkpoint.storage.remote_reader.RemoteCheckpointReader`; a URL ending in one
     of its index names (``.../optimizer.safetensors.index.json``) is that part, as a local index
     path is (the index read is the object the model index names for it).
 
@@ -48,11 +35,10 @@ def open_remote_source(url: Any, storage_options: Mapping | None = None) -> Remo
         reader = open_remote_checkpoint(view, prefix)
     specs = {k: SourceSpec(k, tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in reader.keys()}
     file_of = {k: reader.file_of(k) for k in reader.keys()}
-    src = RemoteSource(PurePosixPath(store.url), "safetensors-sharded",  # as a local index opens
-                       list(reader.files), specs, file_of, reader)  # fmt: skip
-    src.url = store.url
+    src = Source(PurePosixPath(store.url), "safetensors-sharded",  # as a local index opens
+                 list(reader.files), specs, file_of, reader, url=store.url)  # fmt: skip
     src.notes.append(f"read the objects named by {store.url}/{index_name(MODEL_PREFIX)} only")
     return src
 
 
-__all__ = ["RemoteSource", "open_remote_source"]
+__all__ = ["open_remote_source"]
