@@ -3,7 +3,7 @@ plans against (the interface of :class:`checkpoint.storage.reader.CheckpointRead
 planning and applying use).
 
 * fqnckpt / Hugging Face checkpoints (index, shards, one ``.safetensors`` file, a hub-cache
-  snapshot): :func:`checkpoint.storage.reader.open_checkpoint`.
+  snapshot): :func:`checkpoint.storage.opening.open_checkpoint`.
 * DCP directories: the :class:`~.dcp.DCPSource` of :func:`~.dcp.open_dcp`.
 * ``torch.save`` pickles (zip or legacy; a state_dict, ``{"model": ..., "optimizer": ...}``, a
   compiled / DDP module's state_dict): the :class:`~.base.Source` of
@@ -37,7 +37,7 @@ def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, 
     ``read_optimizer``: also read a DCP checkpoint's optimizer param groups; ``key``: the
     container holding the model (pickle, DCP); ``trusted_globals``: the pickle allow-list.
 
-    Raises what :func:`~checkpoint.storage.reader.open_checkpoint`, :func:`~.dcp.open_dcp` and
+    Raises what :func:`~checkpoint.storage.opening.open_checkpoint`, :func:`~.dcp.open_dcp` and
     :func:`~.pickle_files.open_pickle` raise; UnsupportedFormatError for a pickle that holds
     an optimizer state_dict alone (no model); TypeError for ``key`` with a safetensors checkpoint
     (it has no containers: nothing is opened)."""
