@@ -263,7 +263,7 @@ def _extra_state_files(source, opt_part, report: MigrationReport, view=None) -> 
         return checked_extra_state_files(str(root))  # per-rank files too, as they are
     if not source.format.startswith("dcp"):
         return {}
-    report.entry_kinds = dict(sorted(source._reader.kinds.items()))
+    report.entry_kinds = dict(sorted(source.entry_kinds().items()))
     try:
         entries = source_extra_state(source)
     except (TypeError, ValueError) as e:

@@ -1,7 +1,8 @@
 """Every reader kind satisfies the one reading interface (checkpoint.sources.protocol.TensorReader)
 and reads the same bytes for the same tensor: one tiny checkpoint per format (fqnckpt, plain
 Hugging Face safetensors as a file and as indexed shards, peft's adapter file, DCP, zip and legacy
-pickles, Meta's model-parallel shards through a conversion, object storage), opened by every
+pickles, Meta's model-parallel shards through a conversion, FP8 weights dequantized while read,
+object storage), opened by every
 opener that gives a reader of it (load's and migrate's)."""
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def _meta_shards(tmp_path):
     return [("ConvertedReader", lambda: ConvertedReader(open_conversion(d, "meta-llama-to-hf")), key, False)]
 
 
+def _fp8_dequantized(tmp_path):
+    from checkpoint.convert.dequant import dequantized_view
+
+    q = (torch.arange(16.0).reshape(4, 4) / 4).to(torch.float8_e4m3fn)
+    save_file({"w": W, "q.weight": q, "q.weight_scale_inv": torch.full((1, 1), 2.0)}, str(tmp_path / "model.safetensors"))
+    return [("DequantizingReader", lambda: dequantized_view(checkpoint.open_checkpoint(tmp_path)), "w", True)]
+
+
 def _object_storage(tmp_path):
     pytest.importorskip("fsspec")
     url = f"memory://reader-protocol/{tmp_path.name}"
@@ -106,7 +115,8 @@ def _object_storage(tmp_path):
 
 
 FORMATS = {"fqnckpt": _fqnckpt, "hf-file": _hf_file, "hf-shards": _hf_shards, "peft-adapter": _peft_adapter,
-           "dcp": _dcp, "pickle": _pickles, "meta-shards-converted": _meta_shards, "object-storage": _object_storage}  # fmt: skip
+           "dcp": _dcp, "pickle": _pickles, "meta-shards-converted": _meta_shards, "fp8-dequantized": _fp8_dequantized,
+           "object-storage": _object_storage}  # fmt: skip
 
 
 def _same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
