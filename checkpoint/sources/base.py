@@ -99,6 +99,8 @@ class Source:
     # container "model" is stored as "model.layers.0.weight"); errors name the stored one.
     _stored: dict[str, str] = field(default_factory=dict)
     url: str | None = None
+    # File -> its path or URL for messages, computed once per file (not a stat per tensor read).
+    _shown_files: dict[str, str] = field(default_factory=dict, repr=False)
 
     # What load's planning reads of a reader besides the protocol (checkpoint.plan.model.plan_load):
     # these formats store no index, checksums or alias groups, and their names were written by
@@ -175,9 +177,15 @@ class Source:
 
     def _shown(self, key: str) -> str:
         """The file (or object) holding ``key``, for messages."""
-        if self.url is not None:
-            return f"{self.url}/{self.file_of(key)}"
-        return str(self.path / self.file_of(key) if self.path.is_dir() else self.path)
+        name = self._file_of[key]
+        shown = self._shown_files.get(name)
+        if shown is None:
+            if self.url is not None:
+                shown = f"{self.url}/{name}"
+            else:
+                shown = str(self.path / name if self.path.is_dir() else self.path)
+            self._shown_files[name] = shown
+        return shown
 
     def _backend(self, key: str):
         self._lookup(key)
