@@ -7,22 +7,21 @@ header digests and ``total_size`` checked where an fqnckpt index records them, t
 with ``preadv`` (a file cut short is a named error, never a SIGBUS) and checked against the
 index's tensor digests where it records them. This module only decides which files and keys a
 source holds (an index of any name, or every ``*.safetensors`` file of a directory, each tensor in
-exactly one), with the same checks as the torch-free walk of ``fqnckpt inspect``
-(:func:`~checkpoint.sources.st_headers.scan_safetensors`).
+exactly one), by the walk ``fqnckpt inspect``'s torch-free headers take
+(:func:`~checkpoint.sources.st_headers.safetensors_layout`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import AmbiguousSourceError, CorruptCheckpointError, MissingShardError
-from ..storage import paths
+from ..errors import CorruptCheckpointError
 from ..storage.local_commit import read_view
 from ..storage.reader import CheckpointReader, check_total_size
 from ..storage.st_header import read_index
 from .base import Source, SourceSpec
-from .sniffing import index_files, sniff_file, st_files
-from .st_headers import HFIndex
+from .sniffing import st_files
+from .st_headers import HFIndex, check_named_files, safetensors_layout
 
 
 def _files_reader(root: Path, names: list[str]) -> CheckpointReader:
@@ -36,28 +35,21 @@ def _files_reader(root: Path, names: list[str]) -> CheckpointReader:
 def _reader_of(path: Path) -> tuple[CheckpointReader, str, Path, list[str]]:
     """``(reader, format, root, notes)`` of the safetensors source at ``path`` (see
     :func:`open_safetensors_source`); the reader's headers are not read yet."""
-    if path.is_file() and sniff_file(path) == "safetensors":
-        return _files_reader(path.parent, [path.name]), "safetensors", path.parent, []
-    root, index_file = (path.parent, path) if path.is_file() else (path, None)
-    if index_file is None:
-        idx = index_files(root)
-        if len(idx) > 1:
-            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
-        index_file = idx[0] if idx else None
+    fmt, root, index_file = safetensors_layout(path)
+    if fmt == "safetensors":
+        return _files_reader(root, [path.name]), fmt, root, []
     if index_file is None:  # shards without an index: every *.safetensors file, each key in exactly one
-        return _files_reader(root, [f.name for f in st_files(root)]), "safetensors-sharded", root, []
+        return _files_reader(root, [f.name for f in st_files(root)]), fmt, root, []
     index = read_index(str(index_file))
     files = index.files()
-    missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
-    if missing:
-        raise MissingShardError(str(root), missing, index_file.name)
+    check_named_files(root, files, index_file)
     meta = index.metadata.fqnckpt
     if meta is not None and set(meta.files) != set(files):
         raise CorruptCheckpointError(
             str(index_file), f"metadata.fqnckpt.files {sorted(meta.files)} differ from the weight_map's files {files}"
         )
     reader = CheckpointReader(str(root), index, str(index_file), dict(index.weight_map))
-    return reader, "safetensors-sharded", root, [f"read the files named by {index_file.name} only"]
+    return reader, fmt, root, [f"read the files named by {index_file.name} only"]
 
 
 def open_safetensors_source(path: Path) -> Source:

@@ -93,6 +93,41 @@ class SafetensorsScan:
     notes: list[str] = field(default_factory=list)
 
 
+def safetensors_layout(path: Path) -> tuple[str, Path, Path | None]:
+    """``(format, root, index file or None)`` of the safetensors source at ``path``: one file
+    (``"safetensors"``; its directory is the root), an index file, or a directory with its one
+    ``*.index.json`` or none (``"safetensors-sharded"``). The one walk every safetensors source
+    takes (reading, and ``fqnckpt inspect``'s headers).
+
+    Raises:
+        AmbiguousSourceError: several ``*.index.json`` files in the directory.
+        CorruptCheckpointError, UnsupportedFormatError: a file that is no safetensors file or index
+            (:func:`~.sniffing.sniff_file`).
+    """
+    if path.is_file() and sniff_file(path) == "safetensors":
+        return "safetensors", path.parent, None
+    root, index_file = (path.parent, path) if path.is_file() else (path, None)
+    if index_file is None:
+        idx = index_files(root)
+        if len(idx) > 1:
+            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
+        index_file = idx[0] if idx else None
+    return "safetensors-sharded", root, index_file
+
+
+def check_named_files(root: Path, files: list[str], index_file: Path) -> None:
+    """Every file ``files`` the index ``index_file`` names is a file of ``root`` under the one
+    symlink rule (:mod:`checkpoint.storage.paths`).
+
+    Raises:
+        UnsafePathError: a name is not a plain file name, or a symlink leads outside.
+        MissingShardError: named files are missing (all of them listed).
+    """
+    missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
+    if missing:
+        raise MissingShardError(str(root), missing, index_file.name)
+
+
 def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> SafetensorsScan:
     """Headers of one safetensors file, an index file, or a directory of shards; ``dtypes`` maps
     safetensors dtype names to the dtype objects of the specs.
@@ -105,15 +140,10 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: without an index, one tensor in two files.
     """
-    if path.is_file() and sniff_file(path) == "safetensors":
+    fmt, root, index_file = safetensors_layout(path)
+    if fmt == "safetensors":
         specs = _header(path, dtypes, framework)
         return SafetensorsScan(path.parent, "safetensors", [path.name], specs, dict.fromkeys(specs, path.name))
-    root, index_file = (path.parent, path) if path.is_file() else (path, None)
-    if index_file is None:
-        idx = index_files(root)
-        if len(idx) > 1:
-            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
-        index_file = idx[0] if idx else None
     specs: dict[str, SourceSpec] = {}
     file_of: dict[str, str] = {}
     if index_file is not None:
@@ -122,9 +152,7 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
         except ValidationError as e:
             raise CorruptCheckpointError(str(index_file), f"invalid index: {e.errors()[0]['msg']}") from None
         files = sorted(set(index.weight_map.values()))
-        missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
-        if missing:
-            raise MissingShardError(str(root), missing, index_file.name)
+        check_named_files(root, files, index_file)
         recorded = _recorded_headers(index.metadata)  # each file's header digest, checked on open
         headers = {f: _header(root / f, dtypes, framework, recorded.get(f)) for f in files}
         for key, f in index.weight_map.items():
@@ -178,4 +206,5 @@ def open_safetensors_headers(path: Path) -> Source:
     return src
 
 
-__all__ = ["HFIndex", "HeaderDType", "HEADER_DTYPES", "SafetensorsScan", "scan_safetensors", "open_safetensors_headers"]
+__all__ = ["HFIndex", "HeaderDType", "HEADER_DTYPES", "SafetensorsScan", "check_named_files", "safetensors_layout",
+           "scan_safetensors", "open_safetensors_headers"]
