@@ -178,3 +178,51 @@ def test_an_object_without_read_into_is_no_reader():
             raise KeyError(key)
 
     assert not isinstance(Partial(), TensorReader)
+
+
+def test_safetensors_sources_keep_every_check(tmp_path):
+    """Plain safetensors sources read through the one safetensors reader keep every check: each
+    tensor in exactly one file without an index; with an fqnckpt index, the tensor digests on
+    reads and before any target is written, the header digests and ``total_size`` on open."""
+    import struct
+
+    from checkpoint.errors import CorruptCheckpointError, DuplicateTensorError
+
+    d = tmp_path / "noindex"
+    d.mkdir()
+    save_file({"a": W}, str(d / "x.safetensors"))
+    save_file({"b": B, "a": W}, str(d / "y.safetensors"))
+    with pytest.raises(DuplicateTensorError) as e:
+        open_source(d)
+    assert (e.value.key, e.value.files) == ("a", ["x.safetensors", "y.safetensors"])
+    (d / "x.safetensors").unlink()
+    raw = (d / "y.safetensors").read_bytes()
+    order = [k for k in json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
+    with open_source(d) as src:  # every tensor of the headers, in header order
+        assert sorted(order) == ["a", "b"]
+        assert (src.keys(), src.file_of("a"), src.format) == (order, "y.safetensors", "safetensors-sharded")
+        assert _same_bytes(src.get("a"), W)
+
+    c = tmp_path / "c"
+    checkpoint.save({"w": W, "b": B}, c)
+    shard = next(c.glob("*.safetensors"))
+    whole = shard.read_bytes()
+    (n,) = struct.unpack("<Q", whole[:8])
+    begin = 8 + n + json.loads(whole[8 : 8 + n])["w"]["data_offsets"][0]
+    flipped = bytearray(whole)
+    flipped[begin + 5] ^= 0x10
+    shard.write_bytes(bytes(flipped))
+    for read in (lambda s: s.get("w"), lambda s: s.check_first(["w"]), lambda s: s.read_into("w", torch.empty(4, 6))):
+        with open_source(c) as src, pytest.raises(CorruptCheckpointError, match="'w'"):
+            read(src)
+    head = whole[8 : 8 + n].replace(b'"F32"', b'"I32"', 1)  # same byte sizes: only the digest tells
+    shard.write_bytes(whole[:8] + head + whole[8 + n :])
+    with pytest.raises(CorruptCheckpointError, match="header bytes differ"):
+        open_source(c)
+    shard.write_bytes(whole)
+    index = c / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["metadata"]["total_size"] += 4
+    index.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpointError, match="total_size"):
+        open_source(c)
