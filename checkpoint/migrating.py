@@ -50,9 +50,8 @@ from .storage.extra_state import (
 from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
 from .storage import paths
 from .storage.location import local_path, local_target, options_for, resolve
-from .storage.opening import open_checkpoint as open_any_checkpoint
+from .storage.opening import open_checkpoint
 from .storage.views import checkpoint_view
-from .storage.reader import open_checkpoint
 from .tensor_checks import storable_problem
 from .gc_pause import gc_paused
 
@@ -147,7 +146,7 @@ def migrate(
         opt_part = None
         if view is not None and view.object_of(index_name(OPTIMIZER_PREFIX)) is not None:  # a URL: the same parts
             with external_errors(os.fspath(src), what="reading"):
-                opt_part = open_any_checkpoint(view.store, prefix=OPTIMIZER_PREFIX)
+                opt_part = open_checkpoint(view.store, prefix=OPTIMIZER_PREFIX)
         elif src_path.is_dir() and (src_path / index_name(OPTIMIZER_PREFIX)).is_file():
             # An fqnckpt checkpoint with optimizer state (e.g. a CheckpointManager step): the model
             # part is the source, the optimizer part is carried over under the new names.
@@ -264,7 +263,7 @@ def _extra_state_files(source, opt_part, report: MigrationReport, view=None) -> 
         return checked_extra_state_files(str(root))  # per-rank files too, as they are
     if not source.format.startswith("dcp"):
         return {}
-    report.entry_kinds = dict(sorted(source._reader.kinds.items()))
+    report.entry_kinds = dict(sorted(source.entry_kinds().items()))
     try:
         entries = source_extra_state(source)
     except (TypeError, ValueError) as e:

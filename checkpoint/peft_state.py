@@ -250,7 +250,7 @@ def open_adapter_reader(path: str, base_reader: Any = None) -> Any:
     Raises:
         DuplicateTensorError: a name is in both the model part and the adapter file."""
     from .errors import DuplicateTensorError
-    from .storage.reader import open_checkpoint
+    from .storage.opening import open_checkpoint
 
     if base_reader is None:
         return open_checkpoint(os.path.join(path, ADAPTER_WEIGHTS))

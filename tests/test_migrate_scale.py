@@ -6,6 +6,7 @@ Speed itself is measured by tests/bench/migrate_scale.py."""
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
@@ -14,16 +15,16 @@ from safetensors.torch import save_file
 import checkpoint
 from checkpoint.sources import dcp as dcp_source
 from checkpoint.sources import open_source
-from checkpoint.sources import safetensors_files as st_source
-from checkpoint.sources import st_headers
+from checkpoint.storage import reader as st_reader
 
 
 def test_one_header_parse_per_file(tmp_path, monkeypatch):
+    # Each header is validated once, by the one safetensors reader (CheckpointReader), however
+    # many tensors are read; data is read with preadv at the validated byte ranges.
     opened: list[str] = []
-    real_open = st_headers._open
-    monkeypatch.setattr(st_headers, "_open", lambda p, fw, *digest: opened.append(p.name) or real_open(p, fw, *digest))
-    # Data is read with preadv at the scanned byte ranges: no safe_open after the scan.
-    monkeypatch.setattr(st_source, "safe_open", lambda *a, **k: opened.append("re-opened"), raising=False)
+    real_open = st_reader.open_safetensors_with_header
+    monkeypatch.setattr(st_reader, "open_safetensors_with_header",
+                        lambda p, *a, **k: opened.append(os.path.basename(p)) or real_open(p, *a, **k))  # fmt: skip
     d = tmp_path / "shards"
     d.mkdir()
     want = {}

@@ -255,9 +255,8 @@ _CHUNK = 64 << 20  # bytes per ranged read of a remote Meta shard
 def _open_remote(url: Any, storage_options: Mapping | None, key: str | None, trusted_globals: Iterable[Any] = ()) -> Catalog:
     """A checkpoint on object storage: Meta's shards (:func:`_remote_meta_shards`) copied and read
     as local ones, else its model part through the remote source stage
-    (:func:`checkpoint.sources.remote.open_remote_source`, the same checks as any remote read); and
+    (:func:`checkpoint.sources.open_source`, the same checks as any remote read); and
     ``params.json`` / ``config.json`` from the same committed view."""
-    from ..sources.remote import open_remote_source  # fsspec is optional
     from ..storage.views import checkpoint_view
 
     store = resolve(url, storage_options)
@@ -269,7 +268,7 @@ def _open_remote(url: Any, storage_options: Mapping | None, key: str | None, tru
             return _open_downloaded(store, shards, params, hf_config, _record(read), key, trusted_globals)
         if key is not None:
             raise AmbiguousSourceError(str(url), [], f"key={key!r} applies to pickles and DCP only")
-        src = open_remote_source(store)
+        src = open_source(store)
         try:
             read = lambda n: (view.member_bytes(n), store.url_of(n))  # noqa: E731
             params, hf_config = _side_configs(read)

@@ -73,7 +73,7 @@ def plan_load(
     values: duplicate spellings, range-narrowing conversions, targets sharing memory, optimizer
     state). Changes nothing. ``state``: ``object_state(obj)`` if the caller has it already.
     ``reader``: a :class:`CheckpointReader`, or any reader of that interface (e.g.
-    :class:`checkpoint.sources.dcp_targets.DCPTargetReader`); one with ``prefetch`` reads every
+    :class:`checkpoint.sources.dcp.DCPSource`); one with ``prefetch`` reads every
     block at once after the name checks, and ``agree()`` is called first (ranks agree on the
     name checks before a collective read). Raises what :func:`load` raises."""
     state = state if state is not None else object_state(obj)

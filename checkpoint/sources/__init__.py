@@ -12,7 +12,6 @@ __all__ = [
     "Source",
     "SourceSpec",
     "open_source",
-    "opened",
     "sniff",
     "unsafe_globals",
 ]

@@ -1,15 +1,18 @@
-"""The one interface every migration source implements: :class:`Source` (``keys`` / ``spec`` /
-``get`` / ``file_of``), the shape of ``checkpoint.storage.reader.CheckpointReader``, so a migration
-streams one tensor at a time from any format."""
+"""The migration source of every format: :class:`Source`, one implementation of
+:class:`checkpoint.sources.protocol.TensorReader` (``keys`` / ``spec`` / ``get`` / ``get_slice`` /
+``read_into`` / ``check_first``) over a per-format backend, plus what was found (containers,
+optimizer state, notes). It is also ``load``'s reader of pickles and DCP checkpoints (the
+attributes planning reads: ``root``, ``optimizer_info``, ...), so a migration and a load read a
+checkpoint through the same object."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import external_errors
+from ..errors import UnsupportedFormatError, external_errors
 
 if TYPE_CHECKING:  # no torch import at run time: inspect of safetensors builds Sources without it
     import torch
@@ -66,7 +69,14 @@ class Source:
     was found (the chosen container, or one beside it: see :class:`OptimizerInfo`);
     ``extra_state`` names the entries that are extra state, never model tensors or skipped
     (DCP's non-model, non-optimizer entries, by kind: :func:`checkpoint.sources.dcp.classify_entries`).
-    ``spec`` / ``get`` / ``file_of`` also answer for the optimizer's state keys.
+    ``spec`` / ``get`` / ``file_of`` also answer for the optimizer's state keys. ``url`` is set
+    for a checkpoint on object storage (messages name its objects).
+
+    The backend ``_reader`` reads tensors by key (``get``), and where it can also ``get_slice``,
+    ``read_into``, ``check_first``, ``read_ahead``: a
+    :class:`~checkpoint.storage.reader.CheckpointReader` for safetensors (one reader of
+    safetensors files in the package), a pickle's or DCP's own reader, or None for a source
+    opened for its headers only (``get`` then raises ``TypeError``).
     """
 
     path: Path
@@ -88,6 +98,41 @@ class Source:
     # Key -> the key as the checkpoint stores it, where they differ (DCP: "layers.0.weight" of
     # container "model" is stored as "model.layers.0.weight"); errors name the stored one.
     _stored: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+    # File -> its path or URL for messages, computed once per file (not a stat per tensor read).
+    _shown_files: dict[str, str] = field(default_factory=dict, repr=False)
+
+    # What load's planning reads of a reader besides the protocol (checkpoint.plan.model.plan_load):
+    # these formats store no index, checksums or alias groups, and their names were written by
+    # another tool (resolved against the model).
+    index_path = None
+    meta = None
+    resolve_names = True
+    kind = "checkpoint"
+
+    @property
+    def alias_groups(self) -> list[list[str]]:
+        return []
+
+    @property
+    def root(self) -> str:
+        """The directory ``file_of`` names files in (a single file's directory), or the URL."""
+        if self.url is not None:
+            return self.url
+        return str(self.path if self.path.is_dir() else self.path.parent)
+
+    @property
+    def where(self) -> str:
+        """The checkpoint, for messages."""
+        return self.url if self.url is not None else str(self.path)
+
+    @property
+    def optimizer_info(self) -> OptimizerInfo | None:
+        """The optimizer state found beside the model (:class:`OptimizerInfo`), or None."""
+        return self.optimizer
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._specs or key in self._extra_specs
 
     def keys(self) -> list[str]:
         """Model tensor keys in source order (optimizer state kept apart is in ``optimizer.state``)."""
@@ -118,33 +163,63 @@ class Source:
         """The file holding ``key`` (the first of several for a DCP tensor split over files)."""
         return self._file_of[key]
 
-    def check_first(self, keys: Iterable[str]) -> None:
+    def check_first(
+        self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None
+    ) -> dict[str, dict[int, bytes]]:
         """Check tensors ``keys`` against the checkpoint's digests before anything is written
-        (:meth:`checkpoint.storage.reader.CheckpointReader.check_first`); nothing for a format
-        without digests. Raises what that raises."""
+        (:meth:`checkpoint.storage.reader.CheckpointReader.check_first`); ``rows``' tensors are
+        checked whole (no chunk digests are returned: ``{}``). Nothing for a format without
+        digests. Raises what that raises."""
         check = getattr(self._reader, "check_first", None)
         if check is not None:
-            check([self.stored_key(k) for k in keys])
+            check(list(dict.fromkeys(self.stored_key(k) for k in (*keys, *(rows or {})))))
+        return {}
+
+    def _shown(self, key: str) -> str:
+        """The file (or object) holding ``key``, for messages."""
+        name = self._file_of[key]
+        shown = self._shown_files.get(name)
+        if shown is None:
+            if self.url is not None:
+                shown = f"{self.url}/{name}"
+            else:
+                shown = str(self.path / name if self.path.is_dir() else self.path)
+            self._shown_files[name] = shown
+        return shown
+
+    def _backend(self, key: str):
+        self._lookup(key)
+        if self._reader is None:
+            raise TypeError(f"{key!r}: this source was opened for its headers only (open_source reads data)")
+        return self._reader
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, contiguous. For a zip pickle it may view the memory-mapped file: use
-        it and drop it, do not keep it (holding it keeps the mapping resident)."""
-        self._lookup(key)
-        file = self.path / self.file_of(key) if self.path.is_dir() else self.path
-        with external_errors(str(file), self.stored_key(key), "reading"):  # torch / safetensors / OS errors named
-            return self._reader.get(key)
+        """The tensor ``key``, a new contiguous CPU tensor (its stored shape and dtype)."""
+        reader = self._backend(key)
+        with external_errors(self._shown(key), self.stored_key(key), "reading"):  # torch / safetensors / OS errors named
+            return reader.get(key)
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Tensor ``key`` read straight into ``out`` where the backend can (safetensors:
+        :meth:`~checkpoint.storage.reader.CheckpointReader.read_into`, checked against a
+        recorded digest); False otherwise (then :meth:`get`)."""
+        reader = self._backend(key)
+        into = getattr(reader, "read_into", None)
+        if into is None:
+            return False
+        with external_errors(self._shown(key), self.stored_key(key), "reading"):
+            return into(key, out)
 
     def get_slice(self, key: str, slices: Sequence[slice]) -> torch.Tensor:
         """The block ``tensor[slices]`` of ``key`` (one ``slice`` per leading dim): read alone
         where the format allows it (safetensors: only the block's bytes), else cut from the
         whole tensor."""
-        self._lookup(key)
-        file = self.path / self.file_of(key) if self.path.is_dir() else self.path
-        block = getattr(self._reader, "get_slice", None)
-        with external_errors(str(file), self.stored_key(key), "reading"):
+        reader = self._backend(key)
+        block = getattr(reader, "get_slice", None)
+        with external_errors(self._shown(key), self.stored_key(key), "reading"):
             if block is not None:
                 return block(key, tuple(slices))
-            return self._reader.get(key)[tuple(slices)]
+            return reader.get(key)[tuple(slices)]
 
     def read_ahead(self, keys: Sequence[str]) -> None:
         """Hint: ``get`` will be called for ``keys`` in this order (lets DCP read them in batches)."""
@@ -176,6 +251,20 @@ class Source:
             f["tensors"] += 1
             f["bytes"] += self.nbytes(k)
         return out
+
+    def check_index_digest(self) -> None:
+        """``load(verify=True)``'s check: refused, these formats record no checksums.
+
+        Raises:
+            UnsupportedFormatError: always (the checkpoint named)."""
+        raise UnsupportedFormatError(
+            self.where, f"a {self.format} checkpoint stores no checksums, so verify=True cannot check it"
+        )
+
+    def verify_file(self, name: str) -> str:
+        """Refused as :meth:`check_index_digest` is (no file digests to compare ``name`` with)."""
+        self.check_index_digest()
+        return ""
 
     def close(self) -> None:
         close = getattr(self._reader, "close", None)

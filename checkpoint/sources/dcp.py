@@ -1,4 +1,5 @@
-"""DCP (``torch.distributed.checkpoint``) directories as a first-class source: migration and load.
+"""DCP (``torch.distributed.checkpoint``) directories as a first-class source: migration and load
+(:class:`DCPSource`).
 
 Read through torch's own reader: ``FileSystemReader`` (``.metadata`` + ``*.distcp``) or
 ``HuggingFaceStorageReader`` (DCP's per-rank safetensors shards) with a ``DefaultLoadPlanner``
@@ -26,6 +27,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -381,8 +383,72 @@ def _per_file(md: Any, root: Path, path: Path) -> dict[str, dict[str, int]]:
     return {f: {"tensors": len(d["tensors"]), "bytes": d["bytes"]} for f, d in sorted(out.items())}
 
 
-def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool = True) -> Source:
-    """A :class:`Source` over a DCP directory (see module docstring).
+@dataclass
+class DCPSource(Source):
+    """A :class:`Source` over a DCP checkpoint, also ``load``'s reader of it: :meth:`prefetch`
+    runs one ``dcp.load`` into fresh tensors shaped like the targets, in the stored dtype
+    (``torch.empty_like``: a DTensor keeps its mesh and placements, so DCP's own planner reads
+    only this rank's slices, resharding onto any mesh); the value checks then look at these
+    buffers (:meth:`read_block`), and :mod:`checkpoint.apply` copies them into the targets.
+    Collective (every rank calls it) when a process group is active and a target is a DTensor.
+    No checksums, no alias groups (DCP stores neither)."""
+
+    _bufs: dict[str, torch.Tensor] = field(default_factory=dict)
+    kind = "DCP checkpoint"
+
+    def prefetch(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Read every ``(key, target)`` in one ``dcp.load`` (see the class docstring).
+
+        Raises:
+            CorruptCheckpointError / UnsafePickleError: DCP failed (names DCP, file, keys, rank).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.tensor import DTensor
+
+        from ..ranks import dist
+
+        flat = self._reader.flat
+        bufs = {}
+        for k, t in pairs:
+            s = self.spec(k)
+            # Shaped like the target (a DTensor keeps mesh and placements: DCP reshards), in the
+            # stored dtype; a state tensor of another shape (an optimizer's step) is read whole.
+            like = tuple(t.shape) == tuple(s.shape) and not t.is_meta
+            bufs[flat[k]] = torch.empty_like(t, dtype=s.dtype) if like else torch.empty(s.shape, dtype=s.dtype)
+        if not bufs:
+            return
+        collective = dist.active() and any(isinstance(b, DTensor) for b in bufs.values())
+        with dcp_errors(self.path, list(bufs), self._reader.files_of(list(bufs))):
+            dcp.load(bufs, storage_reader=self._reader.reader, planner=dcp_load_planner(self.path),
+                     no_dist=not collective, process_group=dist.current_group())  # (the load's mesh ranks)
+        self._bufs.update({k: bufs[flat[k]] for k, _ in pairs})
+
+    def read_block(self, key: str, t: torch.Tensor) -> torch.Tensor | None:
+        """This rank's block of ``key`` as prefetched for target ``t`` (None if not prefetched)."""
+        from torch.distributed.tensor import DTensor
+
+        b = self._bufs.get(key)
+        if b is None:
+            return None
+        return b.to_local() if isinstance(b, DTensor) else b
+
+    def entry_kinds(self) -> dict[str, str]:
+        """Kind of every top-level entry (see :func:`classify_entries`)."""
+        return dict(self._reader.kinds)
+
+    def extra_entries(self) -> dict[str, Any]:
+        """Every top-level entry that is neither model nor optimizer (torchtitan's
+        ``lr_scheduler``, ``dataloader``, ``train_state``; anything else), rebuilt as saved:
+        nested dicts / lists of values and tensors (non-tensors unpickled ``weights_only``)."""
+        return read_entries(self, self._reader.extra_keys)
+
+    def close(self) -> None:
+        self._bufs = {}
+        super().close()
+
+
+def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool = True) -> DCPSource:
+    """A :class:`DCPSource` over a DCP directory (see module docstring).
 
     ``key``: which top-level container holds the model when several do (``"model"``).
     ``read_optimizer``: False skips reading the optimizer's param groups (a model-only load).
@@ -503,8 +569,8 @@ def open_dcp(path: Path, fmt: str, key: str | None = None, read_optimizer: bool 
         info = _optimizer_info(md, pg_keys, dreader, opt_state, path)
         info.separate, info.container = separate, opt_name
     files = sorted(set(first_file.values()))
-    src = Source(path, fmt, files, specs, file_of, dreader, skipped, [], container, info, extra,
-                 _per_file(md, root, path))  # fmt: skip
+    src = DCPSource(path, fmt, files, specs, file_of, dreader, skipped, [], container, info, extra,
+                    _per_file(md, root, path))  # fmt: skip
     src.extra_state = {t: dreader.kinds[t] for t in dreader.extra_keys}
     src._stored = {name: k for name, k in flat.items() if name != k}  # errors name the DCP key
     if container is not None and key is None:
@@ -653,4 +719,4 @@ def _dcp_dir_format(p: Path) -> str | None:
     return None
 
 
-__all__ = ["open_dcp", "dcp_format", "dcp_errors", "READ_BATCH_BYTES"]
+__all__ = ["DCPSource", "open_dcp", "dcp_format", "dcp_errors", "READ_BATCH_BYTES"]

@@ -1,9 +1,8 @@
 """Open any checkpoint fqnckpt migrates from, behind one small interface (:class:`Source`).
 
 ``open_source(path)`` sniffs the format from the first bytes (not the extension) and returns a
-:class:`Source` with ``keys()`` / ``spec(key)`` / ``get(key)``, the interface of
-``checkpoint.storage.reader.open_checkpoint``, so a migration streams one tensor at a time from any
-format. One module per format:
+:class:`Source`, a :class:`~.protocol.TensorReader` as every reader of the package is, so a
+migration streams one tensor at a time from any format. One module per format:
 
 * :mod:`.pickle_files`: ``torch.save`` pickles (zip ``PK\\x03\\x04``; legacy non-zip, pickle
   protocol byte ``\\x80``), only ever ``weights_only=True``.
@@ -11,6 +10,8 @@ format. One module per format:
   or without a ``*.index.json`` (HF layout).
 * :mod:`.dcp`: DCP directories (``.metadata`` + ``*.distcp``) and DCP's per-rank safetensors shards
   (``HuggingFaceStorageWriter(save_distributed=True)``), read through ``torch.distributed.checkpoint``.
+* Object storage (a URL, or a resolved byte store): the fqnckpt / Hugging Face layout through
+  :mod:`checkpoint.storage.remote_reader` (ranged reads).
 * Git LFS pointer files are refused with a hint to run ``git lfs pull``.
 
 Files found inside a directory follow the one symlink rule of :mod:`checkpoint.storage.paths`.
@@ -18,10 +19,9 @@ Files found inside a directory follow the one symlink rule of :mod:`checkpoint.s
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import AmbiguousSourceError
@@ -67,11 +67,9 @@ def open_source(
     """
     where = resolve(path)  # "~/run" typed in Python: no shell expanded it
     if local_path(where) is None:  # a byte store (object storage): safetensors layouts through its methods
-        from .remote import open_remote_source
-
         if key is not None:
             raise AmbiguousSourceError(str(path), [], f"key={key!r} applies to pickles and DCP only")
-        return open_remote_source(path)  # a part index URL names that part
+        return _remote_source(path)  # a part index URL names that part
     p = Path(where)
     fmt = sniff(p)
     if fmt in ("torch-zip", "torch-legacy"):
@@ -81,17 +79,39 @@ def open_source(
         return open_dcp(p, fmt, key)
     if key is not None:
         raise AmbiguousSourceError(str(p), [], f"key={key!r} applies to pickles and DCP only; this is {fmt}")
-    return open_safetensors_source(p, mmap_window)
+    return open_safetensors_source(p)
 
 
-@contextlib.contextmanager
-def opened(path: str | os.PathLike, **kwargs: Any):
-    """``with opened(path) as src:`` form of :func:`open_source`."""
-    src = open_source(path, **kwargs)
-    try:
-        yield src
-    finally:
-        src.close()
+def _remote_source(url: Any) -> Source:
+    """The model part of the checkpoint at URL ``url`` (or a resolved byte store) as a
+    :class:`Source` with ``url`` set (messages name its objects), read by its
+    :class:`~checkpoint.storage.remote_reader.RemoteCheckpointReader` (ranged reads; the one model
+    index read once); a URL ending in one of its index names
+    (``.../optimizer.safetensors.index.json``) is that part, as a local index path is (the index
+    read is the object the model index names for it). Other formats (pickles, DCP) are read from
+    local paths only.
+
+    Raises what :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raises, and
+    :class:`~checkpoint.errors.UnsupportedStorageError` for a scheme without a backend."""
+    from ..storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, index_name
+    from ..storage.remote_reader import open_remote_checkpoint  # fsspec is optional
+    from ..storage.views import checkpoint_view
+
+    prefix = MODEL_PREFIX
+    if isinstance(url, str):
+        head, _, last = url.rstrip("/").rpartition("/")
+        part = next((p for p in (MODEL_PREFIX, OPTIMIZER_PREFIX) if last == index_name(p)), None)
+        if part is not None and "://" in head:
+            url, prefix = head, part
+    store = resolve(url)
+    with checkpoint_view(store) as view:
+        reader = open_remote_checkpoint(view, prefix)
+    specs = {k: SourceSpec(k, tuple(reader.spec(k).shape), reader.spec(k).dtype) for k in reader.keys()}
+    file_of = {k: reader.file_of(k) for k in reader.keys()}
+    src = Source(PurePosixPath(store.url), "safetensors-sharded",  # as a local index opens
+                 list(reader.files), specs, file_of, reader, url=store.url)  # fmt: skip
+    src.notes.append(f"read the objects named by {store.url}/{index_name(MODEL_PREFIX)} only")
+    return src
 
 
 __all__ = [
@@ -101,7 +121,6 @@ __all__ = [
     "Source",
     "SourceSpec",
     "open_source",
-    "opened",
     "sniff",
     "sniff_file",
     "unsafe_globals",

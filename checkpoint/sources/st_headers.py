@@ -1,11 +1,11 @@
 """The headers of a safetensors source (one file, or shards with or without a ``*.index.json``):
 keys, shapes, dtypes and which file holds each key, parsed and validated once, without torch.
 
-:func:`scan_safetensors` is the one walk over files, index and headers, with every check of the
-source; :mod:`checkpoint.sources.safetensors_files` runs it with ``framework="pt"`` and torch
-dtypes for reading, :func:`open_safetensors_headers` with ``framework="numpy"`` and
-:class:`HeaderDType` for ``fqnckpt inspect`` (``import torch`` costs seconds). Both give
-the same specs, errors and notes.
+:func:`scan_safetensors` is the walk over files, index and headers of ``fqnckpt inspect``
+(:func:`open_safetensors_headers`: ``framework="numpy"`` and :class:`HeaderDType`, as ``import
+torch`` costs seconds), with the checks of the source that reads data
+(:mod:`checkpoint.sources.safetensors_files`, through ``CheckpointReader``): both give the same
+keys, specs, files and notes.
 """
 
 from __future__ import annotations
@@ -61,16 +61,11 @@ def _open(path: Path, framework: str, header_digest: str | None = None):
         raise CorruptCheckpointError(str(path), f"not a valid safetensors file: {e}") from None
 
 
-def _header(
-    path: Path, dtypes: dict[str, Any], framework: str, spans: dict[str, tuple[int, int]], header_digest: str | None = None
-) -> tuple[dict[str, SourceSpec], Any]:
-    """Specs of file ``path``'s tensors and its ``safe_open`` handle; ``spans`` receives each
-    tensor's absolute ``[begin, end)`` byte range (validated by ``safe_open``), for reads by
-    ``preadv`` (:mod:`checkpoint.storage.tensor_read`); ``header_digest``: the index's digest of
-    the header bytes, checked (:func:`~checkpoint.storage.st_header.header_of_bytes`)."""
-    h, head = _open(path, framework, header_digest)
-    with open(path, "rb") as f:
-        start = 8 + int.from_bytes(f.read(8), "little")
+def _header(path: Path, dtypes: dict[str, Any], framework: str, header_digest: str | None = None) -> dict[str, SourceSpec]:
+    """Specs of file ``path``'s tensors, from its header as safetensors validates it;
+    ``header_digest``: the index's digest of the header bytes, checked
+    (:func:`~checkpoint.storage.st_header.header_of_bytes`)."""
+    _, head = _open(path, framework, header_digest)
     out = {}
     for k, v in head.items():
         if k == "__metadata__":
@@ -83,25 +78,54 @@ def _header(
         except ValueError as e:
             raise CorruptCheckpointError(str(path), f"tensor {k!r}: {e}") from None
         out[k] = SourceSpec(k, shape, dtypes[st])
-        b, e = v["data_offsets"]
-        spans[k] = (start + b, start + e)
-    return out, h
+    return out
 
 
 @dataclass
 class SafetensorsScan:
-    """What :func:`scan_safetensors` found: ``handles`` are the ``safe_open`` handles (file -> handle)."""
+    """What :func:`scan_safetensors` found."""
 
     root: Path
     format: str
     files: list[str]
     specs: dict[str, SourceSpec]
     file_of: dict[str, str]
-    handles: dict[str, Any]
-    notes: list[str]
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> absolute [begin, end)
-    digests: dict[str, str] = field(default_factory=dict)  # key -> the index's tensor digest (fqnckpt v2, v3)
-    digest_chunk: int | None = None  # the index's tensor_digest_chunk (v3; None: v2's plain xxh3-128)
+    notes: list[str] = field(default_factory=list)
+
+
+def safetensors_layout(path: Path) -> tuple[str, Path, Path | None]:
+    """``(format, root, index file or None)`` of the safetensors source at ``path``: one file
+    (``"safetensors"``; its directory is the root), an index file, or a directory with its one
+    ``*.index.json`` or none (``"safetensors-sharded"``). The one walk every safetensors source
+    takes (reading, and ``fqnckpt inspect``'s headers).
+
+    Raises:
+        AmbiguousSourceError: several ``*.index.json`` files in the directory.
+        CorruptCheckpointError, UnsupportedFormatError: a file that is no safetensors file or index
+            (:func:`~.sniffing.sniff_file`).
+    """
+    if path.is_file() and sniff_file(path) == "safetensors":
+        return "safetensors", path.parent, None
+    root, index_file = (path.parent, path) if path.is_file() else (path, None)
+    if index_file is None:
+        idx = index_files(root)
+        if len(idx) > 1:
+            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
+        index_file = idx[0] if idx else None
+    return "safetensors-sharded", root, index_file
+
+
+def check_named_files(root: Path, files: list[str], index_file: Path) -> None:
+    """Every file ``files`` the index ``index_file`` names is a file of ``root`` under the one
+    symlink rule (:mod:`checkpoint.storage.paths`).
+
+    Raises:
+        UnsafePathError: a name is not a plain file name, or a symlink leads outside.
+        MissingShardError: named files are missing (all of them listed).
+    """
+    missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
+    if missing:
+        raise MissingShardError(str(root), missing, index_file.name)
 
 
 def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> SafetensorsScan:
@@ -116,53 +140,35 @@ def scan_safetensors(path: Path, dtypes: dict[str, Any], framework: str) -> Safe
         TensorNotInShardError: the index maps a tensor to a file whose header lacks it.
         DuplicateTensorError: without an index, one tensor in two files.
     """
-    if path.is_file() and sniff_file(path) == "safetensors":
-        spans: dict[str, tuple[int, int]] = {}
-        specs, h = _header(path, dtypes, framework, spans)
-        return SafetensorsScan(path.parent, "safetensors", [path.name], specs, dict.fromkeys(specs, path.name),
-                               {path.name: h}, [], spans)  # fmt: skip
-    root, index_file = (path.parent, path) if path.is_file() else (path, None)
-    if index_file is None:
-        idx = index_files(root)
-        if len(idx) > 1:
-            raise AmbiguousSourceError(str(root), [i.name for i in idx], "several index files")
-        index_file = idx[0] if idx else None
+    fmt, root, index_file = safetensors_layout(path)
+    if fmt == "safetensors":
+        specs = _header(path, dtypes, framework)
+        return SafetensorsScan(path.parent, "safetensors", [path.name], specs, dict.fromkeys(specs, path.name))
     specs: dict[str, SourceSpec] = {}
     file_of: dict[str, str] = {}
-    handles: dict[str, Any] = {}
-    spans: dict[str, tuple[int, int]] = {}  # per file: key -> absolute [begin, end)
-    per_file: dict[str, dict[str, tuple[int, int]]] = {}
     if index_file is not None:
         try:
             index = HFIndex.model_validate_json(index_file.read_bytes())
         except ValidationError as e:
             raise CorruptCheckpointError(str(index_file), f"invalid index: {e.errors()[0]['msg']}") from None
         files = sorted(set(index.weight_map.values()))
-        missing = [f for f in files if not Path(paths.member(root, f)).is_file()]
-        if missing:
-            raise MissingShardError(str(root), missing, index_file.name)
+        check_named_files(root, files, index_file)
         recorded = _recorded_headers(index.metadata)  # each file's header digest, checked on open
-        headers = {}
-        for f in files:
-            headers[f], handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}), recorded.get(f))
+        headers = {f: _header(root / f, dtypes, framework, recorded.get(f)) for f in files}
         for key, f in index.weight_map.items():
             if key not in headers[f]:
                 found = next((g for g, h in headers.items() if key in h), None)
                 raise TensorNotInShardError(key, f, found)
             specs[key], file_of[key] = headers[f][key], f
-            spans[key] = per_file[f][key]
     else:  # shards without an index: every *.safetensors file, each key in exactly one
         files = [f.name for f in st_files(root)]
         for f in files:
-            header, handles[f] = _header(root / f, dtypes, framework, per_file.setdefault(f, {}))
-            for key, s in header.items():
+            for key, s in _header(root / f, dtypes, framework).items():
                 if key in file_of:
                     raise DuplicateTensorError(key, [file_of[key], f])
                 specs[key], file_of[key] = s, f
-                spans[key] = per_file[f][key]
     notes = [f"read the files named by {index_file.name} only"] if index_file is not None else []
-    digests, chunk = _recorded_digests(index.metadata) if index_file is not None else ({}, None)
-    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, handles, notes, spans, digests, chunk)
+    return SafetensorsScan(root, "safetensors-sharded", files, specs, file_of, notes)
 
 
 def _fqnckpt_block(metadata: dict[str, Any]):
@@ -189,38 +195,16 @@ def _recorded_headers(metadata: dict[str, Any]) -> dict[str, str]:
     return {name: rec.header for name, rec in meta.files.items() if getattr(rec, "header", None) is not None}
 
 
-def _recorded_digests(metadata: dict[str, Any]) -> tuple[dict[str, str], int | None]:
-    """({key: tensor digest hex}, tensor_digest_chunk) of an fqnckpt index's ``metadata`` (format
-    versions 2 and 3), through the index's own schema; ({}, None) for other indexes."""
-    meta = _fqnckpt_block(metadata)
-    if meta is None:
-        return {}, None
-    return meta.tensor_digests(), meta.tensor_digest_chunk
-
-
-class _HeadersOnly:
-    """The reader of a headers-only :class:`Source`: no tensor data (that needs torch)."""
-
-    def __init__(self, handles: dict[str, Any]):
-        self.handles = handles
-
-    def get(self, key: str):
-        raise TypeError(f"{key!r}: this source was opened for its headers only (open_source reads data)")
-
-    def close(self) -> None:
-        self.handles.clear()
-
-
 def open_safetensors_headers(path: Path) -> Source:
     """A :class:`Source` over the headers of a safetensors checkpoint, without importing torch:
     keys, specs (dtypes as :class:`HeaderDType`), files and notes exactly as
-    ``open_source(path)`` gives them; ``get`` raises ``TypeError``. Raises what
-    :func:`scan_safetensors` raises."""
+    ``open_source(path)`` gives them; a source without a backend, whose reads raise
+    ``TypeError``. Raises what :func:`scan_safetensors` raises."""
     s = scan_safetensors(path, HEADER_DTYPES, "numpy")
-    src = Source(s.root if s.format != "safetensors" else path, s.format, s.files, s.specs, s.file_of,
-                 _HeadersOnly(s.handles))  # fmt: skip
+    src = Source(s.root if s.format != "safetensors" else path, s.format, s.files, s.specs, s.file_of, None)
     src.notes.extend(s.notes)
     return src
 
 
-__all__ = ["HFIndex", "HeaderDType", "HEADER_DTYPES", "SafetensorsScan", "scan_safetensors", "open_safetensors_headers"]
+__all__ = ["HFIndex", "HeaderDType", "HEADER_DTYPES", "SafetensorsScan", "check_named_files", "safetensors_layout",
+           "scan_safetensors", "open_safetensors_headers"]

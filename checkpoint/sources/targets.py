@@ -3,13 +3,16 @@ plans against (the interface of :class:`checkpoint.storage.reader.CheckpointRead
 planning and applying use).
 
 * fqnckpt / Hugging Face checkpoints (index, shards, one ``.safetensors`` file, a hub-cache
-  snapshot): :func:`checkpoint.storage.reader.open_checkpoint`.
-* DCP directories: :class:`~.dcp_targets.DCPTargetReader`.
+  snapshot): :func:`checkpoint.storage.opening.open_checkpoint`.
+* DCP directories: the :class:`~.dcp.DCPSource` of :func:`~.dcp.open_dcp`.
 * ``torch.save`` pickles (zip or legacy; a state_dict, ``{"model": ..., "optimizer": ...}``, a
-  compiled / DDP module's state_dict): :class:`~.target_reader.SourceTargetReader` over
+  compiled / DDP module's state_dict): the :class:`~.base.Source` of
   :func:`~.pickle_files.open_pickle`, unpickled only by torch's ``weights_only`` unpickler after
   the exact-global scan (:mod:`.unpickle`). Names, values and the optimizer are then planned by
   the same modules as for every other source.
+
+Every one is a :class:`~.protocol.TensorReader`: the reader a migration reads is the reader a
+load reads.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from ..errors import CheckpointError, UnsupportedFormatError
 from ..storage.location import local_path
 from ..storage.opening import open_checkpoint
 from .dcp import dcp_format, open_dcp
-from .dcp_targets import DCPTargetReader
 from .pickle_files import open_pickle
 from .readers import DEFAULT_MMAP_WINDOW
 from .sniffing import pickle_files, sniff
-from .target_reader import SourceTargetReader
 
 
 def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, key: str | None = None,
@@ -36,7 +37,7 @@ def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, 
     ``read_optimizer``: also read a DCP checkpoint's optimizer param groups; ``key``: the
     container holding the model (pickle, DCP); ``trusted_globals``: the pickle allow-list.
 
-    Raises what :func:`~checkpoint.storage.reader.open_checkpoint`, :func:`~.dcp.open_dcp` and
+    Raises what :func:`~checkpoint.storage.opening.open_checkpoint`, :func:`~.dcp.open_dcp` and
     :func:`~.pickle_files.open_pickle` raise; UnsupportedFormatError for a pickle that holds
     an optimizer state_dict alone (no model); TypeError for ``key`` with a safetensors checkpoint
     (it has no containers: nothing is opened)."""
@@ -52,7 +53,7 @@ def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, 
     path = os.fspath(path)
     fmt = dcp_format(path)
     if fmt is not None:
-        return DCPTargetReader(open_dcp(Path(path), fmt, key=key, read_optimizer=read_optimizer))
+        return open_dcp(Path(path), fmt, key=key, read_optimizer=read_optimizer)
     pickled = pickle_path(path)
     if pickled is None:
         return safetensors_checkpoint()
@@ -64,7 +65,7 @@ def open_target_reader(path: str | os.PathLike, read_optimizer: bool = True, *, 
             str(path), "holds an optimizer state_dict, not a model: pass it with the model "
             "({'model': ..., 'optimizer': ...}) or load it with torch.optim's load_state_dict",
         )  # fmt: skip
-    return SourceTargetReader(src)
+    return src
 
 
 def pickle_path(path: str) -> tuple[Path, str] | None:

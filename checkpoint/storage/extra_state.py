@@ -426,13 +426,13 @@ def checked_extra_state_files(root: str) -> dict[str, bytes]:
 def _member_bytes(root: str, name: str) -> bytes | None:
     """Bytes of file ``name`` of the checkpoint at ``root``; None when absent (or a symlink).
     A URL is read from the checkpoint this thread holds open (its model index names the object:
-    :func:`checkpoint.storage.remote_reader.remote_view`)."""
+    :func:`checkpoint.storage.views.checkpoint_view`)."""
     if is_url(root):
         from .views import current_view
 
         view = current_view(root)
         if view is None:
-            raise RuntimeError(f"reading {root}/{name} outside remote_view({root!r})")
+            raise RuntimeError(f"reading {root}/{name} outside checkpoint_view({root!r})")
         return view.member_bytes(name)
     store = LocalStore(root)
     raw = store.get(MODEL_INDEX)

@@ -13,7 +13,8 @@ from .bytestore import LocalStore
 from .commit import clean_dead, leftovers
 from .local_commit import recover as local_recover
 from .location import is_remote, resolve, store_of
-from .remote_reader import open_remote_checkpoint, remote_view
+from .remote_reader import open_remote_checkpoint
+from .views import checkpoint_view
 
 
 def open_checkpoint(
@@ -32,7 +33,7 @@ def open_checkpoint(
     """
     where = resolve(path, storage_options)
     if is_remote(where):
-        with remote_view(where) as view:
+        with checkpoint_view(where) as view:
             return open_remote_checkpoint(view, prefix, check_headers=check_headers)
     return reader.open_checkpoint(where, prefix, check_headers=check_headers)
 

@@ -780,6 +780,8 @@ class CheckpointReader:
         if dups:
             k = next(k for k in in_file if k in dups)
             raise DuplicateTensorError(k, dups[k])
+        if self.index is None and not self._key_file:  # files given alone: every tensor of their headers
+            self._key_file = dict(in_file)
         for k, name in self._key_file.items():
             if in_file.get(k) != name:
                 raise TensorNotInShardError(k, name, in_file.get(k))

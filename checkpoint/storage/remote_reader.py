@@ -2,7 +2,7 @@
 reads only: per shard object one GET of its header, then per tensor (or per rank's slice of it)
 only its byte ranges.
 
-One checkpoint, whole: a :class:`RemoteView` fetches the model index (the commit marker) once;
+One checkpoint, whole: a :class:`~.views.CheckpointView` fetches the model index (the commit marker) once;
 the optimizer part and the extra-state files are the objects that index names, so a reader
 never mixes two saves. Everything is checked before any tensor is returned, as for a local
 checkpoint (:mod:`checkpoint.storage.reader`): named objects exist with the recorded sizes,
@@ -55,7 +55,7 @@ from .reader import (
     block_slices,
     compare_record,
 )
-from .views import RemoteView, current_view, remote_view  # noqa: F401 (re-exported)
+from .views import CheckpointView
 from .st_header import header_of_bytes, parse_index_bytes
 from .writer import block_runs, stats, tensor_bytes
 
@@ -73,7 +73,7 @@ class RemoteCheckpointReader(CheckpointReader):
     a ranged GET (``root`` is the checkpoint's URL)."""
 
     def __init__(
-        self, view: RemoteView, index, index_name_: str | None, key_file, sizes: dict[str, int],
+        self, view: CheckpointView, index, index_name_: str | None, key_file, sizes: dict[str, int],
         pins: dict[str, ObjectVersion] | None = None,
     ):  # fmt: skip
         store = view.store
@@ -403,7 +403,7 @@ class RemoteCheckpointReader(CheckpointReader):
 
 
 def open_remote_checkpoint(
-    view: RemoteView, prefix: str = MODEL_PREFIX, *, check_headers: bool = True
+    view: CheckpointView, prefix: str = MODEL_PREFIX, *, check_headers: bool = True
 ) -> RemoteCheckpointReader:
     """Open and validate part ``prefix`` of the checkpoint of ``view`` (errors as
     :func:`checkpoint.storage.reader.open_checkpoint`, naming URLs; ``check_headers`` as there).
@@ -470,4 +470,4 @@ def open_remote_checkpoint(
     return reader
 
 
-__all__ = ["RemoteView", "RemoteCheckpointReader", "remote_view", "current_view", "open_remote_checkpoint"]
+__all__ = ["RemoteCheckpointReader", "open_remote_checkpoint"]

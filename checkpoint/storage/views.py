@@ -58,40 +58,31 @@ class CheckpointView:
         return self._cache[name]
 
 
-RemoteView = CheckpointView  # the name the object-store reader's API gives it
-
-
-@contextlib.contextmanager
-def remote_view(store: ByteStore) -> Iterator[CheckpointView]:
-    """Hold one :class:`CheckpointView` of ``store`` for this thread (nested blocks on the same
-    URL share it): every part read inside belongs to the same save."""
-    held: dict[str, CheckpointView] = _views.__dict__.setdefault("held", {})
-    if store.url in held:
-        yield held[store.url]
-        return
-    view = held[store.url] = CheckpointView(store)
-    try:
-        yield view
-    finally:
-        del held[store.url]
-
-
 @contextlib.contextmanager
 def checkpoint_view(where: Any) -> Iterator[CheckpointView]:
     """One committed checkpoint at ``where`` (a local path, or a byte store that
     :func:`~checkpoint.storage.location.resolve` gave) for every part read inside, whatever the
-    backend: a :class:`CheckpointView` held for this thread, and on a local directory the
-    reader's shared lock (:func:`~checkpoint.storage.local_commit.read_view`).
+    backend: a :class:`CheckpointView` held for this thread (nested blocks on the same URL share
+    it: every part read inside belongs to the same save), and on a local directory the reader's
+    shared lock (:func:`~checkpoint.storage.local_commit.read_view`).
 
     Raises:
         InterruptedCommitError: a local commit of ours was interrupted there (nothing is changed).
     """
     store = store_of(where)
     lock = read_view(store.root) if isinstance(store, LocalStore) else contextlib.nullcontext()
-    with lock, remote_view(store) as view:
-        yield view
+    held: dict[str, CheckpointView] = _views.__dict__.setdefault("held", {})
+    with lock:
+        if store.url in held:
+            yield held[store.url]
+            return
+        view = held[store.url] = CheckpointView(store)
+        try:
+            yield view
+        finally:
+            del held[store.url]
 
 
 def current_view(url: str) -> CheckpointView | None:
-    """The view of ``url`` this thread holds (see :func:`remote_view`), if any."""
+    """The view of ``url`` this thread holds (see :func:`checkpoint_view`), if any."""
     return getattr(_views, "held", {}).get(url.rstrip("/"))
