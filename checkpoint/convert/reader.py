@@ -15,6 +15,8 @@ whole from its group's sources and cut, so a rank still reads no tensor its targ
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -65,6 +67,18 @@ class ConvertedReader:
         gi = self.plan._group_of.get(key)
         keys = self.plan.groups[gi].source_keys() if gi is not None else [self.plan.unchanged[key]]
         return f"{keys[0]} (converted by {self.plan.recipe.name})"
+
+    @contextlib.contextmanager
+    def reading(self):
+        """A span of reads (:meth:`~checkpoint.sources.protocol.TensorReader.reading`) over every
+        source shard: the check of :meth:`check_first` and the reads of the conversion that
+        follows see the same files."""
+        with contextlib.ExitStack() as spans:
+            for src in self.plan.catalog.sources:
+                span = getattr(src, "reading", None)
+                if span is not None:
+                    spans.enter_context(span())
+            yield self
 
     def check_first(self, keys: Iterable[str] = (), rows: Mapping[str, Any] | None = None) -> dict:
         """Check, before any target is written, the source tensors the targets ``keys`` (and

@@ -7,6 +7,8 @@ checkpoint through the same object."""
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +135,13 @@ class Source:
 
     def __contains__(self, key: object) -> bool:
         return key in self._specs or key in self._extra_specs
+
+    def reading(self):
+        """A span of reads (one load's check and copies): the backend's
+        (:meth:`~checkpoint.storage.reader.CheckpointReader.reading`: its files mapped under a
+        read lease), or nothing for a backend without one."""
+        span = getattr(self._reader, "reading", None)
+        return span() if span is not None else contextlib.nullcontext(self)
 
     def keys(self) -> list[str]:
         """Model tensor keys in source order (optimizer state kept apart is in ``optimizer.state``)."""

@@ -23,6 +23,8 @@ collective read for every target), ``expect`` (object storage: read ahead). Torc
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -67,7 +69,8 @@ class TensorReader(Protocol):
     ) -> dict[str, dict[int, bytes]]:
         """The check before any target is written: the tensors ``keys`` (and those of ``rows``,
         byte ranges of a rank's ``Shard(0)`` rows) are hashed and compared with the digests the
-        checkpoint records, through a small buffer, never into a target; a tensor found intact
+        checkpoint records (from a leased mapping inside :meth:`reading`, else through a small
+        buffer), never into a target; a tensor found intact
         is not hashed again by a later read. Returns the format-3 chunk digests of ``rows`` that
         the ranks gather (``CheckpointReader.check_chunks``), ``{}`` where none are hashed in
         chunks. Nothing is checked for a format that records no digests (pickles, DCP, plain
@@ -94,6 +97,13 @@ class TensorReader(Protocol):
         """Tensor ``key`` read straight into the target ``out`` (a contiguous CPU tensor of the
         stored shape and dtype) with no tensor in between; False, nothing read, where this reader
         cannot (another target, or a format read through its own library): then :meth:`get`."""
+        ...
+
+    def reading(self) -> AbstractContextManager:
+        """A span of reads: one load's check and copies. Inside it a reader of local files maps
+        each large file under a read lease, so no writer changes it between the check and the
+        copies (:mod:`checkpoint.storage.leased`); other readers read as they do outside it.
+        Spans nest; the leases are given back when the outermost one ends."""
         ...
 
     def close(self) -> None:
