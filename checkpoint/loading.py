@@ -138,10 +138,11 @@ def load(
     torch's ``weights_only`` safe set (classes / functions or ``"module.name"`` strings, as
     ``migrate`` takes them): the explicit allow-list an :class:`UnsafePickleError` points to.
 
-    Ranks: a load into DTensors is collective over the ranks of their meshes (each of them calls
-    ``load``; a 1-D sub-mesh's own group, else the default group): they agree on the checkpoint,
-    the digests and the outcome, so a failure on one is raised on all. A load of plain tensors
-    makes no collective (rank 0 alone may load a module while the other ranks wait).
+    Ranks: a load into DTensors is collective over the ranks of their root mesh (the mesh their
+    meshes were sliced from; usually every rank): each of them calls ``load`` with DTensors, and
+    they agree on the checkpoint, the digests and the outcome, so a failure on one (an argument
+    error included) is raised on all. A load of plain tensors makes no collective (rank 0 alone
+    may load a module while the other ranks wait).
 
     ``recipe``: the checkpoint is in another layout (``fqnckpt recipes``): converted while loading
     (:mod:`checkpoint.convert.reader`; planned and checked against ``obj`` before a tensor is read,
@@ -172,7 +173,7 @@ def load(
         OptimizerMismatchError (``checkpoint.optim``): optimizer groups match no saved groups.
         TypeError: ``dtype`` without a module or not floating / complex; ``optimizer`` without a module;
             ``optimizer`` / ``extra_state`` for a checkpoint in transformers' on-disk layout.
-        RankAgreementError: another rank of the DTensors' meshes failed (an argument error included).
+        RankAgreementError: another rank of the DTensors' root mesh failed (an argument error included).
     Raises after the checks: LoadError, naming key and file, if torch or the OS fails while
     copying; CorruptCheckpointError, naming file and tensor, when a tensor read whole (or through
     all of its rows, or, across the ranks of a collective load, through their rows: its digest
@@ -181,9 +182,9 @@ def load(
     values, the optimizer and ``extra_state`` are not applied; ``verify=True`` checks every
     file before anything changes.
     """
-    # Collective when this rank holds DTensors: its agreements run on the ranks of their meshes
-    # (_agreement_group), so a rank loading plain tensors (rank 0 alone, a rank outside a
-    # sub-mesh) makes no collective. An argument error before the first agreement is agreed there.
+    # Collective when this rank holds DTensors: its agreements run on the ranks of their root mesh
+    # (_agreement_group), so a rank loading plain tensors (rank 0 alone, a rank outside that mesh)
+    # makes no collective. An argument error before the first agreement is agreed there.
     state = object_state(obj)
     collective = state.has_dtensor and dist.active()
     span = contextlib.ExitStack()
@@ -337,21 +338,24 @@ def _opened(path: Any, reader: Any) -> str | None:
 
 
 def _agreement_group(state: Any) -> Any:
-    """The process group of a collective load's agreements: None (the default group) when the
-    meshes of the DTensors of ``state`` span every rank, or when they are several meshes or one
-    of several dims (a group of their ranks would need every rank to create it); else the group
-    of their one 1-D mesh (a sub-mesh: ranks outside it load their own tensors without waiting
-    for it, and are not waited for)."""
-    meshes = {}  # by ranks and dims: slicing a mesh twice gives two equal DeviceMesh objects
+    """The process group of a collective load's agreements: the ranks of the root mesh of the
+    DTensors of ``state`` (the mesh their meshes were sliced from: a pipeline stage's ``dp`` mesh
+    is sliced from the world's ``(pp, dp)`` mesh, so every stage agrees, and a corrupt tensor of
+    one stage stops them all). None (the default group) when that spans every rank, or when the
+    DTensors are on several root meshes or one of several dims (a group of their ranks would need
+    every rank to create it); else the group of the one 1-D root mesh (a mesh of some ranks only:
+    the ranks outside it load their own tensors without waiting for it)."""
+    roots = {}  # by ranks and dims: slicing a mesh twice gives two equal DeviceMesh objects
     for e in state.entries:
         if isinstance(e.tensor, DTensor):
             m = e.tensor.device_mesh
-            meshes.setdefault((tuple(m.mesh.flatten().tolist()), m.ndim), m)
-    ranks = {int(r) for (rs, _) in meshes for r in rs}
-    if len(ranks) == dist.world_size() or len(meshes) != 1:
+            root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m
+            roots.setdefault((tuple(root.mesh.flatten().tolist()), root.ndim), root)
+    ranks = {int(r) for (rs, _) in roots for r in rs}
+    if len(ranks) == dist.world_size() or len(roots) != 1:
         return None
-    (mesh,) = meshes.values()
-    return mesh.get_group() if mesh.ndim == 1 else None
+    (root,) = roots.values()
+    return root.get_group() if root.ndim == 1 else None
 
 
 def _check_same_checkpoint(what: str, opened: list[str | None]) -> None:

@@ -1,11 +1,12 @@
-"""The collectives of a distributed load run on the ranks of its DTensors' meshes only.
+"""The collectives of a distributed load run on the ranks of its DTensors' root mesh only.
 
-A rank holding DTensors agrees (same checkpoint, digests, outcome) with the ranks of their mesh:
-a DTensor rank on a mesh of its own beside a rank loading plain tensors loads (it used to wait
-for that rank in the first agreement: a hang), and a rank loading plain tensors makes no
-collective at all (rank 0 alone loading a module after the process group is up). An argument
-error of one rank of a mesh is agreed at the first agreement: every rank of the mesh fails, none
-hangs. One spawn of 2 ranks runs every case; a hang fails it at the harness's timeout.
+A rank holding DTensors agrees (same checkpoint, digests, outcome) with the ranks of the mesh
+its DTensors' meshes were sliced from: a DTensor rank on a mesh of its own beside a rank loading
+plain tensors loads (it used to wait for that rank in the first agreement: a hang), and a rank
+loading plain tensors makes no collective at all (rank 0 alone loading a module after the
+process group is up). An argument error of one rank of the mesh is agreed at the first
+agreement: every rank of it fails, none hangs. One spawn of 2 ranks runs every case; a hang
+fails it at the harness's timeout.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "one"))
+    own = DeviceMesh("cpu", [0])  # a mesh of rank 0 alone (every rank makes it: its group)
     out = {}
 
     def fresh(on=None, adam=False):  # zero parameters (and Adam state), as DTensors on ``on`` when given
@@ -92,19 +96,19 @@ def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
         return m, o
 
     # Rank 0: DTensors on its own 1-rank mesh; rank 1: plain parameters.
-    m, o = fresh(mesh["one"] if rank == 0 else None)
+    m, o = fresh(own if rank == 0 else None)
     out["sub-mesh beside plain"] = _outcome(m, None, lambda: checkpoint.load(m, cks["st"]))
-    m, o = fresh(mesh["one"] if rank == 0 else None, adam=True)
+    m, o = fresh(own if rank == 0 else None, adam=True)
     out["sub-mesh beside plain, optimizer"] = _outcome(m, o, lambda: checkpoint.load(m, cks["st"], optimizer=o))
     # A state_dict of DTensors beside a plain state_dict: the same on the state_dict path.
     sd = {k: _local(v) for k, v in fresh()[0].state_dict().items()}
     if rank == 0:
         from torch.distributed.tensor import DTensor, Replicate
 
-        sd = {k: DTensor.from_local(v, mesh["one"], [Replicate()], run_check=False) for k, v in sd.items()}
+        sd = {k: DTensor.from_local(v, own, [Replicate()], run_check=False) for k, v in sd.items()}
     out["state_dict beside plain"] = _outcome(_Dict(sd), None, lambda: checkpoint.load(sd, cks["st"]))
     # A DCP checkpoint: read by one dcp.load, collective only on the ranks holding DTensors.
-    m, o = fresh(mesh["one"] if rank == 0 else None)
+    m, o = fresh(own if rank == 0 else None)
     out["dcp sub-mesh beside plain"] = _outcome(m, None, lambda: checkpoint.load(m, cks["dcp"]))
     # Both ranks hold DTensors on one mesh; rank 1 fails on an argument before any agreement.
     m, o = fresh(mesh["dp"])
@@ -120,6 +124,11 @@ def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
     # DTensors on the mesh of both ranks load as before.
     m, o = fresh(mesh["dp"], adam=True)
     out["one mesh"] = _outcome(m, o, lambda: checkpoint.load(m, cks["st"], optimizer=o))
+    # Pipeline stages: each rank's DTensors on its 1-rank slice of the world mesh; rank 1 asks
+    # for a dtype that is refused: both stages fail (they agree on the world mesh they share).
+    m, o = fresh(mesh["one"])
+    kw = {"dtype": torch.int64} if rank == 1 else {}
+    out["stages"] = _outcome(m, None, lambda: checkpoint.load(m, cks["st"], **kw))
     return out
 
 
@@ -167,8 +176,8 @@ def _refused(got: tuple, kind: str, *words: str) -> None:
 
 
 def test_dtensors_on_a_sub_mesh_beside_plain_tensors_load_on_every_rank(ranks):
-    """Rank 0 holds DTensors on its own 1-rank mesh, rank 1 plain parameters: rank 0 waited in
-    the first agreement alone (rank 1's load made no collective) and the run hung."""
+    """Rank 0 holds DTensors on a 1-rank mesh of its own, rank 1 plain parameters: rank 0 waited
+    in the first agreement alone (rank 1's load made no collective) and the run hung."""
     for got in ranks:
         _loaded(got["sub-mesh beside plain"], _expected(False))
 
@@ -205,6 +214,11 @@ def test_plain_tensors_on_every_rank_load(ranks):
 def test_one_rank_alone_loads_a_plain_module(ranks):
     """Rank 0 loads a plain module while rank 1 never calls ``load``: no collective is made."""
     _loaded(ranks[0]["one rank alone"], _expected(False))
+
+
+def test_pipeline_stages_sliced_from_one_mesh_fail_together(ranks):
+    _refused(ranks[1]["stages"], "TypeError", "dtype=")
+    _refused(ranks[0]["stages"], "RankAgreementError", "rank 1", "TypeError", "dtype=")
 
 
 def test_dtensors_on_one_mesh_of_every_rank_load(ranks):
