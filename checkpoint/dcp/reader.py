@@ -414,17 +414,8 @@ class StorageReader(Located, dcp_storage.StorageReader):
             if err is not None:
                 raise err
             return
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (digests, None if err is None else f"{type(err).__name__}: {err}"))
-        if err is not None:
-            raise err
-        for rank, (_, text) in enumerate(gathered):
-            if text is not None:
-                raise CorruptCheckpointError(src.where, f"rank {rank} refused the checkpoint before any target was written: {text}")
-        for rd, k in sorted(checks.rows):
-            src.readers[rd].check_chunks(k, {i: d for g, _ in gathered for i, d in g.get((rd, k), {}).items()})
+        for (rd, k), chunks in _agree(src, sorted(checks.rows), digests, err).items():
+            src.readers[rd].check_chunks(k, chunks)
 
     def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
         # The digests were checked first (_check_first): a reader with ``check_first`` hashes
@@ -501,6 +492,71 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if not ok and not (src.local and reader.copy_into(k, target, sl, check is True or k in check)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
+
+
+def _agree(
+    src: _Source, order: list[tuple[int, str]], digests: Mapping[tuple[int, str], Mapping[int, bytes]], err: BaseException | None
+) -> dict[tuple[int, str], dict[int, bytes]]:
+    """The exchange of :meth:`StorageReader._check_first` on the default process group: every
+    rank's outcome and the chunk digests it hashed (``digests``: ``{(reader, key): {chunk index:
+    16-byte digest}}``, keys among ``order``, the coordinator's row-checked tensors, the same list
+    on every rank). One ``all_gather_into_tensor`` of two numbers per rank (failed, digests
+    hashed), then, when some rank hashed chunk digests, one of the digests as rows of four
+    ``int64`` (tensor position in ``order``, chunk index, the digest's two halves): plain
+    tensors where ``all_gather_object`` pickles and gathers twice; the error texts are gathered
+    only when a rank failed.
+
+    Returns ``{(reader, key): {chunk index: digest}}`` of every rank's chunks, for each key of
+    ``order`` some rank hashed.
+
+    Raises:
+        BaseException: ``err``, this rank's own failure, after the other ranks learnt of it.
+        CorruptCheckpointError: another rank failed (its rank and error text named), or two ranks
+            hashed one chunk of a tensor to different digests (tensor and chunk named).
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    from ..ranks.dist import collective_device
+
+    world, device = dist.get_world_size(), collective_device()
+    where = {rk: n for n, rk in enumerate(order)}
+    rows = [(where[rk], i, d) for rk, ds in digests.items() if rk in where for i, d in ds.items()]
+    heads = torch.empty(2 * world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(heads, torch.tensor([err is not None, len(rows)], dtype=torch.int64, device=device))
+    counts = heads.view(world, 2).tolist()
+    failed = [r for r, (f, _) in enumerate(counts) if f]
+    if failed:  # every rank sees the flags: all of them gather the texts, then raise
+        texts: list[Any] = [None] * world
+        dist.all_gather_object(texts, None if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        raise CorruptCheckpointError(
+            src.where, f"rank {failed[0]} refused the checkpoint before any target was written: {texts[failed[0]]}"
+        )
+    most = max(n for _, n in counts)
+    out: dict[tuple[int, str], dict[int, bytes]] = {}
+    if not most:
+        return out
+    mine = np.zeros((most, 4), dtype="<i8")
+    if rows:
+        mine[: len(rows), 0] = [t for t, _, _ in rows]
+        mine[: len(rows), 1] = [i for _, i, _ in rows]
+        mine[: len(rows), 2:] = np.frombuffer(b"".join(d for _, _, d in rows), dtype="<i8").reshape(-1, 2)
+    every = torch.empty(world * most * 4, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, torch.from_numpy(mine).view(-1).to(device))
+    got = every.cpu().numpy().reshape(world, most, 4)
+    for r, (_, n) in enumerate(counts):
+        part = got[r, :n]
+        raw = np.ascontiguousarray(part[:, 2:]).astype("<i8").tobytes()
+        for j, (t, i) in enumerate(part[:, :2].tolist()):
+            rk, d = order[t], raw[16 * j : 16 * j + 16]
+            seen = out.setdefault(rk, {}).setdefault(i, d)
+            if seen != d:  # two ranks read this chunk's bytes differently
+                raise CorruptCheckpointError(
+                    src.where, f"tensor {rk[1]!r}: ranks hashed its digest chunk {i} to different digests"
+                )
+    return out
 
 
 def _check_known(src: _Source, storage: Mapping[MetadataIndex, Any], item: ReadItem) -> None:
