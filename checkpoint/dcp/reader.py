@@ -41,10 +41,12 @@ that a file cut short turns into SIGBUS (a SIGBUS-safe read from a private mappi
 Integrity, before any target is written: a tensor read whole, or through all of its rows, is
 checked against the index's xxh3-128 digest by one rank (the coordinator assigns each such tensor
 to one of the ranks reading it); a tensor read only in row blocks (``Shard(0)``,
-``_StridedShard(0)``) is checked from the digest chunks each rank hashes in its rows (format 3);
-on the whole default process group the ranks then exchange those digests and their outcomes, so a
-mismatch found by any rank raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file
-and tensor on every rank before one of them copies a byte. On a subgroup (DCP does not hand its
+``_StridedShard(0)``, a 2-D mesh's blocks) is checked from its format-3 digest chunks, the
+coordinator giving each chunk to exactly one rank (one whose rows hold it); on the whole default
+process group the ranks then agree their outcomes and those chunk digests in one ``all_reduce``
+of ``int64`` slots, so a mismatch found by any rank raises
+:class:`~checkpoint.errors.CorruptCheckpointError` naming file and tensor on every rank before one
+of them copies a byte. On a subgroup (DCP does not hand its
 group to storage readers, so the ranks cannot exchange) each rank checks every tensor it reads
 any block of, whole, before its own copies. Ranks that opened different checkpoints (an overwrite landing while they opened
 it) are refused the same way instead of loading a mix.
