@@ -397,11 +397,11 @@ class StorageReader(Located, dcp_storage.StorageReader):
     def _check_first(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan | None) -> None:
         """Every digest this rank checks, before any target is written (``check_first`` of each
         reader). With ``checks.exchange`` (a load on the whole default process group): the
-        tensors the coordinator gave it (``checks.mine``) and the digest chunks starting in its
-        rows of the tensors no rank reads whole (``checks.rows``); the ranks then gather those
-        chunk digests and every rank's outcome, each rank checks the same combined digests, and a
-        rank whose check failed stops every rank before its first write. Without it (no
-        coordinator, or a subgroup): every tensor this rank reads any block of, whole.
+        tensors the coordinator gave it (``checks.mine``) whole and the digest chunks it gave it
+        of the tensors no rank reads whole (``checks.rows``); the ranks then agree every rank's
+        outcome and those chunk digests (:func:`_agree`), each rank checks the same combined
+        digests, and a rank whose check failed stops every rank before its first write. Without
+        it (no coordinator, or a subgroup): every tensor this rank reads any block of, whole.
 
         Raises:
             CorruptCheckpointError: a digest differs (file and tensor named), on this rank or,
