@@ -311,12 +311,14 @@ class StorageReader(Located, dcp_storage.StorageReader):
                     continue
                 lengths, offsets = tuple(it.lengths), tuple(it.storage_offsets)
                 every_row = len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0]
+                item = src.readers[c.reader].spec(c.key).dtype.itemsize
                 if lengths == c.shape or every_row:
                     readers_of.setdefault((c.reader, c.key), set()).add(r)
-                    size[(c.reader, c.key)] = math.prod(c.shape) * src.readers[c.reader].spec(c.key).dtype.itemsize
+                    size[(c.reader, c.key)] = math.prod(c.shape) * item
                 elif c.shape:
-                    row = math.prod(c.shape[1:]) * src.readers[c.reader].spec(c.key).dtype.itemsize
-                    spans.setdefault((c.reader, c.key), []).append((r, offsets[0] * row, (offsets[0] + lengths[0]) * row))
+                    row = math.prod(c.shape[1:]) * item
+                    lo, hi = offsets[0] * row, (offsets[0] + lengths[0]) * row
+                    spans.setdefault((c.reader, c.key), []).append((r, lo, hi))
         load = [0] * len(plans)
         mine: list[set[tuple[int, str]]] = [set() for _ in plans]
         for k, ranks in readers_of.items():
@@ -348,9 +350,11 @@ class StorageReader(Located, dcp_storage.StorageReader):
             for r, lo, hi in _share_chunks(nbytes, chunk, spans[rk], len(plans)):
                 rows[r].setdefault(rk, []).append((lo, hi))
                 load[r] += hi - lo
+        shares = [tuple((rk, tuple(v)) for rk, v in w.items()) for w in rows]
+        every = tuple(layout)
         return [
-            replace(p, storage_data=ChecksPlan(frozenset(m), tuple((rk, tuple(v)) for rk, v in w.items()), tuple(layout), True))
-            for p, m, w in zip(plans, mine, rows)
+            replace(p, storage_data=ChecksPlan(frozenset(m), w, every, True))
+            for p, m, w in zip(plans, mine, shares)
         ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -592,9 +596,8 @@ def _agree(
         dist.all_gather_object(texts, None if err is None else f"{type(err).__name__}: {err}")
         if err is not None:
             raise err
-        raise CorruptCheckpointError(
-            src.where, f"rank {failed[0]} refused the checkpoint before any target was written: {texts[failed[0]]}"
-        )
+        why = f"rank {failed[0]} refused the checkpoint before any target was written: {texts[failed[0]]}"
+        raise CorruptCheckpointError(src.where, why)
     hashed, raw = got[world : world + total], got[world + total :].astype("<i8").tobytes()
     out: list[dict[int, bytes] | None] = []
     for n, c in enumerate(counts):

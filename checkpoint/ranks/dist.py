@@ -160,7 +160,9 @@ def collective_device(group: Any = None) -> torch.device:
     if "gloo" in backend or "mpi" in backend:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
-    return torch.device(acc.type, torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def barrier() -> None:

@@ -18,9 +18,9 @@ with the round and the repeat, so each comparison is of loads a few tenths of a 
 median of its ``--repeat`` loads. Equal work: torch's reader checks nothing, ours checks every
 byte it loads against the index's digests before any copy (each tensor or digest chunk hashed by
 one rank, the outcomes agreed between the ranks), so ``ours-unchecked`` (the same checkpoint read
-without that check and its exchange: a bench-only subclass) is timed beside it. Printed per world size, with the load average before and after:
-each reference's time over ours per round (> 1: ours is faster), as median and range. Values are
-checked after every load.
+without that check and its exchange: a bench-only subclass) is timed beside it. Printed per world
+size, with the load average before and after: each reference's time over ours per round (> 1:
+ours is faster), as median and range. Values are checked after every load.
 
     python tests/bench/dcp_storage.py [--mib 64] [--tensors 8] [--rounds 5] [--repeat 5] [--dir /dev/shm/x] [--worlds 2 4]
 """
