@@ -174,12 +174,17 @@ def _mesh_2x2(rank: int, world: int, cases: dict[str, str]) -> dict:
 
     from checkpoint.dcp import StorageReader
 
+    from checkpoint.storage.writer import stats
+
     mesh = init_device_mesh("cpu", (2, 2))
     out = {}
     for key, ck in cases.items():
         for pl in ((Shard(0), Shard(1)), (Shard(1), Shard(0))):
-            target = {key: distribute_tensor(torch.zeros_like(reference()[key]), mesh, list(pl))}
+            name = "big" if key == "intact" else key
+            target = {name: distribute_tensor(torch.zeros_like(reference()[name]), mesh, list(pl))}
+            stats.reset()
             out[(key, str(pl))] = _outcome(target, lambda: dcp.load(target, storage_reader=StorageReader(ck)))
+            out[(key, str(pl), "bytes checked")] = stats.bytes_checked
     return out
 
 
@@ -191,12 +196,39 @@ def test_dcp_load_of_blocks_on_a_2d_mesh_is_checked(tmp_path):
     from checkpoint.ranks.launch import run_ranks
 
     cases = {"w": _saved(tmp_path, "w", "w"), "big": _saved(tmp_path, "big", "big")}
-    for res in run_ranks(_mesh_2x2, 4, cases, timeout=120):
-        for (key, pl), got in res.items():
-            _refused_by_name(got, key)
+    cases["intact"] = _saved(tmp_path, "intact", None)
+    results = run_ranks(_mesh_2x2, 4, cases, timeout=120)
+    for res in results:
+        for (key, pl, *what), got in res.items():
+            if key == "intact":
+                assert what or got == ("loaded", True), (pl, got)
+            elif not what:
+                _refused_by_name(got, key)
+    # The intact 'big' (three 1 MiB digest chunks) read in blocks by 4 ranks, two of them holding
+    # each row: every chunk hashed by exactly one rank (3 MiB checked in all, not 6).
+    checked = [k for k in results[0] if k[0] == "intact" and k[2:]]
+    assert len(checked) == 2
+    for k in checked:
+        assert sum(res[k] for res in results) == reference()["big"].nbytes, k
 
 
 # -- one process ------------------------------------------------------------------------------------
+
+
+def test_digest_chunks_are_shared_out_one_rank_each():
+    """The coordinator's share of a row-read tensor's digest chunks (10 chunks of 4 bytes, the
+    last one 2): disjoint rows give each rank the chunks starting in them; ranks holding the same
+    rows split those chunks in consecutive parts; chunks no rank's rows hold go to every rank
+    alike; every chunk to exactly one rank."""
+    from checkpoint.dcp.reader import _share_chunks
+
+    assert _share_chunks(38, 4, [(0, 0, 20), (1, 20, 38)], 2) == [(0, 0, 20), (1, 20, 38)]
+    # Rows 0..18 held by ranks 0 and 1, the rest by ranks 2 and 3 (a 2x2 mesh's blocks).
+    assert _share_chunks(38, 4, [(0, 0, 19), (1, 0, 19), (2, 19, 38), (3, 19, 38)], 4) == [
+        (0, 0, 8), (1, 8, 20), (2, 20, 28), (3, 28, 38)
+    ]  # fmt: skip
+    # Rank 1's planned rows [30, 38) hold chunks 8 and 9 only: chunks 0..7 shared by both ranks.
+    assert _share_chunks(38, 4, [(1, 30, 38)], 2) == [(0, 0, 16), (1, 16, 32), (1, 32, 38)]
 
 
 def _optimizer_shard0(rank: int, world: int, ck: str) -> tuple:

@@ -41,10 +41,12 @@ that a file cut short turns into SIGBUS (a SIGBUS-safe read from a private mappi
 Integrity, before any target is written: a tensor read whole, or through all of its rows, is
 checked against the index's xxh3-128 digest by one rank (the coordinator assigns each such tensor
 to one of the ranks reading it); a tensor read only in row blocks (``Shard(0)``,
-``_StridedShard(0)``) is checked from the digest chunks each rank hashes in its rows (format 3);
-on the whole default process group the ranks then exchange those digests and their outcomes, so a
-mismatch found by any rank raises :class:`~checkpoint.errors.CorruptCheckpointError` naming file
-and tensor on every rank before one of them copies a byte. On a subgroup (DCP does not hand its
+``_StridedShard(0)``, a 2-D mesh's blocks) is checked from its format-3 digest chunks, the
+coordinator giving each chunk to exactly one rank (one whose rows hold it); on the whole default
+process group the ranks then agree their outcomes and those chunk digests in one ``all_reduce``
+of ``int64`` slots, so a mismatch found by any rank raises
+:class:`~checkpoint.errors.CorruptCheckpointError` naming file and tensor on every rank before one
+of them copies a byte. On a subgroup (DCP does not hand its
 group to storage readers, so the ranks cannot exchange) each rank checks every tensor it reads
 any block of, whole, before its own copies. Ranks that opened different checkpoints (an overwrite landing while they opened
 it) are refused the same way instead of loading a mix.
@@ -122,13 +124,16 @@ class StoredChunk:
 @dataclass(frozen=True)
 class ChecksPlan:
     """``LoadPlan.storage_data`` the coordinator gives each rank (:meth:`StorageReader.prepare_global_plan`):
-    ``mine``, the ``(reader, key)`` of the tensors this rank checks whole; ``rows``, those no rank
-    reads whole whose row blocks every rank hashes in digest chunks; ``exchange``: whether the
-    ranks gather those chunk digests after their reads (on the default process group, which
-    this load runs on all of)."""
+    ``mine``, the ``(reader, key)`` of the tensors this rank checks whole; ``rows``, ``((reader,
+    key), ((begin, end), ...))``: the byte ranges of tensors no rank reads whole whose format-3
+    digest chunks this rank hashes (each chunk of them by exactly one rank); ``layout``, every
+    such tensor, in one order on every rank (the slots of the exchange); ``exchange``: whether
+    the ranks agree their outcomes and gather those chunk digests before any copy (on the
+    default process group, which this load runs on all of)."""
 
     mine: frozenset
-    rows: frozenset = frozenset()
+    rows: tuple = ()
+    layout: tuple = ()
     exchange: bool = False
 
 
@@ -273,9 +278,12 @@ class StorageReader(Located, dcp_storage.StorageReader):
         """Coordinator: give each rank the stored tensors it checks against the index's digests
         (``LoadPlan.storage_data``, a :class:`ChecksPlan`): each tensor some rank reads whole (or
         all of its rows, a column block) is checked by one of those ranks, the one with the fewest
-        elements to check so far, so no tensor is hashed twice; a tensor read only in row blocks
-        (``Shard(0)``) is checked from the digest chunks of every rank's rows, gathered after the
-        reads.
+        bytes to check so far, so no tensor is hashed twice; a tensor read only in row blocks
+        (``Shard(0)``) is checked from its format-3 digest chunks, each hashed by one rank
+        (:func:`_share_chunks`: a rank whose rows hold the chunk's first byte) and gathered before
+        any copy; one of a single chunk, without chunk digests (format 2) or dequantized, whole by
+        one rank reading a block of it. Without the whole default process group (no exchange)
+        each rank checks every tensor it reads any block of, whole.
 
         Raises :class:`~checkpoint.errors.CorruptCheckpointError` (on every rank, through DCP)
         when the ranks opened different checkpoints (a path per rank, or a save replaced it while
@@ -290,38 +298,64 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 "rank with its own path, or a save replaced it during this load (each rank would load "
                 "another one's values); give every rank the same path and load again",
             )
+        src = self._open()
         readers_of: dict[tuple[int, str], set[int]] = {}
-        size: dict[tuple[int, str], int] = {}
-        partial: set[tuple[int, str]] = set()  # read in blocks of some rows by some rank
+        size: dict[tuple[int, str], int] = {}  # bytes
+        # Tensors read in blocks of some rows (Shard(0), a 2-D mesh's (Shard(0), Shard(1)) block):
+        # (rank, begin, end) of the bytes of the rows each rank's item holds.
+        spans: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
         for r, p in enumerate(plans):
             for it in p.items:
                 c = self.storage_data.get(it.storage_index) if it.type != LoadItemType.BYTE_IO else None
                 if not isinstance(c, StoredChunk):
                     continue
                 lengths, offsets = tuple(it.lengths), tuple(it.storage_offsets)
-                rows = len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0]
-                if lengths == c.shape or rows:
+                every_row = len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0]
+                item = src.readers[c.reader].spec(c.key).dtype.itemsize
+                if lengths == c.shape or every_row:
                     readers_of.setdefault((c.reader, c.key), set()).add(r)
-                    size[(c.reader, c.key)] = math.prod(c.shape)
-                elif c.shape:  # a block of some rows (Shard(0), or a 2-D mesh's (Shard(0), Shard(1)) block)
-                    partial.add((c.reader, c.key))
+                    size[(c.reader, c.key)] = math.prod(c.shape) * item
+                elif c.shape:
+                    row = math.prod(c.shape[1:]) * item
+                    lo, hi = offsets[0] * row, (offsets[0] + lengths[0]) * row
+                    spans.setdefault((c.reader, c.key), []).append((r, lo, hi))
         load = [0] * len(plans)
         mine: list[set[tuple[int, str]]] = [set() for _ in plans]
         for k, ranks in readers_of.items():
             r = min(ranks, key=lambda r: (load[r], r))
             load[r] += size[k]
             mine[r].add(k)
-        # Tensors no rank reads whole: each rank hashes the digest chunks starting in its rows and
-        # the ranks gather them before any copy (_check_first, CheckpointReader.check_chunks); a
-        # tensor without chunk digests (format 2) is hashed whole by each rank reading a block.
-        src = self._open()
-        rows = frozenset(
-            (rd, k) for rd, k in partial - set(readers_of)
-            if hasattr(src.readers[rd], "check_first") and src.readers[rd].recorded_digest(k) is not None
-        )  # fmt: skip
         exchange = _whole_world(len(plans))  # every rank's checks agreed before any target is written
-        return [replace(p, storage_data=ChecksPlan(frozenset(m), rows if exchange else frozenset(), exchange))
-                for p, m in zip(plans, mine)]  # fmt: skip
+        if not exchange:  # each rank checks every tensor it reads, whole (_check_first)
+            return [replace(p, storage_data=ChecksPlan(frozenset(m))) for p, m in zip(plans, mine)]
+        # Tensors no rank reads whole: their digest chunks shared out, each hashed by one rank,
+        # and gathered before any copy (_check_first, _agree, CheckpointReader.check_chunks). A
+        # tensor of one chunk, without chunk digests (format 2) or dequantized is hashed whole by
+        # one rank reading a block of it.
+        rows: list[dict[tuple[int, str], list[tuple[int, int]]]] = [{} for _ in plans]
+        layout = []
+        for rk in sorted(set(spans) - set(readers_of)):
+            rd, k = rk
+            reader = src.readers[rd]
+            if not hasattr(reader, "check_first") or reader.recorded_digest(k) is None:
+                continue
+            nbytes, chunk = reader.spec(k).nbytes, reader.digest_chunk
+            deq = getattr(reader, "dequantized", None)
+            if not chunk or nbytes <= chunk or (deq is not None and deq(k) is not None):
+                r = min({r for r, _, _ in spans[rk]}, key=lambda r: (load[r], r))
+                load[r] += nbytes
+                mine[r].add(rk)
+                continue
+            layout.append(rk)
+            for r, lo, hi in _share_chunks(nbytes, chunk, spans[rk], len(plans)):
+                rows[r].setdefault(rk, []).append((lo, hi))
+                load[r] += hi - lo
+        shares = [tuple((rk, tuple(v)) for rk, v in w.items()) for w in rows]
+        every = tuple(layout)
+        return [
+            replace(p, storage_data=ChecksPlan(frozenset(m), w, every, True))
+            for p, m, w in zip(plans, mine, shares)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner's targets (see module docstring); the
@@ -367,11 +401,11 @@ class StorageReader(Located, dcp_storage.StorageReader):
     def _check_first(self, src: _Source, plan: LoadPlan, planner: LoadPlanner, checks: ChecksPlan | None) -> None:
         """Every digest this rank checks, before any target is written (``check_first`` of each
         reader). With ``checks.exchange`` (a load on the whole default process group): the
-        tensors the coordinator gave it (``checks.mine``) and the digest chunks starting in its
-        rows of the tensors no rank reads whole (``checks.rows``); the ranks then gather those
-        chunk digests and every rank's outcome, each rank checks the same combined digests, and a
-        rank whose check failed stops every rank before its first write. Without it (no
-        coordinator, or a subgroup): every tensor this rank reads any block of, whole.
+        tensors the coordinator gave it (``checks.mine``) whole and the digest chunks it gave it
+        of the tensors no rank reads whole (``checks.rows``); the ranks then agree every rank's
+        outcome and those chunk digests (:func:`_agree`), each rank checks the same combined
+        digests, and a rank whose check failed stops every rank before its first write. Without
+        it (no coordinator, or a subgroup): every tensor this rank reads any block of, whole.
 
         Raises:
             CorruptCheckpointError: a digest differs (file and tensor named), on this rank or,
@@ -380,27 +414,16 @@ class StorageReader(Located, dcp_storage.StorageReader):
         whole: dict[int, list[str]] = {}
         rows: dict[int, dict[str, list[tuple[int, int]]]] = {}
         agreed = checks is not None and checks.exchange
-        # Without the exchange (no coordinator, or a subgroup of the default group) no rank can
-        # stop another: each checks every tensor it reads any of, whole.
-        mine = checks.mine if agreed else None
-        row_keys = checks.rows if agreed else frozenset()
-        for item in plan.items:
-            c = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
-            if not isinstance(c, StoredChunk):
-                continue
-            lengths, offsets = tuple(item.lengths), tuple(item.storage_offsets)
-            if not agreed:
-                whole.setdefault(c.reader, []).append(c.key)
-            elif (c.reader, c.key) in row_keys:
-                row = src.readers[c.reader].spec(c.key).nbytes // c.shape[0]
-                dt = _planned(planner, item.dest_index.fqn)
-                spans = ([(g[0].start, g[0].stop) for _, g in shards.local_blocks(dt)] if _scattered(dt)
-                         else [(offsets[0], offsets[0] + lengths[0])])  # fmt: skip
-                rows.setdefault(c.reader, {}).setdefault(c.key, []).extend((lo * row, hi * row) for lo, hi in spans)
-            elif (lengths == c.shape or (len(c.shape) >= 2 and offsets[0] == 0 and lengths[0] == c.shape[0])) and (
-                mine is None or (c.reader, c.key) in mine
-            ):
-                whole.setdefault(c.reader, []).append(c.key)
+        if agreed:  # the coordinator's share: whole tensors, and digest chunks of row-read ones
+            for rd, k in sorted(checks.mine):
+                whole.setdefault(rd, []).append(k)
+            for (rd, k), ranges in checks.rows:
+                rows.setdefault(rd, {})[k] = list(ranges)
+        else:  # no rank can stop another: each checks every tensor it reads any of, whole
+            for item in plan.items:
+                c = self.storage_data.get(item.storage_index) if item.type != LoadItemType.BYTE_IO else None
+                if isinstance(c, StoredChunk):
+                    whole.setdefault(c.reader, []).append(c.key)
         digests: dict[tuple[int, str], dict[int, bytes]] = {}
         err: BaseException | None = None
         try:
@@ -414,17 +437,12 @@ class StorageReader(Located, dcp_storage.StorageReader):
             if err is not None:
                 raise err
             return
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (digests, None if err is None else f"{type(err).__name__}: {err}"))
-        if err is not None:
-            raise err
-        for rank, (_, text) in enumerate(gathered):
-            if text is not None:
-                raise CorruptCheckpointError(src.where, f"rank {rank} refused the checkpoint before any target was written: {text}")
-        for rd, k in sorted(checks.rows):
-            src.readers[rd].check_chunks(k, {i: d for g, _ in gathered for i, d in g.get((rd, k), {}).items()})
+        for (rd, k), chunks in zip(checks.layout, _agree(src, checks.layout, digests, err)):
+            reader = src.readers[rd]
+            if chunks is None:  # not every chunk hashed once (a rank skipped one): checked whole here
+                reader.check_first([k])
+            else:
+                reader.check_chunks(k, chunks)
 
     def _read(self, src: _Source, plan: LoadPlan, planner: LoadPlanner) -> None:
         # The digests were checked first (_check_first): a reader with ``check_first`` hashes
@@ -501,6 +519,94 @@ class StorageReader(Located, dcp_storage.StorageReader):
                 if not ok and not (src.local and reader.copy_into(k, target, sl, check is True or k in check)):
                     target.copy_(reader.get(k) if sl is None else reader.get_slice(k, sl))
                 planner.commit_tensor(item, target)
+
+
+def _share_chunks(
+    nbytes: int, chunk: int, spans: Sequence[tuple[int, int, int]], world: int
+) -> list[tuple[int, int, int]]:
+    """The digest chunks (``chunk`` bytes, the last one shorter) of a tensor of ``nbytes`` shared
+    out among ``world`` ranks, each chunk to exactly one: to the ranks whose rows hold its first
+    byte (``spans``: ``(rank, begin, end)`` byte ranges, overlapping where ranks hold the same rows,
+    as on a 2-D mesh), a run of chunks held by the same ranks cut into as many consecutive parts;
+    chunks no span holds (a rank whose planned item is not its real block) to every rank alike.
+    Returns ``(rank, begin, end)`` chunk-aligned byte ranges (CheckpointReader.check_first's
+    ``rows``: the chunks starting in them)."""
+    n = -(-nbytes // chunk)
+    cuts = {0, n}
+    for _, lo, hi in spans:  # the chunks whose first byte lies in [lo, hi): ceil(lo / chunk) on
+        cuts.update((min(n, -(-lo // chunk)), min(n, -(-hi // chunk))))
+    bounds = sorted(cuts)
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        holders = sorted({r for r, lo, hi in spans if lo <= a * chunk < hi}) or list(range(world))
+        m = len(holders)
+        for j, r in enumerate(holders):
+            lo, hi = a + (b - a) * j // m, a + (b - a) * (j + 1) // m
+            if lo < hi:
+                out.append((r, lo * chunk, min(nbytes, hi * chunk)))
+    return out
+
+
+def _agree(
+    src: _Source, layout: Sequence[tuple[int, str]], digests: Mapping[tuple[int, str], Mapping[int, bytes]],
+    err: BaseException | None,
+) -> list[dict[int, bytes] | None]:
+    """The exchange of :meth:`StorageReader._check_first` on the default process group: every
+    rank's outcome and the chunk digests it hashed (``digests``: ``{(reader, key): {chunk index:
+    16-byte digest}}`` of tensors of ``layout``, the coordinator's chunk-checked tensors in one
+    order on every rank). One ``all_reduce`` (sum) of ``int64`` slots: a failure flag per rank,
+    then per chunk of ``layout`` how many ranks hashed it and its digest's two halves (each chunk
+    is hashed by one rank: the others add zeros), where ``all_gather_object`` pickles and gathers
+    twice; the error texts are gathered only when a rank failed.
+
+    Returns, per tensor of ``layout``, ``{chunk index: digest}`` of all its chunks, or None when
+    not every chunk was hashed exactly once.
+
+    Raises:
+        BaseException: ``err``, this rank's own failure, after the other ranks learnt of it.
+        CorruptCheckpointError: another rank failed (its rank and error text named).
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    from ..ranks.dist import collective_device
+    from ..storage.digest import chunk_count
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    counts = [chunk_count(src.readers[rd].spec(k).nbytes, src.readers[rd].digest_chunk) for rd, k in layout]
+    first = np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).astype(np.int64)
+    total = int(first[-1])
+    slots = np.zeros(world + 3 * total, dtype="<i8")  # failed per rank | hashed per chunk | digests
+    slots[rank] = err is not None
+    hashed, halves = slots[world : world + total], slots[world + total :].reshape(total, 2)
+    where = {rk: n for n, rk in enumerate(layout)}
+    for rk, ds in digests.items():
+        n = where.get(rk)
+        if n is None or not ds:
+            continue
+        at = first[n] + np.fromiter(ds, dtype=np.int64, count=len(ds))
+        hashed[at] += 1
+        halves[at] = np.frombuffer(b"".join(ds.values()), dtype="<i8").reshape(-1, 2)
+    t = torch.from_numpy(slots).to(collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    got = t.cpu().numpy()
+    failed = np.flatnonzero(got[:world]).tolist()
+    if failed:  # every rank sees the flags: all of them gather the texts, then raise
+        texts: list[Any] = [None] * world
+        dist.all_gather_object(texts, None if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        why = f"rank {failed[0]} refused the checkpoint before any target was written: {texts[failed[0]]}"
+        raise CorruptCheckpointError(src.where, why)
+    hashed, raw = got[world : world + total], got[world + total :].astype("<i8").tobytes()
+    out: list[dict[int, bytes] | None] = []
+    for n, c in enumerate(counts):
+        a = int(first[n])
+        if not (hashed[a : a + c] == 1).all():
+            out.append(None)
+            continue
+        out.append({i: raw[16 * (a + i) : 16 * (a + i) + 16] for i in range(c)})
+    return out
 
 
 def _check_known(src: _Source, storage: Mapping[MetadataIndex, Any], item: ReadItem) -> None:

@@ -148,15 +148,21 @@ def any_true(flag: bool) -> bool:
     collectives); the tensor lives where the group's backend reduces (CPU for gloo, the current
     accelerator otherwise)."""
     group = _group()
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or "mpi" in backend:
-        device = torch.device("cpu")
-    else:
-        acc = torch.accelerator.current_accelerator()
-        device = torch.device(acc.type, torch.accelerator.current_device_index()) if acc is not None else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor of a collective on ``group`` (None: the default group) lives: the CPU for
+    gloo and MPI, else the current accelerator (NCCL takes only its tensors)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def barrier() -> None:
@@ -175,6 +181,7 @@ __all__ = [
     "current_group",
     "barrier",
     "any_true",
+    "collective_device",
     "using_group",
     "CheckpointError",
 ]

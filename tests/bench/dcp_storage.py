@@ -15,12 +15,12 @@ barrier to a barrier; ``os.sync`` before each save and once before the round's l
 ``--repeat`` loads of each kind per side, the sides interleaved load by load in an order rotating
 with the round and the repeat, so each comparison is of loads a few tenths of a second apart on
 2 shared cores (one load is ~50 ms, easily hit by another process); a round's load time is the
-median of its ``--repeat`` loads. Equal work: torch's reader checks nothing, ours checks each
-tensor read whole or through all of its rows against the index's digest (one rank per tensor), so
-``ours-unchecked`` (the same checkpoint read with no digest assigned to any rank: a bench-only
-subclass) is timed beside it. Printed per world size, with the load average before and after:
-each reference's time over ours per round (> 1: ours is faster), as median and range. Values are
-checked after every load.
+median of its ``--repeat`` loads. Equal work: torch's reader checks nothing, ours checks every
+byte it loads against the index's digests before any copy (each tensor or digest chunk hashed by
+one rank, the outcomes agreed between the ranks), so ``ours-unchecked`` (the same checkpoint read
+without that check and its exchange: a bench-only subclass) is timed beside it. Printed per world
+size, with the load average before and after: each reference's time over ours per round (> 1:
+ours is faster), as median and range. Values are checked after every load.
 
     python tests/bench/dcp_storage.py [--mib 64] [--tensors 8] [--rounds 5] [--repeat 5] [--dir /dev/shm/x] [--worlds 2 4]
 """
@@ -78,13 +78,17 @@ def _unchecked_class():
     from checkpoint.dcp import StorageReader
 
     class Unchecked(StorageReader):
-        """Ours with no tensor's digest assigned to any rank: the same reads as torch's reader
-        (which checks nothing), to show what the checks cost. Bench only."""
+        """Ours without the check before the copies (no digest hashed, no exchange between the
+        ranks): the same reads as torch's reader (which checks nothing), to show what the checks
+        cost. Bench only."""
 
-        def prepare_global_plan(self, plans):
+        def _check_first(self, *args, **kwargs):
+            return None
+
+        def _read(self, src, plan, planner):
             from dataclasses import replace
 
-            return [replace(p, storage_data=frozenset()) for p in super().prepare_global_plan(plans)]
+            return super()._read(src, replace(plan, storage_data=frozenset()), planner)
 
     return Unchecked
 

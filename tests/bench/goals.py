@@ -29,8 +29,9 @@ Blocks (``--blocks``, comma-separated):
   ``HuggingFaceStorageReader`` into ``Shard(0)`` and ``Shard(1)`` DTensors on gloo ranks
   (``--worlds``) at each of ``--dcp-mib`` sizes, with :func:`dcp_storage.worker` (each side
   reads what its own writer saved; a time is the slowest rank's; loads interleaved and values
-  checked after every load), and ours unchecked beside them (the same checkpoint read with no
-  digest assigned to any rank: what the checks cost). Goal: >= 1.0x. On 4 ranks or more a size is capped at
+  checked after every load), and ours unchecked beside them (the same checkpoint read without
+  the check before the copies and its exchange between the ranks: what the checks cost). Goal:
+  >= 1.0x. On 4 ranks or more a size is capped at
   ``--dcp-cap-4`` MiB (default 256: 512 MiB on 4 ranks did not finish in 10 minutes on 2 busy cores).
 
     python tests/bench/goals.py [--mib 512] [--many 20000] [--rounds 5] [--blocks load,cold,save,many,dcp]
