@@ -152,7 +152,7 @@ def load(
 
     Raises (all before anything is changed):
         CheckpointNotFoundError, MissingShardError, UnsafePathError, TensorNotInShardError,
-        DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_checkpoint`.
+        DuplicateTensorError, CorruptCheckpointError: see :func:`checkpoint.storage.reader.open_local_checkpoint`.
         TiedValuesMismatchError: stored keys naming one target tensor hold different values.
         ChecksumMismatchError: ``verify`` and a file's size or digest, or the index's own digest,
             differs from the record.
@@ -237,7 +237,7 @@ def load(
             if peft_dir == "adapter":
                 reader = open_adapter_reader(os.fspath(path))
             else:
-                reader = open_target_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj,
+                reader = open_load_reader(path, read_optimizer=optimizer is not None, recipe=recipe, model=obj,
                                             key=key, trusted_globals=trusted_globals, known=state.by_name(), verify=verify)  # fmt: skip
             converted = recipe is None and type(reader).__name__ == "ConvertedReader"  # transformers' own layout
             if converted and (optimizer is not None or extra_state is not None):
@@ -379,7 +379,7 @@ def _has_model_part(path: str) -> bool:
     )
 
 
-def open_target_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,
+def open_load_reader(path: str, read_optimizer: bool = True, recipe: str | None = None, model: Any = None,
                        key: str | None = None, trusted_globals: Iterable[Any] = (), known: Collection[str] = (),
                        verify: bool = False):  # fmt: skip
     """The source stage of ``load``: :func:`checkpoint.sources.targets.open_target_reader` (an

@@ -16,7 +16,8 @@ import checkpoint
 from checkpoint.errors import ChecksumMismatchError
 from checkpoint.storage import digest
 from checkpoint.storage.format import FORMAT_VERSION, index_name
-from checkpoint.storage.reader import check_file, open_checkpoint, read_index
+from checkpoint.storage.reader import check_file, read_index
+from checkpoint.storage.opening import open_checkpoint
 
 
 def state() -> dict[str, torch.Tensor]:

@@ -149,7 +149,7 @@ def test_a_load_begun_where_nothing_was_never_reads_a_later_checkpoint(tmp_path,
     from checkpoint import loading
 
     ck = tmp_path / "ck"
-    opened = loading.open_target_reader
+    opened = loading.open_load_reader
 
     def committed_meanwhile(path, **kw):
         t = threading.Thread(target=checkpoint.save, args=({"x": torch.ones(3)}, ck), kwargs={"extra_state": {"step": 1}})
@@ -157,7 +157,7 @@ def test_a_load_begun_where_nothing_was_never_reads_a_later_checkpoint(tmp_path,
         t.join()
         return opened(path, **kw)
 
-    monkeypatch.setattr(loading, "open_target_reader", committed_meanwhile)
+    monkeypatch.setattr(loading, "open_load_reader", committed_meanwhile)
     target, extra = {"x": torch.zeros(3)}, {"step": 0}
     with pytest.raises(checkpoint.CheckpointNotFoundError, match=str(ck)):
         checkpoint.load(target, ck, extra_state=extra)

@@ -24,7 +24,7 @@ from checkpoint.errors import (
     MigrationError,
     UnsafePickleError,
 )
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 from tests.helpers import assert_same_state
 from tests.helpers import trained
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 import checkpoint
 from checkpoint.device_load import _pieces, read_to_device
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from checkpoint.cli import demo
 from checkpoint.cli import main as fqnckpt
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 
 pytest.importorskip("transformers")
 

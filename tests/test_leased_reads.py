@@ -16,7 +16,8 @@ import torch
 
 import checkpoint
 from checkpoint.storage import leased
-from checkpoint.storage.reader import CheckpointReader, open_checkpoint
+from checkpoint.storage.reader import CheckpointReader
+from checkpoint.storage.opening import open_checkpoint
 from tests.helpers import assert_same_state
 
 

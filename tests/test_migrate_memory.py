@@ -29,7 +29,7 @@ def test_peak_memory_bounded(big, tmp_path, which):
     # A non-streaming migration holds the whole checkpoint (>= 1.0 x); streaming stays near one
     # tensor + one write buffer (+ the pickle mmap window of 16 MiB). Generous bound: 0.3 x (measured 0.06 x safetensors, 0.14 x pickle).
     assert peak < 0.3 * size, f"peak {peak / 2**20:.1f} MiB for a {size >> 20} MiB checkpoint"
-    from checkpoint.storage.reader import open_checkpoint
+    from checkpoint.storage.opening import open_checkpoint
 
     with open_checkpoint(tmp_path / "out") as r:
         assert len(r.keys()) == N_TENSORS and len(r.files) == 4  # 7 tensors of 8 MiB per 64 MB file

@@ -14,7 +14,7 @@ from torch.nn.utils.parametrizations import weight_norm as param_weight_norm
 
 from checkpoint.errors import MigrationError, TiedValuesMismatchError
 from checkpoint.migrating import REPORT_NAME, migrate, read_report
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 from fqn import FQNMap
 from tests.models import Base, WithHead
 from tests.helpers import assert_same_state

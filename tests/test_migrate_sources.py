@@ -23,7 +23,7 @@ from checkpoint.errors import (
 )
 from checkpoint.migrating import migrate, read_report
 from checkpoint.sources import open_source, sniff
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 
 
 def _sd(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -222,7 +222,7 @@ def test_hash_thread_waited_on_when_the_write_is_interrupted(tmp_path, monkeypat
 
 
 def test_raw_view_keeps_its_tensor_alive(tmp_path):
-    from checkpoint.storage.reader import open_checkpoint
+    from checkpoint.storage.opening import open_checkpoint
 
     checkpoint.save({"a": torch.arange(8.0), "b": torch.arange(8.0)}, tmp_path / "c")
     r = open_checkpoint(tmp_path / "c")

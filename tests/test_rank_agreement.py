@@ -100,7 +100,7 @@ def _stages(rank, world, root):
 
     # load: rank 1 cannot open the checkpoint
     checkpoint.save(m, p, overwrite=True)
-    with _failing(rank, 1, loading, "open_target_reader", OSError("cannot open here")):
+    with _failing(rank, 1, loading, "open_load_reader", OSError("cannot open here")):
         stage("load_open", lambda: checkpoint.load(model(), p))
 
     # manager: rank 1 cannot list the steps

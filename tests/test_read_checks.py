@@ -26,7 +26,7 @@ from checkpoint.cli import main as cli_main
 from checkpoint.dcp import StorageReader
 from checkpoint.errors import ChecksumMismatchError, CorruptCheckpointError
 from checkpoint.sources import open_source
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 from tests.helpers import trained
 from tests.snapshot import Snapshot
 

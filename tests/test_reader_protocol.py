@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import checkpoint
-from checkpoint.loading import open_target_reader
+from checkpoint.loading import open_load_reader
 from checkpoint.sources import open_source
 from checkpoint.sources.protocol import TensorReader
 
@@ -27,14 +27,14 @@ MEMBERS = ("keys", "spec", "file_of", "check_first", "get", "get_slice", "read_i
 def _fqnckpt(tmp_path):
     checkpoint.save({"w": W, "b": B}, tmp_path / "c")
     return [("CheckpointReader", lambda: checkpoint.open_checkpoint(tmp_path / "c"), "w", True),
-            ("load", lambda: open_target_reader(str(tmp_path / "c")), "w", True),
+            ("load", lambda: open_load_reader(str(tmp_path / "c")), "w", True),
             ("Source over CheckpointReader", lambda: open_source(tmp_path / "c"), "w", True)]  # fmt: skip
 
 
 def _hf_file(tmp_path):
     save_file({"w": W, "b": B}, str(tmp_path / "model.safetensors"))
     return [("Source", lambda: open_source(tmp_path / "model.safetensors"), "w", True),
-            ("load", lambda: open_target_reader(str(tmp_path / "model.safetensors")), "w", True)]  # fmt: skip
+            ("load", lambda: open_load_reader(str(tmp_path / "model.safetensors")), "w", True)]  # fmt: skip
 
 
 def _hf_shards(tmp_path):
@@ -44,7 +44,7 @@ def _hf_shards(tmp_path):
     save_file({"w": W}, str(d / "model-00002-of-00002.safetensors"))
     wm = {"b": "model-00001-of-00002.safetensors", "w": "model-00002-of-00002.safetensors"}
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 116}, "weight_map": wm}))
-    return [("Source", lambda: open_source(d), "w", True), ("load", lambda: open_target_reader(str(d)), "w", True)]
+    return [("Source", lambda: open_source(d), "w", True), ("load", lambda: open_load_reader(str(d)), "w", True)]
 
 
 def _peft_adapter(tmp_path):
@@ -63,7 +63,7 @@ def _dcp(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save({"model": {"w": W, "b": B}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     return [("DCPSource", lambda: open_source(tmp_path / "dcp"), "w", False),
-            ("load", lambda: open_target_reader(str(tmp_path / "dcp")), "w", False)]  # fmt: skip
+            ("load", lambda: open_load_reader(str(tmp_path / "dcp")), "w", False)]  # fmt: skip
 
 
 def _pickles(tmp_path):
@@ -71,7 +71,7 @@ def _pickles(tmp_path):
     torch.save({"w": W, "b": B}, tmp_path / "m.bin", _use_new_zipfile_serialization=False)
     return [("zip", lambda: open_source(tmp_path / "m.pt"), "w", False),
             ("legacy", lambda: open_source(tmp_path / "m.bin"), "w", False),
-            ("load", lambda: open_target_reader(str(tmp_path / "m.pt")), "w", False)]  # fmt: skip
+            ("load", lambda: open_load_reader(str(tmp_path / "m.pt")), "w", False)]  # fmt: skip
 
 
 def _meta_shards(tmp_path):

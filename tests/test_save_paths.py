@@ -222,7 +222,7 @@ def test_flipped_byte_in_any_ranks_piece_or_at_a_border_fails_verify_and_load(tm
     CorruptCheckpointError naming both; the file restored, all pass again."""
     from checkpoint.ranks.launch import run_ranks
     from checkpoint.storage.format import index_name
-    from checkpoint.storage.reader import open_checkpoint
+    from checkpoint.storage.opening import open_checkpoint
 
     ck = tmp_path / "ck"
     run_ranks(_two_rank_split_save, 2, str(ck), 100, backend="gloo", timeout=120)

@@ -21,13 +21,13 @@ def open_checkpoint(
     path: str | os.PathLike | Any, prefix: str = MODEL_PREFIX, storage_options: Mapping[str, Any] | None = None,
     *, check_headers: bool = True,
 ) -> reader.CheckpointReader:
-    """Open and validate a checkpoint (see :func:`checkpoint.storage.reader.open_checkpoint`).
+    """Open and validate a checkpoint (see :func:`checkpoint.storage.reader.open_local_checkpoint`).
     A URL (``s3://...``, ``memory://...``) is read through fsspec with ranged reads, every part
     from the one model index fetched (``storage_options`` go to the fsspec filesystem).
     ``check_headers``: compare each shard's header with the index's digest of it on open (see
     :func:`checkpoint.storage.st_header.header_of_bytes`); ``verify`` alone turns it off.
 
-    Raises what :func:`checkpoint.storage.reader.open_checkpoint` and
+    Raises what :func:`checkpoint.storage.reader.open_local_checkpoint` and
     :func:`checkpoint.storage.remote_reader.open_remote_checkpoint` raise;
     :class:`~checkpoint.errors.UnsupportedStorageError` for a scheme without a backend.
     """
@@ -35,7 +35,7 @@ def open_checkpoint(
     if is_remote(where):
         with checkpoint_view(where) as view:
             return open_remote_checkpoint(view, prefix, check_headers=check_headers)
-    return reader.open_checkpoint(where, prefix, check_headers=check_headers)
+    return reader.open_local_checkpoint(where, prefix, check_headers=check_headers)
 
 
 __all__ = ["open_checkpoint", "recover"]

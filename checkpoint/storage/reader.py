@@ -194,7 +194,7 @@ def _bytes_at(address: int, n: int):
 
 
 class CheckpointReader:
-    """A validated, open checkpoint. Use :func:`open_checkpoint`; close with :meth:`close` or ``with``.
+    """A validated, open checkpoint. Use :func:`checkpoint.storage.opening.open_checkpoint`; close with :meth:`close` or ``with``.
 
     ``files`` are the shard file names read (relative to ``root``), ``index`` the parsed
     :class:`~checkpoint.storage.format.IndexFile` (``None`` without an index).
@@ -681,11 +681,11 @@ class CheckpointReader:
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
-        none (headers checked as this reader's are). Raises what :func:`open_checkpoint` raises."""
+        none (headers checked as this reader's are). Raises what :func:`open_local_checkpoint` raises."""
         name = recorded_object(self.index, index_name(prefix)) if self.index is not None else index_name(prefix)
         if name is None or not os.path.isfile(os.path.join(self.root, name)):
             return None
-        return open_checkpoint(self.root, prefix=prefix, check_headers=self.check_headers)
+        return open_local_checkpoint(self.root, prefix=prefix, check_headers=self.check_headers)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _index_bytes(self) -> bytes:
@@ -903,7 +903,7 @@ def _unit_dims_dropped(
     return tuple(shape[i] for i in keep), out, slices
 
 
-def open_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX, *, check_headers: bool = True) -> CheckpointReader:
+def open_local_checkpoint(path: str | os.PathLike, prefix: str = MODEL_PREFIX, *, check_headers: bool = True) -> CheckpointReader:
     """Open and validate a checkpoint.
 
     ``path`` is a directory with ``<prefix>.safetensors.index.json`` (authoritative), a directory

@@ -406,7 +406,7 @@ def open_remote_checkpoint(
     view: CheckpointView, prefix: str = MODEL_PREFIX, *, check_headers: bool = True
 ) -> RemoteCheckpointReader:
     """Open and validate part ``prefix`` of the checkpoint of ``view`` (errors as
-    :func:`checkpoint.storage.reader.open_checkpoint`, naming URLs; ``check_headers`` as there).
+    :func:`checkpoint.storage.reader.open_local_checkpoint`, naming URLs; ``check_headers`` as there).
 
     Raises:
         CheckpointNotFoundError: no model index (nothing committed there) and no single

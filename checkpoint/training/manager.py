@@ -462,13 +462,13 @@ class CheckpointManager:
     def _plan_rng(self, where: Any, targets: dict[str, Any]):
         """This rank's saved RNG states, checked (:func:`plan_extra_state`), ready to apply. On many
         ranks a failure on any rank is agreed before the collective load starts."""
-        from ..loading import open_target_reader
+        from ..loading import open_load_reader
         from ..plan.extra_state import plan_extra_state
         from ..reports import LoadReport
 
         restore, err = None, None
         try:
-            reader = open_target_reader(where, read_optimizer=False)
+            reader = open_load_reader(where, read_optimizer=False)
             try:
                 restore = plan_extra_state(reader, targets, LoadReport(path=str(where)))
             finally:
