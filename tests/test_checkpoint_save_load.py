@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -361,3 +362,20 @@ def test_disk_full_is_write_error_and_previous_checkpoint_intact(tmp_path, monke
     monkeypatch.undo()
     assert {p: (tmp_path / "ck" / p).read_bytes() for p in os.listdir(tmp_path / "ck")} == before
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # staging removed
+
+
+def test_tensor_spec_checks_and_its_trusted_form():
+    """TensorSpec refuses what safetensors cannot store; ``TensorSpec.trusted`` (shapes of a
+    validated header) builds an equal spec with the same sizes."""
+    import numpy as np
+
+    s = TensorSpec("w", [np.int64(3), 4], torch.bfloat16)
+    assert s.shape == (3, 4) and type(s.shape[0]) is int and s.numel == 12 and s.nbytes == 24
+    t = TensorSpec.trusted("w", (3, 4), torch.bfloat16)
+    assert t == s and hash(t) == hash(s) and (t.numel, t.nbytes) == (12, 24)
+    with pytest.raises(ValueError, match="tensor 'w': negative dimension"):
+        TensorSpec("w", (3, -1), torch.float32)
+    with pytest.raises(TypeError, match="tensor 'w': dtype torch.qint8 cannot be stored"):
+        TensorSpec("w", (3,), torch.qint8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.fqn = "v"
