@@ -71,7 +71,8 @@ def apply_load(
 
 def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
     """The copies of :func:`apply_load` (straight reads first, then one by one)."""
-    others = _checks(reader, copies)[2]  # hashed by another rank (check_reads)
+    # hashed by another rank (check_reads): only DTensor targets have any
+    others = _checks(reader, copies)[2] if any(isinstance(a.entry.tensor, DTensor) for a in copies) else set()
     direct = _read_direct(reader, copies, on_copy, others)
     for a in copies:
         if id(a) in direct:
