@@ -379,3 +379,20 @@ def test_tensor_spec_checks_and_its_trusted_form():
         TensorSpec("w", (3,), torch.qint8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.fqn = "v"
+
+
+def test_state_dict_entries_group_only_exact_aliases():
+    """A flat state_dict's names of one tensor (same address, shape, strides, dtype) are one entry
+    with aliases, in key order; a view at the same address in another shape or dtype, a view at
+    another address and an empty tensor are entries of their own."""
+    from checkpoint.state import dict_state
+
+    t = torch.arange(16, dtype=torch.float32)
+    sd = {"a": t, "c": t.view(2, 8), "b": t, "d": t.view(torch.int32), "e": t[1:], "f": t,
+          "z": torch.empty(0), "y": torch.empty(0), "g": t.view(2, 8)}  # fmt: skip
+    state = dict_state(sd)
+    got = [(e.fqn, e.aliases, e.module_names) for e in state.entries]
+    assert got == [("a", ["b", "f"], ["a", "b", "f"]), ("c", ["g"], ["c", "g"]), ("d", [], ["d"]), ("e", [], ["e"]),
+                   ("z", [], ["z"]), ("y", [], ["y"])]  # fmt: skip
+    assert state.by_name() == {n: e for e in state.entries for n in e.names}
+    assert list(state.by_name()) == ["a", "b", "f", "c", "g", "d", "e", "z", "y"]
