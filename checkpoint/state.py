@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fqn import FQNMap, TensorKind, eager_tensors
 
 
-@dataclass
+@dataclass(slots=True)  # one per tensor: 10^4-10^5 per load
 class Entry:
     """One stored tensor: canonical eager ``fqn``, its ``aliases``, the live ``tensor`` (maybe a DTensor).
 
