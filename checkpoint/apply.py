@@ -220,8 +220,11 @@ def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = f
             done[i] = ok
     else:
         done = read_many(items, check)  # its errors name key and file
-    missed = {id(a) for a, ok in zip(owner, done) if not ok}
-    out = {id(a) for a in owner if id(a) not in missed}
+    if all(done):  # the common case: every target read straight
+        out = set(map(id, owner))
+    else:
+        missed = {id(a) for a, ok in zip(owner, done) if not ok}
+        out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
         for a in copies:
             if id(a) in out:
