@@ -71,7 +71,8 @@ def apply_load(
 
 def _apply_copies(copies, obj, reader, on_copy, replaced: dict[int, torch.Tensor]) -> None:
     """The copies of :func:`apply_load` (straight reads first, then one by one)."""
-    others = _checks(reader, copies)[2]  # hashed by another rank (check_reads)
+    # hashed by another rank (check_reads): only DTensor targets have any
+    others = _checks(reader, copies)[2] if any(isinstance(a.entry.tensor, DTensor) for a in copies) else set()
     direct = _read_direct(reader, copies, on_copy, others)
     for a in copies:
         if id(a) in direct:
@@ -219,8 +220,11 @@ def _read_direct(reader, copies: list[CopyAction], on_copy, others: set[str] = f
             done[i] = ok
     else:
         done = read_many(items, check)  # its errors name key and file
-    missed = {id(a) for a, ok in zip(owner, done) if not ok}
-    out = {id(a) for a in owner if id(a) not in missed}
+    if all(done):  # the common case: every target read straight
+        out = set(map(id, owner))
+    else:
+        missed = {id(a) for a, ok in zip(owner, done) if not ok}
+        out = {id(a) for a in owner if id(a) not in missed}
     if on_copy is not None:
         for a in copies:
             if id(a) in out:

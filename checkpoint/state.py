@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fqn import FQNMap, TensorKind, eager_tensors
 
 
-@dataclass
+@dataclass(slots=True)  # one per tensor: 10^4-10^5 per load
 class Entry:
     """One stored tensor: canonical eager ``fqn``, its ``aliases``, the live ``tensor`` (maybe a DTensor).
 
@@ -52,7 +52,10 @@ class ModuleState:
 
     def by_name(self) -> dict[str, Entry]:
         """Every eager name (canonical and alias) -> its entry."""
-        return {n: e for e in self.entries for n in e.names}
+        entries = self.entries
+        if not any(e.aliases for e in entries):  # no name list per entry (10^4-10^5 entries)
+            return {e.fqn: e for e in entries}
+        return {n: e for e in entries for n in e.names}
 
     @property
     def alias_groups(self) -> list[list[str]]:
@@ -155,22 +158,27 @@ def dict_state(sd: Mapping[str, object]) -> ModuleState:
         TypeError: a value is not a tensor (names the key) or a key is not a string.
     """
     entries: list[Entry] = []
-    # Aliases share data_ptr: bucket by it and build the full alias_key (~3 us) only on a shared
-    # pointer (state_dicts of 10^4-10^5 tensors).
-    by_ptr: dict[int, list[list]] = {}
+    # Aliases share data_ptr: the first entry at each address is kept in `first`; only on a shared
+    # address are the full alias_keys (~3 us) built, in `shared` (state_dicts of 10^4-10^5 tensors).
+    first: dict[int, Entry] = {}
+    shared: dict[int, list[list]] = {}  # address -> [alias_key or None until needed, entry]
+    param, strided, tensor_type = TensorKind.parameter, torch.strided, torch.Tensor
     for k, v in sd.items():
         if not isinstance(k, str):
             raise TypeError(f"state_dict key {k!r} is not a string")
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, tensor_type):
             raise TypeError(
                 f"state_dict value of {k!r} is a {type(v).__name__}, not a tensor; only tensors can be saved"
             )
-        ptr = _data_ptr(v)
-        bucket = by_ptr.get(ptr) if ptr is not None else None
-        if bucket is not None:
+        # _data_ptr inline
+        ptr = (v._local_tensor if isinstance(v, DTensor) else v).data_ptr() if v.layout is strided and v.numel() else None
+        if ptr is not None and ptr in first:
+            bucket = shared.get(ptr)
+            if bucket is None:
+                bucket = shared[ptr] = [[None, first[ptr]]]
             key = alias_key(v)
             same = None
-            for item in bucket:  # [alias_key or None until needed, entry]
+            for item in bucket:
                 if item[0] is None:
                     item[0] = alias_key(item[1].tensor)
                 if item[0] == key:
@@ -180,10 +188,14 @@ def dict_state(sd: Mapping[str, object]) -> ModuleState:
                 same.aliases.append(k)
                 same.module_names.append(k)
                 continue
-        e = Entry(k, v, TensorKind.parameter, module_names=[k])
+            e = Entry(k, v, param, [], [k])
+            entries.append(e)
+            bucket.append([key, e])
+            continue
+        e = Entry(k, v, param, [], [k])
         entries.append(e)
         if ptr is not None:
-            by_ptr.setdefault(ptr, []).append([None if bucket is None else key, e])
+            first[ptr] = e
     return ModuleState(entries, {})
 
 

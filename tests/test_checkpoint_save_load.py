@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -361,3 +362,37 @@ def test_disk_full_is_write_error_and_previous_checkpoint_intact(tmp_path, monke
     monkeypatch.undo()
     assert {p: (tmp_path / "ck" / p).read_bytes() for p in os.listdir(tmp_path / "ck")} == before
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # staging removed
+
+
+def test_tensor_spec_checks_and_its_trusted_form():
+    """TensorSpec refuses what safetensors cannot store; ``TensorSpec.trusted`` (shapes of a
+    validated header) builds an equal spec with the same sizes."""
+    import numpy as np
+
+    s = TensorSpec("w", [np.int64(3), 4], torch.bfloat16)
+    assert s.shape == (3, 4) and type(s.shape[0]) is int and s.numel == 12 and s.nbytes == 24
+    t = TensorSpec.trusted("w", (3, 4), torch.bfloat16)
+    assert t == s and hash(t) == hash(s) and (t.numel, t.nbytes) == (12, 24)
+    with pytest.raises(ValueError, match="tensor 'w': negative dimension"):
+        TensorSpec("w", (3, -1), torch.float32)
+    with pytest.raises(TypeError, match="tensor 'w': dtype torch.qint8 cannot be stored"):
+        TensorSpec("w", (3,), torch.qint8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.fqn = "v"
+
+
+def test_state_dict_entries_group_only_exact_aliases():
+    """A flat state_dict's names of one tensor (same address, shape, strides, dtype) are one entry
+    with aliases, in key order; a view at the same address in another shape or dtype, a view at
+    another address and an empty tensor are entries of their own."""
+    from checkpoint.state import dict_state
+
+    t = torch.arange(16, dtype=torch.float32)
+    sd = {"a": t, "c": t.view(2, 8), "b": t, "d": t.view(torch.int32), "e": t[1:], "f": t,
+          "z": torch.empty(0), "y": torch.empty(0), "g": t.view(2, 8)}  # fmt: skip
+    state = dict_state(sd)
+    got = [(e.fqn, e.aliases, e.module_names) for e in state.entries]
+    assert got == [("a", ["b", "f"], ["a", "b", "f"]), ("c", ["g"], ["c", "g"]), ("d", [], ["d"]), ("e", [], ["e"]),
+                   ("z", [], ["z"]), ("y", [], ["y"])]  # fmt: skip
+    assert state.by_name() == {n: e for e in state.entries for n in e.names}
+    assert list(state.by_name()) == ["a", "b", "f", "c", "g", "d", "e", "z", "y"]

@@ -353,11 +353,12 @@ def test_two_ranks_write_files_apart_and_agree_on_a_failure(tmp_path):
 
 @pytest.mark.parametrize("spare", [True, False])
 def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch, spare):
-    """A single-process save hashes a large tensor on the hash thread beside its pwrite when a CPU
-    is idle, else each 1 MiB digest chunk on the writing thread right after its pwrite: either way
-    the index holds format version 3's digests computed from xxhash itself, for tensors of exactly
-    one chunk, one chunk and a byte, several and a half, and small ones through the staging
-    buffer; the bytes read back equal the tensors."""
+    """A single-process save hashes a tensor of more than one chunk on the hash thread beside its
+    pwrite when a CPU is idle, else each 1 MiB digest chunk on the writing thread right after its
+    pwrite; a tensor of one chunk at most (not small) is written straight and hashed right after
+    on the writing thread either way: the index holds format version 3's digests computed from
+    xxhash itself, for tensors of exactly one chunk, one chunk and a byte, several and a half, and
+    small ones through the staging buffer; the bytes read back equal the tensors."""
     from checkpoint.storage import writer
 
     monkeypatch.setattr(writer, "_spare_core", lambda: spare)
@@ -377,7 +378,8 @@ def test_single_process_save_hashes_each_chunk_as_written(tmp_path, monkeypatch,
     idx = checkpoint.save(sd, tmp_path / "ck")
     (rec,) = idx.metadata.fqnckpt.files.values()
     assert rec.tensors == {k: _xxh(v) for k, v in sd.items()}
-    assert ways == ["_write_beside_hash" if spare else "_write_hashing"] * 3  # the three large ones
+    # file order: three_and_a_half (float32), then the uint8 chunk_and_a_byte, one_chunk
+    assert ways == (["_write_beside_hash"] * 2 if spare else ["_write_hashing"] * 2) + ["_write_hashing"]
     out = {k: torch.full_like(v, 7) for k, v in sd.items()}
     checkpoint.load(out, tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -93,3 +93,22 @@ def test_dcp_chunk_outside_its_tensor_is_refused(tmp_path):
                                 [ChunkStorageMetadata(offsets=torch.Size([3, 0]), sizes=torch.Size([4, 2]))])  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match="'w'.*outside"):
         _check_dcp_shapes(tmp_path / "d", "w", bad)
+
+
+def test_header_check_of_all_shapes_at_once_agrees_with_the_rule():
+    """check_header_shapes decides a whole header at once where it can; every verdict is the
+    per-shape rule's (shapes the fast bound cannot clear go through the rule)."""
+    from checkpoint.storage.st_header import check_header_shapes
+
+    good = [[3, 4], [], [0, 2**63 - 1], [2**40, 2**20, 1], [1] * 70, [2**31, 2**31]]
+    bad = [*BAD, [True, 2], [2, -1], [2.0], "3", [[2]], None]
+    for shape in good + bad:
+        head = {"__metadata__": {"format": "pt"}, "x": {"shape": [5, 6]}, "a": {"shape": shape}}
+        if shape in good:
+            assert shape_problem(shape) is None, shape
+            check_header_shapes("m.safetensors", head)
+            continue
+        assert shape_problem(shape) is not None, shape
+        with pytest.raises(CorruptCheckpointError, match="tensor 'a'") as e:
+            check_header_shapes("m.safetensors", head)
+        assert "m.safetensors" in str(e.value)

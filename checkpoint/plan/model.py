@@ -88,8 +88,9 @@ def plan_load(
     lazy = torch.nn.parameter.UninitializedTensorMixin
     inference_mode = torch.is_inference_mode_enabled()
     spans: list[tuple[int, int, int, object]] = []
+    spec_of, strided = reader.spec, torch.strided
     for e, key in pairs:  # per-tensor work kept small: 10^4-10^5 tensors per load
-        spec = reader.spec(key)
+        spec = spec_of(key)
         t = e.tensor
         if isinstance(t, lazy):
             raise UnwritableTargetError(
@@ -128,11 +129,17 @@ def plan_load(
         elif (local := local_shard(t)).is_meta:
             meta.append(e.fqn)
         elif target == t.dtype or model is None:  # else module.to makes a new tensor
-            why = target_problem(local, inference_mode)
-            if why:
-                raise UnwritableTargetError(e.fqn, path, why)
-            if target == t.dtype and (span := target_span(local, len(copies))) is not None:
-                spans.append(span)  # for the check of targets sharing memory below
+            if local.layout is strided and local.is_contiguous() and (inference_mode or not local.is_inference()):
+                # the common target, which target_problem passes; its span inline (target_span)
+                if target == t.dtype and (n := local.nbytes):
+                    lo = local.data_ptr()
+                    spans.append((lo, lo + n, len(copies), None if local.is_cpu else local.device))
+            else:
+                why = target_problem(local, inference_mode)
+                if why:
+                    raise UnwritableTargetError(e.fqn, path, why)
+                if target == t.dtype and (span := target_span(local, len(copies))) is not None:
+                    spans.append(span)  # for the check of targets sharing memory below
         elif local.is_inference() and not inference_mode:
             raise UnwritableTargetError(e.fqn, path, target_problem(local, inference_mode))
         copies.append(CopyAction(e, key, target, assign, spec.dtype))

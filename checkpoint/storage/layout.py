@@ -32,28 +32,55 @@ ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 HEADER_METADATA = {"format": "pt"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorSpec:
-    """A tensor to save: eager ``fqn``, global ``shape`` (elements), ``dtype``. No data."""
+    """A tensor to save: eager ``fqn``, global ``shape`` (elements), ``dtype``. No data.
+
+    Raises (on construction):
+        TypeError: ``dtype`` cannot be stored in safetensors, or a 0-dim tensor of a packed dtype.
+        ValueError: a negative dimension.
+    """
 
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def __post_init__(self) -> None:
-        shape = tuple(map(int, self.shape))
-        object.__setattr__(self, "shape", shape)
-        if self.dtype not in DTYPE_TO_ST:
-            raise TypeError(f"tensor {self.fqn!r}: dtype {self.dtype} cannot be stored in safetensors")
+    def __init__(self, fqn: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        # Written straight into the instance __dict__ (frozen only guards __setattr__): planning
+        # and loading build one per tensor, 10^4-10^5 per checkpoint.
+        if type(shape) is not tuple or any(type(d) is not int for d in shape):
+            shape = tuple(map(int, shape))
+        st = DTYPE_TO_ST.get(dtype)
+        if st is None:
+            raise TypeError(f"tensor {fqn!r}: dtype {dtype} cannot be stored in safetensors")
         if shape and min(shape) < 0:
-            raise ValueError(f"tensor {self.fqn!r}: negative dimension in shape {self.shape}")
-        if not shape and DTYPE_TO_ST[self.dtype] in PACKED:  # no header shape (st_header.header_shape)
-            raise TypeError(f"tensor {self.fqn!r}: a 0-dim {str(self.dtype).removeprefix('torch.')} cannot be stored in safetensors")
+            raise ValueError(f"tensor {fqn!r}: negative dimension in shape {shape}")
+        if not shape and st in PACKED:  # no header shape (st_header.header_shape)
+            raise TypeError(f"tensor {fqn!r}: a 0-dim {str(dtype).removeprefix('torch.')} cannot be stored in safetensors")
         # Computed once here: planning reads them several times per tensor (10^5 tensors in MoE
         # checkpoints). Not fields, so equality and hashing stay (fqn, shape, dtype).
         numel = math.prod(shape)
-        object.__setattr__(self, "_numel", numel)
-        object.__setattr__(self, "_nbytes", numel * self.dtype.itemsize)
+        d = self.__dict__
+        d["fqn"], d["shape"], d["dtype"] = fqn, shape, dtype
+        d["_numel"], d["_nbytes"] = numel, numel * dtype.itemsize
+
+    @classmethod
+    def trusted(cls, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
+        """The spec of a shape and dtype checked already: ``shape`` a tuple of non-negative ints
+        and ``dtype`` one safetensors stores (a validated safetensors header's, as
+        :class:`checkpoint.storage.reader.CheckpointReader` holds them); the per-dim checks of
+        the constructor are skipped (a load asks for the specs of 10^4-10^5 tensors).
+
+        Raises:
+            TypeError: a 0-dim tensor of a packed dtype (as the constructor)."""
+        if not shape and DTYPE_TO_ST[dtype] in PACKED:
+            return cls(fqn, shape, dtype)  # raises
+        self = object.__new__(cls)
+        numel = math.prod(shape)
+        d = self.__dict__
+        d["fqn"], d["shape"], d["dtype"] = fqn, shape, dtype
+        d["_numel"], d["_nbytes"] = numel, numel * dtype.itemsize
+        return self
 
     @classmethod
     def of(cls, fqn: str, tensor: torch.Tensor) -> TensorSpec:

@@ -256,7 +256,7 @@ class CheckpointReader:
         shape, st = self._specs[self._known(key)]
         if st not in ST_TO_DTYPE:
             raise CorruptCheckpointError(os.path.join(self.root, self.file_of(key)), f"tensor {key!r} has dtype {st} torch cannot hold", key=key)
-        spec = self._spec_objs[key] = TensorSpec(key, shape, ST_TO_DTYPE[st])
+        spec = self._spec_objs[key] = TensorSpec.trusted(key, shape, ST_TO_DTYPE[st])  # header validated on open
         return spec
 
     def get(self, key: str) -> torch.Tensor:
@@ -293,8 +293,8 @@ class CheckpointReader:
     def _digest_due(self, key: str) -> bool:
         """Whether a whole read of ``key`` is to be checked: the index records its digest and its
         file was not checked whole already."""
-        return (
-            self.recorded_digest(key) is not None and self._key_file[key] not in self._verified and key not in self._checked
+        return (  # _checked first: a read after check_first asks it of every tensor again
+            key not in self._checked and self.recorded_digest(key) is not None and self._key_file[key] not in self._verified
         )
 
     def check_digest(self, key: str, data: object) -> None:

@@ -283,11 +283,15 @@ class SequentialFileWriter:
     to start writing back every :attr:`WRITEBACK` bytes (:mod:`checkpoint.storage.writeback`), so
     the device works while later bytes are copied. Small tensors are copied into one staging
     buffer and written with one ``pwrite`` per buffer instead of one syscall each (a checkpoint
-    with 10^5 small tensors would otherwise spend its time in syscalls). Call :meth:`write` for
-    each slot in byte order, then :meth:`finish`.
+    with 10^5 small tensors would otherwise spend its time in syscalls); a tensor of one digest
+    chunk at most that is not small is written straight from its memory and hashed right after,
+    from cache (a syscall costs less than copying it through the buffer, and less than a handoff
+    to the hash thread). Call :meth:`write` for each slot in byte order, then :meth:`finish`.
     """
 
-    SMALL = 1 << 20  # tensors below this many bytes go through the staging buffer
+    # Tensors below this many bytes go through the staging buffer (copying 64 KiB costs about
+    # what one more pwrite does).
+    SMALL = 64 << 10
     BUFFER = 8 << 20
     # Large tensors: hashed on the hash thread beside the pwrite when a CPU is idle as the file is
     # started (_spare_core), else each 1 MiB digest chunk on the writing thread right after its
@@ -332,7 +336,7 @@ class SequentialFileWriter:
             self._buf_len += n
         else:
             self._flush()
-            if self._inline:
+            if self._inline or n <= digest.TENSOR_CHUNK:
                 self.tensor_digests[slot.spec.fqn] = self._write_hashing(data, slot.begin)
             else:
                 self.tensor_digests[slot.spec.fqn] = self._write_beside_hash(data, slot.begin)
