@@ -624,3 +624,36 @@ def test_object_storage_load_refuses_before_any_target_changes(tmp_path):
                         r.check_chunks("big", got)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["leased-mapping", "preadv"])
+def test_many_small_tensors_refuse_the_first_changed_one_in_file_order(tmp_path, mapped, monkeypatch):
+    """Loads of many small tensors hash them in groups of adjacent tensors on the read threads:
+    two flipped bytes (tensors 'layers.123.w' and 'layers.200.w', 4 KiB each, 1.2 MiB in all) are
+    refused naming the first in file order, with every target unchanged; the clean copy loads
+    exactly."""
+    from checkpoint.storage import leased
+
+    if not mapped:
+        monkeypatch.setattr(leased, "enabled", False)
+    g = torch.Generator().manual_seed(5)
+    sd = {f"layers.{i}.w": torch.randn(32, 32, generator=g) for i in range(300)}
+    ck = tmp_path / "ck"
+    checkpoint.save(sd, ck)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, ck)
+    assert all(torch.equal(dst[k], sd[k]) for k in sd)
+    with open_checkpoint(ck) as r:
+        spans = {k: r._spans[k] for k in ("layers.123.w", "layers.200.w")}
+    with open(ck / SHARD, "r+b") as f:
+        for b, _ in spans.values():
+            f.seek(b + 100)
+            x = f.read(1)
+            f.seek(b + 100)
+            f.write(bytes([x[0] ^ 0x10]))
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    snap = Snapshot(dst)
+    with pytest.raises(CorruptCheckpointError) as err:
+        checkpoint.load(dst, ck)
+    assert err.value.key == "layers.123.w" and SHARD in str(err.value)
+    snap.assert_unchanged()

@@ -343,10 +343,13 @@ class CheckpointReader:
                 f = files[name] = (at.fd, os.path.join(self.root, name), self.meta.record(name).tensors)
             return f
 
-        spans = []
+        spans, plain = [], {}  # plain: file -> [(begin, end, key)] of tensors of one digest each
         for k in whole:
-            fd, path, want = file_of(k)
             b, e = self._spans[k]
+            if chunk is None or e - b <= chunk:
+                plain.setdefault(self._key_file[k], []).append((b, e, k))
+                continue
+            fd, path, want = file_of(k)
             spans.append(_read_check.Whole(k, fd, path, b, e, want[k]))
         units = []
         for k, ranges in parts.items():
@@ -359,8 +362,13 @@ class CheckpointReader:
         for u in [*spans, *units]:
             name = self._key_file[u.key]
             by_file[name] = by_file.get(name, 0) + (u.end - u.begin if isinstance(u, _read_check.Whole) else u.hi - u.lo)
+        for name, items in plain.items():
+            by_file[name] = by_file.get(name, 0) + sum(e - b for b, e, _ in items)
         for name, n in by_file.items():
             self._lease(name, n)
+        for name, items in plain.items():  # many small tensors: no object per tensor
+            fd, path, want = file_of(items[0][2])
+            _read_check.check_plain(fd, path, items, want)
         _read_check.check_whole(spans, chunk)
         self._checked.update(whole)
         got = _read_check.hash_units(units)
@@ -378,7 +386,16 @@ class CheckpointReader:
         yet, and those of ``rows`` of one chunk or without chunk digests: a row block of such a
         tensor can only be checked by reading it whole) and the row ranges to hash in chunks."""
         chunk = self.digest_chunk
-        whole = [k for k in dict.fromkeys(keys) if self._digest_due(self._known(k))]
+        key_file, checked, verified = self._key_file, self._checked, self._verified
+        whole = []
+        for k in dict.fromkeys(keys):  # (_digest_due inlined: loads of 10^4-10^5 tensors)
+            if k in checked:
+                continue
+            name = key_file.get(k)
+            if name is None:
+                self._known(k)  # raises UnknownNameError
+            if name not in verified and self.recorded_digest(k) is not None:
+                whole.append(k)
         parts: dict[str, Sequence[tuple[int, int]]] = {}
         for k, r in (rows or {}).items():
             if not self._digest_due(self._known(k)) or k in whole:
@@ -543,9 +560,10 @@ class CheckpointReader:
             LoadError: torch or the OS fails on a tensor (key and file named).
         """
         if check:
+            checked, spans = self._checked, self._spans  # (checked: a load's check_first ran first)
             self.check_first(
                 p[0] for p in pairs
-                if (check is True or p[0] in check) and p[0] in self._spans
+                if p[0] not in checked and (check is True or p[0] in check) and p[0] in spans
                 and (len(p) == 2 or is_whole_block(self._specs[p[0]][0], p[2]))
             )  # fmt: skip
         done = [False] * len(pairs)
