@@ -154,6 +154,8 @@ class LeasedMap:
                 del _by_fd[self.fd]
         try:
             self._map.close()
+        except BufferError:  # a view still alive (a traceback's frame): unmapped when it goes
+            pass
         finally:
             try:
                 fcntl.fcntl(self.fd, F_SETLEASE, fcntl.F_UNLCK)

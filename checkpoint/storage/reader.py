@@ -809,8 +809,9 @@ class CheckpointReader:
         finally:
             self._span_depth -= 1
             if not self._span_depth:
-                for name in list(self._maps):
-                    self._drop_map(name)
+                with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
+                    for name in list(self._maps):
+                        drops.callback(self._drop_map, name)
 
     def _lease(self, name: str, nbytes: int) -> None:
         """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or

@@ -1,0 +1,72 @@
+"""Loads under read leases (checkpoint.storage.leased) pushed where they could break: a load
+interrupted while a mapped view is alive gives every lease back and raises its own error; what a
+load copies is checked under the lease that covers the copies, also when the same reader was
+checked (or the files verified) before the lease was taken."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.errors import CorruptCheckpointError
+from checkpoint.storage import leased, read_check
+from checkpoint.storage.reader import CheckpointReader, open_checkpoint
+from tests.helpers import assert_same_state
+
+
+def _leases_here(root) -> bool:
+    path = os.path.join(root, "probe")
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = leased.take(fd)
+        if m is not None:
+            m.release()
+        return m is not None
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    """Four 1 MiB tensors in two shard files (each read at once is mapped under a lease)."""
+    if not _leases_here(tmp_path):
+        pytest.skip("no read leases on this filesystem or platform")
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(4)}
+    root = str(tmp_path / "ckpt")
+    checkpoint.save(sd, root, max_shard_size=2 << 20)
+    shards = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".safetensors"))
+    assert len(shards) == 2
+    return sd, root, shards
+
+
+def _flip(path: str, offset: int) -> None:
+    """Flip one byte in place (same inode, same size): a writer that came between two reads."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_interrupt_while_a_mapped_view_is_alive_gives_every_lease_back(two_files, monkeypatch):
+    sd, root, _ = two_files
+    real = read_check._digest.new
+
+    def interrupted(data=None):  # Ctrl-C arriving while a view of the mapping is held
+        if isinstance(data, memoryview):
+            raise KeyboardInterrupt
+        return real() if data is None else real(data)
+
+    monkeypatch.setattr(read_check._digest, "new", interrupted)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(KeyboardInterrupt):  # not a BufferError from closing the mapping
+        checkpoint.load(dst, root)
+    assert leased._by_fd == {}
+    assert all(torch.count_nonzero(t) == 0 for t in dst.values())
