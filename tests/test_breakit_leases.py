@@ -70,3 +70,39 @@ def test_interrupt_while_a_mapped_view_is_alive_gives_every_lease_back(two_files
         checkpoint.load(dst, root)
     assert leased._by_fd == {}
     assert all(torch.count_nonzero(t) == 0 for t in dst.values())
+
+
+def test_reader_left_open_checks_again_a_file_changed_between_loads(two_files):
+    sd, root, shards = two_files
+    with open_checkpoint(root) as r:
+        first = torch.zeros(512, 512)
+        assert r.read_many([("w3", first)]) == [True]
+        assert torch.equal(first, sd["w3"])
+        _flip(shards[1], os.path.getsize(shards[1]) - 1)  # the last byte of w3, between two loads
+        second = torch.zeros(512, 512)
+        with pytest.raises(CorruptCheckpointError, match="w3"):
+            r.read_many([("w3", second)])
+        assert torch.count_nonzero(second) == 0
+    assert leased._by_fd == {}
+
+
+def test_verified_load_checks_the_bytes_it_copies_under_the_lease(two_files, monkeypatch):
+    sd, root, shards = two_files
+    real = CheckpointReader.reading
+    flipped = []
+
+    def writer_before_the_span(self):  # after load(verify=True) verified the files while planning
+        if not self._span_depth and not flipped:
+            _flip(shards[1], os.path.getsize(shards[1]) - 1)
+            flipped.append(True)
+        return real(self)
+
+    monkeypatch.setattr(CheckpointReader, "reading", writer_before_the_span)
+    m = torch.nn.Module()
+    for k in sd:
+        m.register_buffer(k, torch.zeros(512, 512))
+    with pytest.raises(CorruptCheckpointError, match="w3"):
+        checkpoint.load(m, root, verify=True)
+    assert flipped == [True]
+    assert_same_state(m.state_dict(), {k: torch.zeros(512, 512) for k in sd})
+    assert leased._by_fd == {}

@@ -802,7 +802,12 @@ class CheckpointReader:
         mapped under a read lease (:mod:`~.leased`), so the check hashes the mapped pages, the
         copies copy from them, and no writer changes a file between the two; the leases are
         given back when the outermost span ends. Spans nest; :meth:`read_many`,
-        :meth:`copy_into` and :meth:`get_slice` open their own."""
+        :meth:`copy_into` and :meth:`get_slice` open their own. What was checked before the
+        outermost span began (an earlier load of this reader, ``verify``'s whole files) was
+        checked without this span's leases, so it is checked again in it."""
+        if not self._span_depth:
+            self._checked.clear()
+            self._verified.clear()
         self._span_depth += 1
         try:
             yield self
