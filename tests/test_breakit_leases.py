@@ -106,3 +106,28 @@ def test_verified_load_checks_the_bytes_it_copies_under_the_lease(two_files, mon
     assert flipped == [True]
     assert_same_state(m.state_dict(), {k: torch.zeros(512, 512) for k in sd})
     assert leased._by_fd == {}
+
+
+def test_interrupt_while_taking_a_lease_leaves_no_lease_held(two_files, monkeypatch):
+    import fcntl
+
+    sd, root, _ = two_files
+    real = leased.np.frombuffer
+    calls = []
+
+    def interrupted(*a, **k):  # Ctrl-C arriving right after the file was mapped under its lease
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(leased.np, "frombuffer", interrupted)
+    with open_checkpoint(root) as r:  # a reader left open after the interrupted load
+        out = torch.zeros(512, 512)
+        with pytest.raises(KeyboardInterrupt):
+            r.read_many([("w0", out)])
+        assert calls == [1]
+        fds = list(r._fds.values())
+        assert fds and all(fcntl.fcntl(fd, leased.F_GETLEASE) == fcntl.F_UNLCK for fd in fds)
+        monkeypatch.setattr(leased.np, "frombuffer", real)
+        assert r.read_many([("w0", out)]) == [True]  # the next load maps and leases again
+        assert torch.equal(out, sd["w0"])
+    assert leased._by_fd == {}

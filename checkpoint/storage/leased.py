@@ -186,18 +186,20 @@ def take(fd: int) -> LeasedMap | None:
         if fcntl.fcntl(fd, F_GETSIG) != _NOTICE:
             raise OSError("break notice not set")
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
+        arr = np.frombuffer(m, dtype=np.uint8)
+        base = arr.ctypes.data
+        del arr  # (an exported buffer would keep the mapping from closing)
+        lm = LeasedMap(fd, size, m, base)
+        with _lock:
+            _by_fd[fd] = lm
+    except BaseException as e:  # Ctrl-C included: no lease stays held without a record to give it back
         try:
             fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
         except OSError:
             pass
-        return None
-    arr = np.frombuffer(m, dtype=np.uint8)
-    base = arr.ctypes.data
-    del arr  # (an exported buffer would keep the mapping from closing)
-    lm = LeasedMap(fd, size, m, base)
-    with _lock:
-        _by_fd[fd] = lm
+        if isinstance(e, (OSError, ValueError)):
+            return None
+        raise
     return lm
 
 
