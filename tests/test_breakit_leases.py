@@ -131,3 +131,47 @@ def test_interrupt_while_taking_a_lease_leaves_no_lease_held(two_files, monkeypa
         assert r.read_many([("w0", out)]) == [True]  # the next load maps and leases again
         assert torch.equal(out, sd["w0"])
     assert leased._by_fd == {}
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SHARED_READER = """
+import sys, threading, torch
+import checkpoint
+from checkpoint.storage import leased
+from checkpoint.storage.reader import open_checkpoint
+root = sys.argv[1]
+r = open_checkpoint(root)
+want = {k: torch.load(sys.argv[2])[k] for k in ("w0", "w1")}
+span_ended, in_copy = threading.Event(), threading.Event()
+real = leased.LeasedMap.intact
+def intact(self):  # thread B found the lease intact and is about to copy from the mapping...
+    ok = real(self)
+    if threading.current_thread().name == "B" and not in_copy.is_set():
+        in_copy.set()
+        span_ended.wait(60)  # ...while thread A's span ends
+    return ok
+leased.LeasedMap.intact = intact
+got = []
+b = threading.Thread(target=lambda: got.append(torch.equal(r.get("w1"), want["w1"])), name="B")
+with r.reading():
+    out = torch.zeros_like(want["w0"])
+    r.read_many([("w0", out)])  # maps the file under a lease
+    b.start()
+    assert in_copy.wait(60)
+span_ended.set()
+b.join()
+r.close()
+print(got, torch.equal(out, want["w0"]), leased._by_fd)
+"""
+
+
+def test_read_of_one_thread_outlives_the_span_of_another_on_a_shared_reader(two_files, tmp_path):
+    import subprocess
+    import sys
+
+    sd, root, _ = two_files
+    torch.save(sd, tmp_path / "want.pt")
+    p = subprocess.run([sys.executable, "-c", _SHARED_READER, root, str(tmp_path / "want.pt")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -11: thread B copied from an unmapped file
+    assert p.stdout.split() == ["[True]", "True", "{}"]

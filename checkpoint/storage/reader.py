@@ -22,6 +22,7 @@ import math
 import operator
 import os
 import struct
+import threading
 import warnings
 from collections.abc import Container, Iterable, Mapping, Sequence
 
@@ -216,7 +217,8 @@ class CheckpointReader:
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
-        self._span_depth = 0  # depth of reading() spans open
+        self._span_depth = 0  # depth of reading() spans open, by any thread
+        self._span_lock = threading.Lock()  # a span's start and end: no thread starts one while another drops the maps
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
         self.check_headers = True
@@ -259,6 +261,7 @@ class CheckpointReader:
         spec = self._spec_objs[key] = TensorSpec(key, shape, ST_TO_DTYPE[st])
         return spec
 
+    @_in_span
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` as a new CPU tensor (stored shape and dtype), read with
         ``preadv`` (:mod:`~.tensor_read`: a file cut short is an error, never a SIGBUS).
@@ -311,6 +314,7 @@ class CheckpointReader:
             return  # no digest, or checked already (check_first, or load(verify=True)'s whole files)
         check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
 
+    @_in_span
     def check_first(
         self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None
     ) -> dict[str, dict[int, bytes]]:
@@ -801,22 +805,26 @@ class CheckpointReader:
         """A span of reads (one load: its check and its copies): inside it the files read are
         mapped under a read lease (:mod:`~.leased`), so the check hashes the mapped pages, the
         copies copy from them, and no writer changes a file between the two; the leases are
-        given back when the outermost span ends. Spans nest; :meth:`read_many`,
+        given back when the outermost span ends. Spans nest, and the spans of all threads
+        reading through this reader count together (a thread's reads never meet a mapping
+        another thread's span closed); :meth:`get`, :meth:`check_first`, :meth:`read_many`,
         :meth:`copy_into` and :meth:`get_slice` open their own. What was checked before the
         outermost span began (an earlier load of this reader, ``verify``'s whole files) was
         checked without this span's leases, so it is checked again in it."""
-        if not self._span_depth:
-            self._checked.clear()
-            self._verified.clear()
-        self._span_depth += 1
+        with self._span_lock:
+            if not self._span_depth:
+                self._checked.clear()
+                self._verified.clear()
+            self._span_depth += 1
         try:
             yield self
         finally:
-            self._span_depth -= 1
-            if not self._span_depth:
-                with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
-                    for name in list(self._maps):
-                        drops.callback(self._drop_map, name)
+            with self._span_lock:  # (a read of another thread's span keeps the mappings: depth > 0)
+                self._span_depth -= 1
+                if not self._span_depth:
+                    with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
+                        for name in list(self._maps):
+                            drops.callback(self._drop_map, name)
 
     def _lease(self, name: str, nbytes: int) -> None:
         """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or
