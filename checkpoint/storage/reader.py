@@ -86,8 +86,11 @@ def _in_span(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with self.reading():
+        self._span_start()  # (reading() without a generator's cost: get runs once per tensor)
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            self._span_end()
 
     return run
 
@@ -811,20 +814,26 @@ class CheckpointReader:
         :meth:`copy_into` and :meth:`get_slice` open their own. What was checked before the
         outermost span began (an earlier load of this reader, ``verify``'s whole files) was
         checked without this span's leases, so it is checked again in it."""
+        self._span_start()
+        try:
+            yield self
+        finally:
+            self._span_end()
+
+    def _span_start(self) -> None:
         with self._span_lock:
             if not self._span_depth:
                 self._checked.clear()
                 self._verified.clear()
             self._span_depth += 1
-        try:
-            yield self
-        finally:
-            with self._span_lock:  # (a read of another thread's span keeps the mappings: depth > 0)
-                self._span_depth -= 1
-                if not self._span_depth:
-                    with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
-                        for name in list(self._maps):
-                            drops.callback(self._drop_map, name)
+
+    def _span_end(self) -> None:
+        with self._span_lock:  # (a read of another thread's span keeps the mappings: depth > 0)
+            self._span_depth -= 1
+            if not self._span_depth and self._maps:
+                with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
+                    for name in list(self._maps):
+                        drops.callback(self._drop_map, name)
 
     def _lease(self, name: str, nbytes: int) -> None:
         """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or
