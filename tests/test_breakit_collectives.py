@@ -1,6 +1,9 @@
-"""Mesh-scoped load collectives on 4 ranks with a 2-D mesh (dp x tp): loads into DTensors of
-the 1-D ``tp`` sub-meshes ({0, 1} and {2, 3}) agree within their pair only, and every message
-names ranks as the default group numbers them. One spawn of 4 ranks runs every case."""
+"""Mesh-scoped load collectives on 4 ranks (one spawn): DTensors of the 1-D ``tp`` sub-meshes
+of a 2x2 mesh agree on its root mesh (every rank), so an argument error or a corrupt tensor met
+by one pair fails all four; DTensors of a 1-D root mesh of some ranks ({0, 1} and {2, 3}, each
+a mesh of its own) agree within it, and every message names ranks as the default process group
+numbers them (group rank 1 of {2, 3} is rank 3).
+"""
 
 from __future__ import annotations
 
@@ -52,27 +55,20 @@ def _outcome(m, load) -> tuple:
 
 def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    tp = mesh["tp"]
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    pairs = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]  # root meshes of some ranks
+    pair = pairs[rank // 2]
     out = {}
+    # -- tp sub-meshes of one root mesh: every rank agrees -------------------------------------
     for dim in (0, 1):
         m = _on(_model(0.0), tp, dim)
         out[f"tp Shard({dim})"] = _outcome(m, lambda: checkpoint.load(m, cks["st"]))
     m = _on(_model(0.0), tp, 0)
     out["tp dcp"] = _outcome(m, lambda: checkpoint.load(m, cks["dcp"]))
-    # Rank 3 fails on an argument: rank 2 (its tp pair) fails naming rank 3; 0 and 1 load.
-    m = _on(_model(0.0), tp, 0)
-    kw = {"dtype": torch.int64} if rank == 3 else {}
-    out["rank 3 fails"] = _outcome(m, lambda: checkpoint.load(m, cks["st"], **kw))
-    # A flipped byte found by the pair {2, 3}: each names a default-group rank.
-    m = _on(_model(0.0), tp, 0)
-    out["corrupt"] = _outcome(m, lambda: checkpoint.load(m, cks["bad"] if rank >= 2 else cks["st"]))
-    # Every placement of a 1-D sub-mesh in one state_dict (_StridedShard too), each pair on its own.
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     ref = _placed()
     kinds = {"strided": [_StridedShard(0, split_factor=2)], "col": [Shard(1)], "rows": [Shard(0)], "rep": [Replicate()]}
     sd = {k: distribute_tensor(torch.zeros_like(ref[k]), tp, kinds[k], src_data_rank=None) for k in kinds}
@@ -82,14 +78,22 @@ def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
         out["placements"] = ("loaded", all(torch.equal(sd[k].to_local(), want[k]) for k in kinds))
     except BaseException as e:  # noqa: BLE001
         out["placements"] = ("refused", type(e).__name__, str(e))
-    # A flipped byte in the second 1 MiB chunk of 'big' (Shard(0) rows: found after the pair's
-    # exchange of chunk digests) on pair {2, 3}; pair {0, 1} loads an intact copy.
+    m = _on(_model(0.0), tp, 0)  # rank 3 fails on an argument: all four fail
+    kw = {"dtype": torch.int64} if rank == 3 else {}
+    out["tp rank 3 fails"] = _outcome(m, lambda: checkpoint.load(m, cks["st"], **kw))
+    # A flipped byte in the second 1 MiB chunk of 'big' (Shard(0) rows: found after the
+    # exchange of chunk digests by the rank hashing that chunk): all four fail.
     big = {"big": distribute_tensor(torch.zeros(1024, 1024), tp, [Shard(0)], src_data_rank=None)}
     try:
-        checkpoint.load(big, cks["big bad"] if rank >= 2 else cks["big"])
-        out["big"] = ("loaded", torch.equal(big["big"].to_local(), _big().chunk(2)[rank % 2]))
+        checkpoint.load(big, cks["big bad"])
+        out["big"] = ("loaded",)
     except BaseException as e:  # noqa: BLE001
         out["big"] = ("refused", type(e).__name__, str(e), torch.count_nonzero(big["big"].to_local()).item() == 0)
+    # -- root meshes of some ranks: each pair agrees alone, messages name default ranks ------
+    m = _on(_model(0.0), pair, 0)
+    out["pair rank 3 fails"] = _outcome(m, lambda: checkpoint.load(m, cks["st"], **kw))
+    m = _on(_model(0.0), pair, 0)
+    out["pair corrupt"] = _outcome(m, lambda: checkpoint.load(m, cks["bad"] if rank >= 2 else cks["st"]))
     # Rank 3 fails inside dcp.load's read (an OS error on its file): rank 2 fails naming rank 3.
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -101,13 +105,13 @@ def _ranks(rank: int, world: int, cks: dict[str, str]) -> dict:
         return real_read(self, *a, **k)
 
     FileSystemReader.read_data = failing_read
-    m = _on(_model(0.0), tp, 0)
+    m = _on(_model(0.0), pair, 0)
     out["dcp rank 3 fails"] = _outcome(m, lambda: checkpoint.load(m, cks["dcp"]))
     m = _model(0.0)  # a plain load (DCP without collectives): rank 3 names itself
     out["dcp plain rank 3 fails"] = _outcome(m, lambda: checkpoint.load(m, cks["dcp"]))
     FileSystemReader.read_data = real_read
     # Pair {2, 3} loads DTensors while 0 and 1 load plain tensors (no collective).
-    m = _on(_model(0.0), tp, 0) if rank >= 2 else _model(0.0)
+    m = _on(_model(0.0), pair, 0) if rank >= 2 else _model(0.0)
     out["pair beside plain"] = _outcome(m, lambda: checkpoint.load(m, cks["st"]))
     dist.barrier()
     return out
@@ -149,14 +153,13 @@ def four(tmp_path_factory):
         f.seek(-1, 2)
         f.write(bytes([b[0] ^ 0xFF]))
     checkpoint.save(_placed(), str(tmp / "placed"))
-    checkpoint.save({"big": _big()}, str(tmp / "big"))
     checkpoint.save({"big": _big()}, str(tmp / "big bad"))
     (shard,) = [f for f in os.listdir(tmp / "big bad") if f.endswith(".safetensors")]
     _flip_at(str(tmp / "big bad" / shard), -(3 << 20))  # in the second of the four 1 MiB chunks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(m.state_dict(), checkpoint_id=str(tmp / "dcp"), no_dist=True)
-    return run_ranks(_ranks, 4, {k: str(tmp / k) for k in ("st", "bad", "dcp", "placed", "big", "big bad")}, timeout=120)
+    return run_ranks(_ranks, 4, {k: str(tmp / k) for k in ("st", "bad", "dcp", "placed", "big bad")}, timeout=120)
 
 
 def _want(rank: int, dim: int) -> list[torch.Tensor]:
@@ -169,33 +172,61 @@ def _loaded(got, want):
     assert all(map(torch.equal, got[1], want)), got
 
 
+def _refused(got, kind, *words, absent=()):
+    assert got[0] == "refused" and got[1] == kind and got[3], got
+    assert all(w in got[2] for w in words) and not any(w in got[2] for w in absent), got
+
+
 @pytest.mark.parametrize("dim", [0, 1])
-def test_tp_sub_mesh_loads_each_pair(four, dim):
+def test_tp_sub_meshes_load(four, dim):
     for rank, out in enumerate(four):
         _loaded(out[f"tp Shard({dim})"], _want(rank, dim))
 
 
-def test_tp_sub_mesh_loads_dcp(four):
+def test_tp_sub_meshes_load_dcp(four):
     for rank, out in enumerate(four):
         _loaded(out["tp dcp"], _want(rank, 0))
 
 
-def test_argument_error_fails_its_pair_naming_default_ranks(four):
-    for rank in (0, 1):
-        _loaded(four[rank]["rank 3 fails"], _want(rank, 0))
-    got3, got2 = four[3]["rank 3 fails"], four[2]["rank 3 fails"]
-    assert got3[0] == "refused" and got3[1] == "TypeError" and got3[3], got3
-    assert got2[0] == "refused" and got2[1] == "RankAgreementError" and got2[3], got2
-    assert "rank 3" in got2[2] and "rank 1" not in got2[2], got2
+def test_every_placement_on_tp_sub_meshes_loads(four):
+    assert [out["placements"] for out in four] == [("loaded", True)] * 4
 
 
-def test_corruption_found_on_a_pair_names_default_ranks(four):
+def test_argument_error_on_a_tp_sub_mesh_fails_every_rank(four):
+    _refused(four[3]["tp rank 3 fails"], "TypeError")
+    for rank in (0, 1, 2):
+        _refused(four[rank]["tp rank 3 fails"], "RankAgreementError", "rank 3")
+
+
+def test_chunk_mismatch_on_tp_sub_meshes_fails_every_rank(four):
+    for out in four:
+        got = out["big"]
+        assert got[0] == "refused" and got[1] == "CorruptCheckpointError" and got[3] and "'big'" in got[2], got
+
+
+def test_argument_error_of_a_pair_names_default_ranks(four):
     for rank in (0, 1):
-        _loaded(four[rank]["corrupt"], _want(rank, 0))
+        _loaded(four[rank]["pair rank 3 fails"], _want(rank, 0))
+    _refused(four[3]["pair rank 3 fails"], "TypeError")
+    _refused(four[2]["pair rank 3 fails"], "RankAgreementError", "rank 3", absent=("rank 1",))
+
+
+def test_corruption_found_by_a_pair_fails_the_pair(four):
+    for rank in (0, 1):
+        _loaded(four[rank]["pair corrupt"], _want(rank, 0))
     for rank in (2, 3):
-        got = four[rank]["corrupt"]
-        assert got[0] == "refused" and got[1] == "CorruptCheckpointError" and got[3], got
-        assert "rank 0" not in got[2] and "rank 1" not in got[2], got
+        _refused(four[rank]["pair corrupt"], "CorruptCheckpointError", "'weight'", absent=("rank 0", "rank 1"))
+
+
+def test_dcp_read_error_of_one_rank_names_default_ranks(four):
+    for rank in (0, 1):
+        _loaded(four[rank]["dcp rank 3 fails"], _want(rank, 0))
+    for rank in (2, 3):
+        _refused(four[rank]["dcp rank 3 fails"], "CorruptCheckpointError", "rank three", "on rank 3", absent=("rank 1",))
+    _refused(four[3]["dcp plain rank 3 fails"], "CorruptCheckpointError", "on rank 3")
+    m = _model()
+    for rank in (0, 1, 2):
+        _loaded(four[rank]["dcp plain rank 3 fails"], [m.weight.detach(), m.bias.detach()])
 
 
 def test_pair_beside_plain_ranks(four):
@@ -204,30 +235,3 @@ def test_pair_beside_plain_ranks(four):
         _loaded(four[rank]["pair beside plain"], [m.weight.detach(), m.bias.detach()])
     for rank in (2, 3):
         _loaded(four[rank]["pair beside plain"], _want(rank, 0))
-
-
-def test_every_placement_on_a_sub_mesh_loads(four):
-    assert [out["placements"] for out in four] == [("loaded", True)] * 4
-
-
-def test_chunk_mismatch_found_by_a_pair_fails_both_naming_default_ranks(four):
-    for rank in (0, 1):
-        assert four[rank]["big"] == ("loaded", True), four[rank]["big"]
-    for rank in (2, 3):
-        got = four[rank]["big"]
-        assert got[0] == "refused" and got[1] == "CorruptCheckpointError" and got[3], got
-        assert "'big'" in got[2] and "rank 0" not in got[2] and "rank 1" not in got[2], got
-
-
-def test_dcp_read_error_of_one_rank_fails_its_pair_naming_default_ranks(four):
-    for rank in (0, 1):
-        _loaded(four[rank]["dcp rank 3 fails"], _want(rank, 0))
-    for rank in (2, 3):
-        got = four[rank]["dcp rank 3 fails"]
-        assert got[0] == "refused" and got[3], got
-        assert "rank three" in got[2] and "rank 3" in got[2] and "rank 1" not in got[2], got
-    got = four[3]["dcp plain rank 3 fails"]
-    assert got[0] == "refused" and got[3] and "on rank 3" in got[2], got
-    m = _model()
-    for rank in (0, 1, 2):
-        _loaded(four[rank]["dcp plain rank 3 fails"], [m.weight.detach(), m.bias.detach()])

@@ -13,7 +13,8 @@ import torch
 import checkpoint
 from checkpoint.errors import CorruptCheckpointError
 from checkpoint.storage import leased, read_check
-from checkpoint.storage.reader import CheckpointReader, open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
+from checkpoint.storage.reader import CheckpointReader
 from tests.helpers import assert_same_state
 
 
@@ -138,7 +139,7 @@ _SHARED_READER = """
 import sys, threading, torch
 import checkpoint
 from checkpoint.storage import leased
-from checkpoint.storage.reader import open_checkpoint
+from checkpoint.storage.opening import open_checkpoint
 root = sys.argv[1]
 r = open_checkpoint(root)
 want = {k: torch.load(sys.argv[2])[k] for k in ("w0", "w1")}
