@@ -176,3 +176,35 @@ def test_read_of_one_thread_outlives_the_span_of_another_on_a_shared_reader(two_
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})  # fmt: skip
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -11: thread B copied from an unmapped file
     assert p.stdout.split() == ["[True]", "True", "{}"]
+
+
+def test_sigurg_handler_installed_during_a_load_sees_no_notice(two_files, monkeypatch):
+    import signal
+    import threading
+
+    sd, root, shards = two_files
+    seen, writers = [], []
+    real = CheckpointReader.check_first
+
+    def handler_then_writer(self, *a, **k):
+        out = real(self, *a, **k)
+        maps = [m for m in self._maps.values() if m is not None]
+        if maps and not writers:  # the program installs its own handler while the load runs
+            signal.signal(signal.SIGURG, lambda *args: seen.append(args))
+            w = threading.Thread(target=lambda: open(shards[0], "r+b").close())  # waits for the load
+            writers.append(w)
+            w.start()
+            while all(m.intact() for m in maps):  # the break (and any notice) has happened
+                threading.Event().wait(0.001)
+        return out
+
+    monkeypatch.setattr(CheckpointReader, "check_first", handler_then_writer)
+    old = signal.getsignal(signal.SIGURG)
+    try:
+        dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+        checkpoint.load(dst, root)
+        writers[0].join(timeout=120)
+    finally:
+        signal.signal(signal.SIGURG, old)
+    assert_same_state(dst, sd)
+    assert seen == [] and leased._by_fd == {}
