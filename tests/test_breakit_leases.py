@@ -208,3 +208,41 @@ def test_sigurg_handler_installed_during_a_load_sees_no_notice(two_files, monkey
         signal.signal(signal.SIGURG, old)
     assert_same_state(dst, sd)
     assert seen == [] and leased._by_fd == {}
+
+
+_CLOSED_UNDER = """
+import sys, threading, torch
+from checkpoint.storage import leased
+from checkpoint.storage.opening import open_checkpoint
+r = open_checkpoint(sys.argv[1])
+want = torch.load(sys.argv[2])["w0"]
+closed, in_copy = threading.Event(), threading.Event()
+real = leased.LeasedMap.intact
+def intact(self):  # thread B found the lease intact and is about to copy from the mapping...
+    ok = real(self)
+    if threading.current_thread() is not threading.main_thread() and not in_copy.is_set():
+        in_copy.set()
+        closed.wait(60)  # ...while the main thread closes the reader
+    return ok
+leased.LeasedMap.intact = intact
+out = torch.zeros_like(want)
+b = threading.Thread(target=lambda: r.read_many([("w0", out)]))
+b.start()
+assert in_copy.wait(60)
+r.close()
+closed.set()
+b.join()
+print(torch.equal(out, want), r._fds, leased._by_fd)
+"""
+
+
+def test_close_during_another_threads_read_waits_for_it(two_files, tmp_path):
+    import subprocess
+    import sys
+
+    sd, root, _ = two_files
+    torch.save(sd, tmp_path / "want.pt")
+    p = subprocess.run([sys.executable, "-c", _CLOSED_UNDER, root, str(tmp_path / "want.pt")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -11: a copy from the unmapped file
+    assert p.stdout.split() == ["True", "{}", "{}"]  # read whole (not a LoadError on a closed file), then closed

@@ -221,6 +221,7 @@ class CheckpointReader:
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
         self._span_depth = 0  # depth of reading() spans open, by any thread
+        self._close_due = False  # close() called while a span was open: closed when it ends
         self._span_lock = threading.Lock()  # a span's start and end: no thread starts one while another drops the maps
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
@@ -834,6 +835,8 @@ class CheckpointReader:
                 with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
                     for name in list(self._maps):
                         drops.callback(self._drop_map, name)
+            if not self._span_depth and self._close_due:  # close() was called during the span
+                self._close_now()
 
     def _lease(self, name: str, nbytes: int) -> None:
         """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or
@@ -849,6 +852,17 @@ class CheckpointReader:
             m.release()
 
     def close(self) -> None:
+        """Give back every lease and close every file; while a span is open (a read of another
+        thread, or of this one) that happens when the span ends, so no read meets a mapping
+        unmapped under it."""
+        with self._span_lock:
+            if self._span_depth:
+                self._close_due = True
+                return
+            self._close_now()
+
+    def _close_now(self) -> None:
+        self._close_due = False
         for name in list(self._maps):
             self._drop_map(name)
         self._handles.clear()  # safe_open handles of the headers' private copies (st_header.validate_header)
