@@ -135,6 +135,17 @@ def test_interrupt_while_taking_a_lease_leaves_no_lease_held(two_files, monkeypa
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str):
+    """``script`` in a new Python process (a SIGSEGV there fails the test, not the suite)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": _REPO}
+    cmd = [sys.executable, "-c", script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
 _SHARED_READER = """
 import sys, threading, torch
 import checkpoint
@@ -167,13 +178,9 @@ print(got, torch.equal(out, want["w0"]), leased._by_fd)
 
 
 def test_read_of_one_thread_outlives_the_span_of_another_on_a_shared_reader(two_files, tmp_path):
-    import subprocess
-    import sys
-
     sd, root, _ = two_files
     torch.save(sd, tmp_path / "want.pt")
-    p = subprocess.run([sys.executable, "-c", _SHARED_READER, root, str(tmp_path / "want.pt")],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})  # fmt: skip
+    p = _run(_SHARED_READER, root, str(tmp_path / "want.pt"))
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -11: thread B copied from an unmapped file
     assert p.stdout.split() == ["[True]", "True", "{}"]
 
@@ -237,12 +244,8 @@ print(torch.equal(out, want), r._fds, leased._by_fd)
 
 
 def test_close_during_another_threads_read_waits_for_it(two_files, tmp_path):
-    import subprocess
-    import sys
-
     sd, root, _ = two_files
     torch.save(sd, tmp_path / "want.pt")
-    p = subprocess.run([sys.executable, "-c", _CLOSED_UNDER, root, str(tmp_path / "want.pt")],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})  # fmt: skip
+    p = _run(_CLOSED_UNDER, root, str(tmp_path / "want.pt"))
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # -11: a copy from the unmapped file
-    assert p.stdout.split() == ["True", "{}", "{}"]  # read whole (not a LoadError on a closed file), then closed
+    assert p.stdout.split() == ["True", "{}", "{}"]  # read whole (no LoadError on a closed file), then closed

@@ -194,7 +194,9 @@ def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
 
 
 @contextlib.contextmanager
-def dcp_errors(path: Path, keys: list[str], files: list[str] | None = None, collective: bool = False) -> Iterator[None]:
+def dcp_errors(
+    path: Path, keys: list[str], files: list[str] | None = None, collective: bool = False
+) -> Iterator[None]:
     """Turn anything DCP raises (``CheckpointException`` is a ``BaseException``) into our
     :class:`CorruptCheckpointError` naming DCP, the file, the keys and the rank, numbered as in
     the default process group: DCP numbers the ranks of the group it ran on (``collective``: the

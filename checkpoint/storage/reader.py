@@ -215,14 +215,14 @@ class CheckpointReader:
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self._spec_objs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
-        self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
-        self._checked: set[str] = set()  # tensors check_first found intact: no second hash on read
+        self._verified: set[str] = set()  # files verify_file checked whole: no second hash until a span
+        self._checked: set[str] = set()  # tensors check_first found intact: no second hash in the span
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
         self._span_depth = 0  # depth of reading() spans open, by any thread
         self._close_due = False  # close() called while a span was open: closed when it ends
-        self._span_lock = threading.Lock()  # a span's start and end: no thread starts one while another drops the maps
+        self._span_lock = threading.Lock()  # span starts and ends: none starts while another drops the maps
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
         self.check_headers = True
@@ -326,8 +326,9 @@ class CheckpointReader:
         digests, and hash the format-3 chunks of ``rows`` (``{key: [(lo, hi), ...]}``: byte
         ranges of the tensor, such as a rank's ``Shard(0)`` rows) that start in those ranges, for
         the caller to gather from every rank and check with :meth:`check_chunks`. Tensors without
-        a recorded digest, or checked already, are skipped; a tensor found intact is not hashed
-        again by a later read. The bytes are hashed from the file's leased mapping inside a
+        a recorded digest, or checked already in the same span, are skipped; a tensor found intact
+        is not hashed again by a later read of that span (a later span checks it again: its
+        file may have changed in between). The bytes are hashed from the file's leased mapping inside a
         :meth:`reading` span (the copies that follow in the span then copy the same bytes), else
         through one small buffer per read thread (:mod:`~.read_check`); never into a target.
 
