@@ -194,9 +194,14 @@ def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
 
 
 @contextlib.contextmanager
-def dcp_errors(path: Path, keys: list[str], files: list[str] | None = None) -> Iterator[None]:
+def dcp_errors(
+    path: Path, keys: list[str], files: list[str] | None = None, collective: bool = False
+) -> Iterator[None]:
     """Turn anything DCP raises (``CheckpointException`` is a ``BaseException``) into our
-    :class:`CorruptCheckpointError` naming DCP, the file, the keys and the rank."""
+    :class:`CorruptCheckpointError` naming DCP, the file, the keys and the rank, numbered as in
+    the default process group: DCP numbers the ranks of the group it ran on (``collective``: the
+    group of :mod:`checkpoint.ranks.dist`, a load's sub-mesh), or calls a load without
+    collectives rank 0 (then this process's rank is named)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -209,6 +214,11 @@ def dcp_errors(path: Path, keys: list[str], files: list[str] | None = None) -> I
         rank, inner = _first_failure(e)
         if isinstance(inner, CheckpointError):
             raise inner from None
+        if rank is not None:
+            from ..ranks import dist
+
+            if dist.active():
+                rank = dist.group_ranks()[rank] if collective else dist.rank()
         on = f" on rank {rank}" if rank is not None else ""
         which = repr(keys[0]) if len(keys) == 1 else f"{keys[:5]}{' ...' if len(keys) > 5 else ''}"
         in_files = f" in {sorted(files)[:5]}" if files else ""
@@ -418,7 +428,7 @@ class DCPSource(Source):
         if not bufs:
             return
         collective = dist.active() and any(isinstance(b, DTensor) for b in bufs.values())
-        with dcp_errors(self.path, list(bufs), self._reader.files_of(list(bufs))):
+        with dcp_errors(self.path, list(bufs), self._reader.files_of(list(bufs)), collective):
             dcp.load(bufs, storage_reader=self._reader.reader, planner=dcp_load_planner(self.path),
                      no_dist=not collective, process_group=dist.current_group())  # (the load's mesh ranks)
         self._bufs.update({k: bufs[flat[k]] for k, _ in pairs})

@@ -19,8 +19,10 @@ open the file between the check and the copies while it holds.
 The break notice: the kernel signals the lease holder (``SIGIO`` by default, whose default action
 ends the process). ``F_SETSIG`` names ``SIGURG`` instead, whose default action is to ignore it, so
 the notice costs nothing; leases are only taken while ``SIGURG`` has its default (or ignored)
-disposition, so a program with its own ``SIGURG`` handler never sees a notice of ours. The notice
-carries nothing the reader needs: it polls ``F_GETLEASE`` before each piece instead.
+disposition, and once a lease is set the file's owner is cleared (``F_SETOWN`` 0: a break then
+signals no process), so a program with its own ``SIGURG`` handler, even one installed while a load
+runs, never sees a notice of ours. The notice carries nothing the reader needs: it polls
+``F_GETLEASE`` before each piece instead.
 
 No lease (the file open for writing somewhere, not the caller's and no ``CAP_LEASE``, a filesystem
 without leases such as NFS or FUSE, another OS, ``lease-break-time`` under a second): no mapping,
@@ -154,6 +156,8 @@ class LeasedMap:
                 del _by_fd[self.fd]
         try:
             self._map.close()
+        except BufferError:  # a view still alive (a traceback's frame): unmapped when it goes
+            pass
         finally:
             try:
                 fcntl.fcntl(self.fd, F_SETLEASE, fcntl.F_UNLCK)
@@ -183,19 +187,22 @@ def take(fd: int) -> LeasedMap | None:
     try:
         if fcntl.fcntl(fd, F_GETSIG) != _NOTICE:
             raise OSError("break notice not set")
+        fcntl.fcntl(fd, fcntl.F_SETOWN, 0)  # no owner: a later break signals no process at all
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
+        arr = np.frombuffer(m, dtype=np.uint8)
+        base = arr.ctypes.data
+        del arr  # (an exported buffer would keep the mapping from closing)
+        lm = LeasedMap(fd, size, m, base)
+        with _lock:
+            _by_fd[fd] = lm
+    except BaseException as e:  # Ctrl-C included: no lease stays held without a record to give it back
         try:
             fcntl.fcntl(fd, F_SETLEASE, fcntl.F_UNLCK)
         except OSError:
             pass
-        return None
-    arr = np.frombuffer(m, dtype=np.uint8)
-    base = arr.ctypes.data
-    del arr  # (an exported buffer would keep the mapping from closing)
-    lm = LeasedMap(fd, size, m, base)
-    with _lock:
-        _by_fd[fd] = lm
+        if isinstance(e, (OSError, ValueError)):
+            return None
+        raise
     return lm
 
 

@@ -22,6 +22,7 @@ import math
 import operator
 import os
 import struct
+import threading
 import warnings
 from collections.abc import Container, Iterable, Mapping, Sequence
 
@@ -85,8 +86,11 @@ def _in_span(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with self.reading():
+        self._span_start()  # (reading() without a generator's cost: get runs once per tensor)
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            self._span_end()
 
     return run
 
@@ -211,12 +215,14 @@ class CheckpointReader:
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self._spec_objs: dict[str, TensorSpec] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # key -> absolute [begin, end) in its file
-        self._verified: set[str] = set()  # files verify_file checked whole: no second hash on read
-        self._checked: set[str] = set()  # tensors check_first found intact: no second hash on read
+        self._verified: set[str] = set()  # files verify_file checked whole: no second hash until a span
+        self._checked: set[str] = set()  # tensors check_first found intact: no second hash in the span
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
-        self._span_depth = 0  # depth of reading() spans open
+        self._span_depth = 0  # depth of reading() spans open, by any thread
+        self._close_due = False  # close() called while a span was open: closed when it ends
+        self._span_lock = threading.Lock()  # span starts and ends: none starts while another drops the maps
         # Whether opening a shard compares its header bytes with the index's digest (off for
         # ``verify``, which re-hashes every file and reports each difference instead of stopping).
         self.check_headers = True
@@ -259,6 +265,7 @@ class CheckpointReader:
         spec = self._spec_objs[key] = TensorSpec.trusted(key, shape, ST_TO_DTYPE[st])  # header validated on open
         return spec
 
+    @_in_span
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` as a new CPU tensor (stored shape and dtype), read with
         ``preadv`` (:mod:`~.tensor_read`: a file cut short is an error, never a SIGBUS).
@@ -311,6 +318,7 @@ class CheckpointReader:
             return  # no digest, or checked already (check_first, or load(verify=True)'s whole files)
         check_tensor_digest(os.path.join(self.root, self._key_file[key]), key, data, want, self.digest_chunk)
 
+    @_in_span
     def check_first(
         self, keys: Iterable[str] = (), rows: Mapping[str, Sequence[tuple[int, int]]] | None = None
     ) -> dict[str, dict[int, bytes]]:
@@ -318,8 +326,9 @@ class CheckpointReader:
         digests, and hash the format-3 chunks of ``rows`` (``{key: [(lo, hi), ...]}``: byte
         ranges of the tensor, such as a rank's ``Shard(0)`` rows) that start in those ranges, for
         the caller to gather from every rank and check with :meth:`check_chunks`. Tensors without
-        a recorded digest, or checked already, are skipped; a tensor found intact is not hashed
-        again by a later read. The bytes are hashed from the file's leased mapping inside a
+        a recorded digest, or checked already in the same span, are skipped; a tensor found intact
+        is not hashed again by a later read of that span (a later span checks it again: its
+        file may have changed in between). The bytes are hashed from the file's leased mapping inside a
         :meth:`reading` span (the copies that follow in the span then copy the same bytes), else
         through one small buffer per read thread (:mod:`~.read_check`); never into a target.
 
@@ -819,16 +828,34 @@ class CheckpointReader:
         """A span of reads (one load: its check and its copies): inside it the files read are
         mapped under a read lease (:mod:`~.leased`), so the check hashes the mapped pages, the
         copies copy from them, and no writer changes a file between the two; the leases are
-        given back when the outermost span ends. Spans nest; :meth:`read_many`,
-        :meth:`copy_into` and :meth:`get_slice` open their own."""
-        self._span_depth += 1
+        given back when the outermost span ends. Spans nest, and the spans of all threads
+        reading through this reader count together (a thread's reads never meet a mapping
+        another thread's span closed); :meth:`get`, :meth:`check_first`, :meth:`read_many`,
+        :meth:`copy_into` and :meth:`get_slice` open their own. What was checked before the
+        outermost span began (an earlier load of this reader, ``verify``'s whole files) was
+        checked without this span's leases, so it is checked again in it."""
+        self._span_start()
         try:
             yield self
         finally:
-            self._span_depth -= 1
+            self._span_end()
+
+    def _span_start(self) -> None:
+        with self._span_lock:
             if not self._span_depth:
-                for name in list(self._maps):
-                    self._drop_map(name)
+                self._checked.clear()
+                self._verified.clear()
+            self._span_depth += 1
+
+    def _span_end(self) -> None:
+        with self._span_lock:  # (a read of another thread's span keeps the mappings: depth > 0)
+            self._span_depth -= 1
+            if not self._span_depth and self._maps:
+                with contextlib.ExitStack() as drops:  # every lease given back, whatever one raises
+                    for name in list(self._maps):
+                        drops.callback(self._drop_map, name)
+            if not self._span_depth and self._close_due:  # close() was called during the span
+                self._close_now()
 
     def _lease(self, name: str, nbytes: int) -> None:
         """Map file ``name`` under a read lease for the span when the span reads ``nbytes`` or
@@ -844,6 +871,17 @@ class CheckpointReader:
             m.release()
 
     def close(self) -> None:
+        """Give back every lease and close every file; while a span is open (a read of another
+        thread, or of this one) that happens when the span ends, so no read meets a mapping
+        unmapped under it."""
+        with self._span_lock:
+            if self._span_depth:
+                self._close_due = True
+                return
+            self._close_now()
+
+    def _close_now(self) -> None:
+        self._close_due = False
         for name in list(self._maps):
             self._drop_map(name)
         self._handles.clear()  # safe_open handles of the headers' private copies (st_header.validate_header)
