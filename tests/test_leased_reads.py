@@ -194,3 +194,30 @@ def test_mapped_and_unmapped_reads_agree_on_every_read(saved, monkeypatch):
     for x, y in zip(ra, rb):
         assert torch.equal(x, y)
     assert torch.equal(ra[0], sd["w1"][:, 300:400]) and torch.equal(ra[1], sd["w2"][256:].double())
+
+
+def test_a_device_error_reading_pages_in_sends_the_read_to_preadv(saved, monkeypatch):
+    """``madvise(MADV_POPULATE_READ)`` failing with EIO (a device's error, which a touch of the
+    page would turn into SIGBUS): no mapped byte is read, every read goes through ``preadv``, and
+    the load is exact."""
+    import ctypes
+    import errno
+
+    from checkpoint.storage import pread
+
+    sd, root, _ = saved
+    calls = []
+
+    def failing(addr, n, advice):
+        calls.append(advice)
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(leased, "_populate", failing)
+    preads = []
+    real = pread.os.preadv
+    monkeypatch.setattr(pread.os, "preadv", lambda *a: preads.append(1) or real(*a))
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, root)
+    assert_same_state(dst, sd)
+    assert calls and set(calls) == {leased._MADV_POPULATE_READ} and preads

@@ -14,7 +14,10 @@ mapping only after ``F_GETLEASE`` shows the lease intact, and the mapping is nev
 writer could have changed the file: a broken lease sends every later read to ``preadv``
 (:meth:`LeasedMap.intact` is False), which reports a short or failed read as an error naming the
 file and tensor. The lease also keeps the bytes copied equal to the bytes checked: no writer can
-open the file between the check and the copies while it holds.
+open the file between the check and the copies while it holds. A device's I/O error, the other
+cause of SIGBUS, is met before any page is touched: each range is read in first with
+``madvise(MADV_POPULATE_READ)`` (Linux 5.14), which returns the error instead, and the range is
+then read with ``preadv``, which names file and tensor.
 
 The break notice: the kernel signals the lease holder (``SIGIO`` by default, whose default action
 ends the process). ``F_SETSIG`` names ``SIGURG`` instead, whose default action is to ignore it, so
@@ -34,6 +37,7 @@ when it ends.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import signal
@@ -41,6 +45,8 @@ import sys
 import threading
 
 import numpy as np
+
+from .libc import libc_function
 
 # <fcntl.h> on Linux (F_LINUX_SPECIFIC_BASE = 1024); the fcntl module names F_SETLEASE only on
 # recent Pythons.
@@ -55,6 +61,10 @@ enabled = os.environ.get("FQNCKPT_LEASES", "1") != "0"
 
 _lock = threading.Lock()
 _by_fd: dict[int, LeasedMap] = {}
+
+_MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14
+_BLOCK = 1 << 20  # bytes read in per madvise bookkeeping unit (LeasedMap._fault_in)
+_populate = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def usable() -> bool:
@@ -83,11 +93,40 @@ class LeasedMap:
     """File descriptor ``fd`` (opened read-only) mapped whole, under a read lease: see the module
     docstring. Made by :func:`take`; given back by :meth:`release`."""
 
-    __slots__ = ("fd", "size", "_map", "_base", "_released")
+    __slots__ = ("fd", "size", "_map", "_base", "_released", "_faulted")
 
     def __init__(self, fd: int, size: int, mapping: mmap.mmap, base: int):
         self.fd, self.size, self._map, self._base = fd, size, mapping, base
         self._released = False
+        self._faulted = bytearray(-(-size // _BLOCK))  # blocks whose pages were read in
+
+    def _fault_in(self, lo: int, hi: int) -> bool:
+        """Read in the pages of file bytes ``[lo, hi)`` with ``madvise(MADV_POPULATE_READ)``
+        (Linux 5.14) before they are touched: a device's I/O error is then this call's error
+        (False: the caller reads with ``preadv``, which names it) instead of a SIGBUS inside a
+        hash or a copy. Each :data:`_BLOCK` once per mapping; where the kernel lacks the call,
+        nothing (the pages are read by the touch itself, as by any mapping)."""
+        if not _populate:
+            return True
+        done = self._faulted
+        b0, b1 = lo // _BLOCK, -(-hi // _BLOCK)
+        b = b0
+        while b < b1:
+            if done[b]:
+                b += 1
+                continue
+            e = b
+            while e < b1 and not done[e]:
+                e += 1
+            start, stop = b * _BLOCK, min(e * _BLOCK, self.size)
+            if _populate(self._base + start, stop - start, _MADV_POPULATE_READ) != 0:
+                err = ctypes.get_errno()
+                if err in (errno.EINVAL, errno.ENOSYS):  # an older kernel: touched as usual
+                    return True
+                return False  # EIO, EFAULT, EHWPOISON: preadv reports it by name
+            done[b:e] = b"\x01" * (e - b)
+            b = e
+        return True
 
     def intact(self) -> bool:
         """Whether the lease still holds (no writer waits for the file): one ``fcntl`` call."""
@@ -104,7 +143,7 @@ class LeasedMap:
         """File bytes ``[lo, hi)`` as a read-only view of the mapping, or None when the lease is
         broken or the range ends past the file (the caller then reads with ``preadv``, which names
         a short file). The caller releases the view before :meth:`release`."""
-        if hi > self.size or not self.intact():
+        if hi > self.size or not self.intact() or not self._fault_in(lo, hi):
             return None
         return memoryview(self._map)[lo:hi]
 
@@ -113,7 +152,7 @@ class LeasedMap:
         ``memmove`` each (ctypes gives up the GIL during the call); returns the bytes copied, or
         -1 (nothing copied) when the lease is broken or the bytes end past the file."""
         total = sum(len(v) for v in views)
-        if pos + total > self.size or not self.intact():
+        if pos + total > self.size or not self.intact() or not self._fault_in(pos, pos + total):
             return -1
         src = self._base + pos
         for v in views:
@@ -126,7 +165,7 @@ class LeasedMap:
     def copy_to(self, addr: int, pos: int, nbytes: int) -> bool:
         """``nbytes`` file bytes at ``pos`` into memory at ``addr``; False (nothing copied) when
         the lease is broken or the bytes end past the file."""
-        if pos + nbytes > self.size or not self.intact():
+        if pos + nbytes > self.size or not self.intact() or not self._fault_in(pos, pos + nbytes):
             return False
         ctypes.memmove(addr, self._base + pos, nbytes)
         return True
@@ -136,7 +175,7 @@ class LeasedMap:
         (no copy; never written: the pages are mapped read-only), or None when the bytes end
         past the file. Valid until :meth:`release`: the caller drops it before the span ends and
         reads it only after :meth:`intact`."""
-        if pos + nbytes > self.size:
+        if pos + nbytes > self.size or not self._fault_in(pos, pos + nbytes):
             return None
         import torch
 
