@@ -541,31 +541,21 @@ def _digests(root, world, mesh1) -> dict[str, bool]:
     each tensor on exactly one rank; a flipped byte is then refused on every rank, by name."""
     import torch.distributed as dist
 
-    from checkpoint.storage import read_check
-
     g = torch.arange(64.0).view(8, 8)
     path, out = f"{root}/digests", {}
     sd = {"w": _dist(g, mesh1, "S0"), "v": _dist(g + 1, mesh1, "S0")}
     dcp.save(sd, storage_writer=StorageWriter(path))
-    counts: dict[str, int] = {}
-    real = read_check.check_tensor_digest  # the digest comparison of check_first, before any copy
+    from checkpoint.storage.writer import stats  # tensors and bytes the checks before the copies compared
 
-    def counting(path, key, *args):
-        counts[key] = counts.get(key, 0) + 1
-        return real(path, key, *args)
-
-    read_check.check_tensor_digest = counting
-    try:
-        for code in ("R", "S1"):
-            tgt = {k: _dist(torch.zeros(8, 8), mesh1, code) for k in sd}
-            dcp.load(tgt, storage_reader=StorageReader(path))
-            every: list = [None] * world
-            dist.all_gather_object(every, counts)
-            once = all(sum(c.get(k, 0) for c in every) == 1 for k in sd)
-            out[f"digest:{code}:once"] = once and torch.equal(tgt["v"].full_tensor(), g + 1)
-            counts.clear()
-    finally:
-        read_check.check_tensor_digest = real
+    for code in ("R", "S1"):
+        tgt = {k: _dist(torch.zeros(8, 8), mesh1, code) for k in sd}
+        before = (stats.tensors_checked, stats.bytes_checked)
+        dcp.load(tgt, storage_reader=StorageReader(path))
+        mine = (stats.tensors_checked - before[0], stats.bytes_checked - before[1])
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)
+        once = sum(t for t, _ in every) == len(sd) and sum(b for _, b in every) == len(sd) * g.nbytes
+        out[f"digest:{code}:once"] = once and torch.equal(tgt["v"].full_tensor(), g + 1)
     dist.barrier()
     if dist.get_rank() == 0:
         _flip_byte(path, "v", 3)

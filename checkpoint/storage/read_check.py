@@ -248,6 +248,7 @@ def check_plain(fd: int, path: str, items: list[tuple[int, int, str]], want: dic
     else:
         ownership.share_queue("read", workers, groups, one)
     stats.bytes_checked += sum(e - b for b, e, _ in items)
+    stats.tensors_checked += len(items)
     if bad:
         b, k, got = min(bad)
         check_tensor_digest(path, k, got, want[k])
@@ -278,6 +279,7 @@ def check_whole(tensors: Sequence[Whole], chunk: int | None) -> None:
     units = [u for t in tensors for u in tensor_units(t.fd, t.path, t.key, t.begin, t.end, chunk)]
     got = hash_units(units)
     stats.bytes_checked += sum(u.hi - u.lo for u in units)
+    stats.tensors_checked += len(tensors)
     for t in sorted(tensors, key=lambda t: (t.path, t.begin)):
         check_tensor_digest(t.path, t.key, tensor_digest(got, t.key, t.end - t.begin, chunk), t.want, chunk)
 

@@ -40,11 +40,13 @@ class IOStats:
     bytes_written: int = 0
     bytes_read: int = 0  # into targets or new tensors
     bytes_checked: int = 0  # read to check digests before any target is written (check_first)
+    tensors_checked: int = 0  # tensors whose whole digest check_first compared
 
     def reset(self) -> None:
         self.bytes_written = 0
         self.bytes_read = 0
         self.bytes_checked = 0
+        self.tensors_checked = 0
 
 
 stats = IOStats()
