@@ -285,7 +285,7 @@ def load(
         try:  # (each rank checks its own row keys: agreed, as ranks may load different tensors)
             for k in sorted(rows):
                 reader.check_chunks(k, {i: d for g in gathered for i, d in g.get(k, {}).items()})
-            confirm = getattr(reader, "confirm_unchanged", None)  # object storage: nothing overwritten since the check
+            confirm = getattr(reader, "confirm_unchanged", None)  # no file or object rewritten since the check
             if confirm is not None:
                 confirm()
         except BaseException as e:  # noqa: BLE001 - agreed across ranks below
@@ -300,6 +300,9 @@ def load(
                 expect([a.key for a in plan.copies if not isinstance(a.entry.tensor, DTensor)])
             with copy_progress(reader, plan.copies, progress) as on_copy:
                 apply_load(plan, obj, reader, optimizer=optimizer, dtype=dtype, on_copy=on_copy)
+            copied = getattr(reader, "confirm_copied", None)  # a file rewritten in place during the copies
+            if copied is not None:
+                copied()
             if extra is not None:
                 extra.apply()
         except BaseException as e:  # noqa: BLE001

@@ -221,3 +221,44 @@ def test_a_device_error_reading_pages_in_sends_the_read_to_preadv(saved, monkeyp
     checkpoint.load(dst, root)
     assert_same_state(dst, sd)
     assert calls and set(calls) == {leased._MADV_POPULATE_READ} and preads
+
+
+@pytest.mark.parametrize("when", ["before the copies", "during the copies"])
+def test_a_rewrite_without_a_lease_is_refused(saved, monkeypatch, when):
+    """No lease (leases off): a write in place after the check is found by the file's change
+    time. Before the copies it is refused with every target unchanged; during them it is refused
+    too, saying the targets may hold unchecked bytes (what a load without a lease can promise)."""
+    from checkpoint.errors import CorruptCheckpointError
+    from checkpoint.storage import pread
+    from tests.snapshot import Snapshot
+
+    sd, root, shard = saved
+    monkeypatch.setattr(leased, "enabled", False)
+
+    def flip() -> None:
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 1)
+            last = f.read(1)
+            f.seek(os.path.getsize(shard) - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
+
+    if when == "before the copies":
+        _after_check(monkeypatch, lambda r: flip())
+    else:
+        real, done = pread.pread_run, []
+
+        def flip_first(*args, **kwargs):
+            if not done:
+                done.append(flip())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(pread, "pread_run", flip_first)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    snap = Snapshot(dst)
+    with pytest.raises(CorruptCheckpointError) as err:
+        checkpoint.load(dst, root)
+    assert err.value.file == shard and "changed while being loaded" in str(err.value)
+    if when == "before the copies":
+        snap.assert_unchanged()
+    else:
+        assert "may hold some of its new bytes" in str(err.value)

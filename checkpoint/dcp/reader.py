@@ -144,6 +144,14 @@ class StoredExtra:
     key: str
 
 
+def _confirm(readers: list, what: str) -> None:
+    """``reader.confirm_unchanged()`` (or ``confirm_copied``) of every reader that has it."""
+    for r in readers:
+        confirm = getattr(r, what, None)
+        if confirm is not None:
+            confirm()
+
+
 class _Source:
     """Open readers and, per tensor, its chunks; the extra-state values."""
 
@@ -369,7 +377,9 @@ class StorageReader(Located, dcp_storage.StorageReader):
                     if hasattr(r, "reading"):
                         span.enter_context(r.reading())
                 self._check_first(src, plan, planner, _checks_of(plan))
+                _confirm(src.readers, "confirm_unchanged")  # no file rewritten since its check
                 self._read(src, plan, planner)
+                _confirm(src.readers, "confirm_copied")
         finally:
             self._close()
         fut: Future[None] = Future()

@@ -136,6 +136,20 @@ class Source:
     def __contains__(self, key: object) -> bool:
         return key in self._specs or key in self._extra_specs
 
+    def confirm_unchanged(self) -> None:
+        """The backend's check that no file was rewritten since its digests were checked
+        (:meth:`~checkpoint.storage.reader.CheckpointReader.confirm_unchanged`); nothing for a
+        backend without one."""
+        confirm = getattr(self._reader, "confirm_unchanged", None)
+        if confirm is not None:
+            confirm()
+
+    def confirm_copied(self) -> None:
+        """The same after the copies (:meth:`~checkpoint.storage.reader.CheckpointReader.confirm_copied`)."""
+        confirm = getattr(self._reader, "confirm_copied", None)
+        if confirm is not None:
+            confirm()
+
     def reading(self):
         """A span of reads (one load's check and copies): the backend's
         (:meth:`~checkpoint.storage.reader.CheckpointReader.reading`: its files mapped under a

@@ -80,6 +80,12 @@ class _Hashed:
 _MAP_MIN = 1 << 20  # bytes of one file a span reads at once before it maps the file (_lease)
 
 
+def _stamp(fd: int) -> tuple[int, int, int, int]:
+    """What a write to the open file ``fd`` changes: inode, size, modification and change times."""
+    st = os.fstat(fd)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def _in_span(method):
     """``method`` run inside :meth:`CheckpointReader.reading` (its leases given back at its end
     unless an outer span holds them)."""
@@ -220,6 +226,7 @@ class CheckpointReader:
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
+        self._stamps: dict[str, tuple] = {}  # file -> (inode, size, mtime, ctime) when checked unleased
         self._span_depth = 0  # depth of reading() spans open, by any thread
         self._close_due = False  # close() called while a span was open: closed when it ends
         self._span_lock = threading.Lock()  # span starts and ends: none starts while another drops the maps
@@ -375,6 +382,8 @@ class CheckpointReader:
             by_file[name] = by_file.get(name, 0) + sum(e - b for b, e, _ in items)
         for name, n in by_file.items():
             self._lease(name, n)
+            if self._maps.get(name) is None and name not in self._stamps:
+                self._stamps[name] = _stamp(self._fd(name))  # no lease: a rewrite is found by its stamp
         for name, items in plain.items():  # many small tensors: no object per tensor
             fd, path, want = file_of(items[0][2])
             _read_check.check_plain(fd, path, items, want)
@@ -415,6 +424,38 @@ class CheckpointReader:
             elif r:
                 whole.append(k)
         return whole, parts
+
+    def confirm_unchanged(self) -> None:
+        """Confirm that no file this reader checked without a read lease (:mod:`~.leased`: none
+        can be had on it, or leases are off) was written since its check: its inode, size,
+        modification and change times are those taken before it was hashed (a write changes the
+        change time; the kernel keeps it fine-grained once it was read). A load runs it after its
+        check, so a rewrite in place before the copies is refused with every target unchanged,
+        and again after the copies (:meth:`confirm_copied`).
+
+        Raises:
+            CorruptCheckpointError: a file was written since it was checked (file named).
+        """
+        self._check_stamps("")
+
+    def confirm_copied(self) -> None:
+        """:meth:`confirm_unchanged` after the copies: a file rewritten in place while they ran
+        (no lease held on it) is refused, naming it; the targets may then hold some of its new
+        bytes, which no digest was checked against.
+
+        Raises:
+            CorruptCheckpointError: a file was written since it was checked (file named).
+        """
+        self._check_stamps("; the targets may hold some of its new bytes, which no digest was checked against")
+
+    def _check_stamps(self, more: str) -> None:
+        for name, was in self._stamps.items():
+            if _stamp(self._fds[name]) != was:
+                raise CorruptCheckpointError(
+                    os.path.join(self.root, name),
+                    "changed while being loaded (written in place after its digests were checked, and no read lease "
+                    f"could be held on it to keep writers out): load it again{more}",
+                )
 
     def check_chunks(self, key: str, digests: dict[int, bytes]) -> bool:
         """Check tensor ``key`` against the index's digest from the 16-byte digests of its format-3
@@ -845,6 +886,7 @@ class CheckpointReader:
             if not self._span_depth:
                 self._checked.clear()
                 self._verified.clear()
+                self._stamps.clear()
             self._span_depth += 1
 
     def _span_end(self) -> None:
