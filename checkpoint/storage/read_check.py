@@ -159,7 +159,7 @@ def _hash_group(group: list[Unit], out: dict) -> None:
     out[(u.key, u.chunk)] = h.digest() if u.chunk is not None else h.hexdigest()
 
 
-def hash_units(units: Iterable[Unit]) -> dict[tuple[str, int | None], bytes | str]:
+def hash_units(units: Iterable[Unit], threads: bool = True) -> dict[tuple[str, int | None], bytes | str]:
     """``{(key, chunk): digest}`` of every unit (16 bytes for a chunk, the hex digest for a plain
     unit), read with ``preadv`` and hashed by the calling thread and the read pool's threads,
     each through its own buffer; every thread has stopped before this returns or raises.
@@ -172,8 +172,8 @@ def hash_units(units: Iterable[Unit]) -> dict[tuple[str, int | None], bytes | st
     out: dict[tuple[str, int | None], bytes | str] = {}
     if not groups:
         return out
-    workers = threads_for(sum(g[-1].hi - g[0].lo for g in groups), len(groups))
-    if workers <= 1:
+    workers = threads_for(sum(g[-1].hi - g[0].lo for g in groups), len(groups)) if threads else 1
+    if workers <= 1:  # (threads=False: bytes still on the device, read in file order for readahead)
         for g in groups:
             _hash_group(g, out)
         return out
@@ -266,7 +266,7 @@ class Whole(NamedTuple):
     want: str
 
 
-def check_whole(tensors: Sequence[Whole], chunk: int | None) -> None:
+def check_whole(tensors: Sequence[Whole], chunk: int | None, threads: bool = True) -> None:
     """Hash every tensor of ``tensors`` (:func:`hash_units`, digest chunk ``chunk``: the index's
     ``tensor_digest_chunk``, None for format version 2) and compare it with its recorded digest,
     in file order; the first mismatch raises.
@@ -277,7 +277,7 @@ def check_whole(tensors: Sequence[Whole], chunk: int | None) -> None:
         LoadError: a read fails (tensor and file named).
     """
     units = [u for t in tensors for u in tensor_units(t.fd, t.path, t.key, t.begin, t.end, chunk)]
-    got = hash_units(units)
+    got = hash_units(units, threads)
     stats.bytes_checked += sum(u.hi - u.lo for u in units)
     stats.tensors_checked += len(tensors)
     for t in sorted(tensors, key=lambda t: (t.path, t.begin)):

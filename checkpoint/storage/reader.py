@@ -384,13 +384,17 @@ class CheckpointReader:
             self._lease(name, n)
             if self._maps.get(name) is None and name not in self._stamps:
                 self._stamps[name] = _stamp(self._fd(name))  # no lease: a rewrite is found by its stamp
+        # A file still on the device: hashed whole by this thread in file order (readahead).
+        cold = {n for n in by_file if self._maps.get(n) is None and not _leased.resident(self._fd(n), os.fstat(self._fd(n)).st_size)}
+        stream = [w for w in spans if self._key_file[w.key] in cold]
+        spans = [w for w in spans if self._key_file[w.key] not in cold]
         for name, items in plain.items():  # many small tensors: no object per tensor
             fd, path, want = file_of(items[0][2])
-            if self._maps.get(name) is None and not _leased.resident(fd, os.fstat(fd).st_size):
-                # From the device: hashed with the rest in one pass in file order (readahead).
-                spans += [_read_check.Whole(k, fd, path, b, e, want[k]) for b, e, k in items]
-                continue
-            _read_check.check_plain(fd, path, items, want)
+            if name in cold:
+                stream += [_read_check.Whole(k, fd, path, b, e, want[k]) for b, e, k in items]
+            else:
+                _read_check.check_plain(fd, path, items, want)
+        _read_check.check_whole(stream, chunk, threads=False)
         _read_check.check_whole(spans, chunk)
         self._checked.update(whole)
         got = _read_check.hash_units(units)
