@@ -178,13 +178,18 @@ moto_opts = moto_fixture("trustconvert")
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3"])
-def test_meta_layout_on_object_storage_is_read_back_from_there(backend, tmp_path, request):
+def test_meta_layout_on_object_storage_is_read_back_from_there(backend, tmp_path, request, monkeypatch):
     """Meta's shards written to memory:// or s3:// (fqnckpt's record, or uploaded by another tool
-    with no record) convert back from there: the same tensors, the local copies removed."""
+    with no record) convert back from there: the same tensors, the local copies removed (in a
+    temporary directory of this test's own: other processes' conversions may run beside it)."""
     import glob
     import tempfile
 
     from checkpoint.sources import open_source
+
+    own = tmp_path / "tmp"
+    own.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
 
     opts = request.getfixturevalue("moto_opts") if backend == "s3" else {}
     hf = _llama(5, vocab=V + 1)  # Meta splits the vocabulary evenly
