@@ -252,7 +252,7 @@ def resident(fd: int, size: int) -> bool:
     """Whether the file's bytes look cached: one byte at up to :data:`_PROBES` places spread over
     it is read with ``RWF_NOWAIT`` (page cache only; ~2 us each). A file still on the device is
     not mapped: two threads faulting its pages in defeat the kernel's readahead, and ``preadv``
-    in file order reads it faster (its rewrite in place is then found by its change time:
+    in file order reads it faster (its rewrite in place is then found by its modification time:
     :meth:`~.reader.CheckpointReader.confirm_unchanged`). True where ``RWF_NOWAIT`` is missing."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:

@@ -80,10 +80,12 @@ class _Hashed:
 _MAP_MIN = 1 << 20  # bytes of one file a span reads at once before it maps the file (_lease)
 
 
-def _stamp(fd: int) -> tuple[int, int, int, int]:
-    """What a write to the open file ``fd`` changes: inode, size, modification and change times."""
+def _stamp(fd: int) -> tuple[int, int, int]:
+    """What a write to the open file ``fd`` changes: its size and modification time (with its
+    inode). Not its change time: a save replacing the checkpoint renames and unlinks the old
+    files, which changes theirs (and so the file this descriptor reads) without a byte written."""
     st = os.fstat(fd)
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _in_span(method):
@@ -226,7 +228,7 @@ class CheckpointReader:
         self._digests_of: dict[str, dict[str, str] | None] = {}  # file -> its recorded tensor digests
         self._totals: dict[str, int] = {}  # file -> data bytes of its header's tensors (on open)
         self._maps: dict[str, _leased.LeasedMap | None] = {}  # file -> its leased mapping in a span
-        self._stamps: dict[str, tuple] = {}  # file -> (inode, size, mtime, ctime) when checked unleased
+        self._stamps: dict[str, tuple] = {}  # file -> (inode, size, mtime) when checked unleased
         self._span_depth = 0  # depth of reading() spans open, by any thread
         self._close_due = False  # close() called while a span was open: closed when it ends
         self._span_lock = threading.Lock()  # span starts and ends: none starts while another drops the maps
@@ -435,9 +437,9 @@ class CheckpointReader:
 
     def confirm_unchanged(self) -> None:
         """Confirm that no file this reader checked without a read lease (:mod:`~.leased`: none
-        can be had on it, or leases are off) was written since its check: its inode, size,
-        modification and change times are those taken before it was hashed (a write changes the
-        change time; the kernel keeps it fine-grained once it was read). A load runs it after its
+        can be had on it, or leases are off) was written since its check: its size and
+        modification time are those taken before it was hashed (a write sets the modification
+        time, fine-grained once it was read: Linux's multigrain timestamps). A load runs it after its
         check, so a rewrite in place before the copies is refused with every target unchanged,
         and again after the copies (:meth:`confirm_copied`).
 
