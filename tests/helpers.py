@@ -192,3 +192,24 @@ def pools_idle(timeout: float = 60) -> None:
         barrier = threading.Barrier(pool._max_workers)
         for fut in [pool.submit(barrier.wait, timeout) for _ in range(pool._max_workers)]:
             fut.result()
+
+
+def leases_here(root) -> bool:
+    """Whether a file under directory ``root`` can be mapped under a read lease here
+    (:mod:`checkpoint.storage.leased`: Linux, a filesystem with leases, the caller's file)."""
+    import os
+
+    from checkpoint.storage import leased
+
+    path = os.path.join(root, "lease-probe")
+    with open(path, "wb") as f:
+        f.write(b"x" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = leased.take(fd)
+        if m is not None:
+            m.release()
+        return m is not None
+    finally:
+        os.close(fd)
+        os.unlink(path)

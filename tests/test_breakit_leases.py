@@ -15,28 +15,13 @@ from checkpoint.errors import CorruptCheckpointError
 from checkpoint.storage import leased, read_check
 from checkpoint.storage.opening import open_checkpoint
 from checkpoint.storage.reader import CheckpointReader
-from tests.helpers import assert_same_state
-
-
-def _leases_here(root) -> bool:
-    path = os.path.join(root, "probe")
-    with open(path, "wb") as f:
-        f.write(b"x" * 64)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        m = leased.take(fd)
-        if m is not None:
-            m.release()
-        return m is not None
-    finally:
-        os.close(fd)
-        os.unlink(path)
+from tests.helpers import assert_same_state, leases_here
 
 
 @pytest.fixture
 def two_files(tmp_path):
     """Four 1 MiB tensors in two shard files (each read at once is mapped under a lease)."""
-    if not _leases_here(tmp_path):
+    if not leases_here(tmp_path):
         pytest.skip("no read leases on this filesystem or platform")
     g = torch.Generator().manual_seed(0)
     sd = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(4)}
