@@ -162,14 +162,6 @@ class LeasedMap:
                 src += n
         return total
 
-    def copy_to(self, addr: int, pos: int, nbytes: int) -> bool:
-        """``nbytes`` file bytes at ``pos`` into memory at ``addr``; False (nothing copied) when
-        the lease is broken or the bytes end past the file."""
-        if pos + nbytes > self.size or not self.intact() or not self._fault_in(pos, pos + nbytes):
-            return False
-        ctypes.memmove(addr, self._base + pos, nbytes)
-        return True
-
     def tensor(self, pos: int, nbytes: int):
         """File bytes ``[pos, pos + nbytes)`` as a ``uint8`` CPU tensor over the mapped pages
         (no copy; never written: the pages are mapped read-only), or None when the bytes end

@@ -387,7 +387,7 @@ class CheckpointReader:
             if self._maps.get(name) is None and name not in self._stamps:
                 self._stamps[name] = _stamp(self._fd(name))  # no lease: a rewrite is found by its stamp
         # A file still on the device: hashed whole by this thread in file order (readahead).
-        cold = {n for n in by_file if self._maps.get(n) is None and not _leased.resident(self._fd(n), os.fstat(self._fd(n)).st_size)}
+        cold = {n for n in by_file if self._maps.get(n) is None and not self._resident(n)}
         stream = [w for w in spans if self._key_file[w.key] in cold]
         spans = [w for w in spans if self._key_file[w.key] not in cold]
         for name, items in plain.items():  # many small tensors: no object per tensor
@@ -916,6 +916,11 @@ class CheckpointReader:
         and teardown cost tens of microseconds."""
         if self._span_depth and nbytes >= _MAP_MIN and name not in self._maps:
             self._maps[name] = _leased.take(self._fd(name))
+
+    def _resident(self, name: str) -> bool:
+        """Whether file ``name``'s bytes look cached (:func:`~.leased.resident`)."""
+        fd = self._fd(name)
+        return _leased.resident(fd, os.fstat(fd).st_size)
 
     def _drop_map(self, name: str) -> None:
         m = self._maps.pop(name, None)
