@@ -24,7 +24,11 @@ Blocks (``--blocks``, comma-separated):
   evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (after a sync), or with ``--drop-caches``
   the machine's whole page cache (``/proc/sys/vm/drop_caches``). Goal: >= 1.0x safetensors.
 - ``save``: ``checkpoint.save`` of that model against ``safetensors.torch.save_file`` + fsync of
-  the file, on tmpfs and on disk. Goal: >= 1.0x.
+  the file, on tmpfs and on disk; beside them the bounds of a write of the same bytes
+  (:func:`raw_write`): ``os.pwrite`` of every tensor's bytes into one file + fsync (what
+  ``save_file`` does, less its header), and the same with each 1 MiB digest chunk hashed with
+  xxh3-128 right after its pwrite (the least a save that digests every byte costs on one thread).
+  Goal: >= 1.0x.
 - ``many``: ``--many`` tensors of 64x32 float32: save against ``save_file`` + fsync and load
   against ``safe_open`` + ``copy_`` into the same tensors, on tmpfs and on disk (page cache).
   Goal: >= 1.0x each.
@@ -274,6 +278,28 @@ def st_save(sd: dict, st_file: str) -> None:
     fsync_path(st_file)
 
 
+def raw_write(views: list, path: str, hashed: bool) -> None:
+    """The bound of a save: every view ``os.pwrite``-n into one new file at consecutive offsets in
+    1 MiB pieces, then fsync; with ``hashed`` each piece's xxh3-128 is taken right after its
+    pwrite (from cache), as the digest chunks of a save are. No header, index or commit."""
+    import xxhash
+
+    piece = 1 << 20
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        at = 0
+        for v in views:
+            for lo in range(0, len(v), piece):
+                chunk = v[lo : lo + piece]
+                os.pwrite(fd, chunk, at + lo)
+                if hashed:
+                    xxhash.xxh3_128_digest(chunk)
+            at += len(v)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check(dst: dict, sd: dict, what: str) -> None:
     bad = [k for k, v in sd.items() if not torch.equal(dst[k], v)]
     if bad:
@@ -350,17 +376,32 @@ def block_cold(sd: dict, root: str, n: int, whole_machine: bool) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def block_save(sd: dict, media: list[tuple[str, str]], n: int, label: str) -> None:
+def block_save(sd: dict, media: list[tuple[str, str]], n: int, label: str, bounds: bool = True) -> None:
+    """``bounds``: also time :func:`raw_write` (a bound for large tensors only: a raw pwrite per
+    small tensor is a syscall each, slower than a save that writes them in one buffer)."""
     size = size_of(sd)
     for medium, root in media:
         os.makedirs(root, exist_ok=True)
-        ours, st_file = os.path.join(root, "ours"), os.path.join(root, "st.safetensors")
+        ours, st_file, raw_file = (os.path.join(root, n) for n in ("ours", "st.safetensors", "raw.bin"))
+        views = [tensor_bytes(v) for v in sd.values()]
         print(f"[save, {medium} ({root})] {label}: {len(sd)} tensors, {size / 2**20:.0f} MiB, {n} rounds", flush=True)
         load_avg("before")
-        t = rounds({"ours": lambda: checkpoint.save(sd, ours, overwrite=True), "safetensors": lambda: st_save(sd, st_file)},
-                   n, (ours, st_file))  # fmt: skip
+        sides = {
+            "ours": lambda: checkpoint.save(sd, ours, overwrite=True),
+            "safetensors": lambda: st_save(sd, st_file),
+        }
+        if bounds:
+            sides["raw"] = lambda: raw_write(views, raw_file, False)
+            sides["raw_hashed"] = lambda: raw_write(views, raw_file, True)
+        t = rounds(sides, n, (ours, st_file, raw_file))
         print(f"  ours {gbs(size, t['ours'])}\n  safetensors {gbs(size, t['safetensors'])}")
         print(ratio_line("save vs save_file + fsync", t["safetensors"], t["ours"], 1.0))
+        if bounds:
+            print(f"  raw pwrite {gbs(size, t['raw'])}\n  raw pwrite + xxh3 {gbs(size, t['raw_hashed'])}")
+            print(ratio_line("save_file + fsync vs raw pwrite + fsync", t["raw"], t["safetensors"], None))
+            bound = "raw pwrite + xxh3 inline vs save_file + fsync (a hashed save's bound on one thread)"
+            print(ratio_line(bound, t["safetensors"], t["raw_hashed"], None))
+            print(ratio_line("save vs raw pwrite + xxh3 inline", t["raw_hashed"], t["ours"], None))
         load_avg("after")
         shutil.rmtree(root, ignore_errors=True)
 
@@ -442,7 +483,7 @@ def main() -> None:
             del sd
         if "many" in blocks:
             sd = make_many(a.many)
-            block_save(sd, media, a.rounds, "many small tensors")
+            block_save(sd, media, a.rounds, "many small tensors", bounds=False)
             block_many_load(sd, media, a.rounds)
             del sd
         if "dcp" in blocks:
