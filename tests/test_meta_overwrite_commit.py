@@ -86,3 +86,33 @@ def test_a_meta_overwrite_of_a_meta_checkpoint_replaced_meanwhile_is_refused(mon
         _meta_write(url)
     monkeypatch.undo()
     assert _objects(url) == before_fs  # refused before anything changed
+
+
+def test_a_local_meta_overwrite_and_removal_wait_for_the_writer_lock(tmp_path, monkeypatch):
+    # Locally Meta's layout commits through the same StagedCheckpoint / writer lock as fqnckpt's:
+    # with the lock held elsewhere, a non-blocking lock attempt shows that each of them asks for it
+    # before touching anything (a blocking one would wait there).
+    import fcntl
+    import os
+
+    from checkpoint.storage import bytestore
+    from checkpoint.storage.bytestore import LocalStore, checkpoint_lock
+    from checkpoint.storage.commit import remove_checkpoint
+
+    ck = tmp_path / "ck"
+    _meta_write(str(ck))
+
+    def tree() -> dict[str, bytes]:
+        return {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    real = fcntl.flock
+    monkeypatch.setattr(bytestore.fcntl, "flock", lambda fd, op: real(fd, op | fcntl.LOCK_NB if op == fcntl.LOCK_EX else op))
+    with checkpoint_lock(str(ck)):
+        before = tree()
+        for write in (lambda: _meta_write(str(ck)), lambda: checkpoint.save({"w": torch.ones(2)}, ck, overwrite=True),
+                      lambda: remove_checkpoint(LocalStore(str(ck)))):  # fmt: skip
+            with pytest.raises(OSError) as e:  # fqnckpt's save names it CheckpointWriteError
+                write()
+            assert isinstance(e.value, BlockingIOError) or isinstance(e.value.__cause__, BlockingIOError)
+            assert tree() == before
+    assert sorted(os.listdir(ck)) == [".fqnckpt-record.json", "consolidated.00.pth", "params.json"]
