@@ -272,7 +272,8 @@ class SnapshotChangedError(CheckpointError, RuntimeError):
 
 class UnsavableError(CheckpointError, ValueError):
     """``save`` refused, before writing anything, a name or value the safetensors format cannot
-    hold (``key``: the tensor name, or the shard file whose header is too large). Any previous
+    hold (``key``: the tensor name, or the shard file whose header is too large), or an argument
+    it cannot take (``key``: ``"max_shard_size"``, the message naming its value). Any previous
     checkpoint at ``path`` is untouched."""
 
     def __init__(self, key: Any, why: str, path: str = ""):

@@ -30,7 +30,7 @@ from .peft_state import ADAPTER_WEIGHTS, find_peft, peft_state, saved_names_stat
 from .progress import counted_fetches
 from .ranks import dist
 from .state import Entry, object_state
-from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, OptimizerMeta
+from .storage.format import MODEL_PREFIX, OPTIMIZER_PREFIX, IndexFile, OptimizerMeta, parse_size
 from .storage.extra_state import extra_state_file_bytes, snapshot_extra_state_parts
 from .storage.layout import TensorSpec
 from .storage.location import local_path, local_target, resolve
@@ -193,13 +193,16 @@ def save(
     before the first byte is written), :class:`~checkpoint.errors.UnsavableTypeError` naming the
     key for a dtype or layout safetensors cannot store (complex128, sparse, ...), ``TypeError``
     naming the key for a non-tensor value, :class:`~checkpoint.errors.NestedCheckpointError` for a
-    local ``path`` inside another checkpoint's folder (:func:`checkpoint.write.plan.refuse_nested`), ``ValueError``
-    naming ``max_shard_size`` for a size that is neither an int nor a size string; on ranks whose
+    local ``path`` inside another checkpoint's folder (:func:`checkpoint.write.plan.refuse_nested`), :class:`~checkpoint.errors.UnsavableError`
+    naming ``max_shard_size`` and its value for a size that is neither an int nor a size string
+    (:func:`checkpoint.storage.format.parse_size`), before anything is written; on ranks whose
     peers failed, :class:`~checkpoint.errors.RankAgreementError`; ``ValueError`` for an unknown
     ``layout``, ``TypeError`` for ``layout="pretrained"`` with ``optimizer`` / ``extra_state``, and
     for ``layout`` with ``recipe``; ``NotImplementedError`` for DTensors to a URL with ``recipe``.
     """
     path = resolve(path, storage_options, transfer)
+    if max_shard_size is not None:  # refused by name before any rank exchanges or writes a thing
+        parse_size(max_shard_size, str(path))
     pretrained = pretrained_layout_for(obj, path, layout, optimizer, extra_state, recipe, "save")
     if pretrained is not None:
         return _save_with_recipe(obj, local_target(path), pretrained, max_shard_size, overwrite, progress, index=True)

@@ -130,8 +130,13 @@ def _inspect(args: argparse.Namespace) -> int:
         lines.append(
             f"  wrapper segments (tensors): {', '.join(f'{w} x{n}' for w, n in sorted(wrappers.items()))}"
         )
+    part_lines = _inspect_parts(parts, data) if parts is not None and args.key is None else []
     lines.append("  files:")
     lines += [f"    {f}: {plural(v['tensors'], 'tensor')}, {human(v['bytes'])}" for f, v in sorted(per_file.items())]
+    if part_lines:  # the other parts' files, as their indexes (the model index's record) name them
+        opt_files = data["parts"]["optimizer"]["per_file"] if data["parts"]["optimizer"] else {}
+        lines += [f"    {f}: {plural(v['tensors'], 'tensor')}, {human(v['bytes'])}" for f, v in sorted(opt_files.items())]
+        lines += [f"    {f}: {human(n)}" for f, n in (data["parts"]["extra_state_files"] or {}).items()]
     if opt is not None:
         o = data["optimizer_state"]
         lines.append(f"  optimizer state: {plural(o['tensors'], 'tensor')} for {plural(o['params'], 'param')}, "
@@ -139,8 +144,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if src.skipped:
         lines.append(f"  non-tensor entries skipped: {sorted(src.skipped)}")
     lines += [f"  note: {n}" for n in src.notes]
-    if parts is not None and args.key is None:
-        lines += _inspect_parts(parts, data)
+    if part_lines:
+        lines += part_lines
     elif parts is None and (adapter_cfg := adapter_dir_config(args.path)) is not None:  # peft's save_pretrained
         data["adapter_config"] = adapter_cfg
         lines.append("  adapter config: " + ", ".join(f"{k}={v}" for k, v in adapter_cfg.items()))
@@ -225,11 +230,14 @@ def _layout_of(keys, path, src) -> str | None:
 
 
 def _inspect_parts(parts, data: dict) -> list[str]:
-    """``data["parts"]`` and the text lines for the optimizer and extra state of an fqnckpt checkpoint."""
-    from .parts import adapter_config_summary, extra_state_summary, optimizer_summary
+    """``data["parts"]`` and the text lines for the optimizer and extra state of an fqnckpt
+    checkpoint (``data["parts"]["optimizer"]["per_file"]`` and ``["extra_state_files"]``: their
+    files, which ``inspect`` lists with the model's)."""
+    from .parts import adapter_config_summary, extra_state_files, extra_state_summary, optimizer_summary
 
     opt, extra = optimizer_summary(parts), extra_state_summary(parts)
-    data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra}
+    data["parts"] = {"model": os.path.basename(parts.model), "optimizer": opt, "extra_state": extra,
+                     "extra_state_files": extra_state_files(parts)}  # fmt: skip
     adapter_cfg = adapter_config_summary(parts)
     if parts.adapter is not None:
         data["parts"]["adapter"] = os.path.basename(parts.adapter)

@@ -264,6 +264,7 @@ def optimizer_summary(parts: Parts) -> dict | None:
         keys = src.keys()
         nbytes = sum(src.nbytes(k) for k in keys)
         slots = sorted({k.rpartition(".")[2] for k in keys})
+        per_file = src.per_file()
     meta = parts.optimizer_meta
     groups = [] if meta is None else [
         {"params": len(g.params), **{k: _hyper(meta, k, v) for k, v in g.model_dump().items() if k != "params"}}
@@ -271,6 +272,7 @@ def optimizer_summary(parts: Parts) -> dict | None:
     ]  # fmt: skip
     return {
         "index": os.path.basename(parts.optimizer),
+        "per_file": per_file,  # each file its index names: tensors, bytes
         "optimizer_class": meta.optimizer_class if meta is not None else None,
         "tensors": len(keys),
         "bytes": nbytes,
@@ -339,6 +341,22 @@ def extra_state_entries(parts: Parts | None, src=None) -> dict | None:
     return out
 
 
+def extra_state_files(parts: Parts | None) -> dict[str, int] | None:
+    """``{file: bytes}`` of an fqnckpt checkpoint's extra state (``extra_state.json`` and each
+    per-rank file it lists), each named as the model index's record names its object (on object
+    storage the name carries the save's token); None without extra state.
+
+    Raises what :func:`checkpoint.storage.extra_state.checked_extra_state_files` raises."""
+    if parts is None or parts.extra_state is None:
+        return None
+    from ..storage.extra_state import checked_extra_state_files
+    from ..storage.views import checkpoint_view
+
+    with checkpoint_view(parts.store if parts.store is not None else parts.root) as view:
+        files = checked_extra_state_files(parts.root)
+        return {view.object_of(name) or name: len(data) for name, data in files.items()}
+
+
 def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
     """The extra state for ``inspect`` (see :func:`extra_state_entries`): each entry's kind (a
     stateful object's class, where recorded)."""
@@ -357,4 +375,4 @@ def extra_state_summary(parts: Parts | None, src=None) -> dict | None:
 
 
 __all__ = ["PARTS", "Parts", "MetaShards", "meta_shard_dir", "open_inspected", "fqnckpt_parts", "part_index", "ManagerRoot", "manager_root", "optimizer_summary",
-           "extra_state_entries", "extra_state_summary", "rank_entry_name"]  # fmt: skip
+           "extra_state_entries", "extra_state_files", "extra_state_summary", "rank_entry_name"]  # fmt: skip

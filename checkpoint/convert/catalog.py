@@ -222,12 +222,18 @@ def _remote_meta_shards(store, view) -> list[str]:
 def _open_downloaded(store, shards: list[str], params, hf_config, record, key, trusted_globals) -> Catalog:
     """Meta's shards on object storage, each copied into a private temporary directory in ranged
     pieces (``torch.load`` reads a seekable local file), then read as local ones are; the copies
-    are removed when the catalog closes (or when opening fails)."""
+    are removed when the catalog closes (or when opening fails). Each piece is read as a load
+    reads a shard (:func:`checkpoint.storage.remote_reader.pinned_range`): on S3 the first GET
+    of a shard pins its version, so a shard overwritten or removed between two pieces is refused
+    (:class:`~checkpoint.storage.objstore.ObjectChangedError` naming it), never copied mixed."""
     import shutil
     import tempfile
 
+    from ..storage.remote_reader import new_pins, pinned_range
+
     tmp = tempfile.mkdtemp(prefix=".fqnckpt-remote-meta-")
     opened: list[Source] = []
+    pins = new_pins(store)
     try:
         sizes = {n: size for n, (_, size) in store.listing().items() if n in shards}
         for name in shards:
@@ -236,7 +242,7 @@ def _open_downloaded(store, shards: list[str], params, hf_config, record, key, t
             local = os.path.join(tmp, name)
             with external_errors(store.url_of(name), what="reading"), open(local, "wb") as f:
                 for start in range(0, sizes[name], _CHUNK):
-                    f.write(store.get_range(name, start, min(start + _CHUNK, sizes[name])))
+                    f.write(pinned_range(store, name, start, min(start + _CHUNK, sizes[name]), pins))
             with external_errors(store.url_of(name), what="reading"):
                 opened.append(open_source(local, key=key, trusted_globals=trusted_globals))
         cat = Catalog(PurePosixPath(store.url), opened, params, hf_config, record)

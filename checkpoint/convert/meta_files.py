@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..storage.local_commit import StagedCheckpoint, fsync_path
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, ConcurrentSaveError
 from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, owned_objects
 from ..storage.layout import TensorSpec
 from ..storage.location import local_path
@@ -103,24 +103,57 @@ def _write_files(d: str, specs, fetch, extra: Mapping[str, bytes]) -> list[str]:
 
 def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
     """Commit the files ``names`` of directory ``d`` to object store ``store`` (see
-    :func:`write_meta_checkpoint`): the same ownership and clash rules as every save."""
-    if not overwrite and holds_checkpoint(store):
-        raise CheckpointExistsError(store.url)
-    previous = owned_objects(store)
-    check_clashes(store, names, previous)
-    store.delete([RECORD])  # from here the previous checkpoint is no longer one of ours
-    for name in names:
-        w = store.open_writer(name, os.path.getsize(os.path.join(d, name)))
+    :func:`write_meta_checkpoint`): the same ownership and clash rules as every save, and the
+    same conditional commit markers as fqnckpt's layout there (:mod:`checkpoint.storage.commit`):
+    the previous checkpoint's marker (its model index, or its record) is removed only if it is
+    still the one read at the start (S3 ``If-Match``; ``memory://`` compare and swap), the
+    record is written only where none appeared meanwhile, and a model index is never removed
+    after the upload (it may be another save's, committed meanwhile: this one is then refused).
+
+    Raises:
+        CheckpointExistsError: a checkpoint is there and ``overwrite`` is False, or a file this
+            save writes is there and no record names it.
+        ConcurrentSaveError: another save committed there after this one read the store (its
+            checkpoint stays whole; the objects this save uploaded that no record names are
+            removed again).
+    """
+    from ..storage.commit import MODEL_INDEX
+    from ..storage.objstore import PreconditionFailed
+
+    with store.writer_lock():  # none on object storage: the conditional marker writes below
+        index_raw, index_tag = store.get_tagged(MODEL_INDEX)
+        record_raw, record_tag = store.get_tagged(RECORD)
+        if not overwrite and (index_raw is not None or record_raw is not None or holds_checkpoint(store)):
+            raise CheckpointExistsError(store.url)
+        previous = owned_objects(store)
+        check_clashes(store, names, previous)
+        try:  # from here the previous checkpoint is no longer one of ours
+            if index_raw is not None:
+                store.delete_if(MODEL_INDEX, index_tag)
+            if record_raw is not None:
+                store.delete_if(RECORD, record_tag)
+        except PreconditionFailed:
+            raise ConcurrentSaveError(store.url) from None
+        uploaded: list[str] = []
         try:
-            with open(os.path.join(d, name), "rb") as f:
-                while chunk := f.read(8 << 20):
-                    w.write(chunk)
-            w.close()
-        except BaseException:
-            w.abort()
-            raise
-    store.put(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode())
-    store.delete(sorted(previous - set(names) - {RECORD}))
+            for name in names:
+                w = store.open_writer(name, os.path.getsize(os.path.join(d, name)))
+                try:
+                    with open(os.path.join(d, name), "rb") as f:
+                        while chunk := f.read(8 << 20):
+                            w.write(chunk)
+                    w.close()
+                except BaseException:
+                    w.abort()
+                    raise
+                uploaded.append(name)
+            if store.get(MODEL_INDEX) is not None:  # a save of fqnckpt's layout committed meanwhile
+                raise PreconditionFailed(f"{store.url_of(MODEL_INDEX)} appeared")
+            store.put(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode(), if_absent=True)
+        except PreconditionFailed:
+            store.delete(sorted(set(uploaded) - owned_objects(store)))  # ours alone, named by no record
+            raise ConcurrentSaveError(store.url) from None
+        store.delete(sorted(previous - set(names) - {RECORD, MODEL_INDEX}))
 
 
 def _spilled(t: torch.Tensor, f: str) -> torch.Tensor:

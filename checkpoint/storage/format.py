@@ -205,36 +205,46 @@ _UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }  # fmt: skip
+_SIZE_FORMS = "an int (bytes) or a size string like '5GB', '500MB', '2GiB'"
 
 
-def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5 * 10**9 bytes; ``"5GiB"`` -> 5 * 2**30; ``"1.5KB"`` -> 1500; an int (or
-    any integer type, e.g. numpy's) is returned as is.
+def parse_size(size: int | str, path: str = "") -> int:
+    """``"5GB"`` -> 5 * 10**9 bytes; ``"5GiB"`` -> 5 * 2**30; ``"1.5KB"`` -> 1500; ``"8Mb"`` ->
+    10**6 (a lowercase final ``b`` after a decimal unit counts bits); an int (or any integer
+    type, e.g. numpy's) is returned as is. ``path``: the checkpoint the size is for, named in
+    the error.
 
-    Semantics of ``transformers.utils.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30), the
-    number taken exactly (``"1.1GB"`` is 1_100_000_000).
+    Semantics of ``transformers.utils.hub.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30,
+    ``"5Gb"`` / ``"5gb"`` = 5 * 10**9 bits), the number taken exactly (``"1.1GB"`` is
+    1_100_000_000); also taken: ``"B"`` / ``"TB"`` / ``"TiB"`` and a bare number of bytes.
 
     Raises:
-        ValueError: neither an integer nor a string (a float such as ``1.5``: bytes are whole,
-            so a float is refused by its type, not truncated; a bool), a string not
-            ``<number><unit>`` or naming a fraction of a byte (``"1.5"``, ``"0.5B"``), or a size
-            that is not positive. Every message names ``max_shard_size`` and the value.
+        UnsavableTypeError: neither an integer nor a string (a float such as ``1.5``: bytes are
+            whole, so a float is refused by its type, not truncated; a bool).
+        UnsavableError: a string not ``<number><unit>`` (``"abc"``, ``"-1GB"``, ``"1.5XB"``) or
+            naming a fraction of a byte (``"1.5"``, ``"0.5B"``), or a size that is not positive.
+        Both are ``ValueError``; every message names ``max_shard_size`` and the value, and is
+        raised before anything is written.
     """
+    from ..errors import UnsavableError, UnsavableTypeError
+
     if isinstance(size, bool) or not isinstance(size, str) and not hasattr(size, "__index__"):
-        raise ValueError(
-            f"max_shard_size must be an int (bytes) or a size string like '5GB', '500MB', '2GiB', "
-            f"got {type(size).__name__} {size!r}"
+        raise UnsavableTypeError(
+            "max_shard_size", f"must be {_SIZE_FORMS}, got {type(size).__name__} {size!r}", path
         )
     if not isinstance(size, str):
         n = operator.index(size)
     else:
         m = _SIZE.match(size)
         if not m:
-            raise ValueError(f"max_shard_size {size!r} is not like '5GB', '500MB', '2GiB' or an int")
-        exact = Fraction(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
+            raise UnsavableError("max_shard_size", f"{size!r} is not {_SIZE_FORMS}", path)
+        unit = m.group(2) or "B"
+        exact = Fraction(m.group(1)) * _UNITS[unit.upper()]
+        if unit.endswith("b") and not unit.upper().endswith("IB"):
+            exact /= 8  # bits, as transformers reads "5Gb"
         if exact.denominator != 1:
-            raise ValueError(f"max_shard_size {size!r} is not a whole number of bytes")
+            raise UnsavableError("max_shard_size", f"{size!r} is not a whole number of bytes", path)
         n = int(exact)
     if n <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+        raise UnsavableError("max_shard_size", f"must be positive, got {size!r}", path)
     return n

@@ -68,6 +68,26 @@ _RANGE_MAX = 16 << 20  # bytes per coalesced ranged GET
 # the object version it was checked in (RemoteCheckpointReader._pins).
 _STAGE_MAX = 1 << 30
 
+
+def new_pins(store) -> dict[str, ObjectVersion] | None:
+    """An empty pin table for reads of ``store`` (filled by each object's first GET), or None
+    for a store without pinned reads (it has no ``check_versions``: local, ``memory://``)."""
+    return {} if hasattr(store, "check_versions") else None
+
+
+def pinned_range(store, name: str, start: int, end: int, pins: dict[str, ObjectVersion] | None) -> bytes:
+    """Bytes ``[start, end)`` of object ``name`` of ``store``: the first GET of ``name`` records
+    its version in ``pins`` (:func:`new_pins`), every later one names that version or sends
+    ``If-Match`` (S3; a plain ranged GET where ``pins`` is None).
+
+    Raises:
+        ObjectChangedError: ``name`` was overwritten or removed since its first GET.
+        LoadError / FileNotFoundError: as :meth:`checkpoint.storage.objstore.ObjectStore.get_range`."""
+    if pins is None:
+        return store.get_range(name, start, end)
+    return store.get_range(name, start, end, pins=pins)
+
+
 class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
     a ranged GET (``root`` is the checkpoint's URL)."""
@@ -85,13 +105,11 @@ class RemoteCheckpointReader(CheckpointReader):
         self._staged: dict[str, memoryview] = {}  # tensors check_first fetched, kept for their copy
         # The version of each shard object its first GET answered (S3): every later GET reads that one.
         # None: a store without pinned reads (it has no ``check_versions``).
-        self._pins = pins if pins is not None else ({} if hasattr(store, "check_versions") else None)
+        self._pins = pins if pins is not None else new_pins(store)
 
     def _range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of shard object ``name``, at its pinned version."""
-        if self._pins is None:
-            return self.store.get_range(name, start, end)
-        return self.store.get_range(name, start, end, pins=self._pins)
+        return pinned_range(self.store, name, start, end, self._pins)
 
     def _many(self, spans: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Byte ranges ``(name, start, end)`` of shard objects, concurrently, at their pinned versions."""

@@ -23,7 +23,7 @@ from fqn import FQNMapFile
 from ..errors import NestedCheckpointError, RankMismatchError
 from ..peft_state import ADAPTER_WEIGHTS
 from ..storage import limits
-from ..storage.format import FileRecordV2, OptimizerMeta
+from ..storage.format import FileRecordV2, OptimizerMeta, parse_size
 from ..storage.layout import Layout, TensorSpec, plan_files, plan_layout, shard_file_name
 from ..storage.local_commit import enclosing_checkpoint
 from ..storage.location import local_path
@@ -128,8 +128,11 @@ def plan_parts(
     inside another checkpoint is refused first (:func:`refuse_nested`).
 
     Raises:
-        NestedCheckpointError, UnsavableError: naming the path, key or file."""
+        NestedCheckpointError, UnsavableError: naming the path, key or file (or
+            ``max_shard_size`` and its value, :func:`checkpoint.storage.format.parse_size`)."""
     refuse_nested(path)
+    if max_shard_size is not None:
+        parse_size(max_shard_size, str(path))
     for part in parts:
         for spec in part.specs:
             limits.check_name(spec.fqn, path)
