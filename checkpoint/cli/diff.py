@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
