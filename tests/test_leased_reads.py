@@ -141,7 +141,7 @@ def test_file_open_for_writing_loads_without_a_mapping(saved, monkeypatch):
     with open(shard, "r+b"):  # a read lease cannot be had while the file is open for writing
         dst = {k: torch.zeros_like(v) for k, v in sd.items()}
         checkpoint.load(dst, root)
-    assert taken == [None]
+    assert taken and all(t is None for t in taken)  # tried at the check and again after it: never had
     assert_same_state(dst, sd)
 
 
@@ -247,3 +247,96 @@ def test_a_rewrite_without_a_lease_is_refused(saved, monkeypatch, when):
         snap.assert_unchanged()
     else:
         assert "may hold some of its new bytes" in str(err.value)
+
+
+def _evicted(shard: str) -> None:
+    """Drop ``shard``'s pages from the page cache (the check then reads it from the device, with no
+    lease taken for it); skips where the filesystem keeps them (tmpfs)."""
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if leased.resident(fd, os.path.getsize(shard)):
+            pytest.skip("this filesystem keeps the file in memory: no read from the device")
+    finally:
+        os.close(fd)
+
+
+def _after_confirm(monkeypatch, action):
+    """Run ``action(reader)`` right after the load's ``confirm_unchanged`` (before any copy)."""
+    original = CheckpointReader.confirm_unchanged
+
+    def confirm_then(self):
+        original(self)
+        action(self)
+
+    monkeypatch.setattr(CheckpointReader, "confirm_unchanged", confirm_then)
+
+
+def test_a_file_read_from_the_device_is_leased_after_its_check(saved, monkeypatch):
+    """A file the check reads from the device is mapped under a lease once it is in the page cache
+    (its stamp compared while the lease holds): a writer coming after waits until the load ends,
+    and the copies copy the bytes checked."""
+    sd, root, shard = saved
+    _evicted(shard)
+    with open(shard, "rb") as f:
+        before = f.read()
+    _evicted(shard)
+    offset, opened = len(before) - 1, []
+
+    def flip() -> None:
+        with open(shard, "r+b") as f:  # waits while the load holds its lease
+            opened.append(True)
+            f.seek(offset)
+            f.write(bytes([before[offset] ^ 0xFF]))
+
+    writer = threading.Thread(target=flip)
+
+    def start_writer(reader):
+        name = os.path.basename(shard)
+        assert reader._maps.get(name) is not None and name not in reader._stamps
+        writer.start()
+        _wait_broken(reader)
+        assert not opened
+
+    _after_confirm(monkeypatch, start_writer)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    checkpoint.load(dst, root)
+    writer.join(timeout=120)
+    assert opened == [True]
+    assert_same_state(dst, sd)  # the bytes checked, not the flipped ones
+    assert leased._by_fd == {}
+
+
+def test_a_file_read_from_the_device_and_rewritten_before_its_lease_is_refused(saved, monkeypatch):
+    """A write in place between the check of a file read from the device and the lease taken
+    after it is found by the stamp compared under the lease: refused, every target unchanged, no
+    lease left held."""
+    from checkpoint.errors import CorruptCheckpointError
+    from tests.snapshot import Snapshot
+
+    sd, root, shard = saved
+    _evicted(shard)
+    taken = []
+    real_take = leased.take
+    monkeypatch.setattr(leased, "take", lambda fd: taken.append(real_take(fd)) or taken[-1])
+
+    def flip(reader) -> None:
+        assert reader._stamps and not any(m is not None for m in reader._maps.values())
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 1)
+            last = f.read(1)
+            f.seek(os.path.getsize(shard) - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
+
+    _after_check(monkeypatch, flip)
+    dst = {k: torch.zeros_like(v) for k, v in sd.items()}
+    snap = Snapshot(dst)
+    with pytest.raises(CorruptCheckpointError) as err:
+        checkpoint.load(dst, root)
+    assert err.value.file == shard and "changed while being loaded" in str(err.value)
+    snap.assert_unchanged()
+    assert any(m is not None for m in taken)  # the lease was had, and the stamp refused the file
+    assert leased._by_fd == {}
+    fd = os.open(shard, os.O_WRONLY)  # given back: a writer opens at once
+    os.close(fd)

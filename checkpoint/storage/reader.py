@@ -437,16 +437,38 @@ class CheckpointReader:
 
     def confirm_unchanged(self) -> None:
         """Confirm that no file this reader checked without a read lease (:mod:`~.leased`: none
-        can be had on it, or leases are off) was written since its check: its size and
+        could be had on it, or leases are off) was written since its check: its size and
         modification time are those taken before it was hashed (a write sets the modification
         time, fine-grained once it was read: Linux's multigrain timestamps). A load runs it after its
         check, so a rewrite in place before the copies is refused with every target unchanged,
         and again after the copies (:meth:`confirm_copied`).
 
+        Inside a :meth:`reading` span, a lease is tried first on each such file (one the check read
+        from the device is in the page cache now) and its stamp compared while the lease holds:
+        unchanged, the file is kept so by the lease until the span ends, and the copies read it
+        from the mapping, as for a file leased from the start (no stamp left to compare after them).
+
         Raises:
             CorruptCheckpointError: a file was written since it was checked (file named).
         """
+        self._lease_checked()
         self._check_stamps("")
+
+    def _lease_checked(self) -> None:
+        if not self._span_depth:
+            return
+        for name in list(self._stamps):
+            fd = self._fds.get(name)
+            if fd is None or self._maps.get(name) is not None:
+                continue
+            m = _leased.take(fd)
+            if m is None:
+                continue
+            if _stamp(fd) != self._stamps[name]:  # written after its check: refused just below
+                m.release()
+                continue
+            self._maps[name] = m
+            del self._stamps[name]
 
     def confirm_copied(self) -> None:
         """:meth:`confirm_unchanged` after the copies: a file rewritten in place while they ran
