@@ -232,3 +232,18 @@ def test_damaged_files_are_named_never_a_traceback(tmp_path, capsys, fmt):
                 if rc == 1:
                     assert argv[0] == "verify" and str(src) in result["problems"][0]
     assert "CorruptCheckpointError" in seen
+
+
+def test_recover_of_a_path_that_holds_nothing_is_bad_input(tmp_path):
+    """``fqnckpt recover`` of a mistyped path (nothing there, nothing a save left beside it) or of a
+    file is exit 2 naming the path, as inspect and verify are; an empty directory has nothing to
+    recover (exit 0); nothing is created either way."""
+    (tmp_path / "index.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    for name in ("nope", "index.json"):
+        rc, out, err = run_cli("recover", tmp_path / name)
+        assert rc == EXIT_BAD_INPUT and f"no checkpoint at {tmp_path / name}" in err, (name, err)
+    rc, out, err = run_cli("recover", tmp_path / "empty")
+    assert rc == 0 and "nothing of an interrupted save to recover" in out
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "empty") == []

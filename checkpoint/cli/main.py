@@ -458,9 +458,14 @@ def _recover_args(p: argparse.ArgumentParser) -> None:
 
 
 def _recover(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointNotFoundError
     from ..storage.opening import recover
 
     done = recover(args.path)
+    local = None if "://" in str(args.path) else str(args.path)
+    if local is not None and not os.path.isdir(local) and not done["completed"] and not done["removed"]:
+        # Nothing here and nothing left beside it by a save: a mistyped path, not a clean checkpoint.
+        raise CheckpointNotFoundError(local, "not a directory, and no save into it left anything to recover")
     lines = [f"{args.path}: completed the interrupted commit {c}" for c in done["completed"]]
     lines += [f"{args.path}: removed {n} (left by a save that can no longer commit)" for n in done["removed"]]
     emit(args, {"path": args.path, **done}, "\n".join(lines) or f"{args.path}: nothing of an interrupted save to recover")
