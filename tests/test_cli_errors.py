@@ -247,3 +247,16 @@ def test_recover_of_a_path_that_holds_nothing_is_bad_input(tmp_path):
     rc, out, err = run_cli("recover", tmp_path / "empty")
     assert rc == 0 and "nothing of an interrupted save to recover" in out
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "empty") == []
+
+
+def test_verify_of_a_checkpoint_refused_while_opening_says_so(tmp_path):
+    """A shard cut short is refused when verify opens it: the summary says nothing was checked
+    (no tensor or file counts, no digests named), the problem line names the file; exit 1."""
+    root = tmp_path / "ck"
+    checkpoint.save({"a": torch.ones(64, 64), "b": torch.ones(32)}, root)
+    (shard,) = [p for p in root.iterdir() if p.suffix == ".safetensors"]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    rc, out, err = run_cli("verify", root)
+    head, problem = out.splitlines()[:2]
+    assert rc == 1 and head == f"{root}: MISMATCH (safetensors-index, refused while opening it, before any tensor was checked)"
+    assert problem.startswith("  problem: CorruptCheckpointError: ") and str(shard) in problem

@@ -428,6 +428,8 @@ def _verify(args: argparse.Namespace) -> int:
         f"{args.path}: {'OK' if rep.ok else 'MISMATCH'} ({rep.format}, {plural(rep.tensors, 'tensor')}, "
         f"{plural(len(rep.files), 'file')}, {what})"
     )
+    if not rep.ok and not rep.files and not rep.tensors:  # refused while opening: nothing was hashed
+        head = f"{args.path}: MISMATCH ({rep.format}, refused while opening it, before any tensor was checked)"
     lines = [head] + [f"  problem: {p}" for p in rep.problems] + [f"  note: {n}" for n in rep.notes]
     names = [f.file for f in rep.files]
     if names:
