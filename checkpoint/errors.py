@@ -146,15 +146,16 @@ class CheckpointMismatchError(CheckpointError):
     def __init__(self, report: Any, path: str = ""):
         self.report = report
         parts = []
-        for label, keys in (
-            ("missing", report.missing_keys),
-            ("unexpected", report.unexpected_keys),
-            ("shape-mismatched", [m.key for m in report.shape_mismatched]),
-        ):
+        for label, keys in (("missing", report.missing_keys), ("unexpected", report.unexpected_keys)):
             if keys:
                 parts.append(f"{label} keys {_head(keys)}")
-        where = f" loading {path}" if path else ""
-        super().__init__(f"checkpoint does not match the target{where}: " + "; ".join(parts))
+        shapes = [f"{m.key!r} checkpoint {tuple(m.checkpoint_shape)}, target {tuple(m.target_shape)}"
+                  for m in report.shape_mismatched]  # fmt: skip
+        if shapes:
+            more = f" (+{len(shapes) - 10} more)" if len(shapes) > 10 else ""
+            parts.append(f"shape-mismatched keys {'; '.join(shapes[:10])}{more}")
+        where = f" {path}" if path else ""
+        super().__init__(f"checkpoint{where} does not match the target: " + "; ".join(parts))
 
 
 class TiedValuesMismatchError(CheckpointError, ValueError):

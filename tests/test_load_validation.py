@@ -644,3 +644,20 @@ def test_internal_overlap_of_strided_targets_is_exact_and_linear_in_dims():
         assert not _has_internal_overlap(big)
     finally:
         torch.unique = real
+
+
+def test_shape_mismatch_error_gives_both_shapes(tmp_path):
+    """A strict load refused for shapes names each key with its checkpoint and target shapes, and
+    the checkpoint; the target is unchanged."""
+    from checkpoint import CheckpointMismatchError
+
+    checkpoint.save(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), tmp_path / "ck")
+    target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError) as err:
+        checkpoint.load(target, tmp_path / "ck")
+    assert str(err.value) == (
+        f"checkpoint {tmp_path / 'ck'} does not match the target: shape-mismatched keys "
+        "'1.weight' checkpoint (2, 4), target (3, 4); '1.bias' checkpoint (2,), target (3,)"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
