@@ -567,6 +567,30 @@ def _digests(root, world, mesh1) -> dict[str, bool]:
             out[f"digest:{code}:refused"] = False
         except BaseException as e:  # DCP's CheckpointException, on every rank
             out[f"digest:{code}:refused"] = "CorruptCheckpointError" in str(e) and "tensor 'v'" in str(e)
+    # Ranks whose plan is empty (Shard(0) of one row; of three 1 MiB rows, three 1 MiB digest
+    # chunks, on 4 ranks) take part in the check all the same: the intact tensors load on every
+    # rank, and a flipped byte is refused by name on every rank with every target unchanged.
+    dist.barrier()
+    rows = {"row": torch.arange(8.0).view(1, 8), "big": torch.arange(3.0 * 2**18).view(3, 2**18)}
+    for key, g in rows.items():
+        p = f"{root}/empty-rank-{key}"
+        dcp.save({key: _dist(g, mesh1, "S0")}, storage_writer=StorageWriter(p))
+        tgt = {key: _dist(torch.zeros_like(g), mesh1, "S0")}
+        dcp.load(tgt, storage_reader=StorageReader(p))
+        out[f"digest:empty-rank:{key}:loaded"] = torch.equal(tgt[key].full_tensor(), g)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _flip_byte(p, key, g.nbytes - 5)  # in the last row (of the last digest chunk)
+        dist.barrier()
+        tgt = {key: _dist(torch.full_like(g, -1.0), mesh1, "S0")}
+        try:
+            dcp.load(tgt, storage_reader=StorageReader(p))
+            out[f"digest:empty-rank:{key}:refused"] = False
+        except BaseException as e:  # DCP's CheckpointException, on every rank
+            out[f"digest:empty-rank:{key}:refused"] = (
+                "CorruptCheckpointError" in str(e) and f"tensor '{key}'" in str(e)
+                and bool((tgt[key].to_local() == -1.0).all())
+            )
     return out
 
 
@@ -692,7 +716,8 @@ def test_ranks(tmp_path, world, request):
     names = set(res[0]["ok"])
     assert {f"1d:{a}->{b}" for a, b in ONE_D} <= names and {f"2d:{a}->{b}" for a, b in TWO_D} <= names
     assert {"empty-shards", "async:thread", "train:resume"} <= names and (world != 2 or {"async:process", "s3"} <= names)
-    assert world == 1 or {"digest:R:once", "digest:S1:once", "digest:R:refused", "digest:S1:refused"} <= names
+    assert world == 1 or {"digest:R:once", "digest:S1:once", "digest:R:refused", "digest:S1:refused",
+                          "digest:empty-rank:row:refused", "digest:empty-rank:big:refused"} <= names  # fmt: skip
     assert world == 1 or {"fail:raised", "fail:old-kept", "fail:no-staging", "fail:retry", "overwrite:refused",
                           "nocoll:refused", "perrank:read"} <= names  # fmt: skip
     assert world != 2 or "s3:group" in names
