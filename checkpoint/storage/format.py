@@ -217,7 +217,9 @@ def parse_size(size: int | str, path: str = "") -> int:
 
     Semantics of ``transformers.utils.hub.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30,
     ``"5Gb"`` / ``"5gb"`` = 5 * 10**9 bits), the number taken exactly (``"1.1GB"`` is
-    1_100_000_000); also taken: ``"B"`` / ``"TB"`` / ``"TiB"`` and a bare number of bytes.
+    1_100_000_000); also taken: ``"B"`` / ``"TB"`` / ``"TiB"`` and a bare number of bytes. A
+    leading ``+`` and ``_`` between digits count as ``int()`` reads them there (``"+5GB"``,
+    ``"5_000MB"``); an integer tensor or array of one element counts as its value.
 
     Raises:
         UnsavableTypeError: neither an integer nor a string (a float such as ``1.5``: bytes are
