@@ -47,6 +47,7 @@ from .urls import is_url
 from .limits import json_int_problem
 from .bytestore import LocalStore
 from .commit import MODEL_INDEX, parse_index, recorded_object
+from .paths import check_name
 from .st_header import shape_problem
 
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
@@ -437,5 +438,7 @@ def _member_bytes(root: str, name: str) -> bytes | None:
     store = LocalStore(root)
     raw = store.get(MODEL_INDEX)
     obj = recorded_object(parse_index(raw) if raw is not None else None, name)
+    if obj is not None:  # a record naming "../x" or an absolute path: UnsafePathError, as at a URL
+        check_name(root, obj)
     return store.get(obj) if obj is not None else None  # None for a symlink or a directory too
 
