@@ -127,6 +127,9 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
             raise CheckpointExistsError(store.url)
         previous = owned_objects(store)
         check_clashes(store, names, previous)
+        # Each object is replaced only if it is still what this save read (the previous
+        # checkpoint's, or none): another Meta save writes the same fixed names.
+        tags = {name: store.tag_of(name) for name in names}
         try:  # from here the previous checkpoint is no longer one of ours
             if index_raw is not None:
                 store.delete_if(MODEL_INDEX, index_tag)
@@ -137,7 +140,9 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
         uploaded: list[str] = []
         try:
             for name in names:
-                w = store.open_writer(name, os.path.getsize(os.path.join(d, name)))
+                w = store.open_writer(
+                    name, os.path.getsize(os.path.join(d, name)), if_match=tags[name], if_absent=tags[name] is None
+                )
                 try:
                     with open(os.path.join(d, name), "rb") as f:
                         while chunk := f.read(8 << 20):

@@ -483,6 +483,19 @@ class ObjectStore:
         stats.bytes_read += len(data)
         return data, tag
 
+    def tag_of(self, name: str) -> str | None:
+        """The tag of object ``name`` as :meth:`get_tagged` gives it (S3's ETag, from a HEAD
+        request: no body read; the bytes' sha256 elsewhere), None when absent: the ``if_match``
+        of a :meth:`put` or :meth:`ObjectWriter.close` that replaces it only if unchanged."""
+        if not self.s3:
+            return _digest_tag(self.get(name))
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        try:
+            r = self.read(name, self.fs.call_s3, "head_object", Bucket=bucket, Key=path)
+        except FileNotFoundError:
+            return None
+        return r.get("ETag")
+
     def put(self, name: str, data: bytes, if_match: str | None = None, if_absent: bool = False) -> None:
         """Write object ``name`` as one PUT (replaces it whole: readers see old or new bytes).
         ``if_match``: only if the object still has this tag (:meth:`get_tagged`); ``if_absent``:
@@ -591,12 +604,18 @@ class ObjectStore:
                 pass
         self.fs.invalidate_cache(self.root)
 
-    def open_writer(self, name: str, size: int | None = None) -> ObjectWriter:
+    def open_writer(
+        self, name: str, size: int | None = None, if_match: str | None = None, if_absent: bool = False
+    ) -> ObjectWriter:
         """A streaming writer of object ``name`` (see module docstring); the object appears only
         when :meth:`ObjectWriter.close` returns; :meth:`ObjectWriter.abort` drops it. ``size``:
         the object's byte size when known; one that fits in the upload budget
-        (``part_size * parts_in_flight``) is sent as one PUT (no multipart requests)."""
-        return ObjectWriter(self, name, size)
+        (``part_size * parts_in_flight``) is sent as one PUT (no multipart requests).
+        ``if_match`` / ``if_absent``: as :meth:`put`'s, for the object this writer replaces (S3:
+        a conditional PUT or CompleteMultipartUpload; elsewhere checked as the upload opens,
+        atomically for ``memory://``); a condition that fails raises
+        :class:`PreconditionFailed` from ``write`` or ``close``."""
+        return ObjectWriter(self, name, size, if_match, if_absent)
 
 
 class ObjectWriter:
@@ -604,8 +623,11 @@ class ObjectWriter:
     and hands full ones to upload threads; at most ``parts_in_flight`` part buffers exist at once
     (a writer blocks until one is free). Not thread-safe: one writer per thread."""
 
-    def __init__(self, store: ObjectStore, name: str, size: int | None = None):
+    def __init__(
+        self, store: ObjectStore, name: str, size: int | None = None, if_match: str | None = None, if_absent: bool = False
+    ):
         self.store, self.name = store, name
+        self._if_match, self._if_absent = if_match, if_absent
         cfg = store.transfer
         self.part_size = max(cfg.part_size, S3_MIN_PART) if store.s3 else cfg.part_size
         self._single = size is not None and 0 < size <= cfg.part_size * cfg.parts_in_flight
@@ -676,7 +698,11 @@ class ObjectWriter:
                 self._upload_id = r["UploadId"]
         elif self._file is None:
             st.ensure_dir()
-            self._file = st.call(f"writing {st.url_of(self.name)}", st.fs.open, st.key(self.name), "wb")
+            cond = self._if_match is not None or self._if_absent
+            with st._cas() if cond else contextlib.nullcontext():  # memory:// shows the object from its open
+                if cond and _digest_tag(st.get(self.name)) != (None if self._if_absent else self._if_match):
+                    raise PreconditionFailed(f"writing {st.url_of(self.name)}: the object changed")
+                self._file = st.call(f"writing {st.url_of(self.name)}", st.fs.open, st.key(self.name), "wb")
 
     def _upload_part(self, number: int, body) -> None:
         st = self.store
@@ -709,15 +735,19 @@ class ObjectWriter:
         """Send what is buffered, wait for every part, complete the upload (the object appears).
 
         Raises:
+            PreconditionFailed: the writer's ``if_match`` / ``if_absent`` did not hold (the
+                upload is aborted, nothing replaced).
             ObjectStoreError: a part or the completion failed for good (the upload is aborted).
         """
         st = self.store
+        if_match, if_absent = self._if_match, self._if_absent
+        cond = {k: v for k, v in (("IfMatch", if_match), ("IfNoneMatch", "*" if if_absent else None)) if v}
         try:
             if st.s3 and self._upload_id is None and not self._futures:  # one buffer: one PUT
                 buf = self._buf if self._buf is not None else bytearray()
                 body = buf if self._len == len(buf) else bytes(memoryview(buf)[: self._len])
                 self._free_buf()
-                st.put(self.name, body)
+                st.put(self.name, body, if_match=if_match, if_absent=if_absent)
                 with _stats_lock:
                     stats.objects += 1
                 return
@@ -730,7 +760,7 @@ class ObjectWriter:
                 parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
                 st.call(
                     f"writing {st.url_of(self.name)}", st.fs.call_s3, "complete_multipart_upload", Bucket=bucket,
-                    Key=path, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                    Key=path, UploadId=self._upload_id, MultipartUpload={"Parts": parts}, **cond,
                 )  # fmt: skip
                 st.fs.invalidate_cache(st.key(self.name))
             else:
