@@ -3,7 +3,9 @@ the same URL at once (``memory://`` and moto's S3 server): the one that commits 
 bytes. The other, which finds that save's objects under the names it is uploading, never
 replaces them (each upload is conditional on the object being what it read: absent, or the
 previous checkpoint's): it is refused with :class:`~checkpoint.errors.ConcurrentSaveError` and
-the committed checkpoint reads back whole."""
+the committed checkpoint reads back whole. A removal of a Meta checkpoint removes its record
+first, only if unchanged since read (an overwrite committed meanwhile stays whole), and leaves no
+unedited params.json behind (the record holds its digest), so a new save there is not refused."""
 
 from __future__ import annotations
 
@@ -112,3 +114,47 @@ def _theirs_objects(t: torch.Tensor) -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({"tok_embeddings.weight": t}, buf)
     return {"consolidated.00.pth": buf.getvalue(), "params.json": b'{"dim": 60}'}
+
+
+def test_a_removed_meta_checkpoint_leaves_nothing_and_a_new_one_saves_there(tmp_path):
+    from checkpoint.storage.bytestore import LocalStore
+    from checkpoint.storage.commit import remove_checkpoint
+
+    for where, store in ((f"memory://breakit-meta-{next(_ids)}/ck", None), (str(tmp_path / "ck"), LocalStore(str(tmp_path / "ck")))):
+        _meta_write(where, torch.zeros(6), b'{"dim": 0}')
+        remove_checkpoint(store if store is not None else resolve(where))
+        left = _objects(where) if store is None else {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} if (tmp_path / "ck").exists() else {}
+        assert left == {}, sorted(left)
+        _meta_write(where, torch.ones(6), b'{"dim": 1}')  # not refused for a params.json left behind
+
+
+def test_a_params_json_edited_after_the_save_stays_on_removal():
+    from checkpoint.storage.commit import remove_checkpoint
+
+    url = f"memory://breakit-meta-{next(_ids)}/ck"
+    _meta_write(url, torch.zeros(6), b'{"dim": 0}')
+    fsspec.filesystem("memory").pipe_file("/" + url.removeprefix("memory://") + "/params.json", b'{"dim": 7}')
+    remove_checkpoint(resolve(url))
+    assert _objects(url) == {"params.json": b'{"dim": 7}'}  # a user's edit is never removed
+
+
+def test_a_meta_overwrite_committed_during_a_removal_stays_whole(monkeypatch):
+    from checkpoint.storage import commit
+
+    url = f"memory://breakit-meta-{next(_ids)}/ck"
+    _meta_write(url, torch.zeros(6), b'{"dim": 0}')
+    real, done = commit.removable, []
+
+    def removable(*args, **kwargs):  # the removal has read the record; an overwrite commits meanwhile
+        out = real(*args, **kwargs)
+        if not done:
+            _meta_write(url, torch.ones(6), b'{"dim": 1}', overwrite=True)
+            done.append(_objects(url))
+        return out
+
+    monkeypatch.setattr(commit, "removable", removable)
+    with pytest.raises(ConcurrentSaveError):
+        commit.remove_checkpoint(resolve(url))
+    monkeypatch.undo()
+    assert sorted(done[0]) == [".fqnckpt-record.json", "consolidated.00.pth", "params.json"]
+    assert _objects(url) == done[0]
