@@ -404,6 +404,37 @@ class ObjectStore:
         pins.update(seen)
         return [d for d, _ in got]
 
+    def pinned_size(self, name: str, pins: dict[str, ObjectVersion]) -> int:
+        """The byte size of object ``name`` at its version in ``pins`` (S3: one HeadObject; an
+        object not pinned yet is pinned to the version this HEAD answers), so that reads of it
+        through ``pins`` cover exactly that object, whatever a listing said of it before.
+
+        Raises:
+            FileNotFoundError: no such object (not pinned).
+            ObjectChangedError: ``name`` is pinned and changed.
+            LoadError: the HEAD failed for good."""
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        pin = pins.get(name)
+
+        async def head():
+            try:
+                r = await self.fs._call_s3("head_object", Bucket=bucket, Key=path, **(pin.request_args() if pin else {}))
+            except Exception as e:
+                if pin is not None and _changed(e):
+                    raise ObjectChangedError(self.url_of(name), pin, gone=isinstance(e, FileNotFoundError)) from None
+                raise
+            return r
+
+        from fsspec.asyn import sync
+
+        r = self.read(name, sync, self.fs.loop, head)
+        got = ObjectVersion.of(r)
+        if pin is not None and got is not None and not pin.same(got):
+            raise ObjectChangedError(self.url_of(name), pin)
+        if pin is None and got is not None:
+            pins[name] = got
+        return int(r["ContentLength"])
+
     def check_versions(self, pins: Mapping[str, ObjectVersion]) -> None:
         """One HEAD per object of ``pins`` (sent concurrently; S3 only) at its pinned version:
         whether each is still the object a reader opened.
