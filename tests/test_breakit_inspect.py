@@ -7,7 +7,6 @@ shard, and never read the file outside."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
