@@ -412,7 +412,12 @@ class RemoteCheckpointReader(CheckpointReader):
         return self.index_raw
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
-        if self.view.object_of(index_name(prefix)) is None or self.view.member_bytes(index_name(prefix)) is None:
+        obj = self.view.object_of(index_name(prefix))
+        if obj is None:
+            return None
+        if self.view.member_bytes(index_name(prefix)) is None:
+            if self.meta is not None and self.meta.objects is not None:  # recorded by the save, gone since
+                raise MissingShardError(self.root, [obj], index_name(MODEL_PREFIX))
             return None
         return open_remote_checkpoint(self.view, prefix, check_headers=self.check_headers)
 
