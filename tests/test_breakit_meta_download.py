@@ -93,3 +93,27 @@ def test_a_shard_removed_after_the_listing_is_refused_by_name(s3, monkeypatch, t
         catalog.open_catalog(f"s3://{bucket}/ck-gone", storage_options=s3["opts"])
     assert f"s3://{bucket}/ck-gone/{SHARD}" in str(e.value)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("rows", [16, 256], ids=["smaller", "larger"])
+def test_in_memory_a_shard_replaced_after_the_listing_is_copied_whole(monkeypatch, tmp_path, rows):
+    import fsspec
+
+    fs, root = fsspec.filesystem("memory"), f"/bk-meta-dl-{rows}/ck"
+    fs.pipe_file(f"{root}/{SHARD}", _pickled(64))
+    monkeypatch.setattr(catalog, "_CHUNK", 512)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    url, real = f"memory:/{root}", objstore.ObjectStore.listing
+    stale = real(resolve(url))
+    monkeypatch.setattr(objstore.ObjectStore, "listing", lambda self: dict(stale) if self.url == url else real(self))
+    fs.pipe_file(f"{root}/{SHARD}", _pickled(rows))
+    try:
+        cat = catalog.open_catalog(url)
+        try:
+            got = cat.get("tok_embeddings.weight")
+        finally:
+            cat.close()
+        assert torch.equal(got, torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4))
+        assert os.listdir(tmp_path) == []
+    finally:
+        fs.rm(f"/bk-meta-dl-{rows}", recursive=True)

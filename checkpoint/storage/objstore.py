@@ -406,13 +406,17 @@ class ObjectStore:
 
     def pinned_size(self, name: str, pins: dict[str, ObjectVersion]) -> int:
         """The byte size of object ``name`` at its version in ``pins`` (S3: one HeadObject; an
-        object not pinned yet is pinned to the version this HEAD answers), so that reads of it
-        through ``pins`` cover exactly that object, whatever a listing said of it before.
+        object not pinned yet is pinned to the version this HEAD answers; other backends: its
+        size now), so that reads of it through ``pins`` cover exactly that object, whatever a
+        listing said of it before.
 
         Raises:
             FileNotFoundError: no such object (not pinned).
             ObjectChangedError: ``name`` is pinned and changed.
             LoadError: the HEAD failed for good."""
+        if not self.s3:  # no versions to pin (reads are plain ranged GETs): its size now
+            self.fs.invalidate_cache(self.key(name))
+            return int(self.read(name, self.fs.size, self.key(name)))
         bucket, path, _ = self.fs.split_path(self.key(name))
         pin = pins.get(name)
 
