@@ -37,11 +37,11 @@ def _while_uploading(monkeypatch, action) -> None:
     """Run ``action`` once, when the Meta writer opens its first object for upload."""
     real, done = objstore.ObjectStore.open_writer, []
 
-    def open_writer(self, name, size=None):
+    def open_writer(self, name, size=None, **conditions):
         if not done:
             done.append(name)
             action()
-        return real(self, name, size)
+        return real(self, name, size, **conditions)
 
     monkeypatch.setattr(objstore.ObjectStore, "open_writer", open_writer)
 

@@ -139,7 +139,9 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
 
     Raises:
         CorruptCheckpointError: an index that does not parse (file named).
+        MissingShardError: a part the model index's record names is gone.
     """
+    from ..errors import MissingShardError
     from ..storage.dir_layout import check_one_layout
     from ..storage.location import local_path, resolve
     from ..storage.st_header import parse_index_bytes  # torch-free (inspect)
@@ -160,6 +162,10 @@ def fqnckpt_parts(path: str | os.PathLike) -> Parts | None:
         raw = view.member_bytes(opt_name) if view.object_of(opt_name) is not None else None
         opt_meta = parse_index_bytes(raw, store.url_of(opt_name)).metadata.fqnckpt if raw is not None else None
         has_extra = view.object_of(extra_name) is not None and view.member_bytes(extra_name) is not None
+        recorded = meta.objects or {}  # parts the save wrote: one missing now is named, not skipped
+        gone = [recorded[n] for n, there in ((opt_name, raw is not None), (extra_name, has_extra)) if n in recorded and not there]
+        if gone:
+            raise MissingShardError(store.url, gone, index_name(MODEL_PREFIX))
         adapter = local is not None and _plain_file(os.path.join(local, ADAPTER_FILE))
         return Parts(
             store.url,

@@ -229,7 +229,7 @@ def _open_downloaded(store, shards: list[str], params, hf_config, record, key, t
     import shutil
     import tempfile
 
-    from ..storage.remote_reader import new_pins, pinned_range
+    from ..storage.remote_reader import new_pins, pinned_range, pinned_size
 
     tmp = tempfile.mkdtemp(prefix=".fqnckpt-remote-meta-")
     opened: list[Source] = []
@@ -241,8 +241,11 @@ def _open_downloaded(store, shards: list[str], params, hf_config, record, key, t
                 raise CorruptCheckpointError(store.url_of(name), "named by the checkpoint's record but not on the store")
             local = os.path.join(tmp, name)
             with external_errors(store.url_of(name), what="reading"), open(local, "wb") as f:
-                for start in range(0, sizes[name], _CHUNK):
-                    f.write(pinned_range(store, name, start, min(start + _CHUNK, sizes[name]), pins))
+                # The size of the version the reads are pinned to (replaced since the listing: the
+                # listed size would cut the copy short or read past its end).
+                size = pinned_size(store, name, sizes[name], pins)
+                for start in range(0, size, _CHUNK):
+                    f.write(pinned_range(store, name, start, min(start + _CHUNK, size), pins))
             with external_errors(store.url_of(name), what="reading"):
                 opened.append(open_source(local, key=key, trusted_globals=trusted_globals))
         cat = Catalog(PurePosixPath(store.url), opened, params, hf_config, record)

@@ -21,7 +21,7 @@ import torch
 
 from ..storage.local_commit import StagedCheckpoint, fsync_path
 from ..errors import CheckpointExistsError, ConcurrentSaveError
-from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, owned_objects
+from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, index_digest, is_part, owned_objects
 from ..storage.layout import TensorSpec
 from ..storage.location import local_path
 
@@ -73,7 +73,7 @@ def write_meta_checkpoint(path, specs: Sequence[TensorSpec], fetch: Callable[[Te
         return
     with StagedCheckpoint(os.fspath(path), overwrite) as st:
         names = _write_files(st.dir, specs, fetch, extra)
-        st.write_file(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode())
+        st.write_file(RECORD, _record(st.dir, names))
         st.commit()
 
 
@@ -99,6 +99,18 @@ def _write_files(d: str, specs, fetch, extra: Mapping[str, bytes]) -> list[str]:
             os.fsync(fh.fileno())
         names.append(name)
     return names
+
+
+def _record(d: str, names: list[str]) -> bytes:
+    """The record of files ``names`` written in directory ``d``: every name, and the sha256 of
+    each side file (``params.json``; :func:`checkpoint.storage.commit.is_part` False), so that a
+    removal deletes it while unedited."""
+    digests = {}
+    for name in names:
+        if not is_part(name):
+            with open(os.path.join(d, name), "rb") as f:
+                digests[name] = index_digest(f.read())
+    return ObjectRecord(objects=sorted(names), object_digests=digests).model_dump_json().encode()
 
 
 def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
@@ -127,6 +139,9 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
             raise CheckpointExistsError(store.url)
         previous = owned_objects(store)
         check_clashes(store, names, previous)
+        # Each object is replaced only if it is still what this save read (the previous
+        # checkpoint's, or none): another Meta save writes the same fixed names.
+        tags = {name: store.tag_of(name) for name in names}
         try:  # from here the previous checkpoint is no longer one of ours
             if index_raw is not None:
                 store.delete_if(MODEL_INDEX, index_tag)
@@ -137,7 +152,9 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
         uploaded: list[str] = []
         try:
             for name in names:
-                w = store.open_writer(name, os.path.getsize(os.path.join(d, name)))
+                w = store.open_writer(
+                    name, os.path.getsize(os.path.join(d, name)), if_match=tags[name], if_absent=tags[name] is None
+                )
                 try:
                     with open(os.path.join(d, name), "rb") as f:
                         while chunk := f.read(8 << 20):
@@ -149,7 +166,7 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
                 uploaded.append(name)
             if store.get(MODEL_INDEX) is not None:  # a save of fqnckpt's layout committed meanwhile
                 raise PreconditionFailed(f"{store.url_of(MODEL_INDEX)} appeared")
-            store.put(RECORD, ObjectRecord(objects=sorted(names)).model_dump_json().encode(), if_absent=True)
+            store.put(RECORD, _record(d, names), if_absent=True)
         except PreconditionFailed:
             store.delete(sorted(set(uploaded) - owned_objects(store)))  # ours alone, named by no record
             raise ConcurrentSaveError(store.url) from None

@@ -237,7 +237,7 @@ class StorageWriter(Located, dcp_storage.StorageWriter):
         self.process_group = process_group
         self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
         if fqn_to_index_mapping is None:
-            parse_size(max_shard_size)  # a bad size (a float, "1.5") fails here, before DCP plans
+            parse_size(max_shard_size, self.path or "")  # a bad size (a float, "1.5") fails here, before DCP plans
         self.max_shard_size = max_shard_size
         self.overwrite = overwrite
         self.is_coordinator = False

@@ -142,6 +142,9 @@ class ObjectRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Literal["fqnckpt-record-1"] = "fqnckpt-record-1"
     objects: list[str]
+    # sha256 (index_digest) of each side file among ``objects`` (params.json): a removal deletes
+    # one only while its bytes are these, as a model index's ``object_digests`` rules.
+    object_digests: dict[str, str] = Field(default_factory=dict)
 
 
 def _plain(name: object) -> bool:
@@ -338,6 +341,8 @@ def removable(
     meta = index.metadata.fqnckpt if isinstance(index, IndexFile) else None
     sizes = {n: r.size for n, r in meta.files.items()} if meta is not None else {}
     digests = dict(meta.object_digests or {}) if meta is not None else {}
+    if index is None and (record := _record(store)) is not None:  # Meta's layout: the record's digests
+        digests = dict(record.object_digests)
     out: dict[str, int | None] = {}
     for name in owned_objects(store, index, listing):
         kind, size = listing.get(name, ("missing", 0))
@@ -526,8 +531,9 @@ def is_committed(store: ByteStore, listing: dict[str, tuple[str, int]] | None = 
 
 def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
     """Delete the checkpoint at ``store`` under its writer lock (a local save's; object stores
-    have none): its model index first (from then on no reader takes it for a checkpoint; on S3
-    and ``memory://`` only if unchanged since read, so a save committed meanwhile stays), then
+    have none): its model index first, or without one the record of Meta's layout (from then on
+    no reader takes it for a checkpoint; on S3 and ``memory://`` only if unchanged since read, so
+    a save committed meanwhile stays), then
     the objects it owned (:func:`owned_objects`), and what saves that can no longer commit left
     (:func:`clean_dead`; with ``unborn`` also saves started where there was none: retention of a
     step that no save may still be writing). Objects no fqnckpt record names stay, and so does
@@ -538,12 +544,15 @@ def remove_checkpoint(store: ByteStore, unborn: bool = False) -> None:
     """
     with store.writer_lock():
         raw, tag = store.get_tagged(MODEL_INDEX)
+        record_raw, record_tag = store.get_tagged(RECORD) if raw is None else (None, None)
         owned = set(removable(store, parse_index(raw), side=True))
-        if raw is not None:
-            try:
+        try:  # the commit marker first: a model index, else the record of Meta's layout
+            if raw is not None:
                 store.delete_if(MODEL_INDEX, tag)
-            except PreconditionFailed:
-                raise ConcurrentSaveError(store.url, "a save committed there while it was being removed; it stays") from None
+            elif record_raw is not None:
+                store.delete_if(RECORD, record_tag)
+        except PreconditionFailed:
+            raise ConcurrentSaveError(store.url, "a save committed there while it was being removed; it stays") from None
         faults.fault_point("removal_after_index")
         store.delete(sorted(owned - {MODEL_INDEX, RECORD}))
         store.delete([RECORD])

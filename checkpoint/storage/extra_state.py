@@ -40,13 +40,14 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, MissingShardError
 from ..storage.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from .format import EXTRA_STATE_FILE
 from .urls import is_url
 from .limits import json_int_problem
 from .bytestore import LocalStore
 from .commit import MODEL_INDEX, parse_index, recorded_object
+from .paths import check_name
 from .st_header import shape_problem
 
 REPORT_PREFIX = "extra_state."  # LoadReport names of entries: "extra_state.<key>"
@@ -356,10 +357,14 @@ def read_extra_state_file(root: str) -> ExtraStateFile | None:
     Raises:
         CorruptCheckpointError: not JSON or not the schema.
         ChecksumMismatchError: ``sha256`` differs from the entries' digest.
+        MissingShardError: the model index's record names it and it is gone.
     """
     path = os.path.join(root, EXTRA_STATE_FILE)
     raw = _member_bytes(root, EXTRA_STATE_FILE)
     if raw is None:
+        obj = _recorded_object(root, EXTRA_STATE_FILE)
+        if obj is not None:  # the model index's record names it: removed since the save
+            raise MissingShardError(root, [obj], MODEL_INDEX)
         return None
     doc = _parse_checked(path, raw)
     if doc.rank is not None:
@@ -423,6 +428,21 @@ def checked_extra_state_files(root: str) -> dict[str, bytes]:
     return {name: _member_bytes(root, name) for name in names}
 
 
+def _recorded_object(root: str, name: str) -> str | None:
+    """The object the model index's record (``metadata.fqnckpt.objects``) names for file ``name``
+    of the checkpoint at ``root``; None without such a record or entry."""
+    if is_url(root):
+        from .views import current_view
+
+        view = current_view(root)
+        index = view.index if view is not None else None
+    else:
+        raw = LocalStore(root).get(MODEL_INDEX)
+        index = parse_index(raw) if raw is not None else None
+    meta = index.metadata.fqnckpt if index is not None else None
+    return meta.objects.get(name) if meta is not None and meta.objects is not None else None
+
+
 def _member_bytes(root: str, name: str) -> bytes | None:
     """Bytes of file ``name`` of the checkpoint at ``root``; None when absent (or a symlink).
     A URL is read from the checkpoint this thread holds open (its model index names the object:
@@ -437,5 +457,7 @@ def _member_bytes(root: str, name: str) -> bytes | None:
     store = LocalStore(root)
     raw = store.get(MODEL_INDEX)
     obj = recorded_object(parse_index(raw) if raw is not None else None, name)
+    if obj is not None:  # a record naming "../x" or an absolute path: UnsafePathError, as at a URL
+        check_name(root, obj)
     return store.get(obj) if obj is not None else None  # None for a symlink or a directory too
 

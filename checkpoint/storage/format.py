@@ -200,7 +200,8 @@ class IndexFile(BaseModel):
         return raw
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+# An optional "+" and "_" between digits: what ``int()`` takes in transformers' parser.
+_SIZE = re.compile(r"^\s*\+?(\d+(?:_\d+)*(?:\.\d+(?:_\d+)*)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -216,7 +217,9 @@ def parse_size(size: int | str, path: str = "") -> int:
 
     Semantics of ``transformers.utils.hub.convert_file_size_to_int`` (GB = 10**9, GiB = 2**30,
     ``"5Gb"`` / ``"5gb"`` = 5 * 10**9 bits), the number taken exactly (``"1.1GB"`` is
-    1_100_000_000); also taken: ``"B"`` / ``"TB"`` / ``"TiB"`` and a bare number of bytes.
+    1_100_000_000); also taken: ``"B"`` / ``"TB"`` / ``"TiB"`` and a bare number of bytes. A
+    leading ``+`` and ``_`` between digits count as ``int()`` reads them there (``"+5GB"``,
+    ``"5_000MB"``); an integer tensor or array of one element counts as its value.
 
     Raises:
         UnsavableTypeError: neither an integer nor a string (a float such as ``1.5``: bytes are
@@ -233,13 +236,20 @@ def parse_size(size: int | str, path: str = "") -> int:
             "max_shard_size", f"must be {_SIZE_FORMS}, got {type(size).__name__} {size!r}", path
         )
     if not isinstance(size, str):
-        n = operator.index(size)
+        try:  # a bool tensor or array is a bool, as ``True`` is
+            n = None if "bool" in str(getattr(size, "dtype", "")) else operator.index(size)
+        except TypeError:  # a float tensor, an array of more than one element
+            n = None
+        if n is None:
+            raise UnsavableTypeError(
+                "max_shard_size", f"must be {_SIZE_FORMS}, got {type(size).__name__} {size!r}", path
+            )
     else:
         m = _SIZE.match(size)
         if not m:
             raise UnsavableError("max_shard_size", f"{size!r} is not {_SIZE_FORMS}", path)
         unit = m.group(2) or "B"
-        exact = Fraction(m.group(1)) * _UNITS[unit.upper()]
+        exact = Fraction(m.group(1).replace("_", "")) * _UNITS[unit.upper()]
         if unit.endswith("b") and not unit.upper().endswith("IB"):
             exact /= 8  # bits, as transformers reads "5Gb"
         if exact.denominator != 1:

@@ -404,6 +404,41 @@ class ObjectStore:
         pins.update(seen)
         return [d for d, _ in got]
 
+    def pinned_size(self, name: str, pins: dict[str, ObjectVersion]) -> int:
+        """The byte size of object ``name`` at its version in ``pins`` (S3: one HeadObject; an
+        object not pinned yet is pinned to the version this HEAD answers; other backends: its
+        size now), so that reads of it through ``pins`` cover exactly that object, whatever a
+        listing said of it before.
+
+        Raises:
+            FileNotFoundError: no such object (not pinned).
+            ObjectChangedError: ``name`` is pinned and changed.
+            LoadError: the HEAD failed for good."""
+        if not self.s3:  # no versions to pin (reads are plain ranged GETs): its size now
+            self.fs.invalidate_cache(self.key(name))
+            return int(self.read(name, self.fs.size, self.key(name)))
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        pin = pins.get(name)
+
+        async def head():
+            try:
+                r = await self.fs._call_s3("head_object", Bucket=bucket, Key=path, **(pin.request_args() if pin else {}))
+            except Exception as e:
+                if pin is not None and _changed(e):
+                    raise ObjectChangedError(self.url_of(name), pin, gone=isinstance(e, FileNotFoundError)) from None
+                raise
+            return r
+
+        from fsspec.asyn import sync
+
+        r = self.read(name, sync, self.fs.loop, head)
+        got = ObjectVersion.of(r)
+        if pin is not None and got is not None and not pin.same(got):
+            raise ObjectChangedError(self.url_of(name), pin)
+        if pin is None and got is not None:
+            pins[name] = got
+        return int(r["ContentLength"])
+
     def check_versions(self, pins: Mapping[str, ObjectVersion]) -> None:
         """One HEAD per object of ``pins`` (sent concurrently; S3 only) at its pinned version:
         whether each is still the object a reader opened.
@@ -482,6 +517,19 @@ class ObjectStore:
             return None, None
         stats.bytes_read += len(data)
         return data, tag
+
+    def tag_of(self, name: str) -> str | None:
+        """The tag of object ``name`` as :meth:`get_tagged` gives it (S3's ETag, from a HEAD
+        request: no body read; the bytes' sha256 elsewhere), None when absent: the ``if_match``
+        of a :meth:`put` or :meth:`ObjectWriter.close` that replaces it only if unchanged."""
+        if not self.s3:
+            return _digest_tag(self.get(name))
+        bucket, path, _ = self.fs.split_path(self.key(name))
+        try:
+            r = self.read(name, self.fs.call_s3, "head_object", Bucket=bucket, Key=path)
+        except FileNotFoundError:
+            return None
+        return r.get("ETag")
 
     def put(self, name: str, data: bytes, if_match: str | None = None, if_absent: bool = False) -> None:
         """Write object ``name`` as one PUT (replaces it whole: readers see old or new bytes).
@@ -591,12 +639,18 @@ class ObjectStore:
                 pass
         self.fs.invalidate_cache(self.root)
 
-    def open_writer(self, name: str, size: int | None = None) -> ObjectWriter:
+    def open_writer(
+        self, name: str, size: int | None = None, if_match: str | None = None, if_absent: bool = False
+    ) -> ObjectWriter:
         """A streaming writer of object ``name`` (see module docstring); the object appears only
         when :meth:`ObjectWriter.close` returns; :meth:`ObjectWriter.abort` drops it. ``size``:
         the object's byte size when known; one that fits in the upload budget
-        (``part_size * parts_in_flight``) is sent as one PUT (no multipart requests)."""
-        return ObjectWriter(self, name, size)
+        (``part_size * parts_in_flight``) is sent as one PUT (no multipart requests).
+        ``if_match`` / ``if_absent``: as :meth:`put`'s, for the object this writer replaces (S3:
+        a conditional PUT or CompleteMultipartUpload; elsewhere checked as the upload opens,
+        atomically for ``memory://``); a condition that fails raises
+        :class:`PreconditionFailed` from ``write`` or ``close``."""
+        return ObjectWriter(self, name, size, if_match, if_absent)
 
 
 class ObjectWriter:
@@ -604,8 +658,11 @@ class ObjectWriter:
     and hands full ones to upload threads; at most ``parts_in_flight`` part buffers exist at once
     (a writer blocks until one is free). Not thread-safe: one writer per thread."""
 
-    def __init__(self, store: ObjectStore, name: str, size: int | None = None):
+    def __init__(
+        self, store: ObjectStore, name: str, size: int | None = None, if_match: str | None = None, if_absent: bool = False
+    ):
         self.store, self.name = store, name
+        self._if_match, self._if_absent = if_match, if_absent
         cfg = store.transfer
         self.part_size = max(cfg.part_size, S3_MIN_PART) if store.s3 else cfg.part_size
         self._single = size is not None and 0 < size <= cfg.part_size * cfg.parts_in_flight
@@ -676,7 +733,11 @@ class ObjectWriter:
                 self._upload_id = r["UploadId"]
         elif self._file is None:
             st.ensure_dir()
-            self._file = st.call(f"writing {st.url_of(self.name)}", st.fs.open, st.key(self.name), "wb")
+            cond = self._if_match is not None or self._if_absent
+            with st._cas() if cond else contextlib.nullcontext():  # memory:// shows the object from its open
+                if cond and _digest_tag(st.get(self.name)) != (None if self._if_absent else self._if_match):
+                    raise PreconditionFailed(f"writing {st.url_of(self.name)}: the object changed")
+                self._file = st.call(f"writing {st.url_of(self.name)}", st.fs.open, st.key(self.name), "wb")
 
     def _upload_part(self, number: int, body) -> None:
         st = self.store
@@ -709,15 +770,19 @@ class ObjectWriter:
         """Send what is buffered, wait for every part, complete the upload (the object appears).
 
         Raises:
+            PreconditionFailed: the writer's ``if_match`` / ``if_absent`` did not hold (the
+                upload is aborted, nothing replaced).
             ObjectStoreError: a part or the completion failed for good (the upload is aborted).
         """
         st = self.store
+        if_match, if_absent = self._if_match, self._if_absent
+        cond = {k: v for k, v in (("IfMatch", if_match), ("IfNoneMatch", "*" if if_absent else None)) if v}
         try:
             if st.s3 and self._upload_id is None and not self._futures:  # one buffer: one PUT
                 buf = self._buf if self._buf is not None else bytearray()
                 body = buf if self._len == len(buf) else bytes(memoryview(buf)[: self._len])
                 self._free_buf()
-                st.put(self.name, body)
+                st.put(self.name, body, if_match=if_match, if_absent=if_absent)
                 with _stats_lock:
                     stats.objects += 1
                 return
@@ -730,7 +795,7 @@ class ObjectWriter:
                 parts = [{"PartNumber": n, "ETag": self._parts[n]} for n in sorted(self._parts)]
                 st.call(
                     f"writing {st.url_of(self.name)}", st.fs.call_s3, "complete_multipart_upload", Bucket=bucket,
-                    Key=path, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                    Key=path, UploadId=self._upload_id, MultipartUpload={"Parts": parts}, **cond,
                 )  # fmt: skip
                 st.fs.invalidate_cache(st.key(self.name))
             else:

@@ -781,9 +781,12 @@ class CheckpointReader:
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
         """The reader of part ``prefix`` (``"optimizer"``) of the same checkpoint, None when it has
-        none (headers checked as this reader's are). Raises what :func:`open_local_checkpoint` raises."""
+        none (headers checked as this reader's are). Raises what :func:`open_local_checkpoint` raises,
+        and :class:`MissingShardError` for a part the model index's record names that is gone."""
         name = recorded_object(self.index, index_name(prefix)) if self.index is not None else index_name(prefix)
         if name is None or not os.path.isfile(os.path.join(self.root, name)):
+            if name is not None and self.meta is not None and self.meta.objects is not None:  # recorded, gone since
+                raise MissingShardError(self.root, [name], index_name(MODEL_PREFIX))
             return None
         return open_local_checkpoint(self.root, prefix=prefix, check_headers=self.check_headers)
 

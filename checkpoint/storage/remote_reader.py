@@ -88,6 +88,15 @@ def pinned_range(store, name: str, start: int, end: int, pins: dict[str, ObjectV
     return store.get_range(name, start, end, pins=pins)
 
 
+def pinned_size(store, name: str, listed: int, pins: dict[str, ObjectVersion] | None) -> int:
+    """The size of object ``name`` of ``store`` at the version ``pins`` holds for it (pinned
+    here by a HEAD when it holds none: S3), or ``listed`` (its size in a listing) where ``pins``
+    is None; reads through :func:`pinned_range` of ``[0, size)`` cover exactly that object.
+
+    Raises what :meth:`checkpoint.storage.objstore.ObjectStore.pinned_size` raises."""
+    return listed if pins is None else store.pinned_size(name, pins)
+
+
 class RemoteCheckpointReader(CheckpointReader):
     """A validated checkpoint on object storage; the API of :class:`CheckpointReader`, every read
     a ranged GET (``root`` is the checkpoint's URL)."""
@@ -403,7 +412,12 @@ class RemoteCheckpointReader(CheckpointReader):
         return self.index_raw
 
     def open_part(self, prefix: str) -> CheckpointReader | None:
-        if self.view.object_of(index_name(prefix)) is None or self.view.member_bytes(index_name(prefix)) is None:
+        obj = self.view.object_of(index_name(prefix))
+        if obj is None:
+            return None
+        if self.view.member_bytes(index_name(prefix)) is None:
+            if self.meta is not None and self.meta.objects is not None:  # recorded by the save, gone since
+                raise MissingShardError(self.root, [obj], index_name(MODEL_PREFIX))
             return None
         return open_remote_checkpoint(self.view, prefix, check_headers=self.check_headers)
 

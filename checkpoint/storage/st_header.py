@@ -98,9 +98,9 @@ def _header_problem(raw: bytes, size: int) -> str:
             continue
         try:
             st, shape, (b, e) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: a dim of Infinity
             return f"; tensor {key!r} has a malformed entry"
-        if st not in ST_DTYPES:
+        if not isinstance(st, str) or st not in ST_DTYPES:  # a dict or list is not hashable
             return f"; tensor {key!r} has dtype {st!r} unknown to fqnckpt"
         try:
             nbytes = math.prod(torch_shape(st, shape)) * ST_DTYPES[st][1]
@@ -389,15 +389,13 @@ def _check_unique_header_keys(path: str, raw: bytes, head: dict) -> None:
     if b"\\" not in raw and raw.count(b'"data_offsets"') == len(head) - ("__metadata__" in head):
         return
 
-    def pairs(items):
-        seen = set()
-        for k, _ in items:
-            if k in seen:
-                raise CorruptCheckpointError(path, f"header names tensor {k!r} twice")
-            seen.add(k)
-        return dict(items)
-
-    json.loads(raw, object_pairs_hook=pairs)
+    # Every object as its list of pairs; only the top level's keys name tensors (a key repeated in
+    # __metadata__ or inside a tensor's entry is safetensors' to take, the last one, as it does).
+    seen = set()
+    for k, _ in json.loads(raw, object_pairs_hook=list):
+        if k in seen:
+            raise CorruptCheckpointError(path, f"header names tensor {k!r} twice")
+        seen.add(k)
 
 
 def read_index(path: str) -> IndexFile:

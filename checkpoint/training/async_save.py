@@ -555,7 +555,7 @@ class AsyncSaver:
         path = local_target(resolve(path, storage_options, transfer))  # file:// commits as a local path
         remote = local_path(path) is None  # a byte store: whole objects, gathered in the call
         if max_shard_size is not None:  # None: save's default (checkpoint.storage.layout.default_shard_size)
-            parse_size(max_shard_size)  # a bad size fails here, not in the background
+            parse_size(max_shard_size, str(path))  # a bad size fails here, not in the background
         refuse_nested(path)  # inside another checkpoint: refused here, not in the background
         # What save_pretrained writes (a transformers model whose conversion mapping changes names):
         # the staged tensors converted in the background, as save converts the module's.
