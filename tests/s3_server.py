@@ -71,6 +71,22 @@ _ERRORS = {
 }
 
 
+def plain_and_versioned(plain: str, versioned: str):
+    """A generator for a module's ``s3`` fixture: moto's server with bucket ``plain`` (no
+    versioning) and bucket ``versioned`` (versioning on); yields ``{"opts": storage options,
+    "fs": an s3fs filesystem}`` and stops the server after."""
+    import fsspec
+
+    server, port = start_moto()
+    make_bucket(port, plain)
+    make_bucket(port, versioned)
+    opts = storage_options(port)
+    fs = fsspec.filesystem("s3", **opts)
+    fs.call_s3("put_bucket_versioning", Bucket=versioned, VersioningConfiguration={"Status": "Enabled"})
+    yield {"opts": opts, "fs": fs}
+    server.stop()
+
+
 class FaultProxy:
     """Forwards every request to ``127.0.0.1:target`` except those matching a rule:
     ``add(method, substring, status, times)`` answers ``times`` matching requests (None: all)

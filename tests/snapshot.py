@@ -106,17 +106,19 @@ class Snapshot:
         assert not diff, "rejected operation changed its target:\n" + "\n".join(diff)
 
 
-def dir_snapshot(root) -> dict[str, bytes | None]:
-    """Every entry under directory ``root`` (relative path -> bytes; directories -> None), hidden
-    ones too: equal snapshots before and after mean nothing on disk changed."""
+def dir_snapshot(root, with_mtime: bool = False) -> dict[str, object]:
+    """Every entry under directory ``root`` (relative path -> bytes, or ``(bytes, st_mtime_ns)``
+    with ``with_mtime``; directories -> None), hidden ones too: equal snapshots before and after
+    mean nothing on disk changed (with ``with_mtime``, nothing was rewritten either)."""
     import os
 
-    out: dict[str, bytes | None] = {}
+    out: dict[str, object] = {}
     for dirpath, dirs, files in os.walk(root):
         for d in dirs:
             out[os.path.relpath(os.path.join(dirpath, d), root)] = None
         for f in files:
             p = os.path.join(dirpath, f)
             with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
+                data = fh.read()
+            out[os.path.relpath(p, root)] = (data, os.stat(p).st_mtime_ns) if with_mtime else data
     return out

@@ -19,7 +19,7 @@ from checkpoint.convert import catalog  # noqa: E402
 from checkpoint.errors import CorruptCheckpointError  # noqa: E402
 from checkpoint.storage import objstore  # noqa: E402
 from checkpoint.storage.location import resolve  # noqa: E402
-from tests.s3_server import make_bucket, start_moto, storage_options  # noqa: E402
+from tests.s3_server import plain_and_versioned  # noqa: E402
 
 PLAIN, VERSIONED = "bkmetapin", "bkmetapinv"
 SHARD = "consolidated.00.pth"
@@ -27,16 +27,7 @@ SHARD = "consolidated.00.pth"
 
 @pytest.fixture(scope="module")
 def s3():
-    import fsspec
-
-    server, port = start_moto()
-    make_bucket(port, PLAIN)
-    make_bucket(port, VERSIONED)
-    opts = storage_options(port)
-    fs = fsspec.filesystem("s3", **opts)
-    fs.call_s3("put_bucket_versioning", Bucket=VERSIONED, VersioningConfiguration={"Status": "Enabled"})
-    yield {"opts": opts, "fs": fs}
-    server.stop()
+    yield from plain_and_versioned(PLAIN, VERSIONED)
 
 
 def _pickled(n: int) -> bytes:

@@ -6,7 +6,6 @@ and the DCP StorageWriter name the checkpoint in the refusal as save does."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -16,16 +15,8 @@ import checkpoint
 from checkpoint.errors import UnsavableError, UnsavableTypeError
 from checkpoint.storage.format import parse_size
 from tests.helpers import tiny_model
+from tests.snapshot import dir_snapshot
 
-
-def _tree(root) -> dict[str, tuple[bytes, int]]:
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = (fh.read(), os.stat(p).st_mtime_ns)
-    return out
 
 
 @pytest.mark.parametrize("size", ["+5GB", "+5gb", "+20KiB", "5_0MB", "1_000kb", "+1_0 GiB", " +5MB"])
@@ -49,17 +40,17 @@ def test_malformed_signs_and_underscores_are_refused(size):
 def test_a_non_integer_array_size_is_refused_by_type_before_anything_is_written(tmp_path, size):
     ck = tmp_path / "ck"
     checkpoint.save(tiny_model(), ck)
-    before = _tree(tmp_path)
+    before = dir_snapshot(tmp_path, with_mtime=True)
     with pytest.raises(UnsavableTypeError) as e:
         checkpoint.save(tiny_model(seed=1), ck, max_shard_size=size, overwrite=True)
     assert e.value.key == "max_shard_size" and e.value.path == str(ck)
-    assert _tree(tmp_path) == before
+    assert dir_snapshot(tmp_path, with_mtime=True) == before
 
 
 def test_async_save_and_dcp_writer_name_the_checkpoint(tmp_path):
     from checkpoint.dcp import StorageWriter
 
-    before = _tree(tmp_path)
+    before = dir_snapshot(tmp_path, with_mtime=True)
     for call in (
         lambda p: checkpoint.async_save(tiny_model(), p, max_shard_size="1.5XB"),
         lambda p: StorageWriter(p, max_shard_size="1.5XB"),
@@ -69,4 +60,4 @@ def test_async_save_and_dcp_writer_name_the_checkpoint(tmp_path):
             call(target)
         assert e.value.key == "max_shard_size" and e.value.path == str(target), str(e.value)
         assert str(e.value).startswith(f"saving {target}: 'max_shard_size': '1.5XB'")
-        assert _tree(tmp_path) == before and not target.exists()
+        assert dir_snapshot(tmp_path, with_mtime=True) == before and not target.exists()

@@ -72,6 +72,22 @@ def _wait_broken(reader: CheckpointReader) -> None:
         assert not m.intact()
 
 
+def _flipper(shard: str):
+    """``(bytes before, opened, thread)``: a thread (not started) that opens ``shard`` for writing
+    (waiting while a load holds its lease), notes it in ``opened`` and flips its last byte."""
+    with open(shard, "rb") as f:
+        before = f.read()
+    offset, opened = len(before) - 1, []  # the last byte of the last tensor
+
+    def flip() -> None:
+        with open(shard, "r+b") as f:  # waits while the load holds its lease
+            opened.append(True)
+            f.seek(offset)
+            f.write(bytes([before[offset] ^ 0xFF]))
+
+    return before, opened, threading.Thread(target=flip)
+
+
 def test_load_maps_under_a_lease_and_gives_it_back(saved, monkeypatch):
     sd, root, shard = saved
     seen = []
@@ -87,18 +103,8 @@ def test_load_maps_under_a_lease_and_gives_it_back(saved, monkeypatch):
 
 def test_writer_between_check_and_copies_waits_for_the_load(saved, monkeypatch):
     sd, root, shard = saved
-    with open(shard, "rb") as f:
-        before = f.read()
-    offset = len(before) - 1  # the last byte of the last tensor
-    opened = []
-
-    def flip() -> None:
-        with open(shard, "r+b") as f:  # waits while the load holds its lease
-            opened.append(True)
-            f.seek(offset)
-            f.write(bytes([before[offset] ^ 0xFF]))
-
-    writer = threading.Thread(target=flip)
+    before, opened, writer = _flipper(shard)
+    offset = len(before) - 1
 
     def start_writer(reader):
         writer.start()
@@ -279,18 +285,8 @@ def test_a_file_read_from_the_device_is_leased_after_its_check(saved, monkeypatc
     and the copies copy the bytes checked."""
     sd, root, shard = saved
     _evicted(shard)
-    with open(shard, "rb") as f:
-        before = f.read()
+    before, opened, writer = _flipper(shard)
     _evicted(shard)
-    offset, opened = len(before) - 1, []
-
-    def flip() -> None:
-        with open(shard, "r+b") as f:  # waits while the load holds its lease
-            opened.append(True)
-            f.seek(offset)
-            f.write(bytes([before[offset] ^ 0xFF]))
-
-    writer = threading.Thread(target=flip)
 
     def start_writer(reader):
         name = os.path.basename(shard)

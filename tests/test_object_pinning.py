@@ -19,7 +19,7 @@ pytest.importorskip("moto")
 import checkpoint  # noqa: E402
 from checkpoint.errors import CorruptCheckpointError  # noqa: E402
 from checkpoint.storage import remote_reader  # noqa: E402
-from tests.s3_server import make_bucket, start_moto, storage_options  # noqa: E402
+from tests.s3_server import plain_and_versioned  # noqa: E402
 from tests.snapshot import Snapshot  # noqa: E402
 
 loading = importlib.import_module("checkpoint.loading")
@@ -29,16 +29,7 @@ PLAIN, VERSIONED = "pin", "pinv"  # a bucket without versioning, one with it
 
 @pytest.fixture(scope="module")
 def s3():
-    import fsspec
-
-    server, port = start_moto()
-    make_bucket(port, PLAIN)
-    make_bucket(port, VERSIONED)
-    opts = storage_options(port)
-    fs = fsspec.filesystem("s3", **opts)
-    fs.call_s3("put_bucket_versioning", Bucket=VERSIONED, VersioningConfiguration={"Status": "Enabled"})
-    yield {"opts": opts, "fs": fs}
-    server.stop()
+    yield from plain_and_versioned(PLAIN, VERSIONED)
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ before a byte is written (the directory, an earlier checkpoint in it included, s
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -13,16 +12,8 @@ import checkpoint
 from checkpoint.errors import UnsavableError, UnsavableTypeError
 from checkpoint.storage.format import parse_size
 from tests.helpers import tiny_model
+from tests.snapshot import dir_snapshot
 
-
-def _tree(root) -> dict[str, tuple[bytes, int]]:
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = (fh.read(), os.stat(p).st_mtime_ns)
-    return out
 
 
 @pytest.mark.parametrize(
@@ -33,14 +24,14 @@ def _tree(root) -> dict[str, tuple[bytes, int]]:
 def test_a_bad_size_is_refused_by_name_before_anything_is_written(tmp_path, size, typed):
     ck = tmp_path / "ck"
     checkpoint.save(tiny_model(), ck)
-    before = _tree(tmp_path)
+    before = dir_snapshot(tmp_path, with_mtime=True)
     with pytest.raises(UnsavableError) as e:
         checkpoint.save(tiny_model(seed=1), ck, max_shard_size=size, overwrite=True)
     assert isinstance(e.value, UnsavableTypeError) is typed
     assert e.value.key == "max_shard_size" and e.value.path == str(ck)
     msg = str(e.value)
     assert msg.startswith(f"saving {ck}: 'max_shard_size': ") and repr(size) in msg, msg
-    assert _tree(tmp_path) == before
+    assert dir_snapshot(tmp_path, with_mtime=True) == before
     with pytest.raises(UnsavableError, match="'max_shard_size'"):  # a new directory is not made either
         checkpoint.save(tiny_model(), tmp_path / "new", max_shard_size=size)
     assert not (tmp_path / "new").exists()
