@@ -21,7 +21,9 @@ import torch
 
 from ..storage.local_commit import StagedCheckpoint, fsync_path
 from ..errors import CheckpointExistsError, ConcurrentSaveError
-from ..storage.commit import RECORD, ObjectRecord, check_clashes, holds_checkpoint, index_digest, is_part, owned_objects
+from ..storage.commit import (
+    MODEL_INDEX, RECORD, ObjectRecord, check_clashes, holds_checkpoint, index_digest, is_part, owned_objects,
+)
 from ..storage.layout import TensorSpec
 from ..storage.location import local_path
 
@@ -129,7 +131,6 @@ def _upload(store, d: str, names: list[str], overwrite: bool) -> None:
             checkpoint stays whole; the objects this save uploaded that no record names are
             removed again).
     """
-    from ..storage.commit import MODEL_INDEX
     from ..storage.objstore import PreconditionFailed
 
     with store.writer_lock():  # none on object storage: the conditional marker writes below
